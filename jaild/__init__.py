@@ -1,0 +1,30 @@
+"""jaild: run untrusted, LLM-written Python in fresh nsjail jails.
+
+The public API is imported lazily so that the in-jail runtime, which only
+imports ``jaild.runtime`` and ``jaild.protocol``, never loads the client or
+daemon code.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from jaild.client import AsyncClient, Client, JobResult
+    from jaild.errors import JaildError
+
+__all__ = ["AsyncClient", "Client", "JaildError", "JobResult", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("AsyncClient", "Client", "JobResult"):
+        from jaild import client
+
+        return getattr(client, name)
+    if name == "JaildError":
+        from jaild.errors import JaildError
+
+        return JaildError
+    raise AttributeError(f"module 'jaild' has no attribute {name!r}")

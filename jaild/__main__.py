@@ -1,0 +1,5 @@
+import sys
+
+from jaild.cli import main
+
+sys.exit(main())

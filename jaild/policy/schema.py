@@ -1,0 +1,463 @@
+"""Policy files: schema, loading and validation.
+
+A policy is a TOML file ``<name>.toml``. Every key is declared below with its
+type, default, unit (in the name: ``memory_mb``, ``wall_time_s``) and a
+one-line description; the README's policy reference is generated from these
+declarations (``jaild policy reference``). Loading is strict: unknown keys,
+wrong types, impossible values and unknown syscalls are errors of the form
+``file: key.path: reason``, and the daemon refuses to start on any of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import grp
+import os
+import pwd
+import re
+import tomllib
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jaild.errors import PolicyError
+from jaild.policy.seccomp import ACTIONS, SeccompChoice, SyscallNameError, allowed_syscalls
+from jaild.policy.syscalls import PROFILES
+from jaild.protocol.messages import MAX_CODE_CHARS, MAX_PAYLOAD_BYTES, POLICY_NAME
+
+JAIL_ROOT = "/opt/jaild"
+RESERVED_PATHS = ("/tmp", "/proc", "/dev", JAIL_ROOT, "/")
+
+_Validator = Callable[[Any], str | None]
+
+
+def setting(default: Any, doc: str, check: _Validator | None = None) -> Any:
+    """Declare a policy key: its default, a one-line description, and an extra check."""
+    if isinstance(default, (list, tuple)):
+        return dataclasses.field(
+            default_factory=lambda: tuple(default), metadata={"doc": doc, "check": check}
+        )
+    return dataclasses.field(default=default, metadata={"doc": doc, "check": check})
+
+
+def between(lo: float, hi: float) -> _Validator:
+    def check(v: Any) -> str | None:
+        return None if lo <= v <= hi else f"must be between {lo:g} and {hi:g}, got {v!r}"
+
+    return check
+
+
+def choice(*values: str) -> _Validator:
+    def check(v: Any) -> str | None:
+        return None if v in values else f"must be one of {', '.join(values)}; got {v!r}"
+
+    return check
+
+
+@dataclass(frozen=True)
+class Limits:
+    """``[limits]`` -- what one job may consume. Clients may ask for less per job, never more."""
+
+    wall_time_s: float = setting(30.0, "Wall-clock time from code start; enforced by the daemon to ~100 ms.", between(0.01, 86400))
+    cpu_time_s: int = setting(30, "CPU seconds per process (RLIMIT_CPU).", between(1, 86400))
+    memory_mb: int = setting(256, "Memory of the whole jail (cgroup, swap off); tmpfs counts.", between(16, 1 << 20))
+    pids: int = setting(64, "Processes and threads in the jail (pids cgroup).", between(4, 1 << 16))
+    output_bytes: int = setting(1 << 20, "stdout+stderr cap; output is cut there and the job stopped.", between(0, 1 << 30))
+    file_size_mb: int = setting(16, "Largest file the job may write (RLIMIT_FSIZE).", between(1, 1 << 20))
+    open_files: int = setting(256, "Open file descriptors per process (RLIMIT_NOFILE).", between(16, 1 << 20))
+    cpu_cores: float = setting(0.0, "CPU bandwidth in cores (cgroup cpu); 0 = no cap.", between(0, 1024))
+    code_bytes: int = setting(256 * 1024, "Largest source a job may submit.", between(1, MAX_CODE_CHARS))
+    tool_payload_bytes: int = setting(1 << 20, "Largest packed arguments or result of one tool call.", between(64, MAX_PAYLOAD_BYTES))
+    result_bytes: int = setting(1 << 20, "Largest packed job result.", between(64, MAX_PAYLOAD_BYTES))
+    tool_calls_in_flight: int = setting(64, "Tool calls one job may have in flight at once.", between(1, 4096))
+
+
+@dataclass(frozen=True)
+class Bind:
+    src: str
+    dst: str
+
+
+@dataclass(frozen=True)
+class Filesystem:
+    """``[filesystem]`` -- what the jail sees. The root is an empty read-only tmpfs."""
+
+    binds: tuple[Bind, ...] = setting(("/usr",), "Host paths bound read-only: \"/path\" or {src, dst}.")
+    tmp_mb: int = setting(64, "Size of the writable tmpfs at /tmp (the working directory).", between(1, 1 << 16))
+    proc: str = setting("pid-only", "/proc: \"pid-only\" (subset=pid), \"full\", or \"none\".", choice("pid-only", "full", "none"))
+
+
+@dataclass(frozen=True)
+class Network:
+    """``[network]``."""
+
+    mode: str = setting("none", "\"none\": private netns, no interfaces; \"loopback\": lo up, AF_INET allowed; \"host\": host network (unsafe).", choice("none", "loopback", "host"))
+
+
+@dataclass(frozen=True)
+class Seccomp:
+    """``[seccomp]`` -- the syscall allow-list loaded in the jail before user code."""
+
+    profile: str = setting("default", "Built-in allow-list: " + ", ".join(f'"{p}"' for p in PROFILES) + ".", choice(*PROFILES))
+    action: str = setting("kill", "On a disallowed syscall: \"kill\" (status policy_violation) or \"errno\" (EPERM).", choice(*ACTIONS))
+    allow: tuple[str, ...] = setting((), "Extra syscalls or @groups to allow.")
+    deny: tuple[str, ...] = setting((), "Syscalls or @groups to remove from the profile.")
+
+
+@dataclass(frozen=True)
+class Python:
+    """``[python]``."""
+
+    env: str = setting("default", "Jail Python environment: a name under the envs directory, or an absolute path to a venv.")
+
+
+@dataclass(frozen=True)
+class Access:
+    """``[access]`` -- who and what may use this policy."""
+
+    tools: tuple[str, ...] = setting(("*",), "Glob patterns of tool names jobs may register.")
+    users: tuple[str, ...] = setting(("*",), "Who may run jobs: \"*\", user names, uids, \"@group\".")
+
+
+SECTIONS: dict[str, type] = {
+    "limits": Limits,
+    "filesystem": Filesystem,
+    "network": Network,
+    "seccomp": Seccomp,
+    "python": Python,
+    "access": Access,
+}
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    path: str
+    description: str
+    limits: Limits
+    filesystem: Filesystem
+    network: Network
+    seccomp: Seccomp
+    python: Python
+    access: Access
+
+    @property
+    def seccomp_choice(self) -> SeccompChoice:
+        s = self.seccomp
+        return SeccompChoice(s.profile, s.action, s.allow, s.deny)
+
+    def summary(self) -> dict[str, Any]:
+        """What ``jaild policies`` shows."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "limits": dataclasses.asdict(self.limits),
+            "network": self.network.mode,
+            "seccomp": {"profile": self.seccomp.profile, "action": self.seccomp.action},
+            "env": self.python.env,
+        }
+
+    def tool_allowed(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.access.tools)
+
+    def user_allowed(self, uid: int, gids: typing.Iterable[int]) -> bool:
+        gid_set = set(gids)
+        for entry in self.access.users:
+            if entry == "*":
+                return True
+            if entry.startswith("@"):
+                try:
+                    group = grp.getgrnam(entry[1:])
+                except KeyError:
+                    continue
+                if group.gr_gid in gid_set:
+                    return True
+                try:
+                    if pwd.getpwuid(uid).pw_name in group.gr_mem:
+                        return True
+                except KeyError:
+                    pass
+            elif entry.isdigit():
+                if int(entry) == uid:
+                    return True
+            else:
+                try:
+                    if pwd.getpwnam(entry).pw_uid == uid:
+                        return True
+                except KeyError:
+                    continue
+        return False
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+    if tp is float:
+        return "a number"
+    if tp is int:
+        return "an integer"
+    if tp is str:
+        return "a string"
+    if tp is bool:
+        return "true or false"
+    return "a list"
+
+
+def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
+    """(ok, value) -- strict TOML typing; integers are accepted where numbers are."""
+    if tp is bool:
+        return type(value) is bool, value
+    if tp is int:
+        return type(value) is int, value
+    if tp is float:
+        return type(value) in (int, float), float(value) if type(value) in (int, float) else value
+    if tp is str:
+        return type(value) is str, value
+    return False, value
+
+
+def _load_section(path: str, section: str, cls: type, data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise PolicyError(path, section, f"must be a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            raise PolicyError(
+                path, f"{section}.{key}", f"unknown key; [{section}] accepts {', '.join(known)}"
+            )
+    values: dict[str, Any] = {}
+    for name, f in known.items():
+        if name not in data:
+            continue
+        key = f"{section}.{name}"
+        raw = data[name]
+        tp = hints[name]
+        if typing.get_origin(tp) is tuple:
+            (item_tp, _) = typing.get_args(tp)
+            if not isinstance(raw, list):
+                raise PolicyError(path, key, f"must be a list, got {type(raw).__name__}")
+            if item_tp is Bind:
+                values[name] = tuple(_bind(path, f"{key}[{i}]", v) for i, v in enumerate(raw))
+            else:
+                for i, item in enumerate(raw):
+                    if type(item) is not str:
+                        raise PolicyError(path, f"{key}[{i}]", f"must be a string, got {item!r}")
+                values[name] = tuple(raw)
+        else:
+            ok, value = _coerce(tp, raw)
+            if not ok:
+                raise PolicyError(path, key, f"must be {_type_name(tp)}, got {raw!r}")
+            values[name] = value
+        check = f.metadata.get("check")
+        if check is not None:
+            reason = check(values[name])
+            if reason:
+                raise PolicyError(path, key, reason)
+    return cls(**values)
+
+
+def _bind(path: str, key: str, raw: Any) -> Bind:
+    if isinstance(raw, str):
+        src = dst = raw
+    elif isinstance(raw, dict) and set(raw) <= {"src", "dst"} and "src" in raw:
+        src = raw["src"]
+        dst = raw.get("dst", src)
+    else:
+        raise PolicyError(path, key, 'must be "/path" or {src = "/path", dst = "/path"}')
+    for what, p in (("src", src), ("dst", dst)):
+        if not isinstance(p, str) or not p.startswith("/"):
+            raise PolicyError(path, f"{key}.{what}", f"must be an absolute path, got {p!r}")
+        if os.path.normpath(p) != p or "/../" in p + "/":
+            raise PolicyError(path, f"{key}.{what}", f"must be a normalised path, got {p!r}")
+    for reserved in RESERVED_PATHS:
+        if dst == reserved or (reserved != "/" and dst.startswith(reserved + "/")):
+            raise PolicyError(path, f"{key}.dst", f"{dst} is reserved by jaild inside the jail")
+    return Bind(src, dst)
+
+
+def load_policy_text(text: str, path: str) -> Policy:
+    """Parse and validate one policy. ``path`` names it in errors and gives its name."""
+    stem = Path(path).name.removesuffix(".toml")
+    if not re.fullmatch(POLICY_NAME, stem):
+        raise PolicyError(path, "", f"policy name {stem!r} must match {POLICY_NAME}")
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise PolicyError(path, "", f"not valid TOML: {exc}") from None
+    allowed = {"description", *SECTIONS}
+    for key in data:
+        if key not in allowed:
+            raise PolicyError(path, key, f"unknown key; a policy accepts {', '.join(sorted(allowed))}")
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        raise PolicyError(path, "description", f"must be a string, got {description!r}")
+    sections = {name: _load_section(path, name, cls, data.get(name, {})) for name, cls in SECTIONS.items()}
+    policy = Policy(name=stem, path=path, description=description, **sections)
+    _check_seccomp(policy)
+    _check_python(policy)
+    return policy
+
+
+def _check_seccomp(policy: Policy) -> None:
+    try:
+        allowed_syscalls(policy.seccomp_choice)
+    except SyscallNameError as exc:
+        key = "seccomp.allow"
+        text = str(exc)
+        for entry in policy.seccomp.deny:
+            if repr(entry) in text:
+                key = "seccomp.deny"
+        raise PolicyError(policy.path, key, text) from None
+
+
+def _check_python(policy: Policy) -> None:
+    env = policy.python.env
+    if env.startswith("/"):
+        if os.path.normpath(env) != env:
+            raise PolicyError(policy.path, "python.env", f"must be a normalised path, got {env!r}")
+    elif not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}", env):
+        raise PolicyError(policy.path, "python.env", f"{env!r} is neither an env name nor an absolute path")
+
+
+def load_policy(path: str | os.PathLike[str]) -> Policy:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PolicyError(str(p), "", f"cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise PolicyError(str(p), "", "not UTF-8 text") from None
+    return load_policy_text(text, str(p))
+
+
+def load_policy_dir(directory: str | os.PathLike[str]) -> dict[str, Policy]:
+    """Load every ``*.toml`` of ``directory``. Raises the first PolicyError, in name order."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise PolicyError(str(d), "", "policy directory does not exist")
+    policies = {}
+    for file in sorted(d.glob("*.toml")):
+        policy = load_policy(file)
+        policies[policy.name] = policy
+    if not policies:
+        raise PolicyError(str(d), "", "no *.toml policies in this directory")
+    return policies
+
+
+def blocking_ancestor(path: str) -> str | None:
+    """The first directory on ``path`` the jailed uid cannot search (nsjail binds as that uid)."""
+    p = Path(path)
+    for d in reversed([p, *p.parents]):
+        try:
+            if d.is_dir() and d.stat().st_mode & 0o001 == 0:
+                return str(d)
+        except OSError:
+            return str(d)
+    return None
+
+
+def host_checks(policy: Policy, envs_dir: str) -> Iterator[PolicyError]:
+    """Checks that need the host: bind sources exist, the Python env is usable in a jail."""
+    for i, bind in enumerate(policy.filesystem.binds):
+        key = f"filesystem.binds[{i}].src"
+        if not os.path.exists(bind.src):
+            yield PolicyError(policy.path, key, f"{bind.src} does not exist on this host")
+        elif (blocked := blocking_ancestor(bind.src)) is not None:
+            yield PolicyError(policy.path, key, f"{blocked} is not world-searchable; nsjail cannot bind {bind.src}")
+    env = resolve_env(policy, envs_dir)
+    if os.path.isdir(env) and (blocked := blocking_ancestor(env)) is not None:
+        yield PolicyError(policy.path, "python.env", f"{blocked} is not world-searchable; nsjail cannot bind {env}")
+    python = os.path.join(env, "bin", "python3")
+    if not os.path.isdir(env):
+        yield PolicyError(
+            policy.path, "python.env",
+            f"environment {env} does not exist; build it (make jail-env) or point python.env at a venv",
+        )
+        return
+    if not os.path.exists(python):
+        yield PolicyError(policy.path, "python.env", f"{python} does not exist; is {env} a venv?")
+        return
+    real = os.path.realpath(python)
+    visible = [b.src for b in policy.filesystem.binds] + [env]
+    if not any(real == v or real.startswith(v.rstrip("/") + "/") for v in visible):
+        yield PolicyError(
+            policy.path, "python.env",
+            f"{python} resolves to {real}, which the jail cannot see (not under any bind); "
+            "rebuild the env from a system interpreter, e.g. /usr/bin/python3",
+        )
+    mode = os.stat(env).st_mode
+    if mode & 0o005 != 0o005:
+        yield PolicyError(
+            policy.path, "python.env",
+            f"{env} is not world-readable (mode {oct(mode & 0o777)}); the jailed uid cannot use it",
+        )
+
+
+def resolve_env(policy: Policy, envs_dir: str) -> str:
+    env = policy.python.env
+    return env if env.startswith("/") else os.path.join(envs_dir, env)
+
+
+def reference_markdown() -> str:
+    """The policy reference table for the README, generated from the declarations."""
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|",
+             "| `description` | string | `\"\"` | One line shown by `jaild policies`. |"]
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            tname = "list" if typing.get_origin(tp) is tuple else _type_name(tp).split()[-1]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            if isinstance(default, tuple):
+                default = [b.src if isinstance(b, Bind) else b for b in default]
+            shown = _toml_value(default)
+            lines.append(f"| `{section}.{f.name}` | {tname} | `{shown}` | {f.metadata['doc']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, float) and v.is_integer():
+        return f"{v:.1f}"
+    return str(v)
+
+
+def effective_limits(policy: Policy, requested: Mapping[str, float]) -> Limits:
+    """The policy's limits tightened by a job's request. Looser requests are refused.
+
+    Raises ValueError with a message naming the limit, the request and the policy's value.
+    """
+    known = {f.name: f for f in dataclasses.fields(Limits)}
+    changes: dict[str, Any] = {}
+    for name, value in requested.items():
+        if name not in known:
+            raise ValueError(f"unknown limit {name!r}; limits are: {', '.join(known)}")
+        current = getattr(policy.limits, name)
+        if type(value) not in (int, float) or value != value or value <= 0 and name != "output_bytes":
+            raise ValueError(f"limit {name}={value!r} must be a positive number")
+        if name == "cpu_cores" and current == 0:
+            changes[name] = float(value)
+            continue
+        if value > current:
+            raise ValueError(
+                f"limit {name}={value:g} is looser than policy {policy.name!r} allows ({current:g}); "
+                "jobs may only tighten limits"
+            )
+        changes[name] = type(current)(value) if isinstance(current, int) else float(value)
+    limits = dataclasses.replace(policy.limits, **changes)
+    for name, f in known.items():
+        check = f.metadata.get("check")
+        reason = check(getattr(limits, name)) if check else None
+        if reason:
+            raise ValueError(f"limit {name}: {reason}")
+    return limits

@@ -1,0 +1,131 @@
+"""Compile a policy's ``[seccomp]`` section into a seccomp spec (pure).
+
+Theory of operation
+-------------------
+The spec (format in :mod:`jaild.runtime.seccomp`) holds two filters, loaded
+by the in-jail runtime before any user code runs:
+
+1. **The allow-list.** Default action = the policy's action (``kill`` ends the
+   job with status ``policy_violation``; ``errno`` makes the call fail with
+   EPERM, so Python raises ``PermissionError``). It allows the profile's groups
+   plus the policy's ``allow`` entries minus its ``deny`` entries, and the
+   conditional syscalls with safe arguments only:
+
+   * ``clone`` without namespace flags (``strict``: threads only);
+   * ``clone3`` -> ENOSYS, always, so glibc falls back to ``clone``, whose
+     flags a filter can see;
+   * ``socket`` for AF_UNIX, plus AF_INET/AF_INET6 when the policy allows a
+     network;
+   * ``personality`` for the harmless values only.
+
+2. **The deny filter** (default allow): ``ioctl`` TIOCSTI / TIOCLINUX with the
+   command compared on its low 32 bits, as the kernel reads it. It must be a
+   separate filter: libseccomp drops a conditional rule that sits beside an
+   unconditional one for the same syscall.
+
+Nothing in :data:`~jaild.policy.syscalls.NEVER` can be allowed; trying is a
+policy error that says why.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from jaild.policy.syscalls import CONDITIONAL, GROUPS, NEVER, PROFILE_CONDITIONALS, PROFILES
+from jaild.runtime.seccomp import syscall_number
+
+CLONE_NAMESPACE_FLAGS = 0x7E020000  # NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
+CLONE_THREAD = 0x00010000
+AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
+TIOCSTI, TIOCLINUX = 0x5412, 0x541C
+PERSONALITY_SAFE = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)  # linux, linux32, uname26, query
+
+ACTIONS = ("kill", "errno")
+
+
+class SyscallNameError(ValueError):
+    """An entry of allow/deny is not a known syscall or group, or may never be allowed."""
+
+
+@dataclass(frozen=True)
+class SeccompChoice:
+    """The seccomp part of a policy, as validated."""
+
+    profile: str
+    action: str
+    allow: tuple[str, ...]
+    deny: tuple[str, ...]
+
+
+def expand(entries: Iterable[str]) -> set[str]:
+    """Expand group names; check every syscall name. Raises SyscallNameError."""
+    out: set[str] = set()
+    for entry in entries:
+        if entry.startswith("@"):
+            if entry not in GROUPS:
+                raise SyscallNameError(f"unknown syscall group {entry!r}; known: {sorted(GROUPS)}")
+            out.update(GROUPS[entry])
+        else:
+            out.add(entry)
+    return out
+
+
+def check_name(name: str) -> None:
+    """Raise SyscallNameError unless ``name`` is a syscall of this architecture."""
+    if name in CONDITIONAL:
+        return
+    if syscall_number(name) is None:
+        raise SyscallNameError(f"unknown syscall {name!r} (not a syscall on this architecture)")
+
+
+def allowed_syscalls(choice: SeccompChoice) -> tuple[set[str], set[str]]:
+    """(unconditionally allowed syscalls, allowed conditional syscalls) for ``choice``."""
+    if choice.profile not in PROFILES:
+        raise SyscallNameError(f"unknown profile {choice.profile!r}; known: {sorted(PROFILES)}")
+    base = expand(PROFILES[choice.profile])
+    extra = expand(choice.allow)
+    removed = expand(choice.deny)
+    for name in sorted(extra | removed):
+        check_name(name)
+    for name in sorted(extra):
+        if name in NEVER:
+            raise SyscallNameError(f"{name!r} can never be allowed: it {NEVER[name]}")
+    conditional = set(PROFILE_CONDITIONALS[choice.profile]) | (extra & set(CONDITIONAL))
+    conditional -= removed
+    plain = ((base | extra) - removed - set(CONDITIONAL)) - set(NEVER)
+    return plain, conditional
+
+
+def build_spec(choice: SeccompChoice, *, network: bool) -> dict[str, Any]:
+    """The seccomp spec for the runtime's ``Harden`` message."""
+    plain, conditional = allowed_syscalls(choice)
+    rules: list[list[Any]] = [[name, "allow", []] for name in sorted(plain) if syscall_number(name)
+                              is not None]
+    if "clone" in conditional:
+        if choice.profile == "strict":
+            cond = [[0, "masked_eq", CLONE_NAMESPACE_FLAGS | CLONE_THREAD, CLONE_THREAD]]
+        else:
+            cond = [[0, "masked_eq", CLONE_NAMESPACE_FLAGS, 0]]
+        rules.append(["clone", "allow", cond])
+    rules.append(["clone3", f"errno:{errno.ENOSYS}", []])
+    if "socket" in conditional:
+        families = [AF_UNIX, AF_INET, AF_INET6] if network else [AF_UNIX]
+        rules.extend(["socket", "allow", [[0, "eq", family, 0]]] for family in families)
+    if "personality" in conditional:
+        rules.extend(["personality", "allow", [[0, "eq", value, 0]]] for value in PERSONALITY_SAFE)
+    filters: list[dict[str, Any]] = [{"default": choice.action, "rules": rules}]
+    if "ioctl" in conditional:
+        rules.append(["ioctl", "allow", []])
+        filters.append(
+            {
+                "default": "allow",
+                "rules": [
+                    ["ioctl", choice.action, [[1, "masked_eq", 0xFFFFFFFF, cmd]]]
+                    for cmd in (TIOCSTI, TIOCLINUX)
+                ],
+            }
+        )
+    return {"filters": filters}

@@ -1,0 +1,148 @@
+"""Syscall groups and the two built-in seccomp profiles (data only).
+
+Group names follow systemd's ``SystemCallFilter=`` vocabulary (``@basic-io``,
+``@file-system``, ...) so policies read the way operators already know; the
+contents are jaild's own, for x86_64, and every name is checked against
+libseccomp when a policy is loaded.
+
+Profiles are **allow-lists**: anything not allowed hits the policy's action
+(kill the job, or fail the call with EPERM). A few syscalls are allowed only
+with safe arguments (see ``CONDITIONAL``), and ``NEVER`` lists what no policy
+may allow, whatever it says.
+"""
+
+from __future__ import annotations
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "@default": (
+        "arch_prctl", "brk", "clock_getres", "clock_gettime", "clock_nanosleep", "exit",
+        "exit_group", "futex", "futex_waitv", "get_robust_list", "getegid", "geteuid", "getgid",
+        "getgroups", "getpgid", "getpgrp", "getpid", "getppid", "getrandom", "getresgid",
+        "getresuid", "getrlimit", "getsid", "gettid", "gettimeofday", "getuid", "membarrier",
+        "mmap", "mprotect", "munmap", "nanosleep", "pause", "prlimit64", "restart_syscall",
+        "rseq", "rt_sigreturn", "sched_getaffinity", "sched_yield", "set_robust_list",
+        "set_tid_address", "time", "uname",
+    ),
+    "@basic-io": (
+        "close", "close_range", "dup", "dup2", "dup3", "lseek", "pread64", "preadv", "preadv2",
+        "pwrite64", "pwritev", "pwritev2", "read", "readv", "write", "writev",
+    ),
+    "@file-system": (
+        "access", "chdir", "chmod", "creat", "faccessat", "faccessat2", "fallocate", "fchdir",
+        "fchmod", "fchmodat", "fcntl", "fgetxattr", "flistxattr", "fstat", "fstatfs",
+        "ftruncate", "futimesat", "getcwd", "getdents", "getdents64", "getxattr",
+        "inotify_add_watch", "inotify_init", "inotify_init1", "inotify_rm_watch", "lgetxattr",
+        "link", "linkat", "listxattr", "llistxattr", "lstat", "mkdir", "mkdirat", "newfstatat",
+        "open", "openat", "openat2", "readlink", "readlinkat", "rename", "renameat",
+        "renameat2", "rmdir", "stat", "statfs", "statx", "symlink", "symlinkat", "truncate",
+        "unlink", "unlinkat", "utime", "utimensat", "utimes",
+    ),
+    "@memory": (
+        "madvise", "mincore", "mlock", "mlock2", "mremap", "msync", "munlock",
+        "get_mempolicy",
+    ),
+    "@sync": ("fdatasync", "fsync", "sync_file_range", "syncfs", "sync"),
+    "@signal": (
+        "rt_sigaction", "rt_sigpending", "rt_sigprocmask", "rt_sigsuspend", "rt_sigtimedwait",
+        "sigaltstack", "signalfd", "signalfd4",
+    ),
+    "@io-event": (
+        "epoll_create", "epoll_create1", "epoll_ctl", "epoll_pwait", "epoll_pwait2",
+        "epoll_wait", "eventfd", "eventfd2", "poll", "ppoll", "pselect6", "select",
+    ),
+    "@timer": (
+        "alarm", "getitimer", "setitimer", "timer_create", "timer_delete", "timer_getoverrun",
+        "timer_gettime", "timer_settime", "timerfd_create", "timerfd_gettime",
+        "timerfd_settime", "times",
+    ),
+    "@ipc-local": ("pipe", "pipe2", "memfd_create"),
+    "@sysv-ipc": (
+        "msgctl", "msgget", "msgrcv", "msgsnd", "semctl", "semget", "semop", "semtimedop",
+        "shmat", "shmctl", "shmdt", "shmget", "mq_getsetattr", "mq_notify", "mq_open",
+        "mq_timedreceive", "mq_timedsend", "mq_unlink",
+    ),
+    "@network-io": (
+        "accept", "accept4", "bind", "connect", "getpeername", "getsockname", "getsockopt",
+        "listen", "recvfrom", "recvmmsg", "recvmsg", "sendmmsg", "sendmsg", "sendto",
+        "setsockopt", "shutdown", "socketpair",
+    ),
+    "@process": (
+        "capget", "execve", "execveat", "fork", "getrusage", "kill", "pidfd_open",
+        "pidfd_send_signal", "prctl", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "tgkill",
+        "tkill", "vfork", "wait4", "waitid",
+    ),
+    "@threads": ("set_robust_list", "get_robust_list", "futex", "rseq", "sched_getaffinity"),
+    "@resources": (
+        "getpriority", "ioprio_get", "sched_get_priority_max", "sched_get_priority_min",
+        "sched_getattr", "sched_getparam", "sched_getscheduler", "sched_rr_get_interval",
+        "setpriority", "setrlimit",
+    ),
+    "@file-io-misc": (
+        "copy_file_range", "sendfile", "splice", "tee", "vmsplice", "fadvise64", "flock",
+        "umask", "readahead",
+    ),
+    "@seccomp": ("seccomp",),
+}
+"""Named syscall groups. A policy may name groups (``@file-system``) or single syscalls."""
+
+CONDITIONAL: tuple[str, ...] = ("clone", "clone3", "socket", "ioctl", "personality")
+"""Allowed only with safe arguments; the rules are built in :mod:`jaild.policy.seccomp`."""
+
+NEVER: dict[str, str] = {
+    name: reason
+    for names, reason in (
+        (("ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd"),
+         "inspects or alters other processes"),
+        (("mount", "umount2", "pivot_root", "chroot", "fsopen", "fsconfig", "fsmount", "fspick",
+          "move_mount", "open_tree", "mount_setattr"), "changes the mount table"),
+        (("unshare", "setns"), "creates or joins namespaces"),
+        (("keyctl", "add_key", "request_key"), "reaches the kernel keyring"),
+        (("bpf", "perf_event_open", "userfaultfd", "lookup_dcookie"),
+         "is a large kernel attack surface"),
+        (("io_uring_setup", "io_uring_enter", "io_uring_register"),
+         "bypasses seccomp for the I/O it submits"),
+        (("kexec_load", "kexec_file_load", "reboot", "init_module", "finit_module",
+          "delete_module", "swapon", "swapoff", "acct", "quotactl", "quotactl_fd", "syslog",
+          "vhangup", "iopl", "ioperm", "settimeofday", "clock_settime", "clock_adjtime",
+          "adjtimex", "sethostname", "setdomainname"), "administers the host"),
+        (("open_by_handle_at", "name_to_handle_at"), "opens files by handle, escaping mounts"),
+        (("setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid", "setfsuid",
+          "setfsgid", "setgroups", "capset"), "changes credentials"),
+        (("mknod", "mknodat"), "creates device nodes"),
+        (("process_madvise", "migrate_pages", "move_pages", "mbind", "set_mempolicy"),
+         "manipulates memory placement of processes"),
+        (("landlock_create_ruleset", "landlock_add_rule", "landlock_restrict_self"),
+         "is not needed by jailed code"),
+        (("fanotify_init", "fanotify_mark", "nfsservctl", "uselib", "ustat", "sysfs",
+          "_sysctl", "modify_ldt", "remap_file_pages", "vm86", "vm86old"),
+         "is obsolete or privileged"),
+    )
+    for name in names
+}
+"""Syscalls no policy may allow, with the reason shown when a policy tries."""
+
+PROFILES: dict[str, tuple[str, ...]] = {
+    "default": (
+        "@default", "@basic-io", "@file-system", "@memory", "@sync", "@signal", "@io-event",
+        "@timer", "@ipc-local", "@sysv-ipc", "@network-io", "@process", "@threads",
+        "@resources", "@file-io-misc", "@seccomp",
+        "getcpu", "sched_setaffinity", "sysinfo",
+    ),
+    "strict": (
+        "@default", "@basic-io", "@file-system", "@memory", "@signal", "@io-event", "@timer",
+        "@threads", "@seccomp",
+        "recvfrom", "sendto", "recvmsg", "sendmsg", "getsockopt", "shutdown",
+        "pipe2", "getrusage", "sysinfo", "getcpu", "umask", "prctl", "tgkill", "capget",
+        "fadvise64", "flock", "getpriority",
+    ),
+}
+"""Built-in allow-lists. ``strict`` has no process creation, no new sockets, no SysV IPC."""
+
+PROFILE_CONDITIONALS: dict[str, frozenset[str]] = {
+    "default": frozenset({"clone", "clone3", "socket", "ioctl", "personality"}),
+    "strict": frozenset({"clone", "clone3", "ioctl", "personality"}),
+}
+"""Which conditional syscalls each profile allows (with safe arguments only).
+
+In ``strict``, ``clone`` is allowed for threads only (CLONE_THREAD required).
+"""

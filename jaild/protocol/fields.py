@@ -1,0 +1,244 @@
+"""Field checks for protocol messages.
+
+Every message is a frozen, slotted dataclass whose fields carry a check in their
+metadata; ``__post_init__`` runs the checks, so an illegal message cannot be
+built. A failing check raises :class:`LocalProtocolError` (we built it); the
+receive boundary in :mod:`jaild.protocol.messages` converts that into a
+:class:`RemoteProtocolError` when the message came off the wire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, TypeVar
+
+from jaild.errors import LocalProtocolError
+
+Check = Callable[[str, Any], Any]
+"""A check takes (field path, value) and returns the (possibly normalised) value or raises."""
+
+MAX_ANY_DEPTH = 32
+"""Nesting limit for free-form values (schemas, records) checked with :func:`any_value`."""
+
+
+def _fail(path: str, reason: str) -> LocalProtocolError:
+    return LocalProtocolError(f"field {path!r}: {reason}")
+
+
+def string(max_len: int, *, min_len: int = 0, pattern: str | None = None) -> Check:
+    rx = re.compile(pattern) if pattern else None
+
+    def check(path: str, v: Any) -> Any:
+        if type(v) is not str:
+            raise _fail(path, f"expected a string, got {type(v).__name__}")
+        if not min_len <= len(v) <= max_len:
+            raise _fail(path, f"length {len(v)} outside {min_len}..{max_len}")
+        if rx is not None and rx.fullmatch(v) is None:
+            raise _fail(path, f"{v[:64]!r} does not match {pattern}")
+        return v
+
+    return check
+
+
+def integer(lo: int, hi: int) -> Check:
+    def check(path: str, v: Any) -> Any:
+        if type(v) is not int:
+            raise _fail(path, f"expected an integer, got {type(v).__name__}")
+        if not lo <= v <= hi:
+            raise _fail(path, f"{v} outside {lo}..{hi}")
+        return v
+
+    return check
+
+
+def number(lo: float, hi: float) -> Check:
+    def check(path: str, v: Any) -> Any:
+        if type(v) not in (int, float):
+            raise _fail(path, f"expected a number, got {type(v).__name__}")
+        if not lo <= v <= hi:  # also rejects NaN
+            raise _fail(path, f"{v} outside {lo}..{hi}")
+        return v
+
+    return check
+
+
+def boolean() -> Check:
+    def check(path: str, v: Any) -> Any:
+        if type(v) is not bool:
+            raise _fail(path, f"expected a boolean, got {type(v).__name__}")
+        return v
+
+    return check
+
+
+def binary(max_len: int) -> Check:
+    def check(path: str, v: Any) -> Any:
+        if type(v) is not bytes:
+            raise _fail(path, f"expected bytes, got {type(v).__name__}")
+        if len(v) > max_len:
+            raise _fail(path, f"{len(v)} bytes exceeds {max_len}")
+        return v
+
+    return check
+
+
+def one_of(*values: str) -> Check:
+    allowed = frozenset(values)
+
+    def check(path: str, v: Any) -> Any:
+        if type(v) is not str or v not in allowed:
+            raise _fail(path, f"expected one of {sorted(allowed)}, got {v!r}")
+        return v
+
+    return check
+
+
+def optional(inner: Check) -> Check:
+    def check(path: str, v: Any) -> Any:
+        return None if v is None else inner(path, v)
+
+    return check
+
+
+def list_of(inner: Check, max_items: int) -> Check:
+    """A list or tuple of items; normalised to a tuple."""
+
+    def check(path: str, v: Any) -> Any:
+        if type(v) not in (list, tuple):
+            raise _fail(path, f"expected a list, got {type(v).__name__}")
+        if len(v) > max_items:
+            raise _fail(path, f"{len(v)} items exceeds {max_items}")
+        return tuple(inner(f"{path}[{i}]", item) for i, item in enumerate(v))
+
+    return check
+
+
+def map_of(key: Check, value: Check, max_items: int) -> Check:
+    def check(path: str, v: Any) -> Any:
+        if type(v) is not dict:
+            raise _fail(path, f"expected a map, got {type(v).__name__}")
+        if len(v) > max_items:
+            raise _fail(path, f"{len(v)} entries exceeds {max_items}")
+        return {key(f"{path}.<key>", k): value(f"{path}.{k}", item) for k, item in v.items()}
+
+    return check
+
+
+_SCALARS = (type(None), bool, int, float, str, bytes)
+
+
+def any_value(max_depth: int = MAX_ANY_DEPTH) -> Check:
+    """Any plain msgpack value (nil, bool, int, float, str, bytes, list, map) up to a depth.
+
+    Iterative, so hostile nesting cannot exhaust the Python stack.
+    """
+
+    def check(path: str, v: Any) -> Any:
+        stack: list[tuple[Any, int]] = [(v, 0)]
+        while stack:
+            item, depth = stack.pop()
+            t = type(item)
+            if t in _SCALARS:
+                continue
+            if depth >= max_depth:
+                raise _fail(path, f"nested deeper than {max_depth}")
+            if t is list or t is tuple:
+                stack.extend((x, depth + 1) for x in item)
+            elif t is dict:
+                for k, x in item.items():
+                    if type(k) not in (str, int):
+                        raise _fail(path, f"map key of type {type(k).__name__}")
+                    stack.append((x, depth + 1))
+            else:
+                raise _fail(path, f"{t.__name__} is not a plain msgpack value")
+        return v
+
+    return check
+
+
+S = TypeVar("S", bound="Struct")
+
+
+def field(check: Check, **kwargs: Any) -> Any:
+    """A dataclass field carrying its check."""
+    return dataclasses.field(metadata={"check": check}, **kwargs)
+
+
+class Struct:
+    """Base of messages and of structures nested in them."""
+
+    __slots__ = ()
+    _checks: ClassVar[tuple[tuple[str, Check], ...]] = ()
+    _required: ClassVar[frozenset[str]] = frozenset()
+    _names: ClassVar[frozenset[str]] = frozenset()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+
+    @classmethod
+    def _prepare(cls) -> None:
+        """Build the per-class check table once the dataclass decorator has run."""
+        fs = dataclasses.fields(cls)  # type: ignore[arg-type]
+        cls._checks = tuple((f.name, f.metadata["check"]) for f in fs)
+        cls._names = frozenset(f.name for f in fs)
+        cls._required = frozenset(
+            f.name
+            for f in fs
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+
+    def __post_init__(self) -> None:
+        for name, check in self._checks:
+            value = getattr(self, name)
+            checked = check(name, value)
+            if checked is not value:
+                object.__setattr__(self, name, checked)
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, _ in self._checks:
+            value = getattr(self, name)
+            if isinstance(value, Struct):
+                value = value.to_wire()
+            elif type(value) is tuple:
+                value = [v.to_wire() if isinstance(v, Struct) else v for v in value]
+            out[name] = value
+        return out
+
+    @classmethod
+    def from_wire(cls: type[S], data: Mapping[str, Any]) -> S:
+        keys = set(data)
+        unknown = keys - cls._names
+        if unknown:
+            raise LocalProtocolError(f"{cls.__name__}: unknown field(s) {sorted(map(str, unknown))}")
+        missing = cls._required - keys
+        if missing:
+            raise LocalProtocolError(f"{cls.__name__}: missing field(s) {sorted(missing)}")
+        return cls(**data)
+
+
+def nested(cls: type[S]) -> Check:
+    """A nested structure, given as a map on the wire."""
+
+    def check(path: str, v: Any) -> Any:
+        if isinstance(v, cls):
+            return v
+        if type(v) is not dict:
+            raise _fail(path, f"expected a {cls.__name__} map, got {type(v).__name__}")
+        try:
+            return cls.from_wire(v)
+        except LocalProtocolError as exc:
+            raise _fail(path, str(exc)) from None
+        except TypeError as exc:
+            raise _fail(path, str(exc)) from None
+
+    return check
+
+
+def struct(cls: type[S]) -> type[S]:
+    """Class decorator: frozen slotted dataclass with checks prepared."""
+    dc = dataclasses.dataclass(frozen=True, slots=True)(cls)
+    dc._prepare()
+    return dc

@@ -1,0 +1,344 @@
+"""The messages of jaild's two links, and the one boundary that decodes them.
+
+Links
+-----
+* **client link** -- a client process <-> the daemon, over the daemon's Unix socket.
+* **jail link** -- the daemon's job supervisor <-> the in-jail runtime, over a
+  socketpair created per jail (never the job's stdout/stderr).
+
+A message on the wire is a msgpack map ``{"type": <name>, <field>: <value>, ...}``
+inside one frame (see :mod:`jaild.protocol.framing`). Names are imperatives for
+requests (``RunJob``, ``CallTool``) and past tense for facts (``JobFinished``,
+``ToolReturned``). The same name may exist on both links with different fields
+(``CallTool`` carries ``job_id`` only on the client link: on the jail link the
+job is whatever jail the channel belongs to, never a field a jail could forge).
+
+Tool arguments, tool results and job results travel as *packed* msgpack bytes
+(``args``, ``value``, ``result``): the daemon routes them without decoding, and
+their size is simply their length.
+
+:func:`decode` is the only place bytes become messages; whatever the input, it
+returns a message or raises :class:`RemoteProtocolError` -- nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import msgpack
+
+from jaild.errors import LocalProtocolError, RemoteProtocolError
+from jaild.protocol.fields import (
+    Struct,
+    any_value,
+    binary,
+    boolean,
+    field,
+    integer,
+    list_of,
+    map_of,
+    nested,
+    number,
+    one_of,
+    optional,
+    string,
+    struct,
+)
+
+PROTOCOL_VERSION = 1
+
+MAX_CODE_CHARS = 1 << 20
+MAX_NAME_CHARS = 128
+MAX_DESCRIPTION_CHARS = 8192
+MAX_TOOLS = 512
+MAX_MESSAGE_CHARS = 1 << 16
+MAX_PAYLOAD_BYTES = 64 << 20
+MAX_REF = (1 << 63) - 1
+
+TOOL_NAME = r"[A-Za-z_][A-Za-z0-9_.\-]*"
+JOB_ID = r"[a-z0-9\-]{1,64}"
+POLICY_NAME = r"[a-z0-9][a-z0-9_\-]{0,63}"
+
+_name = string(MAX_NAME_CHARS, min_len=1)
+_job_id = string(64, min_len=1, pattern=JOB_ID)
+_ref = integer(0, MAX_REF)
+_call_id = integer(0, MAX_REF)
+_text = string(MAX_MESSAGE_CHARS)
+_payload = binary(MAX_PAYLOAD_BYTES)
+
+
+class Message(Struct):
+    """A top-level message. ``TYPE`` is its wire name."""
+
+    __slots__ = ()
+    TYPE: ClassVar[str]
+
+    def to_wire(self) -> dict[str, Any]:
+        out = super().to_wire()
+        out["type"] = self.TYPE
+        return out
+
+
+# --------------------------------------------------------------------------- structures
+
+
+@struct
+class ToolSpec(Struct):
+    """A tool a job may call: its name, a description, and a JSON schema of its arguments."""
+
+    name: str = field(string(MAX_NAME_CHARS, min_len=1, pattern=TOOL_NAME))
+    description: str = field(string(MAX_DESCRIPTION_CHARS), default="")
+    parameters: dict[str, Any] = field(any_value(), default_factory=dict)
+
+
+@struct
+class ErrorInfo(Struct):
+    """An exception from user code (or a kill reason), as shown in the result record."""
+
+    type: str = field(string(256, min_len=1))
+    message: str = field(string(MAX_MESSAGE_CHARS))
+    traceback: str = field(string(MAX_MESSAGE_CHARS), default="")
+    lineno: int | None = field(optional(integer(0, 1 << 31)), default=None)
+
+
+_limits = map_of(string(64, min_len=1), number(0, 1 << 53), 32)
+
+# --------------------------------------------------------------------------- client link
+
+
+@struct
+class Hello(Message):
+    TYPE = "Hello"
+    protocol: int = field(integer(0, 1 << 16))
+    client: str = field(string(256), default="")
+
+
+@struct
+class Welcome(Message):
+    TYPE = "Welcome"
+    protocol: int = field(integer(0, 1 << 16))
+    daemon: str = field(string(256), default="")
+
+
+@struct
+class RunJob(Message):
+    TYPE = "RunJob"
+    ref: int = field(_ref)
+    code: str = field(string(MAX_CODE_CHARS))
+    policy: str = field(string(64, min_len=1))
+    tools: tuple[ToolSpec, ...] = field(list_of(nested(ToolSpec), MAX_TOOLS), default=())
+    limits: dict[str, float] = field(_limits, default_factory=dict)
+    filename: str = field(string(256, min_len=1), default="<job>")
+
+
+@struct
+class CancelJob(Message):
+    TYPE = "CancelJob"
+    job_id: str = field(_job_id)
+
+
+@struct
+class ListPolicies(Message):
+    TYPE = "ListPolicies"
+    ref: int = field(_ref)
+
+
+@struct
+class ClientToolReturned(Message):
+    TYPE = "ToolReturned"
+    job_id: str = field(_job_id)
+    call_id: int = field(_call_id)
+    value: bytes = field(_payload)
+
+
+@struct
+class ClientToolFailed(Message):
+    TYPE = "ToolFailed"
+    job_id: str = field(_job_id)
+    call_id: int = field(_call_id)
+    error_type: str = field(string(256, min_len=1))
+    message: str = field(_text)
+
+
+@struct
+class JobAccepted(Message):
+    TYPE = "JobAccepted"
+    ref: int = field(_ref)
+    job_id: str = field(_job_id)
+
+
+@struct
+class JobOutput(Message):
+    TYPE = "JobOutput"
+    job_id: str = field(_job_id)
+    stream: str = field(one_of("stdout", "stderr"))
+    data: bytes = field(_payload)
+
+
+@struct
+class ClientCallTool(Message):
+    TYPE = "CallTool"
+    job_id: str = field(_job_id)
+    call_id: int = field(_call_id)
+    name: str = field(_name)
+    args: bytes = field(_payload)
+
+
+@struct
+class JobFinished(Message):
+    TYPE = "JobFinished"
+    job_id: str = field(_job_id)
+    record: dict[str, Any] = field(any_value())
+    result: bytes | None = field(optional(_payload), default=None)
+
+
+@struct
+class PolicyList(Message):
+    TYPE = "PolicyList"
+    ref: int = field(_ref)
+    policies: tuple[dict[str, Any], ...] = field(list_of(any_value(), 1024))
+
+
+@struct
+class Error(Message):
+    TYPE = "Error"
+    code: str = field(string(64, min_len=1))
+    message: str = field(_text)
+    ref: int | None = field(optional(_ref), default=None)
+    job_id: str | None = field(optional(_job_id), default=None)
+
+
+# --------------------------------------------------------------------------- jail link
+
+
+@struct
+class Harden(Message):
+    """Supervisor -> jail, first frame: how the runtime must lock itself down."""
+
+    TYPE = "Harden"
+    protocol: int = field(integer(0, 1 << 16))
+    seccomp: dict[str, Any] = field(any_value())
+
+
+@struct
+class JailReady(Message):
+    """Jail -> supervisor: hardened; waiting for code."""
+
+    TYPE = "JailReady"
+    protocol: int = field(integer(0, 1 << 16))
+    python: str = field(string(256), default="")
+
+
+@struct
+class RunCode(Message):
+    TYPE = "RunCode"
+    code: str = field(string(MAX_CODE_CHARS))
+    filename: str = field(string(256, min_len=1))
+    tools: tuple[ToolSpec, ...] = field(list_of(nested(ToolSpec), MAX_TOOLS))
+    tool_payload_bytes: int = field(integer(0, MAX_PAYLOAD_BYTES))
+    result_bytes: int = field(integer(0, MAX_PAYLOAD_BYTES))
+
+
+@struct
+class JailCallTool(Message):
+    TYPE = "CallTool"
+    call_id: int = field(_call_id)
+    name: str = field(_name)
+    args: bytes = field(_payload)
+
+
+@struct
+class JailToolReturned(Message):
+    TYPE = "ToolReturned"
+    call_id: int = field(_call_id)
+    value: bytes = field(_payload)
+
+
+@struct
+class JailToolFailed(Message):
+    TYPE = "ToolFailed"
+    call_id: int = field(_call_id)
+    error_type: str = field(string(256, min_len=1))
+    message: str = field(_text)
+
+
+@struct
+class CodeFinished(Message):
+    """Jail -> supervisor: the runtime's own account. The daemon decides the status."""
+
+    TYPE = "CodeFinished"
+    ok: bool = field(boolean())
+    result: bytes | None = field(optional(_payload), default=None)
+    error: ErrorInfo | None = field(optional(nested(ErrorInfo)), default=None)
+
+
+# --------------------------------------------------------------------------- tables
+
+Link = Literal["client", "jail"]
+Direction = Literal["client->daemon", "daemon->client", "daemon->jail", "jail->daemon"]
+
+MESSAGES: dict[Direction, dict[str, type[Message]]] = {
+    "client->daemon": {
+        m.TYPE: m
+        for m in (Hello, RunJob, CancelJob, ListPolicies, ClientToolReturned, ClientToolFailed)
+    },
+    "daemon->client": {
+        m.TYPE: m
+        for m in (Welcome, JobAccepted, JobOutput, ClientCallTool, JobFinished, PolicyList, Error)
+    },
+    "daemon->jail": {m.TYPE: m for m in (Harden, RunCode, JailToolReturned, JailToolFailed)},
+    "jail->daemon": {m.TYPE: m for m in (JailReady, JailCallTool, CodeFinished)},
+}
+"""Every message, by the direction it travels. ``proto/PROTOCOL.md`` documents exactly these."""
+
+
+# --------------------------------------------------------------------------- encode / decode
+
+
+def pack(value: Any) -> bytes:
+    """Pack a plain value. Values msgpack cannot carry become their ``repr`` (per object)."""
+    return msgpack.packb(value, use_bin_type=True, default=_repr_fallback, strict_types=False)
+
+
+def _repr_fallback(obj: Any) -> Any:
+    if isinstance(obj, (set, frozenset)):
+        return list(obj)
+    return repr(obj)
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+def unpack(data: bytes) -> Any:
+    """Unpack bytes from an untrusted peer. Raises RemoteProtocolError on any failure."""
+    try:
+        return msgpack.unpackb(
+            data, raw=False, strict_map_key=False, ext_hook=_no_ext, timestamp=0, use_list=True
+        )
+    except Exception as exc:
+        raise RemoteProtocolError(f"undecodable msgpack: {exc}") from None
+
+
+def encode(msg: Message) -> bytes:
+    """Message -> msgpack payload (unframed)."""
+    return msgpack.packb(msg.to_wire(), use_bin_type=True)
+
+
+def decode(payload: bytes, direction: Direction) -> Message:
+    """msgpack payload -> Message of ``direction``, or RemoteProtocolError. Never anything else."""
+    data = unpack(payload)
+    if type(data) is not dict:
+        raise RemoteProtocolError(f"a message must be a map, got {type(data).__name__}")
+    kind = data.pop("type", None)
+    table = MESSAGES[direction]
+    if type(kind) is not str or kind not in table:
+        raise RemoteProtocolError(
+            f"unknown message type {kind!r} for {direction}; expected one of {sorted(table)}"
+        )
+    try:
+        return table[kind].from_wire(data)
+    except LocalProtocolError as exc:
+        raise RemoteProtocolError(f"invalid {kind}: {exc.message}") from None
+    except (TypeError, ValueError, RecursionError, MemoryError) as exc:
+        raise RemoteProtocolError(f"invalid {kind}: {exc}") from None

@@ -1,0 +1,178 @@
+"""Run the user's code and describe what happened.
+
+* Top-level ``await`` works (``PyCF_ALLOW_TOP_LEVEL_AWAIT``). Code without
+  awaits runs as plain synchronous code, so blocking tool calls work there.
+* If the code defines ``main`` (sync or async, no required arguments), it is
+  called and its return value is the result; otherwise the value of a final
+  expression statement is the result.
+* One event loop serves the whole job (top level and ``main``).
+* Values msgpack cannot carry come back as their ``repr`` (per object).
+* Tracebacks show the user's frames only, with the user's source lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+import linecache
+import traceback
+from dataclasses import dataclass
+from types import CodeType, TracebackType
+from typing import Any
+
+from jaild.protocol import pack, unpack
+from jaild.protocol.messages import MAX_MESSAGE_CHARS, ErrorInfo
+
+CO_COROUTINE = inspect.CO_COROUTINE
+_FLAGS = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    result: bytes | None = None
+    error: ErrorInfo | None = None
+
+
+def _clip(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    if len(text) <= limit:
+        return text
+    return "...[truncated]...\n" + text[-(limit - 32) :]
+
+
+def _user_frames(tb: TracebackType | None, filename: str) -> TracebackType | None:
+    """Skip the runtime's own frames at the top of a traceback."""
+    start = tb
+    while start is not None and start.tb_frame.f_code.co_filename != filename:
+        start = start.tb_next
+    return start if start is not None else tb
+
+
+def _last_user_line(tb: TracebackType | None, filename: str) -> int | None:
+    line = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == filename:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def describe(exc: BaseException, filename: str) -> ErrorInfo:
+    """ErrorInfo for an exception raised by user code."""
+    if isinstance(exc, SyntaxError) and exc.filename == filename:
+        text = "".join(traceback.format_exception_only(type(exc), exc))
+        return ErrorInfo(
+            type=type(exc).__name__,
+            message=_clip(exc.msg or str(exc)),
+            traceback=_clip(text),
+            lineno=exc.lineno,
+        )
+    tb = _user_frames(exc.__traceback__, filename)
+    try:
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+    except Exception:
+        text = f"{type(exc).__name__}: <traceback unavailable>"
+    try:
+        message = str(exc)
+    except Exception:
+        message = "<str() of the exception failed>"
+    return ErrorInfo(
+        type=type(exc).__name__[:256] or "Exception",
+        message=_clip(message),
+        traceback=_clip(text),
+        lineno=_last_user_line(exc.__traceback__, filename),
+    )
+
+
+def pack_result(value: Any, limit: int) -> tuple[bytes | None, ErrorInfo | None]:
+    """Pack a result, falling back to repr; refuse it if it exceeds ``limit`` bytes."""
+    try:
+        packed = pack(value)
+        unpack(packed)  # exactly what the client will do: tuple keys etc. must survive
+    except Exception:
+        try:
+            packed = pack(repr(value))
+        except Exception:
+            packed = pack("<unrepresentable result>")
+    if len(packed) > limit:
+        return None, ErrorInfo(
+            type="ResultTooLarge",
+            message=f"the result is {len(packed)} bytes packed; the policy allows {limit}",
+        )
+    return packed, None
+
+
+def _split(tree: ast.Module) -> tuple[ast.Module, ast.Expression | None]:
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = tree.body.pop()
+        assert isinstance(last, ast.Expr)
+        return tree, ast.Expression(body=last.value)
+    return tree, None
+
+
+def _user_main(namespace: dict[str, Any], filename: str) -> Any:
+    main = namespace.get("main")
+    if not inspect.isfunction(main) or main.__code__.co_filename != filename:
+        return None
+    try:
+        params = inspect.signature(main).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    required = [
+        p for p in params
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    return None if required else main
+
+
+def run(code: str, filename: str, namespace: dict[str, Any], result_limit: int) -> Outcome:
+    """Execute ``code`` in ``namespace``; never raises."""
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    loop: asyncio.AbstractEventLoop | None = None
+
+    def await_in_loop(awaitable: Any) -> Any:
+        nonlocal loop
+        if loop is None:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+        return loop.run_until_complete(awaitable)
+
+    def execute(code_obj: CodeType, mode: str) -> Any:
+        if code_obj.co_flags & CO_COROUTINE:
+            return await_in_loop(eval(code_obj, namespace))
+        return eval(code_obj, namespace) if mode == "eval" else exec(code_obj, namespace)
+
+    try:
+        try:
+            tree = ast.parse(code, filename, mode="exec")
+            body, last = _split(tree)
+            body_code = compile(body, filename, "exec", flags=_FLAGS, dont_inherit=True)
+            last_code = (
+                compile(last, filename, "eval", flags=_FLAGS, dont_inherit=True) if last else None
+            )
+        except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+            return Outcome(ok=False, error=describe(exc, filename))
+        execute(body_code, "exec")
+        value = execute(last_code, "eval") if last_code is not None else None
+        main = _user_main(namespace, filename)
+        if main is not None:
+            value = main()
+            if inspect.isawaitable(value):
+                value = await_in_loop(value)
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            return Outcome(ok=True, result=pack(None))
+        return Outcome(ok=False, error=describe(exc, filename))
+    except BaseException as exc:
+        return Outcome(ok=False, error=describe(exc, filename))
+    finally:
+        if loop is not None:
+            try:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            except BaseException:
+                pass
+    packed, error = pack_result(value, result_limit)
+    if error is not None:
+        return Outcome(ok=False, error=error)
+    return Outcome(ok=True, result=packed)

@@ -1,0 +1,85 @@
+"""Entry point of the in-jail runtime (``python3 -I -B -c <bootstrap>`` inside nsjail).
+
+Sequence (the jail link's states, see :mod:`jaild.protocol.connection`):
+
+1. fd 0 is the tool channel: move it to a close-on-exec descriptor and put
+   /dev/null on fd 0, so user code can neither read frames from stdin nor pass
+   the channel to a subprocess.
+2. Receive ``Harden``; lock down (:func:`jaild.runtime.harden.harden`). On any
+   failure, report it on stderr and exit non-zero: no user code runs.
+3. Send ``JailReady``; receive ``RunCode``.
+4. Run the code with ``tools`` in its namespace; send ``CodeFinished``.
+5. Flush stdout/stderr and ``_exit`` -- threads the code left behind do not
+   keep the jail alive.
+
+The runtime imports only the standard library, msgpack, pyseccomp, prctl and
+``jaild.protocol`` / ``jaild.errors`` (a test enforces it).
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import platform
+import socket
+import sys
+
+from jaild.protocol import PROTOCOL_VERSION, Connection, Role
+from jaild.protocol.messages import MAX_PAYLOAD_BYTES, CodeFinished, Harden, JailReady, RunCode
+
+EXIT_HARDENING_FAILED = 71
+EXIT_PROTOCOL = 72
+JAIL_MAX_FRAME = MAX_PAYLOAD_BYTES + (1 << 20)
+
+
+def _take_channel() -> socket.socket:
+    channel_fd = os.dup(0)  # close-on-exec by default
+    devnull = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    return socket.socket(fileno=channel_fd)
+
+
+def main() -> None:
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    sock = _take_channel()
+
+    # Imports that pull in libseccomp / libcap happen here, still before user code.
+    from jaild.runtime.channel import Channel
+    from jaild.runtime.harden import HardeningFailed, harden
+
+    channel = Channel(sock, Connection(Role.JAIL, JAIL_MAX_FRAME))
+    first = channel.receive()
+    if not isinstance(first, Harden):
+        os._exit(EXIT_PROTOCOL)
+    try:
+        harden(first.seccomp)
+    except HardeningFailed as exc:
+        sys.stderr.write(f"jaild runtime: refusing to run user code: {exc}\n")
+        sys.stderr.flush()
+        os._exit(EXIT_HARDENING_FAILED)
+    channel.send(JailReady(protocol=PROTOCOL_VERSION, python=platform.python_version()))
+    run = channel.receive()
+    if not isinstance(run, RunCode):
+        os._exit(EXIT_PROTOCOL)
+
+    from jaild.runtime import execute
+    from jaild.runtime.tools import ToolError, Tools
+
+    channel.start()
+    tools = Tools(run.tools, channel, run.tool_payload_bytes)
+    namespace = {
+        "__name__": "__main__",
+        "__builtins__": builtins,
+        "tools": tools,
+        "ToolError": ToolError,
+    }
+    outcome = execute.run(run.code, run.filename, namespace, run.result_bytes)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:
+        pass
+    channel.send(CodeFinished(ok=outcome.ok, result=outcome.result, error=outcome.error))
+    os._exit(0)

@@ -1,0 +1,170 @@
+"""The one place jaild touches pyseccomp (libseccomp).
+
+A *seccomp spec* is plain data, built by :mod:`jaild.policy.seccomp` in the
+daemon and sent to the jail in the ``Harden`` message::
+
+    {"filters": [
+        {"default": "kill" | "errno" | "allow",
+         "rules": [[syscall, action, [[arg, op, datum_a, datum_b], ...]], ...]},
+        ...]}
+
+Actions are ``"allow"``, ``"kill"`` (kill the whole process), ``"errno:<n>"``.
+Several filters are loaded in order; the kernel runs them all and the
+strictest verdict wins, which is how a masked *deny* rule (e.g. ioctl TIOCSTI,
+whatever the upper 32 bits say) can sit beside an allow-list.
+
+libseccomp adds the architecture check (a foreign or x32 syscall number kills
+the process), which nsjail's kafel does not.
+
+``pyseccomp`` finds libseccomp with ``ctypes.util.find_library``, which shells
+out to ``ldconfig`` -- slow, and impossible in a minimal jail. The import below
+answers those two lookups with sonames directly.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import errno as errno_module
+import io
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+_SONAMES = {"c": "libc.so.6", "seccomp": "libseccomp.so.2"}
+
+
+def _import_pyseccomp() -> Any:
+    original: Callable[[str], str | None] = ctypes.util.find_library
+
+    def find_library(name: str) -> str | None:
+        return _SONAMES.get(name) or original(name)
+
+    ctypes.util.find_library = find_library
+    try:
+        import pyseccomp
+    finally:
+        ctypes.util.find_library = original
+    return pyseccomp
+
+
+_sc = _import_pyseccomp()
+
+_OPS = {
+    "ne": _sc.NE,
+    "lt": _sc.LT,
+    "le": _sc.LE,
+    "eq": _sc.EQ,
+    "ge": _sc.GE,
+    "gt": _sc.GT,
+    "masked_eq": _sc.MASKED_EQ,
+}
+OPS = frozenset(_OPS)
+
+
+class SeccompSpecError(ValueError):
+    """The spec is malformed (a daemon bug, or a hostile Harden)."""
+
+
+def action_value(action: str) -> int:
+    """Map a spec action string to libseccomp's action constant."""
+    if action == "allow":
+        return int(_sc.ALLOW)
+    if action == "kill":
+        return int(_sc.KILL_PROCESS)
+    if action == "errno":
+        return int(_sc.ERRNO(errno_module.EPERM))
+    if action.startswith("errno:"):
+        try:
+            number = int(action[6:])
+        except ValueError:
+            raise SeccompSpecError(f"bad errno action {action!r}") from None
+        if not 0 < number < 4096:
+            raise SeccompSpecError(f"errno {number} out of range")
+        return int(_sc.ERRNO(number))
+    raise SeccompSpecError(f"unknown action {action!r}")
+
+
+def syscall_number(name: str) -> int | None:
+    """The native syscall number of ``name``, or None if this architecture has no such call."""
+    try:
+        number = _sc.resolve_syscall(_sc.system_arch(), name)
+    except Exception:
+        return None
+    return int(number) if number >= 0 else None
+
+
+def syscall_name(number: int) -> str | None:
+    """The native name of syscall ``number``, or None."""
+    try:
+        raw = _sc.resolve_syscall(_sc.system_arch(), number)
+    except Exception:
+        return None
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def _build(filter_spec: Mapping[str, Any]) -> Any:
+    default = filter_spec.get("default")
+    rules = filter_spec.get("rules")
+    if not isinstance(default, str) or not isinstance(rules, list):
+        raise SeccompSpecError("a filter needs 'default' (str) and 'rules' (list)")
+    f = _sc.SyscallFilter(action_value(default))
+    f.set_attr(_sc.Attr.ACT_BADARCH, _sc.KILL_PROCESS)
+    for rule in rules:
+        if not (isinstance(rule, list) and len(rule) == 3):
+            raise SeccompSpecError(f"bad rule {rule!r}")
+        name, action, conditions = rule
+        if not isinstance(name, str) or not isinstance(conditions, list):
+            raise SeccompSpecError(f"bad rule {rule!r}")
+        if syscall_number(name) is None:
+            raise SeccompSpecError(f"unknown syscall {name!r}")
+        args = []
+        for cond in conditions:
+            if not (isinstance(cond, list) and len(cond) == 4 and cond[1] in _OPS):
+                raise SeccompSpecError(f"bad condition {cond!r} on {name}")
+            arg, op, datum_a, datum_b = cond
+            args.append(_sc.Arg(int(arg), _OPS[op], int(datum_a), int(datum_b)))
+        f.add_rule(action_value(action), name, *args)
+    return f
+
+
+def _filters(spec: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
+    filters = spec.get("filters")
+    if not isinstance(filters, list) or not filters:
+        raise SeccompSpecError("spec needs a non-empty 'filters' list")
+    return filters
+
+
+def load(spec: Mapping[str, Any]) -> int:
+    """Build and load every filter of ``spec`` into the calling process. Returns the count.
+
+    Call before any other thread exists (filters are inherited by threads created later).
+    """
+    built = [_build(f) for f in _filters(spec)]
+    for f in built:
+        f.load()
+    return len(built)
+
+
+def explain(spec: Mapping[str, Any]) -> str:
+    """libseccomp's pseudo-filter-code for every filter of ``spec`` (for ``policy explain``)."""
+    parts = []
+    for i, fspec in enumerate(_filters(spec)):
+        with tempfile.TemporaryFile() as tmp:
+            _build(fspec).export_pfc(tmp)
+            tmp.seek(0)
+            text = tmp.read().decode()
+        parts.append(f"# ---- filter {i + 1} of {len(_filters(spec))}\n{text}")
+    return "\n".join(parts)
+
+
+def bpf_program(spec: Mapping[str, Any]) -> list[bytes]:
+    """The raw BPF program of each filter (for tests and diagnostics)."""
+    out = []
+    for fspec in _filters(spec):
+        buf = io.BytesIO()
+        with tempfile.TemporaryFile() as tmp:
+            _build(fspec).export_bpf(tmp)
+            tmp.seek(0)
+            buf.write(tmp.read())
+        out.append(buf.getvalue())
+    return out

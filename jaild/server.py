@@ -1,0 +1,492 @@
+"""The jaild daemon: a Unix-socket server that runs jobs in jails and routes tool calls.
+
+Theory of operation
+-------------------
+Lifecycle: :meth:`Daemon.start` (load and check every policy -- refusing to
+start on any error --, prepare the cgroup subtree and sweep what a crash left,
+stage the runtime, seal one nsjail config per policy, bind the socket, notify
+systemd) -> :meth:`Daemon.serve_forever` -> :meth:`Daemon.stop` (stop
+accepting, cancel running jobs so they end ``cancelled``, tell their clients,
+close connections, remove the socket).
+
+Each connection is a :class:`ClientSession` wrapping the sans-IO
+:class:`~jaild.protocol.Connection`. A job belongs to the session that
+submitted it: only that session may cancel it or answer its tool calls, and
+when the session goes away its jobs are cancelled. A tool call from a jail
+goes out as ``CallTool{job_id, call_id}`` to the owning session, and the
+session's ``ToolReturned``/``ToolFailed`` for that pair resolves it.
+
+Hostile input on a connection (a bad frame, an oversize frame, a message out of
+order) gets an ``Error`` frame and that connection is closed; a well-formed but
+unacceptable request (unknown policy, looser limits, unknown job) gets an
+``Error`` frame and the connection carries on. Either way every other client is
+unaffected.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import resource
+import secrets
+import socket
+import stat
+import struct
+from typing import Any
+
+from jaild import __version__, systemd
+from jaild.cgroups import CgroupError, Cgroups, detect
+from jaild.config import DaemonConfig
+from jaild.errors import (
+    BadRequest,
+    Busy,
+    ConnectionLost,
+    InternalError,
+    JaildError,
+    PermissionDenied,
+    PolicyError,
+    RemoteProtocolError,
+    ShuttingDown,
+    UnknownJob,
+    UnknownPolicy,
+)
+from jaild.kernlog import KernelAuditLog
+from jaild.policy.compile import HostLayout, nsjail_config
+from jaild.policy.schema import Policy, effective_limits, host_checks, load_policy_dir, resolve_env
+from jaild.policy.seccomp import build_spec
+from jaild.protocol import CLOSED, NEED_DATA, PROTOCOL_VERSION, Connection, Role
+from jaild.protocol.messages import (
+    CancelJob,
+    ClientCallTool,
+    ClientToolFailed,
+    ClientToolReturned,
+    Error,
+    Hello,
+    JobAccepted,
+    JobFinished,
+    JobOutput,
+    ListPolicies,
+    Message,
+    PolicyList,
+    RunJob,
+    Welcome,
+)
+from jaild.staging import ensure_traversable, locate_nsjail, stage_runtime
+from jaild.supervisor import JailedJob, JailEnvironment, JobSpec, syntax_error_record
+
+log = logging.getLogger("jaild")
+
+SO_PEERGROUPS = 59
+HANDSHAKE_TIMEOUT_S = 10.0
+WRITE_BUFFER_HIGH = 8 << 20
+
+
+class StartupError(JaildError):
+    """The daemon cannot start; the message lists every reason."""
+
+    code = "internal_error"
+
+
+def _peer_credentials(sock: socket.socket) -> tuple[int, int, int, tuple[int, ...]]:
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    groups: tuple[int, ...] = ()
+    with contextlib.suppress(OSError):
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 256)
+        groups = struct.unpack(f"{len(raw) // 4}I", raw)
+    return pid, uid, gid, groups
+
+
+def _sealed_memfd(name: str, text: str) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, text.encode())
+    import fcntl
+
+    seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+class ClientSession:
+    """One client connection."""
+
+    def __init__(self, daemon: Daemon, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.daemon = daemon
+        self.reader = reader
+        self.writer = writer
+        self.conn = Connection(Role.DAEMON, daemon.config.max_frame_bytes)
+        sock = writer.get_extra_info("socket")
+        self.pid, self.uid, self.gid, self.groups = _peer_credentials(sock)
+        self.jobs: dict[str, JailedJob | None] = {}
+        self.pending_calls: dict[tuple[str, int], asyncio.Future[tuple[bool, Any]]] = {}
+        self.closed = False
+
+    @property
+    def who(self) -> str:
+        return f"uid={self.uid} pid={self.pid}"
+
+    def send(self, msg: Message) -> None:
+        if self.closed or self.writer.is_closing():
+            return
+        self.writer.write(self.conn.send(msg))
+
+    def send_error(self, err: JaildError, ref: int | None = None, job_id: str | None = None) -> None:
+        with contextlib.suppress(JaildError):
+            self.send(Error(code=err.code, message=err.message[:65536], ref=ref, job_id=job_id))
+
+    async def serve(self) -> None:
+        try:
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                hello = await self._next_message()
+            if not isinstance(hello, Hello):
+                return
+            self.send(Welcome(protocol=PROTOCOL_VERSION, daemon=f"jaild/{__version__}"))
+            while True:
+                msg = await self._next_message()
+                if msg is None:
+                    return
+                await self._dispatch(msg)
+                if self.writer.transport.get_write_buffer_size() > WRITE_BUFFER_HIGH:
+                    await self.writer.drain()
+        except RemoteProtocolError as exc:
+            log.warning("client %s sent bad input: %s", self.who, exc.message)
+            self.send_error(exc)
+        except TimeoutError:
+            log.warning("client %s did not say Hello within %ss", self.who, HANDSHAKE_TIMEOUT_S)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            await self.close()
+
+    async def _next_message(self) -> Message | None:
+        while True:
+            event = self.conn.next_event()
+            if event is NEED_DATA:
+                data = await self.reader.read(1 << 16)
+                self.conn.receive_data(data)
+                continue
+            if event is CLOSED:
+                return None
+            assert isinstance(event, Message)
+            return event
+
+    async def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, RunJob):
+            try:
+                self.daemon.submit(self, msg)
+            except JaildError as exc:
+                log.info("refused job from %s: %s: %s", self.who, exc.code, exc.message)
+                self.send_error(exc, ref=msg.ref)
+        elif isinstance(msg, (ClientToolReturned, ClientToolFailed)):
+            fut = self.pending_calls.pop((msg.job_id, msg.call_id), None)
+            if fut is None:
+                if msg.job_id not in self.jobs:
+                    self.send_error(UnknownJob(f"no job {msg.job_id} of this connection"),
+                                    job_id=msg.job_id)
+                return  # a late answer for a call that already ended: harmless
+            if not fut.done():
+                if isinstance(msg, ClientToolReturned):
+                    fut.set_result((True, msg.value))
+                else:
+                    fut.set_result((False, (msg.error_type, msg.message)))
+        elif isinstance(msg, CancelJob):
+            job = self.jobs.get(msg.job_id)
+            if msg.job_id not in self.jobs:
+                self.send_error(UnknownJob(f"no running job {msg.job_id} of this connection"),
+                                job_id=msg.job_id)
+            elif job is not None:
+                job.cancel("cancelled by the client")
+        elif isinstance(msg, ListPolicies):
+            self.send(PolicyList(ref=msg.ref, policies=[
+                p.summary() for p in self.daemon.policies.values()
+                if p.user_allowed(self.uid, (self.gid, *self.groups))
+            ]))
+
+    async def call_tool(self, job_id: str, call_id: int, name: str, args: bytes) -> tuple[bool, Any]:
+        if self.closed:
+            raise ConnectionLost("the client is gone")
+        fut: asyncio.Future[tuple[bool, Any]] = asyncio.get_running_loop().create_future()
+        self.pending_calls[(job_id, call_id)] = fut
+        self.send(ClientCallTool(job_id=job_id, call_id=call_id, name=name, args=args))
+        try:
+            return await fut
+        finally:
+            self.pending_calls.pop((job_id, call_id), None)
+
+    def output(self, job_id: str, stream: str, data: bytes) -> None:
+        self.send(JobOutput(job_id=job_id, stream=stream, data=data))
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for fut in self.pending_calls.values():
+            if not fut.done():
+                fut.set_exception(ConnectionLost("the client disconnected"))
+        self.pending_calls.clear()
+        for job in list(self.jobs.values()):
+            if job is not None:
+                job.cancel("the client disconnected")
+        with contextlib.suppress(Exception):
+            self.writer.close()
+        self.daemon.sessions.discard(self)
+
+
+class Daemon:
+    """See the module docstring."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.policies: dict[str, Policy] = {}
+        self.sessions: set[ClientSession] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.jobs: dict[str, JailedJob] = {}
+        self.env: JailEnvironment | None = None
+        self._server: asyncio.Server | None = None
+        self._stopping = False
+        self._stopped = asyncio.Event()
+        self._owns_socket = False
+        self._socket_inode: tuple[int, int] | None = None
+        self._config_fds: list[int] = []
+        self.swept: list[str] = []
+
+    # ------------------------------------------------------------------ startup
+
+    def load_policies(self) -> dict[str, Policy]:
+        policies = load_policy_dir(self.config.policies_dir)
+        problems = [str(err) for p in policies.values() for err in host_checks(p, self.config.envs_dir)]
+        if problems:
+            raise StartupError("invalid policies:\n  " + "\n  ".join(problems))
+        return policies
+
+    async def start(self) -> None:
+        try:
+            self.policies = self.load_policies()
+        except PolicyError as exc:
+            raise StartupError(f"invalid policy: {exc.message}") from None
+        try:
+            layout = detect(self.config.subtree)
+            cgroups = Cgroups(layout)
+            cgroups.prepare()
+        except CgroupError as exc:
+            raise StartupError(str(exc)) from None
+        self.swept = cgroups.sweep()
+        if self.swept:
+            log.warning("swept %d job cgroup(s) left by an earlier run", len(self.swept))
+        nsjail = locate_nsjail(self.config.nsjail)
+        ensure_traversable(self.config.state_dir)
+        interpreters = [
+            os.path.join(resolve_env(p, self.config.envs_dir), "bin", "python3")
+            for p in self.policies.values()
+        ]
+        runtime_dir = await asyncio.to_thread(stage_runtime, self.config.state_dir, interpreters)
+        host = HostLayout(runtime_dir=runtime_dir, envs_dir=self.config.envs_dir, cgroup=layout)
+        config_fds = {}
+        specs = {}
+        for name, policy in self.policies.items():
+            fd = _sealed_memfd(f"jaild-{name}", nsjail_config(policy, host))
+            self._config_fds.append(fd)
+            config_fds[name] = fd
+            specs[name] = build_spec(policy.seccomp_choice, network=policy.network.mode != "none")
+        self.env = JailEnvironment(
+            nsjail=nsjail, host=host, cgroups=cgroups, config_fds=config_fds,
+            seccomp_specs=specs, audit=KernelAuditLog(), uid_base=self.config.uid_base,
+        )
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        sock = self._listening_socket()
+        self._server = await asyncio.start_unix_server(self._accept, sock=sock, limit=1 << 16)
+        log.info("jaild %s serving %d policies (%s) on %s; nsjail %s; cgroup v%d subtree %s",
+                 __version__, len(self.policies), ", ".join(sorted(self.policies)),
+                 self.config.socket_path, nsjail, layout.version, layout.subtree)
+        systemd.notify(f"READY=1\nSTATUS=serving {len(self.policies)} policies")
+
+    def _listening_socket(self) -> socket.socket:
+        activated = systemd.listen_sockets()
+        if activated:
+            return activated[0]
+        path = self.config.socket_path
+        directory = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(directory):
+            os.makedirs(directory, mode=0o750)
+        if os.path.lexists(path):
+            st = os.lstat(path)
+            if not stat.S_ISSOCK(st.st_mode):
+                raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(path)
+            except (ConnectionRefusedError, FileNotFoundError):
+                os.unlink(path)  # stale, from a daemon that died
+                log.warning("removed stale socket %s", path)
+            else:
+                raise StartupError(f"another daemon is already listening on {path}")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o777 & ~self.config.socket_mode)
+        try:
+            sock.bind(path)  # created with the final mode: no chmod-after-bind window
+        finally:
+            os.umask(old_umask)
+        if self.config.socket_group:
+            os.chown(path, -1, grp.getgrnam(self.config.socket_group).gr_gid)
+        st = os.stat(path)
+        self._socket_inode = (st.st_dev, st.st_ino)
+        self._owns_socket = True
+        sock.listen(512)
+        return sock
+
+    # ------------------------------------------------------------------ serving
+
+    async def serve_forever(self) -> None:
+        await self._stopped.wait()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._stopping:
+            writer.close()
+            return
+        try:
+            session = ClientSession(self, reader, writer)
+        except OSError:
+            writer.close()
+            return
+        self.sessions.add(session)
+        await session.serve()
+
+    def submit(self, session: ClientSession, req: RunJob) -> None:
+        """Validate a RunJob and start it. Raises a JaildError the client gets as Error."""
+        if self._stopping:
+            raise ShuttingDown("the daemon is shutting down")
+        policy = self.policies.get(req.policy)
+        if policy is None:
+            raise UnknownPolicy(f"no policy {req.policy!r}; this daemon serves: {', '.join(sorted(self.policies))}")
+        if not policy.user_allowed(session.uid, (session.gid, *session.groups)):
+            raise PermissionDenied(f"uid {session.uid} may not use policy {policy.name!r}")
+        names = [t.name for t in req.tools]
+        if len(set(names)) != len(names):
+            raise BadRequest("tool names must be unique")
+        refused = [n for n in names if not policy.tool_allowed(n)]
+        if refused:
+            raise PermissionDenied(
+                f"policy {policy.name!r} does not allow tool(s) {', '.join(refused)} "
+                f"(allowed: {', '.join(policy.access.tools)})"
+            )
+        code_bytes = len(req.code.encode("utf-8", "surrogatepass"))
+        if code_bytes > policy.limits.code_bytes:
+            raise BadRequest(
+                f"the code is {code_bytes} bytes; policy {policy.name!r} accepts at most "
+                f"{policy.limits.code_bytes}"
+            )
+        try:
+            limits = effective_limits(policy, req.limits)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        if len(self.jobs) >= self.config.max_jobs:
+            raise Busy(f"{len(self.jobs)} jobs running, the daemon's limit; retry later")
+        job_id = "job-" + secrets.token_hex(8)
+        session.send(JobAccepted(ref=req.ref, job_id=job_id))
+        try:
+            compile(req.code, req.filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
+                    dont_inherit=True)
+        except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as exc:
+            record = syntax_error_record(job_id, policy, limits, exc, req.filename)
+            session.send(JobFinished(job_id=job_id, record=record))
+            self._audit(session, record)
+            return
+        assert self.env is not None
+        spec = JobSpec(job_id=job_id, policy=policy, limits=limits, code=req.code,
+                       filename=req.filename, tools=req.tools)
+        job = JailedJob(spec, self.env, session.call_tool, session.output)
+        session.jobs[job_id] = job
+        self.jobs[job_id] = job
+        task = asyncio.get_running_loop().create_task(self._run(session, job))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _run(self, session: ClientSession, job: JailedJob) -> None:
+        job_id = job.spec.job_id
+        try:
+            try:
+                record = await job.run()
+            except Exception as exc:  # a jaild bug: report it, keep serving
+                log.exception("job %s failed inside jaild", job_id)
+                record = {
+                    "job_id": job_id, "policy": job.spec.policy.name, "status": "internal_error",
+                    "stdout": "", "stderr": "", "tool_calls": [], "duration_s": 0.0,
+                    "limits": {}, "error": {"type": "InternalError", "message": str(exc),
+                                            "traceback": "", "lineno": None},
+                }
+                job.result = None
+            session.send(JobFinished(job_id=job_id, record=record, result=job.result))
+            self._audit(session, record)
+        finally:
+            self.jobs.pop(job_id, None)
+            session.jobs.pop(job_id, None)
+
+    def _audit(self, session: ClientSession, record: dict[str, Any]) -> None:
+        log.info("job=%s policy=%s %s status=%s duration_s=%.3f tool_calls=%d",
+                 record["job_id"], record["policy"], session.who, record["status"],
+                 record["duration_s"], len(record["tool_calls"]))
+
+    # ------------------------------------------------------------------ shutdown
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        if self._stopping:
+            await self._stopped.wait()
+            return
+        self._stopping = True
+        systemd.notify("STOPPING=1")
+        if self._server is not None:
+            self._server.close()
+        for job in list(self.jobs.values()):
+            job.cancel("the daemon is shutting down")
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=grace_s)
+        for session in list(self.sessions):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(session.writer.drain(), timeout=1.0)
+            await session.close()
+        if self._owns_socket:
+            with contextlib.suppress(OSError):
+                st = os.stat(self.config.socket_path)
+                if (st.st_dev, st.st_ino) == self._socket_inode:
+                    os.unlink(self.config.socket_path)
+        if self.env is not None:
+            self.env.audit.close()
+        for fd in self._config_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._config_fds.clear()
+        log.info("jaild stopped")
+        self._stopped.set()
+
+
+async def serve(config: DaemonConfig) -> None:
+    """Run a daemon until SIGTERM/SIGINT, then stop it gracefully."""
+    import signal
+
+    daemon = Daemon(config)
+    await daemon.start()
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_requested.set)
+    try:
+        waiter = asyncio.ensure_future(stop_requested.wait())
+        served = asyncio.ensure_future(daemon.serve_forever())
+        await asyncio.wait([waiter, served], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        served.cancel()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await daemon.stop()
+
+
+__all__ = ["ClientSession", "Daemon", "InternalError", "StartupError", "serve"]

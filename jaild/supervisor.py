@@ -1,0 +1,602 @@
+"""Run one job in one fresh nsjail jail, and decide how it ended.
+
+Theory of operation
+-------------------
+For each job the supervisor creates the job's cgroup (limits set *there*, see
+:mod:`jaild.cgroups`), a socketpair for the tool channel, pipes for stdout and
+stderr, and a pipe nsjail logs to; then it starts nsjail with the policy's
+config (a sealed memfd) and the job's argv. Everything after that is event
+driven on the daemon's loop: asyncio protocols read the pipes and the channel,
+a pidfd says when nsjail exits (``wait4`` then gives its rusage, which includes
+the jailed process nsjail reaped).
+
+The jail link goes ``Harden`` -> ``JailReady`` -> ``RunCode`` -> (``CallTool``
+<-> ``ToolReturned``/``ToolFailed``)* -> ``CodeFinished``. The wall-clock
+deadline starts when ``RunCode`` is sent. Every frame from the jail is hostile
+input: the connection state machine rejects anything out of order, the frame
+limit is the policy's tool payload limit, tool names must be ones the client
+registered, call ids must not collide, and in-flight calls are capped.
+
+How a job ended is decided by :func:`classify` from evidence the jailed code
+cannot forge, in this order: the daemon's own kill reason (cancelled, timeout,
+output limit, channel abuse), the job cgroup's OOM evidence, the termination
+signal nsjail logged on its private descriptor (and, for SIGSYS, the kernel's
+audit record of the syscall), the CPU time in the rusage -- and only then the
+runtime's own report (``CodeFinished``), which decides between ``ok`` and
+``error``. The exit code alone is never trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaild.cgroups import Cgroups, JobCgroup
+from jaild.errors import ConnectionLost, RemoteProtocolError
+from jaild.kernlog import KernelAuditLog
+from jaild.policy.compile import HostLayout, JobPlacement, job_argv
+from jaild.policy.schema import Limits, Policy
+from jaild.protocol import NEED_DATA, PROTOCOL_VERSION, Connection, Role, State
+from jaild.protocol.messages import (
+    CodeFinished,
+    ErrorInfo,
+    Harden,
+    JailCallTool,
+    JailReady,
+    JailToolFailed,
+    JailToolReturned,
+    Message,
+    RunCode,
+    ToolSpec,
+)
+
+STATUSES = (
+    "ok", "error", "timeout", "memory_limit", "output_limit", "killed", "policy_violation",
+    "cancelled", "internal_error",
+)
+START_TIMEOUT_S = 30.0
+KILL_GRACE_S = 1.0
+FRAME_OVERHEAD = 4096
+
+ToolRouter = Callable[[str, int, str, bytes], Awaitable[tuple[bool, Any]]]
+"""(job_id, call_id, tool name, packed args) -> (True, packed value) | (False, (type, message))."""
+OutputSink = Callable[[str, str, bytes], None]
+"""(job_id, "stdout"|"stderr", bytes) -> None."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    job_id: str
+    policy: Policy
+    limits: Limits
+    code: str
+    filename: str
+    tools: tuple[ToolSpec, ...]
+
+
+@dataclass
+class JailEnvironment:
+    """What every job of one daemon shares."""
+
+    nsjail: str
+    host: HostLayout
+    cgroups: Cgroups
+    config_fds: dict[str, int]  # policy name -> sealed memfd with its nsjail config
+    seccomp_specs: dict[str, dict[str, Any]]
+    audit: KernelAuditLog
+    uid_base: int
+    _free_slots: list[int] = field(default_factory=list)
+    _next_slot: int = 0
+
+    def allocate_uid(self) -> int:
+        slot = self._free_slots.pop() if self._free_slots else self._next_slot
+        if slot == self._next_slot:
+            self._next_slot += 1
+        return self.uid_base + slot
+
+    def release_uid(self, uid: int) -> None:
+        self._free_slots.append(uid - self.uid_base)
+
+
+# --------------------------------------------------------------------------- classification
+
+_EXITED = re.compile(r"pid=(\d+) \(\[STANDALONE MODE\]\) exited with status: (\d+)")
+_SIGNALED = re.compile(
+    r"pid=(\d+) \(\[STANDALONE MODE\]\) terminated with signal: (\w+) \((\d+)\)"
+)
+_LAUNCH_FAILED = ("Couldn't launch the child process", "Launching child process failed")
+
+
+@dataclass
+class Evidence:
+    kill_reason: str | None = None  # cancelled | timeout | output_limit | channel_error | start_failed
+    kill_detail: str = ""
+    log: str = ""
+    jail_ready: bool = False
+    oom: bool = False
+    cpu_s: float = 0.0
+    cpu_limit_s: float = 0.0
+    wall_limit_s: float = 0.0
+    output_limit: int = 0
+    syscall: str | None = None
+    claim: CodeFinished | None = None
+    nsjail_returncode: int | None = None
+    stderr_tail: str = ""
+
+
+def parse_termination(log: str) -> tuple[str, int, str, int] | None:
+    """From nsjail's log: ("exited", code, "", pid) or ("signaled", signum, NAME, pid)."""
+    for line in reversed(log.splitlines()):
+        m = _EXITED.search(line)
+        if m:
+            return ("exited", int(m.group(2)), "", int(m.group(1)))
+        m = _SIGNALED.search(line)
+        if m:
+            return ("signaled", int(m.group(3)), m.group(2), int(m.group(1)))
+    return None
+
+
+def _err(type_: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"type": type_, "message": message, "traceback": "", "lineno": None, **extra}
+
+
+def _log_excerpt(log: str) -> str:
+    lines = [ln for ln in log.splitlines() if ln.startswith(("[E]", "[F]", "[W]"))]
+    return "\n".join(lines[-8:]) or "\n".join(log.splitlines()[-8:])
+
+
+def classify(ev: Evidence) -> tuple[str, dict[str, Any] | None]:
+    """(status, error) from the evidence. Pure; the order is the precedence."""
+    term = parse_termination(ev.log)
+    signaled = term is not None and term[0] == "signaled"
+    signame = term[2] if signaled and term else ""
+    if ev.kill_reason == "cancelled":
+        return "cancelled", _err("Cancelled", ev.kill_detail or "the job was cancelled")
+    if ev.kill_reason == "timeout":
+        return "timeout", _err(
+            "Timeout", f"wall-clock limit of {ev.wall_limit_s:g} s exceeded", limit="wall_time_s"
+        )
+    if ev.kill_reason == "output_limit":
+        return "output_limit", _err(
+            "OutputLimit",
+            f"stdout+stderr exceeded {ev.output_limit} bytes; output truncated there, job stopped",
+            limit="output_bytes",
+        )
+    if ev.kill_reason == "start_failed":
+        return "internal_error", _err("JailStartFailed", ev.kill_detail)
+    if ev.oom and (signame == "SIGKILL" or ev.claim is None or not ev.claim.ok):
+        return "memory_limit", _err(
+            "MemoryLimit", "the job's cgroup memory limit was hit (OOM kill)", limit="memory_mb"
+        )
+    if signaled and (signame == "SIGXCPU" or (signame == "SIGKILL" and ev.cpu_s >= ev.cpu_limit_s - 0.05)):
+        return "timeout", _err(
+            "Timeout", f"CPU time limit of {ev.cpu_limit_s:g} s exceeded", limit="cpu_time_s"
+        )
+    if signame == "SIGSYS":
+        what = f"syscall {ev.syscall}" if ev.syscall else "a syscall the policy does not allow"
+        return "policy_violation", _err(
+            "PolicyViolation", f"the seccomp filter killed the process for {what}",
+            syscall=ev.syscall, signal="SIGSYS",
+        )
+    if signaled:
+        assert term is not None
+        return "killed", _err(
+            "Killed", f"the process was killed by {signame} ({term[1]})", signal=signame
+        )
+    if ev.kill_reason == "channel_error":
+        return "error", _err("ChannelError", ev.kill_detail)
+    if term is None:
+        if any(marker in ev.log for marker in _LAUNCH_FAILED) or not ev.jail_ready:
+            return "internal_error", _err(
+                "JailStartFailed",
+                "nsjail could not start the jail: " + (_log_excerpt(ev.log) or "no log output"),
+            )
+        return "internal_error", _err(
+            "JailLost", f"nsjail ended without reporting the job (exit {ev.nsjail_returncode})"
+        )
+    code = term[1]
+    if not ev.jail_ready:
+        why = ev.stderr_tail.strip().splitlines()[-1:] or [f"exit code {code}"]
+        return "internal_error", _err(
+            "RuntimeStartFailed", f"the in-jail runtime did not come up: {why[0]}"
+        )
+    if ev.claim is not None:
+        if ev.claim.ok:
+            return "ok", None
+        err = ev.claim.error
+        if err is None:
+            return "error", _err("Error", "the code failed without details")
+        return "error", {"type": err.type, "message": err.message, "traceback": err.traceback,
+                         "lineno": err.lineno}
+    return "error", _err(
+        "ProcessExit", f"the process exited with code {code} before reporting a result"
+    )
+
+
+# --------------------------------------------------------------------------- asyncio plumbing
+
+
+class _PipeReader(asyncio.Protocol):
+    def __init__(self, on_data: Callable[[bytes], None], on_eof: Callable[[], None]) -> None:
+        self._on_data = on_data
+        self._on_eof = on_eof
+
+    def data_received(self, data: bytes) -> None:
+        self._on_data(data)
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_eof()
+
+
+class _ChannelProtocol(asyncio.Protocol):
+    def __init__(self, job: JailedJob) -> None:
+        self._job = job
+
+    def data_received(self, data: bytes) -> None:
+        self._job._channel_data(data)
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._job._channel_closed()
+
+
+# --------------------------------------------------------------------------- the job
+
+
+class JailedJob:
+    """One job, one jail. ``await run()`` returns the result record (without ``result``)."""
+
+    def __init__(self, spec: JobSpec, env: JailEnvironment, route_tool: ToolRouter,
+                 output: OutputSink) -> None:
+        self.spec = spec
+        self._env = env
+        self._route_tool = route_tool
+        self._output = output
+        self._loop = asyncio.get_running_loop()
+        self._ev = Evidence(
+            cpu_limit_s=float(spec.limits.cpu_time_s),
+            wall_limit_s=spec.limits.wall_time_s,
+            output_limit=spec.limits.output_bytes,
+        )
+        self._conn = Connection(Role.SUPERVISOR, spec.limits.tool_payload_bytes + FRAME_OVERHEAD)
+        self._tool_names = {t.name for t in spec.tools}
+        self._stdout = bytearray()
+        self._stderr = bytearray()
+        self._output_total = 0
+        self._log = bytearray()
+        self._calls: list[dict[str, Any]] = []
+        self._in_flight: dict[int, asyncio.Task[None]] = {}
+        self._open_streams = 0
+        self._done = asyncio.Event()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._exited = False
+        self._transport: asyncio.Transport | None = None
+        self._timers: list[asyncio.TimerHandle] = []
+        self._started = time.monotonic()
+        self._code_started: float | None = None
+        self.result: bytes | None = None
+
+    # -- public
+
+    def cancel(self, reason: str = "the job was cancelled") -> None:
+        self._terminate("cancelled", reason)
+
+    async def run(self) -> dict[str, Any]:
+        cgroup: JobCgroup | None = None
+        uid = self._env.allocate_uid()
+        try:
+            try:
+                cgroup = self._env.cgroups.create_job(
+                    self.spec.job_id, self.spec.limits.memory_mb, self.spec.limits.pids,
+                    with_cpu=self.spec.limits.cpu_cores > 0,
+                )
+                await self._start(uid)
+            except (OSError, RuntimeError) as exc:
+                self._ev.kill_reason = "start_failed"
+                self._ev.kill_detail = f"could not start the jail: {exc}"
+                self._done.set()
+            await self._done.wait()
+            for task in list(self._in_flight.values()):
+                task.cancel()
+            if cgroup is not None:
+                self._ev.oom = cgroup.oom_killed()
+            term = parse_termination(self._ev.log)
+            if term and term[0] == "signaled" and term[2] == "SIGSYS":
+                self._ev.syscall = self._env.audit.seccomp_kill(term[3])
+            return self._record()
+        finally:
+            for timer in self._timers:
+                timer.cancel()
+            if self._proc is not None and not self._exited:
+                with contextlib.suppress(ProcessLookupError):
+                    self._proc.kill()
+            if cgroup is not None:
+                try:
+                    cgroup.kill_all()
+                    cgroup.remove()
+                except OSError:
+                    pass
+            self._env.release_uid(uid)
+
+    # -- start
+
+    async def _start(self, uid: int) -> None:
+        spec = self.spec
+        config_fd = self._env.config_fds[spec.policy.name]
+        daemon_end, jail_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        log_r, log_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            argv = job_argv(
+                self._env.nsjail, spec.policy, spec.limits, self._env.host,
+                JobPlacement(spec.job_id, uid, f"/proc/self/fd/{config_fd}", log_w),
+            )
+            self._proc = subprocess.Popen(
+                argv, stdin=jail_end.fileno(), stdout=out_w, stderr=err_w,
+                pass_fds=(config_fd, log_w), close_fds=True, start_new_session=True, env={},
+            )
+        except BaseException:
+            for fd in (out_r, err_r, log_r):
+                os.close(fd)
+            daemon_end.close()
+            raise
+        finally:
+            for fd in (out_w, err_w, log_w):
+                os.close(fd)
+            jail_end.close()
+        self._open_streams = 3
+        self._watch_exit(self._proc.pid)
+        for fd, sink in ((out_r, "stdout"), (err_r, "stderr"), (log_r, "log")):
+            pipe = os.fdopen(fd, "rb", buffering=0)
+            if sink == "log":
+                on_data: Callable[[bytes], None] = self._log_data
+            else:
+                on_data = functools.partial(self._output_data, sink)
+            await self._loop.connect_read_pipe(
+                functools.partial(_PipeReader, on_data, self._stream_closed), pipe
+            )
+        transport, _ = await self._loop.create_unix_connection(
+            functools.partial(_ChannelProtocol, self), sock=daemon_end
+        )
+        self._transport = transport
+        self._send(Harden(protocol=PROTOCOL_VERSION,
+                          seccomp=self._env.seccomp_specs[spec.policy.name]))
+        self._timers.append(self._loop.call_later(START_TIMEOUT_S, self._start_timeout))
+
+    def _watch_exit(self, pid: int) -> None:
+        pidfd = os.pidfd_open(pid)
+
+        def on_exit() -> None:
+            try:
+                waited, status, rusage = os.wait4(pid, os.WNOHANG)
+            except ChildProcessError:
+                waited, status, rusage = pid, 0, None
+            if waited == 0:
+                return
+            self._loop.remove_reader(pidfd)
+            os.close(pidfd)
+            self._exited = True
+            assert self._proc is not None
+            self._proc.returncode = os.waitstatus_to_exitcode(status)
+            self._ev.nsjail_returncode = self._proc.returncode
+            if rusage is not None:
+                self._ev.cpu_s = rusage.ru_utime + rusage.ru_stime
+            self._maybe_done()
+
+        self._loop.add_reader(pidfd, on_exit)
+
+    # -- stream handlers
+
+    def _log_data(self, data: bytes) -> None:
+        if len(self._log) < 256 * 1024:
+            self._log += data
+
+    def _output_data(self, stream: str, data: bytes) -> None:
+        if self._ev.kill_reason is not None:
+            return
+        limit = self.spec.limits.output_bytes
+        room = limit - self._output_total
+        chunk = data[:room] if len(data) > room else data
+        self._output_total += len(chunk)
+        if chunk:
+            (self._stdout if stream == "stdout" else self._stderr).extend(chunk)
+            self._output(self.spec.job_id, stream, chunk)
+        if len(data) > room:
+            self._terminate("output_limit", "")
+
+    def _stream_closed(self) -> None:
+        self._open_streams -= 1
+        self._maybe_done()
+
+    def _maybe_done(self) -> None:
+        if self._exited and self._open_streams == 0:
+            self._ev.log = self._log.decode("utf-8", "replace")
+            self._ev.stderr_tail = self._stderr[-2048:].decode("utf-8", "replace")
+            if self._transport is not None:
+                self._transport.abort()
+            self._done.set()
+
+    # -- the channel
+
+    def _send(self, msg: Message) -> None:
+        if self._transport is None or self._transport.is_closing():
+            return
+        self._transport.write(self._conn.send(msg))
+
+    def _channel_closed(self) -> None:
+        self._transport = None
+
+    def _channel_data(self, data: bytes) -> None:
+        try:
+            self._conn.receive_data(data)
+            while True:
+                event = self._conn.next_event()
+                if event is NEED_DATA:
+                    return
+                if not isinstance(event, Message):  # CLOSED
+                    return
+                self._jail_event(event)
+        except RemoteProtocolError as exc:
+            self._terminate("channel_error", f"the jail broke the tool channel protocol: {exc}")
+
+    def _jail_event(self, event: Message) -> None:
+        if isinstance(event, JailReady):
+            self._ev.jail_ready = True
+            self._send(RunCode(
+                code=self.spec.code, filename=self.spec.filename, tools=self.spec.tools,
+                tool_payload_bytes=self.spec.limits.tool_payload_bytes,
+                result_bytes=self.spec.limits.result_bytes,
+            ))
+            self._code_started = time.monotonic()
+            self._timers.append(
+                self._loop.call_later(self.spec.limits.wall_time_s, self._terminate, "timeout", "")
+            )
+        elif isinstance(event, JailCallTool):
+            self._call_tool(event)
+        elif isinstance(event, CodeFinished):
+            self._ev.claim = event
+            self.result = event.result
+
+    def _call_tool(self, call: JailCallTool) -> None:
+        if call.call_id in self._in_flight:
+            self._terminate("channel_error", f"the jail reused call id {call.call_id} while in flight")
+            return
+        if call.name not in self._tool_names:
+            available = ", ".join(sorted(self._tool_names)) or "(none)"
+            self._reply_failed(call.call_id, "unknown_tool",
+                               f"no tool named {call.name!r}; available: {available}")
+            self._calls.append({"name": call.name, "duration_s": 0.0, "ok": False,
+                                "error_type": "unknown_tool"})
+            return
+        if len(self._in_flight) >= self.spec.limits.tool_calls_in_flight:
+            self._reply_failed(
+                call.call_id, "too_many_calls",
+                f"{len(self._in_flight)} tool calls already in flight; the policy allows "
+                f"{self.spec.limits.tool_calls_in_flight} at once",
+            )
+            return
+        self._in_flight[call.call_id] = self._loop.create_task(self._route(call))
+
+    def _reply_failed(self, call_id: int, error_type: str, message: str) -> None:
+        if self._conn.state is State.RUNNING:
+            self._send(JailToolFailed(call_id=call_id, error_type=error_type, message=message))
+
+    async def _route(self, call: JailCallTool) -> None:
+        started = time.monotonic()
+        entry: dict[str, Any] = {"name": call.name, "duration_s": 0.0, "ok": False}
+        try:
+            ok, value = await self._route_tool(self.spec.job_id, call.call_id, call.name, call.args)
+        except ConnectionLost:
+            self._terminate("cancelled", "the client disconnected during a tool call")
+            return
+        finally:
+            entry["duration_s"] = round(time.monotonic() - started, 6)
+            self._calls.append(entry)
+            self._in_flight.pop(call.call_id, None)
+        if ok and len(value) > self.spec.limits.tool_payload_bytes:
+            ok, value = False, ("payload_too_large",
+                                f"the result of {call.name} is {len(value)} bytes packed; "
+                                f"the policy allows {self.spec.limits.tool_payload_bytes}")
+        entry["ok"] = ok
+        if self._conn.state is not State.RUNNING:
+            return
+        if ok:
+            self._send(JailToolReturned(call_id=call.call_id, value=value))
+        else:
+            entry["error_type"] = value[0]
+            self._send(JailToolFailed(call_id=call.call_id, error_type=value[0], message=value[1]))
+
+    # -- ending
+
+    def _start_timeout(self) -> None:
+        if not self._ev.jail_ready:
+            self._terminate("start_failed", f"the jail did not become ready within {START_TIMEOUT_S:g} s")
+
+    def _terminate(self, reason: str, detail: str) -> None:
+        if self._ev.kill_reason is None:
+            self._ev.kill_reason = reason
+            self._ev.kill_detail = detail
+        proc = self._proc
+        if proc is None:
+            self._done.set()
+            return
+        if self._exited:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)  # nsjail SIGKILLs the jail and cleans up
+        self._timers.append(self._loop.call_later(KILL_GRACE_S, self._force_kill))
+
+    def _force_kill(self) -> None:
+        if self._proc is not None and not self._exited:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+
+    def _record(self) -> dict[str, Any]:
+        status, error = classify(self._ev)
+        limits = dataclasses.asdict(self.spec.limits)
+        limits["network"] = self.spec.policy.network.mode
+        limits["tmp_mb"] = self.spec.policy.filesystem.tmp_mb
+        if status != "ok":
+            self.result = None
+        return {
+            "job_id": self.spec.job_id,
+            "policy": self.spec.policy.name,
+            "status": status,
+            "stdout": self._stdout.decode("utf-8", "replace"),
+            "stderr": self._stderr.decode("utf-8", "replace"),
+            "error": error,
+            "tool_calls": list(self._calls),
+            "duration_s": round(time.monotonic() - self._started, 6),
+            "limits": limits,
+        }
+
+
+def syntax_error_record(job_id: str, policy: Policy, limits: Limits, exc: BaseException,
+                        filename: str) -> dict[str, Any]:
+    """The record of a job whose code does not compile (no jail is started)."""
+    import traceback
+
+    lineno = getattr(exc, "lineno", None)
+    message = getattr(exc, "msg", None) or str(exc)
+    limit_dict = dataclasses.asdict(limits)
+    limit_dict["network"] = policy.network.mode
+    limit_dict["tmp_mb"] = policy.filesystem.tmp_mb
+    return {
+        "job_id": job_id,
+        "policy": policy.name,
+        "status": "error",
+        "stdout": "",
+        "stderr": "",
+        "error": {
+            "type": type(exc).__name__,
+            "message": str(message)[:65536],
+            "traceback": "".join(traceback.format_exception_only(type(exc), exc))[:65536],
+            "lineno": lineno if isinstance(lineno, int) and lineno >= 0 else None,
+        },
+        "tool_calls": [],
+        "duration_s": 0.0,
+        "limits": limit_dict,
+    }
+
+
+__all__ = [
+    "STATUSES", "ErrorInfo", "Evidence", "JailEnvironment", "JailedJob", "JobSpec", "classify",
+    "parse_termination", "syntax_error_record",
+]

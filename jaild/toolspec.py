@@ -1,0 +1,168 @@
+"""Host-side tools: a Python function becomes a tool with a name, a description and a JSON schema.
+
+The schema comes from the signature and type hints (``str`` -> string, ``int``
+-> integer, ``list[str]`` -> array of strings, ``X | None`` -> nullable,
+``Literal[...]`` -> enum, ...); the description is the docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import json
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jaild.protocol.messages import TOOL_NAME, ToolSpec
+
+
+@dataclass(frozen=True)
+class HostTool:
+    """A tool as the client holds it: its spec plus the handler that runs on the host."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    handler: Callable[..., Any]
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.handler)
+
+    def spec(self) -> ToolSpec:
+        return ToolSpec(name=self.name, description=self.description, parameters=self.parameters)
+
+
+_SIMPLE: dict[Any, dict[str, Any]] = {
+    str: {"type": "string"},
+    int: {"type": "integer"},
+    float: {"type": "number"},
+    bool: {"type": "boolean"},
+    bytes: {"type": "string", "contentEncoding": "binary"},
+    type(None): {"type": "null"},
+    dict: {"type": "object"},
+    list: {"type": "array"},
+    tuple: {"type": "array"},
+    Any: {},
+}
+
+
+def type_schema(tp: Any) -> dict[str, Any]:
+    """JSON schema of a type hint (best effort; unknown types accept anything)."""
+    if tp in _SIMPLE:
+        return dict(_SIMPLE[tp])
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return {"anyOf": [type_schema(a) for a in args]}
+    if origin is typing.Literal:
+        return {"enum": list(args)}
+    if origin in (list, set, frozenset, Iterable, typing.Sequence) or origin is tuple and (
+        len(args) == 2 and args[1] is Ellipsis
+    ):
+        return {"type": "array", "items": type_schema(args[0])} if args else {"type": "array"}
+    if origin is tuple:
+        return {"type": "array", "prefixItems": [type_schema(a) for a in args]}
+    if origin in (dict, Mapping):
+        return {"type": "object", "additionalProperties": type_schema(args[1])} if args else {"type": "object"}
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        hints = typing.get_type_hints(tp)
+        return {
+            "type": "object",
+            "properties": {f.name: type_schema(hints.get(f.name, Any)) for f in dataclasses.fields(tp)},
+        }
+    return {}
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def tool_from_function(fn: Callable[..., Any], name: str | None = None) -> HostTool:
+    """Describe ``fn`` as a tool called ``name`` (default: its ``__name__``)."""
+    import re
+
+    tool_name = name or getattr(fn, "__name__", "")
+    if not re.fullmatch(TOOL_NAME, tool_name or ""):
+        raise ValueError(f"tool name {tool_name!r} must match {TOOL_NAME}")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        sig = None
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:
+        hints = {}
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    extra = False
+    if sig is not None:
+        for p in sig.parameters.values():
+            if p.kind is p.VAR_KEYWORD:
+                extra = True
+                continue
+            if p.kind is p.VAR_POSITIONAL:
+                continue
+            schema = type_schema(hints.get(p.name, Any))
+            if p.default is p.empty:
+                required.append(p.name)
+            elif _jsonable(p.default):
+                schema["default"] = p.default
+            properties[p.name] = schema
+    parameters: dict[str, Any] = {"type": "object", "properties": properties}
+    if required:
+        parameters["required"] = required
+    if not extra:
+        parameters["additionalProperties"] = False
+    description = inspect.cleandoc(fn.__doc__) if fn.__doc__ else ""
+    return HostTool(tool_name, description, parameters, fn)
+
+
+def normalize_tools(tools: Mapping[str, Any] | Iterable[Any] | None) -> dict[str, HostTool]:
+    """Accept ``{"name": fn}``, ``[fn, ...]`` or HostTool objects."""
+    if tools is None:
+        return {}
+    out: dict[str, HostTool] = {}
+    items: Iterable[tuple[str | None, Any]]
+    if isinstance(tools, Mapping):
+        items = tools.items()
+    else:
+        items = ((None, t) for t in tools)
+    for name, value in items:
+        if isinstance(value, HostTool):
+            tool = value if name in (None, value.name) else dataclasses.replace(value, name=name)
+        elif callable(value):
+            tool = tool_from_function(value, name)
+        else:
+            raise TypeError(f"tool {name!r} is not callable")
+        if tool.name in out:
+            raise ValueError(f"two tools are named {tool.name!r}")
+        out[tool.name] = tool
+    return out
+
+
+def load_tools_file(path: str) -> dict[str, HostTool]:
+    """The public functions defined in a Python file, as tools (``jaild run --tools FILE``)."""
+    file = Path(path).resolve()
+    module_name = f"jaild_tools_{abs(hash(str(file)))}"
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot load tools from {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    functions = [
+        obj for attr, obj in vars(module).items()
+        if not attr.startswith("_") and inspect.isfunction(obj) and obj.__module__ == module_name
+    ]
+    return normalize_tools(functions)
