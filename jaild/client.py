@@ -135,6 +135,37 @@ class _Job:
     calls: set[asyncio.Task[None]] = field(default_factory=set)
 
 
+class AsyncJob:
+    """A job started with :meth:`AsyncClient.submit`."""
+
+    def __init__(self, client: AsyncClient, job_id: str, state: _Job) -> None:
+        self._client = client
+        self.job_id = job_id
+        self._state = state
+
+    @property
+    def done(self) -> bool:
+        return self._state.finished.done()
+
+    async def result(self) -> JobResult:
+        """Wait for the job to end. Cancelling the waiting task cancels the job."""
+        try:
+            return await asyncio.shield(self._state.finished)
+        except asyncio.CancelledError:
+            if not self._state.finished.done():
+                with contextlib.suppress(Exception):
+                    await self._client.cancel(self.job_id)
+            raise
+        finally:
+            if self._state.finished.done():
+                self._client._forget(self.job_id)
+
+    async def cancel(self) -> None:
+        """Ask the daemon to stop the job; :meth:`result` then reports ``cancelled``."""
+        if not self._state.finished.done():
+            await self._client.cancel(self.job_id)
+
+
 class AsyncClient:
     """An asyncio client of one jaild daemon over its Unix socket.
 
@@ -201,7 +232,7 @@ class AsyncClient:
 
     # ------------------------------------------------------------------ API
 
-    async def run(
+    async def submit(
         self,
         code: str,
         policy: str = "default",
@@ -212,8 +243,8 @@ class AsyncClient:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         filename: str = "<job>",
-    ) -> JobResult:
-        """Run ``code`` in a fresh jail and return its result record.
+    ) -> AsyncJob:
+        """Start ``code`` in a fresh jail; return once the daemon accepted it.
 
         Args:
             code: Python source; may use top-level ``await`` and the ``tools`` global.
@@ -224,11 +255,11 @@ class AsyncClient:
             on_stdout / on_stderr: called with text as the job produces it.
 
         Returns:
-            The :class:`JobResult`; ``status`` says how the job ended.
+            An :class:`AsyncJob`: its ``job_id``, ``await job.result()``, ``await job.cancel()``.
 
         Raises:
             JaildError: the daemon refused the job (unknown policy, looser limits, ...),
-                or the connection failed. A job that runs and fails is *not* an exception.
+                or the connection failed.
         """
         host_tools = normalize_tools(tools)
         wanted = dict(limits or {})
@@ -242,21 +273,23 @@ class AsyncClient:
         msg = RunJob(ref=ref, code=code, policy=policy,
                      tools=tuple(t.spec() for t in host_tools.values()), limits=wanted,
                      filename=filename)
-        await self._send(msg)
         try:
+            await self._send(msg)
             job_id = await accepted
         finally:
             self._accepting.pop(ref, None)
-        try:
-            return await asyncio.shield(job.finished)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await self._send(CancelJob(job_id=job_id))
-            raise
-        finally:
-            self._jobs.pop(job_id, None)
-            for task in job.calls:
-                task.cancel()
+        return AsyncJob(self, job_id, job)
+
+    async def run(self, code: str, policy: str = "default",
+                  tools: Mapping[str, Any] | Iterable[Any] | None = None,
+                  **kwargs: Any) -> JobResult:
+        """Run ``code`` and return its result record (:meth:`submit` + :meth:`AsyncJob.result`).
+
+        A job that runs and fails is *not* an exception: look at ``result.status``.
+        If the awaiting task is cancelled, the job is cancelled too.
+        """
+        job = await self.submit(code, policy, tools, **kwargs)
+        return await job.result()
 
     async def policies(self) -> list[dict[str, Any]]:
         """The policies this daemon serves to this user."""
@@ -274,6 +307,12 @@ class AsyncClient:
         await self._send(CancelJob(job_id=job_id))
 
     # ------------------------------------------------------------------ internals
+
+    def _forget(self, job_id: str) -> None:
+        job = self._jobs.pop(job_id, None)
+        if job is not None:
+            for task in job.calls:
+                task.cancel()
 
     async def _send(self, msg: Message) -> None:
         if self._broken is not None:
@@ -439,6 +478,11 @@ class Client:
         """See :meth:`AsyncClient.run`."""
         return self._call(self._client.run(code, policy, tools, **kwargs))  # type: ignore[no-any-return]
 
+    def submit(self, code: str, policy: str = "default",
+               tools: Mapping[str, Any] | Iterable[Any] | None = None, **kwargs: Any) -> Job:
+        """Start a job without waiting for it; see :meth:`AsyncClient.submit`."""
+        return Job(self, self._call(self._client.submit(code, policy, tools, **kwargs)))
+
     def policies(self) -> list[dict[str, Any]]:
         return self._call(self._client.policies())  # type: ignore[no-any-return]
 
@@ -462,3 +506,24 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Job:
+    """A job started with :meth:`Client.submit`."""
+
+    def __init__(self, client: Client, job: AsyncJob) -> None:
+        self._client = client
+        self._job = job
+        self.job_id = job.job_id
+
+    @property
+    def done(self) -> bool:
+        return self._job.done
+
+    def result(self, timeout: float | None = None) -> JobResult:
+        """Wait for the job (``timeout`` seconds at most: TimeoutError, the job keeps running)."""
+        fut = asyncio.run_coroutine_threadsafe(self._job.result(), self._client._loop)
+        return fut.result(timeout)
+
+    def cancel(self) -> None:
+        self._client._call(self._job.cancel())

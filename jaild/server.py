@@ -430,9 +430,11 @@ class Daemon:
             session.jobs.pop(job_id, None)
 
     def _audit(self, session: ClientSession, record: dict[str, Any]) -> None:
-        log.info("job=%s policy=%s %s status=%s duration_s=%.3f tool_calls=%d",
+        error = record.get("error") or {}
+        reason = f" reason={error.get('type')}: {str(error.get('message'))[:200]!r}" if error else ""
+        log.info("job=%s policy=%s %s status=%s duration_s=%.3f tool_calls=%d%s",
                  record["job_id"], record["policy"], session.who, record["status"],
-                 record["duration_s"], len(record["tool_calls"]))
+                 record["duration_s"], len(record["tool_calls"]), reason)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -441,7 +443,7 @@ class Daemon:
             await self._stopped.wait()
             return
         self._stopping = True
-        systemd.notify("STOPPING=1")
+        pass
         if self._server is not None:
             self._server.close()
         for job in list(self.jobs.values()):

@@ -175,6 +175,12 @@ def classify(ev: Evidence) -> tuple[str, dict[str, Any] | None]:
         )
     if ev.kill_reason == "start_failed":
         return "internal_error", _err("JailStartFailed", ev.kill_detail)
+    if ev.kill_reason == "channel_error":
+        return "error", _err("ChannelError", ev.kill_detail)
+    if any(marker in ev.log for marker in _LAUNCH_FAILED):
+        return "internal_error", _err(
+            "JailStartFailed", "nsjail could not start the jail: " + _log_excerpt(ev.log)
+        )
     if ev.oom and (signame == "SIGKILL" or ev.claim is None or not ev.claim.ok):
         return "memory_limit", _err(
             "MemoryLimit", "the job's cgroup memory limit was hit (OOM kill)", limit="memory_mb"
@@ -194,10 +200,8 @@ def classify(ev: Evidence) -> tuple[str, dict[str, Any] | None]:
         return "killed", _err(
             "Killed", f"the process was killed by {signame} ({term[1]})", signal=signame
         )
-    if ev.kill_reason == "channel_error":
-        return "error", _err("ChannelError", ev.kill_detail)
     if term is None:
-        if any(marker in ev.log for marker in _LAUNCH_FAILED) or not ev.jail_ready:
+        if not ev.jail_ready:
             return "internal_error", _err(
                 "JailStartFailed",
                 "nsjail could not start the jail: " + (_log_excerpt(ev.log) or "no log output"),

@@ -44,8 +44,11 @@ def setting(default: Any, doc: str, check: _Validator | None = None) -> Any:
 
 
 def between(lo: float, hi: float) -> _Validator:
+    def show(x: float) -> str:
+        return str(int(x)) if float(x).is_integer() else str(x)
+
     def check(v: Any) -> str | None:
-        return None if lo <= v <= hi else f"must be between {lo:g} and {hi:g}, got {v!r}"
+        return None if lo <= v <= hi else f"must be between {show(lo)} and {show(hi)}, got {v!r}"
 
     return check
 
@@ -55,6 +58,12 @@ def choice(*values: str) -> _Validator:
         return None if v in values else f"must be one of {', '.join(values)}; got {v!r}"
 
     return check
+
+
+@dataclass(frozen=True)
+class Bind:
+    src: str
+    dst: str
 
 
 @dataclass(frozen=True)
@@ -76,16 +85,10 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class Bind:
-    src: str
-    dst: str
-
-
-@dataclass(frozen=True)
 class Filesystem:
     """``[filesystem]`` -- what the jail sees. The root is an empty read-only tmpfs."""
 
-    binds: tuple[Bind, ...] = setting(("/usr",), "Host paths bound read-only: \"/path\" or {src, dst}.")
+    binds: tuple[Bind, ...] = setting((Bind("/usr", "/usr"),), "Host paths bound read-only: \"/path\" or {src, dst}.")
     tmp_mb: int = setting(64, "Size of the writable tmpfs at /tmp (the working directory).", between(1, 1 << 16))
     proc: str = setting("pid-only", "/proc: \"pid-only\" (subset=pid), \"full\", or \"none\".", choice("pid-only", "full", "none"))
 

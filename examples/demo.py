@@ -1,0 +1,92 @@
+"""The jaild demo: a daemon, a jailed job, two host tools called concurrently.
+
+Run with ``make demo``. It starts ``jaild serve`` on a private socket, submits a
+job whose code calls a plain (sync) host tool and an async host tool together
+with ``asyncio.gather``, prints as it goes and returns a value; then it shows
+the result record and stops the daemon with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from jaild import Client
+
+PRICES = {"apple": 0.5, "pear": 0.75, "fig": 2.0}
+
+
+def price(item: str) -> float:
+    """Price of one item, in euros (a plain function: runs in a worker thread)."""
+    return PRICES[item]
+
+
+async def stock(item: str) -> int:
+    """Units in stock (an async function: runs on the client's event loop)."""
+    await asyncio.sleep(0.05)
+    return {"apple": 12, "pear": 0, "fig": 3}[item]
+
+
+JOB = '''
+import asyncio
+
+basket = ["apple", "pear", "fig"]
+prices, stocks = await asyncio.gather(
+    asyncio.gather(*(tools.price(item) for item in basket)),
+    asyncio.gather(*(tools.stock(item=item) for item in basket)),
+)
+for item, p, s in zip(basket, prices, stocks):
+    print(f"{item:6} {p:5.2f} EUR  {s:3d} in stock")
+available = {item: p for item, p, s in zip(basket, prices, stocks) if s > 0}
+{"available": available, "total": sum(available.values())}
+'''
+
+
+def wait_for_socket(path: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"demo: jaild exited early with status {proc.returncode}")
+        with socket.socket(socket.AF_UNIX) as s:
+            try:
+                s.connect(path)
+                return
+            except OSError:
+                time.sleep(0.05)
+    sys.exit("demo: jaild did not start listening in time")
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory(prefix="jaild-demo-") as tmp:
+        sock = os.path.join(tmp, "jaild.sock")
+        print(f"== starting jaild serve --socket {sock}")
+        daemon = subprocess.Popen([sys.executable, "-m", "jaild", "serve", "--socket", sock])
+        try:
+            wait_for_socket(sock, daemon)
+            print("== running a job that calls two host tools (one sync, one async) concurrently")
+            with Client(sock) as client:
+                result = client.run(
+                    JOB, policy="default", tools={"price": price, "stock": stock}, timeout=10,
+                    on_stdout=lambda text: print(f"   jail| {text}", end=""),
+                )
+            print("== result record")
+            print(json.dumps(result.to_dict(), indent=2))
+        finally:
+            print("== stopping the daemon (SIGTERM)")
+            daemon.send_signal(signal.SIGTERM)
+            code = daemon.wait(timeout=30)
+        print(f"== daemon exited with status {code}; socket removed: {not os.path.exists(sock)}")
+        ok = result.status == "ok" and result.result["total"] == 2.5 and code == 0
+        print("== demo", "OK" if ok else "FAILED")
+        return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Shared fixtures: real daemons on real sockets, starting real nsjail jails.
+
+Integration tests need root (nsjail's cgroups and uid maps) and the jail
+environment built by ``make test``. Without them they *fail* with a message
+that says what is missing -- they never skip on a machine that can run them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from jaild.client import Client, JobResult
+from jaild.config import DaemonConfig, default_state_dir
+
+REPO = Path(__file__).resolve().parent.parent
+REPO_POLICIES = REPO / "policies"
+TEST_POLICIES = Path(__file__).resolve().parent / "policies"
+STATE_DIR = default_state_dir()
+
+
+def require_jail_host() -> None:
+    problems = []
+    if os.geteuid() != 0:
+        problems.append("run as root (nsjail needs to create cgroups and uid maps)")
+    if not os.path.exists(os.path.join(STATE_DIR, "envs", "default", "bin", "python3")):
+        problems.append(f"build the jail environment first: make jail-env (missing {STATE_DIR}/envs/default)")
+    if problems:
+        pytest.fail("integration tests cannot run here: " + "; ".join(problems), pytrace=False)
+
+
+@dataclass
+class DaemonHandle:
+    """A ``jaild serve`` subprocess on its own socket."""
+
+    socket: str
+    policies_dir: str
+    proc: subprocess.Popen[bytes]
+    log_path: str
+    config: DaemonConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.config = DaemonConfig(socket_path=self.socket, policies_dir=self.policies_dir,
+                                   state_dir=STATE_DIR)
+
+    def log(self) -> str:
+        return Path(self.log_path).read_text(errors="replace")
+
+    def client(self) -> Client:
+        return Client(self.socket)
+
+    def run(self, code: str, policy: str = "default", **kwargs: object) -> JobResult:
+        with Client(self.socket) as c:
+            return c.run(code, policy, **kwargs)  # type: ignore[arg-type]
+
+    def assert_serving(self) -> None:
+        """The daemon still runs a trivial job correctly."""
+        r = self.run("6 * 7")
+        assert r.status == "ok", (r.status, r.error, self.log()[-2000:])
+        assert r.result == 42
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
+
+
+def wait_listening(path: str, proc: subprocess.Popen[bytes], log_path: str,
+                   timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"jaild exited with {proc.returncode} before listening:\n"
+                + Path(log_path).read_text(errors="replace")
+            )
+        with socket.socket(socket.AF_UNIX) as s:
+            try:
+                s.connect(path)
+                return
+            except OSError:
+                time.sleep(0.05)
+    raise AssertionError("jaild did not start listening in time")
+
+
+def start_daemon(directory: Path, policies: dict[str, str] | None = None, *,
+                 with_repo_policies: bool = True, extra_env: dict[str, str] | None = None,
+                 args: tuple[str, ...] = (), wait: bool = True) -> DaemonHandle:
+    """Start ``python -m jaild serve`` with a policy directory built from the given files."""
+    require_jail_host()
+    directory.mkdir(parents=True, exist_ok=True)
+    pdir = directory / "policies"
+    pdir.mkdir(exist_ok=True)
+    if with_repo_policies:
+        for src in [*REPO_POLICIES.glob("*.toml"), *TEST_POLICIES.glob("*.toml")]:
+            shutil.copy(src, pdir / src.name)
+    for name, text in (policies or {}).items():
+        (pdir / f"{name}.toml").write_text(text)
+    sock = str(directory / "jaild.sock")
+    log_path = str(directory / "jaild.log")
+    env = {**os.environ, **(extra_env or {})}
+    env.pop("JAILD_SOCKET", None)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jaild", "serve", "--socket", sock, "--policies", str(pdir),
+             "--state-dir", STATE_DIR, "--log-level", "debug", *args],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )
+    handle = DaemonHandle(sock, str(pdir), proc, log_path)
+    if wait:
+        wait_listening(sock, proc, log_path)
+    return handle
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
+    """The shared daemon: repository policies plus tests/policies."""
+    handle = start_daemon(tmp_path_factory.mktemp("daemon"))
+    yield handle
+    code = handle.stop()
+    assert code == 0, handle.log()[-4000:]
+    assert not os.path.exists(handle.socket)
+
+
+@pytest.fixture
+def private_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonHandle]]:
+    """Factory for daemons a test may break or stop; all are stopped afterwards."""
+    started: list[DaemonHandle] = []
+
+    def factory(*args: object, **kwargs: object) -> DaemonHandle:
+        handle = start_daemon(tmp_path / f"d{len(started)}", *args, **kwargs)  # type: ignore[arg-type]
+        started.append(handle)
+        return handle
+
+    yield factory
+    for handle in started:
+        if handle.proc.poll() is None:
+            handle.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def client(daemon: DaemonHandle) -> Iterator[Client]:
+    with Client(daemon.socket) as c:
+        yield c
+
+
+def run_unjailed(code: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """Positive control: run the same probe on the host, outside any jail."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False
+    )

@@ -1,0 +1,173 @@
+"""The ``jaild`` command line, run as a real subprocess against real daemons."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, DaemonHandle
+
+pytestmark = pytest.mark.integration
+
+
+def jaild(*args: str, stdin: str | None = None, env: dict[str, str] | None = None,
+          timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if k != "JAILD_SOCKET"}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "jaild", *args], input=stdin,
+                          capture_output=True, text=True, timeout=timeout, env=full_env,
+                          check=False)
+
+
+TOOLS_FILE = '''
+import asyncio
+from os import getcwd  # imported, not defined here: not a tool
+
+def add(a: int, b: int = 1) -> int:
+    """Add two numbers."""
+    return a + b
+
+async def shout(text: str) -> str:
+    """Upper-case some text."""
+    await asyncio.sleep(0)
+    return text.upper()
+
+def _private() -> None:
+    raise AssertionError("private helpers are not tools")
+'''
+
+
+def test_run_json_prints_exactly_the_record(daemon: DaemonHandle) -> None:
+    out = jaild("run", "--socket", daemon.socket, "--json", "-c", "print('hi')\n40 + 2")
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out.stdout)  # the whole of stdout is one JSON object
+    assert set(record) >= {"job_id", "status", "result", "stdout", "stderr", "error",
+                           "tool_calls", "duration_s", "limits"}
+    assert (record["status"], record["result"], record["stdout"]) == ("ok", 42, "hi\n")
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "exit_code"),
+    [("1/0", "error", 1), ("import time\ntime.sleep(9)", "timeout", 3),
+     ("import ctypes\nctypes.string_at(0)", "killed", 6)],
+)
+def test_exit_status_follows_the_job_status(daemon: DaemonHandle, code: str, status: str,
+                                            exit_code: int) -> None:
+    out = jaild("run", "--socket", daemon.socket, "--json", "--timeout", "1", "-c", code)
+    assert json.loads(out.stdout)["status"] == status
+    assert out.returncode == exit_code
+
+
+def test_run_streams_output_as_it_is_produced(daemon: DaemonHandle) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaild", "run", "--socket", daemon.socket, "-c",
+         "import time\nprint('first', flush=True)\ntime.sleep(2)\nprint('second')"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    seen_first_at = time.monotonic()
+    rest, err = proc.communicate(timeout=60)
+    finished_at = time.monotonic()
+    assert first == "first\n"
+    assert "second" in rest
+    assert finished_at - seen_first_at > 1.0  # 'first' arrived while the job was still sleeping
+    assert proc.returncode == 0, err
+
+
+def test_run_with_tools_from_a_file(daemon: DaemonHandle, tmp_path: Path) -> None:
+    tools = tmp_path / "mytools.py"
+    tools.write_text(TOOLS_FILE)
+    code = (
+        "print(sorted(tools))\n"
+        "import asyncio\n"
+        "await asyncio.gather(tools.add(2, b=3), tools.shout('hey'))"
+    )
+    out = jaild("run", "--socket", daemon.socket, "--tools", str(tools), "--json", "-c", code)
+    record = json.loads(out.stdout)
+    assert record["status"] == "ok", record
+    assert record["stdout"] == "['add', 'shout']\n"
+    assert record["result"] == [5, "HEY"]
+    schema = jaild("run", "--socket", daemon.socket, "--tools", str(tools), "--json", "-c",
+                   "tools.add.parameters, tools.add.description")
+    params, description = json.loads(schema.stdout)["result"]
+    assert description == "Add two numbers."
+    assert params == {"type": "object", "additionalProperties": False, "required": ["a"],
+                      "properties": {"a": {"type": "integer"},
+                                     "b": {"type": "integer", "default": 1}}}
+
+
+def test_run_from_file_and_stdin(daemon: DaemonHandle, tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("def main():\n    return 'from file'\n")
+    assert json.loads(jaild("run", "--socket", daemon.socket, "--json", str(script)).stdout)[
+        "result"] == "from file"
+    out = jaild("run", "--socket", daemon.socket, "--json", "-", stdin="'from stdin'")
+    assert json.loads(out.stdout)["result"] == "from stdin"
+
+
+def test_human_output_shows_the_result_and_errors(daemon: DaemonHandle) -> None:
+    ok = jaild("run", "--socket", daemon.socket, "-c", "print('line')\n{'k': 1}")
+    assert ok.stdout == "line\n{'k': 1}\n"
+    bad = jaild("run", "--socket", daemon.socket, "-c", "raise KeyError('missing')")
+    assert bad.returncode == 1
+    assert "KeyError: 'missing'" in bad.stderr
+    assert ": error: 'missing'" in bad.stderr
+
+
+def test_private_daemon_when_nothing_listens_at_the_default_socket() -> None:
+    assert not os.path.exists("/run/jaild/jaild.sock"), "a system daemon runs here; test needs none"
+    out = jaild("run", "--json", "-c", "'private'", env={})
+    assert out.returncode == 0, out.stderr
+    assert "running this job in a private daemon" in out.stderr
+    assert json.loads(out.stdout)["result"] == "private"
+
+
+def test_a_named_socket_that_does_not_answer_is_an_error(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nobody.sock")
+    out = jaild("run", "--socket", missing, "-c", "1")
+    assert out.returncode == 69
+    assert f"no jaild daemon at {missing}" in out.stderr
+    out = jaild("run", "-c", "1", env={"JAILD_SOCKET": missing})
+    assert out.returncode == 69
+
+
+def test_refused_job_exit_code(daemon: DaemonHandle) -> None:
+    out = jaild("run", "--socket", daemon.socket, "--policy", "nope", "-c", "1")
+    assert out.returncode == 65
+    assert "unknown_policy" in out.stderr
+
+
+def test_policies_command(daemon: DaemonHandle) -> None:
+    out = jaild("policies", "--socket", daemon.socket)
+    assert out.returncode == 0
+    assert "default" in out.stdout and "strict" in out.stdout
+    as_json = json.loads(jaild("policies", "--socket", daemon.socket, "--json").stdout)
+    assert {"default", "strict"} <= {p["name"] for p in as_json}
+
+
+def test_policy_check(tmp_path: Path) -> None:
+    good = jaild("policy", "check", str(REPO / "policies" / "default.toml"),
+                 str(REPO / "policies" / "strict.toml"))
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.count(": ok") == 2
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[seccomp]\nallow = ["ptrace"]\n')
+    out = jaild("policy", "check", str(bad))
+    assert out.returncode == 1
+    assert f"{bad}: seccomp.allow: 'ptrace' can never be allowed" in out.stderr
+
+
+def test_policy_explain_shows_argv_config_and_filter() -> None:
+    out = jaild("policy", "explain", "strict")
+    assert out.returncode == 0, out.stderr
+    assert "--cgroup_pids_max 16" in out.stdout
+    assert 'mount { dst: "/proc"' not in out.stdout  # strict has no /proc
+    assert "clone_newnet: true" in out.stdout
+    assert "action KILL_PROCESS" in out.stdout or "KILL_PROCESS" in out.stdout

@@ -1,0 +1,224 @@
+"""The daemon under hostile or broken clients, bad policies, and at start and stop."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+from jaild.client import Client
+from jaild.errors import BadRequest, PermissionDenied, UnknownPolicy
+from tests.conftest import DaemonHandle, start_daemon
+
+pytestmark = pytest.mark.integration
+
+
+def frame(obj: Any) -> bytes:
+    payload = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack(">I", len(payload)) + payload
+
+
+def read_frames(sock: socket.socket, timeout: float = 10) -> list[dict[str, Any]]:
+    """Every frame until the daemon closes the connection (or the timeout)."""
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except TimeoutError:
+        pass
+    out = []
+    while len(data) >= 4:
+        (n,) = struct.unpack(">I", data[:4])
+        out.append(msgpack.unpackb(data[4 : 4 + n], raw=False))
+        data = data[4 + n :]
+    return out
+
+
+def raw_exchange(daemon: DaemonHandle, payload: bytes, *, hello: bool = False) -> list[dict[str, Any]]:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(daemon.socket)
+        if hello:
+            s.sendall(frame({"type": "Hello", "protocol": 1, "client": "raw"}))
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)  # EOF after our input: the daemon answers, then closes
+        return read_frames(s)
+
+
+HELLO_WELCOME = {"type": "Welcome", "protocol": 1}
+
+
+@pytest.mark.parametrize(
+    ("payload", "hello", "code"),
+    [
+        (b"\x00\x00\x00\x05garbage-and-more", False, "bad_frame"),
+        (b"\xff\xff\xff\xff", False, "frame_too_large"),
+        (frame({"type": "RunJob", "ref": 1, "code": "1", "policy": "default"}), False,
+         "unexpected_message"),
+        (frame({"type": "Hello", "protocol": 99}), False, "unsupported_version"),
+        (frame([1, 2, 3]), True, "bad_frame"),
+        (frame({"type": "Welcome", "protocol": 1}), True, "bad_frame"),
+        (frame({"type": "RunJob", "ref": 1, "code": 5, "policy": "default"}), True, "bad_frame"),
+        (frame({"type": "RunJob", "ref": 1, "code": "1", "policy": "default", "evil": 1}), True,
+         "bad_frame"),
+        (frame({"type": "Hello", "protocol": 1}), True, "unexpected_message"),
+        (b"\x00\x00\x00\x03\xc1\xc1\xc1", True, "bad_frame"),
+    ],
+    ids=["garbage", "oversize-length", "before-hello", "wrong-version", "not-a-map",
+         "wrong-direction", "wrong-field-type", "unknown-field", "second-hello", "invalid-msgpack"],
+)
+def test_bad_input_gets_an_error_frame_and_the_daemon_keeps_serving(
+    daemon: DaemonHandle, payload: bytes, hello: bool, code: str
+) -> None:
+    frames = raw_exchange(daemon, payload, hello=hello)
+    errors = [f for f in frames if f.get("type") == "Error"]
+    assert errors, frames
+    assert errors[-1]["code"] == code
+    assert errors[-1]["message"]
+    daemon.assert_serving()
+
+
+def test_truncated_frame_then_disconnect(daemon: DaemonHandle) -> None:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(daemon.socket)
+        s.sendall(frame({"type": "Hello", "protocol": 1})[:-2])
+    daemon.assert_serving()
+
+
+def test_semantic_errors_keep_the_connection(daemon: DaemonHandle) -> None:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(daemon.socket)
+        s.sendall(frame({"type": "Hello", "protocol": 1}))
+        s.sendall(frame({"type": "CancelJob", "job_id": "job-0000"}))
+        s.sendall(frame({"type": "ToolReturned", "job_id": "job-0001", "call_id": 1, "value": b"\xc0"}))
+        s.sendall(frame({"type": "RunJob", "ref": 7, "code": "1", "policy": "no-such-policy"}))
+        s.sendall(frame({"type": "ListPolicies", "ref": 8}))
+        s.shutdown(socket.SHUT_WR)
+        frames = read_frames(s)
+    kinds = [(f["type"], f.get("code")) for f in frames]
+    assert kinds[:5] == [("Welcome", None), ("Error", "unknown_job"), ("Error", "unknown_job"),
+                         ("Error", "unknown_policy"), ("PolicyList", None)]
+    assert frames[3]["ref"] == 7
+
+
+def test_a_client_cannot_touch_another_clients_job(daemon: DaemonHandle) -> None:
+    release = threading.Event()
+    with Client(daemon.socket) as owner:
+        job = owner.submit("await tools.hold()", tools={"hold": lambda: release.wait(20)})
+        frames = raw_exchange(
+            daemon,
+            frame({"type": "CancelJob", "job_id": job.job_id})
+            + frame({"type": "ToolReturned", "job_id": job.job_id, "call_id": 1,
+                     "value": msgpack.packb("forged")}),
+            hello=True,
+        )
+        assert [f.get("code") for f in frames if f["type"] == "Error"] == ["unknown_job"] * 2
+        release.set()
+        r = job.result(20)
+    assert (r.status, r.result) == ("ok", True)
+
+
+def test_refused_requests_are_clear_errors(client: Client) -> None:
+    with pytest.raises(UnknownPolicy, match="no policy 'nope'; this daemon serves: default"):
+        client.run("1", policy="nope")
+    with pytest.raises(BadRequest, match="accepts at most"):
+        client.run("x = 1\n" * 50000)
+    with pytest.raises(PermissionDenied, match="may not use policy 'nobody-allowed'"):
+        client.run("1", policy="nobody-allowed")
+
+
+def test_duplicate_tool_names_are_refused(daemon: DaemonHandle) -> None:
+    tool = {"name": "t", "description": "", "parameters": {}}
+    frames = raw_exchange(
+        daemon,
+        frame({"type": "RunJob", "ref": 3, "code": "1", "policy": "default", "tools": [tool, tool]})
+        + frame({"type": "ListPolicies", "ref": 4}),
+        hello=True,
+    )
+    assert frames[1]["type"] == "Error" and frames[1]["code"] == "bad_request"
+    assert frames[1]["ref"] == 3 and "unique" in frames[1]["message"]
+
+
+def test_policies_lists_what_this_user_may_use(client: Client) -> None:
+    names = {p["name"] for p in client.policies()}
+    assert {"default", "strict", "tiny"} <= names
+    assert "nobody-allowed" not in names
+    default = next(p for p in client.policies() if p["name"] == "default")
+    assert default["limits"]["memory_mb"] == 256 and default["network"] == "none"
+
+
+def test_socket_is_created_0660(daemon: DaemonHandle) -> None:
+    mode = os.stat(daemon.socket).st_mode
+    assert stat.S_ISSOCK(mode)
+    assert stat.S_IMODE(mode) == 0o660
+
+
+def test_daemon_refuses_to_start_on_an_invalid_policy(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, {"broken": "[limits]\nmemory_mb = -5\n"}, wait=False)
+    assert d.proc.wait(60) == 1
+    log = d.log()
+    assert "broken.toml: limits.memory_mb: must be between 16 and 1048576, got -5" in log
+    assert not os.path.exists(d.socket)
+
+
+def test_daemon_refuses_a_policy_whose_env_is_missing(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path, {"noenv": '[python]\nenv = "does-not-exist"\n'}, wait=False)
+    assert d.proc.wait(60) == 1
+    assert "noenv.toml: python.env: environment /var/lib/jaild/envs/does-not-exist does not exist" in d.log()
+
+
+def test_stale_socket_is_replaced_but_a_live_one_is_not(private_daemon: Callable[..., DaemonHandle],
+                                                       tmp_path: Path) -> None:
+    first = private_daemon()
+    # A second daemon on the same socket must refuse: someone is listening.
+    clash = subprocess.run(
+        [sys.executable, "-m", "jaild", "serve", "--socket", first.socket, "--policies",
+         first.policies_dir], capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert clash.returncode == 1
+    assert "another daemon is already listening" in clash.stderr
+    first.assert_serving()
+    # Kill -9 the first: its socket file stays behind, stale. A new daemon replaces it.
+    first.proc.kill()
+    first.proc.wait()
+    assert os.path.exists(first.socket)
+    restarted = subprocess.Popen(
+        [sys.executable, "-m", "jaild", "serve", "--socket", first.socket, "--policies",
+         first.policies_dir], stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        from tests.conftest import wait_listening
+
+        wait_listening(first.socket, restarted, first.log_path)
+        with Client(first.socket) as c:
+            assert c.run("1 + 1").result == 2
+    finally:
+        restarted.terminate()
+        _, err = restarted.communicate(timeout=30)
+    assert "removed stale socket" in err
+    assert restarted.returncode == 0
+
+
+def test_a_non_socket_at_the_socket_path_is_not_replaced(tmp_path: Path) -> None:
+    target = tmp_path / "not-a-socket"
+    target.write_text("precious")
+    out = subprocess.run(
+        [sys.executable, "-m", "jaild", "serve", "--socket", str(target)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert out.returncode == 1
+    assert "exists and is not a socket" in out.stderr
+    assert target.read_text() == "precious"

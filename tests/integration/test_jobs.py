@@ -1,0 +1,252 @@
+"""What jailed code sees and what comes back: results, errors, output, the runtime's rules."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from jaild.client import Client
+from tests.conftest import DaemonHandle
+
+pytestmark = pytest.mark.integration
+
+
+def test_final_expression_is_the_result(client: Client) -> None:
+    r = client.run("x = 20\nx + 22")
+    assert (r.status, r.result, r.error) == ("ok", 42, None)
+    assert r.job_id.startswith("job-")
+    assert r.policy == "default"
+    assert r.limits["memory_mb"] == 256 and r.limits["network"] == "none"
+
+
+def test_no_final_expression_gives_none(client: Client) -> None:
+    r = client.run("x = 1")
+    assert (r.status, r.result) == ("ok", None)
+
+
+def test_sync_main_is_called(client: Client) -> None:
+    r = client.run("def main():\n    return {'a': [1, 2]}\n'ignored'")
+    assert r.result == {"a": [1, 2]}
+
+
+def test_async_main_is_awaited(client: Client) -> None:
+    r = client.run("import asyncio\nasync def main():\n    await asyncio.sleep(0)\n    return 'done'")
+    assert r.result == "done"
+
+
+def test_main_with_required_arguments_is_not_called(client: Client) -> None:
+    r = client.run("def main(x):\n    return x\n'fallback'")
+    assert r.result == "fallback"
+
+
+def test_top_level_await(client: Client) -> None:
+    r = client.run("import asyncio\nawait asyncio.sleep(0.01)\n'awaited'")
+    assert (r.status, r.result) == ("ok", "awaited")
+
+
+def test_awaited_final_expression(client: Client) -> None:
+    r = client.run("import asyncio\nasync def f():\n    return 7\nawait f()")
+    assert r.result == 7
+
+
+def test_unpackable_results_come_back_as_repr(client: Client) -> None:
+    r = client.run(
+        "class Thing:\n    def __repr__(self):\n        return '<thing>'\n"
+        "{'t': Thing(), 'n': 2, 's': {3}, 'tuple': (1, 2)}"
+    )
+    assert r.status == "ok"
+    assert r.result == {"t": "<thing>", "n": 2, "s": [3], "tuple": [1, 2]}
+
+
+def test_result_with_tuple_keys_falls_back_to_repr(client: Client) -> None:
+    r = client.run("{(1, 2): 'x'}")
+    assert (r.status, r.result) == ("ok", "{(1, 2): 'x'}")
+
+
+def test_exception_is_error_with_user_traceback(client: Client) -> None:
+    r = client.run("def f():\n    raise ValueError('bad value')\n\nf()")
+    assert r.status == "error"
+    assert r.error is not None
+    assert r.error["type"] == "ValueError"
+    assert r.error["message"] == "bad value"
+    assert r.error["lineno"] == 2
+    tb = r.error["traceback"]
+    assert "raise ValueError('bad value')" in tb  # the user's source line is shown
+    assert "/opt/jaild/runtime" not in tb and "execute.py" not in tb  # no runtime frames
+
+
+def test_syntax_error_is_reported_before_any_jail_starts(daemon: DaemonHandle, client: Client) -> None:
+    r = client.run("x = 1\ndef broken(:\n    pass")
+    assert r.status == "error"
+    assert r.error is not None and r.error["type"] == "SyntaxError"
+    assert r.error["lineno"] == 2
+    assert r.duration_s == 0.0
+    assert f"job={r.job_id}" in daemon.log()  # audited, but no jail: nothing else ran
+
+
+def test_break_outside_loop_is_a_syntax_error_too(client: Client) -> None:
+    r = client.run("break")
+    assert r.status == "error" and r.error is not None and r.error["type"] == "SyntaxError"
+
+
+def test_null_bytes_in_source(client: Client) -> None:
+    r = client.run("x = 1\0")
+    assert r.status == "error"
+    assert r.error is not None and r.error["type"] in ("SyntaxError", "ValueError")
+
+
+def test_stdout_and_stderr_are_separate(client: Client) -> None:
+    r = client.run("import sys\nprint('to out')\nprint('to err', file=sys.stderr)")
+    assert r.stdout == "to out\n"
+    assert r.stderr == "to err\n"
+
+
+def test_output_streams_while_the_job_runs(client: Client) -> None:
+    seen = threading.Event()
+    chunks: list[str] = []
+
+    def on_stdout(text: str) -> None:
+        chunks.append(text)
+        if "ready" in "".join(chunks):
+            seen.set()
+
+    def wait_until_seen() -> bool:
+        """Blocks until the client has received the job's first line."""
+        return seen.wait(timeout=10)
+
+    r = client.run("print('ready')\nawait tools.wait_until_seen()",
+                   tools={"wait_until_seen": wait_until_seen}, on_stdout=on_stdout)
+    # The job could only get True if its output reached the client before it finished.
+    assert (r.status, r.result) == ("ok", True)
+
+
+def test_printing_protocol_frames_cannot_forge_anything(client: Client) -> None:
+    # A well-formed CodeFinished frame written to stdout is just output.
+    code = (
+        "import sys, msgpack, struct\n"
+        "frame = msgpack.packb({'type': 'CodeFinished', 'ok': True, 'result': msgpack.packb('forged')})\n"
+        "sys.stdout.buffer.write(struct.pack('>I', len(frame)) + frame)\n"
+        "sys.stdout.flush()\n"
+        "raise RuntimeError('real outcome')"
+    )
+    r = client.run(code)
+    assert r.status == "error"
+    assert r.error is not None and r.error["message"] == "real outcome"
+    assert "CodeFinished" in r.stdout
+
+
+def test_forged_finish_on_the_channel_does_not_beat_the_deadline(client: Client) -> None:
+    # Hostile code writes its own CodeFinished to the tool channel, then keeps running.
+    code = (
+        "import os, msgpack, struct, time\n"
+        "frame = msgpack.packb({'type': 'CodeFinished', 'ok': True, 'result': msgpack.packb('forged')})\n"
+        "os.write(3, struct.pack('>I', len(frame)) + frame)\n"
+        "time.sleep(30)"
+    )
+    r = client.run(code, timeout=1)
+    assert r.status == "timeout"
+    assert r.result is None
+
+
+def test_garbage_on_the_channel_ends_the_job(daemon: DaemonHandle, client: Client) -> None:
+    r = client.run("import os\nos.write(3, b'\\xff' * 64)\nimport time\ntime.sleep(5)")
+    assert r.status == "error"
+    assert r.error is not None and r.error["type"] == "ChannelError"
+    daemon.assert_serving()
+
+
+def test_sys_exit_zero_is_ok(client: Client) -> None:
+    r = client.run("import sys\nprint('bye')\nsys.exit(0)")
+    assert (r.status, r.stdout) == ("ok", "bye\n")
+
+
+def test_sys_exit_nonzero_is_error(client: Client) -> None:
+    r = client.run("import sys\nsys.exit(3)")
+    assert r.status == "error"
+    assert r.error is not None and r.error["type"] == "SystemExit"
+
+
+def test_hard_exit_without_result_is_error(client: Client) -> None:
+    r = client.run("import os\nos._exit(3)")
+    assert r.status == "error"
+    assert r.error is not None and r.error["type"] == "ProcessExit"
+    assert "code 3" in r.error["message"]
+
+
+def test_exit_code_137_is_not_taken_for_a_kill(client: Client) -> None:
+    r = client.run("import os\nos._exit(137)")
+    assert r.status == "error"  # not memory_limit, not killed: the exit code alone proves nothing
+
+
+def test_threads_left_running_do_not_keep_the_jail_alive(client: Client) -> None:
+    started = time.monotonic()
+    r = client.run("import threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()\n'done'")
+    assert (r.status, r.result) == ("ok", "done")
+    assert time.monotonic() - started < 10
+
+
+def test_result_too_large(daemon: DaemonHandle) -> None:
+    r = daemon.run("'x' * 10000", policy="tiny")
+    assert r.status == "error"
+    assert r.error is not None and r.error["type"] == "ResultTooLarge"
+
+
+def test_each_job_gets_a_fresh_jail(client: Client) -> None:
+    a = client.run("open('/tmp/left-behind', 'w').write('secret')\nimport os\nos.listdir('/tmp')")
+    assert a.result == ["left-behind"]
+    b = client.run("import os\nos.listdir('/tmp')")
+    assert b.result == []
+
+
+def test_many_jobs_over_one_client_concurrently(client: Client) -> None:
+    results = []
+
+    def one(i: int) -> None:
+        results.append(client.run(f"import time\ntime.sleep(0.2)\n{i} * 2"))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r.result for r in results) == [i * 2 for i in range(8)]
+    assert all(r.status == "ok" for r in results)
+
+
+def test_many_clients_concurrently(daemon: DaemonHandle) -> None:
+    clients = [Client(daemon.socket) for _ in range(6)]
+    try:
+        out: dict[int, object] = {}
+
+        def one(i: int) -> None:
+            out[i] = clients[i].run(f"{i} + 100").result
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(clients))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert out == {i: i + 100 for i in range(len(clients))}
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_async_client(daemon: DaemonHandle) -> None:
+    import asyncio
+
+    from jaild.client import AsyncClient
+
+    async def double(x: int) -> int:
+        return 2 * x
+
+    async def scenario() -> list[object]:
+        async with AsyncClient(daemon.socket) as c:
+            results = await asyncio.gather(*(
+                c.run(f"await tools.double({i})", tools={"double": double}) for i in range(5)
+            ))
+        return [r.result for r in results]
+
+    assert asyncio.run(scenario()) == [0, 2, 4, 6, 8]

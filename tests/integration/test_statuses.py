@@ -1,0 +1,207 @@
+"""Every status of the result record, each produced for real, with the daemon still serving after."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from jaild.client import Client
+from jaild.errors import BadRequest
+from tests.conftest import DaemonHandle
+
+pytestmark = pytest.mark.integration
+
+
+def test_wall_clock_timeout_is_enforced_by_the_daemon(daemon: DaemonHandle, client: Client) -> None:
+    r = client.run("import time\nprint('started', flush=True)\ntime.sleep(30)", timeout=1)
+    assert r.status == "timeout"
+    assert r.error is not None and r.error["limit"] == "wall_time_s"
+    assert r.stdout == "started\n"  # output before the kill is kept
+    # The deadline counts from code start; nsjail's own timer would be whole seconds.
+    assert r.duration_s < 1.0 + 1.5
+    daemon.assert_serving()
+
+
+def test_timeout_precision_is_within_100ms_of_the_limit(client: Client) -> None:
+    # Measure the code's own view: it records when it started, then sleeps forever.
+    r = client.run("import time\ntime.sleep(10)", timeout=0.5)
+    assert r.status == "timeout"
+    quick = client.run("1")
+    startup = quick.duration_s
+    # total = startup + limit + kill; allow generous slack for a loaded machine
+    assert r.duration_s - startup < 0.5 + 0.4
+
+
+def test_cpu_time_limit(daemon: DaemonHandle) -> None:
+    r = daemon.run("while True:\n    pass", policy="tiny")  # tiny: cpu 2 s, wall 5 s
+    assert r.status == "timeout"
+    assert r.error is not None and r.error["limit"] == "cpu_time_s"
+    daemon.assert_serving()
+
+
+def test_memory_limit_is_an_oom_kill(daemon: DaemonHandle) -> None:
+    r = daemon.run("x = []\nwhile True:\n    x.append(bytearray(1 << 20))", policy="tiny")
+    assert r.status == "memory_limit"
+    assert r.error is not None and r.error["limit"] == "memory_mb"
+    daemon.assert_serving()
+
+
+def test_memory_limit_counts_tmpfs(daemon: DaemonHandle) -> None:
+    # tiny: memory 64 MB, tmp 8 MB -> filling /tmp hits ENOSPC, not the cgroup: the job sees an error
+    r = daemon.run("open('/tmp/big', 'wb').write(b'x' * (20 << 20))", policy="tiny")
+    assert r.status == "error"
+    assert r.error is not None and "No space left" in r.error["message"] or "File too large" in r.error["message"]
+
+
+def test_memory_error_inside_python_is_not_a_kill(client: Client) -> None:
+    r = client.run("raise MemoryError('pretend')")
+    assert r.status == "error" and r.error is not None and r.error["type"] == "MemoryError"
+
+
+def test_output_limit_truncates_and_stops(daemon: DaemonHandle) -> None:
+    r = daemon.run("while True:\n    print('y' * 100)", policy="tiny")  # tiny: 4096 bytes
+    assert r.status == "output_limit"
+    assert len(r.stdout) + len(r.stderr) == 4096
+    assert r.error is not None and r.error["limit"] == "output_bytes"
+    daemon.assert_serving()
+
+
+def test_output_limit_counts_stderr_too(daemon: DaemonHandle) -> None:
+    r = daemon.run("import sys\nwhile True:\n    sys.stderr.write('e' * 100)", policy="tiny")
+    assert r.status == "output_limit"
+    assert len(r.stderr) == 4096 and r.stdout == ""
+
+
+def test_killed_by_a_signal(daemon: DaemonHandle) -> None:
+    r = daemon.run("import ctypes\nctypes.string_at(0)")
+    assert r.status == "killed"
+    assert r.error is not None and r.error["signal"] == "SIGSEGV"
+    daemon.assert_serving()
+
+
+def test_self_signal_cannot_forge_a_kill(client: Client) -> None:
+    # The job is PID 1 of its namespace: a signal it sends itself is ignored by the kernel.
+    r = client.run("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n'still here'")
+    assert (r.status, r.result) == ("ok", "still here")
+
+
+def test_seccomp_kill_is_a_policy_violation_naming_the_syscall(daemon: DaemonHandle) -> None:
+    r = daemon.run("import ctypes\nctypes.CDLL(None).syscall(272, 0x10000000)")  # unshare(NEWUSER)
+    assert r.status == "policy_violation"
+    assert r.error is not None and r.error["signal"] == "SIGSYS"
+    assert r.error["syscall"] in ("unshare", None)  # the kernel log is rate-limited
+    daemon.assert_serving()
+
+
+def test_seccomp_errno_action_raises_permission_error(daemon: DaemonHandle) -> None:
+    r = daemon.run(
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "rc = libc.syscall(272, 0x10000000)\n(rc, ctypes.get_errno())",
+        policy="errno",
+    )
+    assert (r.status, r.result) == ("ok", [-1, 1])  # EPERM
+
+
+def test_cancelled_by_the_client(daemon: DaemonHandle, client: Client) -> None:
+    seen = threading.Event()
+    job = client.submit("import time\nprint('up', flush=True)\ntime.sleep(30)",
+                        on_stdout=lambda t: seen.set())
+    assert seen.wait(15)
+    assert job.job_id in _running_job_ids(daemon)
+    job.cancel()
+    r = job.result(timeout=15)
+    assert r.status == "cancelled"
+    assert r.error is not None and r.error["message"] == "cancelled by the client"
+    assert r.stdout == "up\n"
+    assert job.job_id not in _running_job_ids(daemon)
+    daemon.assert_serving()
+
+
+def _running_job_ids(daemon: DaemonHandle) -> list[str]:
+    root = Path("/sys/fs/cgroup/memory") / daemon.config.subtree
+    if not root.exists():
+        root = Path("/sys/fs/cgroup") / daemon.config.subtree
+    return [p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("job-")]
+
+
+def test_client_disconnect_cancels_its_jobs(daemon: DaemonHandle) -> None:
+    import asyncio
+
+    from jaild.client import AsyncClient
+
+    async def scenario() -> None:
+        c = AsyncClient(daemon.socket)
+        await c.connect()
+        seen = asyncio.Event()
+        task = asyncio.ensure_future(c.run("import time\nprint('up', flush=True)\ntime.sleep(30)",
+                                           on_stdout=lambda t: seen.set()))
+        await asyncio.wait_for(seen.wait(), 15)
+        await c.close()  # the connection goes away mid-job
+        with pytest.raises(Exception):
+            await task
+
+    before = set(_running_job_ids(daemon))
+    asyncio.run(scenario())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and set(_running_job_ids(daemon)) - before:
+        time.sleep(0.05)
+    assert not set(_running_job_ids(daemon)) - before, "the jail outlived its client"
+    assert "status=cancelled" in daemon.log()
+    daemon.assert_serving()
+
+
+def test_jail_that_cannot_start_is_an_internal_error(private_daemon: Callable[..., DaemonHandle]) -> None:
+    import tempfile
+
+    data = Path(tempfile.mkdtemp(prefix="jaild-test-bind-"))  # under /tmp: world-searchable
+    os.chmod(data, 0o755)
+    d = private_daemon(policies={"withdata": f'[filesystem]\nbinds = ["/usr", {{src = "{data}", dst = "/data"}}]\n'})
+    data.rmdir()  # valid when the daemon started, gone now: nsjail cannot mount it
+    r = d.run("1", policy="withdata")
+    assert r.status == "internal_error"
+    assert r.error is not None and "/data" in r.error["message"]
+    d.assert_serving()
+
+
+def test_daemon_shutdown_cancels_running_jobs(private_daemon: Callable[..., DaemonHandle]) -> None:
+    d = private_daemon()
+    results = []
+    seen = threading.Event()
+
+    def runner() -> None:
+        with Client(d.socket) as c:
+            results.append(c.run("import time\nprint('up', flush=True)\ntime.sleep(30)",
+                                 on_stdout=lambda t: seen.set()))
+
+    t = threading.Thread(target=runner)
+    t.start()
+    assert seen.wait(15)
+    code = d.stop(signal.SIGTERM)
+    t.join(15)
+    assert code == 0
+    assert results and results[0].status == "cancelled"
+    assert results[0].error is not None and "shutting down" in results[0].error["message"]
+    assert not os.path.exists(d.socket)
+    assert not _running_job_ids(d)
+
+
+def test_stricter_limits_are_accepted_looser_refused(client: Client) -> None:
+    r = client.run("1", limits={"memory_mb": 64, "pids": 8})
+    assert r.status == "ok" and r.limits["memory_mb"] == 64 and r.limits["pids"] == 8
+    with pytest.raises(BadRequest, match="memory_mb=512 is looser"):
+        client.run("1", limits={"memory_mb": 512})
+    with pytest.raises(BadRequest, match="wall_time_s=100 is looser"):
+        client.run("1", timeout=100)
+    with pytest.raises(BadRequest, match="unknown limit"):
+        client.run("1", limits={"bogus": 1})
+
+
+def test_per_job_memory_limit_is_enforced(client: Client) -> None:
+    r = client.run("x = bytearray(100 << 20)", limits={"memory_mb": 48})
+    assert r.status == "memory_limit"

@@ -1,0 +1,244 @@
+"""Tool calls from jailed code to host handlers: sync, async, concurrent, failing, unknown, oversize."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from jaild.client import Client
+from jaild.errors import PermissionDenied
+from tests.conftest import DaemonHandle
+
+pytestmark = pytest.mark.integration
+
+
+def search(query: str, limit: int = 2) -> list[str]:
+    """Search something."""
+    return [f"{query}:{i}" for i in range(limit)]
+
+
+async def fetch_page(url: str) -> dict[str, object]:
+    await asyncio.sleep(0.01)
+    return {"url": url, "ok": True}
+
+
+TOOLS = {"search": search, "fetch-page": fetch_page}
+
+
+def test_sync_handler_with_keyword_arguments(client: Client) -> None:
+    r = client.run("await tools.search(query='x', limit=3)", tools=TOOLS)
+    assert (r.status, r.result) == ("ok", ["x:0", "x:1", "x:2"])
+    assert r.tool_calls and r.tool_calls[0]["name"] == "search" and r.tool_calls[0]["ok"] is True
+
+
+def test_async_handler_and_item_access_for_non_identifier_names(client: Client) -> None:
+    r = client.run("await tools['fetch-page']('http://example')", tools=TOOLS)
+    assert r.result == {"url": "http://example", "ok": True}
+
+
+def test_blocking_call_from_plain_synchronous_code(client: Client) -> None:
+    r = client.run("def helper():\n    return tools.search('y')\nhelper()", tools=TOOLS)
+    assert (r.status, r.result) == ("ok", ["y:0", "y:1"])
+
+
+def test_blocking_call_from_a_worker_thread_inside_async_code(client: Client) -> None:
+    code = (
+        "import asyncio\n"
+        "async def main():\n"
+        "    loop = asyncio.get_running_loop()\n"
+        "    return await loop.run_in_executor(None, lambda: tools.search('t', 1))\n"
+    )
+    assert client.run(code, tools=TOOLS).result == ["t:0"]
+
+
+def test_gathered_calls_are_in_flight_together_on_the_host(client: Client) -> None:
+    barrier = threading.Barrier(3, timeout=10)
+
+    def meet(i: int) -> int:
+        barrier.wait()  # only returns once all three calls are running at the same time
+        return i
+
+    r = client.run("import asyncio\nawait asyncio.gather(*(tools.meet(i) for i in range(3)))",
+                   tools={"meet": meet})
+    assert (r.status, r.result) == ("ok", [0, 1, 2])
+
+
+def test_async_handlers_run_concurrently(client: Client) -> None:
+    async def slow(i: int) -> int:
+        await asyncio.sleep(0.5)
+        return i
+
+    started = time.monotonic()
+    r = client.run("import asyncio\nawait asyncio.gather(*(tools.slow(i) for i in range(6)))",
+                   tools={"slow": slow})
+    assert r.result == list(range(6))
+    assert time.monotonic() - started < 2.5  # 6 x 0.5 s sequentially would be 3 s + startup
+
+
+def test_failing_handler_is_a_tool_error_without_host_traceback(client: Client) -> None:
+    def broken(x: int) -> int:
+        secret_local = "host-secret"  # noqa: F841 -- must not leak
+        raise KeyError(f"no such thing: {x}")
+
+    code = (
+        "try:\n"
+        "    await tools.broken(5)\n"
+        "except ToolError as e:\n"
+        "    result = (e.tool, e.error_type, e.message, str(e))\n"
+        "result"
+    )
+    r = client.run(code, tools={"broken": broken})
+    assert r.result == ["broken", "KeyError", "'no such thing: 5'", "broken: KeyError: 'no such thing: 5'"]
+    assert r.tool_calls[0]["ok"] is False
+    assert r.tool_calls[0]["error_type"] == "KeyError"
+
+
+def test_uncaught_tool_error_fails_the_job(client: Client) -> None:
+    def broken() -> None:
+        raise RuntimeError("nope")
+
+    r = client.run("await tools.broken()", tools={"broken": broken})
+    assert r.status == "error"
+    assert r.error is not None and r.error["type"] == "ToolError"
+    assert "host-secret" not in (r.error["traceback"] or "")
+
+
+def test_unknown_tool_lists_the_available_ones(client: Client) -> None:
+    r = client.run("await tools.nope()", tools=TOOLS)
+    assert r.status == "error"
+    assert r.error is not None
+    assert "no tool named 'nope'; available: fetch-page, search" in r.error["message"]
+    r = client.run("'nope' in tools, hasattr(tools, 'nope'), sorted(tools)", tools=TOOLS)
+    assert r.result == [False, False, ["fetch-page", "search"]]
+
+
+def test_forged_call_to_an_unregistered_tool_is_refused_by_the_daemon(client: Client) -> None:
+    # Bypass the runtime: write a CallTool frame for a tool the client never registered.
+    code = (
+        "import os, msgpack, struct, time\n"
+        "frame = msgpack.packb({'type': 'CallTool', 'call_id': 999, 'name': 'steal',"
+        " 'args': msgpack.packb([[], {}])})\n"
+        "os.write(3, struct.pack('>I', len(frame)) + frame)\n"
+        "time.sleep(0.5)\n"
+        "'sent'"
+    )
+    calls: list[str] = []
+    r = client.run(code, tools={"search": lambda q: calls.append(q)})
+    assert (r.status, r.result) == ("ok", "sent")
+    assert calls == []
+    assert r.tool_calls == [{"name": "steal", "duration_s": 0.0, "ok": False, "error_type": "unknown_tool"}]
+
+
+def test_oversize_arguments_are_refused_in_the_jail(daemon: DaemonHandle) -> None:
+    code = (
+        "try:\n"
+        "    await tools.echo('x' * 10000)\n"
+        "except ToolError as e:\n"
+        "    result = e.error_type\n"
+        "result"
+    )
+    r = daemon.run(code, policy="tiny", tools={"echo": lambda s: s})  # tiny: 4096-byte payloads
+    assert (r.status, r.result) == ("ok", "payload_too_large")
+
+
+def test_oversize_result_is_refused_not_hung(daemon: DaemonHandle) -> None:
+    code = (
+        "try:\n"
+        "    await tools.big()\n"
+        "except ToolError as e:\n"
+        "    result = (e.error_type, 'bytes' in e.message)\n"
+        "result"
+    )
+    r = daemon.run(code, policy="tiny", tools={"big": lambda: "y" * 10000})
+    assert (r.status, r.result) == ("ok", ["payload_too_large", True])
+
+
+def test_forged_oversize_frame_on_the_channel_ends_the_job(daemon: DaemonHandle) -> None:
+    code = "import os, struct\nos.write(3, struct.pack('>I', 1 << 30))\nimport time\ntime.sleep(5)"
+    r = daemon.run(code, policy="tiny")
+    assert r.status == "error"
+    assert r.error is not None and r.error["type"] == "ChannelError"
+    assert "frame announces" in r.error["message"]
+    daemon.assert_serving()
+
+
+def test_calls_beyond_the_in_flight_cap_fail_clearly(daemon: DaemonHandle) -> None:
+    async def slow() -> str:
+        await asyncio.sleep(0.3)
+        return "done"
+
+    code = (
+        "import asyncio\n"
+        "outs = await asyncio.gather(*(tools.slow() for _ in range(4)), return_exceptions=True)\n"
+        "[o if isinstance(o, str) else o.error_type for o in outs]"
+    )
+    r = daemon.run(code, policy="tiny", tools={"slow": slow})  # tiny: 2 in flight
+    assert r.status == "ok"
+    assert sorted(r.result) == ["done", "done", "too_many_calls", "too_many_calls"]
+
+
+def test_reused_call_id_is_channel_abuse(daemon: DaemonHandle) -> None:
+    async def slow() -> None:
+        await asyncio.sleep(2)
+
+    code = (
+        "import os, msgpack, struct, time\n"
+        "frame = msgpack.packb({'type': 'CallTool', 'call_id': 7, 'name': 'slow', 'args': msgpack.packb([[], {}])})\n"
+        "os.write(3, (struct.pack('>I', len(frame)) + frame) * 2)\n"
+        "time.sleep(5)"
+    )
+    r = daemon.run(code, tools={"slow": slow})
+    assert r.status == "error"
+    assert r.error is not None and "reused call id 7" in r.error["message"]
+
+
+def test_tool_arguments_that_msgpack_cannot_carry_arrive_as_repr(client: Client) -> None:
+    got: list[object] = []
+    r = client.run("import datetime\nawait tools.keep(datetime.date(2026, 1, 2))",
+                   tools={"keep": lambda d: got.append(d)})
+    assert r.status == "ok"
+    assert got == ["datetime.date(2026, 1, 2)"]
+
+
+def test_help_shows_the_tool_schema(client: Client) -> None:
+    r = client.run("tools.search.__doc__", tools=TOOLS)
+    assert r.result.startswith("Search something.")
+    assert '"query"' in r.result and '"limit"' in r.result
+
+
+def test_policy_tool_grants(daemon: DaemonHandle) -> None:
+    with Client(daemon.socket) as c:
+        ok = c.run("await tools.allowed_echo(1)", policy="limited-tools",
+                   tools={"allowed_echo": lambda x: x})
+        assert ok.result == 1
+        with pytest.raises(PermissionDenied, match="does not allow tool"):
+            c.run("1", policy="limited-tools", tools={"search": search})
+
+
+def test_client_disconnect_during_a_tool_call_cancels_the_job(daemon: DaemonHandle) -> None:
+    from jaild.client import AsyncClient
+
+    entered = threading.Event()
+
+    def hang() -> None:
+        entered.set()
+        time.sleep(3)
+
+    async def scenario() -> None:
+        c = AsyncClient(daemon.socket)
+        await c.connect()
+        job = await c.submit("await tools.hang()", tools={"hang": hang})
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+        await c.close()
+        with pytest.raises(Exception):
+            await job.result()
+
+    asyncio.run(scenario())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "client disconnected" not in daemon.log():
+        time.sleep(0.05)
+    assert "status=cancelled" in daemon.log()
+    daemon.assert_serving()

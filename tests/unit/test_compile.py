@@ -1,0 +1,117 @@
+"""The pure policy compiler, checked against golden nsjail configs and command lines.
+
+Regenerate the golden files after an intended change with:
+    JAILD_UPDATE_GOLDEN=1 make unit
+and review the diff.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from jaild.policy.compile import (
+    CgroupLayout,
+    HostLayout,
+    JobPlacement,
+    child_memory_ceiling_bytes,
+    job_argv,
+    nsjail_config,
+)
+from jaild.policy.schema import effective_limits, load_policy_dir, load_policy_text
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+POLICIES = load_policy_dir(REPO / "policies")
+V1 = HostLayout("/var/lib/jaild/runtime/0123456789abcdef", "/var/lib/jaild/envs", CgroupLayout(1, "jaild"))
+V2 = dataclasses.replace(V1, cgroup=CgroupLayout(2, "jaild"))
+JOB = JobPlacement("job-00112233aabbccdd", 1073741824, "/proc/self/fd/5", 9)
+
+
+def golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("JAILD_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert path.exists(), f"missing golden file {path}; run with JAILD_UPDATE_GOLDEN=1"
+    assert text == path.read_text(), f"{name} changed; review and regenerate if intended"
+
+
+@pytest.mark.parametrize("name", ["default", "strict"])
+def test_nsjail_config_golden(name: str) -> None:
+    golden(f"{name}.nsjail.cfg", nsjail_config(POLICIES[name], V1))
+
+
+@pytest.mark.parametrize(("name", "host", "tag"), [("default", V1, "v1"), ("strict", V1, "v1"),
+                                                   ("default", V2, "v2")])
+def test_job_argv_golden(name: str, host: HostLayout, tag: str) -> None:
+    policy = POLICIES[name]
+    argv = job_argv("/usr/bin/nsjail", policy, policy.limits, host, JOB)
+    golden(f"{name}.{tag}.argv.json", json.dumps(argv, indent=1) + "\n")
+
+
+def test_config_invariants() -> None:
+    cfg = nsjail_config(POLICIES["default"], V1)
+    assert "keep_env: false" in cfg
+    assert "time_limit: 0" in cfg  # the daemon enforces wall time
+    assert "rlimit_as_type: INF" in cfg
+    assert "mount_proc: false" in cfg
+    assert 'mount { dst: "/proc" fstype: "proc" options: "subset=pid" rw: false nosuid: true nodev: true noexec: true }' in cfg
+    assert 'mount { dst: "/" fstype: "tmpfs"' in cfg and "rw: false" in cfg.split("\n")[31]
+    for line in cfg.splitlines():
+        if "is_bind: true" in line and "/dev/" not in line:
+            assert "rw: false" in line and "nosuid: true" in line and "nodev: true" in line, line
+    assert "/sys" not in cfg
+    assert "clone_newnet: true" in cfg and "iface_no_lo: true" in cfg
+    for ns in ("user", "ns", "pid", "ipc", "uts", "cgroup"):
+        assert f"clone_new{ns}: true" in cfg
+
+
+def test_network_modes() -> None:
+    base = "[network]\nmode = '{}'"
+    none = nsjail_config(load_policy_text(base.format("none"), "n.toml"), V1)
+    loop = nsjail_config(load_policy_text(base.format("loopback"), "n.toml"), V1)
+    host = nsjail_config(load_policy_text(base.format("host"), "n.toml"), V1)
+    assert "clone_newnet: true" in none and "iface_no_lo: true" in none
+    assert "clone_newnet: true" in loop and "iface_no_lo: false" in loop
+    assert "clone_newnet: false" in host
+
+
+def test_proc_modes_and_custom_binds() -> None:
+    p = load_policy_text(
+        "[filesystem]\nproc = 'none'\nbinds = ['/usr', {src = '/srv/data', dst = '/data'}]", "c.toml"
+    )
+    cfg = nsjail_config(p, V1)
+    assert 'dst: "/proc"' not in cfg
+    assert 'mount { src: "/srv/data" dst: "/data" is_bind: true rw: false nosuid: true nodev: true }' in cfg
+    full = nsjail_config(load_policy_text("[filesystem]\nproc = 'full'", "f.toml"), V1)
+    assert 'mount { dst: "/proc" fstype: "proc" options: "" rw: false' in full
+
+
+def test_quoting_cannot_inject_config() -> None:
+    hostile = '/srv/a" rw: true } mount { src: "/x'
+    p = load_policy_text(f"[filesystem]\nbinds = ['/usr', {hostile!r}]".replace('"', '\\"').replace("'", '"'), "q.toml")
+    assert p.filesystem.binds[1].src == hostile
+    cfg = nsjail_config(p, V1)
+    line = next(ln for ln in cfg.splitlines() if "/srv/a" in ln)
+    assert line == ('mount { src: "/srv/a\\" rw: true } mount { src: \\"/x" '
+                    'dst: "/srv/a\\" rw: true } mount { src: \\"/x" is_bind: true rw: false '
+                    'nosuid: true nodev: true }')
+
+
+def test_per_job_limits_reach_the_argv() -> None:
+    policy = POLICIES["default"]
+    limits = effective_limits(policy, {"cpu_time_s": 3, "pids": 9, "cpu_cores": 0.5})
+    argv = job_argv("/usr/bin/nsjail", policy, limits, V1, JOB)
+    joined = " ".join(argv)
+    assert "--rlimit_cpu 3" in joined and "--cgroup_pids_max 9" in joined
+    assert "--cgroup_cpu_ms_per_sec 500" in joined
+    assert "--cgroup_cpu_parent jaild/job-00112233aabbccdd" in joined
+    assert "--user 65534:1073741824:1 --group 65534:1073741824:1" in joined
+
+
+def test_child_cgroup_ceiling_is_above_the_job_limit() -> None:
+    assert child_memory_ceiling_bytes(POLICIES["default"]) > 256 << 20

@@ -1,0 +1,172 @@
+"""Policy loading and validation: every error names file, key path and reason."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from jaild.errors import PolicyError
+from jaild.policy.schema import (
+    Bind,
+    Limits,
+    effective_limits,
+    host_checks,
+    load_policy,
+    load_policy_dir,
+    load_policy_text,
+    reference_markdown,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load(text: str, name: str = "p") -> object:
+    return load_policy_text(text, f"/etc/jaild/policies/{name}.toml")
+
+
+def error_of(text: str, name: str = "p") -> str:
+    with pytest.raises(PolicyError) as info:
+        load(text, name)
+    return info.value.message
+
+
+def test_shipped_policies_load() -> None:
+    policies = load_policy_dir(REPO / "policies")
+    assert set(policies) >= {"default", "strict"}
+    default, strict = policies["default"], policies["strict"]
+    assert (default.limits.memory_mb, default.limits.wall_time_s, default.limits.pids) == (256, 30.0, 64)
+    assert default.limits.output_bytes == 1 << 20
+    assert default.network.mode == "none"
+    # strict is strictly tighter
+    for f in dataclasses.fields(Limits):
+        if f.name == "cpu_cores":
+            continue
+        assert getattr(strict.limits, f.name) <= getattr(default.limits, f.name), f.name
+    assert strict.seccomp.profile == "strict"
+
+
+def test_defaults_for_an_empty_policy() -> None:
+    p = load("")
+    assert p.name == "p"  # type: ignore[attr-defined]
+    assert p.filesystem.binds == (Bind("/usr", "/usr"),)  # type: ignore[attr-defined]
+    assert p.limits == Limits()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("colour = 1", "/etc/jaild/policies/p.toml: colour: unknown key; a policy accepts access, description, filesystem, limits, network, python, seccomp"),
+        ("[limits]\nmemroy_mb = 1", "p.toml: limits.memroy_mb: unknown key; [limits] accepts wall_time_s, cpu_time_s, memory_mb"),
+        ("[limits]\nmemory_mb = '256'", "p.toml: limits.memory_mb: must be an integer, got '256'"),
+        ("[limits]\nmemory_mb = 256.5", "p.toml: limits.memory_mb: must be an integer, got 256.5"),
+        ("[limits]\npids = true", "p.toml: limits.pids: must be an integer, got True"),
+        ("[limits]\nmemory_mb = 8", "p.toml: limits.memory_mb: must be between 16 and 1048576, got 8"),
+        ("[limits]\nwall_time_s = 0", "p.toml: limits.wall_time_s: must be between 0.01 and 86400, got 0.0"),
+        ("limits = 5", "p.toml: limits: must be a table, got int"),
+        ("[network]\nmode = 'internet'", "p.toml: network.mode: must be one of none, loopback, host; got 'internet'"),
+        ("[filesystem]\nproc = 'some'", "p.toml: filesystem.proc: must be one of pid-only, full, none"),
+        ("[filesystem]\nbinds = ['usr']", "p.toml: filesystem.binds[0].src: must be an absolute path, got 'usr'"),
+        ("[filesystem]\nbinds = ['/usr/../etc']", "p.toml: filesystem.binds[0].src: must be a normalised path"),
+        ("[filesystem]\nbinds = [{src = '/srv', dst = '/tmp/x'}]", "p.toml: filesystem.binds[0].dst: /tmp/x is reserved by jaild inside the jail"),
+        ("[filesystem]\nbinds = [{src = '/srv', dst = '/'}]", "p.toml: filesystem.binds[0].dst: / is reserved"),
+        ("[filesystem]\nbinds = [{source = '/srv'}]", 'p.toml: filesystem.binds[0]: must be "/path" or {src = "/path", dst = "/path"}'),
+        ("[filesystem]\nbinds = '/usr'", "p.toml: filesystem.binds: must be a list, got str"),
+        ("[seccomp]\nallow = ['frobnicate']", "p.toml: seccomp.allow: unknown syscall 'frobnicate' (not a syscall on this architecture)"),
+        ("[seccomp]\nallow = ['@nonsense']", "p.toml: seccomp.allow: unknown syscall group '@nonsense'"),
+        ("[seccomp]\nallow = ['ptrace']", "p.toml: seccomp.allow: 'ptrace' can never be allowed: it inspects or alters other processes"),
+        ("[seccomp]\nallow = ['mount']", "p.toml: seccomp.allow: 'mount' can never be allowed: it changes the mount table"),
+        ("[seccomp]\ndeny = ['nosuchcall']", "p.toml: seccomp.deny: unknown syscall 'nosuchcall'"),
+        ("[seccomp]\nprofile = 'loose'", "p.toml: seccomp.profile: must be one of default, strict; got 'loose'"),
+        ("[seccomp]\naction = 'log'", "p.toml: seccomp.action: must be one of kill, errno; got 'log'"),
+        ("[seccomp]\nallow = [1]", "p.toml: seccomp.allow[0]: must be a string, got 1"),
+        ("[python]\nenv = '../x'", "p.toml: python.env: '../x' is neither an env name nor an absolute path"),
+        ("description = 3", "p.toml: description: must be a string, got 3"),
+        ("[limits", "p.toml: not valid TOML"),
+    ],
+)
+def test_errors_name_file_key_and_reason(text: str, message: str) -> None:
+    assert message in error_of(text)
+
+
+def test_policy_name_comes_from_the_file_name() -> None:
+    assert "policy name 'Bad Name!' must match" in error_of("", name="Bad Name!")
+
+
+def test_unreadable_and_missing(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match="cannot read"):
+        load_policy(tmp_path / "missing.toml")
+    (tmp_path / "bin.toml").write_bytes(b"\xff\xfe")
+    with pytest.raises(PolicyError, match="not UTF-8"):
+        load_policy(tmp_path / "bin.toml")
+    with pytest.raises(PolicyError, match="no \\*.toml policies"):
+        load_policy_dir(tmp_path / "empty" if (tmp_path / "empty").mkdir() is None else tmp_path)
+
+
+def test_host_checks_name_the_problem(tmp_path: Path) -> None:
+    p = load('[filesystem]\nbinds = ["/usr", "/nonexistent-jaild"]\n[python]\nenv = "ghost"')
+    problems = [e.message for e in host_checks(p, str(tmp_path))]  # type: ignore[arg-type]
+    assert any("filesystem.binds[1].src: /nonexistent-jaild does not exist on this host" in m for m in problems)
+    assert any(f"python.env: environment {tmp_path}/ghost does not exist" in m for m in problems)
+
+
+def test_host_checks_refuse_an_env_the_jail_cannot_see() -> None:
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="jaild-test-env-"))  # under /tmp: world-searchable
+    try:
+        root.chmod(0o755)
+        interpreter = root / "elsewhere" / "python3.11"  # like a pyenv build under /root
+        interpreter.parent.mkdir()
+        interpreter.write_text("")
+        env = root / "envs" / "bad"
+        (env / "bin").mkdir(parents=True)
+        (env / "bin" / "python3").symlink_to(interpreter)
+        for d in (root / "envs", env, env / "bin"):
+            d.chmod(0o755)
+        p = load('[python]\nenv = "bad"')
+        problems = [e.message for e in host_checks(p, str(root / "envs"))]  # type: ignore[arg-type]
+        assert problems == [
+            f"/etc/jaild/policies/p.toml: python.env: {env}/bin/python3 resolves to {interpreter}, "
+            "which the jail cannot see (not under any bind); rebuild the env from a system "
+            "interpreter, e.g. /usr/bin/python3"
+        ]
+        (env).chmod(0o700)
+        problems = [e.message for e in host_checks(p, str(root / "envs"))]  # type: ignore[arg-type]
+        assert any("is not world-searchable" in m for m in problems), problems
+    finally:
+        shutil.rmtree(root)
+
+
+def test_jobs_may_only_tighten_limits() -> None:
+    p = load("[limits]\nmemory_mb = 256\nwall_time_s = 30")
+    limits = effective_limits(p, {"memory_mb": 100, "wall_time_s": 2.5})  # type: ignore[arg-type]
+    assert (limits.memory_mb, limits.wall_time_s) == (100, 2.5)
+    with pytest.raises(ValueError, match="memory_mb=300 is looser than policy 'p' allows \\(256\\)"):
+        effective_limits(p, {"memory_mb": 300})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown limit 'ram'"):
+        effective_limits(p, {"ram": 1})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must be a positive number"):
+        effective_limits(p, {"pids": -1})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="limit memory_mb: must be between 16"):
+        effective_limits(p, {"memory_mb": 1})  # type: ignore[arg-type]
+    # a policy without a CPU cap accepts any cap
+    assert effective_limits(p, {"cpu_cores": 0.5}).cpu_cores == 0.5  # type: ignore[arg-type]
+
+
+def test_access_rules() -> None:
+    p = load('[access]\ntools = ["search*", "fetch"]\nusers = ["root", "1000", "@nogroup"]')
+    assert p.tool_allowed("search_web") and p.tool_allowed("fetch")  # type: ignore[attr-defined]
+    assert not p.tool_allowed("fetcher")  # type: ignore[attr-defined]
+    assert p.user_allowed(0, [0]) and p.user_allowed(1000, [1000])  # type: ignore[attr-defined]
+    assert not p.user_allowed(1001, [1001])  # type: ignore[attr-defined]
+    assert p.user_allowed(1002, [65534])  # type: ignore[attr-defined]  # member of nogroup
+    nobody = load("[access]\nusers = []")
+    assert not nobody.user_allowed(0, [0])  # type: ignore[attr-defined]
+
+
+def test_readme_policy_reference_is_generated_from_the_schema() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert reference_markdown() in readme, "run: jaild policy reference, and paste it into README.md"
