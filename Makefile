@@ -17,7 +17,7 @@ APT_PACKAGES := python3 python3-venv python3-dev gcc libcap-dev libseccomp2 syst
 STAMPS := .stamps
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo test unit integration lint install uninstall jail-env clean distclean
+.PHONY: all setup demo test unit integration lint bench install uninstall jail-env clean distclean
 
 all: setup
 
@@ -63,6 +63,9 @@ unit: setup
 
 integration: setup
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) bench/latency.py
 
 lint: setup
 	$(VENV)/bin/ruff check jaild tests examples

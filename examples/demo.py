@@ -34,7 +34,7 @@ async def stock(item: str) -> int:
     return {"apple": 12, "pear": 0, "fig": 3}[item]
 
 
-JOB = '''
+JOB = """
 import asyncio
 
 basket = ["apple", "pear", "fig"]
@@ -46,7 +46,7 @@ for item, p, s in zip(basket, prices, stocks):
     print(f"{item:6} {p:5.2f} EUR  {s:3d} in stock")
 available = {item: p for item, p, s in zip(basket, prices, stocks) if s > 0}
 {"available": available, "total": sum(available.values())}
-'''
+"""
 
 
 def wait_for_socket(path: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
@@ -73,7 +73,10 @@ def main() -> int:
             print("== running a job that calls two host tools (one sync, one async) concurrently")
             with Client(sock) as client:
                 result = client.run(
-                    JOB, policy="default", tools={"price": price, "stock": stock}, timeout=10,
+                    JOB,
+                    policy="default",
+                    tools={"price": price, "stock": stock},
+                    timeout=10,
                     on_stdout=lambda text: print(f"   jail| {text}", end=""),
                 )
             print("== result record")

@@ -178,7 +178,9 @@ class Cgroups:
         root = self._v2_root()
         try:
             os.makedirs(root, exist_ok=True)
-            _write(os.path.join(self.layout.v2_root, "cgroup.subtree_control"), "+memory +pids +cpu")
+            _write(
+                os.path.join(self.layout.v2_root, "cgroup.subtree_control"), "+memory +pids +cpu"
+            )
             _write(os.path.join(root, "cgroup.subtree_control"), "+memory +pids +cpu")
         except OSError as exc:
             raise CgroupError(
@@ -237,9 +239,23 @@ class Cgroups:
         out = []
         for root in roots:
             with contextlib.suppress(FileNotFoundError):
-                out += [os.path.join(root, d) for d in os.listdir(root)
-                        if os.path.isdir(os.path.join(root, d))]
+                out += [
+                    os.path.join(root, d)
+                    for d in os.listdir(root)
+                    if os.path.isdir(os.path.join(root, d))
+                ]
         return out
+
+    def remove_subtree(self) -> None:
+        """Remove the (empty) subtree at shutdown; a non-empty one is left for the next sweep."""
+        roots = (
+            [self._v1_root(c) for c in V1_CONTROLLERS if os.path.isdir(self.layout.v1_mount(c))]
+            if self.layout.version == 1
+            else [self._v2_root()]
+        )
+        for root in roots:
+            with contextlib.suppress(OSError):
+                os.rmdir(root)
 
     def sweep(self) -> list[str]:
         """Kill and remove every job cgroup left in the subtree; returns what was removed."""

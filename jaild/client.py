@@ -60,6 +60,7 @@ from jaild.protocol.messages import (
     PolicyList,
     RunJob,
     Welcome,
+    safe_text,
 )
 from jaild.toolspec import HostTool, normalize_tools
 
@@ -270,9 +271,14 @@ class AsyncClient:
         accepted: asyncio.Future[str] = loop.create_future()
         job = _Job(host_tools, on_stdout, on_stderr, loop.create_future())
         self._accepting[ref] = (accepted, job)
-        msg = RunJob(ref=ref, code=code, policy=policy,
-                     tools=tuple(t.spec() for t in host_tools.values()), limits=wanted,
-                     filename=filename)
+        msg = RunJob(
+            ref=ref,
+            code=code,
+            policy=policy,
+            tools=tuple(t.spec() for t in host_tools.values()),
+            limits=wanted,
+            filename=filename,
+        )
         try:
             await self._send(msg)
             job_id = await accepted
@@ -280,9 +286,13 @@ class AsyncClient:
             self._accepting.pop(ref, None)
         return AsyncJob(self, job_id, job)
 
-    async def run(self, code: str, policy: str = "default",
-                  tools: Mapping[str, Any] | Iterable[Any] | None = None,
-                  **kwargs: Any) -> JobResult:
+    async def run(
+        self,
+        code: str,
+        policy: str = "default",
+        tools: Mapping[str, Any] | Iterable[Any] | None = None,
+        **kwargs: Any,
+    ) -> JobResult:
         """Run ``code`` and return its result record (:meth:`submit` + :meth:`AsyncJob.result`).
 
         A job that runs and fails is *not* an exception: look at ``result.status``.
@@ -406,9 +416,8 @@ class AsyncClient:
             task = asyncio.get_running_loop().create_task(self._call_tool(msg.job_id, job, msg))
             job.calls.add(task)
             task.add_done_callback(job.calls.discard)
-        elif isinstance(msg, JobFinished):
-            if not job.finished.done():
-                job.finished.set_result(JobResult.from_wire(msg.record, msg.result))
+        elif isinstance(msg, JobFinished) and not job.finished.done():
+            job.finished.set_result(JobResult.from_wire(msg.record, msg.result))
 
     async def _call_tool(self, job_id: str, job: _Job, call: ClientCallTool) -> None:
         tool = job.tools.get(call.name)
@@ -417,9 +426,13 @@ class AsyncClient:
             if tool is None:
                 raise LookupError(f"no tool named {call.name!r} in this client")
             decoded = unpack(call.args)
-            if not (isinstance(decoded, list) and len(decoded) == 2
-                    and isinstance(decoded[0], list) and isinstance(decoded[1], dict)
-                    and all(isinstance(k, str) for k in decoded[1])):
+            if not (
+                isinstance(decoded, list)
+                and len(decoded) == 2
+                and isinstance(decoded[0], list)
+                and isinstance(decoded[1], dict)
+                and all(isinstance(k, str) for k in decoded[1])
+            ):
                 raise TypeError("malformed tool arguments from the jail")
             args, kwargs = decoded
             if tool.is_async:
@@ -434,10 +447,16 @@ class AsyncClient:
             raise
         except Exception as exc:
             log.debug("tool %s raised", call.name, exc_info=True)
-            message = str(exc)[:4096]
-            reply = ClientToolFailed(job_id=job_id, call_id=call.call_id,
-                                     error_type=type(exc).__name__[:256] or "Exception",
-                                     message=message)
+            try:
+                message = str(exc)
+            except Exception:
+                message = "<str() of the exception failed>"
+            reply = ClientToolFailed(
+                job_id=job_id,
+                call_id=call.call_id,
+                error_type=safe_text(type(exc).__name__, 256) or "Exception",
+                message=safe_text(message, 4096),
+            )
         with contextlib.suppress(JaildError, ConnectionError, OSError):
             await self._send(reply)
 
@@ -451,8 +470,9 @@ class Client:
 
     def __init__(self, socket_path: str | None = None, *, name: str = "") -> None:
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="jaild-client",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="jaild-client", daemon=True
+        )
         self._thread.start()
         self._client = AsyncClient(socket_path, name=name)
         try:
@@ -473,13 +493,23 @@ class Client:
             fut.cancel()
             raise
 
-    def run(self, code: str, policy: str = "default",
-            tools: Mapping[str, Any] | Iterable[Any] | None = None, **kwargs: Any) -> JobResult:
+    def run(
+        self,
+        code: str,
+        policy: str = "default",
+        tools: Mapping[str, Any] | Iterable[Any] | None = None,
+        **kwargs: Any,
+    ) -> JobResult:
         """See :meth:`AsyncClient.run`."""
         return self._call(self._client.run(code, policy, tools, **kwargs))  # type: ignore[no-any-return]
 
-    def submit(self, code: str, policy: str = "default",
-               tools: Mapping[str, Any] | Iterable[Any] | None = None, **kwargs: Any) -> Job:
+    def submit(
+        self,
+        code: str,
+        policy: str = "default",
+        tools: Mapping[str, Any] | Iterable[Any] | None = None,
+        **kwargs: Any,
+    ) -> Job:
         """Start a job without waiting for it; see :meth:`AsyncClient.submit`."""
         return Job(self, self._call(self._client.submit(code, policy, tools, **kwargs)))
 

@@ -113,8 +113,9 @@ def _sealed_memfd(name: str, text: str) -> int:
 class ClientSession:
     """One client connection."""
 
-    def __init__(self, daemon: Daemon, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, daemon: Daemon, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         self.daemon = daemon
         self.reader = reader
         self.writer = writer
@@ -134,7 +135,9 @@ class ClientSession:
             return
         self.writer.write(self.conn.send(msg))
 
-    def send_error(self, err: JaildError, ref: int | None = None, job_id: str | None = None) -> None:
+    def send_error(
+        self, err: JaildError, ref: int | None = None, job_id: str | None = None
+    ) -> None:
         with contextlib.suppress(JaildError):
             self.send(Error(code=err.code, message=err.message[:65536], ref=ref, job_id=job_id))
 
@@ -185,8 +188,9 @@ class ClientSession:
             fut = self.pending_calls.pop((msg.job_id, msg.call_id), None)
             if fut is None:
                 if msg.job_id not in self.jobs:
-                    self.send_error(UnknownJob(f"no job {msg.job_id} of this connection"),
-                                    job_id=msg.job_id)
+                    self.send_error(
+                        UnknownJob(f"no job {msg.job_id} of this connection"), job_id=msg.job_id
+                    )
                 return  # a late answer for a call that already ended: harmless
             if not fut.done():
                 if isinstance(msg, ClientToolReturned):
@@ -196,17 +200,26 @@ class ClientSession:
         elif isinstance(msg, CancelJob):
             job = self.jobs.get(msg.job_id)
             if msg.job_id not in self.jobs:
-                self.send_error(UnknownJob(f"no running job {msg.job_id} of this connection"),
-                                job_id=msg.job_id)
+                self.send_error(
+                    UnknownJob(f"no running job {msg.job_id} of this connection"), job_id=msg.job_id
+                )
             elif job is not None:
                 job.cancel("cancelled by the client")
         elif isinstance(msg, ListPolicies):
-            self.send(PolicyList(ref=msg.ref, policies=[
-                p.summary() for p in self.daemon.policies.values()
-                if p.user_allowed(self.uid, (self.gid, *self.groups))
-            ]))
+            self.send(
+                PolicyList(
+                    ref=msg.ref,
+                    policies=tuple(
+                        p.summary()
+                        for p in self.daemon.policies.values()
+                        if p.user_allowed(self.uid, (self.gid, *self.groups))
+                    ),
+                )
+            )
 
-    async def call_tool(self, job_id: str, call_id: int, name: str, args: bytes) -> tuple[bool, Any]:
+    async def call_tool(
+        self, job_id: str, call_id: int, name: str, args: bytes
+    ) -> tuple[bool, Any]:
         if self.closed:
             raise ConnectionLost("the client is gone")
         fut: asyncio.Future[tuple[bool, Any]] = asyncio.get_running_loop().create_future()
@@ -258,7 +271,9 @@ class Daemon:
 
     def load_policies(self) -> dict[str, Policy]:
         policies = load_policy_dir(self.config.policies_dir)
-        problems = [str(err) for p in policies.values() for err in host_checks(p, self.config.envs_dir)]
+        problems = [
+            str(err) for p in policies.values() for err in host_checks(p, self.config.envs_dir)
+        ]
         if problems:
             raise StartupError("invalid policies:\n  " + "\n  ".join(problems))
         return policies
@@ -268,6 +283,16 @@ class Daemon:
             self.policies = self.load_policies()
         except PolicyError as exc:
             raise StartupError(f"invalid policy: {exc.message}") from None
+        # Claim the socket first: a second daemon for the same socket must stop here,
+        # before it touches (let alone sweeps) the cgroup subtree the first one uses.
+        sock = self._listening_socket()
+        try:
+            await self._start_serving(sock)
+        except BaseException:
+            sock.close()
+            raise
+
+    async def _start_serving(self, sock: socket.socket) -> None:
         try:
             layout = detect(self.config.subtree)
             cgroups = Cgroups(layout)
@@ -293,17 +318,31 @@ class Daemon:
             config_fds[name] = fd
             specs[name] = build_spec(policy.seccomp_choice, network=policy.network.mode != "none")
         self.env = JailEnvironment(
-            nsjail=nsjail, host=host, cgroups=cgroups, config_fds=config_fds,
-            seccomp_specs=specs, audit=KernelAuditLog(), uid_base=self.config.uid_base,
+            nsjail=nsjail,
+            host=host,
+            cgroups=cgroups,
+            config_fds=config_fds,
+            seccomp_specs=specs,
+            audit=KernelAuditLog(),
+            uid_base=self.config.uid_base,
         )
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        sock = self._listening_socket()
         self._server = await asyncio.start_unix_server(self._accept, sock=sock, limit=1 << 16)
-        log.info("jaild %s serving %d policies (%s) on %s; nsjail %s; cgroup v%d subtree %s",
-                 __version__, len(self.policies), ", ".join(sorted(self.policies)),
-                 self.config.socket_path, nsjail, layout.version, layout.subtree)
+        where = (
+            self.config.socket_path if self._owns_socket else f"{sock.getsockname()} (activated)"
+        )
+        log.info(
+            "jaild %s serving %d policies (%s) on %s; nsjail %s; cgroup v%d subtree %s",
+            __version__,
+            len(self.policies),
+            ", ".join(sorted(self.policies)),
+            where,
+            nsjail,
+            layout.version,
+            layout.subtree,
+        )
         systemd.notify(f"READY=1\nSTATUS=serving {len(self.policies)} policies")
 
     def _listening_socket(self) -> socket.socket:
@@ -312,8 +351,11 @@ class Daemon:
             return activated[0]
         path = self.config.socket_path
         directory = os.path.dirname(os.path.abspath(path))
+        gid = grp.getgrnam(self.config.socket_group).gr_gid if self.config.socket_group else -1
         if not os.path.isdir(directory):
             os.makedirs(directory, mode=0o750)
+            if gid >= 0:
+                os.chown(directory, -1, gid)  # group members must traverse the 0750 directory
         if os.path.lexists(path):
             st = os.lstat(path)
             if not stat.S_ISSOCK(st.st_mode):
@@ -334,8 +376,8 @@ class Daemon:
             sock.bind(path)  # created with the final mode: no chmod-after-bind window
         finally:
             os.umask(old_umask)
-        if self.config.socket_group:
-            os.chown(path, -1, grp.getgrnam(self.config.socket_group).gr_gid)
+        if gid >= 0:
+            os.chown(path, -1, gid)
         st = os.stat(path)
         self._socket_inode = (st.st_dev, st.st_ino)
         self._owns_socket = True
@@ -365,7 +407,9 @@ class Daemon:
             raise ShuttingDown("the daemon is shutting down")
         policy = self.policies.get(req.policy)
         if policy is None:
-            raise UnknownPolicy(f"no policy {req.policy!r}; this daemon serves: {', '.join(sorted(self.policies))}")
+            raise UnknownPolicy(
+                f"no policy {req.policy!r}; this daemon serves: {', '.join(sorted(self.policies))}"
+            )
         if not policy.user_allowed(session.uid, (session.gid, *session.groups)):
             raise PermissionDenied(f"uid {session.uid} may not use policy {policy.name!r}")
         names = [t.name for t in req.tools]
@@ -392,16 +436,27 @@ class Daemon:
         job_id = "job-" + secrets.token_hex(8)
         session.send(JobAccepted(ref=req.ref, job_id=job_id))
         try:
-            compile(req.code, req.filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
-                    dont_inherit=True)
+            compile(
+                req.code,
+                req.filename,
+                "exec",
+                flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
+                dont_inherit=True,
+            )
         except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as exc:
             record = syntax_error_record(job_id, policy, limits, exc, req.filename)
             session.send(JobFinished(job_id=job_id, record=record))
             self._audit(session, record)
             return
         assert self.env is not None
-        spec = JobSpec(job_id=job_id, policy=policy, limits=limits, code=req.code,
-                       filename=req.filename, tools=req.tools)
+        spec = JobSpec(
+            job_id=job_id,
+            policy=policy,
+            limits=limits,
+            code=req.code,
+            filename=req.filename,
+            tools=req.tools,
+        )
         job = JailedJob(spec, self.env, session.call_tool, session.output)
         session.jobs[job_id] = job
         self.jobs[job_id] = job
@@ -417,10 +472,20 @@ class Daemon:
             except Exception as exc:  # a jaild bug: report it, keep serving
                 log.exception("job %s failed inside jaild", job_id)
                 record = {
-                    "job_id": job_id, "policy": job.spec.policy.name, "status": "internal_error",
-                    "stdout": "", "stderr": "", "tool_calls": [], "duration_s": 0.0,
-                    "limits": {}, "error": {"type": "InternalError", "message": str(exc),
-                                            "traceback": "", "lineno": None},
+                    "job_id": job_id,
+                    "policy": job.spec.policy.name,
+                    "status": "internal_error",
+                    "stdout": "",
+                    "stderr": "",
+                    "tool_calls": [],
+                    "duration_s": 0.0,
+                    "limits": {},
+                    "error": {
+                        "type": "InternalError",
+                        "message": str(exc),
+                        "traceback": "",
+                        "lineno": None,
+                    },
                 }
                 job.result = None
             session.send(JobFinished(job_id=job_id, record=record, result=job.result))
@@ -431,10 +496,19 @@ class Daemon:
 
     def _audit(self, session: ClientSession, record: dict[str, Any]) -> None:
         error = record.get("error") or {}
-        reason = f" reason={error.get('type')}: {str(error.get('message'))[:200]!r}" if error else ""
-        log.info("job=%s policy=%s %s status=%s duration_s=%.3f tool_calls=%d%s",
-                 record["job_id"], record["policy"], session.who, record["status"],
-                 record["duration_s"], len(record["tool_calls"]), reason)
+        reason = (
+            f" reason={error.get('type')}: {str(error.get('message'))[:200]!r}" if error else ""
+        )
+        log.info(
+            "job=%s policy=%s %s status=%s duration_s=%.3f tool_calls=%d%s",
+            record["job_id"],
+            record["policy"],
+            session.who,
+            record["status"],
+            record["duration_s"],
+            len(record["tool_calls"]),
+            reason,
+        )
 
     # ------------------------------------------------------------------ shutdown
 
@@ -443,7 +517,7 @@ class Daemon:
             await self._stopped.wait()
             return
         self._stopping = True
-        pass
+        systemd.notify("STOPPING=1")
         if self._server is not None:
             self._server.close()
         for job in list(self.jobs.values()):
@@ -461,6 +535,7 @@ class Daemon:
                     os.unlink(self.config.socket_path)
         if self.env is not None:
             self.env.audit.close()
+            self.env.cgroups.remove_subtree()  # only ours: we held the socket
         for fd in self._config_fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -470,16 +545,20 @@ class Daemon:
 
 
 async def serve(config: DaemonConfig) -> None:
-    """Run a daemon until SIGTERM/SIGINT, then stop it gracefully."""
+    """Run a daemon until SIGTERM/SIGINT, then stop it gracefully.
+
+    The signal handlers are installed before start-up, so a stop request that
+    arrives while the daemon is still starting stops it as soon as it serves.
+    """
     import signal
 
     daemon = Daemon(config)
-    await daemon.start()
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
     try:
+        await daemon.start()
         waiter = asyncio.ensure_future(stop_requested.wait())
         served = asyncio.ensure_future(daemon.serve_forever())
         await asyncio.wait([waiter, served], return_when=asyncio.FIRST_COMPLETED)

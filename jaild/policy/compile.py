@@ -38,8 +38,7 @@ JAIL_HOSTNAME = "jail"
 WORKDIR = "/tmp"
 
 BOOTSTRAP = (
-    f"import sys;sys.path.insert(0,{JAIL_RUNTIME!r});"
-    "from jaild.runtime.main import main;main()"
+    f"import sys;sys.path.insert(0,{JAIL_RUNTIME!r});from jaild.runtime.main import main;main()"
 )
 """The ``-c`` program: put the runtime on sys.path and run it. ``-I`` keeps cwd off sys.path."""
 
@@ -97,7 +96,7 @@ def _mount(**fields: str | bool) -> str:
 
 
 def child_memory_ceiling_bytes(policy: Policy) -> int:
-    """nsjail's own (child) cgroup ceiling: above the job's, so the job's limit always trips first."""
+    """nsjail's own (child) cgroup ceiling: above the job's, so the job's limit trips first."""
     return 2 * policy.limits.memory_mb * 1024 * 1024
 
 
@@ -139,30 +138,56 @@ def nsjail_config(policy: Policy, host: HostLayout) -> str:
         f"iface_no_lo: {'true' if policy.network.mode == 'none' else 'false'}",
         "mount_proc: false",
         # an empty, read-only root; everything else is mounted on it
-        _mount(dst="/", fstype="tmpfs", options="size=1048576,mode=0755", rw=False,
-               nosuid=True, nodev=True),
+        _mount(
+            dst="/",
+            fstype="tmpfs",
+            options="size=1048576,mode=0755",
+            rw=False,
+            nosuid=True,
+            nodev=True,
+        ),
     ]
     for bind in fs.binds:
-        lines.append(_mount(src=bind.src, dst=bind.dst, is_bind=True, rw=False, nosuid=True,
-                            nodev=True))
+        lines.append(
+            _mount(src=bind.src, dst=bind.dst, is_bind=True, rw=False, nosuid=True, nodev=True)
+        )
     for link in ("bin", "lib", "lib64", "sbin"):
         if any(b.dst == "/usr" for b in fs.binds):
             lines.append(_mount(src=f"usr/{link}", dst=f"/{link}", is_symlink=True))
     lines += [
         _mount(src=env_dir, dst=JAIL_ENV, is_bind=True, rw=False, nosuid=True, nodev=True),
-        _mount(src=host.runtime_dir, dst=JAIL_RUNTIME, is_bind=True, rw=False, nosuid=True,
-               nodev=True),
-        _mount(dst=WORKDIR, fstype="tmpfs",
-               options=f"size={fs.tmp_mb * 1024 * 1024},mode=1777,nr_inodes=65536", rw=True,
-               nosuid=True, nodev=True, noexec=True),
+        _mount(
+            src=host.runtime_dir, dst=JAIL_RUNTIME, is_bind=True, rw=False, nosuid=True, nodev=True
+        ),
+        _mount(
+            dst=WORKDIR,
+            fstype="tmpfs",
+            options=f"size={fs.tmp_mb * 1024 * 1024},mode=1777,nr_inodes=65536",
+            rw=True,
+            nosuid=True,
+            nodev=True,
+            noexec=True,
+        ),
     ]
     if fs.proc != "none":
         options = "subset=pid" if fs.proc == "pid-only" else ""
-        lines.append(_mount(dst="/proc", fstype="proc", options=options, rw=False, nosuid=True,
-                            nodev=True, noexec=True))
+        lines.append(
+            _mount(
+                dst="/proc",
+                fstype="proc",
+                options=options,
+                rw=False,
+                nosuid=True,
+                nodev=True,
+                noexec=True,
+            )
+        )
     for dev, rw in (("null", True), ("zero", False), ("urandom", False), ("random", False)):
-        lines.append(_mount(src=f"/dev/{dev}", dst=f"/dev/{dev}", is_bind=True, rw=rw,
-                            nosuid=True, noexec=True))
+        lines.append(
+            _mount(
+                src=f"/dev/{dev}", dst=f"/dev/{dev}", is_bind=True, rw=rw, nosuid=True, noexec=True
+            )
+        )
     lines += [
         f"cgroup_mem_max: {child_memory_ceiling_bytes(policy)}",
         "cgroup_mem_swap_max: 0",
@@ -182,29 +207,44 @@ def job_cgroup_relpath(host: HostLayout, job_id: str) -> str:
     return f"{host.cgroup.subtree}/{job_id}"
 
 
-def job_argv(nsjail: str, policy: Policy, limits: Limits, host: HostLayout,
-             job: JobPlacement) -> list[str]:
+def job_argv(
+    nsjail: str, policy: Policy, limits: Limits, host: HostLayout, job: JobPlacement
+) -> list[str]:
     """nsjail's command line for one job (the config does the rest)."""
     rel = job_cgroup_relpath(host, job.job_id)
     ids = f"{JAIL_UID}:{job.outside_uid}:1"
     argv = [
         nsjail,
-        "--config", job.config_path,
-        "--log_fd", str(job.log_fd),
-        "--user", ids,
-        "--group", ids,
-        "--rlimit_cpu", str(limits.cpu_time_s),
-        "--rlimit_fsize", str(limits.file_size_mb),
-        "--rlimit_nofile", str(limits.open_files),
-        "--cgroup_pids_max", str(limits.pids),
+        "--config",
+        job.config_path,
+        "--log_fd",
+        str(job.log_fd),
+        "--user",
+        ids,
+        "--group",
+        ids,
+        "--rlimit_cpu",
+        str(limits.cpu_time_s),
+        "--rlimit_fsize",
+        str(limits.file_size_mb),
+        "--rlimit_nofile",
+        str(limits.open_files),
+        "--cgroup_pids_max",
+        str(limits.pids),
     ]
     if limits.cpu_cores > 0:
         argv += ["--cgroup_cpu_ms_per_sec", str(max(1, round(limits.cpu_cores * 1000)))]
     cg = host.cgroup
     if cg.version == 1:
         argv += [
-            "--cgroup_mem_mount", cg.v1_mount("memory"), "--cgroup_mem_parent", rel,
-            "--cgroup_pids_mount", cg.v1_mount("pids"), "--cgroup_pids_parent", rel,
+            "--cgroup_mem_mount",
+            cg.v1_mount("memory"),
+            "--cgroup_mem_parent",
+            rel,
+            "--cgroup_pids_mount",
+            cg.v1_mount("pids"),
+            "--cgroup_pids_parent",
+            rel,
         ]
         if limits.cpu_cores > 0:
             argv += ["--cgroup_cpu_mount", cg.v1_mount("cpu"), "--cgroup_cpu_parent", rel]

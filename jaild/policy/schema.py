@@ -70,42 +70,87 @@ class Bind:
 class Limits:
     """``[limits]`` -- what one job may consume. Clients may ask for less per job, never more."""
 
-    wall_time_s: float = setting(30.0, "Wall-clock time from code start; enforced by the daemon to ~100 ms.", between(0.01, 86400))
+    wall_time_s: float = setting(
+        30.0,
+        "Wall-clock time from code start; enforced by the daemon to ~100 ms.",
+        between(0.01, 86400),
+    )
     cpu_time_s: int = setting(30, "CPU seconds per process (RLIMIT_CPU).", between(1, 86400))
-    memory_mb: int = setting(256, "Memory of the whole jail (cgroup, swap off); tmpfs counts.", between(16, 1 << 20))
+    memory_mb: int = setting(
+        256, "Memory of the whole jail (cgroup, swap off); tmpfs counts.", between(16, 1 << 20)
+    )
     pids: int = setting(64, "Processes and threads in the jail (pids cgroup).", between(4, 1 << 16))
-    output_bytes: int = setting(1 << 20, "stdout+stderr cap; output is cut there and the job stopped.", between(0, 1 << 30))
-    file_size_mb: int = setting(16, "Largest file the job may write (RLIMIT_FSIZE).", between(1, 1 << 20))
-    open_files: int = setting(256, "Open file descriptors per process (RLIMIT_NOFILE).", between(16, 1 << 20))
-    cpu_cores: float = setting(0.0, "CPU bandwidth in cores (cgroup cpu); 0 = no cap.", between(0, 1024))
-    code_bytes: int = setting(256 * 1024, "Largest source a job may submit.", between(1, MAX_CODE_CHARS))
-    tool_payload_bytes: int = setting(1 << 20, "Largest packed arguments or result of one tool call.", between(64, MAX_PAYLOAD_BYTES))
-    result_bytes: int = setting(1 << 20, "Largest packed job result.", between(64, MAX_PAYLOAD_BYTES))
-    tool_calls_in_flight: int = setting(64, "Tool calls one job may have in flight at once.", between(1, 4096))
+    output_bytes: int = setting(
+        1 << 20, "stdout+stderr cap; output is cut there and the job stopped.", between(0, 1 << 30)
+    )
+    file_size_mb: int = setting(
+        16, "Largest file the job may write (RLIMIT_FSIZE).", between(1, 1 << 20)
+    )
+    open_files: int = setting(
+        256, "Open file descriptors per process (RLIMIT_NOFILE).", between(16, 1 << 20)
+    )
+    cpu_cores: float = setting(
+        0.0, "CPU bandwidth in cores (cgroup cpu); 0 = no cap.", between(0, 1024)
+    )
+    code_bytes: int = setting(
+        256 * 1024, "Largest source a job may submit.", between(1, MAX_CODE_CHARS)
+    )
+    tool_payload_bytes: int = setting(
+        1 << 20,
+        "Largest packed arguments or result of one tool call.",
+        between(64, MAX_PAYLOAD_BYTES),
+    )
+    result_bytes: int = setting(
+        1 << 20, "Largest packed job result.", between(64, MAX_PAYLOAD_BYTES)
+    )
+    tool_calls_in_flight: int = setting(
+        64, "Tool calls one job may have in flight at once.", between(1, 4096)
+    )
 
 
 @dataclass(frozen=True)
 class Filesystem:
     """``[filesystem]`` -- what the jail sees. The root is an empty read-only tmpfs."""
 
-    binds: tuple[Bind, ...] = setting((Bind("/usr", "/usr"),), "Host paths bound read-only: \"/path\" or {src, dst}.")
-    tmp_mb: int = setting(64, "Size of the writable tmpfs at /tmp (the working directory).", between(1, 1 << 16))
-    proc: str = setting("pid-only", "/proc: \"pid-only\" (subset=pid), \"full\", or \"none\".", choice("pid-only", "full", "none"))
+    binds: tuple[Bind, ...] = setting(
+        (Bind("/usr", "/usr"),), 'Host paths bound read-only: "/path" or {src, dst}.'
+    )
+    tmp_mb: int = setting(
+        64, "Size of the writable tmpfs at /tmp (the working directory).", between(1, 1 << 16)
+    )
+    proc: str = setting(
+        "pid-only",
+        '/proc: "pid-only" (subset=pid), "full", or "none".',
+        choice("pid-only", "full", "none"),
+    )
 
 
 @dataclass(frozen=True)
 class Network:
     """``[network]``."""
 
-    mode: str = setting("none", "\"none\": private netns, no interfaces; \"loopback\": lo up, AF_INET allowed; \"host\": host network (unsafe).", choice("none", "loopback", "host"))
+    mode: str = setting(
+        "none",
+        '"none": private netns, no interfaces; "loopback": lo up, AF_INET allowed; '
+        '"host": host network (unsafe).',
+        choice("none", "loopback", "host"),
+    )
 
 
 @dataclass(frozen=True)
 class Seccomp:
     """``[seccomp]`` -- the syscall allow-list loaded in the jail before user code."""
 
-    profile: str = setting("default", "Built-in allow-list: " + ", ".join(f'"{p}"' for p in PROFILES) + ".", choice(*PROFILES))
-    action: str = setting("kill", "On a disallowed syscall: \"kill\" (status policy_violation) or \"errno\" (EPERM).", choice(*ACTIONS))
+    profile: str = setting(
+        "default",
+        "Built-in allow-list: " + ", ".join(f'"{p}"' for p in PROFILES) + ".",
+        choice(*PROFILES),
+    )
+    action: str = setting(
+        "kill",
+        'On a disallowed syscall: "kill" (status policy_violation) or "errno" (EPERM).',
+        choice(*ACTIONS),
+    )
     allow: tuple[str, ...] = setting((), "Extra syscalls or @groups to allow.")
     deny: tuple[str, ...] = setting((), "Syscalls or @groups to remove from the profile.")
 
@@ -114,7 +159,10 @@ class Seccomp:
 class Python:
     """``[python]``."""
 
-    env: str = setting("default", "Jail Python environment: a name under the envs directory, or an absolute path to a venv.")
+    env: str = setting(
+        "default",
+        "Jail Python environment: a name under the envs directory, or an absolute path to a venv.",
+    )
 
 
 @dataclass(frozen=True)
@@ -122,7 +170,7 @@ class Access:
     """``[access]`` -- who and what may use this policy."""
 
     tools: tuple[str, ...] = setting(("*",), "Glob patterns of tool names jobs may register.")
-    users: tuple[str, ...] = setting(("*",), "Who may run jobs: \"*\", user names, uids, \"@group\".")
+    users: tuple[str, ...] = setting(("*",), 'Who may run jobs: "*", user names, uids, "@group".')
 
 
 SECTIONS: dict[str, type] = {
@@ -265,6 +313,8 @@ def _load_section(path: str, section: str, cls: type, data: Any) -> Any:
 
 
 def _bind(path: str, key: str, raw: Any) -> Bind:
+    src: Any
+    dst: Any
     if isinstance(raw, str):
         src = dst = raw
     elif isinstance(raw, dict) and set(raw) <= {"src", "dst"} and "src" in raw:
@@ -295,11 +345,15 @@ def load_policy_text(text: str, path: str) -> Policy:
     allowed = {"description", *SECTIONS}
     for key in data:
         if key not in allowed:
-            raise PolicyError(path, key, f"unknown key; a policy accepts {', '.join(sorted(allowed))}")
+            raise PolicyError(
+                path, key, f"unknown key; a policy accepts {', '.join(sorted(allowed))}"
+            )
     description = data.get("description", "")
     if not isinstance(description, str):
         raise PolicyError(path, "description", f"must be a string, got {description!r}")
-    sections = {name: _load_section(path, name, cls, data.get(name, {})) for name, cls in SECTIONS.items()}
+    sections = {
+        name: _load_section(path, name, cls, data.get(name, {})) for name, cls in SECTIONS.items()
+    }
     policy = Policy(name=stem, path=path, description=description, **sections)
     _check_seccomp(policy)
     _check_python(policy)
@@ -324,7 +378,9 @@ def _check_python(policy: Policy) -> None:
         if os.path.normpath(env) != env:
             raise PolicyError(policy.path, "python.env", f"must be a normalised path, got {env!r}")
     elif not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}", env):
-        raise PolicyError(policy.path, "python.env", f"{env!r} is neither an env name nor an absolute path")
+        raise PolicyError(
+            policy.path, "python.env", f"{env!r} is neither an env name nor an absolute path"
+        )
 
 
 def load_policy(path: str | os.PathLike[str]) -> Policy:
@@ -371,15 +427,25 @@ def host_checks(policy: Policy, envs_dir: str) -> Iterator[PolicyError]:
         if not os.path.exists(bind.src):
             yield PolicyError(policy.path, key, f"{bind.src} does not exist on this host")
         elif (blocked := blocking_ancestor(bind.src)) is not None:
-            yield PolicyError(policy.path, key, f"{blocked} is not world-searchable; nsjail cannot bind {bind.src}")
+            yield PolicyError(
+                policy.path,
+                key,
+                f"{blocked} is not world-searchable; nsjail cannot bind {bind.src}",
+            )
     env = resolve_env(policy, envs_dir)
     if os.path.isdir(env) and (blocked := blocking_ancestor(env)) is not None:
-        yield PolicyError(policy.path, "python.env", f"{blocked} is not world-searchable; nsjail cannot bind {env}")
+        yield PolicyError(
+            policy.path,
+            "python.env",
+            f"{blocked} is not world-searchable; nsjail cannot bind {env}",
+        )
     python = os.path.join(env, "bin", "python3")
     if not os.path.isdir(env):
         yield PolicyError(
-            policy.path, "python.env",
-            f"environment {env} does not exist; build it (make jail-env) or point python.env at a venv",
+            policy.path,
+            "python.env",
+            f"environment {env} does not exist; build it (make jail-env) "
+            "or point python.env at a venv",
         )
         return
     if not os.path.exists(python):
@@ -389,14 +455,16 @@ def host_checks(policy: Policy, envs_dir: str) -> Iterator[PolicyError]:
     visible = [b.src for b in policy.filesystem.binds] + [env]
     if not any(real == v or real.startswith(v.rstrip("/") + "/") for v in visible):
         yield PolicyError(
-            policy.path, "python.env",
+            policy.path,
+            "python.env",
             f"{python} resolves to {real}, which the jail cannot see (not under any bind); "
             "rebuild the env from a system interpreter, e.g. /usr/bin/python3",
         )
     mode = os.stat(env).st_mode
     if mode & 0o005 != 0o005:
         yield PolicyError(
-            policy.path, "python.env",
+            policy.path,
+            "python.env",
             f"{env} is not world-readable (mode {oct(mode & 0o777)}); the jailed uid cannot use it",
         )
 
@@ -408,14 +476,20 @@ def resolve_env(policy: Policy, envs_dir: str) -> str:
 
 def reference_markdown() -> str:
     """The policy reference table for the README, generated from the declarations."""
-    lines = ["| key | type | default | meaning |", "|---|---|---|---|",
-             "| `description` | string | `\"\"` | One line shown by `jaild policies`. |"]
+    lines = [
+        "| key | type | default | meaning |",
+        "|---|---|---|---|",
+        '| `description` | string | `""` | One line shown by `jaild policies`. |',
+    ]
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             tp = hints[f.name]
             tname = "list" if typing.get_origin(tp) is tuple else _type_name(tp).split()[-1]
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            if f.default is not dataclasses.MISSING:
+                default: Any = f.default
+            else:
+                default = f.default_factory()  # type: ignore[operator]
             if isinstance(default, tuple):
                 default = [b.src if isinstance(b, Bind) else b for b in default]
             shown = _toml_value(default)
@@ -446,15 +520,19 @@ def effective_limits(policy: Policy, requested: Mapping[str, float]) -> Limits:
         if name not in known:
             raise ValueError(f"unknown limit {name!r}; limits are: {', '.join(known)}")
         current = getattr(policy.limits, name)
-        if type(value) not in (int, float) or value != value or value <= 0 and name != "output_bytes":
+        if (
+            type(value) not in (int, float)
+            or value != value
+            or (value <= 0 and name != "output_bytes")
+        ):
             raise ValueError(f"limit {name}={value!r} must be a positive number")
         if name == "cpu_cores" and current == 0:
             changes[name] = float(value)
             continue
         if value > current:
             raise ValueError(
-                f"limit {name}={value:g} is looser than policy {policy.name!r} allows ({current:g}); "
-                "jobs may only tighten limits"
+                f"limit {name}={value:g} is looser than policy {policy.name!r} allows "
+                f"({current:g}); jobs may only tighten limits"
             )
         changes[name] = type(current)(value) if isinstance(current, int) else float(value)
     limits = dataclasses.replace(policy.limits, **changes)

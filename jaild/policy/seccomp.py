@@ -102,8 +102,9 @@ def allowed_syscalls(choice: SeccompChoice) -> tuple[set[str], set[str]]:
 def build_spec(choice: SeccompChoice, *, network: bool) -> dict[str, Any]:
     """The seccomp spec for the runtime's ``Harden`` message."""
     plain, conditional = allowed_syscalls(choice)
-    rules: list[list[Any]] = [[name, "allow", []] for name in sorted(plain) if syscall_number(name)
-                              is not None]
+    rules: list[list[Any]] = [
+        [name, "allow", []] for name in sorted(plain) if syscall_number(name) is not None
+    ]
     if "clone" in conditional:
         if choice.profile == "strict":
             cond = [[0, "masked_eq", CLONE_NAMESPACE_FLAGS | CLONE_THREAD, CLONE_THREAD]]

@@ -18,7 +18,8 @@ the table is illegal -- when *received* that is the peer's fault
 (:class:`UnexpectedMessage`, a :class:`RemoteProtocolError`); when *sent* it is
 ours (:class:`LocalProtocolError`). After a remote protocol error the
 connection is broken: every further ``next_event`` raises the same error, so a
-caller cannot accidentally keep parsing a desynchronised stream.
+caller cannot accidentally keep parsing a desynchronised stream. The daemon end
+may still send ``Error`` (state ``closed``) to tell the client why.
 
 The version handshake happens in the first message each way (``Hello`` /
 ``Welcome`` on the client link, ``Harden`` / ``JailReady`` on the jail link):
@@ -63,6 +64,7 @@ class State(enum.Enum):
     SEND_HELLO = "send-hello"
     AWAIT_WELCOME = "await-welcome"
     AWAIT_HELLO = "await-hello"
+    SEND_WELCOME = "send-welcome"
     READY = "ready"
     # jail link
     SEND_HARDEN = "send-harden"
@@ -109,8 +111,13 @@ TRANSITIONS: dict[tuple[Role, State], dict[tuple[str, str], State]] = {
     },
     # ---- client link, daemon end
     (Role.DAEMON, State.AWAIT_HELLO): {
-        (RECV, "Hello"): State.READY,
+        (RECV, "Hello"): State.SEND_WELCOME,
         (SEND, "Error"): State.AWAIT_HELLO,
+    },
+    # Welcome is the first thing the daemon says (or an Error refusing the client)
+    (Role.DAEMON, State.SEND_WELCOME): {
+        (SEND, "Welcome"): State.READY,
+        (SEND, "Error"): State.SEND_WELCOME,
     },
     (Role.DAEMON, State.READY): {
         (RECV, "RunJob"): State.READY,
@@ -118,7 +125,6 @@ TRANSITIONS: dict[tuple[Role, State], dict[tuple[str, str], State]] = {
         (RECV, "ListPolicies"): State.READY,
         (RECV, "ToolReturned"): State.READY,
         (RECV, "ToolFailed"): State.READY,
-        (SEND, "Welcome"): State.READY,
         (SEND, "JobAccepted"): State.READY,
         (SEND, "JobOutput"): State.READY,
         (SEND, "CallTool"): State.READY,
@@ -126,6 +132,8 @@ TRANSITIONS: dict[tuple[Role, State], dict[tuple[str, str], State]] = {
         (SEND, "PolicyList"): State.READY,
         (SEND, "Error"): State.READY,
     },
+    # after the client broke the protocol the daemon still owes it an Error saying why
+    (Role.DAEMON, State.CLOSED): {(SEND, "Error"): State.CLOSED},
     # ---- jail link, supervisor (daemon) end
     (Role.SUPERVISOR, State.SEND_HARDEN): {(SEND, "Harden"): State.AWAIT_READY},
     (Role.SUPERVISOR, State.AWAIT_READY): {(RECV, "JailReady"): State.AWAIT_CODE},
@@ -175,7 +183,7 @@ _HANDSHAKE = (Hello, Welcome, Harden, JailReady)
 class Connection:
     """One end of one link. See the module docstring."""
 
-    __slots__ = ("_decoder", "_error", "_eof", "_recv_dir", "_send_dir", "role", "state")
+    __slots__ = ("_decoder", "_eof", "_error", "_recv_dir", "_send_dir", "role", "state")
 
     def __init__(self, role: Role, max_frame_bytes: int) -> None:
         self.role = role

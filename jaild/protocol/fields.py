@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, dataclass_transform
 
 from jaild.errors import LocalProtocolError
 
@@ -27,6 +27,17 @@ def _fail(path: str, reason: str) -> LocalProtocolError:
     return LocalProtocolError(f"field {path!r}: {reason}")
 
 
+def _utf8_ok(v: str) -> bool:
+    """False for strings msgpack cannot encode (lone surrogates, e.g. from surrogateescape)."""
+    if v.isascii():
+        return True
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def string(max_len: int, *, min_len: int = 0, pattern: str | None = None) -> Check:
     rx = re.compile(pattern) if pattern else None
 
@@ -37,6 +48,8 @@ def string(max_len: int, *, min_len: int = 0, pattern: str | None = None) -> Che
             raise _fail(path, f"length {len(v)} outside {min_len}..{max_len}")
         if rx is not None and rx.fullmatch(v) is None:
             raise _fail(path, f"{v[:64]!r} does not match {pattern}")
+        if not _utf8_ok(v):
+            raise _fail(path, "not encodable as UTF-8 (lone surrogate)")
         return v
 
     return check
@@ -140,6 +153,8 @@ def any_value(max_depth: int = MAX_ANY_DEPTH) -> Check:
         while stack:
             item, depth = stack.pop()
             t = type(item)
+            if t is str and not _utf8_ok(item):
+                raise _fail(path, "a string is not encodable as UTF-8 (lone surrogate)")
             if t in _SCALARS:
                 continue
             if depth >= max_depth:
@@ -150,10 +165,24 @@ def any_value(max_depth: int = MAX_ANY_DEPTH) -> Check:
                 for k, x in item.items():
                     if type(k) not in (str, int):
                         raise _fail(path, f"map key of type {type(k).__name__}")
+                    if type(k) is str and not _utf8_ok(k):
+                        raise _fail(path, "a map key is not encodable as UTF-8 (lone surrogate)")
                     stack.append((x, depth + 1))
             else:
                 raise _fail(path, f"{t.__name__} is not a plain msgpack value")
         return v
+
+    return check
+
+
+def any_map(max_depth: int = MAX_ANY_DEPTH) -> Check:
+    """Like :func:`any_value`, but the value itself must be a map."""
+    inner = any_value(max_depth)
+
+    def check(path: str, v: Any) -> Any:
+        if type(v) is not dict:
+            raise _fail(path, f"expected a map, got {type(v).__name__}")
+        return inner(path, v)
 
     return check
 
@@ -212,7 +241,8 @@ class Struct:
         keys = set(data)
         unknown = keys - cls._names
         if unknown:
-            raise LocalProtocolError(f"{cls.__name__}: unknown field(s) {sorted(map(str, unknown))}")
+            names = sorted(map(str, unknown))
+            raise LocalProtocolError(f"{cls.__name__}: unknown field(s) {names}")
         missing = cls._required - keys
         if missing:
             raise LocalProtocolError(f"{cls.__name__}: missing field(s) {sorted(missing)}")
@@ -237,6 +267,7 @@ def nested(cls: type[S]) -> Check:
     return check
 
 
+@dataclass_transform(frozen_default=True, field_specifiers=(field, dataclasses.field))
 def struct(cls: type[S]) -> type[S]:
     """Class decorator: frozen slotted dataclass with checks prepared."""
     dc = dataclasses.dataclass(frozen=True, slots=True)(cls)

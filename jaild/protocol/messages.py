@@ -30,7 +30,7 @@ import msgpack
 from jaild.errors import LocalProtocolError, RemoteProtocolError
 from jaild.protocol.fields import (
     Struct,
-    any_value,
+    any_map,
     binary,
     boolean,
     field,
@@ -88,7 +88,7 @@ class ToolSpec(Struct):
 
     name: str = field(string(MAX_NAME_CHARS, min_len=1, pattern=TOOL_NAME))
     description: str = field(string(MAX_DESCRIPTION_CHARS), default="")
-    parameters: dict[str, Any] = field(any_value(), default_factory=dict)
+    parameters: dict[str, Any] = field(any_map(), default_factory=dict)
 
 
 @struct
@@ -188,7 +188,7 @@ class ClientCallTool(Message):
 class JobFinished(Message):
     TYPE = "JobFinished"
     job_id: str = field(_job_id)
-    record: dict[str, Any] = field(any_value())
+    record: dict[str, Any] = field(any_map())
     result: bytes | None = field(optional(_payload), default=None)
 
 
@@ -196,7 +196,7 @@ class JobFinished(Message):
 class PolicyList(Message):
     TYPE = "PolicyList"
     ref: int = field(_ref)
-    policies: tuple[dict[str, Any], ...] = field(list_of(any_value(), 1024))
+    policies: tuple[dict[str, Any], ...] = field(list_of(any_map(), 1024))
 
 
 @struct
@@ -217,7 +217,7 @@ class Harden(Message):
 
     TYPE = "Harden"
     protocol: int = field(integer(0, 1 << 16))
-    seccomp: dict[str, Any] = field(any_value())
+    seccomp: dict[str, Any] = field(any_map())
 
 
 @struct
@@ -295,9 +295,22 @@ MESSAGES: dict[Direction, dict[str, type[Message]]] = {
 # --------------------------------------------------------------------------- encode / decode
 
 
+def safe_text(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` made fit for a string field: lone surrogates escaped, the tail kept if too long."""
+    if not text.isascii():
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(text) <= limit:
+        return text
+    marker = "...[truncated]...\n"
+    return marker + text[-(limit - len(marker)) :]
+
+
 def pack(value: Any) -> bytes:
     """Pack a plain value. Values msgpack cannot carry become their ``repr`` (per object)."""
-    return msgpack.packb(value, use_bin_type=True, default=_repr_fallback, strict_types=False)
+    packed: bytes = msgpack.packb(
+        value, use_bin_type=True, default=_repr_fallback, strict_types=False
+    )
+    return packed
 
 
 def _repr_fallback(obj: Any) -> Any:
@@ -322,7 +335,8 @@ def unpack(data: bytes) -> Any:
 
 def encode(msg: Message) -> bytes:
     """Message -> msgpack payload (unframed)."""
-    return msgpack.packb(msg.to_wire(), use_bin_type=True)
+    packed: bytes = msgpack.packb(msg.to_wire(), use_bin_type=True)
+    return packed
 
 
 def decode(payload: bytes, direction: Direction) -> Message:

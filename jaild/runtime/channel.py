@@ -20,6 +20,7 @@ If the daemon closes the channel, the job is over: the runtime exits at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import socket
@@ -54,10 +55,8 @@ class _Waiter:
         if self._event is not None:
             self._event.set()
         elif self._loop is not None:
-            try:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
                 self._loop.call_soon_threadsafe(self._set_future)
-            except RuntimeError:
-                pass  # the loop is closed: nobody is waiting any more
 
     def _set_future(self) -> None:
         fut = self._future

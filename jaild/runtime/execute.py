@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import inspect
 import linecache
 import traceback
@@ -22,7 +23,7 @@ from types import CodeType, TracebackType
 from typing import Any
 
 from jaild.protocol import pack, unpack
-from jaild.protocol.messages import MAX_MESSAGE_CHARS, ErrorInfo
+from jaild.protocol.messages import MAX_MESSAGE_CHARS, ErrorInfo, safe_text
 
 CO_COROUTINE = inspect.CO_COROUTINE
 _FLAGS = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
@@ -36,9 +37,7 @@ class Outcome:
 
 
 def _clip(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
-    if len(text) <= limit:
-        return text
-    return "...[truncated]...\n" + text[-(limit - 32) :]
+    return safe_text(text, limit)
 
 
 def _user_frames(tb: TracebackType | None, filename: str) -> TracebackType | None:
@@ -63,7 +62,7 @@ def describe(exc: BaseException, filename: str) -> ErrorInfo:
     if isinstance(exc, SyntaxError) and exc.filename == filename:
         text = "".join(traceback.format_exception_only(type(exc), exc))
         return ErrorInfo(
-            type=type(exc).__name__,
+            type=_clip(type(exc).__name__, 256) or "SyntaxError",
             message=_clip(exc.msg or str(exc)),
             traceback=_clip(text),
             lineno=exc.lineno,
@@ -78,7 +77,7 @@ def describe(exc: BaseException, filename: str) -> ErrorInfo:
     except Exception:
         message = "<str() of the exception failed>"
     return ErrorInfo(
-        type=type(exc).__name__[:256] or "Exception",
+        type=_clip(type(exc).__name__, 256) or "Exception",
         message=_clip(message),
         traceback=_clip(text),
         lineno=_last_user_line(exc.__traceback__, filename),
@@ -120,7 +119,8 @@ def _user_main(namespace: dict[str, Any], filename: str) -> Any:
     except (TypeError, ValueError):
         return None
     required = [
-        p for p in params
+        p
+        for p in params
         if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
     return None if required else main
@@ -168,10 +168,8 @@ def run(code: str, filename: str, namespace: dict[str, Any], result_limit: int) 
         return Outcome(ok=False, error=describe(exc, filename))
     finally:
         if loop is not None:
-            try:
+            with contextlib.suppress(BaseException):
                 loop.run_until_complete(loop.shutdown_asyncgens())
-            except BaseException:
-                pass
             asyncio.set_event_loop(None)
             loop.close()
     packed, error = pack_result(value, result_limit)

@@ -54,7 +54,9 @@ def harden(seccomp_spec: Mapping[str, Any]) -> dict[str, Any]:
             try:
                 prctl.capbset.drop(name)
             except OSError as exc:
-                raise HardeningFailed(f"cannot drop capability {name} from the bounding set: {exc}") from None
+                raise HardeningFailed(
+                    f"cannot drop capability {name} from the bounding set: {exc}"
+                ) from None
     if _has_any_capability():
         try:
             prctl.cap_effective.limit()

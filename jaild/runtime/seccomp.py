@@ -27,14 +27,14 @@ import ctypes.util
 import errno as errno_module
 import io
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 _SONAMES = {"c": "libc.so.6", "seccomp": "libseccomp.so.2"}
 
 
 def _import_pyseccomp() -> Any:
-    original: Callable[[str], str | None] = ctypes.util.find_library
+    original = ctypes.util.find_library
 
     def find_library(name: str) -> str | None:
         return _SONAMES.get(name) or original(name)

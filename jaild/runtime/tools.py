@@ -69,7 +69,8 @@ class Tool:
         payload = pack([list(args), kwargs])
         if len(payload) > self._payload_limit:
             raise ToolError(
-                self.name, "payload_too_large",
+                self.name,
+                "payload_too_large",
                 f"arguments are {len(payload)} bytes packed; the limit is {self._payload_limit}",
             )
         name = self.name
@@ -93,14 +94,16 @@ class Tool:
 
 
 class Tools:
-    """``tools``: attribute or item access by name; iterable; ``help(tools.name)`` shows a schema."""
+    """``tools``: attribute or item access by name; iterable; ``help(tools.x)`` shows a schema."""
 
     def __init__(self, specs: tuple[ToolSpec, ...], channel: Channel, payload_limit: int) -> None:
         self._tools = {s.name: Tool(s, channel, payload_limit) for s in specs}
 
     def _unknown(self, name: str) -> UnknownToolError:
         available = ", ".join(sorted(self._tools)) or "(none)"
-        return UnknownToolError(name, "unknown_tool", f"no tool named {name!r}; available: {available}")
+        return UnknownToolError(
+            name, "unknown_tool", f"no tool named {name!r}; available: {available}"
+        )
 
     def __getattr__(self, name: str) -> Tool:
         if name.startswith("__"):

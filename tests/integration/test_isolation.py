@@ -187,7 +187,7 @@ def test_setuid_binaries_do_not_elevate(client: Client) -> None:
         "(p.returncode, p.stdout)"
     )
     assert r.status == "ok"
-    assert r.result[0] != 0 and "0\n" != r.result[1]
+    assert r.result[0] != 0 and r.result[1] != "0\n"
 
 
 def test_the_tool_channel_is_not_inherited_by_subprocesses(client: Client) -> None:

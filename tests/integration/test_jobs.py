@@ -250,3 +250,18 @@ def test_async_client(daemon: DaemonHandle) -> None:
         return [r.result for r in results]
 
     assert asyncio.run(scenario()) == [0, 2, 4, 6, 8]
+
+
+def test_long_error_fits_the_channel_even_with_small_payload_limits(daemon: DaemonHandle) -> None:
+    r = daemon.run("raise ValueError('\u00e9' * 60000)", policy="tiny")  # tiny: 4096-byte payloads
+    assert r.status == "error"
+    assert r.error is not None and r.error["type"] == "ValueError"
+    assert len(r.error["message"]) <= 65536
+
+
+def test_unencodable_text_in_an_error_is_escaped(client: Client) -> None:
+    r = client.run("raise ValueError('bad \\udc80 surrogate')")
+    assert r.status == "error"
+    assert r.error is not None and r.error["message"] == "bad \\udc80 surrogate"
+    r = client.run("{'k': 'lone \\udc80'}")
+    assert (r.status, r.result) == ("ok", "{'k': 'lone \\udc80'}")

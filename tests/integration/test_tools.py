@@ -9,7 +9,7 @@ import time
 import pytest
 
 from jaild.client import Client
-from jaild.errors import PermissionDenied
+from jaild.errors import ConnectionLost, PermissionDenied
 from tests.conftest import DaemonHandle
 
 pytestmark = pytest.mark.integration
@@ -233,7 +233,7 @@ def test_client_disconnect_during_a_tool_call_cancels_the_job(daemon: DaemonHand
         job = await c.submit("await tools.hang()", tools={"hang": hang})
         await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
         await c.close()
-        with pytest.raises(Exception):
+        with pytest.raises(ConnectionLost):
             await job.result()
 
     asyncio.run(scenario())
@@ -242,3 +242,12 @@ def test_client_disconnect_during_a_tool_call_cancels_the_job(daemon: DaemonHand
         time.sleep(0.05)
     assert "status=cancelled" in daemon.log()
     daemon.assert_serving()
+
+
+def test_handler_error_with_unencodable_text_still_answers(client: Client) -> None:
+    def weird() -> None:
+        raise ValueError("lone \udc80 surrogate")
+
+    code = "try:\n    await tools.weird()\nexcept ToolError as e:\n    result = e.message\nresult"
+    r = client.run(code, tools={"weird": weird}, timeout=10)
+    assert (r.status, r.result) == ("ok", "lone \\udc80 surrogate")

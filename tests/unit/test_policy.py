@@ -100,8 +100,9 @@ def test_unreadable_and_missing(tmp_path: Path) -> None:
     (tmp_path / "bin.toml").write_bytes(b"\xff\xfe")
     with pytest.raises(PolicyError, match="not UTF-8"):
         load_policy(tmp_path / "bin.toml")
-    with pytest.raises(PolicyError, match="no \\*.toml policies"):
-        load_policy_dir(tmp_path / "empty" if (tmp_path / "empty").mkdir() is None else tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PolicyError, match=r"no \*\.toml policies"):
+        load_policy_dir(tmp_path / "empty")
 
 
 def test_host_checks_name_the_problem(tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ class Point:
     ("tp", "schema"),
     [
         (Literal["a", "b"], {"enum": ["a", "b"]}),
-        (Optional[int], {"anyOf": [{"type": "integer"}, {"type": "null"}]}),
+        (Optional[int], {"anyOf": [{"type": "integer"}, {"type": "null"}]}),  # noqa: UP045
         (dict[str, int], {"type": "object", "additionalProperties": {"type": "integer"}}),
         (tuple[int, str], {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}),
         (tuple[int, ...], {"type": "array", "items": {"type": "integer"}}),
