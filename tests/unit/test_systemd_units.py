@@ -16,8 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from jaild.config import DEFAULT_SOCKET
 
 UNITS_DIR = Path(__file__).resolve().parents[2] / "systemd"
@@ -39,10 +37,13 @@ NEEDED_CAPABILITIES = {
     "CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SYSLOG", "CAP_KILL", "CAP_DAC_OVERRIDE",
 }
 
-needs_systemd_analyze = pytest.mark.skipif(
-    SYSTEMD_ANALYZE is None,
-    reason="systemd-analyze is not installed (apt-get install systemd; make test installs it)",
-)
+
+
+def require_systemd_analyze() -> str:
+    assert SYSTEMD_ANALYZE is not None, (
+        "systemd-analyze is missing: apt-get install systemd (make test installs it)"
+    )
+    return SYSTEMD_ANALYZE
 
 
 def settings(path: Path) -> dict[tuple[str, str], list[str]]:
@@ -90,14 +91,14 @@ def copy_units(directory: Path, service_text: str | None = None,
 
 def verify(units: list[Path]) -> tuple[int, list[str]]:
     """Exit status of ``systemd-analyze verify`` and its complaints about these units."""
-    assert SYSTEMD_ANALYZE is not None
+    analyze = require_systemd_analyze()
     directory = units[0].parent
     # Our directory first, so Service=jaild.service resolves to the copy; the
     # trailing ':' keeps the standard paths (sockets.target, multi-user.target).
     env = {**os.environ, "SYSTEMD_UNIT_PATH": f"{directory}:", "SYSTEMD_LOG_COLOR": "0",
            "SYSTEMD_PAGER": ""}
     proc = subprocess.run(
-        [SYSTEMD_ANALYZE, "verify", "--man=no", *map(str, units)],
+        [analyze, "verify", "--man=no", *map(str, units)],
         capture_output=True, text=True, env=env, timeout=60, check=False,
     )
     lines = (proc.stdout + proc.stderr).splitlines()
@@ -105,14 +106,12 @@ def verify(units: list[Path]) -> tuple[int, list[str]]:
     return proc.returncode, about_us
 
 
-@needs_systemd_analyze
 def test_units_verify_cleanly(tmp_path: Path) -> None:
     code, complaints = verify(copy_units(tmp_path))
     assert code == 0, complaints
     assert complaints == []
 
 
-@needs_systemd_analyze
 def test_verify_check_catches_mistakes(tmp_path: Path) -> None:
     """Positive control: the check above would see a typo, a bad value, a broken link."""
     service = SERVICE.read_text().replace("\nDelegate=yes", "\nDelegat=yes").replace(
