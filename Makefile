@@ -39,18 +39,21 @@ $(STAMPS)/venv: $(STAMPS)/apt pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,lint]'
 	@touch $@
 
-# The jail's Python: a venv from the system interpreter, world-readable, outside any
-# 0700 directory, so the unprivileged jailed uid can use it.
+# The jail's Python environments, one per envs/NAME.txt: venvs from the system
+# interpreter in $(JAIL_ENVS)/NAME, world-readable and outside any 0700 directory, so
+# the unprivileged jailed uid can use them. Rebuilt when their requirements change.
 jail-env: $(STAMPS)/apt
-	@want=$$(sha256sum envs/default.txt | cut -c1-16); \
-	if [ "$$(cat $(JAIL_ENV)/.jaild-env 2>/dev/null)" != "$$want" ]; then \
-	  echo "building jail environment $(JAIL_ENV)"; \
-	  install -d -m 0755 $(STATE_DIR) $(JAIL_ENVS); \
-	  rm -rf $(JAIL_ENV) && \
-	  /usr/bin/python3 -m venv $(JAIL_ENV) && \
-	  $(JAIL_ENV)/bin/pip install --quiet --disable-pip-version-check -r envs/default.txt && \
-	  chmod -R a+rX $(JAIL_ENV) && echo "$$want" > $(JAIL_ENV)/.jaild-env; \
-	fi
+	@install -d -m 0755 $(STATE_DIR) $(JAIL_ENVS)
+	@for req in envs/*.txt; do \
+	  name=$$(basename $$req .txt); env=$(JAIL_ENVS)/$$name; \
+	  want=$$(cat envs/*.txt $$req | sha256sum | cut -c1-16); \
+	  if [ "$$(cat $$env/.jaild-env 2>/dev/null)" != "$$want" ]; then \
+	    echo "building jail environment $$env"; \
+	    rm -rf $$env && /usr/bin/python3 -m venv $$env && \
+	    (cd envs && $$env/bin/pip install --quiet --disable-pip-version-check -r $$name.txt) && \
+	    chmod -R a+rX $$env && echo "$$want" > $$env/.jaild-env || exit 1; \
+	  fi; \
+	done
 
 demo: setup
 	$(PY) examples/demo.py

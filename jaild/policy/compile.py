@@ -169,6 +169,14 @@ def nsjail_config(policy: Policy, host: HostLayout) -> str:
             noexec=True,
         ),
     ]
+    if fs.shm_mb > 0:
+        lines.append(
+            _mount(
+                dst="/dev/shm", fstype="tmpfs",
+                options=f"size={fs.shm_mb * 1024 * 1024},mode=1777,nr_inodes=4096",
+                rw=True, nosuid=True, nodev=True, noexec=True,
+            )
+        )
     if fs.proc != "none":
         options = "subset=pid" if fs.proc == "pid-only" else ""
         lines.append(

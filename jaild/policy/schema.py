@@ -118,6 +118,11 @@ class Filesystem:
     tmp_mb: int = setting(
         64, "Size of the writable tmpfs at /tmp (the working directory).", between(1, 1 << 16)
     )
+    shm_mb: int = setting(
+        16,
+        "Size of a private tmpfs at /dev/shm (POSIX semaphores, multiprocessing); 0 = none.",
+        between(0, 1 << 16),
+    )
     proc: str = setting(
         "pid-only",
         '/proc: "pid-only" (subset=pid), "full", or "none".',

@@ -18,6 +18,10 @@ by the in-jail runtime before any user code runs:
      network;
    * ``personality`` for the harmless values only.
 
+   A few never-allowed calls that libraries merely probe (``mbind``,
+   ``io_uring_setup``, ...; see ``SOFT_DENY``) fail with EPERM/ENOSYS instead of
+   killing the job, whatever the action.
+
 2. **The deny filter** (default allow): ``ioctl`` TIOCSTI / TIOCLINUX with the
    command compared on its low 32 bits, as the kernel reads it. It must be a
    separate filter: libseccomp drops a conditional rule that sits beside an
@@ -34,7 +38,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from jaild.policy.syscalls import CONDITIONAL, GROUPS, NEVER, PROFILE_CONDITIONALS, PROFILES
+from jaild.policy.syscalls import (
+    CONDITIONAL,
+    GROUPS,
+    NEVER,
+    PROFILE_CONDITIONALS,
+    PROFILES,
+    SOFT_DENY,
+)
 from jaild.runtime.seccomp import syscall_number
 
 CLONE_NAMESPACE_FLAGS = 0x7E020000  # NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
@@ -112,6 +123,9 @@ def build_spec(choice: SeccompChoice, *, network: bool) -> dict[str, Any]:
             cond = [[0, "masked_eq", CLONE_NAMESPACE_FLAGS, 0]]
         rules.append(["clone", "allow", cond])
     rules.append(["clone3", f"errno:{errno.ENOSYS}", []])
+    for name, code in sorted(SOFT_DENY.items()):
+        if syscall_number(name) is not None:
+            rules.append([name, f"errno:{getattr(errno, code)}", []])
     if "socket" in conditional:
         families = [AF_UNIX, AF_INET, AF_INET6] if network else [AF_UNIX]
         rules.extend(["socket", "allow", [[0, "eq", family, 0]]] for family in families)
