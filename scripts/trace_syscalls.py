@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jaild.policy.seccomp import SeccompChoice, allowed_syscalls  # noqa: E402
-from jaild.policy.syscalls import NEVER  # noqa: E402
+from jaild.policy.seccomp import SeccompChoice, allowed_syscalls
+from jaild.policy.syscalls import NEVER
 
 
 def trace(python: str, file: Path) -> set[str]:
