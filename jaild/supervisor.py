@@ -73,7 +73,6 @@ STATUSES = (
     "internal_error",
 )
 START_TIMEOUT_S = 30.0
-KILL_GRACE_S = 1.0
 FRAME_OVERHEAD = 4 * 2 * 65536 + 65536
 """Room on the jail link beyond the payload limits: CodeFinished may carry a 64K-character
 message and traceback besides the result (UTF-8: up to 4 bytes a character)."""
@@ -103,8 +102,11 @@ class JailEnvironment:
     cgroups: Cgroups
     config_fds: dict[str, int]  # policy name -> sealed memfd with its nsjail config
     seccomp_specs: dict[str, dict[str, Any]]
+    seccomp_digests: dict[str, str]  # policy name -> digest of the BPF its jails must load
     audit: KernelAuditLog
     uid_base: int
+    launcher: tuple[str, ...] = ()  # e.g. setpriv --pdeathsig TERM --: nsjail dies with us
+    kill_grace_s: float = 1.0
     _free_slots: list[int] = field(default_factory=list)
     _next_slot: int = 0
 
@@ -316,18 +318,40 @@ class JailedJob:
         self._started = time.monotonic()
         self._code_started: float | None = None
         self.result: bytes | None = None
+        self.outside_uid: int | None = None
+        self._cgroup: JobCgroup | None = None
 
     # -- public
+
+    @property
+    def pid(self) -> int | None:
+        """nsjail's pid while it runs."""
+        return self._proc.pid if self._proc is not None and not self._exited else None
 
     def cancel(self, reason: str = "the job was cancelled") -> None:
         self._terminate("cancelled", reason)
 
+    def host_view(self) -> dict[str, Any]:
+        """The job seen from the host while it runs: its processes' ids, its cgroup's limits."""
+        if self._cgroup is None:
+            return {}
+        ids: set[int] = set()
+        for pid in self._cgroup.member_pids():
+            with (
+                contextlib.suppress(OSError, ValueError, IndexError),
+                open(f"/proc/{pid}/status", encoding="ascii") as status,
+            ):
+                for line in status:
+                    if line.startswith(("Uid:", "Gid:")):
+                        ids.update(int(x) for x in line.split()[1:])
+        return {"outside_ids": sorted(ids), **self._cgroup.limits()}
+
     async def run(self) -> dict[str, Any]:
         cgroup: JobCgroup | None = None
-        uid = self._env.allocate_uid()
+        uid = self.outside_uid = self._env.allocate_uid()
         try:
             try:
-                cgroup = self._env.cgroups.create_job(
+                cgroup = self._cgroup = self._env.cgroups.create_job(
                     self.spec.job_id,
                     self.spec.limits.memory_mb,
                     self.spec.limits.pids,
@@ -379,7 +403,7 @@ class JailedJob:
                 JobPlacement(spec.job_id, uid, f"/proc/self/fd/{config_fd}", log_w),
             )
             self._proc = subprocess.Popen(
-                argv,
+                [*self._env.launcher, *argv],
                 stdin=jail_end.fileno(),
                 stdout=out_w,
                 stderr=err_w,
@@ -495,6 +519,14 @@ class JailedJob:
 
     def _jail_event(self, event: Message) -> None:
         if isinstance(event, JailReady):
+            expected = self._env.seccomp_digests[self.spec.policy.name]
+            if event.seccomp_digest != expected:
+                self._terminate(
+                    "start_failed",
+                    f"the jail loaded a seccomp filter other than policy {self.spec.policy.name!r}"
+                    f"'s (digest {event.seccomp_digest!r}, expected {expected!r}); refusing it",
+                )
+                return
             self._ev.jail_ready = True
             self._send(
                 RunCode(
@@ -547,11 +579,17 @@ class JailedJob:
     async def _route(self, call: JailCallTool) -> None:
         started = time.monotonic()
         entry: dict[str, Any] = {"name": call.name, "duration_s": 0.0, "ok": False}
+        timeout = self.spec.limits.tool_call_timeout_s
         try:
-            ok, value = await self._route_tool(self.spec.job_id, call.call_id, call.name, call.args)
+            async with asyncio.timeout(timeout):
+                ok, value = await self._route_tool(
+                    self.spec.job_id, call.call_id, call.name, call.args
+                )
         except ConnectionLost:
             self._terminate("cancelled", "the client disconnected during a tool call")
             return
+        except TimeoutError:
+            ok, value = False, ("timeout", f"{call.name} did not answer within {timeout:g} s")
         finally:
             entry["duration_s"] = round(time.monotonic() - started, 6)
             self._calls.append(entry)
@@ -594,7 +632,7 @@ class JailedJob:
             return
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)  # nsjail SIGKILLs the jail and cleans up
-        self._timers.append(self._loop.call_later(KILL_GRACE_S, self._force_kill))
+        self._timers.append(self._loop.call_later(self._env.kill_grace_s, self._force_kill))
 
     def _force_kill(self) -> None:
         if self._proc is not None and not self._exited:

@@ -22,6 +22,8 @@ import pytest
 
 from jaild.client import Client, JobResult
 from jaild.config import DaemonConfig, default_state_dir
+from jaild.protocol import PROTOCOL_VERSION, encode, encode_frame
+from jaild.protocol.messages import Hello
 
 REPO = Path(__file__).resolve().parent.parent
 REPO_POLICIES = REPO / "policies"
@@ -75,22 +77,31 @@ class DaemonHandle:
         return self.proc.wait(timeout=timeout)
 
 
+HELLO = encode_frame(encode(Hello(protocol=PROTOCOL_VERSION, client="wait")), 1 << 16)
+
+
 def wait_listening(path: str, proc: subprocess.Popen[bytes], log_path: str,
                    timeout: float = 60) -> None:
+    """Wait until the daemon *serves*: it answers Hello (the socket accepts connections
+    earlier, while the daemon still runs its self-tests)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(
-                f"jaild exited with {proc.returncode} before listening:\n"
+                f"jaild exited with {proc.returncode} before serving:\n"
                 + Path(log_path).read_text(errors="replace")
             )
         with socket.socket(socket.AF_UNIX) as s:
             try:
+                s.settimeout(max(0.1, deadline - time.monotonic()))
                 s.connect(path)
-                return
+                s.sendall(HELLO)
+                if s.recv(4):
+                    return
             except OSError:
-                time.sleep(0.05)
-    raise AssertionError("jaild did not start listening in time")
+                pass
+        time.sleep(0.05)
+    raise AssertionError("jaild did not start serving in time")
 
 
 def start_daemon(directory: Path, policies: dict[str, str] | None = None, *,

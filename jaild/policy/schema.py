@@ -103,6 +103,10 @@ class Limits:
     result_bytes: int = setting(
         1 << 20, "Largest packed job result.", between(64, MAX_PAYLOAD_BYTES)
     )
+    tool_call_timeout_s: float = setting(
+        60.0, "A tool call must be answered within this, or the jail gets a timeout error.",
+        between(0.01, 86400),
+    )
     tool_calls_in_flight: int = setting(
         64, "Tool calls one job may have in flight at once.", between(1, 4096)
     )
@@ -220,35 +224,44 @@ class Policy:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.access.tools)
 
     def user_allowed(self, uid: int, gids: typing.Iterable[int]) -> bool:
-        gid_set = set(gids)
-        for entry in self.access.users:
-            if entry == "*":
+        return user_matches(self.access.users, uid, gids)
+
+def user_matches(entries: typing.Iterable[str], uid: int, gids: typing.Iterable[int]) -> bool:
+    """Does a peer (uid, gids) match an access list of "*", user names, uids and "@group"?"""
+    gid_set = set(gids)
+    for entry in entries:
+        if entry == "*":
+            return True
+        if entry.startswith("@"):
+            try:
+                group = grp.getgrnam(entry[1:])
+            except KeyError:
+                continue
+            if group.gr_gid in gid_set:
                 return True
-            if entry.startswith("@"):
-                try:
-                    group = grp.getgrnam(entry[1:])
-                except KeyError:
-                    continue
-                if group.gr_gid in gid_set:
+            try:
+                if pwd.getpwuid(uid).pw_name in group.gr_mem:
                     return True
-                try:
-                    if pwd.getpwuid(uid).pw_name in group.gr_mem:
-                        return True
-                except KeyError:
-                    pass
-            elif entry.isdigit():
-                if int(entry) == uid:
+            except KeyError:
+                pass
+        elif entry.isdigit():
+            if int(entry) == uid:
+                return True
+        else:
+            try:
+                if pwd.getpwnam(entry).pw_uid == uid:
                     return True
-            else:
-                try:
-                    if pwd.getpwnam(entry).pw_uid == uid:
-                        return True
-                except KeyError:
-                    continue
-        return False
+            except KeyError:
+                continue
+    return False
 
 
 # --------------------------------------------------------------------------- loading
+
+
+def type_label(tp: Any) -> str:
+    """A short type name for reference tables: number, integer, string, boolean, list."""
+    return "list" if typing.get_origin(tp) is tuple else _type_name(tp).split()[-1]
 
 
 def _type_name(tp: Any) -> str:
@@ -276,7 +289,7 @@ def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
     return False, value
 
 
-def _load_section(path: str, section: str, cls: type, data: Any) -> Any:
+def load_section(path: str, section: str, cls: type, data: Any) -> Any:
     if not isinstance(data, dict):
         raise PolicyError(path, section, f"must be a table, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
@@ -357,7 +370,7 @@ def load_policy_text(text: str, path: str) -> Policy:
     if not isinstance(description, str):
         raise PolicyError(path, "description", f"must be a string, got {description!r}")
     sections = {
-        name: _load_section(path, name, cls, data.get(name, {})) for name, cls in SECTIONS.items()
+        name: load_section(path, name, cls, data.get(name, {})) for name, cls in SECTIONS.items()
     }
     policy = Policy(name=stem, path=path, description=description, **sections)
     _check_seccomp(policy)
@@ -490,25 +503,25 @@ def reference_markdown() -> str:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             tp = hints[f.name]
-            tname = "list" if typing.get_origin(tp) is tuple else _type_name(tp).split()[-1]
+            tname = type_label(tp)
             if f.default is not dataclasses.MISSING:
                 default: Any = f.default
             else:
                 default = f.default_factory()  # type: ignore[operator]
             if isinstance(default, tuple):
                 default = [b.src if isinstance(b, Bind) else b for b in default]
-            shown = _toml_value(default)
+            shown = toml_value(default)
             lines.append(f"| `{section}.{f.name}` | {tname} | `{shown}` | {f.metadata['doc']} |")
     return "\n".join(lines) + "\n"
 
 
-def _toml_value(v: Any) -> str:
+def toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
         return f'"{v}"'
     if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if isinstance(v, float) and v.is_integer():
         return f"{v:.1f}"
     return str(v)

@@ -169,7 +169,8 @@ PROFILES: dict[str, tuple[str, ...]] = {
     ),
     "strict": (
         "@default", "@basic-io", "@file-system", "@memory", "@signal", "@io-event", "@timer",
-        "@threads", "@seccomp", "recvfrom", "sendto", "recvmsg", "sendmsg", "getsockopt",
+        "@threads", "@seccomp", "socketpair", "getsockname", "getpeername", "getsockopt",
+        "setsockopt", "recvfrom", "sendto", "recvmsg", "sendmsg", "sendfile", "copy_file_range",
         "shutdown", "pipe2", "getrusage", "sysinfo", "getcpu", "umask", "prctl", "tgkill",
         "capget", "fadvise64", "flock", "getpriority",
     ),

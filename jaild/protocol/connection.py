@@ -197,6 +197,11 @@ class Connection:
     def max_frame_bytes(self) -> int:
         return self._decoder.max_frame_bytes
 
+    @property
+    def inside_frame(self) -> bool:
+        """True while part of a frame is buffered (the peer owes us the rest)."""
+        return self._decoder.buffered_bytes > 0
+
     def receive_data(self, data: bytes) -> None:
         """Feed bytes from the peer; ``b""`` means the peer closed its end."""
         if not data:

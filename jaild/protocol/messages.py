@@ -227,6 +227,7 @@ class JailReady(Message):
     TYPE = "JailReady"
     protocol: int = field(integer(0, 1 << 16))
     python: str = field(string(256), default="")
+    seccomp_digest: str = field(string(128), default="")
 
 
 @struct

@@ -45,8 +45,11 @@ def _has_any_capability() -> list[str]:
     return left
 
 
-def harden(seccomp_spec: Mapping[str, Any]) -> dict[str, Any]:
-    """Apply and verify every hardening step. Returns a summary; raises HardeningFailed."""
+def harden(seccomp_spec: Mapping[str, Any]) -> str:
+    """Apply and verify every hardening step; return the loaded filters' digest.
+
+    Raises HardeningFailed: no user code may run then.
+    """
     prctl.set_no_new_privs(1)
     prctl.set_pdeathsig(signal.SIGKILL)
     for name in prctl.ALL_CAP_NAMES:
@@ -70,9 +73,14 @@ def harden(seccomp_spec: Mapping[str, Any]) -> dict[str, Any]:
     if prctl.get_no_new_privs() != 1:
         raise HardeningFailed("no_new_privs is not set")
     try:
-        filters = seccomp.load(seccomp_spec)
+        loaded = seccomp.load(seccomp_spec)
     except (OSError, ValueError) as exc:
         raise HardeningFailed(f"cannot load the seccomp filter: {exc}") from None
     if prctl.get_seccomp() not in (2, True):
         raise HardeningFailed("seccomp is not in filter mode after loading the filter")
-    return {"no_new_privs": True, "capabilities": [], "seccomp_filters": filters}
+    return loaded
+
+
+def become_child_subreaper() -> None:
+    """(Daemon side.) Orphaned descendants are reparented to us, not to init."""
+    prctl.set_child_subreaper(1)

@@ -54,12 +54,13 @@ def main() -> None:
     if not isinstance(first, Harden):
         os._exit(EXIT_PROTOCOL)
     try:
-        harden(first.seccomp)
+        seccomp_digest = harden(first.seccomp)
     except HardeningFailed as exc:
         sys.stderr.write(f"jaild runtime: refusing to run user code: {exc}\n")
         sys.stderr.flush()
         os._exit(EXIT_HARDENING_FAILED)
-    channel.send(JailReady(protocol=PROTOCOL_VERSION, python=platform.python_version()))
+    channel.send(JailReady(protocol=PROTOCOL_VERSION, python=platform.python_version(),
+                           seccomp_digest=seccomp_digest))
     run = channel.receive()
     if not isinstance(run, RunCode):
         os._exit(EXIT_PROTOCOL)

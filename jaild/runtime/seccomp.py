@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ctypes.util
 import errno as errno_module
-import io
+import hashlib
 import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -107,7 +107,8 @@ def _build(filter_spec: Mapping[str, Any]) -> Any:
     rules = filter_spec.get("rules")
     if not isinstance(default, str) or not isinstance(rules, list):
         raise SeccompSpecError("a filter needs 'default' (str) and 'rules' (list)")
-    f = _sc.SyscallFilter(action_value(default))
+    default_action = action_value(default)
+    f = _sc.SyscallFilter(default_action)
     f.set_attr(_sc.Attr.ACT_BADARCH, _sc.KILL_PROCESS)
     for rule in rules:
         if not (isinstance(rule, list) and len(rule) == 3):
@@ -123,7 +124,10 @@ def _build(filter_spec: Mapping[str, Any]) -> Any:
                 raise SeccompSpecError(f"bad condition {cond!r} on {name}")
             arg, op, datum_a, datum_b = cond
             args.append(_sc.Arg(int(arg), _OPS[op], int(datum_a), int(datum_b)))
-        f.add_rule(action_value(action), name, *args)
+        value = action_value(action)
+        if value == default_action:
+            continue  # libseccomp refuses rules that restate the default (EACCES)
+        f.add_rule(value, name, *args)
     return f
 
 
@@ -134,15 +138,32 @@ def _filters(spec: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
     return filters
 
 
-def load(spec: Mapping[str, Any]) -> int:
-    """Build and load every filter of ``spec`` into the calling process. Returns the count.
+def _export(f: Any) -> bytes:
+    with tempfile.TemporaryFile() as tmp:
+        f.export_bpf(tmp)
+        tmp.seek(0)
+        return bytes(tmp.read())
 
-    Call before any other thread exists (filters are inherited by threads created later).
+
+def digest(programs: Sequence[bytes]) -> str:
+    """A short fingerprint of BPF programs: what the daemon expects a jail to have loaded."""
+    h = hashlib.sha256()
+    for program in programs:
+        h.update(len(program).to_bytes(8, "big") + program)
+    return h.hexdigest()[:32]
+
+
+def load(spec: Mapping[str, Any]) -> str:
+    """Build and load every filter of ``spec`` into the calling process.
+
+    Returns the digest of the BPF programs loaded (see :func:`digest`). Call before
+    any other thread exists (filters are inherited by threads created later).
     """
     built = [_build(f) for f in _filters(spec)]
+    programs = [_export(f) for f in built]
     for f in built:
         f.load()
-    return len(built)
+    return digest(programs)
 
 
 def explain(spec: Mapping[str, Any]) -> str:
@@ -158,13 +179,5 @@ def explain(spec: Mapping[str, Any]) -> str:
 
 
 def bpf_program(spec: Mapping[str, Any]) -> list[bytes]:
-    """The raw BPF program of each filter (for tests and diagnostics)."""
-    out = []
-    for fspec in _filters(spec):
-        buf = io.BytesIO()
-        with tempfile.TemporaryFile() as tmp:
-            _build(fspec).export_bpf(tmp)
-            tmp.seek(0)
-            buf.write(tmp.read())
-        out.append(buf.getvalue())
-    return out
+    """The raw BPF program of each filter (the daemon digests them; tests read them)."""
+    return [_export(_build(fspec)) for fspec in _filters(spec)]

@@ -132,7 +132,7 @@ def test_a_client_cannot_touch_another_clients_job(daemon: DaemonHandle) -> None
 
 
 def test_refused_requests_are_clear_errors(client: Client) -> None:
-    with pytest.raises(UnknownPolicy, match="no policy 'nope'; this daemon serves: default"):
+    with pytest.raises(UnknownPolicy, match="no policy 'nope'; this daemon serves: data, default"):
         client.run("1", policy="nope")
     with pytest.raises(BadRequest, match="accepts at most"):
         client.run("x = 1\n" * 50000)

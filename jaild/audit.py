@@ -1,0 +1,88 @@
+"""The audit trail: one structured record per job and per refused request.
+
+Every record goes to the daemon's log (stderr, hence journald under systemd) as
+one ``audit: key=value ...`` line, and -- when the config names a file -- is
+appended to it as one JSON object per line. The file is opened ``O_APPEND``
+and created ``0640``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("jaild.audit")
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, str) and v and all(c.isalnum() or c in "-_.:/@" for c in v):
+        return v
+    return json.dumps(v, separators=(",", ":"), default=str)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who is on the other end of a connection (from SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        return f"uid={self.uid} pid={self.pid}"
+
+
+class AuditLog:
+    def __init__(self, path: str | None = None) -> None:
+        self._fd = -1
+        if path:
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+
+    def _emit(self, event: str, fields: dict[str, Any]) -> None:
+        record = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "event": event, **fields}
+        text = " ".join(f"{k}={_show(v)}" for k, v in record.items() if k != "ts")
+        log.info("audit: %s", text)
+        if self._fd >= 0:
+            try:
+                os.write(self._fd, (json.dumps(record, default=str) + "\n").encode())
+            except OSError as exc:
+                log.error("cannot write the audit file: %s", exc)
+
+    def job(self, peer: Peer, record: dict[str, Any]) -> None:
+        """A job ended (however it ended)."""
+        error = record.get("error") or {}
+        calls = record.get("tool_calls") or []
+        self._emit(
+            "job",
+            {
+                "job": record["job_id"],
+                "uid": peer.uid,
+                "pid": peer.pid,
+                "policy": record["policy"],
+                "status": record["status"],
+                "duration_s": record["duration_s"],
+                "tool_calls": len(calls),
+                "tools": dict(Counter(c.get("name") for c in calls)),
+                "reason": f"{error.get('type')}: {str(error.get('message'))[:200]}"
+                if error
+                else "",
+            },
+        )
+
+    def refused(self, peer: Peer, code: str, message: str, **extra: Any) -> None:
+        """A request (or a connection) was refused."""
+        self._emit(
+            "refused",
+            {"uid": peer.uid, "pid": peer.pid, "code": code, "message": message[:500], **extra},
+        )
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

