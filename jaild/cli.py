@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -222,6 +223,68 @@ def cmd_policies(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Host checks, then every policy's self-test in a private daemon; a table; exit 1 on failure."""
+    from jaild.policy.schema import load_policy_dir
+    from jaild.selftest import Check, host_checks
+    from jaild.server import Daemon, StartupError
+    from jaild.staging import locate_nsjail
+
+    try:
+        config = _daemon_config(args, None)
+    except PolicyError as exc:
+        _print_err(f"invalid config: {exc.message}")
+        return 1
+    sections: list[tuple[str, list[Check]]] = []
+    try:
+        nsjail: str | None = locate_nsjail(config.nsjail)
+    except JaildError:
+        nsjail = None
+    try:
+        policies = load_policy_dir(config.policies_dir)
+    except PolicyError as exc:
+        policies = {}
+        sections.append(("policies", [Check("policy files", False, exc.message,
+                                            "jaild policy check FILE...")]))
+    sections.insert(0, ("host", host_checks(nsjail, policies, config.envs_dir)))
+
+    async def probe() -> dict[str, list[Check]]:
+        with tempfile.TemporaryDirectory(prefix="jaild-doctor-") as tmp:
+            daemon = Daemon(dataclasses.replace(config, socket_path=os.path.join(tmp, "d.sock")))
+            try:
+                await daemon.start()
+            finally:
+                await daemon.stop()
+            return daemon.probe_results
+
+    if policies:
+        try:
+            results = asyncio.run(probe())
+        except (StartupError, JaildError) as exc:
+            sections.append(("daemon", [Check("daemon start", False, exc.message,
+                                              "fix the reason above, then rerun jaild doctor")]))
+        else:
+            sections += [(f"policy {name}", checks) for name, checks in results.items()]
+    failed = [(s, c) for s, checks in sections for c in checks if not c.ok]
+    if args.json:
+        json.dump({s: [dataclasses.asdict(c) for c in checks] for s, checks in sections},
+                  sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        width = max(len(c.name) for _, checks in sections for c in checks)
+        for section, checks in sections:
+            print(f"== {section}")
+            for c in checks:
+                print(f"  {'ok  ' if c.ok else 'FAIL'}  {c.name:<{width}}  {c.detail}")
+        if failed:
+            print(f"\n{len(failed)} check(s) failed:")
+            for section, c in failed:
+                print(f"  {section}: {c.name}: {c.detail}" + (f"\n    fix: {c.fix}" if c.fix else ""))
+        else:
+            print("\nall checks passed")
+    return 1 if failed else 0
+
+
 def cmd_policy_check(args: argparse.Namespace) -> int:
     from jaild.policy.schema import host_checks, load_policy
 
@@ -336,6 +399,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", dest="code", help="code to run")
     p.add_argument("file", nargs="?", help="file to run ('-' for stdin)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("doctor", help="check the host and self-test every policy")
+    daemon_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("policies", help="list the policies a daemon serves")
     socket_arg(p)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import dataclasses
 import functools
 import os
@@ -60,6 +61,8 @@ from jaild.protocol.messages import (
     RunCode,
     ToolSpec,
 )
+
+log = logging.getLogger("jaild")
 
 STATUSES = (
     "ok",
@@ -635,9 +638,15 @@ class JailedJob:
         self._timers.append(self._loop.call_later(self._env.kill_grace_s, self._force_kill))
 
     def _force_kill(self) -> None:
+        """nsjail ignored SIGTERM for the whole grace period: SIGKILL it and everything in
+        the job's cgroup (its orphans, reparented to this subreaper, are reaped later)."""
         if self._proc is not None and not self._exited:
+            log.warning("job %s: nsjail ignored SIGTERM; killing it", self.spec.job_id)
             with contextlib.suppress(ProcessLookupError):
                 self._proc.kill()
+            if self._cgroup is not None:
+                with contextlib.suppress(OSError):
+                    self._cgroup.kill_all()
 
     def _record(self) -> dict[str, Any]:
         status, error = classify(self._ev)

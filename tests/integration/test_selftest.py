@@ -1,0 +1,107 @@
+"""The fail-closed self-test: jaild doctor, and a daemon refusing policies whose jails lie."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from jaild.client import Client
+from jaild.errors import PolicyUnavailable
+from jaild.staging import locate_nsjail
+from tests.conftest import STATE_DIR, TEST_POLICIES, DaemonHandle
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def world_dir() -> Iterator[Path]:
+    """A scratch directory the jailed uid can traverse (pytest's tmp_path is under a 0700 dir)."""
+    d = Path(tempfile.mkdtemp(prefix="jaild-test-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def doctor(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "jaild", "doctor", "--state-dir", STATE_DIR, *args],
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_doctor_passes_on_this_host() -> None:
+    out = doctor("--policies", str(REPO / "policies"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "all checks passed" in out.stdout
+    for name in ("== host", "== policy default", "== policy strict", "no_new_privs",
+                 "uid outside not 0", "seccomp filter mode", "memory limit in force"):
+        assert name in out.stdout
+
+
+def lying_nsjail(directory: Path, extra: str) -> str:
+    """An nsjail that quietly weakens every jail (a misconfigured or tampered binary)."""
+    script = directory / "nsjail"
+    script.write_text(f'#!/bin/sh\nexec {locate_nsjail(None)} "$@" {extra}\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return str(script)
+
+
+def test_a_jail_with_the_host_network_is_refused(private_daemon: Callable[..., DaemonHandle],
+                                                world_dir: Path) -> None:
+    fake = lying_nsjail(world_dir, "--disable_clone_newnet")
+    out = doctor("--policies", str(REPO / "policies"), "--nsjail", fake)
+    assert out.returncode == 1
+    assert "FAIL  no network interfaces" in out.stdout
+    d = private_daemon(args=("--nsjail", fake))
+    with pytest.raises(PolicyUnavailable, match="no network interfaces: interfaces"):
+        d.run("1")
+    with Client(d.socket) as c:
+        listed = {p["name"]: p for p in c.policies()}
+    assert listed["default"]["available"] is False
+    assert "no network interfaces" in listed["default"]["problems"]
+    assert "failed its self-test and will not be served" in d.log()
+
+
+def test_an_env_that_cannot_harden_is_refused_and_others_still_serve(
+        private_daemon: Callable[..., DaemonHandle], world_dir: Path) -> None:
+    env = world_dir / "noprctl"
+    shutil.copytree(Path(STATE_DIR) / "envs" / "default", env, symlinks=True)
+    site = next(env.glob("lib/python3*/site-packages"))
+    for f in [*site.glob("prctl*"), *site.glob("_prctl*")]:
+        f.unlink()
+    d = private_daemon(policies={"noprctl": f'[python]\nenv = "{env}"\n'})
+    with pytest.raises(PolicyUnavailable, match="runtime did not come up: ModuleNotFoundError"):
+        d.run("1", policy="noprctl")
+    d.assert_serving()  # the default policy passed its self-test and serves
+
+
+def test_a_jail_without_a_user_namespace_is_caught_by_the_host_view(
+        private_daemon: Callable[..., DaemonHandle], world_dir: Path) -> None:
+    # Without a user namespace the jail runs as the host's uid 65534, shared with every other
+    # jail and host service, instead of its own per-job uid: only the host can see that.
+    fake = lying_nsjail(world_dir, "--disable_clone_newuser")
+    d = private_daemon(args=("--nsjail", fake))
+    with pytest.raises(PolicyUnavailable, match=r"uid outside not 0: jailed processes run as host ids \[65534\]"):
+        d.run("1")
+
+
+def test_config_file_is_validated(tmp_path: Path) -> None:
+    cfg = tmp_path / "jaild.toml"
+    cfg.write_text("[limits]\nmax_jobs = 0\n")
+    out = subprocess.run([sys.executable, "-m", "jaild", "serve", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 1
+    assert f"{cfg}: limits.max_jobs: must be between 1 and 65536, got 0" in out.stderr
+    cfg.write_text("[deamon]\nsocket = '/x'\n")
+    out = subprocess.run([sys.executable, "-m", "jaild", "serve", "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert f"{cfg}: deamon: unknown key; the config accepts daemon, access, limits" in out.stderr
+    assert TEST_POLICIES.exists() and os.path.exists(STATE_DIR)
