@@ -292,11 +292,11 @@ class Cgroups:
                 os.rmdir(root)
 
     def sweep(self) -> list[str]:
-        """Kill and remove every job cgroup left in the subtree; returns what was removed."""
-        removed = []
+        """Kill and remove every job cgroup left in the subtree; returns the jobs swept."""
+        jobs = set()
         for d in self.job_dirs():
             _kill_members(d)
             with contextlib.suppress(OSError):
                 _rmtree_cgroup(d)
-                removed.append(d)
-        return removed
+                jobs.add(os.path.basename(d))
+        return sorted(jobs)

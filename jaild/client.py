@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import threading
@@ -173,9 +175,13 @@ class AsyncClient:
     Args:
         socket_path: the daemon's socket (default: ``$JAILD_SOCKET`` or ``/run/jaild/jaild.sock``).
         name: how this client introduces itself (shown in daemon logs).
+        handler_threads: worker threads for plain (non-async) tool handlers: how many of
+            them may block at once across this client's jobs.
     """
 
-    def __init__(self, socket_path: str | None = None, *, name: str = "") -> None:
+    def __init__(
+        self, socket_path: str | None = None, *, name: str = "", handler_threads: int = 64
+    ) -> None:
         self.socket_path = socket_from_env(socket_path)[0]
         self._name = name or f"jaild-py/{__version__}"
         self._conn = Connection(Role.CLIENT, MAX_FRAME)
@@ -187,6 +193,8 @@ class AsyncClient:
         self._requests: dict[int, asyncio.Future[Any]] = {}
         self._jobs: dict[str, _Job] = {}
         self._broken: JaildError | None = None
+        self._handler_threads = handler_threads
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._send_lock = asyncio.Lock()
 
     async def __aenter__(self) -> AsyncClient:
@@ -212,12 +220,21 @@ class AsyncClient:
                 f"permission denied connecting to {self.socket_path}; ask the operator to add "
                 "you to the daemon's socket group"
             ) from None
-        self._writer.write(self._conn.send(Hello(protocol=PROTOCOL_VERSION, client=self._name)))
-        welcome = await self._read_message()
-        if isinstance(welcome, Error):
-            raise error_from_wire(welcome.code, welcome.message)
-        if not isinstance(welcome, Welcome):
-            raise ConnectionLost("the daemon closed the connection during the handshake")
+        try:
+            self._writer.write(self._conn.send(Hello(protocol=PROTOCOL_VERSION, client=self._name)))
+            try:
+                welcome = await self._read_message()
+            except (ConnectionError, RemoteProtocolError) as exc:
+                raise ConnectionLost(f"the handshake with the daemon failed: {exc}") from None
+            if isinstance(welcome, Error):
+                raise error_from_wire(welcome.code, welcome.message)
+            if not isinstance(welcome, Welcome):
+                raise ConnectionLost("the daemon closed the connection during the handshake")
+        except BaseException:
+            self._writer.close()
+            with contextlib.suppress(Exception):
+                await self._writer.wait_closed()
+            raise
         self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
 
     async def close(self) -> None:
@@ -230,6 +247,8 @@ class AsyncClient:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader_task
         self._fail_all(ConnectionLost("the client was closed"))
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ API
 
@@ -438,7 +457,13 @@ class AsyncClient:
             if tool.is_async:
                 value = await tool.handler(*args, **kwargs)
             else:
-                value = await asyncio.to_thread(tool.handler, *args, **kwargs)
+                if self._executor is None:
+                    self._executor = concurrent.futures.ThreadPoolExecutor(
+                        self._handler_threads, thread_name_prefix="jaild-tool"
+                    )
+                value = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, functools.partial(tool.handler, *args, **kwargs)
+                )
             packed = pack(value)
             if len(packed) > TOOL_RESULT_LIMIT:
                 raise ValueError(f"result of {call.name} is {len(packed)} bytes; too large to send")
@@ -468,13 +493,15 @@ class Client:
     are called from that thread; plain tool handlers from worker threads.
     """
 
-    def __init__(self, socket_path: str | None = None, *, name: str = "") -> None:
+    def __init__(
+        self, socket_path: str | None = None, *, name: str = "", handler_threads: int = 64
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="jaild-client", daemon=True
         )
         self._thread.start()
-        self._client = AsyncClient(socket_path, name=name)
+        self._client = AsyncClient(socket_path, name=name, handler_threads=handler_threads)
         try:
             self._call(self._client.connect())
         except BaseException:

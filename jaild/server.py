@@ -169,13 +169,6 @@ class ClientSession:
     async def serve(self) -> None:
         cfg = self.daemon.config
         try:
-            refusal = self.daemon.admit(self)
-            if refusal is not None:
-                log.warning("refused connection from %s: %s", self.who, refusal.message)
-                self.daemon.audit.refused(self.peer, refusal.code, refusal.message)
-                self.send_error(refusal)
-                await self._flush()
-                return
             try:
                 async with asyncio.timeout(cfg.handshake_timeout_s):
                     hello = await self._next_message()
@@ -184,6 +177,15 @@ class ClientSession:
                     f"no Hello within {cfg.handshake_timeout_s:g} s of connecting"
                 ) from None
             if not isinstance(hello, Hello):
+                return
+            # Admission answers the Hello (rather than closing on connect), so the client
+            # always gets to read why it was refused.
+            refusal = self.daemon.admit(self)
+            if refusal is not None:
+                log.warning("refused connection from %s: %s", self.who, refusal.message)
+                self.daemon.audit.refused(self.peer, refusal.code, refusal.message)
+                self.send_error(refusal)
+                await self._flush()
                 return
             self.send(Welcome(protocol=PROTOCOL_VERSION, daemon=f"jaild/{__version__}"))
             while True:
@@ -363,7 +365,12 @@ class Daemon:
             raise StartupError(str(exc)) from None
         self.swept = cgroups.sweep()
         if self.swept:
-            log.warning("swept %d job cgroup(s) left by an earlier run", len(self.swept))
+            log.warning(
+                "swept %d job(s) left by an earlier run (killed their processes, removed their "
+                "cgroups): %s",
+                len(self.swept),
+                " ".join(self.swept[:20]),
+            )
         nsjail = locate_nsjail(self.config.nsjail)
         setpriv = shutil.which("setpriv")
         if setpriv is None:

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import dataclasses
 import functools
+import logging
 import os
 import re
 import signal

@@ -1,0 +1,295 @@
+"""Surviving faults: crashes, vanishing clients, silent handlers, slow or greedy peers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from jaild.client import Client
+from jaild.errors import Busy, PermissionDenied
+from jaild.staging import locate_nsjail
+from tests.conftest import DaemonHandle, start_daemon, wait_listening
+
+pytestmark = pytest.mark.integration
+
+
+def jailed_pids(uid_base: int) -> list[int]:
+    """Host processes running as one of this daemon's jail uids."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            for line in Path(f"/proc/{entry}/status").read_text().splitlines():
+                if line.startswith("Uid:"):
+                    uid = int(line.split()[1])
+                    if uid_base <= uid < uid_base + 65536:
+                        pids.append(int(entry))
+                    break
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def job_cgroups(d: DaemonHandle) -> list[str]:
+    root = Path("/sys/fs/cgroup/memory") / d.config.subtree
+    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+
+def write_config(directory: Path, text: str) -> str:
+    path = directory / "jaild.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_kill_9_leaves_no_jail_alive_and_the_next_start_sweeps(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path)
+    release = threading.Event()
+    started = threading.Barrier(21, timeout=60)
+
+    def hold() -> bool:
+        started.wait()
+        return release.wait(60)
+
+    with Client(d.socket) as c:
+        jobs = [c.submit("await tools.hold()", tools={"hold": hold}) for _ in range(20)]
+        started.wait()  # all 20 jails are up and inside a tool call
+        assert len(jailed_pids(d.config.uid_base)) >= 20
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait(10)
+        deadline = time.monotonic() + 5
+        while jailed_pids(d.config.uid_base) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert jailed_pids(d.config.uid_base) == [], "a jail outlived its daemon"
+        release.set()
+        assert jobs
+    assert os.path.exists(d.socket)  # stale
+    leftovers = job_cgroups(d)
+    assert len(leftovers) >= 20
+    # restart with the same command: it sweeps what the crash left, and says so
+    restarted = subprocess.Popen(d.proc.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True)
+    try:
+        wait_listening(d.socket, restarted, d.log_path)
+        assert job_cgroups(d) == []
+        with Client(d.socket) as c:
+            assert c.run("2 + 2").result == 4
+    finally:
+        restarted.send_signal(signal.SIGTERM)
+        out, _ = restarted.communicate(timeout=30)
+    assert "removed stale socket" in out
+    assert f"swept {len(leftovers)} job(s) left by an earlier run" in out
+    assert restarted.returncode == 0
+
+
+def test_client_disconnect_kills_the_jail_within_200ms(daemon: DaemonHandle) -> None:
+    import asyncio
+
+    from jaild.client import AsyncClient
+
+    async def scenario() -> float:
+        c = AsyncClient(daemon.socket)
+        await c.connect()
+        seen = asyncio.Event()
+        job = await c.submit("import time\nprint('up', flush=True)\ntime.sleep(60)",
+                             on_stdout=lambda t: seen.set())
+        await asyncio.wait_for(seen.wait(), 20)
+        before = set(jailed_pids(daemon.config.uid_base))
+        assert before
+        t0 = time.monotonic()
+        await c.close()
+        while set(jailed_pids(daemon.config.uid_base)) & before:
+            await asyncio.sleep(0.002)
+        del job
+        return time.monotonic() - t0
+
+    elapsed = asyncio.run(scenario())
+    assert elapsed < 0.2, f"the jail was still alive {elapsed * 1000:.0f} ms after the disconnect"
+    daemon.assert_serving()
+
+
+def test_a_tool_that_never_answers_times_out_in_the_jail(daemon: DaemonHandle) -> None:
+    gate = threading.Event()
+    code = ("try:\n    await tools.silent()\nexcept ToolError as e:\n"
+            "    result = (e.error_type, e.message)\nresult")
+    r = daemon.run(code, policy="tiny", tools={"silent": lambda: gate.wait(30)})  # tiny: 1 s
+    gate.set()
+    assert r.status == "ok"
+    assert r.result == ["timeout", "silent did not answer within 1 s"]
+    assert r.tool_calls[0]["error_type"] == "timeout"
+
+
+def _frame(obj: dict[str, object]) -> bytes:
+    import msgpack
+
+    payload = msgpack.packb(obj)
+    return struct.pack(">I", len(payload)) + payload
+
+
+def _read_all(sock: socket.socket, timeout: float) -> bytes:
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        pass
+    return data
+
+
+@pytest.fixture
+def tuned(private_daemon: Callable[..., DaemonHandle], tmp_path: Path) -> Callable[..., DaemonHandle]:
+    def make(config: str) -> DaemonHandle:
+        return private_daemon(args=("--config", write_config(tmp_path, config)))
+    return make
+
+
+def test_slow_loris_is_cut_off(tuned: Callable[..., DaemonHandle]) -> None:
+    d = tuned("[limits]\nhandshake_timeout_s = 0.5\nframe_timeout_s = 0.5\n")
+    with socket.socket(socket.AF_UNIX) as silent:
+        silent.connect(d.socket)
+        t0 = time.monotonic()
+        data = _read_all(silent, 5)
+        assert b"read_timeout" in data and b"no Hello within 0.5 s" in data
+        assert time.monotonic() - t0 < 3
+    with socket.socket(socket.AF_UNIX) as dribbler:
+        dribbler.connect(d.socket)
+        dribbler.sendall(_frame({"type": "Hello", "protocol": 1}))
+        dribbler.sendall(b"\x00\x00\x01")  # a frame header, never finished
+        data = _read_all(dribbler, 5)
+        assert b"a frame was started but not finished within 0.5 s" in data
+    d.assert_serving()
+
+
+def test_connection_limits(tuned: Callable[..., DaemonHandle]) -> None:
+    d = tuned("[limits]\nmax_connections_per_uid = 2\nmax_jobs_per_connection = 1\n")
+    a, b = Client(d.socket), Client(d.socket)
+    try:
+        with pytest.raises(Busy, match="already has 2 connections"):
+            Client(d.socket)
+        gate = threading.Event()
+        job = a.submit("await tools.wait()", tools={"wait": lambda: gate.wait(20)})
+        with pytest.raises(Busy, match="1 jobs running on this connection"):
+            a.run("1")
+        assert b.run("1 + 1").result == 2  # another connection is not affected
+        gate.set()
+        assert job.result(20).status == "ok"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_peers_not_in_access_users_are_refused_and_audited(tuned: Callable[..., DaemonHandle],
+                                                          tmp_path: Path) -> None:
+    audit = tmp_path / "audit.jsonl"
+    d = tuned(f'[access]\nusers = ["nobody"]\n[daemon]\naudit_log = "{audit}"\n')
+    with pytest.raises(PermissionDenied, match="uid 0 may not use this daemon"):
+        Client(d.socket)
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert records[-1]["event"] == "refused" and records[-1]["code"] == "permission_denied"
+    assert records[-1]["uid"] == 0
+    assert stat.S_IMODE(audit.stat().st_mode) == 0o640
+
+
+def test_audit_file_records_every_job(tuned: Callable[..., DaemonHandle], tmp_path: Path) -> None:
+    audit = tmp_path / "audit.jsonl"
+    d = tuned(f'[daemon]\naudit_log = "{audit}"\n')
+    with Client(d.socket) as c:
+        ok = c.run("await tools.t()", tools={"t": lambda: 1})
+        bad = c.run("1/0")
+        with pytest.raises(Exception):
+            c.run("1", policy="nope")
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    jobs = {r["job"]: r for r in records if r["event"] == "job"}
+    assert jobs[ok.job_id]["status"] == "ok" and jobs[ok.job_id]["tools"] == {"t": 1}
+    assert jobs[ok.job_id]["uid"] == 0 and jobs[ok.job_id]["policy"] == "default"
+    assert jobs[bad.job_id]["status"] == "error"
+    assert "ZeroDivisionError" in jobs[bad.job_id]["reason"]
+    refused = [r for r in records if r["event"] == "refused"]
+    assert refused and refused[-1]["code"] == "unknown_policy" and refused[-1]["policy"] == "nope"
+
+
+def test_accept_loop_survives_fd_exhaustion(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path)  # started once for its command line, then again under prlimit
+    assert d.stop() == 0
+    with open(d.log_path, "ab") as log:
+        proc = subprocess.Popen(["prlimit", "--nofile=96:96", "--", *d.proc.args],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_listening(d.socket, proc, d.log_path)
+        flood = []
+        for _ in range(150):  # more connections than the daemon has descriptors
+            s = socket.socket(socket.AF_UNIX)
+            s.setblocking(False)
+            try:
+                s.connect(d.socket)
+            except (BlockingIOError, ConnectionRefusedError, OSError):
+                pass
+            flood.append(s)
+        time.sleep(1.5)
+        for s in flood:
+            s.close()
+        time.sleep(1.5)  # asyncio pauses accepting for a second after EMFILE
+        with Client(d.socket) as c:
+            # 96 descriptors cannot give default's 256 to a jail: its self-test fails and it is
+            # not served (a clear error), while tiny (64) still is
+            assert c.run("3 * 3", policy="tiny").result == 9
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert proc.returncode == 0
+
+
+@pytest.fixture
+def world_dir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="jaild-test-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_an_nsjail_that_ignores_sigterm_is_killed(private_daemon: Callable[..., DaemonHandle],
+                                                  world_dir: Path) -> None:
+    # A wrapper that ignores SIGTERM and keeps nsjail as its child: cancelling the job must
+    # escalate to SIGKILL, kill the jail through its cgroup, and reap the orphaned nsjail.
+    stubborn = world_dir / "nsjail"
+    stubborn.write_text(f"#!/bin/sh\ntrap '' TERM\n{locate_nsjail(None)} \"$@\"\n")
+    stubborn.chmod(0o755)
+    d = private_daemon(args=("--nsjail", str(stubborn)))
+    with Client(d.socket) as c:
+        seen = threading.Event()
+        job = c.submit("import time\nprint('up', flush=True)\ntime.sleep(60)",
+                       on_stdout=lambda t: seen.set())
+        assert seen.wait(20)
+        t0 = time.monotonic()
+        job.cancel()
+        r = job.result(20)
+        assert r.status == "cancelled"
+        assert time.monotonic() - t0 < 5
+        assert jailed_pids(d.config.uid_base) == []
+        assert "nsjail ignored SIGTERM" in d.log()
+        d.assert_serving()
+    zombies = [p for p in os.listdir("/proc") if p.isdigit() and _is_zombie_child(int(p), d.proc.pid)]
+    assert zombies == []
+
+
+def _is_zombie_child(pid: int, parent: int) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] == "Z" and int(fields[1]) == parent
