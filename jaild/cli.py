@@ -244,8 +244,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         policies = load_policy_dir(config.policies_dir)
     except PolicyError as exc:
         policies = {}
-        sections.append(("policies", [Check("policy files", False, exc.message,
-                                            "jaild policy check FILE...")]))
+        sections.append(
+            ("policies", [Check("policy files", False, exc.message, "jaild policy check FILE...")])
+        )
     sections.insert(0, ("host", host_checks(nsjail, policies, config.envs_dir)))
 
     async def probe() -> dict[str, list[Check]]:
@@ -261,14 +262,28 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         try:
             results = asyncio.run(probe())
         except (StartupError, JaildError) as exc:
-            sections.append(("daemon", [Check("daemon start", False, exc.message,
-                                              "fix the reason above, then rerun jaild doctor")]))
+            sections.append(
+                (
+                    "daemon",
+                    [
+                        Check(
+                            "daemon start",
+                            False,
+                            exc.message,
+                            "fix the reason above, then rerun jaild doctor",
+                        )
+                    ],
+                )
+            )
         else:
             sections += [(f"policy {name}", checks) for name, checks in results.items()]
     failed = [(s, c) for s, checks in sections for c in checks if not c.ok]
     if args.json:
-        json.dump({s: [dataclasses.asdict(c) for c in checks] for s, checks in sections},
-                  sys.stdout, indent=2)
+        json.dump(
+            {s: [dataclasses.asdict(c) for c in checks] for s, checks in sections},
+            sys.stdout,
+            indent=2,
+        )
         sys.stdout.write("\n")
     else:
         width = max(len(c.name) for _, checks in sections for c in checks)
@@ -279,7 +294,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         if failed:
             print(f"\n{len(failed)} check(s) failed:")
             for section, c in failed:
-                print(f"  {section}: {c.name}: {c.detail}" + (f"\n    fix: {c.fix}" if c.fix else ""))
+                print(
+                    f"  {section}: {c.name}: {c.detail}" + (f"\n    fix: {c.fix}" if c.fix else "")
+                )
         else:
             print("\nall checks passed")
     return 1 if failed else 0
