@@ -224,7 +224,7 @@ def cmd_policies(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    """Host checks, then every policy's self-test in a private daemon; a table; exit 1 on failure."""
+    """Host checks, then each policy's self-test in a private daemon; exit 1 on any failure."""
     from jaild.policy.schema import load_policy_dir
     from jaild.selftest import Check, host_checks
     from jaild.server import Daemon, StartupError
