@@ -87,6 +87,8 @@ class JobResult:
     duration_s: float
     limits: dict[str, Any]
     policy: str = ""
+    tool_calls_omitted: int = 0
+    """Calls beyond the 1000 listed in ``tool_calls`` (a job that floods its tools)."""
 
     @property
     def ok(self) -> bool:
@@ -104,6 +106,7 @@ class JobResult:
             "duration_s": self.duration_s,
             "limits": self.limits,
             "policy": self.policy,
+            **({"tool_calls_omitted": self.tool_calls_omitted} if self.tool_calls_omitted else {}),
         }
 
     @classmethod
@@ -125,6 +128,7 @@ class JobResult:
             duration_s=float(record.get("duration_s", 0.0)),
             limits=dict(record.get("limits", {})),
             policy=str(record.get("policy", "")),
+            tool_calls_omitted=int(record.get("tool_calls_omitted", 0)),
         )
 
 

@@ -76,6 +76,8 @@ STATUSES = (
     "internal_error",
 )
 START_TIMEOUT_S = 30.0
+MAX_CALL_RECORDS = 1000
+"""Tool calls listed in a result record; further calls are only counted (tool_calls_omitted)."""
 FRAME_OVERHEAD = 4 * 2 * 65536 + 65536
 """Room on the jail link beyond the payload limits: CodeFinished may carry a 64K-character
 message and traceback besides the result (UTF-8: up to 4 bytes a character)."""
@@ -268,18 +270,89 @@ class _PipeReader(asyncio.Protocol):
         self._on_eof()
 
 
-class _ChannelProtocol(asyncio.Protocol):
-    def __init__(self, job: JailedJob) -> None:
-        self._job = job
+class _Channel:
+    """The daemon's end of a jail's socketpair, driven by the event loop.
 
-    def data_received(self, data: bytes) -> None:
-        self._job._channel_data(data)
+    Not an asyncio transport on purpose: a transport tears the connection down on the
+    first failed write, dropping whatever the jail wrote just before it exited (its
+    ``CodeFinished`` among it). Here a failed write only stops writing; reading goes on
+    until EOF. Replies the jail does not read are buffered up to ``max_buffered`` bytes.
+    """
 
-    def eof_received(self) -> bool:
-        return False
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        on_data: Callable[[bytes], None],
+        on_closed: Callable[[], None],
+        on_overflow: Callable[[], None],
+        max_buffered: int,
+    ) -> None:
+        self._loop = loop
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._on_data = on_data
+        self._on_closed = on_closed
+        self._on_overflow = on_overflow
+        self._max_buffered = max_buffered
+        self._out = bytearray()
+        self._can_write = True
+        self.closed = False
+        sock.setblocking(False)
+        loop.add_reader(self._fd, self._readable)
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._job._channel_closed()
+    def _readable(self) -> None:
+        try:
+            data = self._sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            self._on_data(data)
+        else:
+            self.close()
+
+    def write(self, data: bytes) -> None:
+        if self.closed or not self._can_write:
+            return
+        if not self._out:
+            try:
+                sent = self._sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self._can_write = False  # the jail is gone; keep reading what it left
+                return
+            if sent == len(data):
+                return
+            self._loop.add_writer(self._fd, self._writable)
+            data = data[sent:]
+        self._out += data
+        if len(self._out) > self._max_buffered:
+            self._on_overflow()
+
+    def _writable(self) -> None:
+        try:
+            sent = self._sock.send(self._out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._can_write = False
+            self._out.clear()
+            sent = 0
+        del self._out[:sent]
+        if not self._out:
+            self._loop.remove_writer(self._fd)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._loop.remove_reader(self._fd)
+        self._loop.remove_writer(self._fd)
+        self._sock.close()
+        self._on_closed()
 
 
 # --------------------------------------------------------------------------- the job
@@ -311,12 +384,14 @@ class JailedJob:
         self._output_total = 0
         self._log = bytearray()
         self._calls: list[dict[str, Any]] = []
+        self._calls_omitted = 0
         self._in_flight: dict[int, asyncio.Task[None]] = {}
         self._open_streams = 0
         self._done = asyncio.Event()
         self._proc: subprocess.Popen[bytes] | None = None
         self._exited = False
-        self._transport: asyncio.Transport | None = None
+        self._channel: _Channel | None = None
+        self._terminating = False
         self._timers: list[asyncio.TimerHandle] = []
         self._started = time.monotonic()
         self._code_started: float | None = None
@@ -377,6 +452,8 @@ class JailedJob:
         finally:
             for timer in self._timers:
                 timer.cancel()
+            if self._channel is not None:
+                self._channel.close()
             if self._proc is not None and not self._exited:
                 with contextlib.suppress(ProcessLookupError):
                     self._proc.kill()
@@ -424,7 +501,9 @@ class JailedJob:
             for fd in (out_w, err_w, log_w):
                 os.close(fd)
             jail_end.close()
-        self._open_streams = 3
+        # stdout, stderr, nsjail's log and the channel: the job is over when nsjail has exited
+        # and all four reached EOF (so no output and no CodeFinished is left unread)
+        self._open_streams = 4
         self._watch_exit(self._proc.pid)
         for fd, sink in ((out_r, "stdout"), (err_r, "stderr"), (log_r, "log")):
             pipe = os.fdopen(fd, "rb", buffering=0)
@@ -435,10 +514,16 @@ class JailedJob:
             await self._loop.connect_read_pipe(
                 functools.partial(_PipeReader, on_data, self._stream_closed), pipe
             )
-        transport, _ = await self._loop.create_unix_connection(
-            functools.partial(_ChannelProtocol, self), sock=daemon_end
+        self._channel = _Channel(
+            self._loop,
+            daemon_end,
+            self._channel_data,
+            self._stream_closed,
+            functools.partial(
+                self._terminate, "channel_error", "the jail does not read its tool replies"
+            ),
+            max_buffered=4 * self._conn.max_frame_bytes,
         )
-        self._transport = transport
         self._send(
             Harden(protocol=PROTOCOL_VERSION, seccomp=self._env.seccomp_specs[spec.policy.name])
         )
@@ -493,19 +578,16 @@ class JailedJob:
         if self._exited and self._open_streams == 0:
             self._ev.log = self._log.decode("utf-8", "replace")
             self._ev.stderr_tail = self._stderr[-2048:].decode("utf-8", "replace")
-            if self._transport is not None:
-                self._transport.abort()
+            if self._channel is not None:
+                self._channel.close()
             self._done.set()
 
     # -- the channel
 
     def _send(self, msg: Message) -> None:
-        if self._transport is None or self._transport.is_closing():
+        if self._channel is None or self._channel.closed:
             return
-        self._transport.write(self._conn.send(msg))
-
-    def _channel_closed(self) -> None:
-        self._transport = None
+        self._channel.write(self._conn.send(msg))
 
     def _channel_data(self, data: bytes) -> None:
         try:
@@ -561,7 +643,7 @@ class JailedJob:
             self._reply_failed(
                 call.call_id, "unknown_tool", f"no tool named {call.name!r}; available: {available}"
             )
-            self._calls.append(
+            self._note_call(
                 {"name": call.name, "duration_s": 0.0, "ok": False, "error_type": "unknown_tool"}
             )
             return
@@ -572,8 +654,18 @@ class JailedJob:
                 f"{len(self._in_flight)} tool calls already in flight; the policy allows "
                 f"{self.spec.limits.tool_calls_in_flight} at once",
             )
+            self._note_call(
+                {"name": call.name, "duration_s": 0.0, "ok": False, "error_type": "too_many_calls"}
+            )
             return
         self._in_flight[call.call_id] = self._loop.create_task(self._route(call))
+
+    def _note_call(self, entry: dict[str, Any]) -> None:
+        """Record a call in the result, up to MAX_CALL_RECORDS (then only count it)."""
+        if len(self._calls) < MAX_CALL_RECORDS:
+            self._calls.append(entry)
+        else:
+            self._calls_omitted += 1
 
     def _reply_failed(self, call_id: int, error_type: str, message: str) -> None:
         if self._conn.state is State.RUNNING:
@@ -595,7 +687,7 @@ class JailedJob:
             ok, value = False, ("timeout", f"{call.name} did not answer within {timeout:g} s")
         finally:
             entry["duration_s"] = round(time.monotonic() - started, 6)
-            self._calls.append(entry)
+            self._note_call(entry)
             self._in_flight.pop(call.call_id, None)
         if ok and len(value) > self.spec.limits.tool_payload_bytes:
             ok, value = (
@@ -631,8 +723,9 @@ class JailedJob:
         if proc is None:
             self._done.set()
             return
-        if self._exited:
+        if self._exited or self._terminating:
             return
+        self._terminating = True
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)  # nsjail SIGKILLs the jail and cleans up
         self._timers.append(self._loop.call_later(self._env.kill_grace_s, self._force_kill))
@@ -655,7 +748,7 @@ class JailedJob:
         limits["tmp_mb"] = self.spec.policy.filesystem.tmp_mb
         if status != "ok":
             self.result = None
-        return {
+        record = {
             "job_id": self.spec.job_id,
             "policy": self.spec.policy.name,
             "status": status,
@@ -666,6 +759,9 @@ class JailedJob:
             "duration_s": round(time.monotonic() - self._started, 6),
             "limits": limits,
         }
+        if self._calls_omitted:
+            record["tool_calls_omitted"] = self._calls_omitted
+        return record
 
 
 def syntax_error_record(

@@ -95,6 +95,12 @@ def _mount(**fields: str | bool) -> str:
     return "mount { " + " ".join(parts) + " }"
 
 
+def tmp_inodes(tmp_mb: int) -> int:
+    """Files the /tmp tmpfs may hold: 256 per MB (at least 1024), so an inode flood ends in
+    ENOSPC well before the inodes' own memory reaches the job's cgroup limit."""
+    return max(1024, tmp_mb * 256)
+
+
 def child_memory_ceiling_bytes(policy: Policy) -> int:
     """nsjail's own (child) cgroup ceiling: above the job's, so the job's limit trips first."""
     return 2 * policy.limits.memory_mb * 1024 * 1024
@@ -162,7 +168,7 @@ def nsjail_config(policy: Policy, host: HostLayout) -> str:
         _mount(
             dst=WORKDIR,
             fstype="tmpfs",
-            options=f"size={fs.tmp_mb * 1024 * 1024},mode=1777,nr_inodes=65536",
+            options=f"size={fs.tmp_mb * 1024 * 1024},mode=1777,nr_inodes={tmp_inodes(fs.tmp_mb)}",
             rw=True,
             nosuid=True,
             nodev=True,
@@ -172,9 +178,13 @@ def nsjail_config(policy: Policy, host: HostLayout) -> str:
     if fs.shm_mb > 0:
         lines.append(
             _mount(
-                dst="/dev/shm", fstype="tmpfs",
+                dst="/dev/shm",
+                fstype="tmpfs",
                 options=f"size={fs.shm_mb * 1024 * 1024},mode=1777,nr_inodes=4096",
-                rw=True, nosuid=True, nodev=True, noexec=True,
+                rw=True,
+                nosuid=True,
+                nodev=True,
+                noexec=True,
             )
         )
     if fs.proc != "none":
