@@ -92,7 +92,7 @@ class LimitsFile:
 
     max_jobs: int = setting(512, "Jobs running at once, all clients together.", between(1, 65536))
     max_jobs_per_connection: int = setting(
-        128, "Jobs running at once on one connection.", between(1, 65536)
+        256, "Jobs running at once on one connection.", between(1, 65536)
     )
     max_connections: int = setting(1024, "Client connections at once.", between(1, 1 << 20))
     max_connections_per_uid: int = setting(
@@ -169,7 +169,7 @@ class DaemonConfig:
     audit_log: str | None = None
     allowed_users: tuple[str, ...] = ("*",)
     max_jobs: int = 512
-    max_jobs_per_connection: int = 128
+    max_jobs_per_connection: int = 256
     max_connections: int = 1024
     max_connections_per_uid: int = 128
     max_frame_bytes: int = 80 << 20

@@ -1,0 +1,101 @@
+"""Soak: thousands of jobs through one daemon, with zero lost results and flat resources.
+
+``make soak`` (not part of ``make test``): 5,000 sequential jobs, then bursts of 200
+concurrent ones, against one ``jaild serve``. Every result must come back ``ok`` with
+the right value, and the daemon's RSS and descriptor count must stay flat (sampled
+after a warm-up, compared at the end).
+
+Usage: python bench/soak.py [--sequential 5000] [--bursts 5] [--burst-size 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from jaild.client import AsyncClient, Client  # noqa: E402
+from tests.conftest import wait_listening  # noqa: E402
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def burst(sock: str, size: int, offset: int) -> int:
+    async with AsyncClient(sock) as c:
+        results = await asyncio.gather(*(c.run(f"{offset + i} * 2") for i in range(size)))
+    lost = [r for i, r in enumerate(results) if r.status != "ok" or r.result != (offset + i) * 2]
+    for r in lost[:5]:
+        print(f"  LOST: {r.status} {r.error}")
+    return len(lost)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sequential", type=int, default=5000)
+    parser.add_argument("--bursts", type=int, default=5)
+    parser.add_argument("--burst-size", type=int, default=200)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        sock = os.path.join(tmp, "soak.sock")
+        log = os.path.join(tmp, "jaild.log")
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "jaild", "serve", "--socket", sock, "--log-level", "warning"],
+                cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+            )
+        try:
+            wait_listening(sock, proc, log)
+            lost = 0
+            started = time.monotonic()
+            with Client(sock) as c:
+                for i in range(args.sequential):
+                    r = c.run(f"{i} + 1")
+                    if r.status != "ok" or r.result != i + 1:
+                        lost += 1
+                        print(f"  LOST job {i}: {r.status} {r.error}")
+                    if i == 100:
+                        base_rss, base_fds = rss_kb(proc.pid), fds(proc.pid)
+                    if i and i % 1000 == 0:
+                        print(f"{i} jobs, {time.monotonic() - started:.0f} s, "
+                              f"rss {rss_kb(proc.pid)} kB, fds {fds(proc.pid)}")
+            print(f"sequential: {args.sequential} jobs in {time.monotonic() - started:.0f} s, "
+                  f"{lost} lost")
+            for b in range(args.bursts):
+                t = time.monotonic()
+                n = asyncio.run(burst(sock, args.burst_size, b * args.burst_size))
+                lost += n
+                print(f"burst {b + 1}: {args.burst_size} concurrent jobs in "
+                      f"{time.monotonic() - t:.1f} s, {n} lost")
+            time.sleep(1)
+            end_rss, end_fds = rss_kb(proc.pid), fds(proc.pid)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+    growth = (end_rss - base_rss) / base_rss
+    print(f"daemon rss: {base_rss} kB after warm-up, {end_rss} kB at the end ({growth:+.1%})")
+    print(f"daemon fds: {base_fds} after warm-up, {end_fds} at the end")
+    ok = lost == 0 and end_fds <= base_fds and growth < 0.25 and proc.returncode == 0
+    print("soak:", "OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The daemon config file: validation, precedence, and the README's reference table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jaild.config import DaemonConfig, config_reference_markdown, load_config_file
+from jaild.errors import PolicyError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "jaild.toml"
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[limits]\nmax_jobs = 0", "limits.max_jobs: must be between 1 and 65536, got 0"),
+        ("[limits]\nframe_timeout_s = 'x'", "limits.frame_timeout_s: must be a number, got 'x'"),
+        ("[daemon]\nsocket = 'relative.sock'", "daemon.socket: must be an absolute path, got 'relative.sock'"),
+        ("[daemon]\nsockett = '/x'", "daemon.sockett: unknown key; [daemon] accepts socket, socket_group"),
+        ("[access]\nusers = 'root'", "access.users: must be a list, got str"),
+        ("[extra]", "extra: unknown key; the config accepts daemon, access, limits"),
+        ("[limits", "not valid TOML"),
+    ],
+)
+def test_config_errors_name_file_key_and_reason(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        load_config_file(write(tmp_path, text))
+    assert message in info.value.message
+    assert info.value.message.startswith(str(tmp_path))
+
+
+def test_precedence_defaults_file_environment_flags(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, '[daemon]\nsocket = "/file.sock"\nstate_dir = "/file/state"\n'
+                           '[limits]\nmax_jobs = 7\n[access]\nusers = ["root"]\n')
+    monkeypatch.delenv("JAILD_SOCKET", raising=False)
+    monkeypatch.delenv("JAILD_STATE_DIR", raising=False)
+    cfg = DaemonConfig.from_sources(path)
+    assert (cfg.socket_path, cfg.state_dir, cfg.max_jobs, cfg.allowed_users) == (
+        "/file.sock", "/file/state", 7, ("root",))
+    monkeypatch.setenv("JAILD_SOCKET", "/env.sock")
+    assert DaemonConfig.from_sources(path).socket_path == "/env.sock"
+    assert DaemonConfig.from_sources(path, socket_path="/flag.sock").socket_path == "/flag.sock"
+    assert DaemonConfig.from_sources(path, socket_path=None).socket_path == "/env.sock"
+
+
+def test_defaults_without_a_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("JAILD_CONFIG", write(tmp_path, ""))
+    cfg = DaemonConfig.from_sources()
+    assert cfg.max_jobs == 512 and cfg.frame_timeout_s == 30.0 and cfg.allowed_users == ("*",)
+
+
+def test_instances_do_not_share_cgroups_or_uids() -> None:
+    a = DaemonConfig(socket_path="/run/a.sock")
+    b = DaemonConfig(socket_path="/run/b.sock")
+    default = DaemonConfig()
+    assert len({a.subtree, b.subtree, default.subtree}) == 3
+    assert default.subtree == "jaild"
+    assert len({a.uid_base, b.uid_base, default.uid_base}) == 3
+    assert all(0x4000_0000 <= c.uid_base and c.uid_base + 65536 < 2**32 for c in (a, b, default))
+
+
+def test_readme_config_reference_is_generated() -> None:
+    assert config_reference_markdown() in (REPO / "README.md").read_text(), (
+        "run: python scripts/update_readme_reference.py"
+    )
