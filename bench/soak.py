@@ -57,10 +57,9 @@ def main() -> int:
         sock = os.path.join(tmp, "soak.sock")
         log = os.path.join(tmp, "jaild.log")
         with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "jaild", "serve", "--socket", sock, "--log-level", "warning"],
-                cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-            )
+            command = [sys.executable, "-m", "jaild", "serve", "--socket", sock,
+                       "--log-level", "warning"]
+            proc = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         try:
             wait_listening(sock, proc, log)
             lost = 0

@@ -65,7 +65,7 @@ def test_instances_do_not_share_cgroups_or_uids() -> None:
     assert len({a.subtree, b.subtree, default.subtree}) == 3
     assert default.subtree == "jaild"
     assert len({a.uid_base, b.uid_base, default.uid_base}) == 3
-    assert all(0x4000_0000 <= c.uid_base and c.uid_base + 65536 < 2**32 for c in (a, b, default))
+    assert all(c.uid_base >= 0x4000_0000 and c.uid_base + 65536 < 2**32 for c in (a, b, default))
 
 
 def test_readme_config_reference_is_generated() -> None:
