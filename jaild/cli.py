@@ -129,7 +129,7 @@ async def _run_private(
     with tempfile.TemporaryDirectory(prefix="jaild-private-") as tmp:
         socket_path = os.path.join(tmp, "jaild.sock")
         daemon = Daemon(_daemon_config(args, socket_path))
-        await daemon.start()
+        await daemon.start(only_policies={args.policy})
         try:
             return await _run_job(args, socket_path, code, filename, tools)
         finally:

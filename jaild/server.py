@@ -328,6 +328,7 @@ class Daemon:
         self.swept: list[str] = []
         self.audit = AuditLog()
         self.probe_results: dict[str, list[Check]] = {}
+        self._only: set[str] | None = None
         self.unavailable: dict[str, str] = {}
 
     # ------------------------------------------------------------------ startup
@@ -341,7 +342,9 @@ class Daemon:
             raise StartupError("invalid policies:\n  " + "\n  ".join(problems))
         return policies
 
-    async def start(self) -> None:
+    async def start(self, only_policies: set[str] | None = None) -> None:
+        """Start serving. ``only_policies``: serve just these (a private one-job daemon)."""
+        self._only = only_policies
         self.audit = AuditLog(self.config.audit_log)
         try:
             self.policies = self.load_policies()
@@ -410,6 +413,14 @@ class Daemon:
         _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        if self._only is not None:
+            self.unavailable.update(
+                {
+                    n: "not started in this private daemon"
+                    for n in self.policies
+                    if n not in self._only
+                }
+            )
         if self.config.probe_policies:
             await self.probe_policies()
         self._server = await asyncio.start_unix_server(self._accept, sock=sock, limit=1 << 16)
@@ -469,13 +480,15 @@ class Daemon:
 
     async def probe_policies(self) -> None:
         """Run the self-test of every policy; a policy that fails it is not served."""
-        names = sorted(self.policies)
+        names = sorted(n for n in self.policies if n not in self.unavailable)
         results = await asyncio.gather(*(self._probe(self.policies[n]) for n in names))
         self.probe_results = dict(zip(names, results, strict=True))
         for name, checks in self.probe_results.items():
             failed = [c for c in checks if not c.ok]
             if failed:
-                self.unavailable[name] = "; ".join(f"{c.name}: {c.detail}" for c in failed)
+                self.unavailable[name] = "it failed its self-test at start: " + "; ".join(
+                    f"{c.name}: {c.detail}" for c in failed
+                )
                 log.error(
                     "policy %s failed its self-test and will not be served: %s",
                     name,
@@ -553,8 +566,7 @@ class Daemon:
             )
         if policy.name in self.unavailable:
             raise PolicyUnavailable(
-                f"policy {policy.name!r} failed its self-test when the daemon started and is not "
-                f"served: {self.unavailable[policy.name]}"
+                f"policy {policy.name!r} is not served: {self.unavailable[policy.name]}"
             )
         if not policy.user_allowed(session.peer.uid, (session.peer.gid, *session.peer.groups)):
             raise PermissionDenied(f"uid {session.peer.uid} may not use policy {policy.name!r}")

@@ -41,6 +41,8 @@ def runtime_digest() -> str:
 def stage_runtime(state_dir: str, interpreters: list[str]) -> str:
     """Copy the runtime to ``<state_dir>/runtime/<digest>`` (world-readable); return that dir."""
     target = Path(state_dir) / "runtime" / runtime_digest()
+    for partial in target.parent.glob("*.tmp*"):  # a crash in the middle of staging
+        shutil.rmtree(partial, ignore_errors=True)
     if not (target / ".complete").exists():
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -19,7 +19,7 @@ from tests.conftest import DaemonHandle, run_unjailed
 pytestmark = pytest.mark.integration
 
 CLONE_NEWUSER, CLONE_FS = 0x10000000, 0x00000200
-TIOCSTI = 0x5412
+TIOCSTI, TIOCLINUX = 0x5412, 0x541C
 
 # name, arguments (all harmless: NULL pointers, bad descriptors, invalid flags)
 DENIED = [
@@ -59,6 +59,7 @@ DENIED = [
     ("socket", [17, 3, 0]),  # AF_PACKET
     ("socket", [40, 1, 0]),  # AF_VSOCK
     ("ioctl", [0, TIOCSTI, 0]),
+    ("ioctl", [0, TIOCLINUX, 0]),
     ("ioctl", [0, (1 << 32) | TIOCSTI, 0]),  # upper bits set: the kernel still sees TIOCSTI
 ]
 IDS = [f"{n}-{i}" for i, (n, _) in enumerate(DENIED)]
