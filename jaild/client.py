@@ -389,6 +389,7 @@ class AsyncClient:
         for job in self._jobs.values():
             if not job.finished.done():
                 job.finished.set_exception(exc)
+                job.finished.exception()  # result() still raises; unawaited jobs stay quiet
 
     def _handle(self, msg: Message) -> None:
         if isinstance(msg, JobAccepted):

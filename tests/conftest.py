@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -162,6 +163,16 @@ def private_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonHandle]]:
     for handle in started:
         if handle.proc.poll() is None:
             handle.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def world_dir() -> Iterator[Path]:
+    """A scratch directory the jailed uid can traverse (pytest's tmp_path is under a 0700 dir):
+    for bind sources, fake nsjail binaries and environments."""
+    d = Path(tempfile.mkdtemp(prefix="jaild-test-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -5,16 +5,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import stat
 import struct
 import subprocess
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -253,12 +251,6 @@ def test_accept_loop_survives_fd_exhaustion(tmp_path: Path) -> None:
     assert proc.returncode == 0
 
 
-@pytest.fixture
-def world_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="jaild-test-"))
-    d.chmod(0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_an_nsjail_that_ignores_sigterm_is_killed(private_daemon: Callable[..., DaemonHandle],

@@ -7,8 +7,7 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,13 +22,6 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def world_dir() -> Iterator[Path]:
-    """A scratch directory the jailed uid can traverse (pytest's tmp_path is under a 0700 dir)."""
-    d = Path(tempfile.mkdtemp(prefix="jaild-test-"))
-    d.chmod(0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def doctor(*args: str) -> subprocess.CompletedProcess[str]:

@@ -159,11 +159,10 @@ def test_client_disconnect_cancels_its_jobs(daemon: DaemonHandle) -> None:
     daemon.assert_serving()
 
 
-def test_jail_that_cannot_start_is_an_internal_error(private_daemon: Callable[..., DaemonHandle]) -> None:
-    import tempfile
-
-    data = Path(tempfile.mkdtemp(prefix="jaild-test-bind-"))  # under /tmp: world-searchable
-    os.chmod(data, 0o755)
+def test_jail_that_cannot_start_is_an_internal_error(private_daemon: Callable[..., DaemonHandle],
+                                                    world_dir: Path) -> None:
+    data = world_dir / "data"
+    data.mkdir(mode=0o755)
     d = private_daemon(policies={"withdata": f'[filesystem]\nbinds = ["/usr", {{src = "{data}", dst = "/data"}}]\n'})
     data.rmdir()  # valid when the daemon started, gone now: nsjail cannot mount it
     r = d.run("1", policy="withdata")
