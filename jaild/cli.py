@@ -220,6 +220,8 @@ def cmd_policies(args: argparse.Namespace) -> int:
             f"pids {lim.get('pids')}, network {p.get('network')}, "
             f"seccomp {p.get('seccomp', {}).get('profile')}/{p.get('seccomp', {}).get('action')}"
         )
+        if p.get("available") is False:
+            print(f"{'':<12} NOT SERVED: {p.get('problems')}")
     return 0
 
 

@@ -59,6 +59,9 @@ def test_a_jail_with_the_host_network_is_refused(private_daemon: Callable[..., D
         listed = {p["name"]: p for p in c.policies()}
     assert listed["default"]["available"] is False
     assert "no network interfaces" in listed["default"]["problems"]
+    shown = subprocess.run([sys.executable, "-m", "jaild", "policies", "--socket", d.socket],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "NOT SERVED: it failed its self-test at start: " in shown
     assert "failed its self-test and will not be served" in d.log()
 
 
