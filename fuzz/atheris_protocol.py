@@ -32,12 +32,12 @@ if atheris is not None:
     with atheris.instrument_imports(include=["jaild", "msgpack"]):
         from jaild.errors import RemoteProtocolError
         from jaild.protocol import CLOSED, MESSAGES, NEED_DATA, Connection, Role, State
-        from jaild.protocol.connection import INITIAL_STATE, TRANSITIONS
+        from jaild.protocol.connection import TRANSITIONS, reachable_states
         from jaild.protocol.messages import Message
 else:  # --write-seeds works without atheris
     from jaild.errors import RemoteProtocolError
     from jaild.protocol import CLOSED, MESSAGES, NEED_DATA, Connection, Role, State
-    from jaild.protocol.connection import INITIAL_STATE, TRANSITIONS
+    from jaild.protocol.connection import TRANSITIONS, reachable_states
     from jaild.protocol.messages import Message
 
 MAX_FRAME = 1 << 16
@@ -49,15 +49,7 @@ RECV_DIRECTION = {
 }
 
 
-def _states(role: Role) -> list[State]:
-    found = [INITIAL_STATE[role]]
-    for (r, s), moves in TRANSITIONS.items():
-        if r is role:
-            found += [s, *moves.values()]
-    return [*dict.fromkeys(found), State.CLOSED]
-
-
-ENDS = [(role, state) for role in Role for state in _states(role)]
+ENDS = [(role, state) for role in Role for state in reachable_states(role)]
 
 
 def drive(role: Role, state: State, reads: list[bytes], eof: bool) -> tuple[list[Message], str]:

@@ -360,9 +360,9 @@ def host_checks(nsjail: str | None, policies: dict[str, Policy], envs_dir: str) 
                     python,
                     "-I",
                     "-c",
-                    "import msgpack, prctl, ctypes.util as u;"
-                    "u.find_library=lambda n: {'c':'libc.so.6','seccomp':'libseccomp.so.2'}[n];"
-                    "import pyseccomp",
+                    # the runtime's own imports, from this installation of jaild
+                    f"import sys; sys.path.insert(0, {str(Path(__file__).parent.parent)!r});"
+                    "import msgpack, jaild.runtime.seccomp, jaild.runtime.harden",
                 ],
                 capture_output=True,
                 text=True,

@@ -743,9 +743,7 @@ class JailedJob:
 
     def _record(self) -> dict[str, Any]:
         status, error = classify(self._ev)
-        limits = dataclasses.asdict(self.spec.limits)
-        limits["network"] = self.spec.policy.network.mode
-        limits["tmp_mb"] = self.spec.policy.filesystem.tmp_mb
+        limits = limits_record(self.spec.policy, self.spec.limits)
         if status != "ok":
             self.result = None
         record = {
@@ -764,6 +762,15 @@ class JailedJob:
         return record
 
 
+def limits_record(policy: Policy, limits: Limits) -> dict[str, Any]:
+    """The ``limits`` of a result record: the job's limits plus the policy's network and /tmp."""
+    return {
+        **dataclasses.asdict(limits),
+        "network": policy.network.mode,
+        "tmp_mb": policy.filesystem.tmp_mb,
+    }
+
+
 def syntax_error_record(
     job_id: str, policy: Policy, limits: Limits, exc: BaseException, filename: str
 ) -> dict[str, Any]:
@@ -772,9 +779,6 @@ def syntax_error_record(
 
     lineno = getattr(exc, "lineno", None)
     message = getattr(exc, "msg", None) or str(exc)
-    limit_dict = dataclasses.asdict(limits)
-    limit_dict["network"] = policy.network.mode
-    limit_dict["tmp_mb"] = policy.filesystem.tmp_mb
     return {
         "job_id": job_id,
         "policy": policy.name,
@@ -789,7 +793,7 @@ def syntax_error_record(
         },
         "tool_calls": [],
         "duration_s": 0.0,
-        "limits": limit_dict,
+        "limits": limits_record(policy, limits),
     }
 
 

@@ -169,6 +169,17 @@ INITIAL_STATE = {
     Role.JAIL: State.AWAIT_HARDEN,
 }
 
+
+
+def reachable_states(role: Role) -> list[State]:
+    """Every state ``role`` can be in (for tests and fuzzers that start from each)."""
+    found = [INITIAL_STATE[role]]
+    for (r, s), moves in TRANSITIONS.items():
+        if r is role:
+            found += [s, *moves.values()]
+    return [*dict.fromkeys(found), State.CLOSED]
+
+
 _DIRECTIONS: dict[Role, tuple[Direction, Direction]] = {
     # role: (direction we receive, direction we send)
     Role.CLIENT: ("daemon->client", "client->daemon"),

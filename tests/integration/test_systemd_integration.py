@@ -38,6 +38,7 @@ from tests.conftest import (
     REPO_POLICIES,
     STATE_DIR,
     TEST_POLICIES,
+    DaemonHandle,
     require_jail_host,
     start_daemon,
     wait_listening,
@@ -179,11 +180,8 @@ def test_notify_ready_then_stopping_with_graceful_cancel(tmp_path: Path) -> None
                 handle.proc.wait(timeout=DEADLINE_S)
 
 
-def test_unreachable_notify_socket_is_harmless(tmp_path: Path) -> None:
-    """A NOTIFY_SOCKET nobody listens on (systemd gone) must not stop the daemon
-    from starting, serving or stopping cleanly."""
-    dead = str(tmp_path / "nobody-listens.sock")
-    handle = start_daemon(tmp_path / "d", extra_env={"NOTIFY_SOCKET": dead}, wait=False)
+def serve_once_and_stop(handle: DaemonHandle) -> None:
+    """The daemon serves a job, stops with status 0 and removes the socket it created."""
     try:
         wait_listening(handle.socket, handle.proc, handle.log_path)
         handle.assert_serving()
@@ -191,6 +189,14 @@ def test_unreachable_notify_socket_is_harmless(tmp_path: Path) -> None:
         code = handle.stop()
     assert code == 0, handle.log()[-4000:]
     assert not os.path.lexists(handle.socket)
+
+
+def test_unreachable_notify_socket_is_harmless(tmp_path: Path) -> None:
+    """A NOTIFY_SOCKET nobody listens on (systemd gone) must not stop the daemon
+    from starting, serving or stopping cleanly."""
+    dead = str(tmp_path / "nobody-listens.sock")
+    serve_once_and_stop(start_daemon(tmp_path / "d", extra_env={"NOTIFY_SOCKET": dead},
+                                     wait=False))
 
 
 # ---------------------------------------------------------------- socket activation
@@ -279,12 +285,6 @@ def test_socket_activation(tmp_path: Path) -> None:
 def test_foreign_listen_fds_are_ignored(tmp_path: Path) -> None:
     """LISTEN_FDS meant for another process (LISTEN_PID is not ours) must not be used:
     the daemon binds its own socket and still owns (and removes) it."""
-    handle = start_daemon(tmp_path / "d", extra_env={"LISTEN_PID": "1", "LISTEN_FDS": "1"},
-                          wait=False)
-    try:
-        wait_listening(handle.socket, handle.proc, handle.log_path)
-        handle.assert_serving()
-    finally:
-        code = handle.stop()
-    assert code == 0, handle.log()[-4000:]
-    assert not os.path.lexists(handle.socket)
+    serve_once_and_stop(start_daemon(tmp_path / "d",
+                                     extra_env={"LISTEN_PID": "1", "LISTEN_FDS": "1"},
+                                     wait=False))

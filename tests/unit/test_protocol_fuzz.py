@@ -33,7 +33,7 @@ from jaild.protocol import (
     encode,
     encode_frame,
 )
-from jaild.protocol.connection import INITIAL_STATE, RECV, TRANSITIONS
+from jaild.protocol.connection import RECV, TRANSITIONS, reachable_states
 from jaild.protocol.messages import (
     JOB_ID,
     MAX_PAYLOAD_BYTES,
@@ -84,15 +84,7 @@ SENDER = {
 RECEIVER = {d: r for r, d in RECV_DIRECTION.items()}
 
 
-def _states(role: Role) -> list[State]:
-    found = [INITIAL_STATE[role]]
-    for (r, s), moves in TRANSITIONS.items():
-        if r is role:
-            found += [s, *moves.values()]
-    return [*dict.fromkeys(found), State.CLOSED]
-
-
-ENDS = [(role, state) for role in Role for state in _states(role)]
+ENDS = [(role, state) for role in Role for state in reachable_states(role)]
 TYPE_NAMES = sorted({name for table in MESSAGES.values() for name in table})
 FIELD_NAMES = sorted(
     {f.name for table in MESSAGES.values() for cls in table.values()
