@@ -169,6 +169,42 @@ class JobCgroup:
             "pids_max": number(os.path.join(self.memory_dir, "pids.max")),
         }
 
+    def rename(self, name: str) -> None:
+        """Rename the job's cgroup(s) (a pooled jail takes its job's id). Limits, members
+        and the OOM event registration stay."""
+        renamed = []
+        for d in self.dirs:
+            new = os.path.join(os.path.dirname(d), name)
+            os.rename(d, new)
+            renamed.append(new)
+        if self.memory_dir in self.dirs:
+            self.memory_dir = renamed[self.dirs.index(self.memory_dir)]
+        self.dirs = renamed
+
+    def adopt(self, pid: int) -> None:
+        """Move ``pid`` (a zygote-forked jail's waiter) into this job's cgroup(s).
+
+        In v2 the job's directory delegates its controllers, so a process may only
+        live in a leaf: ``jail`` below it."""
+        if self.layout.version == 1:
+            for d in self.dirs:
+                _write(os.path.join(d, "cgroup.procs"), str(pid))
+            return
+        leaf = os.path.join(self.memory_dir, "jail")
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(leaf)
+        _write(os.path.join(leaf, "cgroup.procs"), str(pid))
+
+    def limit_cpu(self, cores: float) -> None:
+        """At most ``cores`` CPUs' worth of time (CFS quota per 100 ms period)."""
+        quota = max(1000, round(cores * 100_000))
+        if self.layout.version == 1:
+            if len(self.dirs) > 2:  # memory, pids, cpu (create_job with_cpu)
+                _write(os.path.join(self.dirs[2], "cpu.cfs_period_us"), "100000")
+                _write(os.path.join(self.dirs[2], "cpu.cfs_quota_us"), str(quota))
+            return
+        _write(os.path.join(self.memory_dir, "cpu.max"), f"{quota} 100000")
+
     def kill_all(self) -> int:
         return sum(_kill_members(d) for d in self.dirs if os.path.isdir(d))
 

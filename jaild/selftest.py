@@ -155,7 +155,9 @@ def evaluate(
     checks: list[Check] = [Check("probe job", True, "ran under the policy's own jail")]
     st = facts.get("status") or {}
     ids = facts.get("ids")
-    checks.append(Check("uid inside", ids == [JAIL_UID] * 4, f"uid/euid/gid/egid {ids}"))
+    # spawned jails run as 65534 inside; zygote jails as their own host uid (identity map)
+    inside = expected_uid if policy.pool.mode == "zygote" else JAIL_UID
+    checks.append(Check("uid inside", ids == [inside] * 4, f"uid/euid/gid/egid {ids}"))
     view = facts.get("host_view") or {}
     outside = view.get("outside_ids") or []
     ok = bool(outside) and all(

@@ -60,7 +60,7 @@ from jaild.errors import (
     UnknownPolicy,
 )
 from jaild.kernlog import KernelAuditLog
-from jaild.policy.compile import HostLayout, nsjail_config
+from jaild.policy.compile import JOB_UIDS, HostLayout, nsjail_config
 from jaild.policy.schema import (
     Policy,
     effective_limits,
@@ -93,7 +93,9 @@ from jaild.runtime.seccomp import bpf_program
 from jaild.runtime.seccomp import digest as seccomp_digest
 from jaild.selftest import INSPECT_TOOL, Check, evaluate, host_paths_to_hide, probe_code
 from jaild.staging import ensure_traversable, locate_nsjail, stage_runtime
+from jaild.pool import JailPool, poolable
 from jaild.supervisor import JailedJob, JailEnvironment, JobSpec, syntax_error_record
+from jaild.zygote import Zygote
 
 log = logging.getLogger("jaild")
 
@@ -330,6 +332,7 @@ class Daemon:
         self.probe_results: dict[str, list[Check]] = {}
         self._only: set[str] | None = None
         self.unavailable: dict[str, str] = {}
+        self.pools: dict[str, JailPool] = {}
 
     # ------------------------------------------------------------------ startup
 
@@ -421,8 +424,10 @@ class Daemon:
                     if n not in self._only
                 }
             )
+        await self._start_zygotes(host, nsjail)
         if self.config.probe_policies:
             await self.probe_policies()
+        self._start_pools()
         self._server = await asyncio.start_unix_server(self._accept, sock=sock, limit=1 << 16)
         where = (
             self.config.socket_path if self._owns_socket else f"{sock.getsockname()} (activated)"
@@ -438,6 +443,53 @@ class Daemon:
             layout.subtree,
         )
         systemd.notify(f"READY=1\nSTATUS=serving {len(self.policies)} policies")
+
+    async def _start_zygotes(self, host: HostLayout, nsjail: str) -> None:
+        """Start the zygote of every served policy in zygote mode; a policy whose zygote
+        does not come up is not served (its jails could not be made)."""
+        env = self.env
+        assert env is not None
+        for index, (name, policy) in enumerate(sorted(self.policies.items())):
+            if policy.pool.mode != "zygote" or name in self.unavailable:
+                continue
+            fd = _sealed_memfd(f"jaild-zygote-{name}", nsjail_config(policy, host, zygote=True))
+            self._config_fds.append(fd)
+            env.zygotes[name] = Zygote(
+                policy,
+                nsjail,
+                host,
+                env.cgroups,
+                fd,
+                zygote_uid=self.config.uid_base + JOB_UIDS + index,
+                uid_base=self.config.uid_base,
+                launcher=env.launcher,
+            )
+        names = list(env.zygotes)
+        results = await asyncio.gather(
+            *(env.zygotes[n].ensure_started() for n in names), return_exceptions=True
+        )
+        for name, outcome in zip(names, results, strict=True):
+            if isinstance(outcome, BaseException):
+                self.unavailable[name] = f"its zygote did not start: {outcome}"
+                self.probe_results[name] = [
+                    Check("zygote", False, str(outcome), "see the zygote's log above")
+                ]
+                log.error("policy %s will not be served: %s", name, self.unavailable[name])
+
+    def _start_pools(self) -> None:
+        env = self.env
+        assert env is not None
+        for name, policy in self.policies.items():
+            if policy.pool.max == 0 or name in self.unavailable:
+                continue
+
+            def make(policy: Policy = policy) -> JailedJob:
+                jail_id = "pool-" + secrets.token_hex(8)
+                spec = JobSpec(jail_id, policy, policy.limits, "", "<pool>", ())
+                return JailedJob(spec, env, None, None, jail_id=jail_id)
+
+            self.pools[name] = JailPool(policy, make)
+            self.pools[name].start()
 
     def _listening_socket(self) -> socket.socket:
         activated = systemd.listen_sockets()
@@ -482,8 +534,8 @@ class Daemon:
         """Run the self-test of every policy; a policy that fails it is not served."""
         names = sorted(n for n in self.policies if n not in self.unavailable)
         results = await asyncio.gather(*(self._probe(self.policies[n]) for n in names))
-        self.probe_results = dict(zip(names, results, strict=True))
-        for name, checks in self.probe_results.items():
+        self.probe_results.update(zip(names, results, strict=True))
+        for name, checks in zip(names, results, strict=True):
             failed = [c for c in checks if not c.ok]
             if failed:
                 self.unavailable[name] = "it failed its self-test at start: " + "; ".join(
@@ -619,7 +671,12 @@ class Daemon:
             filename=req.filename,
             tools=req.tools,
         )
-        job = JailedJob(spec, self.env, session.call_tool, session.output)
+        pool = self.pools.get(policy.name)
+        job = pool.take() if pool is not None and poolable(policy, limits) else None
+        if job is not None:
+            job.assign(spec, session.call_tool, session.output)
+        else:
+            job = JailedJob(spec, self.env, session.call_tool, session.output)
         session.jobs[job_id] = job
         self.jobs[job_id] = job
         task = asyncio.get_running_loop().create_task(self._run(session, job))
@@ -665,6 +722,8 @@ class Daemon:
         their parent-death SIGKILL and must be reaped by us.
         """
         tracked = {job.pid for job in self.jobs.values() if job.pid is not None}
+        if self.env is not None:
+            tracked |= {z.pid for z in self.env.zygotes.values() if z.pid is not None}
         reaped = []
         for pid in _children() - tracked:
             with contextlib.suppress(ChildProcessError):
@@ -687,8 +746,13 @@ class Daemon:
             self._server.close()
         for job in list(self.jobs.values()):
             job.cancel("the daemon is shutting down")
+        pools, self.pools = list(self.pools.values()), {}
+        await asyncio.gather(*(pool.close() for pool in pools), return_exceptions=True)
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=grace_s or self.config.shutdown_grace_s)
+        if self.env is not None:
+            for zygote in self.env.zygotes.values():
+                zygote.stop()
         for session in list(self.sessions):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(session.writer.drain(), timeout=1.0)

@@ -37,6 +37,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
@@ -46,7 +47,7 @@ from typing import Any
 from jaild.cgroups import Cgroups, JobCgroup
 from jaild.errors import ConnectionLost, RemoteProtocolError
 from jaild.kernlog import KernelAuditLog
-from jaild.policy.compile import HostLayout, JobPlacement, job_argv
+from jaild.policy.compile import JOB_UIDS, HostLayout, JobPlacement, job_argv, zygote_request
 from jaild.policy.schema import Limits, Policy
 from jaild.protocol import NEED_DATA, PROTOCOL_VERSION, Connection, Role, State
 from jaild.protocol.messages import (
@@ -61,6 +62,8 @@ from jaild.protocol.messages import (
     RunCode,
     ToolSpec,
 )
+from jaild.runtime.zygote import GO, PREAMBLE
+from jaild.zygote import SCM_CREDENTIALS, Zygote, ZygoteExit
 
 log = logging.getLogger("jaild")
 
@@ -112,12 +115,15 @@ class JailEnvironment:
     uid_base: int
     launcher: tuple[str, ...] = ()  # e.g. setpriv --pdeathsig TERM --: nsjail dies with us
     kill_grace_s: float = 1.0
+    zygotes: dict[str, Zygote] = field(default_factory=dict)  # policies in zygote mode
     _free_slots: list[int] = field(default_factory=list)
     _next_slot: int = 0
 
     def allocate_uid(self) -> int:
         slot = self._free_slots.pop() if self._free_slots else self._next_slot
         if slot == self._next_slot:
+            if slot >= JOB_UIDS:
+                raise RuntimeError(f"all {JOB_UIDS} job uids are in use")
             self._next_slot += 1
         return self.uid_base + slot
 
@@ -149,6 +155,7 @@ class Evidence:
     claim: CodeFinished | None = None
     nsjail_returncode: int | None = None
     stderr_tail: str = ""
+    termination: tuple[str, int, str, int] | None = None  # zygote jails: from the wait status
 
 
 def parse_termination(log: str) -> tuple[str, int, str, int] | None:
@@ -174,7 +181,7 @@ def _log_excerpt(log: str) -> str:
 
 def classify(ev: Evidence) -> tuple[str, dict[str, Any] | None]:
     """(status, error) from the evidence. Pure; the order is the precedence."""
-    term = parse_termination(ev.log)
+    term = ev.termination or parse_termination(ev.log)
     signaled = term is not None and term[0] == "signaled"
     signame = term[2] if signaled and term else ""
     if ev.kill_reason == "cancelled":
@@ -227,7 +234,10 @@ def classify(ev: Evidence) -> tuple[str, dict[str, Any] | None]:
                 "nsjail could not start the jail: " + (_log_excerpt(ev.log) or "no log output"),
             )
         return "internal_error", _err(
-            "JailLost", f"nsjail ended without reporting the job (exit {ev.nsjail_returncode})"
+            "JailLost",
+            f"nsjail ended without reporting the job (exit {ev.nsjail_returncode})"
+            if ev.nsjail_returncode is not None
+            else f"the jail's end was not reported: {ev.log or 'no details'}",
         )
     code = term[1]
     if not ev.jail_ready:
@@ -359,21 +369,31 @@ class _Channel:
 
 
 class JailedJob:
-    """One job, one jail. ``await run()`` returns the result record (without ``result``)."""
+    """One job, one jail. ``await run()`` returns the result record (without ``result``).
+
+    A jail may also be made ahead of its job (the warm pool): construct it with the
+    policy's :func:`placeholder_spec` and no router, ``await prepare()`` -- it is then
+    hardened and waiting for its code -- and later :meth:`assign` the real job and
+    ``await run()``. Each jail serves exactly one job.
+    """
 
     def __init__(
-        self, spec: JobSpec, env: JailEnvironment, route_tool: ToolRouter, output: OutputSink
+        self,
+        spec: JobSpec,
+        env: JailEnvironment,
+        route_tool: ToolRouter | None,
+        output: OutputSink | None,
+        *,
+        jail_id: str | None = None,
     ) -> None:
         self.spec = spec
+        self.jail_id = jail_id or spec.job_id
         self._env = env
         self._route_tool = route_tool
         self._output = output
         self._loop = asyncio.get_running_loop()
-        self._ev = Evidence(
-            cpu_limit_s=float(spec.limits.cpu_time_s),
-            wall_limit_s=spec.limits.wall_time_s,
-            output_limit=spec.limits.output_bytes,
-        )
+        self._ev = Evidence()
+        self._set_limits(spec)
         self._conn = Connection(
             Role.SUPERVISOR,
             max(spec.limits.tool_payload_bytes, spec.limits.result_bytes) + FRAME_OVERHEAD,
@@ -388,26 +408,63 @@ class JailedJob:
         self._in_flight: dict[int, asyncio.Task[None]] = {}
         self._open_streams = 0
         self._done = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._launched = False
+        self._cleaned = False
         self._proc: subprocess.Popen[bytes] | None = None
         self._exited = False
         self._channel: _Channel | None = None
+        self._preamble_sock: socket.socket | None = None
+        self._waiter_pid: int | None = None  # zygote jails: the jail's waiter (host pid)
+        self._jail_pid: int | None = None  # zygote jails: the jail's own process (host pid)
         self._terminating = False
         self._timers: list[asyncio.TimerHandle] = []
         self._started = time.monotonic()
+        self.ready_at: float | None = None
         self._code_started: float | None = None
         self.result: bytes | None = None
         self.outside_uid: int | None = None
         self._cgroup: JobCgroup | None = None
 
+    def _set_limits(self, spec: JobSpec) -> None:
+        self._ev.cpu_limit_s = float(spec.limits.cpu_time_s)
+        self._ev.wall_limit_s = spec.limits.wall_time_s
+        self._ev.output_limit = spec.limits.output_bytes
+
     # -- public
 
     @property
     def pid(self) -> int | None:
-        """nsjail's pid while it runs."""
+        """nsjail's pid while it runs (None for a zygote jail: not our child)."""
         return self._proc.pid if self._proc is not None and not self._exited else None
+
+    @property
+    def zygote(self) -> Zygote | None:
+        return self._env.zygotes.get(self.spec.policy.name)
+
+    @property
+    def alive(self) -> bool:
+        """Ready for (or running) its job, not ended."""
+        return self._ready.is_set() and not self._done.is_set()
 
     def cancel(self, reason: str = "the job was cancelled") -> None:
         self._terminate("cancelled", reason)
+
+    def assign(self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink) -> None:
+        """Give a prepared jail its job (same policy; the jail's limits already apply)."""
+        assert self._route_tool is None and spec.policy is self.spec.policy
+        self.spec = spec
+        self._route_tool = route_tool
+        self._output = output
+        self._tool_names = {t.name for t in spec.tools}
+        if self._cgroup is not None:  # the job's cgroup is named after the job, as ever
+            try:
+                self._cgroup.rename(spec.job_id)
+                self.jail_id = spec.job_id
+            except OSError as exc:
+                log.warning("job %s: cannot rename cgroup %s: %s", spec.job_id, self.jail_id, exc)
+        self._set_limits(spec)
+        self._started = time.monotonic()
 
     def host_view(self) -> dict[str, Any]:
         """The job seen from the host while it runs: its processes' ids, its cgroup's limits."""
@@ -424,48 +481,180 @@ class JailedJob:
                         ids.update(int(x) for x in line.split()[1:])
         return {"outside_ids": sorted(ids), **self._cgroup.limits()}
 
-    async def run(self) -> dict[str, Any]:
-        cgroup: JobCgroup | None = None
-        uid = self.outside_uid = self._env.allocate_uid()
-        try:
+    async def prepare(self) -> bool:
+        """Start the jail and wait until it is hardened and waiting (True) or ended (False)."""
+        await self._launch()
+        if not self._done.is_set():
+            ready = self._loop.create_task(self._ready.wait())
+            done = self._loop.create_task(self._done.wait())
             try:
-                cgroup = self._cgroup = self._env.cgroups.create_job(
-                    self.spec.job_id,
-                    self.spec.limits.memory_mb,
-                    self.spec.limits.pids,
-                    with_cpu=self.spec.limits.cpu_cores > 0,
-                )
-                await self._start(uid)
-            except (OSError, RuntimeError) as exc:
-                self._ev.kill_reason = "start_failed"
-                self._ev.kill_detail = f"could not start the jail: {exc}"
-                self._done.set()
+                await asyncio.wait((ready, done), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ready.cancel()
+                done.cancel()
+        return self.alive
+
+    async def run(self) -> dict[str, Any]:
+        try:
+            await self._launch()
+            if self._ready.is_set() and not self._done.is_set():
+                self._begin()
             await self._done.wait()
             for task in list(self._in_flight.values()):
                 task.cancel()
-            if cgroup is not None:
-                self._ev.oom = cgroup.oom_killed()
-            term = parse_termination(self._ev.log)
+            if self._cgroup is not None:
+                self._ev.oom = self._cgroup.oom_killed()
+            term = self._ev.termination or parse_termination(self._ev.log)
             if term and term[0] == "signaled" and term[2] == "SIGSYS":
                 self._ev.syscall = self._env.audit.seccomp_kill(term[3])
             return self._record()
         finally:
-            for timer in self._timers:
-                timer.cancel()
-            if self._channel is not None:
-                self._channel.close()
-            if self._proc is not None and not self._exited:
-                with contextlib.suppress(ProcessLookupError):
-                    self._proc.kill()
-            if cgroup is not None:
-                try:
-                    cgroup.kill_all()
-                    cgroup.remove()
-                except OSError:
-                    pass
-            self._env.release_uid(uid)
+            self.cleanup()
+
+    async def discard(self, reason: str) -> None:
+        """End a jail that will not run a job (an idle pooled jail, a shutdown)."""
+        self._terminate("cancelled", reason)
+        await self._done.wait()
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        if self._cleaned:
+            return
+        self._cleaned = True
+        for timer in self._timers:
+            timer.cancel()
+        if self._channel is not None:
+            self._channel.close()
+        self._close_preamble()
+        if self._proc is not None and not self._exited:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+        if self._cgroup is not None:
+            try:
+                self._cgroup.kill_all()
+                self._cgroup.remove()
+            except OSError:
+                pass
+        if self.outside_uid is not None:
+            self._env.release_uid(self.outside_uid)
 
     # -- start
+
+    async def _launch(self) -> None:
+        if self._launched:
+            return
+        self._launched = True
+        limits = self.spec.limits
+        try:
+            uid = self.outside_uid = self._env.allocate_uid()
+            self._cgroup = self._env.cgroups.create_job(
+                self.jail_id, limits.memory_mb, limits.pids, with_cpu=limits.cpu_cores > 0
+            )
+            zygote = self.zygote
+            if zygote is None:
+                await self._start(uid)
+            else:
+                if limits.cpu_cores > 0:
+                    self._cgroup.limit_cpu(limits.cpu_cores)
+                await self._start_forked(zygote, uid)
+        except (OSError, RuntimeError) as exc:
+            self._ev.kill_reason = "start_failed"
+            self._ev.kill_detail = f"could not start the jail: {exc}"
+            self._done.set()
+            return
+        self._timers.append(self._loop.call_later(START_TIMEOUT_S, self._start_timeout))
+
+    async def _start_forked(self, zygote: Zygote, uid: int) -> None:
+        """Ask the policy's zygote for a jail (see :mod:`jaild.runtime.zygote`)."""
+        await zygote.ensure_started()
+        daemon_end, jail_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        daemon_end.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            zygote.spawn(
+                zygote_request(self.spec.policy, self.spec.limits, uid),
+                (jail_end.fileno(), out_w, err_w),
+                self._forked_exit,
+            )
+        except BaseException:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            daemon_end.close()
+            raise
+        finally:
+            for fd in (out_w, err_w):
+                os.close(fd)
+            jail_end.close()
+        # stdout, stderr and the channel; the zygote reports the end
+        self._open_streams = 3
+        await self._read_output(out_r, err_r)
+        daemon_end.setblocking(False)
+        self._preamble_sock = daemon_end
+        self._loop.add_reader(daemon_end.fileno(), self._preamble)
+
+    def _preamble(self) -> None:
+        """The waiter's first byte: its host pid (SO_PASSCRED) goes into the job's cgroup."""
+        sock = self._preamble_sock
+        assert sock is not None and self._cgroup is not None
+        try:
+            data, ancdata, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(12))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data, ancdata = b"", []
+        creds = [d for lvl, kind, d in ancdata if (lvl, kind) == (socket.SOL_SOCKET, SCM_CREDENTIALS)]
+        zygote = self.zygote
+        if data != PREAMBLE or not creds or zygote is None:
+            self._close_preamble()
+            self._stream_closed()
+            return
+        pid, uid, _gid = struct.unpack("3i", creds[0][:12])
+        self._loop.remove_reader(sock.fileno())
+        self._preamble_sock = None
+        if uid != zygote.uid:  # only the zygote's own waiter may claim a jail
+            sock.close()
+            self._terminate("start_failed", f"preamble from uid {uid}, not the zygote's")
+            self._stream_closed()
+            return
+        try:
+            self._cgroup.adopt(pid)
+            self._waiter_pid = pid
+            sock.send(GO)
+        except OSError as exc:
+            sock.close()
+            self._terminate("start_failed", f"could not move the jail into its cgroup: {exc}")
+            self._stream_closed()
+            return
+        self._open_channel(sock)
+
+    def _close_preamble(self) -> None:
+        sock, self._preamble_sock = self._preamble_sock, None
+        if sock is not None:
+            self._loop.remove_reader(sock.fileno())
+            sock.close()
+
+    def _forked_exit(self, end: ZygoteExit) -> None:
+        if end.status is None:
+            self._log += end.detail.encode()
+            if not self._ev.jail_ready and self._ev.kill_reason is None:
+                self._ev.kill_reason = "start_failed"
+                self._ev.kill_detail = end.detail
+        elif os.WIFSIGNALED(end.status):
+            sig = os.WTERMSIG(end.status)
+            try:
+                name = signal.Signals(sig).name
+            except ValueError:
+                name = f"SIG{sig}"
+            self._ev.termination = ("signaled", sig, name, self._jail_pid or 0)
+        else:
+            self._ev.termination = ("exited", os.waitstatus_to_exitcode(end.status), "", 0)
+        self._ev.cpu_s = end.cpu_s
+        self._exited = True
+        if self._preamble_sock is not None:  # it never spoke: nothing more will come
+            self._close_preamble()
+            self._stream_closed()
+        self._maybe_done()
 
     async def _start(self, uid: int) -> None:
         spec = self.spec
@@ -480,7 +669,7 @@ class JailedJob:
                 spec.policy,
                 spec.limits,
                 self._env.host,
-                JobPlacement(spec.job_id, uid, f"/proc/self/fd/{config_fd}", log_w),
+                JobPlacement(self.jail_id, uid, f"/proc/self/fd/{config_fd}", log_w),
             )
             self._proc = subprocess.Popen(
                 [*self._env.launcher, *argv],
@@ -505,18 +694,26 @@ class JailedJob:
         # and all four reached EOF (so no output and no CodeFinished is left unread)
         self._open_streams = 4
         self._watch_exit(self._proc.pid)
-        for fd, sink in ((out_r, "stdout"), (err_r, "stderr"), (log_r, "log")):
-            pipe = os.fdopen(fd, "rb", buffering=0)
-            if sink == "log":
-                on_data: Callable[[bytes], None] = self._log_data
-            else:
-                on_data = functools.partial(self._output_data, sink)
+        await self._read_output(out_r, err_r)
+        await self._loop.connect_read_pipe(
+            functools.partial(_PipeReader, self._log_data, self._stream_closed),
+            os.fdopen(log_r, "rb", buffering=0),
+        )
+        self._open_channel(daemon_end)
+
+    async def _read_output(self, out_r: int, err_r: int) -> None:
+        for fd, sink in ((out_r, "stdout"), (err_r, "stderr")):
             await self._loop.connect_read_pipe(
-                functools.partial(_PipeReader, on_data, self._stream_closed), pipe
+                functools.partial(
+                    _PipeReader, functools.partial(self._output_data, sink), self._stream_closed
+                ),
+                os.fdopen(fd, "rb", buffering=0),
             )
+
+    def _open_channel(self, sock: socket.socket) -> None:
         self._channel = _Channel(
             self._loop,
-            daemon_end,
+            sock,
             self._channel_data,
             self._stream_closed,
             functools.partial(
@@ -524,10 +721,8 @@ class JailedJob:
             ),
             max_buffered=4 * self._conn.max_frame_bytes,
         )
-        self._send(
-            Harden(protocol=PROTOCOL_VERSION, seccomp=self._env.seccomp_specs[spec.policy.name])
-        )
-        self._timers.append(self._loop.call_later(START_TIMEOUT_S, self._start_timeout))
+        name = self.spec.policy.name
+        self._send(Harden(protocol=PROTOCOL_VERSION, seccomp=self._env.seccomp_specs[name]))
 
     def _watch_exit(self, pid: int) -> None:
         pidfd = os.pidfd_open(pid)
@@ -566,7 +761,8 @@ class JailedJob:
         self._output_total += len(chunk)
         if chunk:
             (self._stdout if stream == "stdout" else self._stderr).extend(chunk)
-            self._output(self.spec.job_id, stream, chunk)
+            if self._output is not None:
+                self._output(self.spec.job_id, stream, chunk)
         if len(data) > room:
             self._terminate("output_limit", "")
 
@@ -613,24 +809,35 @@ class JailedJob:
                 )
                 return
             self._ev.jail_ready = True
-            self._send(
-                RunCode(
-                    code=self.spec.code,
-                    filename=self.spec.filename,
-                    tools=self.spec.tools,
-                    tool_payload_bytes=self.spec.limits.tool_payload_bytes,
-                    result_bytes=self.spec.limits.result_bytes,
-                )
-            )
-            self._code_started = time.monotonic()
-            self._timers.append(
-                self._loop.call_later(self.spec.limits.wall_time_s, self._terminate, "timeout", "")
-            )
+            self.ready_at = time.monotonic()
+            if self._waiter_pid is not None and self._cgroup is not None:
+                with contextlib.suppress(OSError):  # user code has not run: only waiter + jail
+                    others = set(self._cgroup.member_pids()) - {self._waiter_pid}
+                    self._jail_pid = min(others) if others else None
+            self._ready.set()
+            if self._route_tool is not None:
+                self._begin()
         elif isinstance(event, JailCallTool):
             self._call_tool(event)
         elif isinstance(event, CodeFinished):
             self._ev.claim = event
             self.result = event.result
+
+    def _begin(self) -> None:
+        """Send the job's code; its wall-clock limit counts from here."""
+        self._send(
+            RunCode(
+                code=self.spec.code,
+                filename=self.spec.filename,
+                tools=self.spec.tools,
+                tool_payload_bytes=self.spec.limits.tool_payload_bytes,
+                result_bytes=self.spec.limits.result_bytes,
+            )
+        )
+        self._code_started = time.monotonic()
+        self._timers.append(
+            self._loop.call_later(self.spec.limits.wall_time_s, self._terminate, "timeout", "")
+        )
 
     def _call_tool(self, call: JailCallTool) -> None:
         if call.call_id in self._in_flight:
@@ -675,6 +882,7 @@ class JailedJob:
         started = time.monotonic()
         entry: dict[str, Any] = {"name": call.name, "duration_s": 0.0, "ok": False}
         timeout = self.spec.limits.tool_call_timeout_s
+        assert self._route_tool is not None  # calls arrive only after RunCode
         try:
             async with asyncio.timeout(timeout):
                 ok, value = await self._route_tool(
@@ -719,16 +927,32 @@ class JailedJob:
         if self._ev.kill_reason is None:
             self._ev.kill_reason = reason
             self._ev.kill_detail = detail
-        proc = self._proc
-        if proc is None:
-            self._done.set()
-            return
         if self._exited or self._terminating:
             return
+        proc = self._proc
+        if proc is None and self._waiter_pid is None:
+            if self._preamble_sock is not None:  # the waiter exits when it reads EOF
+                self._terminating = True
+                self._close_preamble()
+                self._stream_closed()
+            else:
+                self._done.set()
+            return
         self._terminating = True
+        if proc is None:  # a zygote jail: nothing of it may survive, so no grace period
+            self._kill_cgroup()
+            self._timers.append(self._loop.call_later(0.05, self._kill_cgroup))
+            return
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)  # nsjail SIGKILLs the jail and cleans up
         self._timers.append(self._loop.call_later(self._env.kill_grace_s, self._force_kill))
+
+    def _kill_cgroup(self) -> None:
+        if not self._exited and self._cgroup is not None:
+            with contextlib.suppress(OSError):
+                self._cgroup.kill_all()
+            if self._cgroup.member_pids():  # a fork raced the kill: again, shortly
+                self._timers.append(self._loop.call_later(0.05, self._kill_cgroup))
 
     def _force_kill(self) -> None:
         """nsjail ignored SIGTERM for the whole grace period: SIGKILL it and everything in

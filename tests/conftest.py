@@ -7,6 +7,7 @@ that says what is missing -- they never skip on a machine that can run them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -76,6 +77,15 @@ class DaemonHandle:
         r = self.run("6 * 7")
         assert r.status == "ok", (r.status, r.error, self.log()[-2000:])
         assert r.result == 42
+
+    def job_pids(self, job_id: str) -> list[int]:
+        """Host pids in a job's cgroup (and its nsjail's below it): the job's processes."""
+        root = Path("/sys/fs/cgroup/memory") / self.config.subtree / job_id
+        pids: set[int] = set()
+        for procs in root.rglob("cgroup.procs") if root.is_dir() else ():
+            with contextlib.suppress(OSError, ValueError):
+                pids.update(int(p) for p in procs.read_text().split())
+        return sorted(pids)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc.poll() is None:

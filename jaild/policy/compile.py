@@ -27,7 +27,9 @@ by rlimits, output by the daemon's byte count.
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass
+from typing import Any
 
 from jaild.policy.schema import JAIL_ROOT, Limits, Policy, resolve_env
 
@@ -41,6 +43,19 @@ BOOTSTRAP = (
     f"import sys;sys.path.insert(0,{JAIL_RUNTIME!r});from jaild.runtime.main import main;main()"
 )
 """The ``-c`` program: put the runtime on sys.path and run it. ``-I`` keeps cwd off sys.path."""
+
+ZYGOTE_BOOTSTRAP = (
+    f"import sys;sys.path.insert(0,{JAIL_RUNTIME!r});"
+    "from jaild.runtime.zygote import main;main(sys.argv[1:])"
+)
+"""The zygote's ``-c`` program; its arguments are the modules to pre-import."""
+
+ZYGOTE_PIDS = 4096
+"""The zygote's pids cap: itself, plus forked jails until the daemon moves them out."""
+
+JOB_UIDS = 65000
+"""Job uids per daemon: ``uid_base`` .. ``uid_base + JOB_UIDS - 1``. The rest of the
+daemon's 65536-uid block holds its zygotes' own uids."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +121,11 @@ def child_memory_ceiling_bytes(policy: Policy) -> int:
     return 2 * policy.limits.memory_mb * 1024 * 1024
 
 
-def nsjail_config(policy: Policy, host: HostLayout) -> str:
-    """The nsjail protobuf-text config shared by every job of ``policy``."""
+def nsjail_config(policy: Policy, host: HostLayout, *, zygote: bool = False) -> str:
+    """The nsjail protobuf-text config shared by every job of ``policy`` -- or, with
+    ``zygote``, the config of the policy's zygote: the same mounts and namespaces, but
+    capabilities kept inside its user namespace and no per-job rlimits (each jail it
+    forks sets its own), running :mod:`jaild.runtime.zygote`."""
     lim = policy.limits
     fs = policy.filesystem
     env_dir = resolve_env(policy, host.envs_dir)
@@ -130,9 +148,13 @@ def nsjail_config(policy: Policy, host: HostLayout) -> str:
         "disable_no_new_privs: false",
         "rlimit_as_type: INF",  # memory is the cgroup's job; RLIMIT_AS breaks numpy
         "rlimit_core: 0",
-        f"rlimit_cpu: {lim.cpu_time_s}",
-        f"rlimit_fsize: {lim.file_size_mb}",
-        f"rlimit_nofile: {lim.open_files}",
+        *(
+            ["keep_caps: true", "rlimit_cpu_type: INF", "rlimit_fsize_type: INF",
+             "rlimit_nofile_type: HARD"]
+            if zygote
+            else [f"rlimit_cpu: {lim.cpu_time_s}", f"rlimit_fsize: {lim.file_size_mb}",
+                  f"rlimit_nofile: {lim.open_files}"]
+        ),
         "rlimit_stack_type: SOFT",
         f"clone_newnet: {'false' if policy.network.mode == 'host' else 'true'}",
         "clone_newuser: true",
@@ -188,7 +210,9 @@ def nsjail_config(policy: Policy, host: HostLayout) -> str:
             )
         )
     if fs.proc != "none":
-        options = "subset=pid" if fs.proc == "pid-only" else ""
+        # The zygote gets a full /proc: the kernel lets a jail mount its own proc only where
+        # a fully visible one exists; the jail then detaches the zygote's (see the zygote).
+        options = "subset=pid" if fs.proc == "pid-only" and not zygote else ""
         lines.append(
             _mount(
                 dst="/proc",
@@ -215,7 +239,9 @@ def nsjail_config(policy: Policy, host: HostLayout) -> str:
     lines.append("exec_bin {")
     lines.append(f"  path: {_q(JAIL_ENV + '/bin/python3')}")
     lines.append(f"  arg0: {_q('python3')}")
-    for arg in ("-I", "-B", "-c", BOOTSTRAP):
+    args = ["-I", "-B", "-c", ZYGOTE_BOOTSTRAP, *policy.pool.preimport] if zygote else [
+        "-I", "-B", "-c", BOOTSTRAP]
+    for arg in args:
         lines.append(f"  arg: {_q(arg)}")
     lines.append("}")
     return "\n".join(lines) + "\n"
@@ -269,3 +295,47 @@ def job_argv(
     else:
         argv += ["--cgroupv2_mount", f"{cg.v2_root}/{rel}"]
     return argv
+
+
+def zygote_argv(
+    nsjail: str, policy: Policy, host: HostLayout, config_path: str, log_fd: int,
+    zygote_uid: int, uid_base: int,
+) -> list[str]:
+    """nsjail's command line for the zygote of ``policy``: inside uid 0 is the zygote's own
+    host uid; the daemon's job uids map to themselves, so a forked jail can become one."""
+    rel = f"{host.cgroup.subtree}/zygote-{policy.name}"
+    argv = [nsjail, "--config", config_path, "--log_fd", str(log_fd)]
+    for flag in ("--user", "--group"):
+        argv += [flag, f"0:{zygote_uid}:1", flag, f"{uid_base}:{uid_base}:{JOB_UIDS}"]
+    argv += ["--cgroup_pids_max", str(ZYGOTE_PIDS)]
+    cg = host.cgroup
+    if cg.version == 1:
+        argv += [
+            "--cgroup_mem_mount", cg.v1_mount("memory"), "--cgroup_mem_parent", rel,
+            "--cgroup_pids_mount", cg.v1_mount("pids"), "--cgroup_pids_parent", rel,
+        ]
+    else:
+        argv += ["--cgroupv2_mount", f"{cg.v2_root}/{rel}"]
+    return argv
+
+
+def zygote_request(policy: Policy, limits: Limits, uid: int) -> dict[str, Any]:
+    """What the zygote needs to make one jail of ``policy`` (see :mod:`jaild.zygote`):
+    the same /tmp, /dev/shm, /proc, hostname, network and rlimits nsjail would give it."""
+    fs = policy.filesystem
+    mib = 1024 * 1024
+    return {
+        "uid": uid,
+        "rlimits": [
+            [resource.RLIMIT_CPU, limits.cpu_time_s, limits.cpu_time_s],
+            [resource.RLIMIT_FSIZE, limits.file_size_mb * mib, limits.file_size_mb * mib],
+            [resource.RLIMIT_NOFILE, limits.open_files, limits.open_files],
+            [resource.RLIMIT_CORE, 0, 0],
+        ],
+        "tmp": f"size={fs.tmp_mb * mib},mode=1777,nr_inodes={tmp_inodes(fs.tmp_mb)}",
+        "shm": f"size={fs.shm_mb * mib},mode=1777,nr_inodes=4096" if fs.shm_mb > 0 else "",
+        "proc": fs.proc,
+        "netns": policy.network.mode != "host",
+        "loopback": policy.network.mode == "loopback",
+        "hostname": JAIL_HOSTNAME,
+    }

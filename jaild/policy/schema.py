@@ -182,6 +182,38 @@ class Access:
     users: tuple[str, ...] = setting(("*",), 'Who may run jobs: "*", user names, uids, "@group".')
 
 
+def _module_names(names: tuple[str, ...]) -> str | None:
+    for name in names:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", name):
+            return f"{name!r} is not a module name"
+    return None
+
+
+@dataclass(frozen=True)
+class Pool:
+    """``[pool]`` -- how jails are made, and how many wait ready ahead of jobs."""
+
+    mode: str = setting(
+        "zygote",
+        '"zygote": each jail is forked from a per-policy template process and enters its '
+        'own fresh namespaces; "spawn": a full nsjail per jail.',
+        choice("zygote", "spawn"),
+    )
+    min: int = setting(0, "Hardened jails kept waiting for jobs, at least.", between(0, 256))
+    max: int = setting(
+        4, "At most this many waiting jails; the pool grows toward it under demand.",
+        between(0, 256),
+    )
+    idle_s: float = setting(
+        60.0, "A waiting jail unused this long is recycled (and the pool shrinks toward min).",
+        between(0.1, 86400),
+    )
+    preimport: tuple[str, ...] = setting(
+        (), "Modules imported once in the zygote (trusted, before hardening) so jobs get them free.",
+        _module_names,
+    )
+
+
 SECTIONS: dict[str, type] = {
     "limits": Limits,
     "filesystem": Filesystem,
@@ -189,6 +221,7 @@ SECTIONS: dict[str, type] = {
     "seccomp": Seccomp,
     "python": Python,
     "access": Access,
+    "pool": Pool,
 }
 
 
@@ -203,6 +236,7 @@ class Policy:
     seccomp: Seccomp
     python: Python
     access: Access
+    pool: Pool
 
     @property
     def seccomp_choice(self) -> SeccompChoice:
@@ -375,6 +409,12 @@ def load_policy_text(text: str, path: str) -> Policy:
     policy = Policy(name=stem, path=path, description=description, **sections)
     _check_seccomp(policy)
     _check_python(policy)
+    if policy.pool.min > policy.pool.max:
+        raise PolicyError(
+            path, "pool.min", f"{policy.pool.min} is more than pool.max ({policy.pool.max})"
+        )
+    if policy.pool.mode == "spawn" and policy.pool.preimport:
+        raise PolicyError(path, "pool.preimport", 'needs mode = "zygote"')
     return policy
 
 

@@ -119,28 +119,33 @@ def test_only_the_jails_own_processes_are_visible(client: Client) -> None:
     assert r.result == [1]
 
 
-def test_the_jailed_process_is_hardened(client: Client) -> None:
+@pytest.mark.parametrize("policy", ["default", "spawn", "pooled"])
+def test_the_jailed_process_is_hardened(client: Client, policy: str) -> None:
     def fields(status: str) -> dict[str, str]:
         return {k: v.strip() for k, _, v in (line.partition(":") for line in status.splitlines())}
 
     control = fields(Path("/proc/self/status").read_text())
     assert control["NoNewPrivs"] == "0" and control["CapEff"] != "0000000000000000"
-    r = client.run("open('/proc/self/status').read()")
+    r = client.run("open('/proc/self/status').read()", policy=policy)
     inside = fields(r.result)
     assert inside["NoNewPrivs"] == "1"
     assert inside["Seccomp"] == "2"
     assert int(inside["Seccomp_filters"]) >= 2
     for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
         assert inside[cap] == "0000000000000000", cap
-    assert inside["Uid"].split() == ["65534"] * 4
+    uids = set(inside["Uid"].split() + inside["Gid"].split())
+    # a spawned jail is 65534 inside; a zygote's jail is its own host uid (an identity map)
+    assert uids == {"65534"} if policy == "spawn" else len(uids) == 1 and int(uids.pop()) > 65534
 
 
-def test_the_jail_runs_as_an_unprivileged_uid_outside(daemon: DaemonHandle, client: Client) -> None:
+@pytest.mark.parametrize("policy", ["default", "spawn", "pooled"])
+def test_the_jail_runs_as_an_unprivileged_uid_outside(daemon: DaemonHandle, client: Client,
+                                                      policy: str) -> None:
     # While the job runs, a host tool looks at the job's processes from outside.
     def outside_uids() -> list[int]:
         root = Path("/sys/fs/cgroup/pids") / daemon.config.subtree
         uids = []
-        for tasks in root.glob("job-*/NSJAIL.*/tasks"):
+        for tasks in root.glob("job-*/**/tasks"):
             for pid in tasks.read_text().split():
                 status = Path(f"/proc/{pid}/status").read_text()
                 uid_line = next(ln for ln in status.splitlines() if ln.startswith("Uid:"))
@@ -148,7 +153,8 @@ def test_the_jail_runs_as_an_unprivileged_uid_outside(daemon: DaemonHandle, clie
         return uids
 
     assert os.geteuid() == 0  # control: the daemon and this test run as root
-    r = client.run("await tools.outside_uids()", tools={"outside_uids": outside_uids})
+    r = client.run("await tools.outside_uids()", tools={"outside_uids": outside_uids},
+                   policy=policy)
     assert r.status == "ok" and r.result
     assert 0 not in r.result
     assert all(u >= daemon.config.uid_base for u in r.result)

@@ -51,14 +51,19 @@ def test_a_jail_with_the_host_network_is_refused(private_daemon: Callable[..., D
     fake = lying_nsjail(world_dir, "--disable_clone_newnet")
     out = doctor("--policies", str(REPO / "policies"), "--nsjail", fake)
     assert out.returncode == 1
-    assert "FAIL  no network interfaces" in out.stdout
+    # a zygote policy: the zygote is checked from the host before it may fork a jail
+    assert "FAIL  zygote" in out.stdout and "shares the daemon's net namespace" in out.stdout
     d = private_daemon(args=("--nsjail", fake))
-    with pytest.raises(PolicyUnavailable, match="no network interfaces: interfaces"):
+    with pytest.raises(PolicyUnavailable, match="shares the daemon's net namespace"):
         d.run("1")
+    # a spawn policy: the probe job sees the host's interfaces
+    with pytest.raises(PolicyUnavailable, match="no network interfaces: interfaces"):
+        d.run("1", policy="spawn")
     with Client(d.socket) as c:
         listed = {p["name"]: p for p in c.policies()}
     assert listed["default"]["available"] is False
-    assert "no network interfaces" in listed["default"]["problems"]
+    assert listed["spawn"]["available"] is False
+    assert "no network interfaces" in listed["spawn"]["problems"]
     shown = subprocess.run([sys.executable, "-m", "jaild", "policies", "--socket", d.socket],
                            capture_output=True, text=True, timeout=60, check=True).stdout
     assert "NOT SERVED: it failed its self-test at start: " in shown
@@ -72,9 +77,14 @@ def test_an_env_that_cannot_harden_is_refused_and_others_still_serve(
     site = next(env.glob("lib/python3*/site-packages"))
     for f in [*site.glob("prctl*"), *site.glob("_prctl*")]:
         f.unlink()
-    d = private_daemon(policies={"noprctl": f'[python]\nenv = "{env}"\n'})
+    d = private_daemon(policies={
+        "noprctl": f'[python]\nenv = "{env}"\n',
+        "noprctl-spawn": f'[python]\nenv = "{env}"\n[pool]\nmode = "spawn"\n',
+    })
+    with pytest.raises(PolicyUnavailable, match="ModuleNotFoundError: No module named 'prctl'"):
+        d.run("1", policy="noprctl")  # its zygote cannot start
     with pytest.raises(PolicyUnavailable, match="runtime did not come up: ModuleNotFoundError"):
-        d.run("1", policy="noprctl")
+        d.run("1", policy="noprctl-spawn")
     d.assert_serving()  # the default policy passed its self-test and serves
 
 
@@ -85,7 +95,9 @@ def test_a_jail_without_a_user_namespace_is_caught_by_the_host_view(
     fake = lying_nsjail(world_dir, "--disable_clone_newuser")
     d = private_daemon(args=("--nsjail", fake))
     with pytest.raises(PolicyUnavailable, match=r"uid outside not 0: jailed processes run as host ids \[65534\]"):
-        d.run("1")
+        d.run("1", policy="spawn")
+    with pytest.raises(PolicyUnavailable, match="the zygote shares the daemon's user"):
+        d.run("1")  # a zygote policy: caught before any jail is forked
 
 
 def test_config_file_is_validated(tmp_path: Path) -> None:

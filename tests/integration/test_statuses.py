@@ -163,7 +163,9 @@ def test_jail_that_cannot_start_is_an_internal_error(private_daemon: Callable[..
                                                     world_dir: Path) -> None:
     data = world_dir / "data"
     data.mkdir(mode=0o755)
-    d = private_daemon(policies={"withdata": f'[filesystem]\nbinds = ["/usr", {{src = "{data}", dst = "/data"}}]\n'})
+    # spawn mode: a zygote would have bound the directory at its own start, before the rmdir
+    d = private_daemon(policies={"withdata": f'[filesystem]\nbinds = ["/usr", {{src = "{data}", dst = "/data"}}]\n'
+                                             '[pool]\nmode = "spawn"\n'})
     data.rmdir()  # valid when the daemon started, gone now: nsjail cannot mount it
     r = d.run("1", policy="withdata")
     assert r.status == "internal_error"

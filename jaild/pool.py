@@ -1,0 +1,164 @@
+"""Warm pools: per policy, jails made ahead of their jobs, hardened and waiting.
+
+Theory of operation
+-------------------
+A pooled jail is an ordinary :class:`~jaild.supervisor.JailedJob` that has been
+prepared -- started, sent ``Harden``, its seccomp digest checked -- and stops
+there, before ``RunCode``. :meth:`JailPool.take` hands one to a job, which then
+sends its code; the wall-clock limit starts at that moment. Each jail serves
+exactly one job and is gone afterwards; taking one starts a replacement.
+
+The pool's *target* size moves between the policy's ``pool.min`` and
+``pool.max``: a job that finds the pool empty (a miss) raises it by one, and a
+jail that waited ``pool.idle_s`` without a job is recycled and lowers it by one.
+So a burst grows the pool, quiet shrinks it back to ``min``, and no jail is
+older than ``idle_s``.
+
+Only jobs whose jail-level limits (memory, pids, CPU time and cores, file size,
+open files) are the policy's own can take a pooled jail: those limits were set
+when the jail was made. Other jobs get a jail made for them (a cold start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from jaild.policy.schema import Limits, Policy
+from jaild.supervisor import JailedJob
+
+log = logging.getLogger("jaild.pool")
+
+JAIL_LEVEL_LIMITS = (
+    "memory_mb", "pids", "cpu_time_s", "cpu_cores", "file_size_mb", "open_files"
+)
+
+
+def poolable(policy: Policy, limits: Limits) -> bool:
+    """Can a job with ``limits`` use a jail prepared with the policy's own limits?"""
+    return all(
+        getattr(limits, name) == getattr(policy.limits, name) for name in JAIL_LEVEL_LIMITS
+    )
+
+
+@dataclasses.dataclass
+class PoolStats:
+    hits: int = 0
+    misses: int = 0
+    made: int = 0
+    failed: int = 0
+    recycled: int = 0
+
+
+class JailPool:
+    """The warm pool of one policy."""
+
+    def __init__(self, policy: Policy, make: Callable[[], JailedJob]) -> None:
+        self.policy = policy
+        self._make = make
+        self._ready: collections.deque[JailedJob] = collections.deque()
+        self._starting: set[asyncio.Task[None]] = set()
+        self.target = policy.pool.min
+        self.stats = PoolStats()
+        self._closed = False
+        self._reaper: asyncio.Task[None] | None = None
+        self._consecutive_failures = 0
+
+    @property
+    def size(self) -> int:
+        """Jails ready now."""
+        return len(self._ready)
+
+    def start(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._recycle_idle())
+        self._refill()
+
+    def take(self) -> JailedJob | None:
+        """A ready jail for a job, or None (the caller makes one; the pool grows)."""
+        while self._ready:
+            jail = self._ready.popleft()
+            if jail.alive:
+                self.stats.hits += 1
+                self._refill()
+                return jail
+            jail.cleanup()
+        self.stats.misses += 1
+        if self.target < self.policy.pool.max:
+            self.target += 1
+        self._refill()
+        return None
+
+    def _refill(self) -> None:
+        if self._closed or self._consecutive_failures >= 3:
+            return
+        loop = asyncio.get_running_loop()
+        while len(self._ready) + len(self._starting) < self.target:
+            task = loop.create_task(self._prepare_one())
+            self._starting.add(task)
+            task.add_done_callback(self._starting.discard)
+
+    async def _prepare_one(self) -> None:
+        jail = self._make()
+        try:
+            ready = await jail.prepare()
+        except Exception:  # a jaild bug: do not spin on it
+            log.exception("pool %s: preparing a jail crashed", self.policy.name)
+            ready = False
+        if not ready or self._closed:
+            if not ready:
+                self.stats.failed += 1
+                self._consecutive_failures += 1
+                log.warning(
+                    "pool %s: a jail failed to start (%d in a row)",
+                    self.policy.name, self._consecutive_failures,
+                )
+                if self._consecutive_failures < 3:
+                    asyncio.get_running_loop().call_later(1.0, self._refill)
+            await jail.discard("the pool does not need it")
+            return
+        self._consecutive_failures = 0
+        self.stats.made += 1
+        self._ready.append(jail)
+
+    async def _recycle_idle(self) -> None:
+        idle_s = self.policy.pool.idle_s
+        while not self._closed:
+            await asyncio.sleep(min(idle_s / 4, 5.0))
+            now = time.monotonic()
+            keep: collections.deque[JailedJob] = collections.deque()
+            old: list[JailedJob] = []
+            for jail in self._ready:
+                if jail.ready_at is not None and now - jail.ready_at >= idle_s:
+                    old.append(jail)
+                elif jail.alive:
+                    keep.append(jail)
+                else:
+                    jail.cleanup()
+            self._ready = keep
+            if old:
+                self.stats.recycled += len(old)
+                self.target = max(self.policy.pool.min, self.target - len(old))
+                for jail in old:
+                    await jail.discard("idle too long in the pool")
+            self._consecutive_failures = 0
+            self._refill()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for task in list(self._starting):
+            with contextlib.suppress(Exception):
+                await task
+        ready, self._ready = list(self._ready), collections.deque()
+        await asyncio.gather(*(j.discard("the daemon is stopping") for j in ready))
+
+
+__all__ = ["JailPool", "PoolStats", "poolable"]

@@ -1,0 +1,303 @@
+"""The daemon's side of a policy's zygote (see :mod:`jaild.runtime.zygote`).
+
+The zygote runs in an nsjail of its own, started by :meth:`Zygote.start`; the
+daemon talks to it over a SOCK_SEQPACKET socketpair (the zygote's fd 0), one
+msgpack map per packet:
+
+* zygote -> daemon ``{"t": "ready", "pid", "python", "failed": {module: error}}``
+  once, after its imports; a non-empty ``failed`` means it exits and the policy
+  is not served.
+* daemon -> zygote ``{"t": "spawn", "id", "uid", "rlimits", "tmp", "shm", "proc",
+  "netns", "loopback", "hostname"}`` with the jail's channel, stdout and stderr as
+  SCM_RIGHTS.
+* zygote -> daemon ``{"t": "exit", "id", "status", "cpu_s", "maxrss_kb"}`` when a
+  jail's waiter ended (its wait status mirrors the jail's), or ``{"t": "error",
+  "id", "message"}`` when it could not fork.
+
+A dead zygote fails every jail it had (their waiters die with it by
+pdeathsig) and is started again on the next spawn.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import struct
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from jaild.cgroups import Cgroups, JobCgroup
+from jaild.policy.compile import ZYGOTE_PIDS, HostLayout, zygote_argv
+from jaild.policy.schema import Policy
+
+log = logging.getLogger("jaild.zygote")
+
+READY_TIMEOUT_S = 30.0
+SCM_CREDENTIALS = 2  # socket.SCM_CREDENTIALS, which typeshed lacks
+RESTART_BACKOFF_S = 1.0
+
+
+class ZygoteError(RuntimeError):
+    """The zygote could not be started, or died."""
+
+
+@dataclass
+class ZygoteExit:
+    """How a jail forked by the zygote ended (its waiter's wait status mirrors it)."""
+
+    status: int | None  # None: never started, or the zygote died
+    cpu_s: float = 0.0
+    detail: str = ""
+
+
+OnExit = Callable[[ZygoteExit], None]
+
+
+class Zygote:
+    """One policy's zygote: start it, ask it for jails, hear how they end."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        nsjail: str,
+        host: HostLayout,
+        cgroups: Cgroups,
+        config_fd: int,
+        zygote_uid: int,
+        uid_base: int,
+        launcher: tuple[str, ...],
+    ) -> None:
+        self.policy = policy
+        self._nsjail = nsjail
+        self._host = host
+        self._cgroups = cgroups
+        self._config_fd = config_fd
+        self.uid = zygote_uid
+        self._uid_base = uid_base
+        self._launcher = launcher
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._control: socket.socket | None = None
+        self._cgroup: JobCgroup | None = None
+        self._pending: dict[int, OnExit] = {}
+        self._next_id = 0
+        self._ready: asyncio.Future[dict[str, Any]] | None = None
+        self._starting: asyncio.Task[None] | None = None
+        self._log = bytearray()
+        self._failed_at = 0.0
+        self.python = ""
+        self.host_pid: int | None = None  # the zygote process itself (from SO_PASSCRED)
+
+    # -- lifecycle
+
+    @property
+    def pid(self) -> int | None:
+        """nsjail's pid (the zygote's parent) while it runs."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self._control is not None and self._ready is not None and self._ready.done()
+
+    async def ensure_started(self) -> None:
+        if self.alive:
+            return
+        if self._starting is None:
+            self._starting = asyncio.get_running_loop().create_task(self._start())
+        try:
+            await asyncio.shield(self._starting)
+        finally:
+            if self._starting is not None and self._starting.done():
+                self._starting = None
+
+    async def _start(self) -> None:
+        wait = self._failed_at + RESTART_BACKOFF_S - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        loop = asyncio.get_running_loop()
+        self._cgroup = self._cgroups.create_job(
+            f"zygote-{self.policy.name}", 2 * self.policy.limits.memory_mb, ZYGOTE_PIDS, with_cpu=False
+        )
+        daemon_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        daemon_end.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # the zygote's host pid
+        log_r, log_w = os.pipe2(os.O_CLOEXEC)
+        argv = zygote_argv(
+            self._nsjail,
+            self.policy,
+            self._host,
+            f"/proc/self/fd/{self._config_fd}",
+            log_w,
+            self.uid,
+            self._uid_base,
+        )
+        try:
+            self._proc = subprocess.Popen(
+                [*self._launcher, *argv],
+                stdin=zygote_end.fileno(),
+                stdout=log_w,
+                stderr=log_w,
+                pass_fds=(self._config_fd, log_w),
+                close_fds=True,
+                start_new_session=True,
+                env={},
+            )
+        except OSError:
+            daemon_end.close()
+            os.close(log_r)
+            raise
+        finally:
+            zygote_end.close()
+            os.close(log_w)
+        self._control = daemon_end
+        daemon_end.setblocking(False)
+        self._ready = loop.create_future()
+        loop.add_reader(daemon_end.fileno(), self._readable)
+        loop.add_reader(log_r, self._log_readable, log_r)
+        try:
+            async with asyncio.timeout(READY_TIMEOUT_S):
+                hello = await asyncio.shield(self._ready)
+        except (TimeoutError, ZygoteError) as exc:
+            self._died(f"the zygote did not start: {exc or 'timeout'}")
+            raise ZygoteError(self._why(str(exc) or "it did not become ready")) from None
+        if hello.get("failed"):
+            failed = "; ".join(f"{k}: {v}" for k, v in hello["failed"].items())
+            self._died("preimport failed")
+            raise ZygoteError(f"policy {self.policy.name!r}: pool.preimport failed: {failed}")
+        problem = self._namespace_problem()
+        if problem:
+            self._died(problem)
+            raise ZygoteError(self._why(problem))
+        self.python = str(hello.get("python", ""))
+        log.info(
+            "zygote of policy %s ready (nsjail pid %d, python %s)",
+            self.policy.name, self._proc.pid, self.python,
+        )
+
+    def _namespace_problem(self) -> str | None:
+        """Fail closed unless the zygote really sits in its own namespaces: it keeps its
+        capabilities, which is only harmless inside a user namespace of its own."""
+        pid = self.host_pid
+        try:
+            wanted = ["user", "mnt", "pid", "ipc", "uts", "cgroup"]
+            if self.policy.network.mode != "host":
+                wanted.append("net")
+            shared = [
+                ns for ns in wanted
+                if os.readlink(f"/proc/{pid}/ns/{ns}") == os.readlink(f"/proc/self/ns/{ns}")
+            ]
+        except (OSError, ValueError) as exc:
+            return f"cannot inspect the zygote's namespaces: {exc}"
+        if shared:
+            return (
+                f"the zygote shares the daemon's {', '.join(shared)} namespace(s); "
+                "nsjail did not isolate it, refusing to fork jails from it"
+            )
+        return None
+
+    def _why(self, what: str) -> str:
+        excerpt = "\n".join(self._log.decode("utf-8", "replace").splitlines()[-6:])
+        return f"zygote of policy {self.policy.name!r}: {what}" + (
+            f"; its log:\n{excerpt}" if excerpt else ""
+        )
+
+    def _log_readable(self, fd: int) -> None:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            data = b""
+        if not data:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+            return
+        if len(self._log) < 65536:
+            self._log += data
+
+    def _readable(self) -> None:
+        assert self._control is not None
+        try:
+            data, ancdata, _, _ = self._control.recvmsg(65536, socket.CMSG_SPACE(12))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data, ancdata = b"", []
+        if not data:
+            self._died("the zygote exited")
+            return
+        try:
+            msg = msgpack.unpackb(data)
+            kind = msg["t"]
+        except Exception:  # noqa: BLE001 -- a broken zygote is a dead zygote
+            self._died("the zygote sent a malformed message")
+            return
+        if kind == "ready":
+            creds = [d for lvl, k, d in ancdata if (lvl, k) == (socket.SOL_SOCKET, SCM_CREDENTIALS)]
+            if creds and self._ready is not None and not self._ready.done():
+                self.host_pid = struct.unpack("3i", creds[0][:12])[0]
+                self._ready.set_result(msg)
+        elif kind == "exit":
+            on_exit = self._pending.pop(msg["id"], None)
+            if on_exit is not None:
+                on_exit(ZygoteExit(int(msg["status"]), float(msg["cpu_s"])))
+        elif kind == "error":
+            on_exit = self._pending.pop(msg["id"], None)
+            if on_exit is not None:
+                on_exit(ZygoteExit(None, detail=str(msg["message"])))
+
+    def _died(self, why: str) -> None:
+        loop = asyncio.get_running_loop()
+        self._failed_at = time.monotonic()
+        if self._control is not None:
+            loop.remove_reader(self._control.fileno())
+            self._control.close()
+            self._control = None
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(ZygoteError(why))
+            self._ready.exception()  # retrieved: whoever awaits it sees it via _start
+        self._ready = None
+        pending, self._pending = self._pending, {}
+        for on_exit in pending.values():
+            on_exit(ZygoteExit(None, detail=f"the zygote of policy {self.policy.name!r} died"))
+        self._reap()
+        if why not in ("stopped",):
+            log.warning("zygote of policy %s: %s", self.policy.name, why)
+
+    def _reap(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
+                proc.wait(timeout=2)
+        if self._cgroup is not None:
+            with contextlib.suppress(OSError):
+                self._cgroup.kill_all()
+                self._cgroup.remove()
+            self._cgroup = None
+
+    def stop(self) -> None:
+        self._died("stopped")
+
+    # -- jails
+
+    def spawn(self, request: dict[str, Any], fds: tuple[int, int, int], on_exit: OnExit) -> None:
+        """Ask for one jail. ``on_exit`` hears how it ended (exactly once)."""
+        if not self.alive or self._control is None:
+            raise ZygoteError(f"the zygote of policy {self.policy.name!r} is not running")
+        self._next_id += 1
+        ident = self._next_id
+        payload = msgpack.packb({"t": "spawn", "id": ident, **request})
+        self._control.sendmsg(
+            [payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+        )
+        self._pending[ident] = on_exit
+
+
+__all__ = ["Zygote", "ZygoteError", "ZygoteExit"]

@@ -1,0 +1,165 @@
+"""Jails from the zygote and the warm pool are as isolated from each other as spawned ones.
+
+Job A runs and, while it is still alive (held in a tool call), leaves traces of every kind
+a job could share: files in /tmp and /dev/shm, a SysV shared-memory segment, an abstract
+unix socket, a background process, a change to a module the zygote pre-imported, and
+memory and processes in its cgroup. Job B, started while A is held, must see none of them
+and must have its own budgets. Each probe has a positive control: the same two programs run
+on the host as two plain processes, where B does see what A left.
+
+Run for ``default`` (a jail forked on demand from the zygote), ``pooled`` (a jail taken from
+the warm pool, prepared before either job existed) and ``spawn`` (a full nsjail per job).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from jaild.client import Client
+from tests.conftest import DaemonHandle
+
+pytestmark = pytest.mark.integration
+
+POLICIES = ["default", "pooled", "spawn"]
+
+# Leaves a trace of every kind; {tmp} is /tmp in a jail, a scratch directory on the host.
+LEAVE = r'''
+import ctypes, json, os, socket, subprocess, sys
+libc = ctypes.CDLL("libc.so.6", use_errno=True)
+open("{tmp}/a-was-here", "w").write("A")
+open("/dev/shm/a-was-here", "w").write("A")
+shm = libc.shmget(0x7a11d, 4096, 0o1666)  # IPC_CREAT | 0666
+abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+abstract.bind("\0jaild-fresh-probe")
+abstract.listen(1)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+json.jaild_marker = "A"
+hog = bytearray(120 * 1024 * 1024)  # 120 of the policy's 256 MB, touched
+for i in range(0, len(hog), 4096):
+    hog[i] = 1
+'''
+
+# What B sees of A. Every entry is True when B sees a trace of A.
+SEE = r'''
+import ctypes, errno, json, os, socket
+libc = ctypes.CDLL("libc.so.6", use_errno=True)
+seen = {{}}
+seen["tmp file"] = os.path.exists("{tmp}/a-was-here")
+seen["/dev/shm file"] = os.path.exists("/dev/shm/a-was-here")
+seen["sysv shm"] = libc.shmget(0x7a11d, 0, 0) != -1
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    s.connect("\0jaild-fresh-probe")
+    seen["abstract socket"] = True
+except OSError:
+    seen["abstract socket"] = False
+seen["module state"] = getattr(json, "jaild_marker", None) == "A"
+seen["other processes"] = any(
+    "time.sleep(60)" in open(f"/proc/{{p}}/cmdline").read().replace("\0", " ")
+    for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()
+) if os.path.isdir("/proc/self") else False
+'''
+
+BUDGET = r'''
+hog = bytearray(200 * 1024 * 1024)  # with A's 120 MB this would break a shared 256 MB budget
+for i in range(0, len(hog), 4096):
+    hog[i] = 1
+import os
+maps = open("/proc/self/maps").read().splitlines()
+# shared *writable* mappings would be memory another process could write to
+seen["shared writable mappings"] = [m for m in maps if m.split()[1][1] == "w" and m.split()[1][3] == "s"]
+seen["uid"] = os.getuid()
+result = seen
+'''
+
+
+def _hold_a(client: Client, policy: str) -> tuple[threading.Event, threading.Event, object]:
+    up, release = threading.Event(), threading.Event()
+
+    def hold() -> bool:
+        up.set()
+        return release.wait(60)
+
+    job = client.submit(
+        LEAVE.format(tmp="/tmp") + "await tools.hold()\nresult = os.getuid()",
+        policy=policy, tools={"hold": hold},
+    )
+    return up, release, job
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_job_b_sees_nothing_of_job_a(daemon: DaemonHandle, policy: str) -> None:
+    with Client(daemon.socket) as a_client, Client(daemon.socket) as b_client:
+        up, release, job_a = _hold_a(a_client, policy)
+        try:
+            assert up.wait(30), "job A did not reach its tool call"
+            b = b_client.run(SEE.format(tmp="/tmp") + BUDGET, policy=policy)
+        finally:
+            release.set()
+        a = job_a.result(60)  # type: ignore[attr-defined]
+    assert a.status == "ok", (a.status, a.error, a.stderr)
+    assert b.status == "ok", (b.status, b.error, b.stderr)
+    seen = b.result
+    assert seen.pop("shared writable mappings") == []
+    assert seen.pop("uid") != a.result, "A and B ran as the same uid"
+    assert seen == dict.fromkeys(seen, False), f"B saw traces of A: {seen}"
+    assert set(seen) == {"tmp file", "/dev/shm file", "sysv shm", "abstract socket",
+                         "module state", "other processes"}
+
+
+def test_positive_control_two_host_processes_see_each_other() -> None:
+    # The same probes, as two plain processes on the host: B sees everything A left.
+    tmp = tempfile.mkdtemp()
+    leave = LEAVE.format(tmp=tmp).replace("hog = bytearray(120", "hog = bytearray(1")
+    a = subprocess.Popen(
+        [sys.executable, "-c", leave + "print('up', flush=True)\nimport time\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert a.stdout is not None and a.stdout.readline().strip() == "up"
+        see = SEE.format(tmp=tmp) + "import json as j\nprint(j.dumps(seen))"
+        out = subprocess.run([sys.executable, "-c", see], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+        seen = json.loads(out)
+    finally:
+        a.kill()
+        a.wait()
+        subprocess.run(["pkill", "-f", "import time; time.sleep(60)"], check=False)
+        subprocess.run(["ipcrm", "-M", str(0x7a11d)], check=False, capture_output=True)
+        Path("/dev/shm/a-was-here").unlink(missing_ok=True)
+    # the module-state probe is the only one two fresh host interpreters cannot share
+    assert seen == {"tmp file": True, "/dev/shm file": True, "sysv shm": True,
+                    "abstract socket": True, "module state": False, "other processes": True}
+
+
+def test_a_pooled_jail_serves_one_job_only(daemon: DaemonHandle) -> None:
+    # Ten jobs in a row through the pool: each starts in an empty /tmp, with its own uid,
+    # and with no trace of the module change the job before it made.
+    code = ("import json, os\nfresh = (os.listdir('/tmp'), hasattr(json, 'jaild_marker'))\n"
+            "open('/tmp/mine', 'w').write('x')\njson.jaild_marker = 1\nresult = [fresh, os.getuid()]")
+    with Client(daemon.socket) as c:
+        results = [c.run(code, policy="pooled") for _ in range(10)]
+    assert all(r.status == "ok" for r in results), [r.error for r in results]
+    assert all(r.result[0] == [[], False] for r in results)
+    uids = [r.result[1] for r in results]
+    assert all(u != v for u, v in zip(uids, uids[1:], strict=False)), uids
+
+
+def test_limits_count_from_the_jobs_start_not_the_jails(private_daemon: object) -> None:
+    # A pooled jail that waited longer than the wall-time limit still gives its job the
+    # whole limit: the clock starts with the job.
+    d = private_daemon(policies={"quick": '[limits]\nwall_time_s = 1\n[pool]\nmin = 1\nmax = 1\n'})  # type: ignore[operator]
+    time.sleep(2.0)  # the pooled jail was ready long before this
+    r = d.run("import time\ntime.sleep(0.6)\nresult = 'ran'", policy="quick")
+    assert (r.status, r.result) == ("ok", "ran"), (r.status, r.error)
+    with d.client() as c:
+        pool = {p["name"]: p for p in c.policies()}["quick"]["pool"]
+    assert pool["hits"] >= 1
