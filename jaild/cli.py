@@ -220,6 +220,13 @@ def cmd_policies(args: argparse.Namespace) -> int:
             f"pids {lim.get('pids')}, network {p.get('network')}, "
             f"seccomp {p.get('seccomp', {}).get('profile')}/{p.get('seccomp', {}).get('action')}"
         )
+        pool = p.get("pool") or {}
+        if pool:
+            print(
+                f"{'':<12} jails: {pool.get('mode')}, pool {pool.get('ready')} ready "
+                f"(min {pool.get('min')}, max {pool.get('max')}, target {pool.get('target')}; "
+                f"{pool.get('hits', 0)} hits, {pool.get('misses', 0)} misses)"
+            )
         if p.get("available") is False:
             print(f"{'':<12} NOT SERVED: {p.get('problems')}")
     return 0

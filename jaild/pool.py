@@ -34,16 +34,12 @@ from jaild.supervisor import JailedJob
 
 log = logging.getLogger("jaild.pool")
 
-JAIL_LEVEL_LIMITS = (
-    "memory_mb", "pids", "cpu_time_s", "cpu_cores", "file_size_mb", "open_files"
-)
+JAIL_LEVEL_LIMITS = ("memory_mb", "pids", "cpu_time_s", "cpu_cores", "file_size_mb", "open_files")
 
 
 def poolable(policy: Policy, limits: Limits) -> bool:
     """Can a job with ``limits`` use a jail prepared with the policy's own limits?"""
-    return all(
-        getattr(limits, name) == getattr(policy.limits, name) for name in JAIL_LEVEL_LIMITS
-    )
+    return all(getattr(limits, name) == getattr(policy.limits, name) for name in JAIL_LEVEL_LIMITS)
 
 
 @dataclasses.dataclass
@@ -115,7 +111,8 @@ class JailPool:
                 self._consecutive_failures += 1
                 log.warning(
                     "pool %s: a jail failed to start (%d in a row)",
-                    self.policy.name, self._consecutive_failures,
+                    self.policy.name,
+                    self._consecutive_failures,
                 )
                 if self._consecutive_failures < 3:
                     asyncio.get_running_loop().call_later(1.0, self._refill)

@@ -70,6 +70,7 @@ from jaild.policy.schema import (
     user_matches,
 )
 from jaild.policy.seccomp import build_spec
+from jaild.pool import JailPool, poolable
 from jaild.protocol import CLOSED, NEED_DATA, PROTOCOL_VERSION, Connection, Role, pack, unpack
 from jaild.protocol.messages import (
     CancelJob,
@@ -93,7 +94,6 @@ from jaild.runtime.seccomp import bpf_program
 from jaild.runtime.seccomp import digest as seccomp_digest
 from jaild.selftest import INSPECT_TOOL, Check, evaluate, host_paths_to_hide, probe_code
 from jaild.staging import ensure_traversable, locate_nsjail, stage_runtime
-from jaild.pool import JailPool, poolable
 from jaild.supervisor import JailedJob, JailEnvironment, JobSpec, syntax_error_record
 from jaild.zygote import Zygote
 
@@ -272,6 +272,7 @@ class ClientSession:
                             **p.summary(),
                             "available": p.name not in self.daemon.unavailable,
                             "problems": self.daemon.unavailable.get(p.name, ""),
+                            "pool": self.daemon.pool_summary(p),
                         }
                         for p in self.daemon.policies.values()
                         if p.user_allowed(self.peer.uid, (self.peer.gid, *self.peer.groups))
@@ -490,6 +491,20 @@ class Daemon:
 
             self.pools[name] = JailPool(policy, make)
             self.pools[name].start()
+
+    def pool_summary(self, policy: Policy) -> dict[str, Any]:
+        """The policy's jail-making mode and its warm pool's state (for ``jaild policies``)."""
+        pool = self.pools.get(policy.name)
+        summary: dict[str, Any] = {
+            "mode": policy.pool.mode,
+            "min": policy.pool.min,
+            "max": policy.pool.max,
+            "target": pool.target if pool else 0,
+            "ready": pool.size if pool else 0,
+        }
+        if pool is not None:
+            summary.update(dataclasses.asdict(pool.stats))
+        return summary
 
     def _listening_socket(self) -> socket.socket:
         activated = systemd.listen_sockets()

@@ -572,9 +572,9 @@ class JailedJob:
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
-            zygote.spawn(
+            zygote.spawn(  # takes over the jail's ends
                 zygote_request(self.spec.policy, self.spec.limits, uid),
-                (jail_end.fileno(), out_w, err_w),
+                (jail_end.detach(), out_w, err_w),
                 self._forked_exit,
             )
         except BaseException:
@@ -582,10 +582,6 @@ class JailedJob:
                 os.close(fd)
             daemon_end.close()
             raise
-        finally:
-            for fd in (out_w, err_w):
-                os.close(fd)
-            jail_end.close()
         # stdout, stderr and the channel; the zygote reports the end
         self._open_streams = 3
         await self._read_output(out_r, err_r)
@@ -603,7 +599,9 @@ class JailedJob:
             return
         except OSError:
             data, ancdata = b"", []
-        creds = [d for lvl, kind, d in ancdata if (lvl, kind) == (socket.SOL_SOCKET, SCM_CREDENTIALS)]
+        creds = [
+            d for lvl, kind, d in ancdata if (lvl, kind) == (socket.SOL_SOCKET, SCM_CREDENTIALS)
+        ]
         zygote = self.zygote
         if data != PREAMBLE or not creds or zygote is None:
             self._close_preamble()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -88,6 +89,8 @@ class Zygote:
         self._control: socket.socket | None = None
         self._cgroup: JobCgroup | None = None
         self._pending: dict[int, OnExit] = {}
+        self._outbox: collections.deque[tuple[bytes, tuple[int, int, int]]] = collections.deque()
+        self._writer_armed = False
         self._next_id = 0
         self._ready: asyncio.Future[dict[str, Any]] | None = None
         self._starting: asyncio.Task[None] | None = None
@@ -124,7 +127,10 @@ class Zygote:
             await asyncio.sleep(wait)
         loop = asyncio.get_running_loop()
         self._cgroup = self._cgroups.create_job(
-            f"zygote-{self.policy.name}", 2 * self.policy.limits.memory_mb, ZYGOTE_PIDS, with_cpu=False
+            f"zygote-{self.policy.name}",
+            2 * self.policy.limits.memory_mb,
+            ZYGOTE_PIDS,
+            with_cpu=False,
         )
         daemon_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         daemon_end.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # the zygote's host pid
@@ -178,7 +184,9 @@ class Zygote:
         self.python = str(hello.get("python", ""))
         log.info(
             "zygote of policy %s ready (nsjail pid %d, python %s)",
-            self.policy.name, self._proc.pid, self.python,
+            self.policy.name,
+            self._proc.pid,
+            self.python,
         )
 
     def _namespace_problem(self) -> str | None:
@@ -190,7 +198,8 @@ class Zygote:
             if self.policy.network.mode != "host":
                 wanted.append("net")
             shared = [
-                ns for ns in wanted
+                ns
+                for ns in wanted
                 if os.readlink(f"/proc/{pid}/ns/{ns}") == os.readlink(f"/proc/self/ns/{ns}")
             ]
         except (OSError, ValueError) as exc:
@@ -234,7 +243,7 @@ class Zygote:
         try:
             msg = msgpack.unpackb(data)
             kind = msg["t"]
-        except Exception:  # noqa: BLE001 -- a broken zygote is a dead zygote
+        except Exception:
             self._died("the zygote sent a malformed message")
             return
         if kind == "ready":
@@ -256,8 +265,14 @@ class Zygote:
         self._failed_at = time.monotonic()
         if self._control is not None:
             loop.remove_reader(self._control.fileno())
+            if self._writer_armed:
+                loop.remove_writer(self._control.fileno())
+                self._writer_armed = False
             self._control.close()
             self._control = None
+        while self._outbox:
+            for fd in self._outbox.popleft()[1]:
+                os.close(fd)
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(ZygoteError(why))
             self._ready.exception()  # retrieved: whoever awaits it sees it via _start
@@ -288,16 +303,41 @@ class Zygote:
     # -- jails
 
     def spawn(self, request: dict[str, Any], fds: tuple[int, int, int], on_exit: OnExit) -> None:
-        """Ask for one jail. ``on_exit`` hears how it ended (exactly once)."""
+        """Ask for one jail; the zygote gets ``fds`` (its channel, stdout, stderr), which
+        this takes over and closes once sent. ``on_exit`` hears how it ended, once."""
         if not self.alive or self._control is None:
+            for fd in fds:
+                os.close(fd)
             raise ZygoteError(f"the zygote of policy {self.policy.name!r} is not running")
         self._next_id += 1
         ident = self._next_id
-        payload = msgpack.packb({"t": "spawn", "id": ident, **request})
-        self._control.sendmsg(
-            [payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
-        )
         self._pending[ident] = on_exit
+        self._outbox.append((msgpack.packb({"t": "spawn", "id": ident, **request}), fds))
+        if len(self._outbox) == 1:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Send queued requests until the socket is full; a burst waits for the zygote."""
+        loop = asyncio.get_running_loop()
+        control = self._control
+        while self._outbox and control is not None:
+            payload, fds = self._outbox[0]
+            rights = array.array("i", fds).tobytes()
+            try:
+                control.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+            except (BlockingIOError, InterruptedError):
+                if not self._writer_armed:
+                    loop.add_writer(control.fileno(), self._flush)
+                    self._writer_armed = True
+                return
+            except OSError:
+                return  # the zygote is gone; the reader sees EOF and fails every request
+            self._outbox.popleft()
+            for fd in fds:
+                os.close(fd)
+        if self._writer_armed and control is not None:
+            loop.remove_writer(control.fileno())
+            self._writer_armed = False
 
 
 __all__ = ["Zygote", "ZygoteError", "ZygoteExit"]

@@ -149,11 +149,18 @@ def nsjail_config(policy: Policy, host: HostLayout, *, zygote: bool = False) -> 
         "rlimit_as_type: INF",  # memory is the cgroup's job; RLIMIT_AS breaks numpy
         "rlimit_core: 0",
         *(
-            ["keep_caps: true", "rlimit_cpu_type: INF", "rlimit_fsize_type: INF",
-             "rlimit_nofile_type: HARD"]
+            [
+                "keep_caps: true",
+                "rlimit_cpu_type: INF",
+                "rlimit_fsize_type: INF",
+                "rlimit_nofile_type: HARD",
+            ]
             if zygote
-            else [f"rlimit_cpu: {lim.cpu_time_s}", f"rlimit_fsize: {lim.file_size_mb}",
-                  f"rlimit_nofile: {lim.open_files}"]
+            else [
+                f"rlimit_cpu: {lim.cpu_time_s}",
+                f"rlimit_fsize: {lim.file_size_mb}",
+                f"rlimit_nofile: {lim.open_files}",
+            ]
         ),
         "rlimit_stack_type: SOFT",
         f"clone_newnet: {'false' if policy.network.mode == 'host' else 'true'}",
@@ -239,8 +246,11 @@ def nsjail_config(policy: Policy, host: HostLayout, *, zygote: bool = False) -> 
     lines.append("exec_bin {")
     lines.append(f"  path: {_q(JAIL_ENV + '/bin/python3')}")
     lines.append(f"  arg0: {_q('python3')}")
-    args = ["-I", "-B", "-c", ZYGOTE_BOOTSTRAP, *policy.pool.preimport] if zygote else [
-        "-I", "-B", "-c", BOOTSTRAP]
+    args = (
+        ["-I", "-B", "-c", ZYGOTE_BOOTSTRAP, *policy.pool.preimport]
+        if zygote
+        else ["-I", "-B", "-c", BOOTSTRAP]
+    )
     for arg in args:
         lines.append(f"  arg: {_q(arg)}")
     lines.append("}")
@@ -298,8 +308,13 @@ def job_argv(
 
 
 def zygote_argv(
-    nsjail: str, policy: Policy, host: HostLayout, config_path: str, log_fd: int,
-    zygote_uid: int, uid_base: int,
+    nsjail: str,
+    policy: Policy,
+    host: HostLayout,
+    config_path: str,
+    log_fd: int,
+    zygote_uid: int,
+    uid_base: int,
 ) -> list[str]:
     """nsjail's command line for the zygote of ``policy``: inside uid 0 is the zygote's own
     host uid; the daemon's job uids map to themselves, so a forked jail can become one."""
@@ -311,8 +326,14 @@ def zygote_argv(
     cg = host.cgroup
     if cg.version == 1:
         argv += [
-            "--cgroup_mem_mount", cg.v1_mount("memory"), "--cgroup_mem_parent", rel,
-            "--cgroup_pids_mount", cg.v1_mount("pids"), "--cgroup_pids_parent", rel,
+            "--cgroup_mem_mount",
+            cg.v1_mount("memory"),
+            "--cgroup_mem_parent",
+            rel,
+            "--cgroup_pids_mount",
+            cg.v1_mount("pids"),
+            "--cgroup_pids_parent",
+            rel,
         ]
     else:
         argv += ["--cgroupv2_mount", f"{cg.v2_root}/{rel}"]

@@ -104,7 +104,8 @@ class Limits:
         1 << 20, "Largest packed job result.", between(64, MAX_PAYLOAD_BYTES)
     )
     tool_call_timeout_s: float = setting(
-        60.0, "A tool call must be answered within this, or the jail gets a timeout error.",
+        60.0,
+        "A tool call must be answered within this, or the jail gets a timeout error.",
         between(0.01, 86400),
     )
     tool_calls_in_flight: int = setting(
@@ -201,15 +202,18 @@ class Pool:
     )
     min: int = setting(0, "Hardened jails kept waiting for jobs, at least.", between(0, 256))
     max: int = setting(
-        4, "At most this many waiting jails; the pool grows toward it under demand.",
+        4,
+        "At most this many waiting jails; the pool grows toward it under demand.",
         between(0, 256),
     )
     idle_s: float = setting(
-        60.0, "A waiting jail unused this long is recycled (and the pool shrinks toward min).",
+        60.0,
+        "A waiting jail unused this long is recycled (and the pool shrinks toward min).",
         between(0.1, 86400),
     )
     preimport: tuple[str, ...] = setting(
-        (), "Modules imported once in the zygote (trusted, before hardening) so jobs get them free.",
+        (),
+        "Modules imported once in the zygote (trusted, before hardening) so jobs get them free.",
         _module_names,
     )
 
@@ -259,6 +263,7 @@ class Policy:
 
     def user_allowed(self, uid: int, gids: typing.Iterable[int]) -> bool:
         return user_matches(self.access.users, uid, gids)
+
 
 def user_matches(entries: typing.Iterable[str], uid: int, gids: typing.Iterable[int]) -> bool:
     """Does a peer (uid, gids) match an access list of "*", user names, uids and "@group"?"""

@@ -163,7 +163,13 @@ def _setup_jail(req: dict[str, Any]) -> None:
         # zygote's, at /proc): mount ours aside, detach the zygote's, move ours in place.
         aside = "/tmp/.proc"
         os.mkdir(aside, 0o700)
-        _mount("proc", aside, "proc", hardened | MS_RDONLY, "subset=pid" if req["proc"] == "pid-only" else "")
+        _mount(
+            "proc",
+            aside,
+            "proc",
+            hardened | MS_RDONLY,
+            "subset=pid" if req["proc"] == "pid-only" else "",
+        )
         _umount("/proc")
         _check(_libc.mount(aside.encode(), b"/proc", None, MS_MOVE, None), "move /proc")
         os.rmdir(aside)
@@ -233,7 +239,7 @@ def _child_main(req: dict[str, Any], fds: Sequence[int], control: socket.socket)
             os.dup2(fd, target)
         os.closerange(3, 65536)
         _waiter(req, zygote_pid)
-    except BaseException as exc:  # noqa: BLE001 -- report and die; never return to the loop
+    except BaseException as exc:
         try:
             detail = exc if isinstance(exc, SetupFailed) else traceback.format_exc()
             os.write(2, f"jaild zygote: cannot set up the jail: {detail}\n".encode())
@@ -292,7 +298,7 @@ def main(preimport: Sequence[str]) -> None:
     for name in (*_RUNTIME_MODULES, *preimport):
         try:
             importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 -- reported to the daemon, which refuses us
+        except Exception as exc:
             failed[name] = f"{type(exc).__name__}: {exc}"
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
@@ -306,7 +312,7 @@ def main(preimport: Sequence[str]) -> None:
     children: dict[int, int] = {}
     while True:
         try:
-            readable, _, _ = select.select([control, wake_r], [], [])
+            readable, _, _ = select.select([control.fileno(), wake_r], [], [])
         except InterruptedError:
             continue
         if wake_r in readable:
@@ -317,11 +323,9 @@ def main(preimport: Sequence[str]) -> None:
                 except BlockingIOError:
                     break
             _reap(control, children)
-        if control in readable:
+        if control.fileno() in readable:
             try:
-                data, ancdata, _, _ = control.recvmsg(
-                    MAX_CONTROL, socket.CMSG_SPACE(3 * 4)
-                )
+                data, ancdata, _, _ = control.recvmsg(MAX_CONTROL, socket.CMSG_SPACE(3 * 4))
             except InterruptedError:
                 continue
             if not data:
