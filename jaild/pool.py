@@ -6,7 +6,9 @@ A pooled jail is an ordinary :class:`~jaild.supervisor.JailedJob` that has been
 prepared -- started, sent ``Harden``, its seccomp digest checked -- and stops
 there, before ``RunCode``. :meth:`JailPool.take` hands one to a job, which then
 sends its code; the wall-clock limit starts at that moment. Each jail serves
-exactly one job and is gone afterwards; taking one starts a replacement.
+exactly one job and is gone afterwards. Taking one makes a replacement once that
+job is over (or after ``REFILL_WAIT_S``): making a jail costs CPU, and on a small
+host the job it would compete with is the one a client is waiting for.
 
 The pool's *target* size moves between the policy's ``pool.min`` and
 ``pool.max``: a job that finds the pool empty (a miss) raises it by one, and a
@@ -34,6 +36,8 @@ from jaild.supervisor import JailedJob
 
 log = logging.getLogger("jaild.pool")
 
+REFILL_WAIT_S = 0.05
+
 JAIL_LEVEL_LIMITS = ("memory_mb", "pids", "cpu_time_s", "cpu_cores", "file_size_mb", "open_files")
 
 
@@ -59,6 +63,7 @@ class JailPool:
         self._make = make
         self._ready: collections.deque[JailedJob] = collections.deque()
         self._starting: set[asyncio.Task[None]] = set()
+        self._refilling: set[asyncio.Task[None]] = set()
         self.target = policy.pool.min
         self.stats = PoolStats()
         self._closed = False
@@ -80,7 +85,9 @@ class JailPool:
             jail = self._ready.popleft()
             if jail.alive:
                 self.stats.hits += 1
-                self._refill()
+                refill = asyncio.get_running_loop().create_task(self._refill_after(jail))
+                self._refilling.add(refill)
+                refill.add_done_callback(self._refilling.discard)
                 return jail
             jail.cleanup()
         self.stats.misses += 1
@@ -88,6 +95,13 @@ class JailPool:
             self.target += 1
         self._refill()
         return None
+
+    async def _refill_after(self, jail: JailedJob) -> None:
+        """Make the replacement once the taken jail's job is over (or REFILL_WAIT_S has
+        passed): making a jail costs CPU the job would otherwise wait for."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(jail.finished(), REFILL_WAIT_S)
+        self._refill()
 
     def _refill(self) -> None:
         if self._closed or self._consecutive_failures >= 3:
@@ -147,6 +161,8 @@ class JailPool:
 
     async def close(self) -> None:
         self._closed = True
+        for task in list(self._refilling):
+            task.cancel()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -1,14 +1,22 @@
-"""Run one job in one fresh nsjail jail, and decide how it ended.
+"""Run one job in one fresh jail, and decide how it ended.
 
 Theory of operation
 -------------------
 For each job the supervisor creates the job's cgroup (limits set *there*, see
-:mod:`jaild.cgroups`), a socketpair for the tool channel, pipes for stdout and
-stderr, and a pipe nsjail logs to; then it starts nsjail with the policy's
-config (a sealed memfd) and the job's argv. Everything after that is event
-driven on the daemon's loop: asyncio protocols read the pipes and the channel,
-a pidfd says when nsjail exits (``wait4`` then gives its rusage, which includes
-the jailed process nsjail reaped).
+:mod:`jaild.cgroups`), a socketpair for the tool channel and pipes for stdout
+and stderr. Then the jail is made one of two ways (the policy's ``pool.mode``):
+
+* ``spawn`` -- nsjail with the policy's config (a sealed memfd), the job's argv
+  and a pipe it logs to; a pidfd says when nsjail exits (``wait4`` then gives its
+  rusage, which includes the jailed process nsjail reaped).
+* ``zygote`` -- the policy's zygote (:mod:`jaild.zygote`) forks the jail, which
+  enters fresh namespaces of its own. Its waiter's first byte on the channel
+  carries its host pid (SO_PASSCRED), which goes into the job's cgroup before
+  anything else happens; a status pipe says how the jail ended.
+
+Everything is event driven on the daemon's loop. A jail may be made before its
+job (the warm pool, :mod:`jaild.pool`): it stops once hardened, and its job is
+assigned later.
 
 The jail link goes ``Harden`` -> ``JailReady`` -> ``RunCode`` -> (``CallTool``
 <-> ``ToolReturned``/``ToolFailed``)* -> ``CodeFinished``. The wall-clock
@@ -23,7 +31,9 @@ output limit, channel abuse), the job cgroup's OOM evidence, the termination
 signal nsjail logged on its private descriptor (and, for SIGSYS, the kernel's
 audit record of the syscall), the CPU time in the rusage -- and only then the
 runtime's own report (``CodeFinished``), which decides between ``ok`` and
-``error``. The exit code alone is never trusted.
+``error``. The exit code alone is never trusted. A zygote jail's record is made
+when that report arrives (see :meth:`JailedJob._claim` for why nothing later
+could change it) and the jail is killed then.
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ from jaild.protocol.messages import (
     RunCode,
     ToolSpec,
 )
-from jaild.runtime.zygote import GO, PREAMBLE
+from jaild.runtime.zygote import GO, PREAMBLE, STATUS
 from jaild.zygote import SCM_CREDENTIALS, Zygote, ZygoteExit
 
 log = logging.getLogger("jaild")
@@ -79,6 +89,7 @@ STATUSES = (
     "internal_error",
 )
 START_TIMEOUT_S = 30.0
+RELEASE_TIMEOUT_S = 10.0
 MAX_CALL_RECORDS = 1000
 """Tool calls listed in a result record; further calls are only counted (tool_calls_omitted)."""
 FRAME_OVERHEAD = 4 * 2 * 65536 + 65536
@@ -179,6 +190,21 @@ def _log_excerpt(log: str) -> str:
     return "\n".join(lines[-8:]) or "\n".join(log.splitlines()[-8:])
 
 
+def _claimed(claim: CodeFinished) -> tuple[str, dict[str, Any] | None]:
+    """The runtime's own report, once nothing stronger decided."""
+    if claim.ok:
+        return "ok", None
+    err = claim.error
+    if err is None:
+        return "error", _err("Error", "the code failed without details")
+    return "error", {
+        "type": err.type,
+        "message": err.message,
+        "traceback": err.traceback,
+        "lineno": err.lineno,
+    }
+
+
 def classify(ev: Evidence) -> tuple[str, dict[str, Any] | None]:
     """(status, error) from the evidence. Pure; the order is the precedence."""
     term = ev.termination or parse_termination(ev.log)
@@ -227,6 +253,8 @@ def classify(ev: Evidence) -> tuple[str, dict[str, Any] | None]:
         return "killed", _err(
             "Killed", f"the process was killed by {signame} ({term[1]})", signal=signame
         )
+    if term is None and ev.claim is not None and ev.jail_ready:
+        return _claimed(ev.claim)
     if term is None:
         if not ev.jail_ready:
             return "internal_error", _err(
@@ -246,17 +274,7 @@ def classify(ev: Evidence) -> tuple[str, dict[str, Any] | None]:
             "RuntimeStartFailed", f"the in-jail runtime did not come up: {why[0]}"
         )
     if ev.claim is not None:
-        if ev.claim.ok:
-            return "ok", None
-        err = ev.claim.error
-        if err is None:
-            return "error", _err("Error", "the code failed without details")
-        return "error", {
-            "type": err.type,
-            "message": err.message,
-            "traceback": err.traceback,
-            "lineno": err.lineno,
-        }
+        return _claimed(ev.claim)
     return "error", _err(
         "ProcessExit", f"the process exited with code {code} before reporting a result"
     )
@@ -411,6 +429,13 @@ class JailedJob:
         self._ready = asyncio.Event()
         self._launched = False
         self._cleaned = False
+        self._released = False
+        self._spawned = False  # a zygote was asked for this jail
+        self._reaped = False  # ... and has reaped its waiter
+        self._release_pending = False
+        self._status_fd = -1
+        self._claimed = False  # the result is in and decides the record (zygote jails)
+        self._pipes: tuple[tuple[int, str], ...] = ()
         self._proc: subprocess.Popen[bytes] | None = None
         self._exited = False
         self._channel: _Channel | None = None
@@ -465,6 +490,8 @@ class JailedJob:
                 log.warning("job %s: cannot rename cgroup %s: %s", spec.job_id, self.jail_id, exc)
         self._set_limits(spec)
         self._started = time.monotonic()
+        if self._ready.is_set() and not self._done.is_set():
+            self._begin()  # now, not when the caller's task first runs
 
     def host_view(self) -> dict[str, Any]:
         """The job seen from the host while it runs: its processes' ids, its cgroup's limits."""
@@ -509,7 +536,11 @@ class JailedJob:
                 self._ev.syscall = self._env.audit.seccomp_kill(term[3])
             return self._record()
         finally:
-            self.cleanup()
+            # after the caller has sent the record: killing what is left is not on its path
+            self._loop.call_soon(self.cleanup)
+
+    async def finished(self) -> None:
+        await self._done.wait()
 
     async def discard(self, reason: str) -> None:
         """End a jail that will not run a job (an idle pooled jail, a shutdown)."""
@@ -518,6 +549,11 @@ class JailedJob:
         self.cleanup()
 
     def cleanup(self) -> None:
+        """Kill what is left of the jail; release its cgroup and uid once nothing of it runs.
+
+        A zygote jail's result is out as soon as the jail itself ended, while its waiter
+        still tears down the namespaces; the cgroup and uid are released when the zygote
+        has reaped the waiter (or after ``RELEASE_TIMEOUT_S``, by then long dead)."""
         if self._cleaned:
             return
         self._cleaned = True
@@ -526,15 +562,27 @@ class JailedJob:
         if self._channel is not None:
             self._channel.close()
         self._close_preamble()
+        self._close_status()
         if self._proc is not None and not self._exited:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.kill()
         if self._cgroup is not None:
-            try:
+            with contextlib.suppress(OSError):
+                self._cgroup.kill_all()
+        if self._spawned and not self._reaped:
+            self._release_pending = True
+            self._loop.call_later(RELEASE_TIMEOUT_S, self._release)
+        else:
+            self._release()
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self._cgroup is not None:
+            with contextlib.suppress(OSError):
                 self._cgroup.kill_all()
                 self._cgroup.remove()
-            except OSError:
-                pass
         if self.outside_uid is not None:
             self._env.release_uid(self.outside_uid)
 
@@ -571,17 +619,21 @@ class JailedJob:
         daemon_end.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        status_r, status_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         try:
             zygote.spawn(  # takes over the jail's ends
                 zygote_request(self.spec.policy, self.spec.limits, uid),
-                (jail_end.detach(), out_w, err_w),
-                self._forked_exit,
+                (jail_end.detach(), out_w, err_w, status_w),
+                self._waiter_reaped,
             )
         except BaseException:
-            for fd in (out_r, err_r):
+            for fd in (out_r, err_r, status_r):
                 os.close(fd)
             daemon_end.close()
             raise
+        self._spawned = True
+        self._status_fd = status_r
+        self._loop.add_reader(status_r, self._status_readable)
         # stdout, stderr and the channel; the zygote reports the end
         self._open_streams = 3
         await self._read_output(out_r, err_r)
@@ -632,7 +684,35 @@ class JailedJob:
             self._loop.remove_reader(sock.fileno())
             sock.close()
 
+    def _status_readable(self) -> None:
+        """The waiter's word on how the jail ended (see :data:`jaild.runtime.zygote.STATUS`)."""
+        try:
+            data = os.read(self._status_fd, 64)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        self._close_status()
+        if len(data) == STATUS.size:
+            status, cpu_s = STATUS.unpack(data)
+            self._forked_exit(ZygoteExit(status, cpu_s))
+        # anything else: the waiter died first; the zygote's report of it will decide
+
+    def _close_status(self) -> None:
+        fd, self._status_fd = self._status_fd, -1
+        if fd >= 0:
+            self._loop.remove_reader(fd)
+            os.close(fd)
+
+    def _waiter_reaped(self, end: ZygoteExit) -> None:
+        self._reaped = True
+        self._forked_exit(end)  # unless the status pipe already told
+        if self._release_pending:
+            self._release()
+
     def _forked_exit(self, end: ZygoteExit) -> None:
+        if self._exited:
+            return
         if end.status is None:
             self._log += end.detail.encode()
             if not self._ev.jail_ready and self._ev.kill_reason is None:
@@ -700,7 +780,8 @@ class JailedJob:
         self._open_channel(daemon_end)
 
     async def _read_output(self, out_r: int, err_r: int) -> None:
-        for fd, sink in ((out_r, "stdout"), (err_r, "stderr")):
+        self._pipes = ((out_r, "stdout"), (err_r, "stderr"))
+        for fd, sink in self._pipes:
             await self._loop.connect_read_pipe(
                 functools.partial(
                     _PipeReader, functools.partial(self._output_data, sink), self._stream_closed
@@ -751,7 +832,7 @@ class JailedJob:
             self._log += data
 
     def _output_data(self, stream: str, data: bytes) -> None:
-        if self._ev.kill_reason is not None:
+        if self._ev.kill_reason is not None or self._claimed:
             return
         limit = self.spec.limits.output_bytes
         room = limit - self._output_total
@@ -764,12 +845,31 @@ class JailedJob:
         if len(data) > room:
             self._terminate("output_limit", "")
 
+    def _claim(self) -> None:
+        """A zygote jail's runtime reported its result: the job is over now.
+
+        Everything that can overrule a claim -- the daemon's kill reasons, the output
+        limit, a limit or seccomp kill, OOM -- either happened before it (a killed
+        process sends nothing; OOM kills are counted by the cgroup, read at the record)
+        or is the code's own doing after it had its result. So the record need not wait
+        for the jail's exit, which tears down its namespaces; the output written before
+        the claim is already in the pipes and is drained here. The jail is killed in
+        :meth:`cleanup`."""
+        for pipe, sink in self._pipes:
+            with contextlib.suppress(OSError):
+                while data := os.read(pipe, 1 << 16):
+                    self._output_data(sink, data)
+        self._claimed = True
+        self._maybe_done()
+
     def _stream_closed(self) -> None:
         self._open_streams -= 1
         self._maybe_done()
 
     def _maybe_done(self) -> None:
-        if self._exited and self._open_streams == 0:
+        if self._done.is_set():
+            return
+        if (self._exited and self._open_streams == 0) or self._claimed:
             self._ev.log = self._log.decode("utf-8", "replace")
             self._ev.stderr_tail = self._stderr[-2048:].decode("utf-8", "replace")
             if self._channel is not None:
@@ -820,9 +920,13 @@ class JailedJob:
         elif isinstance(event, CodeFinished):
             self._ev.claim = event
             self.result = event.result
+            if self._spawned:
+                self._claim()
 
     def _begin(self) -> None:
         """Send the job's code; its wall-clock limit counts from here."""
+        if self._code_started is not None:
+            return
         self._send(
             RunCode(
                 code=self.spec.code,

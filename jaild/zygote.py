@@ -8,11 +8,16 @@ msgpack map per packet:
   once, after its imports; a non-empty ``failed`` means it exits and the policy
   is not served.
 * daemon -> zygote ``{"t": "spawn", "id", "uid", "rlimits", "tmp", "shm", "proc",
-  "netns", "loopback", "hostname"}`` with the jail's channel, stdout and stderr as
-  SCM_RIGHTS.
+  "netns", "loopback", "hostname"}`` with the jail's channel, stdout, stderr and
+  status pipe as SCM_RIGHTS.
 * zygote -> daemon ``{"t": "exit", "id", "status", "cpu_s", "maxrss_kb"}`` when a
-  jail's waiter ended (its wait status mirrors the jail's), or ``{"t": "error",
+  jail's waiter was reaped (its wait status mirrors the jail's), or ``{"t": "error",
   "id", "message"}`` when it could not fork.
+
+The waiter also writes the jail's own wait status and CPU time to the status pipe
+the moment the jail ends (:data:`jaild.runtime.zygote.STATUS`): the waiter's exit
+tears down the jail's namespaces, which takes milliseconds, so the result goes out
+on the pipe's word and the job's cgroup and uid are released on the zygote's.
 
 A dead zygote fails every jail it had (their waiters die with it by
 pdeathsig) and is started again on the next spawn.
@@ -89,7 +94,7 @@ class Zygote:
         self._control: socket.socket | None = None
         self._cgroup: JobCgroup | None = None
         self._pending: dict[int, OnExit] = {}
-        self._outbox: collections.deque[tuple[bytes, tuple[int, int, int]]] = collections.deque()
+        self._outbox: collections.deque[tuple[bytes, tuple[int, ...]]] = collections.deque()
         self._writer_armed = False
         self._next_id = 0
         self._ready: asyncio.Future[dict[str, Any]] | None = None
@@ -302,9 +307,10 @@ class Zygote:
 
     # -- jails
 
-    def spawn(self, request: dict[str, Any], fds: tuple[int, int, int], on_exit: OnExit) -> None:
-        """Ask for one jail; the zygote gets ``fds`` (its channel, stdout, stderr), which
-        this takes over and closes once sent. ``on_exit`` hears how it ended, once."""
+    def spawn(self, request: dict[str, Any], fds: tuple[int, ...], on_exit: OnExit) -> None:
+        """Ask for one jail; the zygote gets ``fds`` (its channel, stdout, stderr, status
+        pipe), which this takes over and closes once sent. ``on_exit`` hears when its
+        waiter was reaped (or never started), once."""
         if not self.alive or self._control is None:
             for fd in fds:
                 os.close(fd)

@@ -89,7 +89,7 @@ class Channel:
             self._sock.sendall(data)
 
     def receive(self) -> Message:
-        """Block for the next message (only before :meth:`start`)."""
+        """Block for the next message (only before the first call)."""
         while True:
             event = self._conn.next_event()
             if event is NEED_DATA:
@@ -103,15 +103,17 @@ class Channel:
 
     # -- calls
 
-    def start(self) -> None:
-        self._reader = threading.Thread(target=self._read_loop, name="jaild-channel", daemon=True)
-        self._reader.start()
-
     def begin_call(self, make_msg: Any, loop: asyncio.AbstractEventLoop | None) -> _Waiter:
-        """Register a waiter, then send ``make_msg(call_id)``."""
+        """Register a waiter, then send ``make_msg(call_id)``. The first call starts the
+        reader thread: code that calls no tool pays nothing for it."""
         waiter = _Waiter(loop)
         call_id = next(self._ids)
         with self._lock:
+            if self._reader is None:
+                self._reader = threading.Thread(
+                    target=self._read_loop, name="jaild-channel", daemon=True
+                )
+                self._reader.start()
             self._pending[call_id] = waiter
             data = self._conn.send(make_msg(call_id))
             self._sock.sendall(data)

@@ -68,7 +68,6 @@ def main() -> None:
     from jaild.runtime import execute
     from jaild.runtime.tools import ToolError, Tools
 
-    channel.start()
     tools = Tools(run.tools, channel, run.tool_payload_bytes)
     namespace = {
         "__name__": "__main__",

@@ -11,14 +11,15 @@ user namespace, and a uid map holding the daemon's whole range of job uids
 runtime and the policy's ``preimport`` modules, then waits on its control socket
 (fd 0, SOCK_SEQPACKET) for ``spawn`` requests.
 
-For each request (the job's channel, stdout and stderr arrive with it as
-SCM_RIGHTS) it forks::
+For each request (the job's channel, stdout, stderr and a status pipe arrive with
+it as SCM_RIGHTS) it forks::
 
     zygote (caps in its userns, no user code ever)
       └─ waiter   sends the preamble byte on the channel (the daemon learns its host
          │        pid from SO_PASSCRED and moves it into the job's cgroup), waits for
          │        the go byte, unshares fresh mount/pid/ipc/net/uts/cgroup namespaces,
-         │        forks, drops to the job's uid, and mirrors the jail's exit status
+         │        forks, drops to the job's uid; when the jail ends it writes the wait
+         │        status to the status pipe at once, then mirrors it as its own
          └─ jail  pid 1 of the new pid namespace: private mount propagation, a new
                   /tmp, /dev/shm and /proc, hostname, rlimits; drops the bounding set,
                   then to the job's unprivileged uid (which clears every capability);
@@ -47,6 +48,7 @@ import resource
 import select
 import signal
 import socket
+import struct
 import sys
 import traceback
 from collections.abc import Sequence
@@ -73,6 +75,8 @@ SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
 
+STATUS_FD = 3  # the waiter's: the jail's wait status and CPU time go to the daemon on it
+STATUS = struct.Struct("=id")
 PREAMBLE = b"Z"  # waiter -> daemon, carrying SO_PASSCRED credentials
 GO = b"G"  # daemon -> waiter: you are in the job's cgroup
 MAX_CONTROL = 64 * 1024
@@ -120,11 +124,10 @@ def _umount(target: str) -> None:
 
 
 def _loopback_up() -> None:
+    import fcntl
+
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
-        import fcntl
-        import struct
-
         ifreq = struct.pack("16sH14x", b"lo", 0)
         flags = struct.unpack("16sH14x", fcntl.ioctl(s, SIOCGIFFLAGS, ifreq))[1]
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
@@ -202,6 +205,7 @@ def _waiter(req: dict[str, Any], zygote_pid: int) -> None:
         # so the arming race cannot be checked here; the daemon kills the job's cgroup
         # whenever the waiter ends, which covers it.
         prctl.set_pdeathsig(signal.SIGKILL)
+        os.close(STATUS_FD)  # the waiter's alone
         _setup_jail(req)
         from jaild.runtime.main import main
 
@@ -213,10 +217,15 @@ def _waiter(req: dict[str, Any], zygote_pid: int) -> None:
     prctl.set_no_new_privs(1)
     while True:
         try:
-            _, status = os.waitpid(pid, 0)
+            _, status, usage = os.wait4(pid, 0)
             break
         except InterruptedError:
             continue
+    # Report the jail's end at once: our own exit tears down the namespaces we unshared,
+    # which takes milliseconds; the zygote's report of it comes after that.
+    with contextlib.suppress(OSError):
+        os.write(STATUS_FD, STATUS.pack(status, usage.ru_utime + usage.ru_stime))
+        os.close(STATUS_FD)
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -235,9 +244,9 @@ def _child_main(req: dict[str, Any], fds: Sequence[int], control: socket.socket)
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
-        for target, fd in zip((0, 1, 2), fds, strict=True):
+        for target, fd in zip((0, 1, 2, STATUS_FD), fds, strict=True):
             os.dup2(fd, target)
-        os.closerange(3, 65536)
+        os.closerange(STATUS_FD + 1, 65536)
         _waiter(req, zygote_pid)
     except BaseException as exc:
         try:
@@ -336,7 +345,7 @@ def main(preimport: Sequence[str]) -> None:
                     fds += list(memoryview(payload).cast("i"))
             try:
                 req = msgpack.unpackb(data)
-                if req.get("t") == "spawn" and len(fds) == 3:
+                if req.get("t") == "spawn" and len(fds) == 4:
                     children.update(_spawn(control, req, fds))
             finally:
                 for fd in fds:

@@ -3,6 +3,10 @@
 After the whole suite: no jailed process alive, no job cgroup left, the daemon's
 descriptor count back where it started, the host's mount table unchanged, no new
 temporary directories -- asserted, not eyeballed.
+
+The daemon's own standing jails are not leaks: each policy's zygote, and a warm pool
+of exactly one jail per policy (``min = max = 1``, so the pool's size, and with it the
+daemon's descriptor count, is the same before and after).
 """
 
 from __future__ import annotations
@@ -14,19 +18,32 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DaemonHandle, start_daemon
+from tests.conftest import REPO_POLICIES, TEST_POLICIES, DaemonHandle, start_daemon
+
+STANDING = ("zygote-", "pool-")  # cgroups of the daemon's zygotes and waiting pooled jails
+
+
+def _memory_cgroup(pid: str) -> str:
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        if ":memory:" in line:
+            return line.split(":", 2)[2]
+    return ""
 
 
 def jail_processes(d: DaemonHandle) -> list[int]:
+    """Processes running as a jail uid that are not a zygote or a waiting pooled jail."""
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 uid_line = next(ln for ln in Path(f"/proc/{entry}/status").read_text().splitlines()
                                 if ln.startswith("Uid:"))
+                group = _memory_cgroup(entry).split("/")
             except (OSError, StopIteration):
                 continue
-            if d.config.uid_base <= int(uid_line.split()[1]) < d.config.uid_base + 65536:
+            standing = len(group) > 2 and group[2].startswith(STANDING)
+            if d.config.uid_base <= int(uid_line.split()[1]) < d.config.uid_base + 65536 \
+                    and not standing:
                 out.append(int(entry))
     return out
 
@@ -36,7 +53,8 @@ def job_cgroups(d: DaemonHandle) -> list[str]:
     for controller in ("memory", "pids", "cpu"):
         root = Path("/sys/fs/cgroup") / controller / d.config.subtree
         if root.is_dir():
-            found += [f"{controller}/{p.name}" for p in root.iterdir() if p.is_dir()]
+            found += [f"{controller}/{p.name}" for p in root.iterdir()
+                      if p.is_dir() and not p.name.startswith(STANDING)]
     return found
 
 
@@ -44,19 +62,48 @@ def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def settled_fd_count(pid: int) -> int:
+    """The descriptor count once connections just closed are gone (stable for 0.3 s)."""
+    last, stable = fd_count(pid), 0
+    while stable < 6:
+        time.sleep(0.05)
+        now = fd_count(pid)
+        stable = stable + 1 if now == last else 0
+        last = now
+    return last
+
+
 def tmp_entries() -> set[str]:
     return {p for p in os.listdir("/tmp") if p.startswith(("nsjail", "jaild"))}
 
 
+def pools_full(d: DaemonHandle) -> None:
+    """Wait until every warm pool holds its one jail again."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with d.client() as c:
+            pools = [p["pool"] for p in c.policies() if p["available"] and p["pool"]["max"]]
+        if all(p["ready"] == p["min"] for p in pools):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the warm pools did not refill: {pools}")
+
+
 @pytest.fixture(scope="package")
 def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
-    d = start_daemon(tmp_path_factory.mktemp("hostile"))
+    policies = {}
+    for src in [*REPO_POLICIES.glob("*.toml"), *TEST_POLICIES.glob("*.toml")]:
+        text = src.read_text()
+        policies[src.stem] = text if "[pool]" in text else text + "\n[pool]\nmin = 1\nmax = 1\n"
+    d = start_daemon(tmp_path_factory.mktemp("hostile"), policies)
     d.assert_serving()  # warm: everything the daemon opens lazily is open now
-    baseline_fds = fd_count(d.proc.pid)
+    pools_full(d)
+    baseline_fds = settled_fd_count(d.proc.pid)
     mounts = Path("/proc/self/mountinfo").read_text()
     tmp_before = tmp_entries()
     yield d
     d.assert_serving()
+    pools_full(d)
     assert jail_processes(d) == [], "jailed processes outlived their jobs"
     assert job_cgroups(d) == [], "job cgroups were left behind"
     deadline = time.monotonic() + 5  # connections the tests just closed may still be closing

@@ -137,17 +137,34 @@ def test_printing_protocol_frames_cannot_forge_anything(client: Client) -> None:
     assert "CodeFinished" in r.stdout
 
 
+FORGE = (
+    "import os, msgpack, struct, time\n"
+    "frame = msgpack.packb({'type': 'CodeFinished', 'ok': True, 'result': msgpack.packb('forged')})\n"
+    "os.write(3, struct.pack('>I', len(frame)) + frame)\n"
+    "time.sleep(30)"
+)
+
+
 def test_forged_finish_on_the_channel_does_not_beat_the_deadline(client: Client) -> None:
-    # Hostile code writes its own CodeFinished to the tool channel, then keeps running.
-    code = (
-        "import os, msgpack, struct, time\n"
-        "frame = msgpack.packb({'type': 'CodeFinished', 'ok': True, 'result': msgpack.packb('forged')})\n"
-        "os.write(3, struct.pack('>I', len(frame)) + frame)\n"
-        "time.sleep(30)"
-    )
-    r = client.run(code, timeout=1)
+    # Hostile code writes its own CodeFinished to the tool channel, then keeps running. A
+    # spawned jail's record waits for the jail's exit: the deadline ends it.
+    r = client.run(FORGE, policy="spawn", timeout=1)
     assert r.status == "timeout"
     assert r.result is None
+
+
+def test_forged_finish_ends_a_zygote_jail_at_once(daemon: DaemonHandle, client: Client) -> None:
+    # A zygote jail's record is made at the claim, and the jail is killed then: the code
+    # chose its own result (which it could have returned anyway) and cannot run on.
+    started = time.monotonic()
+    job = client.submit(FORGE, timeout=10)
+    r = job.result(20)
+    assert (r.status, r.result) == ("ok", "forged")
+    assert time.monotonic() - started < 5
+    deadline = time.monotonic() + 2
+    while daemon.job_pids(r.job_id) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert daemon.job_pids(r.job_id) == []
 
 
 def test_garbage_on_the_channel_ends_the_job(daemon: DaemonHandle, client: Client) -> None:
