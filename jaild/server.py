@@ -280,18 +280,18 @@ class ClientSession:
                 )
             )
 
-    async def call_tool(
+    def call_tool(
         self, job_id: str, call_id: int, name: str, args: bytes
-    ) -> tuple[bool, Any]:
+    ) -> asyncio.Future[tuple[bool, Any]]:
+        """Send a tool call to this client; the future gets its reply (a ToolRouter)."""
         if self.closed:
             raise ConnectionLost("the client is gone")
         fut: asyncio.Future[tuple[bool, Any]] = asyncio.get_running_loop().create_future()
-        self.pending_calls[(job_id, call_id)] = fut
+        key = (job_id, call_id)
+        self.pending_calls[key] = fut
+        fut.add_done_callback(lambda _: self.pending_calls.pop(key, None))
         self.send(ClientCallTool(job_id=job_id, call_id=call_id, name=name, args=args))
-        try:
-            return await fut
-        finally:
-            self.pending_calls.pop((job_id, call_id), None)
+        return fut
 
     def output(self, job_id: str, stream: str, data: bytes) -> None:
         self.send(JobOutput(job_id=job_id, stream=stream, data=data))
@@ -580,8 +580,12 @@ class Daemon:
             tools=(ToolSpec(name=INSPECT_TOOL, description="the job seen from the host"),),
         )
 
-        async def inspect(job_id: str, call_id: int, name: str, args: bytes) -> tuple[bool, Any]:
-            return True, pack(job.host_view())
+        def inspect(
+            job_id: str, call_id: int, name: str, args: bytes
+        ) -> asyncio.Future[tuple[bool, Any]]:
+            reply: asyncio.Future[tuple[bool, Any]] = asyncio.get_running_loop().create_future()
+            reply.set_result((True, pack(job.host_view())))
+            return reply
 
         job = JailedJob(spec, self.env, inspect, lambda *_: None)
         try:

@@ -50,7 +50,7 @@ import socket
 import struct
 import subprocess
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,8 +96,10 @@ FRAME_OVERHEAD = 4 * 2 * 65536 + 65536
 """Room on the jail link beyond the payload limits: CodeFinished may carry a 64K-character
 message and traceback besides the result (UTF-8: up to 4 bytes a character)."""
 
-ToolRouter = Callable[[str, int, str, bytes], Awaitable[tuple[bool, Any]]]
-"""(job_id, call_id, tool name, packed args) -> (True, packed value) | (False, (type, message))."""
+ToolRouter = Callable[[str, int, str, bytes], "asyncio.Future[tuple[bool, Any]]"]
+"""(job_id, call_id, tool name, packed args) -> a future of (True, packed value) or
+(False, (type, message)); it may fail with ConnectionLost. The router sends the call
+at once; cancelling the future withdraws it."""
 OutputSink = Callable[[str, str, bytes], None]
 """(job_id, "stdout"|"stderr", bytes) -> None."""
 
@@ -423,7 +425,7 @@ class JailedJob:
         self._log = bytearray()
         self._calls: list[dict[str, Any]] = []
         self._calls_omitted = 0
-        self._in_flight: dict[int, asyncio.Task[None]] = {}
+        self._in_flight: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
         self._open_streams = 0
         self._done = asyncio.Event()
         self._ready = asyncio.Event()
@@ -967,7 +969,9 @@ class JailedJob:
                 {"name": call.name, "duration_s": 0.0, "ok": False, "error_type": "too_many_calls"}
             )
             return
-        self._in_flight[call.call_id] = self._loop.create_task(self._route(call))
+        reply = self._route(call)
+        if reply is not None and not reply.done():
+            self._in_flight[call.call_id] = reply
 
     def _note_call(self, entry: dict[str, Any]) -> None:
         """Record a call in the result, up to MAX_CALL_RECORDS (then only count it)."""
@@ -980,25 +984,50 @@ class JailedJob:
         if self._conn.state is State.RUNNING:
             self._send(JailToolFailed(call_id=call_id, error_type=error_type, message=message))
 
-    async def _route(self, call: JailCallTool) -> None:
-        started = time.monotonic()
-        entry: dict[str, Any] = {"name": call.name, "duration_s": 0.0, "ok": False}
-        timeout = self.spec.limits.tool_call_timeout_s
+    def _route(self, call: JailCallTool) -> asyncio.Future[tuple[bool, Any]] | None:
+        """Hand the call to the router now; its reply is forwarded from a done callback
+        (no task per call: a round trip is a few loop iterations shorter)."""
         assert self._route_tool is not None  # calls arrive only after RunCode
         try:
-            async with asyncio.timeout(timeout):
-                ok, value = await self._route_tool(
-                    self.spec.job_id, call.call_id, call.name, call.args
-                )
+            reply = self._route_tool(self.spec.job_id, call.call_id, call.name, call.args)
         except ConnectionLost:
             self._terminate("cancelled", "the client disconnected during a tool call")
+            return None
+        timeout = self.spec.limits.tool_call_timeout_s
+        timer = self._loop.call_later(timeout, self._call_timed_out, reply, call.name, timeout)
+        reply.add_done_callback(
+            functools.partial(self._call_done, call, time.monotonic(), timer)
+        )
+        return reply
+
+    @staticmethod
+    def _call_timed_out(
+        reply: asyncio.Future[tuple[bool, Any]], name: str, timeout: float
+    ) -> None:
+        if not reply.done():
+            reply.set_result((False, ("timeout", f"{name} did not answer within {timeout:g} s")))
+
+    def _call_done(
+        self,
+        call: JailCallTool,
+        started: float,
+        timer: asyncio.TimerHandle,
+        reply: asyncio.Future[tuple[bool, Any]],
+    ) -> None:
+        timer.cancel()
+        self._in_flight.pop(call.call_id, None)
+        entry: dict[str, Any] = {
+            "name": call.name,
+            "duration_s": round(time.monotonic() - started, 6),
+            "ok": False,
+        }
+        self._note_call(entry)
+        if reply.cancelled():  # the job is over
             return
-        except TimeoutError:
-            ok, value = False, ("timeout", f"{call.name} did not answer within {timeout:g} s")
-        finally:
-            entry["duration_s"] = round(time.monotonic() - started, 6)
-            self._note_call(entry)
-            self._in_flight.pop(call.call_id, None)
+        if isinstance(reply.exception(), ConnectionLost):
+            self._terminate("cancelled", "the client disconnected during a tool call")
+            return
+        ok, value = reply.result()
         if ok and len(value) > self.spec.limits.tool_payload_bytes:
             ok, value = (
                 False,
@@ -1009,12 +1038,13 @@ class JailedJob:
                 ),
             )
         entry["ok"] = ok
+        if not ok:
+            entry["error_type"] = value[0]
         if self._conn.state is not State.RUNNING:
             return
         if ok:
             self._send(JailToolReturned(call_id=call.call_id, value=value))
         else:
-            entry["error_type"] = value[0]
             self._send(JailToolFailed(call_id=call.call_id, error_type=value[0], message=value[1]))
 
     # -- ending

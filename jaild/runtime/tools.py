@@ -79,7 +79,7 @@ class Tool:
             lambda call_id: JailCallTool(call_id=call_id, name=name, args=payload), loop
         )
         if loop is None:
-            return self._outcome(waiter.wait())
+            return self._outcome(self._channel.wait(waiter))
         return self._await(waiter.future)
 
     async def _await(self, future: asyncio.Future[Any]) -> Any:

@@ -120,6 +120,10 @@ def test_cancelled_by_the_client(daemon: DaemonHandle, client: Client) -> None:
     assert r.status == "cancelled"
     assert r.error is not None and r.error["message"] == "cancelled by the client"
     assert r.stdout == "up\n"
+    # the record goes out first; the jail's cgroup goes once its processes are reaped
+    deadline = time.monotonic() + 5
+    while job.job_id in _running_job_ids(daemon) and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert job.job_id not in _running_job_ids(daemon)
     daemon.assert_serving()
 
