@@ -182,7 +182,7 @@ class JobCgroup:
         self.dirs = renamed
 
     def adopt(self, pid: int) -> None:
-        """Move ``pid`` (a zygote-forked jail's waiter) into this job's cgroup(s).
+        """Move ``pid`` (a zygote-forked jail) into this job's cgroup(s).
 
         In v2 the job's directory delegates its controllers, so a process may only
         live in a leaf: ``jail`` below it."""

@@ -464,6 +464,7 @@ class Daemon:
                 zygote_uid=self.config.uid_base + JOB_UIDS + index,
                 uid_base=self.config.uid_base,
                 launcher=env.launcher,
+                seccomp_spec=env.seccomp_specs[name],
             )
         names = list(env.zygotes)
         results = await asyncio.gather(

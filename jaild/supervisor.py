@@ -10,9 +10,9 @@ and stderr. Then the jail is made one of two ways (the policy's ``pool.mode``):
   and a pipe it logs to; a pidfd says when nsjail exits (``wait4`` then gives its
   rusage, which includes the jailed process nsjail reaped).
 * ``zygote`` -- the policy's zygote (:mod:`jaild.zygote`) forks the jail, which
-  enters fresh namespaces of its own. Its waiter's first byte on the channel
-  carries its host pid (SO_PASSCRED), which goes into the job's cgroup before
-  anything else happens; a status pipe says how the jail ended.
+  enters fresh namespaces of its own. Its first byte on the channel carries its
+  host pid (SO_PASSCRED), which goes into the job's cgroup before anything else
+  happens; the zygote reports how the jail ended.
 
 Everything is event driven on the daemon's loop. A jail may be made before its
 job (the warm pool, :mod:`jaild.pool`): it stops once hardened, and its job is
@@ -72,7 +72,7 @@ from jaild.protocol.messages import (
     RunCode,
     ToolSpec,
 )
-from jaild.runtime.zygote import GO, PREAMBLE, STATUS
+from jaild.runtime.zygote import GO, PREAMBLE
 from jaild.zygote import SCM_CREDENTIALS, Zygote, ZygoteExit
 
 log = logging.getLogger("jaild")
@@ -433,17 +433,15 @@ class JailedJob:
         self._cleaned = False
         self._released = False
         self._spawned = False  # a zygote was asked for this jail
-        self._reaped = False  # ... and has reaped its waiter
+        self._zygote_reaped = False  # ... and has reaped the jail
         self._release_pending = False
-        self._status_fd = -1
         self._claimed = False  # the result is in and decides the record (zygote jails)
         self._pipes: tuple[tuple[int, str], ...] = ()
         self._proc: subprocess.Popen[bytes] | None = None
         self._exited = False
         self._channel: _Channel | None = None
         self._preamble_sock: socket.socket | None = None
-        self._waiter_pid: int | None = None  # zygote jails: the jail's waiter (host pid)
-        self._jail_pid: int | None = None  # zygote jails: the jail's own process (host pid)
+        self._jail_pid: int | None = None  # zygote jails: the jail's process (host pid)
         self._terminating = False
         self._timers: list[asyncio.TimerHandle] = []
         self._started = time.monotonic()
@@ -553,9 +551,9 @@ class JailedJob:
     def cleanup(self) -> None:
         """Kill what is left of the jail; release its cgroup and uid once nothing of it runs.
 
-        A zygote jail's result is out as soon as the jail itself ended, while its waiter
-        still tears down the namespaces; the cgroup and uid are released when the zygote
-        has reaped the waiter (or after ``RELEASE_TIMEOUT_S``, by then long dead)."""
+        A zygote jail's record is out at its claim, while the jail may still be tearing
+        down its namespaces; the cgroup and uid are released when the zygote has reaped
+        it (or after ``RELEASE_TIMEOUT_S``, by then long dead)."""
         if self._cleaned:
             return
         self._cleaned = True
@@ -564,14 +562,13 @@ class JailedJob:
         if self._channel is not None:
             self._channel.close()
         self._close_preamble()
-        self._close_status()
         if self._proc is not None and not self._exited:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.kill()
         if self._cgroup is not None:
             with contextlib.suppress(OSError):
                 self._cgroup.kill_all()
-        if self._spawned and not self._reaped:
+        if self._spawned and not self._zygote_reaped:
             self._release_pending = True
             self._loop.call_later(RELEASE_TIMEOUT_S, self._release)
         else:
@@ -621,21 +618,18 @@ class JailedJob:
         daemon_end.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        status_r, status_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         try:
             zygote.spawn(  # takes over the jail's ends
                 zygote_request(self.spec.policy, self.spec.limits, uid),
-                (jail_end.detach(), out_w, err_w, status_w),
-                self._waiter_reaped,
+                (jail_end.detach(), out_w, err_w),
+                self._reaped,
             )
         except BaseException:
-            for fd in (out_r, err_r, status_r):
+            for fd in (out_r, err_r):
                 os.close(fd)
             daemon_end.close()
             raise
         self._spawned = True
-        self._status_fd = status_r
-        self._loop.add_reader(status_r, self._status_readable)
         # stdout, stderr and the channel; the zygote reports the end
         self._open_streams = 3
         await self._read_output(out_r, err_r)
@@ -644,7 +638,7 @@ class JailedJob:
         self._loop.add_reader(daemon_end.fileno(), self._preamble)
 
     def _preamble(self) -> None:
-        """The waiter's first byte: its host pid (SO_PASSCRED) goes into the job's cgroup."""
+        """The jail's first byte: its host pid (SO_PASSCRED) goes into the job's cgroup."""
         sock = self._preamble_sock
         assert sock is not None and self._cgroup is not None
         try:
@@ -664,14 +658,14 @@ class JailedJob:
         pid, uid, _gid = struct.unpack("3i", creds[0][:12])
         self._loop.remove_reader(sock.fileno())
         self._preamble_sock = None
-        if uid != zygote.uid:  # only the zygote's own waiter may claim a jail
+        if uid != zygote.uid:  # only a process of the zygote's may claim a jail
             sock.close()
             self._terminate("start_failed", f"preamble from uid {uid}, not the zygote's")
             self._stream_closed()
             return
         try:
             self._cgroup.adopt(pid)
-            self._waiter_pid = pid
+            self._jail_pid = pid
             sock.send(GO)
         except OSError as exc:
             sock.close()
@@ -686,29 +680,10 @@ class JailedJob:
             self._loop.remove_reader(sock.fileno())
             sock.close()
 
-    def _status_readable(self) -> None:
-        """The waiter's word on how the jail ended (see :data:`jaild.runtime.zygote.STATUS`)."""
-        try:
-            data = os.read(self._status_fd, 64)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        self._close_status()
-        if len(data) == STATUS.size:
-            status, cpu_s = STATUS.unpack(data)
-            self._forked_exit(ZygoteExit(status, cpu_s))
-        # anything else: the waiter died first; the zygote's report of it will decide
-
-    def _close_status(self) -> None:
-        fd, self._status_fd = self._status_fd, -1
-        if fd >= 0:
-            self._loop.remove_reader(fd)
-            os.close(fd)
-
-    def _waiter_reaped(self, end: ZygoteExit) -> None:
-        self._reaped = True
-        self._forked_exit(end)  # unless the status pipe already told
+    def _reaped(self, end: ZygoteExit) -> None:
+        """The zygote reaped the jail (or never made it): its end, and nothing left of it."""
+        self._zygote_reaped = True
+        self._forked_exit(end)
         if self._release_pending:
             self._release()
 
@@ -910,10 +885,6 @@ class JailedJob:
                 return
             self._ev.jail_ready = True
             self.ready_at = time.monotonic()
-            if self._waiter_pid is not None and self._cgroup is not None:
-                with contextlib.suppress(OSError):  # user code has not run: only waiter + jail
-                    others = set(self._cgroup.member_pids()) - {self._waiter_pid}
-                    self._jail_pid = min(others) if others else None
             self._ready.set()
             if self._route_tool is not None:
                 self._begin()
@@ -1062,7 +1033,7 @@ class JailedJob:
         if self._exited or self._terminating:
             return
         proc = self._proc
-        if proc is None and self._waiter_pid is None:
+        if proc is None and self._jail_pid is None:
             if self._preamble_sock is not None:  # the waiter exits when it reads EOF
                 self._terminating = True
                 self._close_preamble()

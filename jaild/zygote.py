@@ -7,20 +7,17 @@ msgpack map per packet:
 * zygote -> daemon ``{"t": "ready", "pid", "python", "failed": {module: error}}``
   once, after its imports; a non-empty ``failed`` means it exits and the policy
   is not served.
+* daemon -> zygote ``{"t": "seccomp", "spec"}`` once, after ``ready``: the policy's
+  seccomp spec, whose filters the zygote builds once for all its jails (each jail
+  still loads them itself, and the daemon still checks the digest it reports).
 * daemon -> zygote ``{"t": "spawn", "id", "uid", "rlimits", "tmp", "shm", "proc",
-  "netns", "loopback", "hostname"}`` with the jail's channel, stdout, stderr and
-  status pipe as SCM_RIGHTS.
+  "netns", "loopback", "hostname"}`` with the jail's channel, stdout and stderr
+  as SCM_RIGHTS.
 * zygote -> daemon ``{"t": "exit", "id", "status", "cpu_s", "maxrss_kb"}`` when a
-  jail's waiter was reaped (its wait status mirrors the jail's), or ``{"t": "error",
-  "id", "message"}`` when it could not fork.
+  jail was reaped, or ``{"t": "error", "id", "message"}`` when it could not fork.
 
-The waiter also writes the jail's own wait status and CPU time to the status pipe
-the moment the jail ends (:data:`jaild.runtime.zygote.STATUS`): the waiter's exit
-tears down the jail's namespaces, which takes milliseconds, so the result goes out
-on the pipe's word and the job's cgroup and uid are released on the zygote's.
-
-A dead zygote fails every jail it had (their waiters die with it by
-pdeathsig) and is started again on the next spawn.
+A dead zygote fails every jail it had (they die with it by pdeathsig) and is
+started again on the next spawn.
 """
 
 from __future__ import annotations
@@ -81,6 +78,7 @@ class Zygote:
         zygote_uid: int,
         uid_base: int,
         launcher: tuple[str, ...],
+        seccomp_spec: dict[str, Any],
     ) -> None:
         self.policy = policy
         self._nsjail = nsjail
@@ -90,6 +88,7 @@ class Zygote:
         self.uid = zygote_uid
         self._uid_base = uid_base
         self._launcher = launcher
+        self._seccomp_spec = seccomp_spec
         self._proc: subprocess.Popen[bytes] | None = None
         self._control: socket.socket | None = None
         self._cgroup: JobCgroup | None = None
@@ -187,6 +186,8 @@ class Zygote:
             self._died(problem)
             raise ZygoteError(self._why(problem))
         self.python = str(hello.get("python", ""))
+        assert self._control is not None
+        self._control.send(msgpack.packb({"t": "seccomp", "spec": self._seccomp_spec}))
         log.info(
             "zygote of policy %s ready (nsjail pid %d, python %s)",
             self.policy.name,
@@ -308,9 +309,9 @@ class Zygote:
     # -- jails
 
     def spawn(self, request: dict[str, Any], fds: tuple[int, ...], on_exit: OnExit) -> None:
-        """Ask for one jail; the zygote gets ``fds`` (its channel, stdout, stderr, status
-        pipe), which this takes over and closes once sent. ``on_exit`` hears when its
-        waiter was reaped (or never started), once."""
+        """Ask for one jail; the zygote gets ``fds`` (its channel, stdout, stderr), which
+        this takes over and closes once sent. ``on_exit`` hears when it was reaped (or
+        never started), once."""
         if not self.alive or self._control is None:
             for fd in fds:
                 os.close(fd)

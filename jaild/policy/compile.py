@@ -216,9 +216,10 @@ def nsjail_config(policy: Policy, host: HostLayout, *, zygote: bool = False) -> 
                 noexec=True,
             )
         )
-    if fs.proc != "none":
-        # The zygote gets a full /proc: the kernel lets a jail mount its own proc only where
-        # a fully visible one exists; the jail then detaches the zygote's (see the zygote).
+    if fs.proc != "none" or zygote:
+        # The zygote always gets a full /proc: it needs its own pid namespace from there,
+        # and the kernel lets a jail mount its own proc only where a fully visible one
+        # exists; each jail detaches the zygote's (see jaild.runtime.zygote).
         options = "subset=pid" if fs.proc == "pid-only" and not zygote else ""
         lines.append(
             _mount(

@@ -11,19 +11,23 @@ user namespace, and a uid map holding the daemon's whole range of job uids
 runtime and the policy's ``preimport`` modules, then waits on its control socket
 (fd 0, SOCK_SEQPACKET) for ``spawn`` requests.
 
-For each request (the job's channel, stdout, stderr and a status pipe arrive with
-it as SCM_RIGHTS) it forks::
+For each request (the job's channel, stdout and stderr arrive with it as
+SCM_RIGHTS) it forks the jail as the first process -- pid 1 -- of a fresh pid
+namespace (``setns`` back to its own, ``unshare(CLONE_NEWPID)``, ``fork``). The
+jail, still privileged inside the zygote's user namespace:
 
-    zygote (caps in its userns, no user code ever)
-      └─ waiter   sends the preamble byte on the channel (the daemon learns its host
-         │        pid from SO_PASSCRED and moves it into the job's cgroup), waits for
-         │        the go byte, unshares fresh mount/pid/ipc/net/uts/cgroup namespaces,
-         │        forks, drops to the job's uid; when the jail ends it writes the wait
-         │        status to the status pipe at once, then mirrors it as its own
-         └─ jail  pid 1 of the new pid namespace: private mount propagation, a new
-                  /tmp, /dev/shm and /proc, hostname, rlimits; drops the bounding set,
-                  then to the job's unprivileged uid (which clears every capability);
-                  then :func:`jaild.runtime.main.main` -- Harden, seccomp, JailReady.
+1. sends the preamble byte on the channel: the daemon learns its host pid from
+   SO_PASSCRED and moves it into the job's cgroup, then sends the go byte;
+2. unshares fresh mount, ipc, uts, cgroup and (unless the policy says host) net
+   namespaces;
+3. makes mount propagation private, mounts a new /tmp, /dev/shm and /proc (the
+   zygote's are detached), sets hostname and rlimits;
+4. drops the bounding set, then becomes the job's unprivileged uid (which clears
+   every capability);
+5. runs :func:`jaild.runtime.main.main` -- Harden, seccomp, JailReady.
+
+One fork per jail: a waiter process between zygote and jail would cost a second
+fork, its copy-on-write faults and its exit, for nothing the zygote cannot do.
 
 So a zygote jail shares nothing writable with the zygote or with other jails:
 memory is copy-on-write (the zygote holds no shared mappings), /tmp, /dev/shm
@@ -32,15 +36,15 @@ namespaces, the cgroup is the job's own, the uid is the job's own. What it does
 share with its siblings is the zygote's address-space layout (ASLR is per exec,
 not per fork) and hash seed; the README's security model says so.
 
-The zygote reports each waiter's end (wait status, CPU, peak RSS) on the control
+The zygote reports each jail's end (wait status, CPU, peak RSS) on the control
 socket. It never reads what a jail writes and never runs user code.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
+import gc
 import importlib
 import os
 import platform
@@ -75,10 +79,8 @@ SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
 
-STATUS_FD = 3  # the waiter's: the jail's wait status and CPU time go to the daemon on it
-STATUS = struct.Struct("=id")
-PREAMBLE = b"Z"  # waiter -> daemon, carrying SO_PASSCRED credentials
-GO = b"G"  # daemon -> waiter: you are in the job's cgroup
+PREAMBLE = b"Z"  # jail -> daemon, carrying SO_PASSCRED credentials
+GO = b"G"  # daemon -> jail: you are in the job's cgroup
 MAX_CONTROL = 64 * 1024
 EXIT_SETUP_FAILED = 70
 
@@ -146,12 +148,6 @@ def _drop_to(uid: int) -> None:
     os.setresuid(uid, uid, uid)
 
 
-def _arm_pdeathsig(parent: int) -> None:
-    prctl.set_pdeathsig(signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the signal was armed
-        raise SetupFailed("the zygote died")
-
-
 def _setup_jail(req: dict[str, Any]) -> None:
     """In the jail process (pid 1 of its pid namespace), still privileged in the userns."""
     _mount("none", "/", None, MS_REC | MS_PRIVATE, None)
@@ -187,67 +183,37 @@ def _setup_jail(req: dict[str, Any]) -> None:
     _drop_to(req["uid"])
 
 
-def _waiter(req: dict[str, Any], zygote_pid: int) -> None:
-    """The forked child: preamble, namespaces, the jail, then mirror its end."""
-    _arm_pdeathsig(zygote_pid)
+def _jail(req: dict[str, Any]) -> None:
+    """The forked child, pid 1 of a new pid namespace: preamble, namespaces, the runtime."""
     chan = socket.socket(fileno=os.dup(0))
     chan.sendall(PREAMBLE)
     if chan.recv(1) != GO:
-        os._exit(EXIT_SETUP_FAILED)
+        raise SetupFailed("the daemon did not place the jail in its cgroup")
     chan.close()
-    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
+    flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
     if req["netns"]:
         flags |= CLONE_NEWNET
     _check(_libc.unshare(flags), "unshare")
-    pid = os.fork()
-    if pid == 0:
-        # Die with the waiter. Its pid is outside our new pid namespace (getppid() is 0),
-        # so the arming race cannot be checked here; the daemon kills the job's cgroup
-        # whenever the waiter ends, which covers it.
-        prctl.set_pdeathsig(signal.SIGKILL)
-        os.close(STATUS_FD)  # the waiter's alone
-        _setup_jail(req)
-        from jaild.runtime.main import main
+    _setup_jail(req)
+    from jaild.runtime.main import main
 
-        main()
-        os._exit(0)
-    for fd in (0, 1, 2):
-        os.close(fd)  # only the jail holds the job's channel and pipes now
-    _drop_to(req["uid"])
-    prctl.set_no_new_privs(1)
-    while True:
-        try:
-            _, status, usage = os.wait4(pid, 0)
-            break
-        except InterruptedError:
-            continue
-    # Report the jail's end at once: our own exit tears down the namespaces we unshared,
-    # which takes milliseconds; the zygote's report of it comes after that.
-    with contextlib.suppress(OSError):
-        os.write(STATUS_FD, STATUS.pack(status, usage.ru_utime + usage.ru_stime))
-        os.close(STATUS_FD)
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        with contextlib.suppress(OSError, ValueError):  # SIGKILL/SIGSTOP: always default
-            signal.signal(sig, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
-        os.kill(os.getpid(), sig)
-        os._exit(128 + sig)
-    os._exit(os.waitstatus_to_exitcode(status))
+    main()
 
 
 def _child_main(req: dict[str, Any], fds: Sequence[int], control: socket.socket) -> None:
-    zygote_pid = os.getppid()
     try:
+        # Die with the zygote. Its pid is outside our pid namespace (getppid() is 0), so
+        # the arming race cannot be checked here: a zygote that dies takes its cgroup,
+        # where we still are until the daemon moves us, down with it.
+        prctl.set_pdeathsig(signal.SIGKILL)
         control.close()
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
-        for target, fd in zip((0, 1, 2, STATUS_FD), fds, strict=True):
+        for target, fd in zip((0, 1, 2), fds, strict=True):
             os.dup2(fd, target)
-        os.closerange(STATUS_FD + 1, 65536)
-        _waiter(req, zygote_pid)
+        os.closerange(3, 65536)
+        _jail(req)
     except BaseException as exc:
         try:
             detail = exc if isinstance(exc, SetupFailed) else traceback.format_exc()
@@ -261,12 +227,18 @@ def _send(control: socket.socket, msg: dict[str, Any]) -> None:
     control.send(msgpack.packb(msg))
 
 
-def _spawn(control: socket.socket, req: dict[str, Any], fds: list[int]) -> dict[int, int]:
+def _spawn(
+    control: socket.socket, req: dict[str, Any], fds: list[int], own_pidns: int
+) -> dict[int, int]:
+    """Fork the jail as the first process of a fresh pid namespace: back into our own
+    namespace for children (``setns``), a new one (``unshare``), then fork."""
     sys.stdout.flush()
     sys.stderr.flush()
     try:
+        _check(_libc.setns(own_pidns, CLONE_NEWPID), "setns")
+        _check(_libc.unshare(CLONE_NEWPID), "unshare")
         pid = os.fork()
-    except OSError as exc:
+    except (OSError, SetupFailed) as exc:
         _send(control, {"t": "error", "id": req["id"], "message": f"fork: {exc}"})
         return {}
     if pid == 0:
@@ -309,6 +281,10 @@ def main(preimport: Sequence[str]) -> None:
             importlib.import_module(name)
         except Exception as exc:
             failed[name] = f"{type(exc).__name__}: {exc}"
+    # Every object so far is shared with the jails copy-on-write: keep the collector from
+    # walking (and so writing to, and so copying) them in each jail.
+    gc.freeze()
+    own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -345,8 +321,12 @@ def main(preimport: Sequence[str]) -> None:
                     fds += list(memoryview(payload).cast("i"))
             try:
                 req = msgpack.unpackb(data)
-                if req.get("t") == "spawn" and len(fds) == 4:
-                    children.update(_spawn(control, req, fds))
+                if req.get("t") == "spawn" and len(fds) == 3:
+                    children.update(_spawn(control, req, fds, own_pidns))
+                elif req.get("t") == "seccomp":
+                    from jaild.runtime import seccomp
+
+                    seccomp.prepare(req["spec"])
             finally:
                 for fd in fds:
                     os.close(fd)
