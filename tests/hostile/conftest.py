@@ -11,8 +11,11 @@ daemon's descriptor count, is the same before and after).
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,6 +80,18 @@ def tmp_entries() -> set[str]:
     return {p for p in os.listdir("/tmp") if p.startswith(("nsjail", "jaild"))}
 
 
+def fixed_pool(text: str) -> str:
+    """The policy with a warm pool of a fixed size: min = max = its min, at least 1 (spawn
+    policies keep theirs). The pool then holds as many jails after the suite as before."""
+    pool = tomllib.loads(text).get("pool", {})
+    if pool.get("mode", "zygote") != "zygote":
+        return text
+    size = max(1, pool.get("min", 0))
+    text = re.sub(r"(?ms)^\[pool\].*?(?=^\[|\Z)", "", text)
+    return text + (f"\n[pool]\nmin = {size}\nmax = {size}\n"
+                   f"preimport = {json.dumps(pool.get('preimport', []))}\n")
+
+
 def pools_full(d: DaemonHandle) -> None:
     """Wait until every warm pool holds its one jail again."""
     deadline = time.monotonic() + 30
@@ -91,10 +106,8 @@ def pools_full(d: DaemonHandle) -> None:
 
 @pytest.fixture(scope="package")
 def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
-    policies = {}
-    for src in [*REPO_POLICIES.glob("*.toml"), *TEST_POLICIES.glob("*.toml")]:
-        text = src.read_text()
-        policies[src.stem] = text if "[pool]" in text else text + "\n[pool]\nmin = 1\nmax = 1\n"
+    policies = {src.stem: fixed_pool(src.read_text())
+                for src in [*REPO_POLICIES.glob("*.toml"), *TEST_POLICIES.glob("*.toml")]}
     d = start_daemon(tmp_path_factory.mktemp("hostile"), policies)
     d.assert_serving()  # warm: everything the daemon opens lazily is open now
     pools_full(d)

@@ -10,17 +10,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import resource
 from pathlib import Path
 
 import pytest
 
 from jaild.policy.compile import (
+    JOB_UIDS,
     CgroupLayout,
     HostLayout,
     JobPlacement,
     child_memory_ceiling_bytes,
     job_argv,
     nsjail_config,
+    tmp_inodes,
+    zygote_argv,
+    zygote_request,
 )
 from jaild.policy.schema import effective_limits, load_policy_dir, load_policy_text
 
@@ -115,3 +120,61 @@ def test_per_job_limits_reach_the_argv() -> None:
 
 def test_child_cgroup_ceiling_is_above_the_job_limit() -> None:
     assert child_memory_ceiling_bytes(POLICIES["default"]) > 256 << 20
+
+
+# ---------------------------------------------------------------- the zygote
+
+
+@pytest.mark.parametrize("name", ["default", "strict"])
+def test_zygote_config_golden(name: str) -> None:
+    golden(f"{name}.zygote.nsjail.cfg", nsjail_config(POLICIES[name], V1, zygote=True))
+
+
+@pytest.mark.parametrize(("host", "tag"), [(V1, "v1"), (V2, "v2")])
+def test_zygote_argv_golden(host: HostLayout, tag: str) -> None:
+    argv = zygote_argv("/usr/bin/nsjail", POLICIES["default"], host, "/proc/self/fd/6", 9,
+                       1073741824 + JOB_UIDS, 1073741824)
+    golden(f"default.zygote.{tag}.argv.json", json.dumps(argv, indent=1) + "\n")
+
+
+def test_the_zygote_keeps_capabilities_only_in_its_own_user_namespace() -> None:
+    zygote = nsjail_config(POLICIES["default"], V1, zygote=True)
+    jail = nsjail_config(POLICIES["default"], V1)
+    assert "keep_caps: true" in zygote and "keep_caps" not in jail
+    assert "clone_newuser: true" in zygote
+    for ns in ("net", "ns", "pid", "ipc", "uts", "cgroup"):
+        assert f"clone_new{ns}: true" in zygote
+    # the same mounts as a spawned jail, but a full /proc the jails replace with their own
+    assert 'dst: "/proc" fstype: "proc" options: ""' in zygote
+    assert 'options: "subset=pid"' in jail
+    assert "jaild.runtime.zygote" in zygote and "jaild.runtime.main" not in zygote
+
+
+def test_zygote_uid_map_is_its_own_uid_plus_the_job_range() -> None:
+    argv = zygote_argv("/nsjail", POLICIES["default"], V1, "/cfg", 9, 1000 + JOB_UIDS, 1000)
+    users = [argv[i + 1] for i, a in enumerate(argv) if a == "--user"]
+    groups = [argv[i + 1] for i, a in enumerate(argv) if a == "--group"]
+    assert users == groups == [f"0:{1000 + JOB_UIDS}:1", f"1000:1000:{JOB_UIDS}"]
+
+
+def test_preimport_reaches_the_zygote_command_line() -> None:
+    policy = load_policy_text('[pool]\npreimport = ["json", "email.message"]\n', "p.toml")
+    cfg = nsjail_config(policy, V1, zygote=True)
+    assert 'arg: "json"' in cfg and 'arg: "email.message"' in cfg
+
+
+def test_zygote_request_matches_what_nsjail_would_set() -> None:
+    policy = POLICIES["default"]
+    limits = effective_limits(policy, {"memory_mb": 64, "cpu_time_s": 3})
+    req = zygote_request(policy, limits, 4242)
+    rl = {r: (soft, hard) for r, soft, hard in req["rlimits"]}
+    assert rl[resource.RLIMIT_CPU] == (3, 3)
+    assert rl[resource.RLIMIT_FSIZE] == (policy.limits.file_size_mb << 20,) * 2
+    assert rl[resource.RLIMIT_NOFILE] == (policy.limits.open_files,) * 2
+    assert rl[resource.RLIMIT_CORE] == (0, 0)
+    assert req["uid"] == 4242 and req["hostname"] == "jail"
+    assert req["proc"] == "pid-only" and req["netns"] and not req["loopback"]
+    assert f"nr_inodes={tmp_inodes(policy.filesystem.tmp_mb)}" in req["tmp"]
+    host = load_policy_text('[network]\nmode = "host"\n[filesystem]\nshm_mb = 0\n', "h.toml")
+    req = zygote_request(host, host.limits, 1)
+    assert not req["netns"] and req["shm"] == ""
