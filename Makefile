@@ -13,17 +13,17 @@ PY := $(VENV)/bin/python
 STATE_DIR ?= /var/lib/jaild
 JAIL_ENVS := $(STATE_DIR)/envs
 JAIL_ENV := $(JAIL_ENVS)/default
-APT_PACKAGES := python3 python3-venv python3-dev gcc libcap-dev libseccomp2 systemd
+APT_PACKAGES := python3 python3-venv python3-dev gcc libcap-dev libseccomp2 systemd bubblewrap
 STAMPS := .stamps
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo test unit integration lint bench soak install uninstall jail-env clean distclean
+.PHONY: all setup demo test unit integration lint bench bench-smoke bench-tools soak install uninstall jail-env clean distclean
 
 all: setup
 
 setup: $(STAMPS)/venv jail-env
 
-$(STAMPS)/apt:
+$(STAMPS)/apt: Makefile
 	@mkdir -p $(STAMPS)
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
@@ -67,8 +67,33 @@ unit: setup
 integration: setup
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
-bench: setup
-	$(PY) bench/latency.py
+# `make bench`: jaild side by side with bare nsjail, bubblewrap and Pyodide, in one run;
+# writes bench/report.md and bench/results.json (BENCH_ARGS= to skip the py-spy profile).
+# `make bench-smoke`: the same harness in about a minute, report in /tmp (keeps it working).
+BENCH_DIR ?= $(STATE_DIR)/bench
+PYODIDE_VERSION ?= 314.0.7
+BENCH_ARGS ?= --profile
+
+bench: setup bench-tools
+	$(PY) bench/compare.py --pyodide-dir $(BENCH_DIR)/pyodide $(BENCH_ARGS)
+
+bench-smoke: setup
+	$(PY) bench/compare.py --quick --pyodide-dir $(BENCH_DIR)/pyodide --out /tmp/jaild-bench-smoke.md
+
+# Pyodide (npm) into $(BENCH_DIR)/pyodide, py-spy (pip) into the venv.
+bench-tools: $(STAMPS)/apt
+	@command -v node >/dev/null && command -v npm >/dev/null || { \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y --no-install-recommends nodejs npm || \
+	  { apt-get update && apt-get install -y --no-install-recommends nodejs npm; }; }
+	@pkg=$(BENCH_DIR)/pyodide/node_modules/pyodide/package.json; \
+	if [ "$$(node -p 'require(process.argv[1]).version' $$pkg 2>/dev/null)" != "$(PYODIDE_VERSION)" ]; then \
+	  echo "npm: installing pyodide@$(PYODIDE_VERSION) into $(BENCH_DIR)/pyodide"; \
+	  install -d -m 0755 $(BENCH_DIR)/pyodide && \
+	  npm install --prefix $(BENCH_DIR)/pyodide --no-audit --no-fund --loglevel=error \
+	    pyodide@$(PYODIDE_VERSION); \
+	fi
+	@test -x $(VENV)/bin/py-spy || $(PY) -m pip install --quiet -e '.[bench]'
 
 # Not part of `make test`: 5,000 sequential jobs and bursts of 200 concurrent ones,
 # zero lost results, flat daemon RSS and descriptor count.

@@ -286,3 +286,36 @@ def _is_zombie_child(pid: int, parent: int) -> bool:
     except OSError:
         return False
     return fields[0] == "Z" and int(fields[1]) == parent
+
+
+def _zygote_pid(policy: str) -> int:
+    """The host pid of a policy's zygote (the python under nsjail running jaild.runtime.zygote)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (cmdline and cmdline[0] == b"python3" and b"jaild.runtime.zygote" in b" ".join(cmdline)
+                and f"zygote-{policy}/".encode() in Path(f"/proc/{entry}/cgroup").read_bytes()):
+            return int(entry)
+    raise AssertionError(f"no zygote for policy {policy}")
+
+
+def test_a_dead_zygote_fails_its_running_jobs_and_is_started_again(
+        private_daemon: Callable[..., DaemonHandle]) -> None:
+    d = private_daemon()
+    with Client(d.socket) as c:
+        seen = threading.Event()
+        job = c.submit("import time\nprint('up', flush=True)\ntime.sleep(60)", policy="tiny",
+                       on_stdout=lambda t: seen.set())
+        assert seen.wait(20)
+        os.kill(_zygote_pid("tiny"), signal.SIGKILL)
+        r = job.result(20)
+        # the jail died with its zygote (parent-death signal) and nothing reported its end
+        assert r.status == "internal_error", (r.status, r.error)
+        assert d.job_pids(r.job_id) == []
+        again = c.run("6 * 7", policy="tiny")  # a new zygote, started on demand
+        assert (again.status, again.result) == ("ok", 42), again.error
+    assert "zygote of policy tiny" in d.log()

@@ -1,0 +1,282 @@
+"""jaild side by side with its alternatives, in one run: writes bench/report.md and
+bench/results.json.
+
+``make bench`` runs this. Measured, all on this machine in this run:
+
+1. trivial-job latency: in-process exec, bare nsjail, bubblewrap, Pyodide in Node, and
+   jaild spawn / cold (zygote, no pool) / warm (zygote, pool of 4-8);
+2. fresh-jail jobs per second flat out with 1, 4, 16, 64 clients: jaild vs bare nsjail;
+3. tool-call round trips inside one job, against a plain msgpack echo over a Unix socket;
+4. memory: daemon idle, daemon with a pool, PSS per pooled jail, the zygote;
+5. 500 concurrent jobs sleeping 1 s: wall time, failures;
+
+then a table of targets, met or not. A measurement that fails is reported as such; the
+rest of the run goes on.
+
+Usage: python bench/compare.py [--quick] [--out FILE.md] [--json FILE.json] [--runs N]
+                               [--profile] [--no-pool-section] [--pyodide-dir DIR] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import shlex
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import baselines
+import flames
+from jaildrun import PrivateDaemon, Variant
+from measure import BenchError, Latency, flat_out_threads, timed
+from report import Report, Results, Settings, to_json
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+DEFAULT_OUT = BENCH / "report.md"
+LEVELS = [1, 4, 16, 64]
+POOL_SIZE = 8
+
+T = TypeVar("T")
+
+
+class Run:
+    """One bench run: measurements go into ``results``; a failing one leaves its error."""
+
+    def __init__(self, results: Results, profile_dir: Path | None) -> None:
+        self.results = results
+        self.settings = results.settings
+        self.profile_dir = profile_dir
+
+    def attempt(self, key: str, measure: Callable[[], T]) -> T | None:
+        print(f"-- {key}", flush=True)
+        try:
+            return measure()
+        except Exception as exc:
+            self.failed(key, exc)
+            return None
+
+    def failed(self, key: str, exc: Exception) -> None:
+        if not isinstance(exc, BenchError | OSError):
+            traceback.print_exc()  # a bug in the bench, or something unexpected from jaild
+        self.results.errors[key] = f"{type(exc).__name__}: {exc}"
+        print(f"   failed: {self.results.errors[key]}", flush=True)
+
+    def measure_baselines(self, pyodide_dir: str) -> None:
+        s, r = self.settings, self.results
+        jobs: dict[str, Callable[[], Callable[[], None]]] = {
+            "exec": lambda: baselines.in_process,
+            "python": baselines.bare_python,
+            "nsjail": baselines.bare_nsjail,
+            "bwrap": baselines.bubblewrap,
+        }
+        if not s.quick or baselines.pyodide_installed(pyodide_dir):
+            jobs["pyodide"] = lambda: baselines.pyodide(pyodide_dir)
+        for key, make in jobs.items():
+            runs, warmup = (s.pyodide_runs, 1) if key == "pyodide" else (s.runs, 2)
+            latency = self.attempt(
+                f"{key}/latency", functools.partial(_time_job, make, runs, warmup)
+            )
+            if latency is not None:
+                r.latency[key] = latency
+        if "pyodide" not in jobs:
+            r.skipped["pyodide/latency"] = "quick run, and Pyodide is not installed"
+
+        floor = self.attempt(
+            "floor/tool_calls",
+            lambda: asyncio.run(baselines.unix_echo(s.tool_calls, s.tool_window)),
+        )
+        if floor is not None:
+            r.tool_calls["floor"] = floor
+
+        nsjail_job = self.attempt("nsjail/throughput", baselines.bare_nsjail)
+        if nsjail_job is not None:
+            for level in s.levels:
+                t = self.attempt(
+                    f"nsjail/throughput/{level}",
+                    functools.partial(flat_out_threads, nsjail_job, level, s.seconds_per_level),
+                )
+                if t is not None:
+                    r.throughput.setdefault("nsjail", []).append(t)
+
+    def measure_variant(self, variant: Variant) -> None:
+        """Start the variant's daemon, measure what applies to it, stop it."""
+        s, r, key = self.settings, self.results, variant.key
+        print(f"== {variant.label}", flush=True)
+        try:
+            with PrivateDaemon(variant) as daemon:
+                memory = self.attempt(
+                    f"{key}/memory",
+                    lambda: daemon.settled_snapshot(variant.pool_min, 3 if s.quick else 15),
+                )
+                if memory is not None:
+                    r.memory[key] = memory
+                    if key == "pool" and not memory.pooled_jails:
+                        why = "no pooled jail processes found under the daemon"
+                        if s.pool_section:
+                            r.errors["pool/jails"] = why
+                        else:
+                            r.skipped["pool/jails"] = f"{why} (no [pool] section)"
+                if key == "pool":
+                    return
+                pause = s.warm_pause_s if key == "warm" else 0.0
+                latency = self.attempt(f"{key}/latency", lambda: daemon.latency(s.runs, pause))
+                if latency is not None:
+                    latency.note = f"{pause * 1e3:.0f} ms between jobs" if pause else ""
+                    r.latency[key] = latency
+                if key == "warm":
+                    blocking = self.attempt(
+                        "warm_blocking/latency",
+                        lambda: daemon.latency(s.runs, pause, blocking=True),
+                    )
+                    if blocking is not None:
+                        blocking.note = f"{pause * 1e3:.0f} ms between jobs"
+                        r.latency["warm_blocking"] = blocking
+                for level in s.levels:
+                    t = self.attempt(
+                        f"{key}/throughput/{level}",
+                        functools.partial(daemon.throughput, level, s.seconds_per_level),
+                    )
+                    if t is not None:
+                        r.throughput.setdefault(key, []).append(t)
+                tools = self.attempt(
+                    f"{key}/tool_calls", lambda: daemon.tool_calls(s.tool_calls, s.tool_window)
+                )
+                if tools is not None:
+                    r.tool_calls[key] = tools
+                if key == "cold":
+                    r.sleep = self.attempt(
+                        "cold/sleep", lambda: daemon.sleep_burst(s.sleep_jobs, s.sleep_clients)
+                    )
+                if self.profile_dir is not None and key in ("cold", "warm"):
+                    self.profile(daemon, pause)
+        except Exception as exc:  # the daemon did not start: the other variants still run
+            self.failed(f"{key}/start", exc)
+
+    def profile(self, daemon: PrivateDaemon, pause_s: float) -> None:
+        assert self.profile_dir is not None
+        key = daemon.variant.key
+        out = self.profile_dir / f"{key}.txt"
+
+        def record() -> flames.Flame:
+            with flames.recording(daemon.pid, out):
+                daemon.latency(self.settings.runs, pause_s)
+            return flames.summarize(out.read_text())
+
+        flame = self.attempt(f"{key}/profile", record)
+        if flame is not None:
+            self.results.profiles[key] = flame
+
+
+def _time_job(make: Callable[[], Callable[[], None]], runs: int, warmup: int) -> Latency:
+    """Make the job (which may fail: a tool is missing), then time it."""
+    return timed(make(), runs, warmup=warmup)
+
+
+def variants(pool_section: bool) -> list[Variant]:
+    def mode(m: str) -> str | None:
+        return m if pool_section else None
+
+    today = "" if pool_section else " [no [pool] section]"
+    return [
+        Variant("spawn", f"jaild spawn (full nsjail per job){today}", mode("spawn")),
+        Variant("cold", f"jaild cold (zygote, pool 0){today}", mode("zygote")),
+        Variant("warm", f"jaild warm (zygote, pool 4-8){today}", mode("zygote"), 4, 8),
+        Variant("pool", f"jaild pool of {POOL_SIZE} (memory only){today}", mode("zygote"),
+                POOL_SIZE, POOL_SIZE),
+    ]
+
+
+def labels(vs: list[Variant]) -> dict[str, str]:
+    out = {
+        "exec": "in-process `exec` (floor)",
+        "python": "python subprocess per job (no isolation)",
+        "nsjail": "bare nsjail + python per job",
+        "bwrap": "bubblewrap + python per job",
+        "pyodide": "Pyodide in a fresh Node per job",
+        "floor": "asyncio Unix-socket msgpack echo (floor)",
+        "warm_blocking": "jaild warm, blocking `Client` (zygote, pool 4-8)",
+    }
+    return out | {v.key: v.label for v in vs}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run (about a minute): few runs, 50 sleeping jobs, Pyodide only "
+                        "if installed; writes to a temporary directory unless --out")
+    p.add_argument("--out", type=Path, help=f"Markdown report (default: {DEFAULT_OUT})")
+    p.add_argument("--json", type=Path,
+                   help="raw numbers (default: results.json beside the default report, else "
+                        "the report's path with .json)")
+    p.add_argument("--runs", type=int, help="sequential jobs per latency row (200; quick 15)")
+    p.add_argument("--pyodide-runs", type=int, help="Pyodide jobs (5; quick 2)")
+    p.add_argument("--seconds", type=float, help="seconds per throughput level (4; quick 1)")
+    p.add_argument("--tool-calls", type=int, help="tool calls per mode (1000; quick 200)")
+    p.add_argument("--sleep-jobs", type=int, help="concurrent sleeping jobs (500; quick 50)")
+    p.add_argument("--pyodide-dir", default=baselines.DEFAULT_PYODIDE_DIR,
+                   help="directory holding node_modules/pyodide")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile the daemon with py-spy during cold and warm runs")
+    p.add_argument("--no-pool-section", dest="pool_section", action="store_false",
+                   help="policies without a [pool] section (daemons that do not know it)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    quick = args.quick
+
+    def pick(value: T | None, full: T, smoke: T) -> T:
+        return value if value is not None else smoke if quick else full
+
+    settings = Settings(
+        command=shlex.join(["bench/compare.py", *argv]),
+        quick=quick,
+        pool_section=args.pool_section,
+        profile=args.profile,
+        runs=pick(args.runs, 200, 15),
+        pyodide_runs=pick(args.pyodide_runs, 5, 2),
+        warm_pause_s=0.020,
+        seconds_per_level=pick(args.seconds, 4.0, 1.0),
+        levels=LEVELS,
+        tool_calls=pick(args.tool_calls, 1000, 200),
+        tool_window=32,
+        sleep_jobs=pick(args.sleep_jobs, 500, 50),
+        sleep_clients=4,
+        pool_size=POOL_SIZE,
+    )
+    out: Path = args.out or (
+        Path(tempfile.mkdtemp(prefix="jaild-bench-")) / "report.md" if quick else DEFAULT_OUT
+    )
+    json_out: Path = args.json or (
+        BENCH / "results.json" if out.resolve() == DEFAULT_OUT else out.with_suffix(".json")
+    )
+    vs = variants(args.pool_section)
+    results = Results(baselines.machine(REPO, args.pyodide_dir), settings, labels(vs))
+    profile_dir = None
+    if args.profile:
+        profile_dir = Path(tempfile.mkdtemp(prefix="jaild-bench-profile-"))
+        results.profile_dir = str(profile_dir)
+    run = Run(results, profile_dir)
+    run.measure_baselines(args.pyodide_dir)
+    for variant in vs:
+        run.measure_variant(variant)
+    results.machine["load average at end"] = baselines.load_average()
+
+    report = Report(results).render()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report)
+    json_out.write_text(to_json(results))
+    print(report)
+    print(f"wrote {out} and {json_out}")
+    return 1 if results.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,282 @@
+"""Private jaild daemons for the bench, and what is measured through them.
+
+Each variant runs in its own ``jaild serve`` subprocess, with a policy directory holding
+one policy (``policies/default.toml`` plus the variant's ``[pool]`` section) and a daemon
+config that allows the 500-job burst.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from baselines import CODE
+from measure import BenchError, Latency, SleepBurst, Throughput, ToolCalls, timed
+from procmem import MemorySnapshot, snapshot
+
+from jaild.client import AsyncClient, Client, JobResult
+from jaild.errors import JaildError
+from jaild.protocol import PROTOCOL_VERSION, encode, encode_frame
+from jaild.protocol.messages import Hello
+
+REPO = Path(__file__).resolve().parent.parent
+BASE_POLICY = REPO / "policies" / "default.toml"
+POOL_SECTION = re.compile(r"^\[pool\].*\n(?:(?!\[).*(?:\n|$))*", re.MULTILINE)
+"""A ``[pool]`` table: its header line and every line up to the next table header."""
+JAILD_CODE = f"{CODE}\nresult"  # jaild returns the value of a final expression
+SLEEP_CODE = "import time\ntime.sleep(1)\nresult = 1\nresult"
+DAEMON_CONFIG = """\
+[limits]
+max_jobs = 1024
+max_jobs_per_connection = 512
+"""
+TOOL_CODE = """\
+import asyncio, time
+
+sequential = []
+for i in range({calls}):
+    started = time.perf_counter()
+    await tools.echo(i)
+    sequential.append(time.perf_counter() - started)
+
+slots = asyncio.Semaphore({window})
+
+async def one(i):
+    async with slots:
+        return await tools.echo(i)
+
+started = time.perf_counter()
+await asyncio.gather(*(one(i) for i in range({calls})))
+{{"sequential": sequential, "windowed_s": time.perf_counter() - started}}
+"""
+HELLO = encode_frame(encode(Hello(protocol=PROTOCOL_VERSION, client="bench-wait")), 1 << 16)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of making jails; ``mode`` None leaves the ``[pool]`` section out."""
+
+    key: str
+    label: str
+    mode: str | None
+    pool_min: int = 0
+    pool_max: int = 0
+
+    def policy(self) -> str:
+        """The shipped default policy, its own ``[pool]`` section (if any) replaced."""
+        text = POOL_SECTION.sub("", BASE_POLICY.read_text())
+        if self.mode is None:
+            return text
+        pool = f'mode = "{self.mode}"\nmin = {self.pool_min}\nmax = {self.pool_max}\n'
+        return f"{text}\n[pool]\n{pool}"
+
+
+def _check(r: JobResult, expected: object) -> None:
+    if r.status != "ok" or r.result != expected:
+        raise BenchError(f"job {r.status}, result {r.result!r}: {r.error}")
+
+
+class PrivateDaemon:
+    """``jaild serve`` on a private socket, serving one policy named after the variant."""
+
+    def __init__(self, variant: Variant) -> None:
+        self.variant = variant
+        self.policy = variant.key
+        self._tmp = Path(tempfile.mkdtemp(prefix=f"jaild-bench-{variant.key}-"))
+        os.chmod(self._tmp, 0o755)  # the jailed uid must traverse to the runtime it binds
+        self.socket = str(self._tmp / "jaild.sock")
+        self._log = self._tmp / "jaild.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None
+        return self._proc.pid
+
+    def __enter__(self) -> PrivateDaemon:
+        policies = self._tmp / "policies"
+        policies.mkdir()
+        (policies / f"{self.policy}.toml").write_text(self.variant.policy())
+        config = self._tmp / "jaild.toml"
+        config.write_text(DAEMON_CONFIG)
+        with self._log.open("wb") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "jaild", "serve", "--socket", self.socket,
+                 "--policies", str(policies), "--config", str(config), "--log-level", "warning"],
+                stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+            )
+        try:
+            self._wait_serving()
+        except BaseException:
+            self._stop()
+            raise
+        return self
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._stop()
+
+    def log_tail(self, chars: int = 1500) -> str:
+        return self._log.read_text(errors="replace")[-chars:].strip()
+
+    def _wait_serving(self, timeout_s: float = 120) -> None:
+        """Until the daemon answers Hello (it accepts connections earlier, during its
+        self-tests), then check that it serves the policy."""
+        assert self._proc is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                raise BenchError(f"jaild exited with {self._proc.returncode}: {self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise BenchError(f"jaild did not serve within {timeout_s:.0f} s: {self.log_tail()}")
+            with socket.socket(socket.AF_UNIX) as s:
+                try:
+                    s.settimeout(max(0.1, deadline - time.monotonic()))
+                    s.connect(self.socket)
+                    s.sendall(HELLO)
+                    if s.recv(4):
+                        break
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        with Client(self.socket) as c:
+            for p in c.policies():
+                if p["name"] == self.policy and p.get("available") is False:
+                    raise BenchError(f"policy not served: {p.get('problems')}")
+
+    def _stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    # ------------------------------------------------------------------ measurements
+
+    def latency(self, runs: int, pause_s: float = 0.0, *, blocking: bool = False) -> Latency:
+        """Sequential jobs, call to result: with ``AsyncClient`` (what an agent loop uses),
+        or with the blocking ``Client``, which adds a hop to its event-loop thread and back."""
+        if blocking:
+            with Client(self.socket) as c:
+                return timed(
+                    lambda: _check(c.run(JAILD_CODE, self.policy), 2), runs, pause_s=pause_s
+                )
+        return asyncio.run(self._latency(runs, pause_s))
+
+    async def _latency(self, runs: int, pause_s: float, warmup: int = 2) -> Latency:
+        samples = []
+        async with AsyncClient(self.socket) as c:
+            for i in range(warmup + runs):
+                if pause_s:
+                    await asyncio.sleep(pause_s)
+                started = time.perf_counter()
+                _check(await c.run(JAILD_CODE, self.policy), 2)
+                if i >= warmup:
+                    samples.append(time.perf_counter() - started)
+        return Latency(samples)
+
+    def throughput(self, concurrency: int, seconds: float) -> Throughput:
+        return asyncio.run(self._throughput(concurrency, seconds))
+
+    async def _throughput(self, concurrency: int, seconds: float) -> Throughput:
+        failures: list[str] = []
+        latency: list[float] = []
+        async with AsyncClient(self.socket) as c:
+            started = time.perf_counter()
+            deadline = started + seconds
+
+            async def worker() -> None:
+                while time.perf_counter() < deadline:
+                    job_started = time.perf_counter()
+                    try:
+                        _check(await c.run(JAILD_CODE, self.policy), 2)
+                    except (BenchError, JaildError) as exc:
+                        failures.append(f"{type(exc).__name__}: {exc}")
+                    latency.append(time.perf_counter() - job_started)
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            return Throughput(
+                concurrency,
+                len(latency),
+                len(failures),
+                time.perf_counter() - started,
+                latency,
+                failures[0] if failures else "",
+            )
+
+    def tool_calls(self, calls: int, window: int) -> ToolCalls:
+        """One job making ``calls`` sequential echo calls, timed inside the jail, then
+        ``calls`` more with ``window`` in flight. The handler is async: it runs on the
+        client's event loop, with no thread hop."""
+
+        async def echo(value: int) -> int:
+            return value
+
+        code = TOOL_CODE.format(calls=calls, window=window)
+        with Client(self.socket) as c:
+            r = c.run(code, self.policy, tools={"echo": echo})
+        if r.status != "ok" or not isinstance(r.result, dict):
+            raise BenchError(f"tool-call job {r.status}: {r.error}")
+        return ToolCalls(r.result["sequential"], calls, r.result["windowed_s"], window)
+
+    def sleep_burst(self, jobs: int, clients: int) -> SleepBurst:
+        return asyncio.run(self._sleep_burst(jobs, clients))
+
+    async def _sleep_burst(self, jobs: int, clients: int) -> SleepBurst:
+        connections = [AsyncClient(self.socket) for _ in range(clients)]
+        for c in connections:
+            await c.connect()
+        started = time.perf_counter()
+        job_s: list[float] = []
+
+        async def one(client: AsyncClient) -> JobResult:
+            try:
+                return await client.run(SLEEP_CODE, self.policy)
+            finally:
+                job_s.append(time.perf_counter() - started)
+
+        try:
+            results = await asyncio.gather(
+                *(one(connections[i % clients]) for i in range(jobs)), return_exceptions=True
+            )
+            wall_s = time.perf_counter() - started
+        finally:
+            for c in connections:
+                await c.close()
+        statuses: dict[str, int] = {}
+        first_failure = ""
+        for r in results:
+            if isinstance(r, BaseException):
+                status, failure = type(r).__name__, str(r)
+            else:
+                status = r.status if r.result == 1 or r.status != "ok" else "wrong result"
+                failure = f"{r.status}: {r.error}"
+            statuses[status] = statuses.get(status, 0) + 1
+            if status != "ok":
+                first_failure = first_failure or failure
+        return SleepBurst(
+            jobs, clients, wall_s, jobs - statuses.get("ok", 0), job_s, statuses, first_failure
+        )
+
+    def settled_snapshot(self, pooled: int, timeout_s: float) -> MemorySnapshot:
+        """The memory picture once ``pooled`` jails wait (or at ``timeout_s``, as it is)."""
+        deadline = time.monotonic() + timeout_s
+        while len(snapshot(self.pid).pooled_jails) < pooled and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.5)
+        return snapshot(self.pid)

@@ -1,0 +1,455 @@
+"""The results of one bench run, as JSON (raw numbers) and as the Markdown report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import flames
+from measure import Latency, SleepBurst, Throughput, ToolCalls
+from procmem import MemorySnapshot
+
+MIB_KB = 1024
+
+
+@dataclass
+class Settings:
+    """How much of everything one run does."""
+
+    command: str
+    quick: bool
+    pool_section: bool
+    profile: bool
+    runs: int
+    pyodide_runs: int
+    warm_pause_s: float
+    seconds_per_level: float
+    levels: list[int]
+    tool_calls: int
+    tool_window: int
+    sleep_jobs: int
+    sleep_clients: int
+    pool_size: int
+
+
+@dataclass
+class Results:
+    machine: dict[str, str]
+    settings: Settings
+    labels: dict[str, str]
+    """What each key (``exec``, ``nsjail``, ``cold``, ...) stands for, as the report names it."""
+    latency: dict[str, Latency] = field(default_factory=dict)
+    throughput: dict[str, list[Throughput]] = field(default_factory=dict)
+    tool_calls: dict[str, ToolCalls] = field(default_factory=dict)
+    memory: dict[str, MemorySnapshot] = field(default_factory=dict)
+    sleep: SleepBurst | None = None
+    profiles: dict[str, flames.Flame] = field(default_factory=dict)
+    profile_dir: str = ""
+    errors: dict[str, str] = field(default_factory=dict)
+    """Measurement key (``pyodide/latency``, ``cold/start``, ...) -> why it failed."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Measurement key -> why it was not attempted (not a failure)."""
+
+
+# ---------------------------------------------------------------------------- JSON
+
+
+def _jsonable(value: Any) -> Any:
+    """Dataclasses become dicts of their fields *and* their computed properties; floats are
+    rounded to 7 decimals."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        for name, attr in vars(type(value)).items():
+            if isinstance(attr, property):
+                out[name] = _jsonable(getattr(value, name))
+        return out
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float):
+        return round(value, 7)  # seconds to 0.1 µs
+    return value
+
+
+def to_json(results: Results) -> str:
+    return json.dumps(_jsonable(results), indent=1) + "\n"
+
+
+# ---------------------------------------------------------------------------- formatting
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    if ms >= 100:
+        return f"{ms:,.0f} ms"
+    if ms >= 10:
+        return f"{ms:.1f} ms"
+    if ms >= 1:
+        return f"{ms:.2f} ms"
+    return f"{ms:.3f} ms"
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.0f} µs"
+
+
+def _ratio(value: float, base: float | None) -> str:
+    if base is None or base == 0:
+        return "-"
+    r = value / base
+    return f"{r:,.0f}x" if r >= 100 else f"{r:.2f}x" if r < 10 else f"{r:.1f}x"
+
+
+def _mib(kb: float) -> str:
+    return f"{kb / MIB_KB:.1f} MiB"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list[str]], align: str) -> list[str]:
+    """``align``: one of ``l``/``r`` per column."""
+    marks = ["---" if a == "l" else "---:" for a in align]
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(marks) + "|",
+        *("| " + " | ".join(_cell(c) for c in row) + " |" for row in rows),
+    ]
+
+
+class Report:
+    def __init__(self, results: Results) -> None:
+        self.r = results
+        self.s = results.settings
+
+    def _missing(self, key: str) -> str:
+        """Why ``key`` has no figure: its own error, else its daemon's failure to start."""
+        if key in self.r.skipped:
+            return f"skipped: {self.r.skipped[key]}"
+        for k in (key, f"{key.split('/')[0]}/start"):
+            if k in self.r.errors:
+                return f"not measured (`{k}` failed, see Errors)"
+        return "not measured"
+
+    # ------------------------------------------------------------------ sections
+
+    def render(self) -> str:
+        sections: list[Callable[[], list[str]]] = [
+            self._intro, self._machine, self._targets, self._latency, self._throughput,
+            self._tool_calls, self._memory, self._sleep, self._profile, self._errors,
+            self._method,
+        ]
+        lines: list[str] = []
+        for section in sections:
+            lines += [*section(), ""]
+        return "\n".join(lines).rstrip() + "\n"
+
+    def _intro(self) -> list[str]:
+        lines = [
+            "# jaild benchmark",
+            "",
+            f"One run of `{self.s.command}`, {self.r.machine['date']}: every figure below was "
+            "measured in that run, on the machine described, and every ratio is against an "
+            "alternative measured in the same run.",
+        ]
+        if self.s.quick:
+            lines += ["", "**Quick (smoke) run**: few samples, short runs; figures are rough."]
+        if not self.s.pool_section:
+            lines += [
+                "",
+                "**`--no-pool-section`**: the policies carry no `[pool]` section, so every jaild "
+                "variant below runs with the daemon's default way of making jails (for a daemon "
+                "that predates `[pool]`: a full nsjail per job).",
+            ]
+        return lines
+
+    def _machine(self) -> list[str]:
+        rows = [[k, v] for k, v in self.r.machine.items()]
+        return ["## Machine", "", *_table(["", ""], rows, "ll")]
+
+    def _target(
+        self, name: str, value: float | None, met: Callable[[float], bool],
+        shown: Callable[[float], str], source: str,
+    ) -> list[str]:
+        if value is None:
+            return [name, self._missing(source), "-"]
+        return [name, shown(value), "**met**" if met(value) else "not met"]
+
+    def _targets(self) -> list[str]:
+        r = self.r
+        warm, cold = r.latency.get("warm"), r.latency.get("cold")
+        best = max(
+            ((t.jobs_per_s, f"{k}, {t.concurrency} clients") for k in ("cold", "warm")
+             for t in r.throughput.get(k, [])),
+            default=None,
+        )
+        tools = r.tool_calls.get("warm")
+        idle = r.memory.get("cold")
+        pool = r.memory.get("pool")
+        sleep = r.sleep
+        t = self._target
+        rows = [
+            t("warm job latency p50 ≤ 2 ms", warm.median_s if warm else None,
+              lambda v: v <= 0.002, _ms, "warm/latency"),
+            t("warm job latency p99 ≤ 10 ms", warm.p99_s if warm else None,
+              lambda v: v <= 0.010, _ms, "warm/latency"),
+            t("cold job latency p50 ≤ 25 ms", cold.median_s if cold else None,
+              lambda v: v <= 0.025, _ms, "cold/latency"),
+            t("≥ 150 fresh-jail jobs/s (best of jaild cold and warm)", best[0] if best else None,
+              lambda v: v >= 150, lambda v: f"{v:,.0f} jobs/s ({best[1] if best else ''})",
+              "cold/throughput/1"),
+            t("tool-call round trip p50 ≤ 150 µs (jaild warm)", tools.median_s if tools else None,
+              lambda v: v <= 150e-6, _us, "warm/tool_calls"),
+            t("≥ 5,000 sequential tool calls/s in one job (jaild warm)",
+              tools.sequential_per_s if tools else None, lambda v: v >= 5000,
+              lambda v: f"{v:,.0f} calls/s", "warm/tool_calls"),
+            t("daemon idle RSS ≤ 50 MiB (zygote mode, pool 0)",
+              idle.daemon.rss_kb if idle else None, lambda v: v <= 50 * MIB_KB, _mib,
+              "cold/memory"),
+            t(f"pooled jail ≤ 20 MiB PSS (pool of {self.s.pool_size})",
+              pool.pss_per_pooled_jail_kb if pool else None, lambda v: v <= 20 * MIB_KB, _mib,
+              "pool/memory" if pool is None else "pool/jails"),
+            t("500 concurrent 1 s jobs, zero failures", sleep.failures if sleep else None,
+              lambda v: v == 0 and sleep is not None and sleep.jobs >= 500,
+              lambda v: f"{sleep.jobs if sleep else 0} jobs, {v:.0f} failed, "
+              f"{sleep.wall_s if sleep else 0:.1f} s wall",
+              "cold/sleep"),
+        ]
+        met = sum(row[2] == "**met**" for row in rows)
+        return [
+            "## Targets",
+            "",
+            f"{met} of {len(rows)} met.",
+            "",
+            *_table(["target", "measured", "verdict"], rows, "lrl"),
+        ]
+
+    def _latency(self) -> list[str]:
+        lat = self.r.latency
+        bases = {k: lat[k].median_s if k in lat else None for k in ("nsjail", "bwrap", "pyodide")}
+        rows = []
+        for key in ("exec", "python", "nsjail", "bwrap", "pyodide", "spawn", "cold", "warm",
+                    "warm_blocking"):
+            label = self.r.labels[key]
+            if key not in lat:
+                rows.append([label, self._missing(f"{key}/latency"), "", "", "", "", ""])
+                continue
+            x = lat[key]
+            rows.append([
+                label + (f" ({x.note})" if x.note else ""), _ms(x.median_s), _ms(x.p99_s),
+                str(len(x.samples_s)), *(_ratio(x.median_s, b) for b in bases.values()),
+            ])
+        return [
+            "## 1. Job latency",
+            "",
+            "Trivial code (`result = 1 + 1`), sequential jobs, from the call to the result in "
+            "hand. Ratios are of medians. jaild rows use `AsyncClient`; the last row uses the "
+            "blocking `Client`, whose calls hop to its event-loop thread and back.",
+            "",
+            *_table(["what", "median", "p99", "runs", "x bare nsjail", "x bubblewrap",
+                     "x Pyodide"], rows, "lrrrrrr"),
+        ]
+
+    def _throughput(self) -> list[str]:
+        base = {t.concurrency: t.jobs_per_s for t in self.r.throughput.get("nsjail", [])}
+        rates, latencies, notes = [], [], []
+        for key in ("nsjail", "spawn", "cold", "warm"):
+            runs = {t.concurrency: t for t in self.r.throughput.get(key, [])}
+            label = self.r.labels[key]
+            rate, latency = [label], [label]
+            for level in self.s.levels:
+                t = runs.get(level)
+                if t is None:
+                    rate.append(self._missing(f"{key}/throughput/{level}"))
+                    latency.append("")
+                    continue
+                ratio = "" if key == "nsjail" else f" ({_ratio(t.jobs_per_s, base.get(level))})"
+                rate.append(f"{t.jobs_per_s:,.0f}{ratio}")
+                latency.append(f"{_ms(t.median_s)} / {_ms(t.p99_s)}")
+                if t.failures:
+                    notes.append(f"- {label}, {level} concurrent: {t.failures} of {t.jobs} jobs "
+                                 f"failed; first: {t.first_failure}")
+            rates.append(rate)
+            latencies.append(latency)
+        levels = [f"{n} client{'s' if n > 1 else ''}" for n in self.s.levels]
+        align = "l" + "r" * len(levels)
+        return [
+            "## 2. Fresh-jail jobs per second, flat out",
+            "",
+            f"Trivial jobs back to back from each of N concurrent clients for "
+            f"{self.s.seconds_per_level:g} s (jobs in flight at the deadline finish and count; "
+            "failed jobs do not). jaild: N coroutines on one `AsyncClient` connection; bare "
+            "nsjail: N threads each running `nsjail … python3` per job. In brackets: x bare "
+            "nsjail at the same N.",
+            "",
+            *_table(["jobs/s", *levels], rates, align),
+            "",
+            "Each job's latency in those runs, call to result (median / p99):",
+            "",
+            *_table(["latency under load", *levels], latencies, align),
+            *(["", *notes] if notes else []),
+        ]
+
+    def _tool_calls(self) -> list[str]:
+        floor = self.r.tool_calls.get("floor")
+        rows = []
+        for key in ("floor", "spawn", "cold", "warm"):
+            t = self.r.tool_calls.get(key)
+            if t is None:
+                rows.append([self.r.labels[key], self._missing(f"{key}/tool_calls"),
+                             "", "", "", ""])
+                continue
+            rows.append([
+                self.r.labels[key], _us(t.median_s), _us(t.p99_s),
+                f"{t.sequential_per_s:,.0f}", f"{t.windowed_per_s:,.0f}",
+                _ratio(t.median_s, floor.median_s if floor else None),
+            ])
+        return [
+            "## 3. Tool-call round trip",
+            "",
+            f"jaild: one job makes {self.s.tool_calls:,} sequential `await tools.echo(i)` calls, "
+            "each timed inside the jail with `time.perf_counter()` (jail → daemon → client's "
+            "async handler → daemon → jail), then "
+            f"{self.s.tool_calls:,} calls through `asyncio.gather` with at most "
+            f"{self.s.tool_window} in flight. Floor: the same number of msgpack frames shaped "
+            "like a tool call, echoed by an asyncio server over a Unix socket in one process.",
+            "",
+            *_table(["what", "p50", "p99", "sequential calls/s",
+                     f"calls/s, {self.s.tool_window} in flight", "x floor (p50)"], rows,
+                    "lrrrrr"),
+        ]
+
+    def _memory(self) -> list[str]:
+        rows = []
+        details = []
+        for key in ("spawn", "cold", "warm", "pool"):
+            m = self.r.memory.get(key)
+            label = self.r.labels[key]
+            if m is None:
+                rows.append([label, self._missing(f"{key}/memory"), "", "", "", "", ""])
+                continue
+            zygote = (
+                ", ".join(f"{_mib(z.pss_kb)} / {_mib(z.rss_kb)}" for z in m.zygotes)
+                if m.zygotes else "none found"
+            )
+            per_jail = m.pss_per_pooled_jail_kb
+            others = sum(o.pss_kb for o in m.others)
+            rows.append([
+                label, _mib(m.daemon.rss_kb), _mib(m.daemon.pss_kb), zygote,
+                str(len(m.pooled_jails)), "-" if per_jail is None else _mib(per_jail),
+                f"{len(m.others)}: {_mib(others)}" if m.others else "0",
+            ])
+            if m.others:
+                names = sorted({o.name for o in m.others})
+                details.append(f"- {label}: other descendants are {', '.join(names)}")
+        return [
+            "## 4. Memory",
+            "",
+            "Read from `/proc` once the daemon is idle (for pooled variants: once the pool has "
+            "filled, or after a timeout). The zygote is the topmost descendant of the daemon, "
+            "other than nsjail and setpriv, with `zygote` in its command line; each child of it "
+            "is one pooled jail, whose PSS sums its subtree (`/proc/PID/smaps_rollup`). Other "
+            "descendants (nsjail, setpriv, ...) are counted apart.",
+            "",
+            *_table(["daemon", "daemon RSS", "daemon PSS", "zygote PSS / RSS", "pooled jails",
+                     "PSS per pooled jail", "other descendants (PSS)"], rows, "lrrrrrr"),
+            *(["", *details] if details else []),
+        ]
+
+    def _sleep(self) -> list[str]:
+        s = self.r.sleep
+        head = ["## 5. Concurrent sleeping jobs", ""]
+        if s is None:
+            return [*head, self._missing("cold/sleep")]
+        statuses = ", ".join(f"{k}: {v}" for k, v in sorted(s.statuses.items()))
+        lines = [
+            *head,
+            f"{s.jobs} jobs (`import time; time.sleep(1); result = 1`) submitted at once over "
+            f"{s.clients} client connections to the {self.r.labels['cold']} daemon, whose config "
+            "allows 1,024 jobs at once and 512 per connection.",
+            "",
+            f"- wall time, first submit to last result: {s.wall_s:.2f} s",
+            f"- each job, burst start to its result: median {_ms(s.median_s)}, p99 {_ms(s.p99_s)}",
+            f"- failures: {s.failures} ({statuses})",
+        ]
+        if s.first_failure:
+            lines.append(f"- first failure: {s.first_failure}")
+        return lines
+
+    def _profile(self) -> list[str]:
+        head = ["## Where the time goes", ""]
+        if not self.r.profiles:
+            reason = (
+                "; ".join(f"{k}: {v}" for k, v in self.r.errors.items() if "/profile" in k)
+                or "this run was made without `--profile`"
+            )
+            return [
+                *head,
+                f"_No profile: {reason}._ Run `bench/compare.py --profile` (py-spy on the daemon "
+                "and its Python descendants during the cold and warm latency runs) to fill this "
+                "section.",
+                "",
+                "- cold path: _to be filled_",
+                "- warm path: _to be filled_",
+            ]
+        lines = [
+            *head,
+            f"py-spy at {flames.RATE_HZ} Hz on the daemon and its Python descendants "
+            "(`--subprocesses`), sampling only threads that hold the GIL (`--gil`: on-CPU Python "
+            "code), during a separate, unmeasured latency run per variant. Raw collapsed stacks: "
+            f"`{self.r.profile_dir}`.",
+        ]
+        for key, flame in self.r.profiles.items():
+            lines += ["", f"### {self.r.labels[key]}: {flame.samples:,} samples", ""]
+            procs = [[_cell(p), f"{n / flame.samples:.0%}"] for p, n in flame.by_process]
+            if procs:
+                lines += [*_table(["process", "samples"], procs, "lr"), ""]
+            rows = [
+                [f"`{_cell(fn)}`", f"{n / flame.samples:.1%}"] for fn, n in flame.top_self
+            ]
+            lines += [*_table(["top functions, self", "samples"], rows, "lr"), ""]
+            rows = [
+                [f"`{_cell(fn)}`", f"{n / flame.samples:.1%}"] for fn, n in flame.top_total
+            ]
+            lines += _table(["top jaild functions, with callees", "samples"], rows, "lr")
+        return lines
+
+    def _errors(self) -> list[str]:
+        lines = ["## Errors", ""]
+        if self.r.errors:
+            rows = [[f"`{k}`", v] for k, v in self.r.errors.items()]
+            lines += _table(["measurement", "error"], rows, "ll")
+        else:
+            lines.append("None: every measurement attempted was made.")
+        if self.r.skipped:
+            lines += ["", *(f"- skipped `{k}`: {v}" for k, v in self.r.skipped.items())]
+        return lines
+
+    def _method(self) -> list[str]:
+        s = self.s
+        return [
+            "## Method",
+            "",
+            f"- Latency: {s.runs} timed jobs per row after 2 untimed ones; Pyodide "
+            f"{s.pyodide_runs} (a fresh `node` process loads Pyodide for every job, ~2 s each). "
+            "p99 is the nearest-rank percentile: with fewer than 100 runs it is the slowest run.",
+            f"- jaild warm latency is measured at a rate the pool sustains: "
+            f"{s.warm_pause_s * 1e3:.0f} ms pause (untimed) before each job, so the pool refills.",
+            "- jaild variants: one private `jaild serve` each, serving `policies/default.toml` "
+            "plus a `[pool]` section: spawn = `mode = \"spawn\"`, min 0, max 0; cold = "
+            "`mode = \"zygote\"`, min 0, max 0; warm = `mode = \"zygote\"`, min 4, max 8; the "
+            f"memory-only pool daemon = `mode = \"zygote\"`, min = max = {s.pool_size}. jaild "
+            "jobs end with a final expression `result` so the value comes back.",
+            "- Subprocess baselines run the jail environment's python (`-I -c 'result = 1 + 1; "
+            "print(result)'`) and read the result from stdout. Bare nsjail: user, pid, mount, "
+            "net, ipc, uts and cgroup namespaces, read-only `/usr` and env, no `/proc`, no "
+            "cgroups, no seccomp (`-Mo -Q`). bubblewrap: `--unshare-all --die-with-parent "
+            "--new-session`, uid 65534, read-only `/usr` and env, private `/proc`, `/dev`, "
+            "`/tmp`.",
+            "- The client (this script) runs on the same 2 cores as the daemon and its jails.",
+        ]

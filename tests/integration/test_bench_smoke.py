@@ -1,0 +1,36 @@
+"""`make bench` keeps working: its harness, run briefly against real daemons and baselines.
+
+No figure is asserted (speed lives in bench/report.md, never in tests); only that every
+measurement of every alternative could be made and the report says so.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+
+def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path) -> None:
+    out = tmp_path / "report.md"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "compare.py"), "--quick", "--runs", "4",
+         "--seconds", "0.3", "--tool-calls", "50", "--sleep-jobs", "20", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = out.read_text()
+    for section in ("## Targets", "## 1. Job latency", "## 2. Fresh-jail jobs per second",
+                    "## 3. Tool-call round trip", "## 4. Memory", "## 5. Concurrent sleeping jobs"):
+        assert section in report
+    results = json.loads(out.with_suffix(".json").read_text())
+    assert results["errors"] == {}, results["errors"]
+    for key in ("exec", "nsjail", "bwrap", "spawn", "cold", "warm", "warm_blocking"):
+        assert results["latency"][key]["samples_s"], key
