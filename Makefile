@@ -101,7 +101,8 @@ soak: setup
 	$(PY) bench/soak.py
 
 lint: setup
-	$(VENV)/bin/ruff check jaild tests examples
+	$(VENV)/bin/ruff check jaild tests examples bench
+	$(VENV)/bin/mypy --strict bench/*.py
 	$(VENV)/bin/mypy
 
 # System install: the package into /opt/jaild, policies into /etc/jaild, units into systemd.

@@ -435,6 +435,7 @@ class JailedJob:
         self._spawned = False  # a zygote was asked for this jail
         self._zygote_reaped = False  # ... and has reaped the jail
         self._release_pending = False
+        self._release_timer: asyncio.TimerHandle | None = None
         self._claimed = False  # the result is in and decides the record (zygote jails)
         self._pipes: tuple[tuple[int, str], ...] = ()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -570,7 +571,8 @@ class JailedJob:
                 self._cgroup.kill_all()
         if self._spawned and not self._zygote_reaped:
             self._release_pending = True
-            self._loop.call_later(RELEASE_TIMEOUT_S, self._release)
+            # cancelled on release: a pending timer would keep the whole job alive for 10 s
+            self._release_timer = self._loop.call_later(RELEASE_TIMEOUT_S, self._release)
         else:
             self._release()
 
@@ -578,6 +580,8 @@ class JailedJob:
         if self._released:
             return
         self._released = True
+        if self._release_timer is not None:
+            self._release_timer.cancel()
         if self._cgroup is not None:
             with contextlib.suppress(OSError):
                 self._cgroup.kill_all()
