@@ -679,8 +679,8 @@ class Daemon:
             )
         except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as exc:
             record = syntax_error_record(job_id, policy, limits, exc, req.filename)
+            self._audit(session, record)  # audited before the client can see the result
             session.send(JobFinished(job_id=job_id, record=record))
-            self._audit(session, record)
             return
         assert self.env is not None
         spec = JobSpec(
@@ -727,8 +727,8 @@ class Daemon:
                     },
                 }
                 job.result = None
+            self._audit(session, record)  # audited before the client can see the result
             session.send(JobFinished(job_id=job_id, record=record, result=job.result))
-            self._audit(session, record)
         finally:
             self.jobs.pop(job_id, None)
             session.jobs.pop(job_id, None)

@@ -115,14 +115,16 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
     mounts = Path("/proc/self/mountinfo").read_text()
     tmp_before = tmp_entries()
     yield d
-    d.assert_serving()
-    pools_full(d)
-    assert jail_processes(d) == [], "jailed processes outlived their jobs"
-    assert job_cgroups(d) == [], "job cgroups were left behind"
-    deadline = time.monotonic() + 5  # connections the tests just closed may still be closing
-    while fd_count(d.proc.pid) != baseline_fds and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert fd_count(d.proc.pid) == baseline_fds, "the daemon leaked file descriptors"
-    assert Path("/proc/self/mountinfo").read_text() == mounts, "the host mount table changed"
-    assert tmp_entries() <= tmp_before, f"new temporary entries: {tmp_entries() - tmp_before}"
-    assert d.stop() == 0
+    try:
+        d.assert_serving()
+        pools_full(d)
+        assert jail_processes(d) == [], "jailed processes outlived their jobs"
+        assert job_cgroups(d) == [], "job cgroups were left behind"
+        deadline = time.monotonic() + 5  # connections the tests just closed may still be closing
+        while fd_count(d.proc.pid) != baseline_fds and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fd_count(d.proc.pid) == baseline_fds, "the daemon leaked file descriptors"
+        assert Path("/proc/self/mountinfo").read_text() == mounts, "the host mount table changed"
+        assert tmp_entries() <= tmp_before, f"new temporary entries: {tmp_entries() - tmp_before}"
+    finally:
+        assert d.stop() == 0  # whatever failed above, no daemon outlives the suite

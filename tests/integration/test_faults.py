@@ -288,8 +288,8 @@ def _is_zombie_child(pid: int, parent: int) -> bool:
     return fields[0] == "Z" and int(fields[1]) == parent
 
 
-def _zygote_pid(policy: str) -> int:
-    """The host pid of a policy's zygote (the python under nsjail running jaild.runtime.zygote)."""
+def _zygote_pid(d: DaemonHandle, policy: str) -> int:
+    """The host pid of this daemon's zygote of ``policy``."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -298,8 +298,14 @@ def _zygote_pid(policy: str) -> int:
         except OSError:
             continue
         if (cmdline and cmdline[0] == b"python3" and b"jaild.runtime.zygote" in b" ".join(cmdline)
-                and f"zygote-{policy}/".encode() in Path(f"/proc/{entry}/cgroup").read_bytes()):
-            return int(entry)
+                and f"/{d.config.subtree}/zygote-{policy}/".encode()
+                in Path(f"/proc/{entry}/cgroup").read_bytes()):
+            # not a jail it just forked (same command line, and in its cgroup until moved):
+            # the zygote is pid 1 one namespace down, a jail two
+            nspid = next(line for line in Path(f"/proc/{entry}/status").read_text().splitlines()
+                         if line.startswith("NSpid:"))
+            if len(nspid.split()) == 3:
+                return int(entry)
     raise AssertionError(f"no zygote for policy {policy}")
 
 
@@ -311,7 +317,7 @@ def test_a_dead_zygote_fails_its_running_jobs_and_is_started_again(
         job = c.submit("import time\nprint('up', flush=True)\ntime.sleep(60)", policy="tiny",
                        on_stdout=lambda t: seen.set())
         assert seen.wait(20)
-        os.kill(_zygote_pid("tiny"), signal.SIGKILL)
+        os.kill(_zygote_pid(d, "tiny"), signal.SIGKILL)
         r = job.result(20)
         # the jail died with its zygote (parent-death signal) and nothing reported its end
         assert r.status == "internal_error", (r.status, r.error)

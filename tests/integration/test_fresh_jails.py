@@ -41,8 +41,14 @@ abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 abstract.bind("\0jaild-fresh-probe")
 abstract.listen(1)
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+import gc, time
+gc.freeze()  # the forks below copy no more of this process than they must
+for _ in range(20):  # 20 of the policy's 64 pids, held
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
 json.jaild_marker = "A"
-hog = bytearray(120 * 1024 * 1024)  # 120 of the policy's 256 MB, touched
+hog = bytearray(100 * 1024 * 1024)  # 100 of the policy's 256 MB, touched
 for i in range(0, len(hog), 4096):
     hog[i] = 1
 '''
@@ -69,10 +75,26 @@ seen["other processes"] = any(
 '''
 
 BUDGET = r'''
-hog = bytearray(200 * 1024 * 1024)  # with A's 120 MB this would break a shared 256 MB budget
+hog = bytearray(180 * 1024 * 1024)  # with A's 100 MB this would break a shared 256 MB budget
 for i in range(0, len(hog), 4096):
     hog[i] = 1
-import os
+del hog
+import gc, os, signal, time
+gc.collect()
+gc.freeze()
+kids = []
+for _ in range(50):  # with A's 21 this would break a shared budget of 64 pids
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    kids.append(pid)
+seen["forks refused"] = len(kids) < 50
+for pid in kids:
+    os.kill(pid, signal.SIGKILL)
 maps = open("/proc/self/maps").read().splitlines()
 # shared *writable* mappings would be memory another process could write to
 seen["shared writable mappings"] = [m for m in maps if m.split()[1][1] == "w" and m.split()[1][3] == "s"]
@@ -116,13 +138,14 @@ def test_job_b_sees_nothing_of_job_a(daemon: DaemonHandle, policy: str) -> None:
         assert uid != a.result[0], "A and B ran as the same uid"
     assert seen == dict.fromkeys(seen, False), f"B saw traces of A: {seen}"
     assert set(seen) == {"tmp file", "/dev/shm file", "sysv shm", "abstract socket",
-                         "module state", "other processes"}
+                         "module state", "other processes", "forks refused"}
 
 
 def test_positive_control_two_host_processes_see_each_other() -> None:
     # The same probes, as two plain processes on the host: B sees everything A left.
     tmp = tempfile.mkdtemp()
-    leave = LEAVE.format(tmp=tmp).replace("hog = bytearray(120", "hog = bytearray(1")
+    leave = (LEAVE.format(tmp=tmp).replace("hog = bytearray(100", "hog = bytearray(1")
+             .replace("range(20)", "range(0)"))
     with subprocess.Popen(
         [sys.executable, "-c", leave + "print('up', flush=True)\nimport time\ntime.sleep(60)"],
         stdout=subprocess.PIPE, text=True,
@@ -168,3 +191,11 @@ def test_limits_count_from_the_jobs_start_not_the_jails(private_daemon: object) 
     with d.client() as c:
         pool = {p["name"]: p for p in c.policies()}["quick"]["pool"]
     assert pool["hits"] >= 1
+
+
+@pytest.mark.parametrize(("policy", "preimported"), [("default", True), ("spawn", False)])
+def test_preimported_modules_are_loaded_before_the_job(client: Client, policy: str,
+                                                       preimported: bool) -> None:
+    # default pre-imports statistics in its zygote; a spawned jail starts without it
+    r = client.run("import sys\n'statistics' in sys.modules", policy=policy)
+    assert (r.status, r.result) == ("ok", preimported), r.error
