@@ -436,6 +436,7 @@ class JailedJob:
         self._zygote_reaped = False  # ... and has reaped the jail
         self._release_pending = False
         self._release_timer: asyncio.TimerHandle | None = None
+        self._spawn_id = 0
         self._claimed = False  # the result is in and decides the record (zygote jails)
         self._pipes: tuple[tuple[int, str], ...] = ()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -623,7 +624,7 @@ class JailedJob:
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
-            zygote.spawn(  # takes over the jail's ends
+            self._spawn_id = zygote.spawn(  # takes over the jail's ends
                 zygote_request(self.spec.policy, self.spec.limits, uid),
                 (jail_end.detach(), out_w, err_w),
                 self._reaped,
@@ -669,6 +670,7 @@ class JailedJob:
             return
         try:
             self._cgroup.adopt(pid)
+            zygote.settled(self._spawn_id)
             self._jail_pid = pid
             sock.send(GO)
         except OSError as exc:

@@ -46,6 +46,9 @@ log = logging.getLogger("jaild.zygote")
 
 READY_TIMEOUT_S = 30.0
 SCM_CREDENTIALS = 2  # socket.SCM_CREDENTIALS, which typeshed lacks
+MAX_IN_TRANSIT = 32
+"""Jails forked but not yet moved into their job's cgroup: they live in the zygote's cgroup
+and are charged to it, so a burst of 500 must not fork at once (it OOM-killed the zygote)."""
 RESTART_BACKOFF_S = 1.0
 
 
@@ -93,7 +96,8 @@ class Zygote:
         self._control: socket.socket | None = None
         self._cgroup: JobCgroup | None = None
         self._pending: dict[int, OnExit] = {}
-        self._outbox: collections.deque[tuple[bytes, tuple[int, ...]]] = collections.deque()
+        self._outbox: collections.deque[tuple[bytes, tuple[int, ...], int]] = collections.deque()
+        self._in_transit: set[int] = set()
         self._writer_armed = False
         self._next_id = 0
         self._ready: asyncio.Future[dict[str, Any]] | None = None
@@ -258,10 +262,12 @@ class Zygote:
                 self.host_pid = struct.unpack("3i", creds[0][:12])[0]
                 self._ready.set_result(msg)
         elif kind == "exit":
+            self.settled(msg["id"])
             on_exit = self._pending.pop(msg["id"], None)
             if on_exit is not None:
                 on_exit(ZygoteExit(int(msg["status"]), float(msg["cpu_s"])))
         elif kind == "error":
+            self.settled(msg["id"])
             on_exit = self._pending.pop(msg["id"], None)
             if on_exit is not None:
                 on_exit(ZygoteExit(None, detail=str(msg["message"])))
@@ -276,6 +282,7 @@ class Zygote:
                 self._writer_armed = False
             self._control.close()
             self._control = None
+        self._in_transit.clear()
         while self._outbox:
             for fd in self._outbox.popleft()[1]:
                 os.close(fd)
@@ -308,7 +315,7 @@ class Zygote:
 
     # -- jails
 
-    def spawn(self, request: dict[str, Any], fds: tuple[int, ...], on_exit: OnExit) -> None:
+    def spawn(self, request: dict[str, Any], fds: tuple[int, ...], on_exit: OnExit) -> int:
         """Ask for one jail; the zygote gets ``fds`` (its channel, stdout, stderr), which
         this takes over and closes once sent. ``on_exit`` hears when it was reaped (or
         never started), once."""
@@ -319,16 +326,23 @@ class Zygote:
         self._next_id += 1
         ident = self._next_id
         self._pending[ident] = on_exit
-        self._outbox.append((msgpack.packb({"t": "spawn", "id": ident, **request}), fds))
+        self._outbox.append((msgpack.packb({"t": "spawn", "id": ident, **request}), fds, ident))
         if len(self._outbox) == 1:
+            self._flush()
+        return ident
+
+    def settled(self, ident: int) -> None:
+        """Jail ``ident`` left the zygote's cgroup (moved to its job's, or gone)."""
+        if ident in self._in_transit:
+            self._in_transit.discard(ident)
             self._flush()
 
     def _flush(self) -> None:
         """Send queued requests until the socket is full; a burst waits for the zygote."""
         loop = asyncio.get_running_loop()
         control = self._control
-        while self._outbox and control is not None:
-            payload, fds = self._outbox[0]
+        while self._outbox and control is not None and len(self._in_transit) < MAX_IN_TRANSIT:
+            payload, fds, ident = self._outbox[0]
             rights = array.array("i", fds).tobytes()
             try:
                 control.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
@@ -340,6 +354,7 @@ class Zygote:
             except OSError:
                 return  # the zygote is gone; the reader sees EOF and fails every request
             self._outbox.popleft()
+            self._in_transit.add(ident)
             for fd in fds:
                 os.close(fd)
         if self._writer_armed and control is not None:
