@@ -453,7 +453,8 @@ class Daemon:
         for index, (name, policy) in enumerate(sorted(self.policies.items())):
             if policy.pool.mode != "zygote" or name in self.unavailable:
                 continue
-            fd = _sealed_memfd(f"jaild-zygote-{name}", nsjail_config(policy, host, zygote=True))
+            config = nsjail_config(policy, host, zygote=True, max_jobs=self.config.max_jobs)
+            fd = _sealed_memfd(f"jaild-zygote-{name}", config)
             self._config_fds.append(fd)
             env.zygotes[name] = Zygote(
                 policy,
@@ -465,6 +466,7 @@ class Daemon:
                 uid_base=self.config.uid_base,
                 launcher=env.launcher,
                 seccomp_spec=env.seccomp_specs[name],
+                max_jobs=self.config.max_jobs,
             )
         names = list(env.zygotes)
         results = await asyncio.gather(
@@ -668,7 +670,6 @@ class Daemon:
                 f"{len(session.jobs)} jobs running on this connection, the limit per connection"
             )
         job_id = "job-" + secrets.token_hex(8)
-        session.send(JobAccepted(ref=req.ref, job_id=job_id))
         try:
             compile(
                 req.code,
@@ -680,6 +681,7 @@ class Daemon:
         except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as exc:
             record = syntax_error_record(job_id, policy, limits, exc, req.filename)
             self._audit(session, record)  # audited before the client can see the result
+            session.send(JobAccepted(ref=req.ref, job_id=job_id))
             session.send(JobFinished(job_id=job_id, record=record))
             return
         assert self.env is not None
@@ -694,9 +696,12 @@ class Daemon:
         pool = self.pools.get(policy.name)
         job = pool.take() if pool is not None and poolable(policy, limits) else None
         if job is not None:
-            job.assign(spec, session.call_tool, session.output)
+            job.assign(spec, session.call_tool, session.output)  # its code is on its way now
         else:
             job = JailedJob(spec, self.env, session.call_tool, session.output)
+        # Accepted after a pooled jail got its code (it starts a write earlier); still before
+        # anything about the job can reach the client, which only happens on a later callback.
+        session.send(JobAccepted(ref=req.ref, job_id=job_id))
         session.jobs[job_id] = job
         self.jobs[job_id] = job
         task = asyncio.get_running_loop().create_task(self._run(session, job))

@@ -39,7 +39,7 @@ from typing import Any
 import msgpack
 
 from jaild.cgroups import Cgroups, JobCgroup
-from jaild.policy.compile import ZYGOTE_PIDS, HostLayout, zygote_argv
+from jaild.policy.compile import ZYGOTE_PIDS, HostLayout, zygote_argv, zygote_memory_mb
 from jaild.policy.schema import Policy
 
 log = logging.getLogger("jaild.zygote")
@@ -82,6 +82,7 @@ class Zygote:
         uid_base: int,
         launcher: tuple[str, ...],
         seccomp_spec: dict[str, Any],
+        max_jobs: int,
     ) -> None:
         self.policy = policy
         self._nsjail = nsjail
@@ -92,6 +93,7 @@ class Zygote:
         self._uid_base = uid_base
         self._launcher = launcher
         self._seccomp_spec = seccomp_spec
+        self._max_jobs = max_jobs
         self._proc: subprocess.Popen[bytes] | None = None
         self._control: socket.socket | None = None
         self._cgroup: JobCgroup | None = None
@@ -136,7 +138,7 @@ class Zygote:
         loop = asyncio.get_running_loop()
         self._cgroup = self._cgroups.create_job(
             f"zygote-{self.policy.name}",
-            2 * self.policy.limits.memory_mb,
+            zygote_memory_mb(self.policy, self._max_jobs),
             ZYGOTE_PIDS,
             with_cpu=False,
         )

@@ -116,12 +116,22 @@ def tmp_inodes(tmp_mb: int) -> int:
     return max(1024, tmp_mb * 256)
 
 
+def zygote_memory_mb(policy: Policy, max_jobs: int) -> int:
+    """The zygote's cgroup memory limit. A jail runs a few lines in the zygote's cgroup before
+    the daemon moves it to its job's, and the pages it touches there stay charged to the
+    zygote's (cgroups do not move charges) until the jail exits: room for that, ~1 MB a
+    job, on top of the zygote's own (twice the policy's limit)."""
+    return 2 * policy.limits.memory_mb + max_jobs
+
+
 def child_memory_ceiling_bytes(policy: Policy) -> int:
     """nsjail's own (child) cgroup ceiling: above the job's, so the job's limit trips first."""
     return 2 * policy.limits.memory_mb * 1024 * 1024
 
 
-def nsjail_config(policy: Policy, host: HostLayout, *, zygote: bool = False) -> str:
+def nsjail_config(
+    policy: Policy, host: HostLayout, *, zygote: bool = False, max_jobs: int = 512
+) -> str:
     """The nsjail protobuf-text config shared by every job of ``policy`` -- or, with
     ``zygote``, the config of the policy's zygote: the same mounts and namespaces, but
     capabilities kept inside its user namespace and no per-job rlimits (each jail it
@@ -239,7 +249,12 @@ def nsjail_config(policy: Policy, host: HostLayout, *, zygote: bool = False) -> 
             )
         )
     lines += [
-        f"cgroup_mem_max: {child_memory_ceiling_bytes(policy)}",
+        "cgroup_mem_max: "
+        + str(
+            zygote_memory_mb(policy, max_jobs) << 20
+            if zygote
+            else child_memory_ceiling_bytes(policy)
+        ),
         "cgroup_mem_swap_max: 0",
     ]
     if host.cgroup.version == 2:

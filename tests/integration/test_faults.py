@@ -325,3 +325,35 @@ def test_a_dead_zygote_fails_its_running_jobs_and_is_started_again(
         again = c.run("6 * 7", policy="tiny")  # a new zygote, started on demand
         assert (again.status, again.result) == ("ok", 42), again.error
     assert "zygote of policy tiny" in d.log()
+
+
+def test_a_burst_of_500_jobs_loses_none(tuned: Callable[..., DaemonHandle]) -> None:
+    # 500 jobs at once over 4 connections, all through one zygote: jails in transit to their
+    # cgroups are charged to the zygote's, so the zygote must not fork them all at once (it
+    # was OOM-killed by exactly this burst).
+    import asyncio
+
+    from jaild.client import AsyncClient
+
+    d = tuned("[limits]\nmax_jobs = 1024\nmax_jobs_per_connection = 512\n")
+
+    async def burst() -> dict[str, int]:
+        clients = [AsyncClient(d.socket) for _ in range(4)]
+        for c in clients:
+            await c.connect()
+        try:
+            results = await asyncio.gather(*(
+                clients[i % 4].run("import time\ntime.sleep(0.5)\n7", policy="strict")
+                for i in range(500)))
+        finally:
+            for c in clients:
+                await c.close()
+        outcomes: dict[str, int] = {}
+        for r in results:
+            key = r.status if r.result == 7 or r.status != "ok" else "wrong result"
+            outcomes[key] = outcomes.get(key, 0) + 1
+        return outcomes
+
+    assert asyncio.run(burst()) == {"ok": 500}
+    assert "the zygote exited" not in d.log()
+    d.assert_serving()

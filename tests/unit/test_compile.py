@@ -25,6 +25,7 @@ from jaild.policy.compile import (
     nsjail_config,
     tmp_inodes,
     zygote_argv,
+    zygote_memory_mb,
     zygote_request,
 )
 from jaild.policy.schema import effective_limits, load_policy_dir, load_policy_text
@@ -178,3 +179,11 @@ def test_zygote_request_matches_what_nsjail_would_set() -> None:
     host = load_policy_text('[network]\nmode = "host"\n[filesystem]\nshm_mb = 0\n', "h.toml")
     req = zygote_request(host, host.limits, 1)
     assert not req["netns"] and req["shm"] == ""
+
+
+def test_the_zygote_cgroup_has_room_for_jails_in_transit() -> None:
+    # pages a jail touches before it is moved to its job's cgroup stay charged to the zygote's
+    policy = POLICIES["default"]
+    cfg = nsjail_config(policy, V1, zygote=True, max_jobs=100)
+    assert f"cgroup_mem_max: {(2 * policy.limits.memory_mb + 100) << 20}" in cfg
+    assert zygote_memory_mb(policy, 100) == 2 * policy.limits.memory_mb + 100
