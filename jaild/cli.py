@@ -335,7 +335,16 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
 def cmd_policy_explain(args: argparse.Namespace) -> int:
     from jaild.cgroups import CgroupError, detect
     from jaild.config import DaemonConfig
-    from jaild.policy.compile import CgroupLayout, HostLayout, JobPlacement, job_argv, nsjail_config
+    from jaild.policy.compile import (
+        JOB_UIDS,
+        CgroupLayout,
+        HostLayout,
+        JobPlacement,
+        job_argv,
+        nsjail_config,
+        zygote_argv,
+        zygote_request,
+    )
     from jaild.policy.schema import load_policy_dir
     from jaild.policy.seccomp import build_spec
     from jaild.runtime.seccomp import explain
@@ -359,15 +368,27 @@ def cmd_policy_explain(args: argparse.Namespace) -> int:
         envs_dir=config.envs_dir,
         cgroup=layout,
     )
-    argv = job_argv(
-        "nsjail",
-        policy,
-        policy.limits,
-        host,
-        JobPlacement("<job-id>", config.uid_base, "/proc/self/fd/<config>", 4),
-    )
-    print(f"# nsjail command line (per job)\n{' '.join(argv)}\n")
-    print(f"# nsjail config (per policy, passed as a sealed memfd)\n{nsjail_config(policy, host)}")
+    if policy.pool.mode == "zygote":
+        argv = zygote_argv(
+            "nsjail", policy, host, "/proc/self/fd/<config>", 4,
+            config.uid_base + JOB_UIDS, config.uid_base,
+        )
+        print(f"# nsjail command line of the policy's zygote\n{' '.join(argv)}\n")
+        zygote = nsjail_config(policy, host, zygote=True, max_jobs=config.max_jobs)
+        print(f"# nsjail config of the zygote (a sealed memfd)\n{zygote}")
+        request = zygote_request(policy, policy.limits, config.uid_base)
+        print(f"# what the zygote is asked for each jail\n{json.dumps(request)}\n")
+    else:
+        argv = job_argv(
+            "nsjail",
+            policy,
+            policy.limits,
+            host,
+            JobPlacement("<job-id>", config.uid_base, "/proc/self/fd/<config>", 4),
+        )
+        print(f"# nsjail command line (per job)\n{' '.join(argv)}\n")
+        config_text = nsjail_config(policy, host)
+        print(f"# nsjail config (per policy, passed as a sealed memfd)\n{config_text}")
     spec = build_spec(policy.seccomp_choice, network=policy.network.mode != "none")
     print("# seccomp filters loaded by the in-jail runtime (libseccomp pseudo-code)")
     print(explain(spec))

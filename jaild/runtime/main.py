@@ -25,7 +25,14 @@ import socket
 import sys
 
 from jaild.protocol import PROTOCOL_VERSION, Connection, Role
-from jaild.protocol.messages import MAX_PAYLOAD_BYTES, CodeFinished, Harden, JailReady, RunCode
+from jaild.protocol.messages import (
+    MAX_PAYLOAD_BYTES,
+    CodeFinished,
+    Harden,
+    JailReady,
+    RunCode,
+    encode,
+)
 
 EXIT_HARDENING_FAILED = 71
 EXIT_PROTOCOL = 72
@@ -61,11 +68,15 @@ def main() -> None:
         os._exit(EXIT_HARDENING_FAILED)
     channel.send(JailReady(protocol=PROTOCOL_VERSION, python=platform.python_version(),
                            seccomp_digest=seccomp_digest))
+    from jaild.runtime import execute
+
+    if not channel.readable():  # a pooled jail, waiting for a job: fault the code path in now
+        outcome = execute.warm_up(1 << 16)
+        encode(CodeFinished(ok=outcome.ok, result=outcome.result, error=outcome.error))
     run = channel.receive()
     if not isinstance(run, RunCode):
         os._exit(EXIT_PROTOCOL)
 
-    from jaild.runtime import execute
     from jaild.runtime.tools import ToolError, Tools
 
     tools = Tools(run.tools, channel, run.tool_payload_bytes)

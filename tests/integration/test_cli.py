@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -165,9 +166,12 @@ def test_policy_check(tmp_path: Path) -> None:
 
 
 def test_policy_explain_shows_argv_config_and_filter() -> None:
-    out = jaild("policy", "explain", "strict")
+    out = jaild("policy", "explain", "strict")  # a zygote policy
     assert out.returncode == 0, out.stderr
-    assert "--cgroup_pids_max 16" in out.stdout
-    assert 'mount { dst: "/proc"' not in out.stdout  # strict has no /proc
-    assert "clone_newnet: true" in out.stdout
+    assert "# nsjail command line of the policy's zygote" in out.stdout
+    assert "keep_caps: true" in out.stdout and "clone_newnet: true" in out.stdout
+    request = json.loads(out.stdout.split("# what the zygote is asked for each jail\n")[1]
+                         .split("\n")[0])
+    assert request["proc"] == "none"  # strict's jails detach the zygote's /proc, mount none
+    assert [resource.RLIMIT_NOFILE, 64, 64] in request["rlimits"]
     assert "action KILL_PROCESS" in out.stdout or "KILL_PROCESS" in out.stdout
