@@ -625,7 +625,9 @@ class JailedJob:
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
             self._spawn_id = zygote.spawn(  # takes over the jail's ends
-                zygote_request(self.spec.policy, self.spec.limits, uid),
+                zygote_request(
+                    self.spec.policy, self.spec.limits, uid, pooled=self._route_tool is None
+                ),
                 (jail_end.detach(), out_w, err_w),
                 self._reaped,
             )

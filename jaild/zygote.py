@@ -11,7 +11,7 @@ msgpack map per packet:
   seccomp spec, whose filters the zygote builds once for all its jails (each jail
   still loads them itself, and the daemon still checks the digest it reports).
 * daemon -> zygote ``{"t": "spawn", "id", "uid", "rlimits", "tmp", "shm", "proc",
-  "netns", "loopback", "hostname"}`` with the jail's channel, stdout and stderr
+  "netns", "loopback", "hostname", "warm_up"}`` with the jail's channel, stdout and stderr
   as SCM_RIGHTS.
 * zygote -> daemon ``{"t": "exit", "id", "status", "cpu_s", "maxrss_kb"}`` when a
   jail was reaped, or ``{"t": "error", "id", "message"}`` when it could not fork.

@@ -356,9 +356,12 @@ def zygote_argv(
     return argv
 
 
-def zygote_request(policy: Policy, limits: Limits, uid: int) -> dict[str, Any]:
+def zygote_request(
+    policy: Policy, limits: Limits, uid: int, *, pooled: bool = False
+) -> dict[str, Any]:
     """What the zygote needs to make one jail of ``policy`` (see :mod:`jaild.zygote`):
-    the same /tmp, /dev/shm, /proc, hostname, network and rlimits nsjail would give it."""
+    the same /tmp, /dev/shm, /proc, hostname, network and rlimits nsjail would give it;
+    ``pooled`` jails have time to warm up while they wait for their job."""
     fs = policy.filesystem
     mib = 1024 * 1024
     return {
@@ -375,4 +378,5 @@ def zygote_request(policy: Policy, limits: Limits, uid: int) -> dict[str, Any]:
         "netns": policy.network.mode != "host",
         "loopback": policy.network.mode == "loopback",
         "hostname": JAIL_HOSTNAME,
+        "warm_up": pooled,
     }

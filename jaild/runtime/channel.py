@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import itertools
 import os
-import select
 import socket
 import threading
 from typing import Any
@@ -115,13 +114,6 @@ class Channel:
                 os._exit(EXIT_CHANNEL_LOST)
             assert isinstance(event, Message)
             return event
-
-    def readable(self) -> bool:
-        """Is a message (or part of one) already waiting?"""
-        if self._conn.inside_frame:
-            return True
-        ready, _, _ = select.select([self._sock], [], [], 0)
-        return bool(ready)
 
     # -- calls
 

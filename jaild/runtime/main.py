@@ -47,7 +47,9 @@ def _take_channel() -> socket.socket:
     return socket.socket(fileno=channel_fd)
 
 
-def main() -> None:
+def main(warm_up: bool = False) -> None:
+    """Run the jail's one job. ``warm_up``: the jail was made ahead of its job (the zygote
+    says so), so it has time to run a throwaway job first (see execute.warm_up)."""
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     sock = _take_channel()
@@ -70,7 +72,7 @@ def main() -> None:
                            seccomp_digest=seccomp_digest))
     from jaild.runtime import execute
 
-    if not channel.readable():  # a pooled jail, waiting for a job: fault the code path in now
+    if warm_up:  # a pooled jail, waiting for its job: fault the code path in now
         outcome = execute.warm_up(1 << 16)
         encode(CodeFinished(ok=outcome.ok, result=outcome.result, error=outcome.error))
     run = channel.receive()

@@ -197,7 +197,7 @@ def _jail(req: dict[str, Any]) -> None:
     _setup_jail(req)
     from jaild.runtime.main import main
 
-    main()
+    main(warm_up=bool(req.get("warm_up")))
 
 
 def _child_main(req: dict[str, Any], fds: Sequence[int], control: socket.socket) -> None:

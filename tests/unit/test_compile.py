@@ -187,3 +187,9 @@ def test_the_zygote_cgroup_has_room_for_jails_in_transit() -> None:
     cfg = nsjail_config(policy, V1, zygote=True, max_jobs=100)
     assert f"cgroup_mem_max: {(2 * policy.limits.memory_mb + 100) << 20}" in cfg
     assert zygote_memory_mb(policy, 100) == 2 * policy.limits.memory_mb + 100
+
+
+def test_only_pooled_jails_warm_up() -> None:
+    policy = POLICIES["default"]
+    assert zygote_request(policy, policy.limits, 1, pooled=True)["warm_up"] is True
+    assert zygote_request(policy, policy.limits, 1)["warm_up"] is False
