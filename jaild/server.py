@@ -60,7 +60,7 @@ from jaild.errors import (
     UnknownPolicy,
 )
 from jaild.kernlog import KernelAuditLog
-from jaild.policy.compile import JOB_UIDS, HostLayout, nsjail_config
+from jaild.policy.compile import JOB_UIDS, CgroupLayout, HostLayout, nsjail_config
 from jaild.policy.schema import (
     Policy,
     effective_limits,
@@ -370,6 +370,20 @@ class Daemon:
             cgroups.prepare()
         except CgroupError as exc:
             raise StartupError(str(exc)) from None
+        try:
+            await self._start_with(sock, layout, cgroups)
+        except BaseException:
+            # We hold the socket, so the subtree is ours: a failed start leaves none of it.
+            if self.env is not None:
+                for zygote in self.env.zygotes.values():
+                    zygote.stop()
+            cgroups.sweep()
+            cgroups.remove_subtree()
+            raise
+
+    async def _start_with(
+        self, sock: socket.socket, layout: CgroupLayout, cgroups: Cgroups
+    ) -> None:
         self.swept = cgroups.sweep()
         if self.swept:
             log.warning(
@@ -790,7 +804,11 @@ class Daemon:
         self.audit.close()
         if self.env is not None:
             self.env.audit.close()
-            self.env.cgroups.remove_subtree()  # only ours: we held the socket
+            await asyncio.sleep(0)  # let the cleanups of the jobs just ended run
+            # Only ours (we held the socket): whatever a job left is killed and removed, so the
+            # subtree goes too -- nothing of a stopped daemon stays behind.
+            self.env.cgroups.sweep()
+            self.env.cgroups.remove_subtree()
         for fd in self._config_fds:
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -27,6 +27,7 @@ import pytest
 # that a garbage-collector finaliser can unbalance (gh-106905, fixed in 3.11.5). pytest
 # imports hypothesis's plugin module at the *end* of a session, and parsing it then can
 # fail with "AST constructor recursion depth mismatch". Importing it first avoids that.
+from jaild.cgroups import Cgroups, detect
 from jaild.client import Client, JobResult
 from jaild.config import DaemonConfig, default_state_dir
 from jaild.protocol import PROTOCOL_VERSION, encode, encode_frame
@@ -149,6 +150,23 @@ def start_daemon(directory: Path, policies: dict[str, str] | None = None, *,
     return handle
 
 
+def _subtrees() -> set[str]:
+    root = Path("/sys/fs/cgroup/memory")
+    return {d.name for d in root.iterdir() if d.name.startswith("jaild-")} if root.is_dir() else set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_cgroups_left_behind() -> Iterator[None]:
+    """The suite leaves no cgroup subtree of any daemon it started (set up first, so checked
+    after every other fixture has stopped its daemon)."""
+    before = _subtrees()
+    yield
+    deadline = time.monotonic() + 10
+    while _subtrees() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _subtrees() - before == set(), "daemons left cgroup subtrees behind"
+
+
 @pytest.fixture(scope="session")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
     """The shared daemon: repository policies plus tests/policies."""
@@ -171,8 +189,19 @@ def private_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonHandle]]:
 
     yield factory
     for handle in started:
-        if handle.proc.poll() is None:
-            handle.stop(signal.SIGKILL)
+        if handle.proc.poll() is None:  # a graceful stop removes its cgroups ...
+            try:
+                handle.stop(signal.SIGTERM, timeout=20)
+            except subprocess.TimeoutExpired:
+                handle.stop(signal.SIGKILL)
+        sweep_cgroups(handle)  # ... and a daemon a test killed leaves them to the next start
+
+
+def sweep_cgroups(handle: DaemonHandle) -> None:
+    """Remove what a stopped daemon left in its cgroup subtree (the daemon's own sweep)."""
+    cgroups = Cgroups(detect(handle.config.subtree))
+    cgroups.sweep()
+    cgroups.remove_subtree()
 
 
 @pytest.fixture
