@@ -403,6 +403,12 @@ class Report:
             "(`--subprocesses`), sampling only threads that hold the GIL (`--gil`: on-CPU Python "
             "code), during a separate, unmeasured latency run per variant. Raw collapsed stacks: "
             f"`{self.r.profile_dir}`.",
+            "",
+            "py-spy sees Python only. Most of a jail's cost is in the kernel (`perf`: "
+            "copy-on-write faults, fork, exit, namespaces) and between processes (wake-ups); the "
+            "README's "
+            "[performance section](../README.md#performance) puts these profiles together with "
+            "`perf` and per-stage timestamps into where the warm and cold paths spend their time.",
         ]
         for key, flame in self.r.profiles.items():
             lines += ["", f"### {self.r.labels[key]}: {flame.samples:,} samples", ""]
