@@ -170,6 +170,11 @@ class Evidence:
     stderr_tail: str = ""
     termination: tuple[str, int, str, int] | None = None  # zygote jails: from the wait status
 
+    @property
+    def term(self) -> tuple[str, int, str, int] | None:
+        """How the jail ended: the zygote's wait status, else what nsjail logged."""
+        return self.termination or parse_termination(self.log)
+
 
 def parse_termination(log: str) -> tuple[str, int, str, int] | None:
     """From nsjail's log: ("exited", code, "", pid) or ("signaled", signum, NAME, pid)."""
@@ -209,7 +214,7 @@ def _claimed(claim: CodeFinished) -> tuple[str, dict[str, Any] | None]:
 
 def classify(ev: Evidence) -> tuple[str, dict[str, Any] | None]:
     """(status, error) from the evidence. Pure; the order is the precedence."""
-    term = ev.termination or parse_termination(ev.log)
+    term = ev.term
     signaled = term is not None and term[0] == "signaled"
     signame = term[2] if signaled and term else ""
     if ev.kill_reason == "cancelled":
@@ -533,7 +538,7 @@ class JailedJob:
                 task.cancel()
             if self._cgroup is not None:
                 self._ev.oom = self._cgroup.oom_killed()
-            term = self._ev.termination or parse_termination(self._ev.log)
+            term = self._ev.term
             if term and term[0] == "signaled" and term[2] == "SIGSYS":
                 self._ev.syscall = self._env.audit.seccomp_kill(term[3])
             return self._record()
@@ -1052,7 +1057,6 @@ class JailedJob:
         self._terminating = True
         if proc is None:  # a zygote jail: nothing of it may survive, so no grace period
             self._kill_cgroup()
-            self._timers.append(self._loop.call_later(0.05, self._kill_cgroup))
             return
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)  # nsjail SIGKILLs the jail and cleans up

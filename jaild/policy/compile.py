@@ -304,23 +304,26 @@ def job_argv(
     ]
     if limits.cpu_cores > 0:
         argv += ["--cgroup_cpu_ms_per_sec", str(max(1, round(limits.cpu_cores * 1000)))]
-    cg = host.cgroup
-    if cg.version == 1:
-        argv += [
-            "--cgroup_mem_mount",
-            cg.v1_mount("memory"),
-            "--cgroup_mem_parent",
-            rel,
-            "--cgroup_pids_mount",
-            cg.v1_mount("pids"),
-            "--cgroup_pids_parent",
-            rel,
-        ]
-        if limits.cpu_cores > 0:
-            argv += ["--cgroup_cpu_mount", cg.v1_mount("cpu"), "--cgroup_cpu_parent", rel]
-    else:
-        argv += ["--cgroupv2_mount", f"{cg.v2_root}/{rel}"]
-    return argv
+    return argv + _cgroup_args(host.cgroup, rel, cpu=limits.cpu_cores > 0)
+
+
+def _cgroup_args(cg: CgroupLayout, rel: str, *, cpu: bool) -> list[str]:
+    """Where nsjail puts its child's cgroups: below ``rel`` (which the daemon made)."""
+    if cg.version == 2:
+        return ["--cgroupv2_mount", f"{cg.v2_root}/{rel}"]
+    args = [
+        "--cgroup_mem_mount",
+        cg.v1_mount("memory"),
+        "--cgroup_mem_parent",
+        rel,
+        "--cgroup_pids_mount",
+        cg.v1_mount("pids"),
+        "--cgroup_pids_parent",
+        rel,
+    ]
+    if cpu:
+        args += ["--cgroup_cpu_mount", cg.v1_mount("cpu"), "--cgroup_cpu_parent", rel]
+    return args
 
 
 def zygote_argv(
@@ -339,21 +342,7 @@ def zygote_argv(
     for flag in ("--user", "--group"):
         argv += [flag, f"0:{zygote_uid}:1", flag, f"{uid_base}:{uid_base}:{JOB_UIDS}"]
     argv += ["--cgroup_pids_max", str(ZYGOTE_PIDS)]
-    cg = host.cgroup
-    if cg.version == 1:
-        argv += [
-            "--cgroup_mem_mount",
-            cg.v1_mount("memory"),
-            "--cgroup_mem_parent",
-            rel,
-            "--cgroup_pids_mount",
-            cg.v1_mount("pids"),
-            "--cgroup_pids_parent",
-            rel,
-        ]
-    else:
-        argv += ["--cgroupv2_mount", f"{cg.v2_root}/{rel}"]
-    return argv
+    return argv + _cgroup_args(host.cgroup, rel, cpu=False)
 
 
 def zygote_request(
