@@ -471,6 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_policy_explain)
     r = psub.add_parser("reference", help="print the policy reference (Markdown)")
     r.set_defaults(func=cmd_policy_reference)
+
+    from jaild.envs import add_env_commands
+
+    add_env_commands(sub)
     return parser
 
 

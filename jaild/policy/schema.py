@@ -111,6 +111,12 @@ class Limits:
     tool_calls_in_flight: int = setting(
         64, "Tool calls one job may have in flight at once.", between(1, 4096)
     )
+    slow_client: str = setting(
+        "pause",
+        "When the client reads output slower than the job writes it: \"pause\" the job's "
+        "output (the job blocks on write) or \"truncate\" the live stream (the record keeps it).",
+        choice("pause", "truncate"),
+    )
 
 
 @dataclass(frozen=True)
@@ -218,6 +224,43 @@ class Pool:
     )
 
 
+@dataclass(frozen=True)
+class Session:
+    """``[session]`` -- jails kept for a series of runs that share their state."""
+
+    enabled: bool = setting(True, "Whether clients may open sessions with this policy.")
+    idle_s: float = setting(
+        300.0, "A session with no run for this long is closed.", between(1, 7 * 86400)
+    )
+    max_lifetime_s: float = setting(
+        3600.0, "A session is closed this long after it opened, busy or not.", between(1, 30 * 86400)
+    )
+    cpu_time_s: int = setting(
+        600,
+        "CPU seconds per process over the whole session (RLIMIT_CPU); each run also gets "
+        "limits.cpu_time_s of the session's CPU.",
+        between(1, 30 * 86400),
+    )
+    max_per_user: int = setting(16, "Sessions open at once per uid.", between(1, 4096))
+
+
+@dataclass(frozen=True)
+class Files:
+    """``[files]`` -- files uploaded into the working directory and collected after a run."""
+
+    max_files: int = setting(256, "Files uploaded, or collected, per run.", between(1, 1 << 16))
+    max_bytes: int = setting(
+        16 << 20, "Total bytes uploaded, or downloaded, per run.", between(0, MAX_PAYLOAD_BYTES // 2)
+    )
+    max_depth: int = setting(16, "Directory levels below the working directory.", between(1, 64))
+    max_name_chars: int = setting(
+        255, "Longest file or directory name (UTF-8 bytes).", between(1, 255)
+    )
+    max_path_chars: int = setting(
+        1024, "Longest relative path (UTF-8 bytes).", between(1, 4096)
+    )
+
+
 SECTIONS: dict[str, type] = {
     "limits": Limits,
     "filesystem": Filesystem,
@@ -226,6 +269,8 @@ SECTIONS: dict[str, type] = {
     "python": Python,
     "access": Access,
     "pool": Pool,
+    "session": Session,
+    "files": Files,
 }
 
 
@@ -241,6 +286,8 @@ class Policy:
     python: Python
     access: Access
     pool: Pool
+    session: Session
+    files: Files
 
     @property
     def seccomp_choice(self) -> SeccompChoice:
