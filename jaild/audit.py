@@ -69,11 +69,28 @@ class AuditLog:
                 "duration_s": record["duration_s"],
                 "tool_calls": len(calls),
                 "tools": dict(Counter(c.get("name") for c in calls)),
+                **{
+                    k: v
+                    for k, v in (record.get("usage") or {}).items()
+                    if k in ("cpu_user_s", "cpu_system_s", "memory_peak_bytes", "tool_time_s")
+                },
+                **({"session": record["session"]["id"]} if record.get("session") else {}),
                 "reason": f"{error.get('type')}: {str(error.get('message'))[:200]}"
                 if error
                 else "",
             },
         )
+
+    def session(self, peer: Peer, event: str, session_id: str, policy: str, **extra: Any) -> None:
+        """A session opened or closed (``reason``: closed, idle, lifetime, killed, a status)."""
+        self._emit(
+            f"session_{event}",
+            {"session": session_id, "uid": peer.uid, "pid": peer.pid, "policy": policy, **extra},
+        )
+
+    def killed(self, peer: Peer, ident: str) -> None:
+        """``jaild kill`` ended a job or session."""
+        self._emit("kill", {"id": ident, "uid": peer.uid, "pid": peer.pid})
 
     def refused(self, peer: Peer, code: str, message: str, **extra: Any) -> None:
         """A request (or a connection) was refused."""

@@ -14,9 +14,11 @@ its counters with it.
 * cgroup v1 (this kind of host): limits in ``memory.limit_in_bytes`` and
   ``memory.memsw.limit_in_bytes``; OOM evidence from an eventfd registered on
   ``memory.oom_control`` (v1's ``oom_kill`` counter is not hierarchical);
-  peak from ``memory.max_usage_in_bytes``.
+  peak from ``memory.max_usage_in_bytes``; CPU time from ``cpuacct`` (its own
+  hierarchy here, or co-mounted with ``cpu``); peak processes from ``pids.peak``.
 * cgroup v2 (systemd hosts): ``memory.max``, ``memory.swap.max``; OOM evidence
-  from ``memory.events`` (hierarchical); peak from ``memory.peak``. The subtree
+  from ``memory.events`` (hierarchical); peak from ``memory.peak``; CPU time from
+  ``cpu.stat``. The subtree
   must be delegated to the daemon (systemd ``Delegate=yes``); see the README.
 
 Jailed code cannot touch any of this: it has no /sys, a private cgroup
@@ -34,7 +36,8 @@ from dataclasses import dataclass, field
 
 from jaild.policy.compile import CgroupLayout
 
-V1_CONTROLLERS = ("memory", "pids", "cpu")
+V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
+OPTIONAL_V1 = ("cpu", "cpuacct")
 
 
 class CgroupError(RuntimeError):
@@ -107,6 +110,9 @@ class JobCgroup:
     layout: CgroupLayout
     dirs: list[str] = field(default_factory=list)
     memory_dir: str = ""
+    pids_dir: str = ""
+    cpu_dir: str = ""  # v1, with a CPU cap
+    acct_dir: str = ""  # v1: where CPU time is counted
     _oom_eventfd: int = -1
     _oom_control_fd: int = -1
 
@@ -135,9 +141,51 @@ class JobCgroup:
         except (OSError, ValueError):
             return None
 
-    def member_pids(self) -> list[int]:
+    def memory_bytes(self) -> int | None:
+        """Memory the job uses now."""
+        name = "memory.usage_in_bytes" if self.layout.version == 1 else "memory.current"
+        try:
+            return int(_read(os.path.join(self.memory_dir, name)))
+        except (OSError, ValueError):
+            return None
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak (v1; a session's next run). v2 keeps the jail's peak."""
+        if self.layout.version == 1:
+            with contextlib.suppress(OSError):
+                _write(os.path.join(self.memory_dir, "memory.max_usage_in_bytes"), "0")
+
+    def peak_pids(self) -> int | None:
+        try:
+            return int(_read(os.path.join(self.pids_dir or self.memory_dir, "pids.peak")))
+        except (OSError, ValueError):
+            return None
+
+    def cpu_times(self) -> tuple[float, float] | None:
+        """(user, system) CPU seconds of everything that ran in the job's cgroup."""
+        try:
+            if self.layout.version == 1:
+                if not self.acct_dir:
+                    return None
+                # usage is exact; the user/system split is counted in ticks: scale it
+                total = int(_read(os.path.join(self.acct_dir, "cpuacct.usage")))
+                user = int(_read(os.path.join(self.acct_dir, "cpuacct.usage_user")))
+                system = int(_read(os.path.join(self.acct_dir, "cpuacct.usage_sys")))
+                share = user / (user + system) if user + system else 1.0
+                return total * share / 1e9, total * (1 - share) / 1e9
+            stat = dict(
+                line.split(" ", 1)
+                for line in _read(os.path.join(self.memory_dir, "cpu.stat")).splitlines()
+            )
+            return int(stat["user_usec"]) / 1e6, int(stat["system_usec"]) / 1e6
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def member_pids(self, jail_only: bool = False) -> list[int]:
+        """Processes in the job's cgroups. ``jail_only``: those of the memory hierarchy,
+        where only the jail lives (v1 spawn mode starts nsjail itself in ``cpuacct``)."""
         pids: set[int] = set()
-        for d in self.dirs:
+        for d in [self.memory_dir] if jail_only else self.dirs:
             for root, _dirs, files in os.walk(d):
                 name = "cgroup.procs" if "cgroup.procs" in files else "tasks"
                 with contextlib.suppress(OSError, ValueError):
@@ -155,7 +203,7 @@ class JobCgroup:
             return None if text == "max" else int(text)
 
         if self.layout.version == 1:
-            pids_dir = self.dirs[1] if len(self.dirs) > 1 else self.memory_dir
+            pids_dir = self.pids_dir or self.memory_dir
             return {
                 "memory_limit": number(os.path.join(self.memory_dir, "memory.limit_in_bytes")),
                 "memsw_limit": number(os.path.join(self.memory_dir, "memory.memsw.limit_in_bytes")),
@@ -172,14 +220,16 @@ class JobCgroup:
     def rename(self, name: str) -> None:
         """Rename the job's cgroup(s) (a pooled jail takes its job's id). Limits, members
         and the OOM event registration stay."""
-        renamed = []
+        moved = {}
         for d in self.dirs:
             new = os.path.join(os.path.dirname(d), name)
             os.rename(d, new)
-            renamed.append(new)
-        if self.memory_dir in self.dirs:
-            self.memory_dir = renamed[self.dirs.index(self.memory_dir)]
-        self.dirs = renamed
+            moved[d] = new
+        self.dirs = [moved[d] for d in self.dirs]
+        self.memory_dir = moved.get(self.memory_dir, self.memory_dir)
+        self.pids_dir = moved.get(self.pids_dir, self.pids_dir)
+        self.cpu_dir = moved.get(self.cpu_dir, self.cpu_dir)
+        self.acct_dir = moved.get(self.acct_dir, self.acct_dir)
 
     def adopt(self, pid: int) -> None:
         """Move ``pid`` (a zygote-forked jail) into this job's cgroup(s).
@@ -199,9 +249,9 @@ class JobCgroup:
         """At most ``cores`` CPUs' worth of time (CFS quota per 100 ms period)."""
         quota = max(1000, round(cores * 100_000))
         if self.layout.version == 1:
-            if len(self.dirs) > 2:  # memory, pids, cpu (create_job with_cpu)
-                _write(os.path.join(self.dirs[2], "cpu.cfs_period_us"), "100000")
-                _write(os.path.join(self.dirs[2], "cpu.cfs_quota_us"), str(quota))
+            if self.cpu_dir:  # create_job with_cpu
+                _write(os.path.join(self.cpu_dir, "cpu.cfs_period_us"), "100000")
+                _write(os.path.join(self.cpu_dir, "cpu.cfs_quota_us"), str(quota))
             return
         _write(os.path.join(self.memory_dir, "cpu.max"), f"{quota} 100000")
 
@@ -226,6 +276,21 @@ class Cgroups:
     def _v1_root(self, controller: str) -> str:
         return os.path.join(self.layout.v1_mount(controller), self.layout.subtree)
 
+    def _v1_roots(self) -> list[str]:
+        """The subtree in each mounted v1 hierarchy, once each (cpu and cpuacct are often
+        one hierarchy mounted twice)."""
+        seen: dict[str, str] = {}
+        for c in V1_CONTROLLERS:
+            mount = self.layout.v1_mount(c)
+            if os.path.isdir(mount):
+                seen.setdefault(os.path.realpath(mount), self._v1_root(c))
+        return list(seen.values())
+
+    def _comounted(self, a: str, b: str) -> bool:
+        return os.path.realpath(self.layout.v1_mount(a)) == os.path.realpath(
+            self.layout.v1_mount(b)
+        )
+
     def _v2_root(self) -> str:
         return os.path.join(self.layout.v2_root, self.layout.subtree)
 
@@ -234,7 +299,7 @@ class Cgroups:
             for controller in V1_CONTROLLERS:
                 mount = self.layout.v1_mount(controller)
                 if not os.path.isdir(mount):
-                    if controller == "cpu":
+                    if controller in OPTIONAL_V1:
                         continue
                     raise CgroupError(f"cgroup v1 {controller} hierarchy missing at {mount}")
                 try:
@@ -264,17 +329,26 @@ class Cgroups:
         job = JobCgroup(self.layout)
         try:
             if self.layout.version == 1:
-                controllers = ["memory", "pids"] + (["cpu"] if with_cpu else [])
-                for controller in controllers:
-                    d = os.path.join(self._v1_root(controller), job_id)
-                    os.mkdir(d)
-                    job.dirs.append(d)
-                job.memory_dir = job.dirs[0]
+                made: dict[str, str] = {}  # real hierarchy -> the job's directory in it
+                for controller in ["memory", "pids"] + (["cpu"] if with_cpu else []) + [
+                    "cpuacct"
+                ]:
+                    mount = self.layout.v1_mount(controller)
+                    if controller == "cpuacct" and not os.path.isdir(mount):
+                        continue
+                    d = made.get(os.path.realpath(mount))
+                    if d is None:
+                        d = os.path.join(self._v1_root(controller), job_id)
+                        os.mkdir(d)
+                        job.dirs.append(d)
+                        made[os.path.realpath(mount)] = d
+                    setattr(job, {"memory": "memory_dir", "pids": "pids_dir", "cpu": "cpu_dir",
+                                  "cpuacct": "acct_dir"}[controller], d)
                 _write(os.path.join(job.memory_dir, "memory.limit_in_bytes"), limit)
                 memsw = os.path.join(job.memory_dir, "memory.memsw.limit_in_bytes")
                 if os.path.exists(memsw):
                     _write(memsw, limit)
-                _write(os.path.join(job.dirs[1], "pids.max"), str(pids))
+                _write(os.path.join(job.pids_dir, "pids.max"), str(pids))
                 job._oom_eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
                 job._oom_control_fd = os.open(
                     os.path.join(job.memory_dir, "memory.oom_control"), os.O_RDONLY | os.O_CLOEXEC
@@ -287,7 +361,7 @@ class Cgroups:
                 d = os.path.join(self._v2_root(), job_id)
                 os.mkdir(d)
                 job.dirs.append(d)
-                job.memory_dir = d
+                job.memory_dir = job.pids_dir = d
                 _write(os.path.join(d, "cgroup.subtree_control"), "+memory +pids +cpu")
                 _write(os.path.join(d, "memory.max"), limit)
                 with contextlib.suppress(FileNotFoundError):
@@ -301,11 +375,7 @@ class Cgroups:
 
     def job_dirs(self) -> list[str]:
         """Existing job cgroups in the subtree (for sweeping what a crash left)."""
-        roots = (
-            [self._v1_root(c) for c in V1_CONTROLLERS if os.path.isdir(self.layout.v1_mount(c))]
-            if self.layout.version == 1
-            else [self._v2_root()]
-        )
+        roots = self._v1_roots() if self.layout.version == 1 else [self._v2_root()]
         out = []
         for root in roots:
             with contextlib.suppress(FileNotFoundError):
@@ -318,11 +388,7 @@ class Cgroups:
 
     def remove_subtree(self) -> None:
         """Remove the (empty) subtree at shutdown; a non-empty one is left for the next sweep."""
-        roots = (
-            [self._v1_root(c) for c in V1_CONTROLLERS if os.path.isdir(self.layout.v1_mount(c))]
-            if self.layout.version == 1
-            else [self._v2_root()]
-        )
+        roots = self._v1_roots() if self.layout.version == 1 else [self._v2_root()]
         for root in roots:
             with contextlib.suppress(OSError):
                 os.rmdir(root)

@@ -4,8 +4,15 @@
 
     jaild serve [--socket PATH] [--policies DIR] [--state-dir DIR] [--nsjail PATH]
     jaild run [--socket PATH] [--policy NAME] [--tools FILE.py] [--timeout S] [--json]
-              (FILE | -c CODE | -)
+              [--upload PATH[=DEST]]... [--download-dir DIR] (FILE | -c CODE | -)
+    jaild session [--socket PATH] [--policy NAME] [--tools FILE.py] [--timeout S]
+                  [--upload PATH[=DEST]]... [--download-dir DIR]
     jaild policies [--socket PATH] [--json]
+    jaild ps [--socket PATH] [--json]
+    jaild kill [--socket PATH] ID...
+    jaild stats [--socket PATH] [--json]
+    jaild env build NAME -r REQUIREMENTS [--python PATH] [--rebuild]
+    jaild env list
     jaild policy check FILE...
     jaild policy explain NAME [--policies DIR]
     jaild policy reference
@@ -102,23 +109,54 @@ async def _run_job(
 ) -> Any:
     from jaild.client import AsyncClient
 
-    def write(stream: Any) -> Any:
-        def emit(text: str) -> None:
-            stream.write(text)
-            stream.flush()
-
-        return emit
-
     async with AsyncClient(socket_path, name=f"jaild-cli/{__version__}") as client:
         return await client.run(
             code,
             policy=args.policy,
             tools=tools,
             timeout=args.timeout,
-            on_stdout=None if args.json else write(sys.stdout),
-            on_stderr=None if args.json else write(sys.stderr),
+            on_stdout=None if args.json else _writer(sys.stdout),
+            on_stderr=None if args.json else _writer(sys.stderr),
             filename=filename,
+            files=args.uploads,
+            download=bool(args.download_dir),
         )
+
+
+def _writer(stream: Any) -> Any:
+    def emit(text: str) -> None:
+        stream.write(text)
+        stream.flush()
+
+    return emit
+
+
+def _uploads(specs: Sequence[str] | None) -> dict[str, Any]:
+    """``--upload PATH`` (under its base name) or ``--upload PATH=DEST`` (at DEST)."""
+    from jaild.files import load_uploads
+
+    items: dict[str, Any] = {}
+    for spec in specs or ():
+        local, sep, dest = spec.partition("=")
+        if sep:
+            items[dest] = local
+        else:
+            items.update(load_uploads([local]))
+    return load_uploads(items) if items else {}
+
+
+def _save_downloads(result: Any, directory: str | None) -> None:
+    if not directory or not result.downloads:
+        return
+    from jaild.files import UnsafePath
+
+    try:
+        for path in result.save_files(directory):
+            _print_err(f"downloaded {path}")
+    except UnsafePath as exc:
+        _print_err(f"download refused: {exc}")
+    for skipped in result.files_skipped:
+        _print_err(f"not downloaded: {skipped.get('path')!r}: {skipped.get('reason')}")
 
 
 async def _run_private(
@@ -166,6 +204,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         except Exception as exc:
             _print_err(f"cannot load tools from {args.tools}: {type(exc).__name__}: {exc}")
             return EXIT_USAGE
+    try:
+        args.uploads = _uploads(args.upload)
+    except (OSError, ValueError) as exc:
+        _print_err(f"cannot upload: {exc}")
+        return EXIT_USAGE
     socket_path, named = socket_from_env(args.socket)
     try:
         if not named and _nobody_listening(socket_path):
@@ -181,6 +224,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_REFUSED
     except KeyboardInterrupt:
         return 130
+    _save_downloads(result, args.download_dir)
     if args.json:
         json.dump(result.to_dict(), sys.stdout, default=repr)
         sys.stdout.write("\n")
@@ -193,6 +237,193 @@ def cmd_run(args: argparse.Namespace) -> int:
                 sys.stderr.write(err["traceback"])
             _print_err(f"job {result.job_id}: {result.status}: {err.get('message', '')}")
     return EXIT_STATUS.get(result.status, 1)
+
+
+# ---------------------------------------------------------------------------- session
+
+
+def cmd_session(args: argparse.Namespace) -> int:
+    """A REPL on a session: each complete statement (a blank line ends a block) runs in
+    the same jail, seeing what earlier ones defined. Reads stdin, interactive or piped."""
+    import codeop
+
+    from jaild.client import Client
+    from jaild.errors import SessionClosed
+    from jaild.toolspec import load_tools_file
+
+    tools = {}
+    if args.tools:
+        try:
+            tools = load_tools_file(args.tools)
+        except Exception as exc:
+            _print_err(f"cannot load tools from {args.tools}: {type(exc).__name__}: {exc}")
+            return EXIT_USAGE
+    try:
+        uploads = _uploads(args.upload)
+    except (OSError, ValueError) as exc:
+        _print_err(f"cannot upload: {exc}")
+        return EXIT_USAGE
+    compiler = codeop.CommandCompiler()
+    compiler.compiler.flags |= ast_flags()
+    interactive = sys.stdin.isatty()
+    socket_path, _ = socket_from_env(args.socket)
+    status = "ok"
+    try:
+        with Client(socket_path, name=f"jaild-cli/{__version__}") as client, client.session(
+            args.policy, tools
+        ) as session:
+            _print_err(f"session {session.id} (policy {args.policy}); end with Ctrl-D")
+            if uploads:
+                session.upload(uploads)
+            lines: list[str] = []
+            while True:
+                if interactive:
+                    sys.stderr.write("... " if lines else ">>> ")
+                    sys.stderr.flush()
+                line = sys.stdin.readline()
+                if line:
+                    lines.append(line.rstrip("\n"))
+                source = "\n".join(lines)
+                try:
+                    complete = compiler(source + "\n", "<session>", "exec") if line else True
+                except (SyntaxError, ValueError, OverflowError):
+                    complete = True  # let the daemon report it, with its line number
+                if not complete or not source.strip():
+                    if not line:
+                        break
+                    if not source.strip():
+                        lines.clear()
+                    continue
+                lines.clear()
+                try:
+                    result = session.run(
+                        source,
+                        timeout=args.timeout,
+                        on_stdout=_writer(sys.stdout),
+                        on_stderr=_writer(sys.stderr),
+                        download=bool(args.download_dir),
+                    )
+                except SessionClosed as exc:
+                    _print_err(exc.message)
+                    return EXIT_STATUS.get(session.closed or "", 1)
+                status = result.status
+                _save_downloads(result, args.download_dir)
+                if result.ok and result.result is not None:
+                    print(repr(result.result), flush=True)
+                elif not result.ok:
+                    err = result.error or {}
+                    if err.get("traceback"):
+                        sys.stderr.write(err["traceback"])
+                    _print_err(f"{result.status}: {err.get('message', '')}")
+                if session.closed is not None:
+                    _print_err(f"the session ended ({session.closed}): {session.close_message}")
+                    return EXIT_STATUS.get(result.status, 1)
+                if not line:
+                    break
+    except DaemonUnavailable as exc:
+        _print_err(exc.message)
+        return EXIT_UNAVAILABLE
+    except JaildError as exc:
+        _print_err(f"{exc.code}: {exc.message}")
+        return EXIT_REFUSED
+    except KeyboardInterrupt:
+        return 130
+    return 0 if status in ("ok", "error") else EXIT_STATUS.get(status, 1)
+
+
+def ast_flags() -> int:
+    import ast
+
+    return ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+
+
+# ---------------------------------------------------------------------------- ps, kill, stats
+
+
+def _connect(args: argparse.Namespace) -> Any:
+    from jaild.client import Client
+
+    return Client(socket_from_env(args.socket)[0], name=f"jaild-cli/{__version__}")
+
+
+def _size(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    try:
+        with _connect(args) as client:
+            rows = client.jobs()
+    except DaemonUnavailable as exc:
+        _print_err(exc.message)
+        return EXIT_UNAVAILABLE
+    if args.json:
+        json.dump(rows, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(f"{'ID':<22} {'KIND':<8} {'POLICY':<12} {'UID':>6} {'STATE':<9} {'AGE':>8} "
+          f"{'RUNS':>5} {'MEMORY':>9} {'CPU':>7}")
+    for r in rows:
+        runs = r.get("runs", "")
+        cpu = r.get("cpu_s")
+        print(
+            f"{r['id']:<22} {r['kind']:<8} {r['policy']:<12} {r['uid']:>6} {r['state']:<9} "
+            f"{r['age_s']:>7.1f}s {runs!s:>5} {_size(r.get('memory_bytes')):>9} "
+            f"{(f'{cpu:.2f}s' if cpu is not None else '-'):>7}"
+        )
+    return 0
+
+
+def cmd_kill(args: argparse.Namespace) -> int:
+    failed = False
+    try:
+        with _connect(args) as client:
+            for ident in args.ids:
+                try:
+                    kind = client.kill(ident)
+                except JaildError as exc:
+                    _print_err(f"{ident}: {exc.message}")
+                    failed = True
+                else:
+                    print(f"killed {kind} {ident}")
+    except DaemonUnavailable as exc:
+        _print_err(exc.message)
+        return EXIT_UNAVAILABLE
+    return 1 if failed else 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    try:
+        with _connect(args) as client:
+            stats = client.stats()
+    except DaemonUnavailable as exc:
+        _print_err(exc.message)
+        return EXIT_UNAVAILABLE
+    if args.json:
+        json.dump(stats, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    running = stats.get("running", {})
+    print(f"running: {running.get('jobs', 0)} jobs, {running.get('sessions', 0)} sessions, "
+          f"{running.get('connections', 0)} connections")
+    for title, table in (("policy", stats.get("policies", {})), ("uid", stats.get("uids", {}))):
+        print(f"\n{title.upper():<12} {'JOBS':>6} {'SESSIONS':>8} {'WALL':>9} {'CPU':>9} "
+              f"{'PEAK MEM':>9} {'TOOL CALLS':>10} {'TOOL TIME':>9}  STATUSES")
+        for name, t in table.items():
+            statuses = ", ".join(f"{k} {v}" for k, v in sorted(t.get("statuses", {}).items()))
+            cpu = t.get("cpu_user_s", 0) + t.get("cpu_system_s", 0)
+            print(
+                f"{name:<12} {t.get('jobs', 0):>6} {t.get('sessions', 0):>8} "
+                f"{t.get('wall_s', 0):>8.2f}s {cpu:>8.2f}s {_size(t.get('memory_peak_bytes')):>9} "
+                f"{t.get('tool_calls', 0):>10} {t.get('tool_time_s', 0):>8.2f}s  {statuses}"
+            )
+    return 0
 
 
 # ---------------------------------------------------------------------------- policies
@@ -417,6 +648,19 @@ def build_parser() -> argparse.ArgumentParser:
             "--socket", help="daemon socket (default: $JAILD_SOCKET or /run/jaild/jaild.sock)"
         )
 
+    def files_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--upload",
+            action="append",
+            metavar="PATH[=DEST]",
+            help="put a local file or directory into the jail's working directory (repeatable)",
+        )
+        p.add_argument(
+            "--download-dir",
+            metavar="DIR",
+            help="save the files the job created or changed here (never outside it)",
+        )
+
     def daemon_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--config", help="daemon config file (default: $JAILD_CONFIG or /etc/jaild/jaild.toml)"
@@ -443,9 +687,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tools", help="a Python file whose public functions become tools")
     p.add_argument("--timeout", type=float, help="wall-clock seconds (at most the policy's)")
     p.add_argument("--json", action="store_true", help="print only the result record, as JSON")
+    files_args(p)
     p.add_argument("-c", dest="code", help="code to run")
     p.add_argument("file", nargs="?", help="file to run ('-' for stdin)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("session", help="a REPL whose statements share one jail")
+    socket_arg(p)
+    p.add_argument("--policy", default="default")
+    p.add_argument("--tools", help="a Python file whose public functions become tools")
+    p.add_argument("--timeout", type=float, help="wall-clock seconds per run")
+    files_args(p)
+    p.set_defaults(func=cmd_session)
+
+    p = sub.add_parser("ps", help="list running jobs and open sessions")
+    socket_arg(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_ps)
+
+    p = sub.add_parser("kill", help="end running jobs or sessions by id")
+    socket_arg(p)
+    p.add_argument("ids", nargs="+", metavar="ID")
+    p.set_defaults(func=cmd_kill)
+
+    p = sub.add_parser("stats", help="usage totals per policy and per uid")
+    socket_arg(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("doctor", help="check the host and self-test every policy")
     daemon_args(p)

@@ -45,6 +45,10 @@ from jaild.errors import (
     RemoteProtocolError,
     error_from_wire,
 )
+from jaild.errors import (
+    SessionClosed as SessionClosedError,
+)
+from jaild.files import load_uploads, save_files
 from jaild.protocol import CLOSED, NEED_DATA, PROTOCOL_VERSION, Connection, Role, pack, unpack
 from jaild.protocol.messages import (
     MAX_PAYLOAD_BYTES,
@@ -52,15 +56,25 @@ from jaild.protocol.messages import (
     ClientCallTool,
     ClientToolFailed,
     ClientToolReturned,
+    CloseSession,
     Error,
+    GetStats,
     Hello,
     JobAccepted,
     JobFinished,
+    JobList,
     JobOutput,
+    Kill,
+    Killed,
+    ListJobs,
     ListPolicies,
     Message,
+    OpenSession,
     PolicyList,
     RunJob,
+    SessionClosed,
+    SessionOpened,
+    Stats,
     Welcome,
     safe_text,
 )
@@ -89,10 +103,27 @@ class JobResult:
     policy: str = ""
     tool_calls_omitted: int = 0
     """Calls beyond the 1000 listed in ``tool_calls`` (a job that floods its tools)."""
+    usage: dict[str, Any] = field(default_factory=dict)
+    """What the job consumed: wall_s, cpu_user_s, cpu_system_s, memory_peak_bytes, pids_peak,
+    output_bytes, tool_calls, tool_time_s, stream_paused_s, stream_dropped_bytes."""
+    files: list[dict[str, Any]] = field(default_factory=list)
+    """Files the run created or changed in its working directory: path, size, sha256."""
+    files_skipped: list[dict[str, Any]] = field(default_factory=list)
+    """Entries not listed or not downloaded, each with its reason (a symlink, a FIFO, ...)."""
+    downloads: dict[str, bytes] = field(default_factory=dict)
+    """Contents of the files that matched ``download``."""
+    session: dict[str, Any] | None = None
+    """For a session's run: the session ``id``, the ``run`` number, and ``closed`` (the
+    reason) if this run ended the session."""
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    def save_files(self, directory: str) -> list[str]:
+        """Write :attr:`downloads` below ``directory``; never outside it (names are checked
+        again here, and no symlink is followed). Returns the paths written."""
+        return save_files(directory, self.downloads)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -107,10 +138,19 @@ class JobResult:
             "limits": self.limits,
             "policy": self.policy,
             **({"tool_calls_omitted": self.tool_calls_omitted} if self.tool_calls_omitted else {}),
+            "usage": self.usage,
+            "files": self.files,
+            **({"files_skipped": self.files_skipped} if self.files_skipped else {}),
+            **({"session": self.session} if self.session else {}),
         }
 
     @classmethod
-    def from_wire(cls, record: Mapping[str, Any], packed: bytes | None) -> JobResult:
+    def from_wire(
+        cls,
+        record: Mapping[str, Any],
+        packed: bytes | None,
+        files: Mapping[str, bytes] | None = None,
+    ) -> JobResult:
         result = None
         if packed is not None:
             try:
@@ -129,6 +169,11 @@ class JobResult:
             limits=dict(record.get("limits", {})),
             policy=str(record.get("policy", "")),
             tool_calls_omitted=int(record.get("tool_calls_omitted", 0)),
+            usage=dict(record.get("usage") or {}),
+            files=list(record.get("files") or []),
+            files_skipped=list(record.get("files_skipped") or []),
+            downloads=dict(files or {}),
+            session=record.get("session"),
         )
 
 
@@ -173,6 +218,112 @@ class AsyncJob:
             await self._client.cancel(self.job_id)
 
 
+class AsyncSession:
+    """A jail kept for a series of runs (:meth:`AsyncClient.session`).
+
+    Each :meth:`run` sees the variables, functions and imports of the earlier runs, and
+    top-level ``await`` works in every run. The session ends when it is closed, when it
+    was idle for its ``idle_s``, at its ``max_lifetime_s``, when its client disconnects,
+    when ``jaild kill`` ends it, or when a run hits a limit (that run's record says which;
+    then :attr:`closed` holds the reason and further runs raise ``SessionClosed``).
+    """
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        policy: str,
+        tools: dict[str, HostTool],
+        limits: dict[str, float],
+        idle_s: float | None,
+        max_lifetime_s: float | None,
+    ) -> None:
+        self._client = client
+        self.policy = policy
+        self._tools = tools
+        self._limits = limits
+        self._idle_s = idle_s
+        self._max_lifetime_s = max_lifetime_s
+        self.id: str | None = None
+        self.closed: str | None = None
+        """Why the session ended (``closed``, ``idle``, ``lifetime``, ``killed``, a run's
+        status such as ``timeout`` or ``memory_limit``, ``disconnected``), or None."""
+        self.close_message = ""
+        self.info: dict[str, Any] = {}
+
+    async def open(self) -> AsyncSession:
+        """Open the session: returns once its jail is ready."""
+        tools = tuple(t.spec() for t in self._tools.values())
+        answer = await self._client._request(
+            lambda ref: OpenSession(
+                ref=ref,
+                policy=self.policy,
+                tools=tools,
+                limits=self._limits,
+                idle_s=self._idle_s,
+                max_lifetime_s=self._max_lifetime_s,
+            )
+        )
+        self.id = answer.session_id
+        self.info = dict(answer.record)
+        self._client._sessions[answer.session_id] = self
+        return self
+
+    async def __aenter__(self) -> AsyncSession:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _closed(self, reason: str, message: str) -> None:
+        self.closed = self.closed or reason
+        self.close_message = self.close_message or message
+
+    def _check_open(self) -> str:
+        if self.closed is not None:
+            raise SessionClosedError(f"session {self.id} is closed ({self.closed}): "
+                                     f"{self.close_message}")
+        if self.id is None:
+            raise SessionClosedError("the session is not open; use 'async with' or open()")
+        return self.id
+
+    async def run(self, code: str, **kwargs: Any) -> JobResult:
+        """Run ``code`` in the session's jail: same keywords as :meth:`AsyncClient.run`
+        except ``policy`` and ``tools`` (the session's)."""
+        job = await self.submit(code, **kwargs)
+        result = await job.result()
+        ended = (result.session or {}).get("closed")
+        if ended:  # its SessionClosed follows; the session is over already
+            error = result.error or {}
+            self._closed(str(ended), f"run {result.job_id} ended the session: "
+                         f"{error.get('message', '')}")
+            self._client._sessions.pop(self.id or "", None)
+        return result
+
+    async def submit(self, code: str, **kwargs: Any) -> AsyncJob:
+        session_id = self._check_open()
+        return await self._client.submit(
+            code, self.policy, self._tools, _session=session_id, **kwargs
+        )
+
+    async def upload(self, files: Any) -> JobResult:
+        """Put files into the working directory (a run of no code)."""
+        return await self.run("", files=files)
+
+    async def download(self, *patterns: str) -> dict[str, bytes]:
+        """The contents of files in the working directory matching ``patterns``."""
+        result = await self.run("", download=patterns or ("*",))
+        return result.downloads
+
+    async def close(self) -> None:
+        """End the session (its jail is killed). Idempotent."""
+        if self.id is None or self.closed is not None:
+            return
+        self._closed("closed", "closed by the client")
+        self._client._sessions.pop(self.id, None)
+        with contextlib.suppress(JaildError):
+            await self._client._send(CloseSession(session_id=self.id))
+
+
 class AsyncClient:
     """An asyncio client of one jaild daemon over its Unix socket.
 
@@ -196,6 +347,7 @@ class AsyncClient:
         self._accepting: dict[int, tuple[asyncio.Future[str], _Job]] = {}
         self._requests: dict[int, asyncio.Future[Any]] = {}
         self._jobs: dict[str, _Job] = {}
+        self._sessions: dict[str, AsyncSession] = {}
         self._broken: JaildError | None = None
         self._handler_threads = handler_threads
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -267,6 +419,9 @@ class AsyncClient:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         filename: str = "<job>",
+        files: Any = None,
+        download: Iterable[str] | bool = (),
+        _session: str | None = None,
     ) -> AsyncJob:
         """Start ``code`` in a fresh jail; return once the daemon accepted it.
 
@@ -277,6 +432,12 @@ class AsyncClient:
             timeout: wall-clock seconds (shorthand for ``limits={"wall_time_s": ...}``).
             limits: per-job limits; each may only be stricter than the policy's.
             on_stdout / on_stderr: called with text as the job produces it.
+            files: uploads into the jail's working directory before the code runs:
+                ``{"path/in/jail": bytes or a local path}``, or local paths (a directory
+                goes in recursively).
+            download: patterns (``fnmatch``, ``*`` crosses ``/``) of files in the working
+                directory whose contents come back in ``result.downloads``; ``True``: every
+                file the run created or changed.
 
         Returns:
             An :class:`AsyncJob`: its ``job_id``, ``await job.result()``, ``await job.cancel()``.
@@ -286,6 +447,8 @@ class AsyncClient:
                 or the connection failed.
         """
         host_tools = normalize_tools(tools)
+        uploads = load_uploads(files) if files else {}
+        patterns = () if isinstance(download, bool) else tuple(download)
         wanted = dict(limits or {})
         if timeout is not None:
             wanted["wall_time_s"] = float(timeout)
@@ -301,6 +464,10 @@ class AsyncClient:
             tools=tuple(t.spec() for t in host_tools.values()),
             limits=wanted,
             filename=filename,
+            session_id=_session,
+            files=uploads,
+            download=patterns,
+            download_changed=download is True,
         )
         try:
             await self._send(msg)
@@ -324,16 +491,54 @@ class AsyncClient:
         job = await self.submit(code, policy, tools, **kwargs)
         return await job.result()
 
-    async def policies(self) -> list[dict[str, Any]]:
-        """The policies this daemon serves to this user."""
+    async def _request(self, make: Callable[[int], Message]) -> Any:
+        """Send ``make(ref)`` and wait for the answer to ``ref``."""
         ref = next(self._refs)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._requests[ref] = fut
-        await self._send(ListPolicies(ref=ref))
         try:
-            return list(await fut)
+            await self._send(make(ref))
+            return await fut
         finally:
             self._requests.pop(ref, None)
+
+    async def policies(self) -> list[dict[str, Any]]:
+        """The policies this daemon serves to this user."""
+        answer = await self._request(lambda ref: ListPolicies(ref=ref))
+        return list(answer.policies)
+
+    async def jobs(self) -> list[dict[str, Any]]:
+        """Running jobs and open sessions (``jaild ps``): all for root, else this uid's."""
+        answer = await self._request(lambda ref: ListJobs(ref=ref))
+        return list(answer.jobs)
+
+    async def kill(self, ident: str) -> str:
+        """End a running job or an open session of this uid's (any, for root), from any
+        connection. Returns ``"job"`` or ``"session"``."""
+        answer = await self._request(lambda ref: Kill(ref=ref, id=ident))
+        return str(answer.kind)
+
+    async def stats(self) -> dict[str, Any]:
+        """Usage totals per policy and per uid since the daemon started (``jaild stats``)."""
+        answer = await self._request(lambda ref: GetStats(ref=ref))
+        return dict(answer.stats)
+
+    def session(
+        self,
+        policy: str = "default",
+        tools: Mapping[str, Any] | Iterable[Any] | None = None,
+        *,
+        limits: Mapping[str, float] | None = None,
+        idle_s: float | None = None,
+        max_lifetime_s: float | None = None,
+    ) -> AsyncSession:
+        """A session: one jail kept for many runs that share variables, functions and imports.
+
+        ``async with client.session(...) as s: await s.run("x = 1"); await s.run("x + 1")``.
+        ``idle_s`` / ``max_lifetime_s`` may only tighten the policy's ``[session]`` values;
+        ``limits`` are the per-run limits (memory and pids apply to the whole session)."""
+        return AsyncSession(self, policy, normalize_tools(tools), dict(limits or {}), idle_s,
+                            max_lifetime_s)
 
     async def cancel(self, job_id: str) -> None:
         """Ask the daemon to cancel a running job (it then finishes with status ``cancelled``)."""
@@ -383,6 +588,9 @@ class AsyncClient:
 
     def _fail_all(self, exc: JaildError) -> None:
         self._broken = self._broken or exc
+        for sess in self._sessions.values():
+            sess._closed("disconnected", exc.message)
+        self._sessions.clear()
         for fut in [*(a for a, _ in self._accepting.values()), *self._requests.values()]:
             if not fut.done():
                 fut.set_exception(exc)
@@ -398,10 +606,15 @@ class AsyncClient:
                 self._jobs[msg.job_id] = pending[1]  # before any of its output can arrive
                 pending[0].set_result(msg.job_id)
             return
-        if isinstance(msg, PolicyList):
+        if isinstance(msg, (PolicyList, SessionOpened, JobList, Killed, Stats)):
             req = self._requests.get(msg.ref)
             if req is not None and not req.done():
-                req.set_result(msg.policies)
+                req.set_result(msg)
+            return
+        if isinstance(msg, SessionClosed):
+            sess = self._sessions.pop(msg.session_id, None)
+            if sess is not None:
+                sess._closed(msg.reason, msg.message)
             return
         if isinstance(msg, Error):
             err = error_from_wire(msg.code, msg.message)
@@ -441,7 +654,7 @@ class AsyncClient:
             job.calls.add(task)
             task.add_done_callback(job.calls.discard)
         elif isinstance(msg, JobFinished) and not job.finished.done():
-            job.finished.set_result(JobResult.from_wire(msg.record, msg.result))
+            job.finished.set_result(JobResult.from_wire(msg.record, msg.result, msg.files))
 
     async def _call_tool(self, job_id: str, job: _Job, call: ClientCallTool) -> None:
         tool = job.tools.get(call.name)
@@ -548,6 +761,22 @@ class Client:
     def policies(self) -> list[dict[str, Any]]:
         return self._call(self._client.policies())  # type: ignore[no-any-return]
 
+    def jobs(self) -> list[dict[str, Any]]:
+        """See :meth:`AsyncClient.jobs`."""
+        return self._call(self._client.jobs())  # type: ignore[no-any-return]
+
+    def kill(self, ident: str) -> str:
+        """See :meth:`AsyncClient.kill`."""
+        return self._call(self._client.kill(ident))  # type: ignore[no-any-return]
+
+    def stats(self) -> dict[str, Any]:
+        """See :meth:`AsyncClient.stats`."""
+        return self._call(self._client.stats())  # type: ignore[no-any-return]
+
+    def session(self, policy: str = "default", tools: Any = None, **kwargs: Any) -> Session:
+        """See :meth:`AsyncClient.session`; ``with client.session(...) as s: s.run(...)``."""
+        return Session(self, self._client.session(policy, tools, **kwargs))
+
     def cancel(self, job_id: str) -> None:
         self._call(self._client.cancel(job_id))
 
@@ -589,3 +818,52 @@ class Job:
 
     def cancel(self) -> None:
         self._client._call(self._job.cancel())
+
+
+class Session:
+    """A session of the blocking :class:`Client` (see :class:`AsyncSession`)."""
+
+    def __init__(self, client: Client, session: AsyncSession) -> None:
+        self._client = client
+        self._session = session
+
+    @property
+    def id(self) -> str | None:
+        return self._session.id
+
+    @property
+    def closed(self) -> str | None:
+        return self._session.closed
+
+    @property
+    def close_message(self) -> str:
+        return self._session.close_message
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """What the daemon said when the session opened: policy, idle_s, max_lifetime_s,
+        limits."""
+        return self._session.info
+
+    def open(self) -> Session:
+        self._client._call(self._session.open())
+        return self
+
+    def __enter__(self) -> Session:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, code: str, **kwargs: Any) -> JobResult:
+        return self._client._call(self._session.run(code, **kwargs))  # type: ignore[no-any-return]
+
+    def upload(self, files: Any) -> JobResult:
+        return self._client._call(self._session.upload(files))  # type: ignore[no-any-return]
+
+    def download(self, *patterns: str) -> dict[str, bytes]:
+        return self._client._call(self._session.download(*patterns))  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        if not self._client._loop.is_closed():
+            self._client._call(self._session.close())

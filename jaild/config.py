@@ -98,6 +98,11 @@ class LimitsFile:
     max_connections_per_uid: int = setting(
         128, "Client connections at once from one uid.", between(1, 1 << 20)
     )
+    stream_buffer_bytes: int = setting(
+        1 << 20,
+        "Output buffered for one slow client before its jobs' slow_client rule applies.",
+        between(1 << 12, 1 << 30),
+    )
     max_frame_bytes: int = setting(
         80 << 20, "Largest frame a client may send.", between(1 << 16, 1 << 30)
     )
@@ -172,6 +177,7 @@ class DaemonConfig:
     max_jobs_per_connection: int = 256
     max_connections: int = 1024
     max_connections_per_uid: int = 128
+    stream_buffer_bytes: int = 1 << 20
     max_frame_bytes: int = 80 << 20
     handshake_timeout_s: float = 10.0
     frame_timeout_s: float = 30.0

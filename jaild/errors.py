@@ -97,6 +97,16 @@ class PolicyUnavailable(JaildError):
     code = "policy_unavailable"
 
 
+class UnknownSession(JaildError):
+    code = "unknown_session"
+
+
+class SessionClosed(JaildError):
+    """The session ended (closed, expired, killed, or a run hit a limit)."""
+
+    code = "session_closed"
+
+
 class PermissionDenied(JaildError):
     code = "permission_denied"
 
@@ -149,6 +159,8 @@ ERROR_CLASSES: dict[str, type[JaildError]] = {
         UnknownPolicy,
         PolicyUnavailable,
         UnknownJob,
+        UnknownSession,
+        SessionClosed,
         PermissionDenied,
         Busy,
         ShuttingDown,

@@ -38,9 +38,12 @@ import shutil
 import socket
 import stat
 import struct
+import time
+from collections.abc import Mapping
 from typing import Any
 
 from jaild import __version__, systemd
+from jaild.accounting import Accounting
 from jaild.audit import AuditLog, Peer
 from jaild.cgroups import CgroupError, Cgroups, detect
 from jaild.config import DaemonConfig
@@ -55,13 +58,16 @@ from jaild.errors import (
     PolicyUnavailable,
     ReadTimeout,
     RemoteProtocolError,
+    SessionClosed,
     ShuttingDown,
     UnknownJob,
     UnknownPolicy,
+    UnknownSession,
 )
 from jaild.kernlog import KernelAuditLog
 from jaild.policy.compile import JOB_UIDS, CgroupLayout, HostLayout, nsjail_config
 from jaild.policy.schema import (
+    Limits,
     Policy,
     effective_limits,
     host_checks,
@@ -77,24 +83,42 @@ from jaild.protocol.messages import (
     ClientCallTool,
     ClientToolFailed,
     ClientToolReturned,
+    CloseSession,
     Error,
+    GetStats,
     Hello,
     JobAccepted,
     JobFinished,
+    JobList,
     JobOutput,
+    Kill,
+    Killed,
+    ListJobs,
     ListPolicies,
     Message,
+    OpenSession,
     PolicyList,
     RunJob,
+    SessionOpened,
+    Stats,
     ToolSpec,
     Welcome,
 )
+from jaild.protocol.messages import SessionClosed as SessionClosedMsg
+from jaild.runtime.files import check_file_set
 from jaild.runtime.harden import become_child_subreaper
 from jaild.runtime.seccomp import bpf_program
 from jaild.runtime.seccomp import digest as seccomp_digest
 from jaild.selftest import INSPECT_TOOL, Check, evaluate, host_paths_to_hide, probe_code
 from jaild.staging import ensure_traversable, locate_nsjail, stage_runtime
-from jaild.supervisor import JailedJob, JailEnvironment, JobSpec, syntax_error_record
+from jaild.supervisor import (
+    JailedJob,
+    JailEnvironment,
+    JobSpec,
+    file_limits,
+    internal_error_record,
+    syntax_error_record,
+)
 from jaild.zygote import Zygote
 
 log = logging.getLogger("jaild")
@@ -152,6 +176,11 @@ class ClientSession:
         self.jobs: dict[str, JailedJob | None] = {}
         self.pending_calls: dict[tuple[str, int], asyncio.Future[tuple[bool, Any]]] = {}
         self.closed = False
+        self.jail_sessions: dict[str, JailSession] = {}
+        self._paused: set[JailedJob] = set()  # jobs whose output waits for this client
+        self._drainer: asyncio.Task[None] | None = None
+        limit = daemon.config.stream_buffer_bytes
+        writer.transport.set_write_buffer_limits(high=limit, low=limit // 2)
 
     @property
     def who(self) -> str:
@@ -263,6 +292,32 @@ class ClientSession:
                 )
             elif job is not None:
                 job.cancel("cancelled by the client")
+        elif isinstance(msg, OpenSession):
+            try:
+                self.daemon.open_session(self, msg)
+            except JaildError as exc:
+                self.daemon.audit.refused(self.peer, exc.code, exc.message, policy=msg.policy)
+                self.send_error(exc, ref=msg.ref)
+        elif isinstance(msg, CloseSession):
+            sess = self.jail_sessions.get(msg.session_id)
+            if sess is None:
+                self.send_error(
+                    UnknownSession(f"no open session {msg.session_id} of this connection")
+                )
+            else:
+                self.daemon.close_session(sess, "closed", "closed by the client")
+        elif isinstance(msg, ListJobs):
+            self.send(JobList(ref=msg.ref, jobs=tuple(self.daemon.list_jobs(self.peer))))
+        elif isinstance(msg, Kill):
+            try:
+                kind = self.daemon.kill(self.peer, msg.id)
+            except JaildError as exc:
+                self.send_error(exc, ref=msg.ref)
+            else:
+                self.send(Killed(ref=msg.ref, id=msg.id, kind=kind))
+        elif isinstance(msg, GetStats):
+            uid = None if self.peer.uid == 0 else self.peer.uid
+            self.send(Stats(ref=msg.ref, stats=self.daemon.stats_wire(uid)))
         elif isinstance(msg, ListPolicies):
             self.send(
                 PolicyList(
@@ -294,7 +349,31 @@ class ClientSession:
         return fut
 
     def output(self, job_id: str, stream: str, data: bytes) -> None:
+        """Stream a job's output -- within the connection's buffer (``stream_buffer_bytes``).
+        Past it, by the job's ``slow_client`` limit: its output is paused until the client
+        reads (the jail blocks on write), or skipped on the stream (the record has it all)."""
+        job = self.jobs.get(job_id)
+        if job is not None and self._buffered() > self.daemon.config.stream_buffer_bytes:
+            if job.spec.limits.slow_client == "truncate":
+                job.output_dropped(len(data))
+                return
+            job.pause_output()
+            self._paused.add(job)
+            if self._drainer is None or self._drainer.done():
+                self._drainer = asyncio.get_running_loop().create_task(self._drain_paused())
         self.send(JobOutput(job_id=job_id, stream=stream, data=data))
+
+    def _buffered(self) -> int:
+        if self.closed or self.writer.is_closing():
+            return 0
+        return int(self.writer.transport.get_write_buffer_size())
+
+    async def _drain_paused(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.writer.drain()  # until the buffer is below half of stream_buffer_bytes
+        paused, self._paused = self._paused, set()
+        for job in paused:
+            job.resume_output()
 
     async def close(self) -> None:
         if self.closed:
@@ -307,9 +386,75 @@ class ClientSession:
         for job in list(self.jobs.values()):
             if job is not None:
                 job.cancel("the client disconnected")
+        for sess in list(self.jail_sessions.values()):
+            self.daemon.close_session(sess, "disconnected", "the client disconnected")
+        for job in self._paused:
+            job.resume_output()
+        self._paused.clear()
         with contextlib.suppress(Exception):
             self.writer.close()
         self.daemon.sessions.discard(self)
+
+
+JAIL_LIMITS = ("memory_mb", "pids", "cpu_cores", "file_size_mb", "open_files")
+"""Limits a jail is made with: a session's runs cannot change them."""
+
+
+def _jail_limits(limits: Limits) -> dict[str, float]:
+    return {k: getattr(limits, k) for k in JAIL_LIMITS}
+
+
+class JailSession:
+    """A jail kept for a series of runs of one client (``OpenSession``)."""
+
+    def __init__(
+        self,
+        session_id: str,
+        owner: ClientSession,
+        policy: Policy,
+        limits: Limits,
+        tools: tuple[ToolSpec, ...],
+        jail: JailedJob,
+        idle_s: float,
+        max_lifetime_s: float,
+    ) -> None:
+        self.id = session_id
+        self.owner = owner
+        self.policy = policy
+        self.limits = limits
+        self.tools = tools
+        self.jail = jail
+        self.idle_s = idle_s
+        self.max_lifetime_s = max_lifetime_s
+        self.created = time.time()
+        self._opened = time.monotonic()
+        self.last_used = time.monotonic()
+        self.busy: str | None = None  # the job id of the run in progress
+        self.closed: str | None = None  # why it ended
+        self.requested: dict[str, float] = {}  # the limits asked for at open (runs add theirs)
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self.life_timer: asyncio.TimerHandle | None = None  # set once the jail is ready
+
+    def touch(self, daemon: Daemon, idle: bool = True) -> None:
+        """A run starts (idle=False: no idle expiry while it runs) or ends (idle clock restarts)."""
+        self.last_used = time.monotonic()
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+        if idle:
+            self.idle_timer = asyncio.get_running_loop().call_later(
+                self.idle_s,
+                daemon.close_session,
+                self,
+                "idle",
+                f"no run for {self.idle_s:g} s (the session's idle limit)",
+            )
+
+    def expires_in(self) -> float:
+        left = self.max_lifetime_s - (time.monotonic() - self._opened)
+        if self.busy is None:
+            left = min(left, self.idle_s - (time.monotonic() - self.last_used))
+        return max(0.0, left)
 
 
 class Daemon:
@@ -334,6 +479,9 @@ class Daemon:
         self._only: set[str] | None = None
         self.unavailable: dict[str, str] = {}
         self.pools: dict[str, JailPool] = {}
+        self.jail_sessions: dict[str, JailSession] = {}
+        self.owners: dict[str, tuple[ClientSession, float]] = {}  # job id -> client, start
+        self.accounting = Accounting()
 
     # ------------------------------------------------------------------ startup
 
@@ -643,14 +791,16 @@ class Daemon:
             return Busy(f"uid {peer.uid} already has {same_uid} connections, the limit per uid")
         return None
 
-    def submit(self, session: ClientSession, req: RunJob) -> None:
-        """Validate a RunJob and start it. Raises a JaildError the client gets as Error."""
+    def _policy_for(
+        self, session: ClientSession, name: str, tools: tuple[ToolSpec, ...]
+    ) -> Policy:
+        """The policy a request names, if this peer may use it with these tools."""
         if self._stopping:
             raise ShuttingDown("the daemon is shutting down")
-        policy = self.policies.get(req.policy)
+        policy = self.policies.get(name)
         if policy is None:
             raise UnknownPolicy(
-                f"no policy {req.policy!r}; this daemon serves: {', '.join(sorted(self.policies))}"
+                f"no policy {name!r}; this daemon serves: {', '.join(sorted(self.policies))}"
             )
         if policy.name in self.unavailable:
             raise PolicyUnavailable(
@@ -658,7 +808,7 @@ class Daemon:
             )
         if not policy.user_allowed(session.peer.uid, (session.peer.gid, *session.peer.groups)):
             raise PermissionDenied(f"uid {session.peer.uid} may not use policy {policy.name!r}")
-        names = [t.name for t in req.tools]
+        names = [t.name for t in tools]
         if len(set(names)) != len(names):
             raise BadRequest("tool names must be unique")
         refused = [n for n in names if not policy.tool_allowed(n)]
@@ -667,16 +817,35 @@ class Daemon:
                 f"policy {policy.name!r} does not allow tool(s) {', '.join(refused)} "
                 f"(allowed: {', '.join(policy.access.tools)})"
             )
-        code_bytes = len(req.code.encode("utf-8", "surrogatepass"))
-        if code_bytes > policy.limits.code_bytes:
-            raise BadRequest(
-                f"the code is {code_bytes} bytes; policy {policy.name!r} accepts at most "
-                f"{policy.limits.code_bytes}"
-            )
+        return policy
+
+    @staticmethod
+    def _limits_for(policy: Policy, requested: Mapping[str, float]) -> Limits:
         try:
-            limits = effective_limits(policy, req.limits)
+            return effective_limits(policy, requested)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+
+    @staticmethod
+    def _check_files(policy: Policy, files: Mapping[str, bytes], download: tuple[str, ...]) -> None:
+        """Uploads within the policy's ``[files]`` limits, every name a plain relative path."""
+        problem = check_file_set(files, file_limits(policy))
+        if problem is not None:
+            path, reason = problem
+            raise BadRequest(f"upload {path!r} refused by policy {policy.name!r}: {reason}")
+        for pattern in download:
+            if "\x00" in pattern:
+                raise BadRequest(f"download pattern {pattern!r} contains NUL")
+
+    def submit(self, session: ClientSession, req: RunJob) -> None:
+        """Validate a RunJob and start it. Raises a JaildError the client gets as Error."""
+        if req.session_id is not None:
+            self._submit_to_session(session, req)
+            return
+        policy = self._policy_for(session, req.policy, req.tools)
+        self._check_code(policy, req.code)
+        limits = self._limits_for(policy, req.limits)
+        self._check_files(policy, req.files, req.download)
         if len(self.jobs) >= self.config.max_jobs:
             raise Busy(f"{len(self.jobs)} jobs running, the daemon's limit; retry later")
         if len(session.jobs) >= self.config.max_jobs_per_connection:
@@ -684,19 +853,7 @@ class Daemon:
                 f"{len(session.jobs)} jobs running on this connection, the limit per connection"
             )
         job_id = "job-" + secrets.token_hex(8)
-        try:
-            compile(
-                req.code,
-                req.filename,
-                "exec",
-                flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
-                dont_inherit=True,
-            )
-        except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as exc:
-            record = syntax_error_record(job_id, policy, limits, exc, req.filename)
-            self._audit(session, record)  # audited before the client can see the result
-            session.send(JobAccepted(ref=req.ref, job_id=job_id))
-            session.send(JobFinished(job_id=job_id, record=record))
+        if self._syntax_error(session, req, job_id, policy, limits):
             return
         assert self.env is not None
         spec = JobSpec(
@@ -706,6 +863,9 @@ class Daemon:
             code=req.code,
             filename=req.filename,
             tools=req.tools,
+            files=req.files,
+            download=req.download,
+            download_changed=req.download_changed,
         )
         pool = self.pools.get(policy.name)
         job = pool.take() if pool is not None and poolable(policy, limits) else None
@@ -718,9 +878,303 @@ class Daemon:
         session.send(JobAccepted(ref=req.ref, job_id=job_id))
         session.jobs[job_id] = job
         self.jobs[job_id] = job
+        self.owners[job_id] = (session, time.time())
         task = asyncio.get_running_loop().create_task(self._run(session, job))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    @staticmethod
+    def _check_code(policy: Policy, code: str) -> None:
+        code_bytes = len(code.encode("utf-8", "surrogatepass"))
+        if code_bytes > policy.limits.code_bytes:
+            raise BadRequest(
+                f"the code is {code_bytes} bytes; policy {policy.name!r} accepts at most "
+                f"{policy.limits.code_bytes}"
+            )
+
+    def _syntax_error(
+        self, session: ClientSession, req: RunJob, job_id: str, policy: Policy, limits: Limits
+    ) -> bool:
+        """Code that does not compile gets its record at once (no jail); True if so."""
+        try:
+            compile(
+                req.code,
+                req.filename,
+                "exec",
+                flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
+                dont_inherit=True,
+            )
+        except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as exc:
+            record = syntax_error_record(job_id, policy, limits, exc, req.filename)
+            if req.session_id is not None:
+                record["session"] = {"id": req.session_id, "run": None, "closed": None}
+            self._audit(session, record)  # audited before the client can see the result
+            session.send(JobAccepted(ref=req.ref, job_id=job_id))
+            session.send(JobFinished(job_id=job_id, record=record))
+            return True
+        return False
+
+    # ------------------------------------------------------------------ sessions
+
+    def open_session(self, client: ClientSession, req: OpenSession) -> None:
+        """Make a jail that stays for a series of runs; answered by SessionOpened once it
+        is ready (or Error if it cannot be made)."""
+        policy = self._policy_for(client, req.policy, req.tools)
+        if not policy.session.enabled:
+            raise PermissionDenied(f"policy {policy.name!r} does not allow sessions")
+        limits = self._limits_for(policy, req.limits)
+        idle_s = policy.session.idle_s
+        lifetime_s = policy.session.max_lifetime_s
+        for key, wanted, allowed in (
+            ("idle_s", req.idle_s, idle_s),
+            ("max_lifetime_s", req.max_lifetime_s, lifetime_s),
+        ):
+            if wanted is not None and wanted > allowed:
+                raise BadRequest(
+                    f"session {key}={wanted:g} is looser than policy {policy.name!r} allows "
+                    f"({allowed:g}); sessions may only tighten it"
+                )
+        idle_s = req.idle_s if req.idle_s is not None else idle_s
+        lifetime_s = req.max_lifetime_s if req.max_lifetime_s is not None else lifetime_s
+        mine = sum(1 for s in self.jail_sessions.values() if s.owner.peer.uid == client.peer.uid)
+        if mine >= policy.session.max_per_user:
+            raise Busy(
+                f"uid {client.peer.uid} has {mine} sessions open; policy {policy.name!r} "
+                f"allows {policy.session.max_per_user} per user"
+            )
+        if len(self.jobs) + len(self.jail_sessions) >= self.config.max_jobs:
+            raise Busy("the daemon is at its job limit; retry later")
+        assert self.env is not None
+        session_id = "ses-" + secrets.token_hex(8)
+        # the jail's CPU rlimit covers the session; each run's cpu_time_s is watched apart
+        jail_limits = dataclasses.replace(limits, cpu_time_s=policy.session.cpu_time_s)
+        spec = JobSpec(session_id, policy, jail_limits, "", "<session>", req.tools, keep=True)
+        jail = JailedJob(spec, self.env, None, None, jail_id=session_id)
+        sess = JailSession(session_id, client, policy, limits, req.tools, jail, idle_s, lifetime_s)
+        sess.requested = dict(req.limits)
+        self.jail_sessions[session_id] = sess
+        client.jail_sessions[session_id] = sess
+        task = asyncio.get_running_loop().create_task(self._open(sess, req.ref))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _open(self, sess: JailSession, ref: int) -> None:
+        client = sess.owner
+        ready = await sess.jail.prepare()
+        if not ready or sess.closed is not None:
+            detail = sess.closed or "the jail did not start"
+            if not ready:
+                record = await sess.jail._final_record()
+                error = record.get("error") or {}
+                detail = f"{error.get('type', 'JailStartFailed')}: {error.get('message', '')}"
+            self._forget_session(sess)
+            sess.jail.cleanup()
+            client.send_error(InternalError(f"the session's jail did not start: {detail}"), ref=ref)
+            return
+        loop = asyncio.get_running_loop()
+        sess.life_timer = loop.call_later(
+            sess.max_lifetime_s,
+            self.close_session,
+            sess,
+            "lifetime",
+            f"the session reached its maximum lifetime of {sess.max_lifetime_s:g} s",
+        )
+        sess.touch(self)
+        self.accounting.session(client.peer.uid, sess.policy.name)
+        self.audit.session(client.peer, "opened", sess.id, sess.policy.name)
+        client.send(
+            SessionOpened(
+                ref=ref,
+                session_id=sess.id,
+                record={
+                    "policy": sess.policy.name,
+                    "idle_s": sess.idle_s,
+                    "max_lifetime_s": sess.max_lifetime_s,
+                    "limits": dataclasses.asdict(sess.limits),
+                },
+            )
+        )
+
+    def _submit_to_session(self, client: ClientSession, req: RunJob) -> None:
+        assert req.session_id is not None
+        sess = client.jail_sessions.get(req.session_id)
+        if sess is None:
+            raise UnknownSession(f"no open session {req.session_id} of this connection")
+        if sess.closed is not None:
+            raise SessionClosed(f"session {sess.id} is closed: {sess.closed}")
+        if sess.busy is not None:
+            raise Busy(f"session {sess.id} is running job {sess.busy}; one run at a time")
+        if sess.life_timer is None:
+            raise Busy(f"session {sess.id} is still starting; wait for SessionOpened")
+        if req.policy != sess.policy.name:
+            raise BadRequest(
+                f"session {sess.id} runs policy {sess.policy.name!r}, not {req.policy!r}"
+            )
+        if req.tools and req.tools != sess.tools:
+            raise BadRequest("a session's tools are given when it opens, not per run")
+        policy = sess.policy
+        self._check_code(policy, req.code)
+        limits = self._limits_for(policy, {**sess.requested, **req.limits})
+        fixed = {
+            k: v for k, v in _jail_limits(limits).items() if v != _jail_limits(sess.limits)[k]
+        }
+        if fixed:
+            raise BadRequest(
+                f"{', '.join(sorted(fixed))} apply to the whole session; set them when opening it"
+            )
+        self._check_files(policy, req.files, req.download)
+        job_id = "job-" + secrets.token_hex(8)
+        if self._syntax_error(client, req, job_id, policy, limits):
+            return
+        spec = JobSpec(
+            job_id,
+            policy,
+            limits,
+            req.code,
+            req.filename,
+            sess.tools,
+            req.files,
+            req.download,
+            req.download_changed,
+            keep=True,
+        )
+        sess.busy = job_id
+        sess.touch(self, idle=False)
+        client.send(JobAccepted(ref=req.ref, job_id=job_id))
+        client.jobs[job_id] = sess.jail
+        self.jobs[job_id] = sess.jail
+        self.owners[job_id] = (client, time.time())
+        task = asyncio.get_running_loop().create_task(self._run_in_session(client, sess, spec))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _run_in_session(
+        self, client: ClientSession, sess: JailSession, spec: JobSpec
+    ) -> None:
+        job_id = spec.job_id
+        try:
+            try:
+                record, result, downloads = await sess.jail.run_next(
+                    spec, client.call_tool, client.output
+                )
+            except Exception as exc:  # a jaild bug: report it, end the session, keep serving
+                log.exception("job %s of session %s failed inside jaild", job_id, sess.id)
+                record, result, downloads = internal_error_record(spec, exc), None, {}
+                sess.jail.cancel("internal error")
+            alive = sess.jail.alive
+            record["session"] = {
+                "id": sess.id,
+                "run": sess.jail.runs,
+                "closed": None if alive else record["status"],
+            }
+            self._audit(client, record, uploaded=len(spec.files), downloaded=len(downloads))
+            client.send(JobFinished(job_id=job_id, record=record, result=result, files=downloads))
+        finally:
+            self.jobs.pop(job_id, None)
+            self.owners.pop(job_id, None)
+            client.jobs.pop(job_id, None)
+            sess.busy = None
+        if not sess.jail.alive:
+            error = record.get("error") or {}
+            why = f"run {job_id} ended the session: {error.get('message', '')}"
+            self.close_session(sess, record["status"], why)
+        elif sess.closed is None:
+            sess.touch(self)
+
+    def close_session(self, sess: JailSession, reason: str, message: str) -> None:
+        """End a session: its jail is killed (a run in progress ends ``cancelled``), its
+        client is told. Idempotent."""
+        if sess.closed is not None:
+            return
+        sess.closed = reason
+        for timer in (sess.idle_timer, sess.life_timer):
+            if timer is not None:
+                timer.cancel()
+        if sess.busy is not None:
+            sess.jail.cancel(f"the session was closed ({reason}): {message}")
+        self._forget_session(sess)
+        task = asyncio.get_running_loop().create_task(sess.jail.discard(f"session {reason}"))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        self.audit.session(sess.owner.peer, "closed", sess.id, sess.policy.name, reason=reason)
+        sess.owner.send(SessionClosedMsg(session_id=sess.id, reason=reason, message=message[:4096]))
+
+    def _forget_session(self, sess: JailSession) -> None:
+        self.jail_sessions.pop(sess.id, None)
+        sess.owner.jail_sessions.pop(sess.id, None)
+
+    # ------------------------------------------------------------------ ps, kill, stats
+
+    def list_jobs(self, peer: Peer) -> list[dict[str, Any]]:
+        """Running jobs and open sessions: all of them for root, else the peer's own."""
+        now = time.time()
+        out: list[dict[str, Any]] = []
+        for job_id, (client, started) in list(self.owners.items()):
+            job = self.jobs.get(job_id)
+            if job is None or (peer.uid != 0 and client.peer.uid != peer.uid):
+                continue
+            out.append(
+                {
+                    "id": job_id,
+                    "kind": "job",
+                    "policy": job.spec.policy.name,
+                    "uid": client.peer.uid,
+                    "client_pid": client.peer.pid,
+                    "state": "running" if job.alive else "starting",
+                    "age_s": round(now - started, 3),
+                    "session": job.jail_id if job.jail_id.startswith("ses-") else None,
+                    **job.live_usage(),
+                }
+            )
+        for sess in list(self.jail_sessions.values()):
+            owner = sess.owner.peer
+            if peer.uid != 0 and owner.uid != peer.uid:
+                continue
+            out.append(
+                {
+                    "id": sess.id,
+                    "kind": "session",
+                    "policy": sess.policy.name,
+                    "uid": owner.uid,
+                    "client_pid": owner.pid,
+                    "state": "starting"
+                    if sess.life_timer is None
+                    else ("running" if sess.busy else "idle"),
+                    "age_s": round(now - sess.created, 3),
+                    "runs": sess.jail.runs,
+                    "running": sess.busy,
+                    "idle_s": round(time.monotonic() - sess.last_used, 3),
+                    "expires_in_s": round(sess.expires_in(), 3),
+                    **sess.jail.live_usage(),
+                }
+            )
+        return out
+
+    def kill(self, peer: Peer, ident: str) -> str:
+        """``jaild kill``: end a job or session of the peer's (any, for root)."""
+        sess = self.jail_sessions.get(ident)
+        owner = sess.owner if sess is not None else self.owners.get(ident, (None, 0.0))[0]
+        if owner is None or (peer.uid != 0 and owner.peer.uid != peer.uid):
+            raise UnknownJob(f"no running job or open session {ident} of uid {peer.uid}")
+        why = f"killed by uid {peer.uid} (jaild kill)"
+        self.audit.killed(peer, ident)
+        if sess is not None:
+            self.close_session(sess, "killed", why)
+            return "session"
+        self.jobs[ident].cancel(why)
+        return "job"
+
+    def stats_wire(self, uid: int | None) -> dict[str, Any]:
+        stats = self.accounting.to_wire(uid)
+        stats["running"] = {
+            "jobs": len(self.jobs),
+            "sessions": len(self.jail_sessions),
+            "connections": len(self.sessions),
+        }
+        stats["pools"] = {
+            name: self.pool_summary(p) for name, p in self.policies.items() if name in self.pools
+        }
+        return stats
 
     async def _run(self, session: ClientSession, job: JailedJob) -> None:
         job_id = job.spec.job_id
@@ -729,27 +1183,19 @@ class Daemon:
                 record = await job.run()
             except Exception as exc:  # a jaild bug: report it, keep serving
                 log.exception("job %s failed inside jaild", job_id)
-                record = {
-                    "job_id": job_id,
-                    "policy": job.spec.policy.name,
-                    "status": "internal_error",
-                    "stdout": "",
-                    "stderr": "",
-                    "tool_calls": [],
-                    "duration_s": 0.0,
-                    "limits": {},
-                    "error": {
-                        "type": "InternalError",
-                        "message": str(exc),
-                        "traceback": "",
-                        "lineno": None,
-                    },
-                }
+                record = internal_error_record(job.spec, exc)
                 job.result = None
-            self._audit(session, record)  # audited before the client can see the result
-            session.send(JobFinished(job_id=job_id, record=record, result=job.result))
+                job.downloads = {}
+            # audited before the client can see the result
+            self._audit(
+                session, record, uploaded=len(job.spec.files), downloaded=len(job.downloads)
+            )
+            session.send(
+                JobFinished(job_id=job_id, record=record, result=job.result, files=job.downloads)
+            )
         finally:
             self.jobs.pop(job_id, None)
+            self.owners.pop(job_id, None)
             session.jobs.pop(job_id, None)
             self.reap_orphans()
 
@@ -770,8 +1216,11 @@ class Daemon:
                     reaped.append(pid)
         return reaped
 
-    def _audit(self, session: ClientSession, record: dict[str, Any]) -> None:
+    def _audit(
+        self, session: ClientSession, record: dict[str, Any], uploaded: int = 0, downloaded: int = 0
+    ) -> None:
         self.audit.job(session.peer, record)
+        self.accounting.job(session.peer.uid, record, uploaded, downloaded)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -785,6 +1234,8 @@ class Daemon:
             self._server.close()
         for job in list(self.jobs.values()):
             job.cancel("the daemon is shutting down")
+        for sess in list(self.jail_sessions.values()):
+            self.close_session(sess, "shutdown", "the daemon is shutting down")
         pools, self.pools = list(self.pools.values()), {}
         await asyncio.gather(*(pool.close() for pool in pools), return_exceptions=True)
         if self.tasks:

@@ -50,7 +50,7 @@ import socket
 import struct
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,7 @@ from jaild.protocol.messages import (
     RunCode,
     ToolSpec,
 )
+from jaild.runtime.files import FileLimits, validate_collected
 from jaild.runtime.zygote import GO, PREAMBLE
 from jaild.zygote import SCM_CREDENTIALS, Zygote, ZygoteExit
 
@@ -112,6 +113,10 @@ class JobSpec:
     code: str
     filename: str
     tools: tuple[ToolSpec, ...]
+    files: Mapping[str, bytes] = field(default_factory=dict)  # uploads, checked by the daemon
+    download: tuple[str, ...] = ()  # patterns of files whose contents come back
+    download_changed: bool = False  # ... and of every file the run created or changed
+    keep: bool = False  # a session's jail: it outlives the run
 
 
 @dataclass
@@ -154,7 +159,7 @@ _LAUNCH_FAILED = ("Couldn't launch the child process", "Launching child process 
 @dataclass
 class Evidence:
     kill_reason: str | None = (
-        None  # cancelled | timeout | output_limit | channel_error | start_failed
+        None  # cancelled | timeout | cpu_time | output_limit | channel_error | start_failed
     )
     kill_detail: str = ""
     log: str = ""
@@ -223,6 +228,8 @@ def classify(ev: Evidence) -> tuple[str, dict[str, Any] | None]:
         return "timeout", _err(
             "Timeout", f"wall-clock limit of {ev.wall_limit_s:g} s exceeded", limit="wall_time_s"
         )
+    if ev.kill_reason == "cpu_time":  # a session's run, watched by the daemon
+        return "timeout", _err("Timeout", ev.kill_detail, limit="cpu_time_s")
     if ev.kill_reason == "output_limit":
         return "output_limit", _err(
             "OutputLimit",
@@ -417,20 +424,26 @@ class JailedJob:
         self._route_tool = route_tool
         self._output = output
         self._loop = asyncio.get_running_loop()
-        self._ev = Evidence()
+        self._ev = Evidence(cpu_limit_s=float(spec.limits.cpu_time_s))
+        self._keep = spec.keep
         self._set_limits(spec)
+        files = spec.policy.files
         self._conn = Connection(
             Role.SUPERVISOR,
-            max(spec.limits.tool_payload_bytes, spec.limits.result_bytes) + FRAME_OVERHEAD,
+            max(spec.limits.tool_payload_bytes, spec.limits.result_bytes)
+            + FRAME_OVERHEAD
+            + files.max_bytes
+            + files.max_files * (files.max_path_chars + 256),
         )
         self._tool_names = {t.name for t in spec.tools}
-        self._stdout = bytearray()
-        self._stderr = bytearray()
-        self._output_total = 0
         self._log = bytearray()
-        self._calls: list[dict[str, Any]] = []
-        self._calls_omitted = 0
         self._in_flight: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
+        self._out_transports: list[asyncio.ReadTransport] = []
+        self._paused_since: float | None = None
+        self._run_end = asyncio.Event()
+        self._run_timers: list[asyncio.TimerHandle] = []
+        self.runs = 0  # runs started in this jail (a session's count)
+        self._reset_run()
         self._open_streams = 0
         self._done = asyncio.Event()
         self._ready = asyncio.Event()
@@ -453,13 +466,32 @@ class JailedJob:
         self._timers: list[asyncio.TimerHandle] = []
         self._started = time.monotonic()
         self.ready_at: float | None = None
-        self._code_started: float | None = None
-        self.result: bytes | None = None
         self.outside_uid: int | None = None
         self._cgroup: JobCgroup | None = None
 
+    def _reset_run(self) -> None:
+        """What one run accounts for: output, calls, result, files, usage."""
+        self._stdout = bytearray()
+        self._stderr = bytearray()
+        self._output_total = 0
+        self._calls: list[dict[str, Any]] = []
+        self._calls_omitted = 0
+        self._tool_time = 0.0
+        self._code_started: float | None = None
+        self._code_ended: float | None = None
+        self._cpu_base: tuple[float, float] | None = None
+        self._cpu_end: tuple[float, float] | None = None
+        self._stream_dropped = 0
+        self._stream_paused = 0.0
+        self.result: bytes | None = None
+        self.downloads: dict[str, bytes] = {}
+        self._files: list[dict[str, Any]] = []
+        self._files_skipped: list[dict[str, Any]] = []
+        self._ev.claim = None
+
     def _set_limits(self, spec: JobSpec) -> None:
-        self._ev.cpu_limit_s = float(spec.limits.cpu_time_s)
+        if not self._keep:  # a session's jail keeps its own (session-wide) CPU rlimit
+            self._ev.cpu_limit_s = float(spec.limits.cpu_time_s)
         self._ev.wall_limit_s = spec.limits.wall_time_s
         self._ev.output_limit = spec.limits.output_bytes
 
@@ -505,7 +537,7 @@ class JailedJob:
         if self._cgroup is None:
             return {}
         ids: set[int] = set()
-        for pid in self._cgroup.member_pids():
+        for pid in self._cgroup.member_pids(jail_only=True):
             with (
                 contextlib.suppress(OSError, ValueError, IndexError),
                 open(f"/proc/{pid}/status", encoding="ascii") as status,
@@ -533,18 +565,95 @@ class JailedJob:
             await self._launch()
             if self._ready.is_set() and not self._done.is_set():
                 self._begin()
-            await self._done.wait()
-            for task in list(self._in_flight.values()):
-                task.cancel()
-            if self._cgroup is not None:
-                self._ev.oom = self._cgroup.oom_killed()
-            term = self._ev.term
-            if term and term[0] == "signaled" and term[2] == "SIGSYS":
-                self._ev.syscall = self._env.audit.seccomp_kill(term[3])
-            return self._record()
+            return await self._final_record()
         finally:
             # after the caller has sent the record: killing what is left is not on its path
             self._loop.call_soon(self.cleanup)
+
+    async def run_next(
+        self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink
+    ) -> tuple[dict[str, Any], bytes | None, dict[str, bytes]]:
+        """A session's jail (prepared with ``keep``): run one more job in it, in the same
+        namespace. Returns the run's record; the jail outlives the run unless the run hit a
+        limit (then :attr:`alive` is False and the record says why). Returns the record, the
+        packed result and the downloaded files."""
+        assert self._keep and spec.policy is self.spec.policy
+        self.spec = spec
+        self._route_tool = route_tool
+        self._output = output
+        self._tool_names = {t.name for t in spec.tools}
+        self._set_limits(spec)
+        self._started = time.monotonic()
+        self._run_end.clear()
+        # what the jail printed between runs is this run's (it was kept, not streamed)
+        for stream, buffered in (("stdout", self._stdout), ("stderr", self._stderr)):
+            if buffered:
+                output(spec.job_id, stream, bytes(buffered))
+        if self.alive:
+            self._begin()
+        run_end = self._loop.create_task(self._run_end.wait())
+        done = self._loop.create_task(self._done.wait())
+        try:
+            await asyncio.wait((run_end, done), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            run_end.cancel()
+            done.cancel()
+        if self._done.is_set():  # the jail is gone: this record is its last
+            record = await self._final_record()
+            return record, self.result, self.downloads
+        if self._cgroup is not None:
+            self._ev.oom = self._cgroup.oom_killed()
+        record = self._record()
+        outcome = (record, self.result, self.downloads)
+        if record["status"] not in ("ok", "error"):  # e.g. OOM: the session cannot go on
+            self._terminate("cancelled", f"the run ended {record['status']}")
+        self._ev.oom = False
+        self._output = None
+        self._route_tool = None
+        self._reset_run()
+        return outcome
+
+    async def _final_record(self) -> dict[str, Any]:
+        await self._done.wait()
+        for task in list(self._in_flight.values()):
+            task.cancel()
+        if self._cgroup is not None:
+            self._ev.oom = self._ev.oom or self._cgroup.oom_killed()
+        term = self._ev.term
+        if term and term[0] == "signaled" and term[2] == "SIGSYS":
+            self._ev.syscall = self._env.audit.seccomp_kill(term[3])
+        return self._record()
+
+    def live_usage(self) -> dict[str, Any]:
+        """For ``jaild ps``: what the jail uses right now."""
+        if self._cgroup is None:
+            return {}
+        cpu = self._cgroup.cpu_times()
+        return {
+            "memory_bytes": self._cgroup.memory_bytes(),
+            "cpu_s": round(sum(cpu), 3) if cpu else None,
+            "pids": len(self._cgroup.member_pids()),
+        }
+
+    def pause_output(self) -> None:
+        """Stop reading the jail's stdout/stderr (a slow client): the jail blocks on write."""
+        if self._paused_since is None:
+            self._paused_since = time.monotonic()
+            for transport in self._out_transports:
+                with contextlib.suppress(Exception):
+                    transport.pause_reading()
+
+    def resume_output(self) -> None:
+        if self._paused_since is not None:
+            self._stream_paused += time.monotonic() - self._paused_since
+            self._paused_since = None
+            for transport in self._out_transports:
+                with contextlib.suppress(Exception):
+                    transport.resume_reading()
+
+    def output_dropped(self, n: int) -> None:
+        """The client's stream skipped ``n`` bytes of output (still in the record)."""
+        self._stream_dropped += n
 
     async def finished(self) -> None:
         await self._done.wait()
@@ -724,6 +833,14 @@ class JailedJob:
             self._stream_closed()
         self._maybe_done()
 
+    def _accounting_prefix(self) -> list[str]:
+        """cgroup v1: nsjail places the jail in the memory, pids and cpu hierarchies only;
+        CPU time is counted in ``cpuacct``, so nsjail starts there (and the jail with it)."""
+        acct = self._cgroup.acct_dir if self._cgroup is not None else ""
+        if not acct or acct == self._cgroup.cpu_dir:  # type: ignore[union-attr]
+            return []
+        return ["/bin/sh", "-c", 'echo 0 > "$0" && exec "$@"', f"{acct}/cgroup.procs"]
+
     async def _start(self, uid: int) -> None:
         spec = self.spec
         config_fd = self._env.config_fds[spec.policy.name]
@@ -740,7 +857,7 @@ class JailedJob:
                 JobPlacement(self.jail_id, uid, f"/proc/self/fd/{config_fd}", log_w),
             )
             self._proc = subprocess.Popen(
-                [*self._env.launcher, *argv],
+                [*self._env.launcher, *self._accounting_prefix(), *argv],
                 stdin=jail_end.fileno(),
                 stdout=out_w,
                 stderr=err_w,
@@ -772,12 +889,13 @@ class JailedJob:
     async def _read_output(self, out_r: int, err_r: int) -> None:
         self._pipes = ((out_r, "stdout"), (err_r, "stderr"))
         for fd, sink in self._pipes:
-            await self._loop.connect_read_pipe(
+            transport, _ = await self._loop.connect_read_pipe(
                 functools.partial(
                     _PipeReader, functools.partial(self._output_data, sink), self._stream_closed
                 ),
                 os.fdopen(fd, "rb", buffering=0),
             )
+            self._out_transports.append(transport)
 
     def _open_channel(self, sock: socket.socket) -> None:
         self._channel = _Channel(
@@ -906,13 +1024,46 @@ class JailedJob:
         elif isinstance(event, CodeFinished):
             self._ev.claim = event
             self.result = event.result
-            if self._spawned:
+            self._code_ended = time.monotonic()
+            if self._cgroup is not None:
+                self._cpu_end = self._cgroup.cpu_times()
+            self._take_files(event.files)
+            if self._keep:
+                self._run_finished()
+            elif self._spawned:
                 self._claim()
+
+    def _take_files(self, wire: Any) -> None:
+        """What the runtime collected -- hostile input: checked entry by entry."""
+        if wire is None:
+            return
+        collected = validate_collected(wire, self._file_limits())
+        self._files = [dict(f) for f in collected.files]
+        self._files_skipped = [dict(f) for f in collected.skipped]
+        self.downloads = collected.data
+
+    def _file_limits(self) -> FileLimits:
+        return file_limits(self.spec.policy)
+
+    def _run_finished(self) -> None:
+        """A session's run reported its result; the jail waits for the next run."""
+        for pipe, sink in self._pipes:  # what the run printed is in the pipes: take it now
+            with contextlib.suppress(OSError):
+                while data := os.read(pipe, 1 << 16):
+                    self._output_data(sink, data)
+        for timer in self._run_timers:
+            timer.cancel()
+        self._run_timers.clear()
+        self._run_end.set()
 
     def _begin(self) -> None:
         """Send the job's code; its wall-clock limit counts from here."""
         if self._code_started is not None:
             return
+        self.runs += 1
+        if self._cgroup is not None:
+            self._cgroup.reset_peak_memory()
+            self._cpu_base = self._cgroup.cpu_times()
         self._send(
             RunCode(
                 code=self.spec.code,
@@ -920,11 +1071,36 @@ class JailedJob:
                 tools=self.spec.tools,
                 tool_payload_bytes=self.spec.limits.tool_payload_bytes,
                 result_bytes=self.spec.limits.result_bytes,
+                keep=self._keep,
+                files=dict(self.spec.files),
+                download=self.spec.download,
+                download_changed=self.spec.download_changed,
+                file_limits=dataclasses.asdict(self._file_limits()),
             )
         )
         self._code_started = time.monotonic()
-        self._timers.append(
-            self._loop.call_later(self.spec.limits.wall_time_s, self._terminate, "timeout", "")
+        timer = self._loop.call_later(self.spec.limits.wall_time_s, self._terminate, "timeout", "")
+        self._timers.append(timer)
+        if self._keep:  # the jail's CPU rlimit is the session's: each run is watched here
+            self._run_timers.append(timer)
+            self._watch_cpu()
+
+    def _watch_cpu(self) -> None:
+        """End a session's run that used its ``cpu_time_s`` (all its processes together).
+        Checks when the budget could be gone at the earliest, so rarely."""
+        if self._cgroup is None or self._cpu_base is None or self._run_end.is_set():
+            return
+        now = self._cgroup.cpu_times()
+        if now is None:
+            return
+        limit = self.spec.limits.cpu_time_s
+        left = limit - (sum(now) - sum(self._cpu_base))
+        if left <= 0:
+            self._terminate("cpu_time", f"CPU time limit of {limit:g} s exceeded (this run)")
+            return
+        cores = self.spec.limits.cpu_cores or os.cpu_count() or 1
+        self._run_timers.append(
+            self._loop.call_later(max(0.05, left / cores), self._watch_cpu)
         )
 
     def _call_tool(self, call: JailCallTool) -> None:
@@ -1000,11 +1176,9 @@ class JailedJob:
     ) -> None:
         timer.cancel()
         self._in_flight.pop(call.call_id, None)
-        entry: dict[str, Any] = {
-            "name": call.name,
-            "duration_s": round(time.monotonic() - started, 6),
-            "ok": False,
-        }
+        took = time.monotonic() - started
+        self._tool_time += took
+        entry: dict[str, Any] = {"name": call.name, "duration_s": round(took, 6), "ok": False}
         self._note_call(entry)
         if reply.cancelled():  # the job is over
             return
@@ -1098,7 +1272,59 @@ class JailedJob:
         }
         if self._calls_omitted:
             record["tool_calls_omitted"] = self._calls_omitted
+        record["usage"] = self._usage()
+        record["files"] = self._files
+        if self._files_skipped:
+            record["files_skipped"] = self._files_skipped
+        if status != "ok":
+            self.downloads = {}
         return record
+
+    def _usage(self) -> dict[str, Any]:
+        """What this run consumed (the cgroup's counters from its ``RunCode`` on)."""
+        end = self._code_ended if self._code_ended is not None else time.monotonic()
+        cpu_end = self._cpu_end
+        if cpu_end is None and self._cgroup is not None:
+            cpu_end = self._cgroup.cpu_times()
+        user = system = None
+        if cpu_end is not None and self._cpu_base is not None:
+            user = round(max(0.0, cpu_end[0] - self._cpu_base[0]), 6)
+            system = round(max(0.0, cpu_end[1] - self._cpu_base[1]), 6)
+        if self._paused_since is not None:
+            self.resume_output()
+        return {
+            "wall_s": round(end - self._code_started, 6) if self._code_started else 0.0,
+            "cpu_user_s": user,
+            "cpu_system_s": system,
+            "memory_peak_bytes": self._cgroup.peak_memory_bytes() if self._cgroup else None,
+            "pids_peak": self._cgroup.peak_pids() if self._cgroup else None,
+            "output_bytes": self._output_total,
+            "tool_calls": len(self._calls) + self._calls_omitted,
+            "tool_time_s": round(self._tool_time, 6),
+            "stream_paused_s": round(self._stream_paused, 6),
+            "stream_dropped_bytes": self._stream_dropped,
+        }
+
+
+def file_limits(policy: Policy) -> FileLimits:
+    return FileLimits.from_wire(dataclasses.asdict(policy.files))
+
+
+def internal_error_record(spec: JobSpec, exc: BaseException) -> dict[str, Any]:
+    """The record of a job that failed inside jaild (a bug): reported, never silent."""
+    return {
+        "job_id": spec.job_id,
+        "policy": spec.policy.name,
+        "status": "internal_error",
+        "stdout": "",
+        "stderr": "",
+        "tool_calls": [],
+        "duration_s": 0.0,
+        "limits": limits_record(spec.policy, spec.limits),
+        "error": _err("InternalError", str(exc)[:4096]),
+        "usage": {},
+        "files": [],
+    }
 
 
 def limits_record(policy: Policy, limits: Limits) -> dict[str, Any]:
@@ -1133,6 +1359,8 @@ def syntax_error_record(
         "tool_calls": [],
         "duration_s": 0.0,
         "limits": limits_record(policy, limits),
+        "usage": {},
+        "files": [],
     }
 
 

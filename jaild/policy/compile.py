@@ -68,6 +68,7 @@ class CgroupLayout:
         ("memory", "/sys/fs/cgroup/memory"),
         ("pids", "/sys/fs/cgroup/pids"),
         ("cpu", "/sys/fs/cgroup/cpu"),
+        ("cpuacct", "/sys/fs/cgroup/cpuacct"),
     )
     v2_root: str = "/sys/fs/cgroup"
 

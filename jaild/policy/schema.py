@@ -233,7 +233,9 @@ class Session:
         300.0, "A session with no run for this long is closed.", between(1, 7 * 86400)
     )
     max_lifetime_s: float = setting(
-        3600.0, "A session is closed this long after it opened, busy or not.", between(1, 30 * 86400)
+        3600.0,
+        "A session is closed this long after it opened, busy or not.",
+        between(1, 30 * 86400),
     )
     cpu_time_s: int = setting(
         600,
@@ -250,7 +252,9 @@ class Files:
 
     max_files: int = setting(256, "Files uploaded, or collected, per run.", between(1, 1 << 16))
     max_bytes: int = setting(
-        16 << 20, "Total bytes uploaded, or downloaded, per run.", between(0, MAX_PAYLOAD_BYTES // 2)
+        16 << 20,
+        "Total bytes uploaded, or downloaded, per run.",
+        between(0, MAX_PAYLOAD_BYTES // 2),
     )
     max_depth: int = setting(16, "Directory levels below the working directory.", between(1, 64))
     max_name_chars: int = setting(
@@ -554,8 +558,12 @@ def host_checks(policy: Policy, envs_dir: str) -> Iterator[PolicyError]:
         yield PolicyError(
             policy.path,
             "python.env",
-            f"environment {env} does not exist; build it (make jail-env) "
-            "or point python.env at a venv",
+            f"environment {env} does not exist; build it: jaild env build {policy.python.env} "
+            f"-r requirements.txt --state-dir {os.path.dirname(envs_dir)} "
+            "(or point python.env at a venv)"
+            if not policy.python.env.startswith("/")
+            else f"environment {env} does not exist; point python.env at a venv, or build "
+            "one (jaild env build NAME -r requirements.txt) and set python.env = NAME",
         )
         return
     if not os.path.exists(python):

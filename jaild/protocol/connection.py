@@ -97,6 +97,16 @@ TRANSITIONS: dict[tuple[Role, State], dict[tuple[str, str], State]] = {
         (RECV, "Error"): State.CLOSED,
     },
     (Role.CLIENT, State.READY): {
+        (SEND, "OpenSession"): State.READY,
+        (SEND, "CloseSession"): State.READY,
+        (SEND, "ListJobs"): State.READY,
+        (SEND, "Kill"): State.READY,
+        (SEND, "GetStats"): State.READY,
+        (RECV, "SessionOpened"): State.READY,
+        (RECV, "SessionClosed"): State.READY,
+        (RECV, "JobList"): State.READY,
+        (RECV, "Killed"): State.READY,
+        (RECV, "Stats"): State.READY,
         (SEND, "RunJob"): State.READY,
         (SEND, "CancelJob"): State.READY,
         (SEND, "ListPolicies"): State.READY,
@@ -120,6 +130,16 @@ TRANSITIONS: dict[tuple[Role, State], dict[tuple[str, str], State]] = {
         (SEND, "Error"): State.SEND_WELCOME,
     },
     (Role.DAEMON, State.READY): {
+        (RECV, "OpenSession"): State.READY,
+        (RECV, "CloseSession"): State.READY,
+        (RECV, "ListJobs"): State.READY,
+        (RECV, "Kill"): State.READY,
+        (RECV, "GetStats"): State.READY,
+        (SEND, "SessionOpened"): State.READY,
+        (SEND, "SessionClosed"): State.READY,
+        (SEND, "JobList"): State.READY,
+        (SEND, "Killed"): State.READY,
+        (SEND, "Stats"): State.READY,
         (RECV, "RunJob"): State.READY,
         (RECV, "CancelJob"): State.READY,
         (RECV, "ListPolicies"): State.READY,
@@ -144,7 +164,8 @@ TRANSITIONS: dict[tuple[Role, State], dict[tuple[str, str], State]] = {
         (SEND, "ToolReturned"): State.RUNNING,
         (SEND, "ToolFailed"): State.RUNNING,
     },
-    (Role.SUPERVISOR, State.FINISHED): {},
+    # a session's jail: the next run's code
+    (Role.SUPERVISOR, State.FINISHED): {(SEND, "RunCode"): State.RUNNING},
     # ---- jail link, runtime end
     (Role.JAIL, State.AWAIT_HARDEN): {(RECV, "Harden"): State.HARDENING},
     (Role.JAIL, State.HARDENING): {(SEND, "JailReady"): State.AWAIT_CODE},
@@ -159,6 +180,7 @@ TRANSITIONS: dict[tuple[Role, State], dict[tuple[str, str], State]] = {
         # replies to calls still in flight when the code finished are harmless
         (RECV, "ToolReturned"): State.FINISHED,
         (RECV, "ToolFailed"): State.FINISHED,
+        (RECV, "RunCode"): State.RUNNING,  # a session's next run
     },
 }
 

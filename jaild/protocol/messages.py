@@ -31,6 +31,7 @@ from jaild.errors import LocalProtocolError, RemoteProtocolError
 from jaild.protocol.fields import (
     Struct,
     any_map,
+    any_value,
     binary,
     boolean,
     field,
@@ -57,6 +58,7 @@ MAX_REF = (1 << 63) - 1
 
 TOOL_NAME = r"[A-Za-z_][A-Za-z0-9_.\-]*"
 JOB_ID = r"[a-z0-9\-]{1,64}"
+SESSION_ID = r"ses-[a-z0-9]{1,60}"
 POLICY_NAME = r"[a-z0-9][a-z0-9_\-]{0,63}"
 
 _name = string(MAX_NAME_CHARS, min_len=1)
@@ -65,6 +67,12 @@ _ref = integer(0, MAX_REF)
 _call_id = integer(0, MAX_REF)
 _text = string(MAX_MESSAGE_CHARS)
 _payload = binary(MAX_PAYLOAD_BYTES)
+_session_id = string(64, min_len=5, pattern=SESSION_ID)
+_path = string(4096, min_len=1)
+_files = map_of(_path, _payload, 1 << 16)
+"""Files for the jail's working directory: relative path -> contents (checked by the daemon
+against the policy's ``[files]`` limits; the in-jail runtime checks the paths again)."""
+_patterns = list_of(string(4096, min_len=1), 256)
 
 
 class Message(Struct):
@@ -129,6 +137,52 @@ class RunJob(Message):
     tools: tuple[ToolSpec, ...] = field(list_of(nested(ToolSpec), MAX_TOOLS), default=())
     limits: dict[str, float] = field(_limits, default_factory=dict)
     filename: str = field(string(256, min_len=1), default="<job>")
+    session_id: str | None = field(optional(_session_id), default=None)
+    files: dict[str, bytes] = field(_files, default_factory=dict)
+    download: tuple[str, ...] = field(_patterns, default=())
+    download_changed: bool = field(boolean(), default=False)
+
+
+@struct
+class OpenSession(Message):
+    """Keep one jail for a series of runs (``RunJob`` with ``session_id``)."""
+
+    TYPE = "OpenSession"
+    ref: int = field(_ref)
+    policy: str = field(string(64, min_len=1))
+    tools: tuple[ToolSpec, ...] = field(list_of(nested(ToolSpec), MAX_TOOLS), default=())
+    limits: dict[str, float] = field(_limits, default_factory=dict)
+    idle_s: float | None = field(optional(number(0.001, 1 << 31)), default=None)
+    max_lifetime_s: float | None = field(optional(number(0.001, 1 << 31)), default=None)
+
+
+@struct
+class CloseSession(Message):
+    TYPE = "CloseSession"
+    session_id: str = field(_session_id)
+
+
+@struct
+class ListJobs(Message):
+    """What runs now (``jaild ps``): every job and session the caller may see."""
+
+    TYPE = "ListJobs"
+    ref: int = field(_ref)
+
+
+@struct
+class Kill(Message):
+    """End a job or session by id, from any connection of its owner (or root)."""
+
+    TYPE = "Kill"
+    ref: int = field(_ref)
+    id: str = field(string(64, min_len=1, pattern=JOB_ID))
+
+
+@struct
+class GetStats(Message):
+    TYPE = "GetStats"
+    ref: int = field(_ref)
 
 
 @struct
@@ -190,6 +244,47 @@ class JobFinished(Message):
     job_id: str = field(_job_id)
     record: dict[str, Any] = field(any_map())
     result: bytes | None = field(optional(_payload), default=None)
+    files: dict[str, bytes] = field(_files, default_factory=dict)
+
+
+@struct
+class SessionOpened(Message):
+    TYPE = "SessionOpened"
+    ref: int = field(_ref)
+    session_id: str = field(_session_id)
+    record: dict[str, Any] = field(any_map(), default_factory=dict)
+
+
+@struct
+class SessionClosed(Message):
+    """The session is gone: closed by its client, expired, killed, or ended by a run."""
+
+    TYPE = "SessionClosed"
+    session_id: str = field(_session_id)
+    reason: str = field(string(64, min_len=1))
+    message: str = field(_text, default="")
+
+
+@struct
+class JobList(Message):
+    TYPE = "JobList"
+    ref: int = field(_ref)
+    jobs: tuple[dict[str, Any], ...] = field(list_of(any_map(), 1 << 16))
+
+
+@struct
+class Killed(Message):
+    TYPE = "Killed"
+    ref: int = field(_ref)
+    id: str = field(string(64, min_len=1, pattern=JOB_ID))
+    kind: str = field(one_of("job", "session"))
+
+
+@struct
+class Stats(Message):
+    TYPE = "Stats"
+    ref: int = field(_ref)
+    stats: dict[str, Any] = field(any_map())
 
 
 @struct
@@ -238,6 +333,14 @@ class RunCode(Message):
     tools: tuple[ToolSpec, ...] = field(list_of(nested(ToolSpec), MAX_TOOLS))
     tool_payload_bytes: int = field(integer(0, MAX_PAYLOAD_BYTES))
     result_bytes: int = field(integer(0, MAX_PAYLOAD_BYTES))
+    keep: bool = field(boolean(), default=False)
+    """A session's jail: after ``CodeFinished`` wait for the next ``RunCode``, same namespace."""
+    files: dict[str, bytes] = field(_files, default_factory=dict)
+    download: tuple[str, ...] = field(_patterns, default=())
+    download_changed: bool = field(boolean(), default=False)
+    file_limits: dict[str, int] = field(
+        map_of(string(64, min_len=1), integer(0, 1 << 40), 16), default_factory=dict
+    )
 
 
 @struct
@@ -271,6 +374,9 @@ class CodeFinished(Message):
     ok: bool = field(boolean())
     result: bytes | None = field(optional(_payload), default=None)
     error: ErrorInfo | None = field(optional(nested(ErrorInfo)), default=None)
+    files: Any = field(any_value(8), default=None)
+    """What the runtime collected from the working directory; hostile until the daemon's
+    :func:`jaild.runtime.files.validate_collected` has looked at it."""
 
 
 # --------------------------------------------------------------------------- tables
@@ -281,11 +387,36 @@ Direction = Literal["client->daemon", "daemon->client", "daemon->jail", "jail->d
 MESSAGES: dict[Direction, dict[str, type[Message]]] = {
     "client->daemon": {
         m.TYPE: m
-        for m in (Hello, RunJob, CancelJob, ListPolicies, ClientToolReturned, ClientToolFailed)
+        for m in (
+            Hello,
+            RunJob,
+            CancelJob,
+            ListPolicies,
+            ClientToolReturned,
+            ClientToolFailed,
+            OpenSession,
+            CloseSession,
+            ListJobs,
+            Kill,
+            GetStats,
+        )
     },
     "daemon->client": {
         m.TYPE: m
-        for m in (Welcome, JobAccepted, JobOutput, ClientCallTool, JobFinished, PolicyList, Error)
+        for m in (
+            Welcome,
+            JobAccepted,
+            JobOutput,
+            ClientCallTool,
+            JobFinished,
+            PolicyList,
+            Error,
+            SessionOpened,
+            SessionClosed,
+            JobList,
+            Killed,
+            Stats,
+        )
     },
     "daemon->jail": {m.TYPE: m for m in (Harden, RunCode, JailToolReturned, JailToolFailed)},
     "jail->daemon": {m.TYPE: m for m in (JailReady, JailCallTool, CodeFinished)},

@@ -126,13 +126,39 @@ def _user_main(namespace: dict[str, Any], filename: str) -> Any:
     return None if required else main
 
 
-def run(code: str, filename: str, namespace: dict[str, Any], result_limit: int) -> Outcome:
-    """Execute ``code`` in ``namespace``; never raises."""
+class SessionLoop:
+    """The one event loop of a session's runs: tasks, locks and queues made by one run still
+    work in the next (a loop per run would strand them). Made on first use."""
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def get(self) -> asyncio.AbstractEventLoop:
+        if self.loop is None:
+            self.loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self.loop)
+        return self.loop
+
+
+def run(
+    code: str,
+    filename: str,
+    namespace: dict[str, Any],
+    result_limit: int,
+    session: SessionLoop | None = None,
+) -> Outcome:
+    """Execute ``code`` in ``namespace``; never raises.
+
+    ``session``: the namespace is a session's, kept across runs; its event loop too. A
+    ``main`` is called only if this run's code (re)defined it."""
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     loop: asyncio.AbstractEventLoop | None = None
+    main_before = namespace.get("main")
 
     def await_in_loop(awaitable: Any) -> Any:
         nonlocal loop
+        if session is not None:
+            return session.get().run_until_complete(awaitable)
         if loop is None:
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
@@ -156,7 +182,7 @@ def run(code: str, filename: str, namespace: dict[str, Any], result_limit: int) 
         execute(body_code, "exec")
         value = execute(last_code, "eval") if last_code is not None else None
         main = _user_main(namespace, filename)
-        if main is not None:
+        if main is not None and (session is None or main is not main_before):
             value = main()
             if inspect.isawaitable(value):
                 value = await_in_loop(value)

@@ -8,9 +8,12 @@ Sequence (the jail link's states, see :mod:`jaild.protocol.connection`):
 2. Receive ``Harden``; lock down (:func:`jaild.runtime.harden.harden`). On any
    failure, report it on stderr and exit non-zero: no user code runs.
 3. Send ``JailReady``; receive ``RunCode``.
-4. Run the code with ``tools`` in its namespace; send ``CodeFinished``.
-5. Flush stdout/stderr and ``_exit`` -- threads the code left behind do not
-   keep the jail alive.
+4. Write the uploaded files into the working directory, note what is there, run the
+   code with ``tools`` in its namespace, list what the run created or changed (and
+   read the files asked for); send ``CodeFinished``.
+5. A session's jail (``RunCode.keep``) waits for its next ``RunCode`` and runs it in
+   the same namespace and event loop. Otherwise: flush stdout/stderr and ``_exit`` --
+   threads the code left behind do not keep the jail alive.
 
 The runtime imports only the standard library, msgpack, pyseccomp, prctl and
 ``jaild.protocol`` / ``jaild.errors`` (a test enforces it).
@@ -28,6 +31,7 @@ from jaild.protocol import PROTOCOL_VERSION, Connection, Role
 from jaild.protocol.messages import (
     MAX_PAYLOAD_BYTES,
     CodeFinished,
+    ErrorInfo,
     Harden,
     JailReady,
     RunCode,
@@ -75,24 +79,52 @@ def main(warm_up: bool = False) -> None:
     if warm_up:  # a pooled jail, waiting for its job: fault the code path in now
         outcome = execute.warm_up(1 << 16)
         encode(CodeFinished(ok=outcome.ok, result=outcome.result, error=outcome.error))
-    run = channel.receive()
-    if not isinstance(run, RunCode):
-        os._exit(EXIT_PROTOCOL)
-
+    workdir = os.getcwd()  # the jail's /tmp: uploads go there, downloads come from there
+    from jaild.runtime import files
     from jaild.runtime.tools import ToolError, Tools
 
-    tools = Tools(run.tools, channel, run.tool_payload_bytes)
-    namespace = {
-        "__name__": "__main__",
-        "__builtins__": builtins,
-        "tools": tools,
-        "ToolError": ToolError,
-    }
-    outcome = execute.run(run.code, run.filename, namespace, run.result_bytes)
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except Exception:
-        pass
-    channel.send(CodeFinished(ok=outcome.ok, result=outcome.result, error=outcome.error))
-    os._exit(0)
+    namespace: dict[str, object] | None = None
+    session = execute.SessionLoop()
+    while True:
+        run = channel.receive()
+        if not isinstance(run, RunCode):
+            os._exit(EXIT_PROTOCOL)
+        if namespace is None:
+            namespace = {
+                "__name__": "__main__",
+                "__builtins__": builtins,
+                "tools": Tools(run.tools, channel, run.tool_payload_bytes),
+                "ToolError": ToolError,
+            }
+        limits = files.FileLimits.from_wire(run.file_limits)
+        try:
+            files.write_uploads(workdir, run.files, limits)
+        except files.UploadError as exc:
+            outcome = execute.Outcome(
+                ok=False, error=ErrorInfo(type="UploadError", message=str(exc)[:4096])
+            )
+            collected = None
+        else:
+            before = files.snapshot(workdir, limits)
+            outcome = execute.run(
+                run.code,
+                run.filename,
+                namespace,
+                run.result_bytes,
+                session if run.keep else None,
+            )
+            collected = files.collect(
+                workdir, before, run.download, limits, run.download_changed
+            ).to_wire()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except Exception:
+            pass
+        channel.send(
+            CodeFinished(
+                ok=outcome.ok, result=outcome.result, error=outcome.error, files=collected
+            )
+        )
+        if not run.keep:
+            os._exit(0)

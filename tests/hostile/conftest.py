@@ -53,7 +53,7 @@ def jail_processes(d: DaemonHandle) -> list[int]:
 
 def job_cgroups(d: DaemonHandle) -> list[str]:
     found = []
-    for controller in ("memory", "pids", "cpu"):
+    for controller in ("memory", "pids", "cpu", "cpuacct"):
         root = Path("/sys/fs/cgroup") / controller / d.config.subtree
         if root.is_dir():
             found += [f"{controller}/{p.name}" for p in root.iterdir()

@@ -37,10 +37,21 @@ from jaild.protocol.connection import RECV, TRANSITIONS, reachable_states
 from jaild.protocol.messages import (
     JOB_ID,
     MAX_PAYLOAD_BYTES,
+    SESSION_ID,
     MAX_REF,
     TOOL_NAME,
     CancelJob,
     ClientCallTool,
+    CloseSession,
+    GetStats,
+    JobList,
+    Kill,
+    Killed,
+    ListJobs,
+    OpenSession,
+    SessionClosed,
+    SessionOpened,
+    Stats,
     ClientToolFailed,
     ClientToolReturned,
     CodeFinished,
@@ -136,6 +147,9 @@ limits = st.dictionaries(
     max_size=5,
 )
 tools = st.lists(tool_spec, max_size=3).map(tuple)
+session_id = st.from_regex(SESSION_ID, fullmatch=True)
+files = st.dictionaries(text(1, 40), payload, max_size=3)
+patterns = st.lists(text(1, 20), max_size=3).map(tuple)
 
 
 def message(cls: type[Message], required: dict[str, Any],
@@ -149,8 +163,40 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     RunJob: message(
         RunJob,
         {"ref": ref, "code": text(max_size=120), "policy": text(1, 64)},
-        {"tools": tools, "limits": limits, "filename": text(1, 256)},
+        {
+            "tools": tools,
+            "limits": limits,
+            "filename": text(1, 256),
+            "session_id": st.none() | session_id,
+            "files": files,
+            "download": patterns,
+        },
     ),
+    OpenSession: message(
+        OpenSession,
+        {"ref": ref, "policy": text(1, 64)},
+        {
+            "tools": tools,
+            "limits": limits,
+            "idle_s": st.none() | st.floats(0.001, 1e6),
+            "max_lifetime_s": st.none() | st.floats(0.001, 1e6),
+        },
+    ),
+    CloseSession: message(CloseSession, {"session_id": session_id}),
+    ListJobs: message(ListJobs, {"ref": ref}),
+    Kill: message(Kill, {"ref": ref, "id": job_id}),
+    GetStats: message(GetStats, {"ref": ref}),
+    SessionOpened: message(
+        SessionOpened, {"ref": ref, "session_id": session_id}, {"record": plain_map}
+    ),
+    SessionClosed: message(
+        SessionClosed, {"session_id": session_id, "reason": text(1, 64)}, {"message": text()}
+    ),
+    JobList: message(JobList, {"ref": ref, "jobs": st.lists(plain_map, max_size=3).map(tuple)}),
+    Killed: message(
+        Killed, {"ref": ref, "id": job_id, "kind": st.sampled_from(["job", "session"])}
+    ),
+    Stats: message(Stats, {"ref": ref, "stats": plain_map}),
     CancelJob: message(CancelJob, {"job_id": job_id}),
     ListPolicies: message(ListPolicies, {"ref": ref}),
     ClientToolReturned: message(
@@ -171,7 +217,9 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         {"job_id": job_id, "call_id": ref, "name": text(1, 128), "args": payload},
     ),
     JobFinished: message(
-        JobFinished, {"job_id": job_id, "record": plain_map}, {"result": st.none() | payload}
+        JobFinished,
+        {"job_id": job_id, "record": plain_map},
+        {"result": st.none() | payload, "files": files},
     ),
     PolicyList: message(
         PolicyList, {"ref": ref, "policies": st.lists(plain_map, max_size=3).map(tuple)}
@@ -191,6 +239,12 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
             "tool_payload_bytes": st.integers(0, MAX_PAYLOAD_BYTES),
             "result_bytes": st.integers(0, MAX_PAYLOAD_BYTES),
         },
+        {
+            "keep": st.booleans(),
+            "files": files,
+            "download": patterns,
+            "file_limits": st.dictionaries(text(1, 20), st.integers(0, 1 << 40), max_size=3),
+        },
     ),
     JailToolReturned: message(JailToolReturned, {"call_id": ref, "value": payload}),
     JailToolFailed: message(
@@ -201,7 +255,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     CodeFinished: message(
         CodeFinished,
         {"ok": st.booleans()},
-        {"result": st.none() | payload, "error": st.none() | error_info},
+        {"result": st.none() | payload, "error": st.none() | error_info, "files": plain},
     ),
 }
 

@@ -17,7 +17,7 @@ def test_runtime_imports_nothing_else() -> None:
         "import sys, json\n"
         "before = set(sys.modules)\n"
         "import jaild.runtime.main, jaild.runtime.execute, jaild.runtime.tools, "
-        "jaild.runtime.channel, jaild.runtime.harden, jaild.runtime.seccomp\n"
+        "jaild.runtime.channel, jaild.runtime.harden, jaild.runtime.seccomp, jaild.runtime.files\n"
         "print(json.dumps(sorted(set(sys.modules) - before)))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

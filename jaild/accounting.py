@@ -1,0 +1,90 @@
+"""Usage totals the daemon keeps: per policy and per uid (``jaild stats``).
+
+Every finished job's record carries ``usage`` (see :meth:`JailedJob._usage`); the
+daemon adds each record here as it audits it, so the totals and the audit trail
+agree. Totals live in memory for the daemon's life.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Totals:
+    jobs: int = 0
+    statuses: Counter[str] = field(default_factory=Counter)
+    wall_s: float = 0.0
+    cpu_user_s: float = 0.0
+    cpu_system_s: float = 0.0
+    memory_peak_bytes: int = 0  # the largest peak of any one job
+    pids_peak: int = 0
+    output_bytes: int = 0
+    tool_calls: int = 0
+    tool_time_s: float = 0.0
+    files_uploaded: int = 0
+    files_downloaded: int = 0
+    sessions: int = 0
+
+    def add(self, record: dict[str, Any], uploaded: int = 0, downloaded: int = 0) -> None:
+        usage = record.get("usage") or {}
+        self.jobs += 1
+        self.statuses[str(record.get("status"))] += 1
+        self.wall_s += usage.get("wall_s") or 0.0
+        self.cpu_user_s += usage.get("cpu_user_s") or 0.0
+        self.cpu_system_s += usage.get("cpu_system_s") or 0.0
+        self.memory_peak_bytes = max(self.memory_peak_bytes, usage.get("memory_peak_bytes") or 0)
+        self.pids_peak = max(self.pids_peak, usage.get("pids_peak") or 0)
+        self.output_bytes += usage.get("output_bytes") or 0
+        self.tool_calls += usage.get("tool_calls") or 0
+        self.tool_time_s += usage.get("tool_time_s") or 0.0
+        self.files_uploaded += uploaded
+        self.files_downloaded += downloaded
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "jobs": self.jobs,
+            "statuses": dict(self.statuses),
+            "wall_s": round(self.wall_s, 3),
+            "cpu_user_s": round(self.cpu_user_s, 3),
+            "cpu_system_s": round(self.cpu_system_s, 3),
+            "memory_peak_bytes": self.memory_peak_bytes,
+            "pids_peak": self.pids_peak,
+            "output_bytes": self.output_bytes,
+            "tool_calls": self.tool_calls,
+            "tool_time_s": round(self.tool_time_s, 3),
+            "files_uploaded": self.files_uploaded,
+            "files_downloaded": self.files_downloaded,
+            "sessions": self.sessions,
+        }
+
+
+@dataclass
+class Accounting:
+    by_policy: dict[str, Totals] = field(default_factory=dict)
+    by_uid: dict[int, Totals] = field(default_factory=dict)
+    since: float = field(default_factory=time.time)
+
+    def job(self, uid: int, record: dict[str, Any], uploaded: int = 0, downloaded: int = 0) -> None:
+        policy = str(record.get("policy", ""))
+        self.by_policy.setdefault(policy, Totals()).add(record, uploaded, downloaded)
+        self.by_uid.setdefault(uid, Totals()).add(record, uploaded, downloaded)
+
+    def session(self, uid: int, policy: str) -> None:
+        self.by_policy.setdefault(policy, Totals()).sessions += 1
+        self.by_uid.setdefault(uid, Totals()).sessions += 1
+
+    def to_wire(self, uid: int | None) -> dict[str, Any]:
+        """Everything for ``uid`` None (root); otherwise the policy totals and that uid's."""
+        return {
+            "since": self.since,
+            "policies": {name: t.to_wire() for name, t in sorted(self.by_policy.items())},
+            "uids": {
+                str(u): t.to_wire()
+                for u, t in sorted(self.by_uid.items())
+                if uid is None or u == uid
+            },
+        }
