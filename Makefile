@@ -39,21 +39,18 @@ $(STAMPS)/venv: $(STAMPS)/apt pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,lint]'
 	@touch $@
 
-# The jail's Python environments, one per envs/NAME.txt: venvs from the system
-# interpreter in $(JAIL_ENVS)/NAME, world-readable and outside any 0700 directory, so
-# the unprivileged jailed uid can use them. Rebuilt when their requirements change.
-jail-env: $(STAMPS)/apt
-	@install -d -m 0755 $(STATE_DIR) $(JAIL_ENVS)
-	@for req in envs/*.txt; do \
-	  name=$$(basename $$req .txt); env=$(JAIL_ENVS)/$$name; \
-	  want=$$(cat envs/*.txt $$req | sha256sum | cut -c1-16); \
-	  if [ "$$(cat $$env/.jaild-env 2>/dev/null)" != "$$want" ]; then \
-	    echo "building jail environment $$env"; \
-	    rm -rf $$env && /usr/bin/python3 -m venv $$env && \
-	    (cd envs && $$env/bin/pip install --quiet --disable-pip-version-check -r $$name.txt) && \
-	    chmod -R a+rX $$env && echo "$$want" > $$env/.jaild-env || exit 1; \
-	  fi; \
-	done
+# The jail's Python environments, one per envs/NAME.txt, built by `jaild env build` into
+# $(JAIL_ENVS)/NAME: venvs from the system interpreter, world-readable, sealed, with a
+# manifest. --rebuild makes this a no-op for an env whose resolved requirements (-r includes
+# and the runtime's needs in envs/default.txt included) are unchanged; a changed one is
+# rebuilt aside and swapped in atomically. A running daemon's zygotes keep the env they
+# started with: restart the daemon to use a rebuilt one everywhere.
+JAIL_ENV_NAMES := $(patsubst envs/%.txt,%,$(wildcard envs/*.txt))
+
+jail-env: $(addprefix jail-env-,$(JAIL_ENV_NAMES))
+
+jail-env-%: envs/%.txt $(STAMPS)/venv
+	$(PY) -m jaild env build $* -r $< --rebuild --state-dir $(STATE_DIR)
 
 demo: setup
 	$(PY) examples/demo.py
