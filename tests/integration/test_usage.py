@@ -1,0 +1,188 @@
+"""Per-job usage in every record, totals per policy and uid, and bounded output streaming."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jaild.client import Client
+from jaild.protocol import NEED_DATA, PROTOCOL_VERSION, Connection, Role
+from jaild.protocol.messages import Hello, JobFinished, JobOutput, Message, RunJob, Welcome
+from tests.conftest import DaemonHandle, start_daemon, sweep_cgroups
+from tests.integration.test_faults import write_config
+
+pytestmark = pytest.mark.integration
+
+POLICIES = {
+    "cpu1": "[limits]\ncpu_time_s = 1\nwall_time_s = 20\n",
+    "flood-pause": "[limits]\noutput_bytes = 8_388_608\nwall_time_s = 30\nslow_client = \"pause\"\n",
+    "flood-truncate": "[limits]\noutput_bytes = 8_388_608\nwall_time_s = 30\n"
+                      "slow_client = \"truncate\"\n",
+}
+FLOOD = "import sys\nfor _ in range(64):\n    sys.stdout.write('x' * 65535 + '\\n')\n"
+FLOOD_BYTES = 64 * 65536
+
+
+@pytest.fixture(scope="module")
+def ud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
+    directory = tmp_path_factory.mktemp("usage")
+    config = write_config(directory, "[limits]\nstream_buffer_bytes = 65536\n")
+    handle = start_daemon(directory, POLICIES, args=("--config", config))
+    yield handle
+    assert handle.stop() == 0, handle.log()[-3000:]
+    sweep_cgroups(handle)
+
+
+def cpu(r: object) -> float:
+    usage = r.usage  # type: ignore[attr-defined]
+    return float(usage["cpu_user_s"] + usage["cpu_system_s"])
+
+
+@pytest.mark.parametrize("policy", ["default", "spawn"])
+def test_every_record_carries_usage(ud: DaemonHandle, policy: str) -> None:
+    with Client(ud.socket) as c:
+        r = c.run(
+            "import time, subprocess\nt = time.process_time()\n"
+            "while time.process_time() - t < 0.3:\n    pass\n"
+            "blob = bytearray(100 << 20)\nblob[::4096] = b'x' * len(blob[::4096])\n"
+            "kids = [subprocess.Popen(['sleep', '5']) for _ in range(5)]\n"
+            "print('y' * 999)\n"
+            "for k in kids:\n    k.kill()\n"
+            "[await tools.slow() for _ in range(3)]",
+            policy=policy,
+            tools={"slow": lambda: time.sleep(0.1)},
+        )
+    assert r.status == "ok", r.error
+    u = r.usage
+    assert set(u) >= {"wall_s", "cpu_user_s", "cpu_system_s", "memory_peak_bytes", "pids_peak",
+                      "output_bytes", "tool_calls", "tool_time_s", "stream_paused_s",
+                      "stream_dropped_bytes"}
+    assert 0.3 <= cpu(r) < u["wall_s"] + 0.1
+    assert u["cpu_user_s"] > 0.1 and u["cpu_system_s"] > 0  # the loop; the page faults
+    assert u["memory_peak_bytes"] >= 100 << 20
+    assert u["pids_peak"] >= 6
+    assert u["output_bytes"] == 1000
+    assert u["tool_calls"] == 3 and u["tool_time_s"] >= 0.3
+    assert u["stream_paused_s"] == 0 and u["stream_dropped_bytes"] == 0
+
+
+def test_a_small_job_uses_little(ud: DaemonHandle) -> None:
+    with Client(ud.socket) as c:
+        r = c.run("1 + 1")
+    assert r.usage["memory_peak_bytes"] < 64 << 20 and r.usage["pids_peak"] <= 2
+    assert cpu(r) < 0.2 and r.usage["output_bytes"] == 0 and r.usage["tool_calls"] == 0
+
+
+def test_host_tool_time_does_not_count_against_the_jails_cpu(ud: DaemonHandle) -> None:
+    def spin() -> str:  # 1.5 s of host CPU, more than the job's whole cpu_time_s
+        t = time.process_time()
+        while time.process_time() - t < 1.5:
+            pass
+        return "spun"
+
+    with Client(ud.socket) as c:
+        r = c.run("await tools.spin()", policy="cpu1", tools={"spin": spin})
+        assert (r.status, r.result) == ("ok", "spun"), r.error
+        assert cpu(r) < 0.5 and r.usage["tool_time_s"] >= 1.5
+        # positive control: the same spin inside the jail hits the 1 s limit
+        r = c.run("import time\nt = time.process_time()\n"
+                  "while time.process_time() - t < 1.5:\n    pass", policy="cpu1")
+        assert r.status == "timeout" and r.error["limit"] == "cpu_time_s", r.error
+
+
+def test_totals_per_policy_and_uid(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path)
+    try:
+        with Client(d.socket) as c:
+            c.run("print('ab')\n1", tools={"t": lambda: 1})
+            c.run("await tools.t()\n1/0", tools={"t": lambda: 1})
+            c.run("1", policy="spawn")
+            with c.session() as s:
+                s.run("x = 1")
+            stats = c.stats()
+        default, spawn = stats["policies"]["default"], stats["policies"]["spawn"]
+        assert default["jobs"] == 3 and default["statuses"] == {"ok": 2, "error": 1}
+        assert default["sessions"] == 1 and default["tool_calls"] == 1
+        assert default["output_bytes"] == 3 and default["memory_peak_bytes"] > 0
+        assert spawn["jobs"] == 1 and spawn["statuses"] == {"ok": 1}
+        mine = stats["uids"]["0"]
+        assert mine["jobs"] == 4 and mine["sessions"] == 1
+        assert mine["cpu_user_s"] + mine["cpu_system_s"] > 0
+        assert stats["running"] == {"jobs": 0, "sessions": 0, "connections": 1}
+        out = subprocess.run([sys.executable, "-m", "jaild", "stats", "--json", "--socket",
+                              d.socket], capture_output=True, text=True, timeout=30, check=True)
+        assert json.loads(out.stdout)["policies"]["default"]["jobs"] == 3
+    finally:
+        d.stop()
+        sweep_cgroups(d)
+
+
+# --------------------------------------------------------------------------- slow clients
+
+
+def stalled_job(socket_path: str, policy: str, stall_s: float) -> tuple[int, dict[str, object]]:
+    """Run FLOOD without reading for ``stall_s``, then read it all: (bytes streamed, record)."""
+    conn = Connection(Role.CLIENT, 1 << 26)
+    streamed = 0
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(socket_path)
+        sock.sendall(conn.send(Hello(protocol=PROTOCOL_VERSION)))
+        sent = False
+        while True:
+            event = conn.next_event()
+            if event is NEED_DATA:
+                conn.receive_data(sock.recv(1 << 16))
+                continue
+            assert isinstance(event, Message)
+            if isinstance(event, Welcome) and not sent:
+                sock.sendall(conn.send(RunJob(ref=1, code=FLOOD, policy=policy)))
+                sent = True
+                time.sleep(stall_s)  # a client that does not read
+            elif isinstance(event, JobOutput):
+                streamed += len(event.data)
+            elif isinstance(event, JobFinished):
+                return streamed, event.record
+
+
+def test_a_slow_client_pauses_the_jobs_output(ud: DaemonHandle) -> None:
+    t0 = time.monotonic()
+    streamed, record = stalled_job(ud.socket, "flood-pause", 2.0)
+    usage = record["usage"]
+    assert record["status"] == "ok", record["error"]
+    assert usage["stream_paused_s"] > 1.0  # the job waited for the client ...
+    assert usage["wall_s"] > 1.5 and time.monotonic() - t0 >= 2
+    assert streamed == FLOOD_BYTES == usage["output_bytes"]  # ... and lost nothing
+    assert len(record["stdout"]) == FLOOD_BYTES and usage["stream_dropped_bytes"] == 0
+
+
+def test_a_slow_client_gets_a_truncated_stream_by_policy(ud: DaemonHandle) -> None:
+    streamed, record = stalled_job(ud.socket, "flood-truncate", 2.0)
+    usage = record["usage"]
+    assert record["status"] == "ok", record["error"]
+    assert usage["wall_s"] < 1.5  # the job did not wait for the client
+    assert usage["stream_dropped_bytes"] > 0 and usage["stream_paused_s"] == 0
+    assert streamed + usage["stream_dropped_bytes"] == FLOOD_BYTES  # said, not lost silently
+    assert len(record["stdout"]) == FLOOD_BYTES  # the record has all of it
+
+
+def test_other_clients_are_served_while_one_stalls(ud: DaemonHandle) -> None:
+    import threading
+
+    box: list[object] = []
+    stall = threading.Thread(target=lambda: box.append(stalled_job(ud.socket, "flood-pause", 3)))
+    stall.start()
+    time.sleep(0.5)
+    with Client(ud.socket) as c:
+        t0 = time.monotonic()
+        assert c.run("'served'").result == "served"
+        assert time.monotonic() - t0 < 2
+    stall.join(30)
+    assert box and box[0][1]["status"] == "ok"  # type: ignore[index]
