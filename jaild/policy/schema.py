@@ -351,6 +351,8 @@ def user_matches(entries: typing.Iterable[str], uid: int, gids: typing.Iterable[
 
 def type_label(tp: Any) -> str:
     """A short type name for reference tables: number, integer, string, boolean, list."""
+    if tp is bool:
+        return "boolean"
     return "list" if typing.get_origin(tp) is tuple else _type_name(tp).split()[-1]
 
 
