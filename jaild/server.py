@@ -980,6 +980,9 @@ class Daemon:
             f"the session reached its maximum lifetime of {sess.max_lifetime_s:g} s",
         )
         sess.touch(self)
+        watch = asyncio.get_running_loop().create_task(self._watch_session(sess))
+        self.tasks.add(watch)
+        watch.add_done_callback(self.tasks.discard)
         self.accounting.session(client.peer.uid, sess.policy.name)
         self.audit.session(client.peer, "opened", sess.id, sess.policy.name)
         client.send(
@@ -1080,6 +1083,14 @@ class Daemon:
             self.close_session(sess, record["status"], why)
         elif sess.closed is None:
             sess.touch(self)
+
+    async def _watch_session(self, sess: JailSession) -> None:
+        """A session's jail that dies between runs (its code left a thread that broke the
+        channel protocol, a background process hit a limit) ends the session at once."""
+        status, error = await sess.jail.ended()
+        if sess.closed is None and sess.busy is None:
+            why = (error or {}).get("message", "")
+            self.close_session(sess, status, f"the session's jail ended between runs: {why}")
 
     def close_session(self, sess: JailSession, reason: str, message: str) -> None:
         """End a session: its jail is killed (a run in progress ends ``cancelled``), its

@@ -456,6 +456,7 @@ class JailedJob:
         self._release_timer: asyncio.TimerHandle | None = None
         self._spawn_id = 0
         self._claimed = False  # the result is in and decides the record (zygote jails)
+        self._evidence_gathered = False
         self._pipes: tuple[tuple[int, str], ...] = ()
         self._proc: subprocess.Popen[bytes] | None = None
         self._exited = False
@@ -614,7 +615,15 @@ class JailedJob:
         return outcome
 
     async def _final_record(self) -> dict[str, Any]:
+        await self._gather_evidence()
+        return self._record()
+
+    async def _gather_evidence(self) -> None:
+        """Once the jail is gone: what the host knows about how it ended."""
         await self._done.wait()
+        if self._evidence_gathered:
+            return
+        self._evidence_gathered = True
         for task in list(self._in_flight.values()):
             task.cancel()
         if self._cgroup is not None:
@@ -622,7 +631,11 @@ class JailedJob:
         term = self._ev.term
         if term and term[0] == "signaled" and term[2] == "SIGSYS":
             self._ev.syscall = self._env.audit.seccomp_kill(term[3])
-        return self._record()
+
+    async def ended(self) -> tuple[str, dict[str, Any] | None]:
+        """Wait for the jail to end; its status and error (a session's jail between runs)."""
+        await self._gather_evidence()
+        return classify(self._ev)
 
     def live_usage(self) -> dict[str, Any]:
         """For ``jaild ps``: what the jail uses right now."""

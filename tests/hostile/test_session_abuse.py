@@ -1,0 +1,128 @@
+"""Abuse of sessions and of file transfer: by other connections, by the jail, by forged data.
+
+Every test ends with the daemon serving; the package fixture then checks nothing leaked
+(processes, cgroups, descriptors, mounts, temporary files).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from jaild.client import Client
+from jaild.errors import UnknownSession
+from jaild.protocol import NEED_DATA, PROTOCOL_VERSION, Connection, Role
+from jaild.protocol.messages import (
+    CloseSession,
+    Error,
+    Hello,
+    Message,
+    RunJob,
+    Welcome,
+)
+from tests.conftest import DaemonHandle
+
+pytestmark = pytest.mark.integration
+
+SEND = (
+    "import os, msgpack, struct\n"
+    "def send(obj):\n"
+    "    b = msgpack.packb(obj)\n"
+    "    os.write(3, struct.pack('>I', len(b)) + b)\n"
+)
+
+
+def raw(socket_path: str, *msgs: Message) -> list[Message]:
+    """Send ``msgs`` after the handshake; the daemon's answers until it goes quiet."""
+    conn = Connection(Role.CLIENT, 1 << 26)
+    out: list[Message] = []
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(2)
+        sock.connect(socket_path)
+        sock.sendall(conn.send(Hello(protocol=PROTOCOL_VERSION)))
+        try:
+            while True:
+                event = conn.next_event()
+                if event is NEED_DATA:
+                    data = sock.recv(1 << 16)
+                    if not data:
+                        return out
+                    conn.receive_data(data)
+                    continue
+                assert isinstance(event, Message)
+                if isinstance(event, Welcome):
+                    for msg in msgs:
+                        sock.sendall(conn.send(msg))
+                else:
+                    out.append(event)
+        except TimeoutError:
+            return out
+
+
+def test_other_connections_cannot_use_or_close_a_session(hostile: DaemonHandle) -> None:
+    with Client(hostile.socket) as c, c.session() as s:
+        s.run("secret = 42")
+        ident = s.id or ""
+        answers = raw(hostile.socket, RunJob(ref=1, code="secret", policy="default",
+                                             session_id=ident), CloseSession(session_id=ident))
+        codes = [a.code for a in answers if isinstance(a, Error)]
+        assert codes == ["unknown_session", "unknown_session"], answers
+        assert s.run("secret").result == 42  # untouched
+        with pytest.raises(UnknownSession):  # ids are not guessable either
+            c._call(c._client.submit("1", _session="ses-0000000000000000"))
+
+
+def test_a_jail_talking_between_runs_ends_its_session(hostile: DaemonHandle) -> None:
+    with Client(hostile.socket) as c:
+        s = c.session().open()
+        r = s.run(SEND + "import threading, time\n"
+                  "def later():\n    time.sleep(0.3)\n"
+                  "    send({'type': 'CallTool', 'call_id': 1, 'name': 'x', 'args': b''})\n"
+                  "threading.Thread(target=later, daemon=True).start()")
+        assert r.status == "ok"
+        deadline = time.monotonic() + 10
+        while s.closed is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.closed == "error" and "protocol" in s.close_message, s.close_message
+    hostile.assert_serving()
+
+
+def test_a_forged_listing_too_big_for_the_channel(hostile: DaemonHandle) -> None:
+    """A listing larger than the jail link's frame limit is a protocol error, not a buffer."""
+    forge = (
+        "import jaild.runtime.files as f\n"
+        "class Huge:\n"
+        "    def to_wire(self):\n"
+        "        return {'files': [], 'data': {f'f{i}': b'x' * 4096 for i in range(6000)},"
+        " 'skipped': []}\n"
+        "f.collect = lambda *a, **k: Huge()\n"
+    )
+    r = hostile.run(forge, download=["*"])
+    assert r.status == "error" and r.error["type"] == "ChannelError", r.error
+    assert "frame" in r.error["message"]
+    assert r.downloads == {}
+    hostile.assert_serving()
+
+
+def test_a_forged_listing_of_hostile_shapes(hostile: DaemonHandle) -> None:
+    for wire in ("None", "[1, 2]", "{'files': 'x', 'data': [], 'skipped': 3}",
+                 "{'files': [{'path': None}], 'data': {1: 2}, 'skipped': [None]}",
+                 "{'files': [{'path': 'a' * 5000, 'size': -1, 'sha256': 'zz'}]}"):
+        forge = ("import jaild.runtime.files as f\n"
+                 f"class W:\n    def to_wire(self):\n        return {wire}\n"
+                 "f.collect = lambda *a, **k: W()\n'done'")
+        r = hostile.run(forge, download=["*"])
+        assert (r.status, r.result) == ("ok", "done"), (wire, r.error)
+        assert r.files == [] and r.downloads == {}, wire
+    hostile.assert_serving()
+
+
+def test_session_jails_leave_nothing_behind(hostile: DaemonHandle) -> None:
+    with Client(hostile.socket) as c:
+        for _ in range(5):
+            with c.session() as s:
+                s.run("import subprocess\nsubprocess.Popen(['sleep', '300'])\n"
+                      "open('/tmp/x', 'w').write('x')")
+    hostile.assert_serving()  # the package fixture checks processes, cgroups, descriptors
