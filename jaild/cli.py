@@ -29,7 +29,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaild import __version__
@@ -356,16 +356,21 @@ def _size(n: Any) -> str:
     return str(n)
 
 
-def cmd_ps(args: argparse.Namespace) -> int:
-    try:
-        with _connect(args) as client:
-            rows = client.jobs()
-    except DaemonUnavailable as exc:
-        _print_err(exc.message)
-        return EXIT_UNAVAILABLE
-    if args.json:
-        json.dump(rows, sys.stdout, indent=2)
+def _ask(args: argparse.Namespace, question: Callable[[Any], Any]) -> Any:
+    """``question(client)`` against the daemon; with ``--json`` the answer is printed and
+    None returned (the caller is done)."""
+    with _connect(args) as client:
+        answer = question(client)
+    if getattr(args, "json", False):
+        json.dump(answer, sys.stdout, indent=2)
         sys.stdout.write("\n")
+        return None
+    return answer
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    rows = _ask(args, lambda c: c.jobs())
+    if rows is None:
         return 0
     print(f"{'ID':<22} {'KIND':<8} {'POLICY':<12} {'UID':>6} {'STATE':<9} {'AGE':>8} "
           f"{'RUNS':>5} {'MEMORY':>9} {'CPU':>7}")
@@ -382,32 +387,21 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
 def cmd_kill(args: argparse.Namespace) -> int:
     failed = False
-    try:
-        with _connect(args) as client:
-            for ident in args.ids:
-                try:
-                    kind = client.kill(ident)
-                except JaildError as exc:
-                    _print_err(f"{ident}: {exc.message}")
-                    failed = True
-                else:
-                    print(f"killed {kind} {ident}")
-    except DaemonUnavailable as exc:
-        _print_err(exc.message)
-        return EXIT_UNAVAILABLE
+    with _connect(args) as client:
+        for ident in args.ids:
+            try:
+                kind = client.kill(ident)
+            except JaildError as exc:
+                _print_err(f"{ident}: {exc.message}")
+                failed = True
+            else:
+                print(f"killed {kind} {ident}")
     return 1 if failed else 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    try:
-        with _connect(args) as client:
-            stats = client.stats()
-    except DaemonUnavailable as exc:
-        _print_err(exc.message)
-        return EXIT_UNAVAILABLE
-    if args.json:
-        json.dump(stats, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+    stats = _ask(args, lambda c: c.stats())
+    if stats is None:
         return 0
     running = stats.get("running", {})
     print(f"running: {running.get('jobs', 0)} jobs, {running.get('sessions', 0)} sessions, "
@@ -430,18 +424,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
-    from jaild.client import Client
-
-    socket_path, _ = socket_from_env(args.socket)
-    try:
-        with Client(socket_path) as client:
-            policies = client.policies()
-    except DaemonUnavailable as exc:
-        _print_err(exc.message)
-        return EXIT_UNAVAILABLE
-    if args.json:
-        json.dump(policies, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+    policies = _ask(args, lambda c: c.policies())
+    if policies is None:
         return 0
     for p in policies:
         lim = p.get("limits", {})
@@ -752,7 +736,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "run" and args.code is not None and args.file is not None:
         parser.error("give either FILE or -c CODE, not both")
     with contextlib.suppress(BrokenPipeError):
-        return int(args.func(args))
+        try:
+            return int(args.func(args))
+        except DaemonUnavailable as exc:
+            _print_err(exc.message)
+            return EXIT_UNAVAILABLE
     return 1
 
 

@@ -23,6 +23,7 @@ from jaild.runtime.files import (
     check_file_set,
     check_path,
     display,
+    special_kind,
     write_tree,
 )
 
@@ -58,15 +59,8 @@ class UnsafePath(ValueError):
 
 
 def _kind(mode: int) -> str:
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISLNK(mode):
-        return "a symlink"
-    return "not a regular file"
+    kind = special_kind(mode) or "directory"
+    return kind if kind.startswith("not ") else f"a {kind}"
 
 
 def _read_local(local: str, jail_path: str, follow: bool) -> bytes:

@@ -30,8 +30,15 @@ import pytest
 from jaild.cgroups import Cgroups, detect
 from jaild.client import Client, JobResult
 from jaild.config import DaemonConfig, default_state_dir
-from jaild.protocol import PROTOCOL_VERSION, encode, encode_frame
-from jaild.protocol.messages import Hello
+from jaild.protocol import (
+    NEED_DATA,
+    PROTOCOL_VERSION,
+    Connection,
+    Role,
+    encode,
+    encode_frame,
+)
+from jaild.protocol.messages import Hello, Message, Welcome
 
 REPO = Path(__file__).resolve().parent.parent
 REPO_POLICIES = REPO / "policies"
@@ -83,9 +90,10 @@ class DaemonHandle:
         """Host pids in a job's cgroup (and its nsjail's below it): the job's processes."""
         root = Path("/sys/fs/cgroup/memory") / self.config.subtree / job_id
         pids: set[int] = set()
-        for procs in root.rglob("cgroup.procs") if root.is_dir() else ():
-            with contextlib.suppress(OSError, ValueError):
-                pids.update(int(p) for p in procs.read_text().split())
+        for directory, _, files in os.walk(root):  # the cgroup may go while we walk it
+            if "cgroup.procs" in files:
+                with contextlib.suppress(OSError, ValueError):
+                    pids.update(int(p) for p in Path(directory, "cgroup.procs").read_text().split())
         return sorted(pids)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
@@ -225,3 +233,39 @@ def run_unjailed(code: str, timeout: float = 30) -> subprocess.CompletedProcess[
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+class RawClient:
+    """The client link by hand, past the client library's own checks: handshake done on
+    entering, then ``send`` any message and read the daemon's answers with ``next``."""
+
+    def __init__(self, socket_path: str, timeout: float = 30) -> None:
+        self.conn = Connection(Role.CLIENT, 1 << 27)
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(timeout)
+        self.socket_path = socket_path
+
+    def __enter__(self) -> RawClient:
+        self.sock.connect(self.socket_path)
+        self.sock.sendall(self.conn.send(Hello(protocol=PROTOCOL_VERSION)))
+        assert isinstance(self.next(), Welcome)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+    def send(self, msg: Message) -> None:
+        self.sock.sendall(self.conn.send(msg))
+
+    def next(self) -> Message | None:
+        """The next message; None if the daemon closed the connection or went quiet."""
+        while True:
+            event = self.conn.next_event()
+            if event is NEED_DATA:
+                try:
+                    data = self.sock.recv(1 << 16)
+                except TimeoutError:
+                    return None
+                self.conn.receive_data(data)
+                continue
+            return event if isinstance(event, Message) else None

@@ -409,7 +409,12 @@ def write_uploads(root: str, files: Mapping[str, bytes], limits: FileLimits) -> 
 
 def _kind(st: os.stat_result) -> str | None:
     """None for a regular file or a directory, else the reason to refuse it."""
-    mode = st.st_mode
+    return special_kind(st.st_mode)
+
+
+def special_kind(mode: int) -> str | None:
+    """None for a regular file or a directory, else what it is: symlink, fifo, socket,
+    device, or "not a regular file"."""
     if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
         return None
     if stat.S_ISLNK(mode):

@@ -6,59 +6,27 @@ Every test ends with the daemon serving; the package fixture then checks nothing
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 
 from jaild.client import Client
 from jaild.errors import UnknownSession
-from jaild.protocol import NEED_DATA, PROTOCOL_VERSION, Connection, Role
-from jaild.protocol.messages import (
-    CloseSession,
-    Error,
-    Hello,
-    Message,
-    RunJob,
-    Welcome,
-)
-from tests.conftest import DaemonHandle
+from jaild.protocol.messages import CloseSession, Error, Message, RunJob
+from tests.conftest import DaemonHandle, RawClient
+from tests.hostile.test_protocol_abuse import SEND
 
 pytestmark = pytest.mark.integration
 
-SEND = (
-    "import os, msgpack, struct\n"
-    "def send(obj):\n"
-    "    b = msgpack.packb(obj)\n"
-    "    os.write(3, struct.pack('>I', len(b)) + b)\n"
-)
-
-
 def raw(socket_path: str, *msgs: Message) -> list[Message]:
-    """Send ``msgs`` after the handshake; the daemon's answers until it goes quiet."""
-    conn = Connection(Role.CLIENT, 1 << 26)
-    out: list[Message] = []
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.settimeout(2)
-        sock.connect(socket_path)
-        sock.sendall(conn.send(Hello(protocol=PROTOCOL_VERSION)))
-        try:
-            while True:
-                event = conn.next_event()
-                if event is NEED_DATA:
-                    data = sock.recv(1 << 16)
-                    if not data:
-                        return out
-                    conn.receive_data(data)
-                    continue
-                assert isinstance(event, Message)
-                if isinstance(event, Welcome):
-                    for msg in msgs:
-                        sock.sendall(conn.send(msg))
-                else:
-                    out.append(event)
-        except TimeoutError:
-            return out
+    """Send ``msgs``; the daemon's answers until it goes quiet."""
+    with RawClient(socket_path, timeout=2) as client:
+        for msg in msgs:
+            client.send(msg)
+        out = []
+        while (event := client.next()) is not None:
+            out.append(event)
+        return out
 
 
 def test_other_connections_cannot_use_or_close_a_session(hostile: DaemonHandle) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +19,8 @@ import pytest
 
 from jaild.client import Client
 from jaild.errors import BadRequest
-from jaild.protocol import NEED_DATA, PROTOCOL_VERSION, Connection, Role
-from jaild.protocol.messages import Error, Hello, Message, RunJob, Welcome
-from tests.conftest import DaemonHandle
+from jaild.protocol.messages import Error, Message, RunJob
+from tests.conftest import DaemonHandle, RawClient
 
 pytestmark = pytest.mark.integration
 
@@ -73,21 +71,11 @@ def test_download_patterns_pick_any_file(client: Client) -> None:
     assert {f["path"] for f in r.files} == {"a.csv", "b.txt"}
 
 
-def raw_run(socket_path: str, msg: RunJob) -> Message:
+def raw_run(socket_path: str, msg: RunJob) -> Message | None:
     """Send one RunJob past the client library's own checks; the daemon's first answer."""
-    conn = Connection(Role.CLIENT, 1 << 26)
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.connect(socket_path)
-        sock.sendall(conn.send(Hello(protocol=PROTOCOL_VERSION)))
-        while True:
-            event = conn.next_event()
-            if event is NEED_DATA:
-                conn.receive_data(sock.recv(1 << 16))
-                continue
-            assert isinstance(event, Message)
-            if not isinstance(event, Welcome):
-                return event
-            sock.sendall(conn.send(msg))
+    with RawClient(socket_path) as raw:
+        raw.send(msg)
+        return raw.next()
 
 
 def test_upload_limits_are_enforced_with_clear_errors(sd_files: DaemonHandle) -> None:

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from jaild.client import Client
-from jaild.protocol import NEED_DATA, PROTOCOL_VERSION, Connection, Role
-from jaild.protocol.messages import Hello, JobFinished, JobOutput, Message, RunJob, Welcome
-from tests.conftest import DaemonHandle, start_daemon, sweep_cgroups
+from jaild.protocol.messages import JobFinished, JobOutput, RunJob
+from tests.conftest import DaemonHandle, RawClient, start_daemon, sweep_cgroups
 from tests.integration.test_faults import write_config
 
 pytestmark = pytest.mark.integration
@@ -129,24 +128,15 @@ def test_totals_per_policy_and_uid(tmp_path: Path) -> None:
 
 def stalled_job(socket_path: str, policy: str, stall_s: float) -> tuple[int, dict[str, object]]:
     """Run FLOOD without reading for ``stall_s``, then read it all: (bytes streamed, record)."""
-    conn = Connection(Role.CLIENT, 1 << 26)
     streamed = 0
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(socket_path)
-        sock.sendall(conn.send(Hello(protocol=PROTOCOL_VERSION)))
-        sent = False
+    with RawClient(socket_path) as raw:
+        raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        raw.send(RunJob(ref=1, code=FLOOD, policy=policy))
+        time.sleep(stall_s)  # a client that does not read
         while True:
-            event = conn.next_event()
-            if event is NEED_DATA:
-                conn.receive_data(sock.recv(1 << 16))
-                continue
-            assert isinstance(event, Message)
-            if isinstance(event, Welcome) and not sent:
-                sock.sendall(conn.send(RunJob(ref=1, code=FLOOD, policy=policy)))
-                sent = True
-                time.sleep(stall_s)  # a client that does not read
-            elif isinstance(event, JobOutput):
+            event = raw.next()
+            assert event is not None, "the daemon went quiet"
+            if isinstance(event, JobOutput):
                 streamed += len(event.data)
             elif isinstance(event, JobFinished):
                 return streamed, event.record

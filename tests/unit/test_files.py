@@ -812,7 +812,7 @@ def test_load_uploads_refuses_symlinks_inside_a_directory(local: Path, outside: 
 
 def test_load_uploads_refuses_fifos_and_devices_without_blocking(local: Path) -> None:
     os.mkfifo(local / "pipe")
-    with pytest.raises(UploadError, match="is a FIFO, not a regular file"):
+    with pytest.raises(UploadError, match="is a fifo, not a regular file"):
         within(5, load_uploads, [local / "pipe"])
     with pytest.raises(UploadError, match="is a device, not a regular file"):
         within(5, load_uploads, {"null": "/dev/null"})
