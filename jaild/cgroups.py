@@ -161,6 +161,18 @@ class JobCgroup:
         except (OSError, ValueError):
             return None
 
+    def start_cpu_count(self) -> tuple[float, float] | None:
+        """Begin counting a run's CPU time: the baseline to subtract from :meth:`cpu_times`.
+        v1 resets the job's ``cpuacct`` counters (one write), so the baseline is zero; v2's
+        ``cpu.stat`` cannot be reset and is read."""
+        if self.layout.version == 1 and self.acct_dir:
+            try:
+                _write(os.path.join(self.acct_dir, "cpuacct.usage"), "0")
+            except OSError:
+                return self.cpu_times()
+            return (0.0, 0.0)
+        return self.cpu_times()
+
     def cpu_times(self) -> tuple[float, float] | None:
         """(user, system) CPU seconds of everything that ran in the job's cgroup."""
         try:
@@ -169,8 +181,12 @@ class JobCgroup:
                     return None
                 # usage is exact; the user/system split is counted in ticks: scale it
                 total = int(_read(os.path.join(self.acct_dir, "cpuacct.usage")))
-                user = int(_read(os.path.join(self.acct_dir, "cpuacct.usage_user")))
-                system = int(_read(os.path.join(self.acct_dir, "cpuacct.usage_sys")))
+                user = system = 0
+                per_cpu = _read(os.path.join(self.acct_dir, "cpuacct.usage_all")).splitlines()
+                for line in per_cpu[1:]:
+                    _, u, s = line.split()
+                    user += int(u)
+                    system += int(s)
                 share = user / (user + system) if user + system else 1.0
                 return total * share / 1e9, total * (1 - share) / 1e9
             stat = dict(

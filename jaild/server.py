@@ -115,7 +115,6 @@ from jaild.supervisor import (
     JailedJob,
     JailEnvironment,
     JobSpec,
-    file_limits,
     internal_error_record,
     syntax_error_record,
 )
@@ -826,10 +825,14 @@ class Daemon:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
-    @staticmethod
-    def _check_files(policy: Policy, files: Mapping[str, bytes], download: tuple[str, ...]) -> None:
+    def _check_files(
+        self, policy: Policy, files: Mapping[str, bytes], download: tuple[str, ...]
+    ) -> None:
         """Uploads within the policy's ``[files]`` limits, every name a plain relative path."""
-        problem = check_file_set(files, file_limits(policy))
+        if not files and not download:
+            return
+        assert self.env is not None
+        problem = check_file_set(files, self.env.file_limits(policy))
         if problem is not None:
             path, reason = problem
             raise BadRequest(f"upload {path!r} refused by policy {policy.name!r}: {reason}")

@@ -136,6 +136,26 @@ class JailEnvironment:
     zygotes: dict[str, Zygote] = field(default_factory=dict)  # policies in zygote mode
     _free_slots: list[int] = field(default_factory=list)
     _next_slot: int = 0
+    _hardens: dict[str, Harden] = field(default_factory=dict)
+    _file_limits: dict[str, FileLimits] = field(default_factory=dict)
+
+    def harden(self, policy: Policy) -> Harden:
+        """The policy's first frame to its jails, built (and its fields checked) once."""
+        msg = self._hardens.get(policy.name)
+        if msg is None:
+            msg = Harden(
+                protocol=PROTOCOL_VERSION,
+                seccomp=self.seccomp_specs[policy.name],
+                file_limits=self.file_limits(policy).to_wire(),
+            )
+            self._hardens[policy.name] = msg
+        return msg
+
+    def file_limits(self, policy: Policy) -> FileLimits:
+        limits = self._file_limits.get(policy.name)
+        if limits is None:
+            limits = self._file_limits[policy.name] = file_limits(policy)
+        return limits
 
     def allocate_uid(self) -> int:
         slot = self._free_slots.pop() if self._free_slots else self._next_slot
@@ -921,8 +941,7 @@ class JailedJob:
             ),
             max_buffered=4 * self._conn.max_frame_bytes,
         )
-        name = self.spec.policy.name
-        self._send(Harden(protocol=PROTOCOL_VERSION, seccomp=self._env.seccomp_specs[name]))
+        self._send(self._env.harden(self.spec.policy))
 
     def _watch_exit(self, pid: int) -> None:
         pidfd = os.pidfd_open(pid)
@@ -1050,13 +1069,10 @@ class JailedJob:
         """What the runtime collected -- hostile input: checked entry by entry."""
         if wire is None:
             return
-        collected = validate_collected(wire, self._file_limits())
+        collected = validate_collected(wire, self._env.file_limits(self.spec.policy))
         self._files = [dict(f) for f in collected.files]
         self._files_skipped = [dict(f) for f in collected.skipped]
         self.downloads = collected.data
-
-    def _file_limits(self) -> FileLimits:
-        return file_limits(self.spec.policy)
 
     def _run_finished(self) -> None:
         """A session's run reported its result; the jail waits for the next run."""
@@ -1076,7 +1092,7 @@ class JailedJob:
         self.runs += 1
         if self._cgroup is not None:
             self._cgroup.reset_peak_memory()
-            self._cpu_base = self._cgroup.cpu_times()
+            self._cpu_base = self._cgroup.start_cpu_count()
         self._send(
             RunCode(
                 code=self.spec.code,
@@ -1088,7 +1104,6 @@ class JailedJob:
                 files=dict(self.spec.files),
                 download=self.spec.download,
                 download_changed=self.spec.download_changed,
-                file_limits=dataclasses.asdict(self._file_limits()),
             )
         )
         self._code_started = time.monotonic()

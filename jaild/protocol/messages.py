@@ -313,6 +313,10 @@ class Harden(Message):
     TYPE = "Harden"
     protocol: int = field(integer(0, 1 << 16))
     seccomp: dict[str, Any] = field(any_map())
+    file_limits: dict[str, int] = field(
+        map_of(string(64, min_len=1), integer(0, 1 << 40), 16), default_factory=dict
+    )
+    """The policy's ``[files]`` limits, for every run of this jail."""
 
 
 @struct
@@ -338,9 +342,6 @@ class RunCode(Message):
     files: dict[str, bytes] = field(_files, default_factory=dict)
     download: tuple[str, ...] = field(_patterns, default=())
     download_changed: bool = field(boolean(), default=False)
-    file_limits: dict[str, int] = field(
-        map_of(string(64, min_len=1), integer(0, 1 << 40), 16), default_factory=dict
-    )
 
 
 @struct
@@ -375,8 +376,9 @@ class CodeFinished(Message):
     result: bytes | None = field(optional(_payload), default=None)
     error: ErrorInfo | None = field(optional(nested(ErrorInfo)), default=None)
     files: Any = field(any_value(8), default=None)
-    """What the runtime collected from the working directory; hostile until the daemon's
-    :func:`jaild.runtime.files.validate_collected` has looked at it."""
+    """What the runtime collected from the working directory (nil: nothing to report);
+    hostile until the daemon's :func:`jaild.runtime.files.validate_collected` has looked at
+    it."""
 
 
 # --------------------------------------------------------------------------- tables

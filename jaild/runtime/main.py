@@ -26,6 +26,7 @@ import os
 import platform
 import socket
 import sys
+from typing import Any
 
 from jaild.protocol import PROTOCOL_VERSION, Connection, Role
 from jaild.protocol.messages import (
@@ -35,6 +36,7 @@ from jaild.protocol.messages import (
     Harden,
     JailReady,
     RunCode,
+    decode,
     encode,
 )
 
@@ -49,6 +51,38 @@ def _take_channel() -> socket.socket:
     os.dup2(devnull, 0)
     os.close(devnull)
     return socket.socket(fileno=channel_fd)
+
+
+_NOTHING = {"files": [], "data": {}, "skipped": [], "skipped_more": 0}
+
+
+def _occupied(directory: str) -> bool:
+    """Is there anything in ``directory``?"""
+    try:
+        with os.scandir(directory) as entries:
+            return next(entries, None) is not None
+    except OSError:
+        return True  # let the walk say what is wrong
+
+
+def _warm_files(files: Any, workdir: str, limits: Any) -> None:
+    """A pooled jail's throwaway trip through a job's file handling and its ``RunCode``:
+    the pages this code writes (reference counts, caches) are copied from the zygote now,
+    not on the job's clock. Leaves the working directory empty."""
+    name = ".jaild-warm-up"
+    run = decode(
+        encode(
+            RunCode(code="", filename="<warm-up>", tools=(), tool_payload_bytes=64,
+                    result_bytes=64, files={name: b"w"}, download=("*",))
+        ),
+        "daemon->jail",
+    )
+    assert isinstance(run, RunCode)
+    before = files.snapshot(workdir, limits)
+    files.write_uploads(workdir, run.files, limits)
+    encode(CodeFinished(ok=True, files=files.collect(workdir, before, run.download, limits,
+                                                      True).to_wire()))
+    os.unlink(os.path.join(workdir, name))
 
 
 def main(warm_up: bool = False) -> None:
@@ -81,6 +115,11 @@ def main(warm_up: bool = False) -> None:
         encode(CodeFinished(ok=outcome.ok, result=outcome.result, error=outcome.error))
     workdir = os.getcwd()  # the jail's /tmp: uploads go there, downloads come from there
     from jaild.runtime import files
+
+    limits = files.FileLimits.from_wire(first.file_limits)
+
+    if warm_up:  # ... and that of the files and of decoding the job (see _warm_files)
+        _warm_files(files, workdir, limits)
     from jaild.runtime.tools import ToolError, Tools
 
     namespace: dict[str, object] | None = None
@@ -96,16 +135,17 @@ def main(warm_up: bool = False) -> None:
                 "tools": Tools(run.tools, channel, run.tool_payload_bytes),
                 "ToolError": ToolError,
             }
-        limits = files.FileLimits.from_wire(run.file_limits)
         try:
-            files.write_uploads(workdir, run.files, limits)
+            if run.files:
+                files.write_uploads(workdir, run.files, limits)
         except files.UploadError as exc:
             outcome = execute.Outcome(
                 ok=False, error=ErrorInfo(type="UploadError", message=str(exc)[:4096])
             )
             collected = None
         else:
-            before = files.snapshot(workdir, limits)
+            # the common case, nothing there (a fresh jail): one syscall, not a walk
+            before = files.snapshot(workdir, limits) if _occupied(workdir) else files.Snapshot({})
             outcome = execute.run(
                 run.code,
                 run.filename,
@@ -113,9 +153,13 @@ def main(warm_up: bool = False) -> None:
                 run.result_bytes,
                 session if run.keep else None,
             )
-            collected = files.collect(
-                workdir, before, run.download, limits, run.download_changed
-            ).to_wire()
+            collected = None
+            if _occupied(workdir):
+                collected = files.collect(
+                    workdir, before, run.download, limits, run.download_changed
+                ).to_wire()
+                if collected == _NOTHING:
+                    collected = None
         try:
             sys.stdout.flush()
             sys.stderr.flush()

@@ -92,6 +92,7 @@ _RUNTIME_MODULES = (
     "jaild.runtime.harden",
     "jaild.runtime.execute",
     "jaild.runtime.tools",
+    "jaild.runtime.files",
 )
 
 

@@ -60,6 +60,7 @@ def test_a_jail_talking_between_runs_ends_its_session(hostile: DaemonHandle) -> 
 def test_a_forged_listing_too_big_for_the_channel(hostile: DaemonHandle) -> None:
     """A listing larger than the jail link's frame limit is a protocol error, not a buffer."""
     forge = (
+        "open('trigger', 'w').write('t')  # the runtime lists only a working dir with files\n"
         "import jaild.runtime.files as f\n"
         "class Huge:\n"
         "    def to_wire(self):\n"
@@ -78,7 +79,7 @@ def test_a_forged_listing_of_hostile_shapes(hostile: DaemonHandle) -> None:
     for wire in ("None", "[1, 2]", "{'files': 'x', 'data': [], 'skipped': 3}",
                  "{'files': [{'path': None}], 'data': {1: 2}, 'skipped': [None]}",
                  "{'files': [{'path': 'a' * 5000, 'size': -1, 'sha256': 'zz'}]}"):
-        forge = ("import jaild.runtime.files as f\n"
+        forge = ("open('trigger', 'w').write('t')\nimport jaild.runtime.files as f\n"
                  f"class W:\n    def to_wire(self):\n        return {wire}\n"
                  "f.collect = lambda *a, **k: W()\n'done'")
         r = hostile.run(forge, download=["*"])

@@ -195,6 +195,7 @@ def test_a_forged_listing_is_checked_by_the_daemon(client: Client) -> None:
     """The user's code runs in the runtime's process and can replace the collector: what
     comes back is hostile input, checked entry by entry."""
     forge = (
+        "open('trigger', 'w').write('t')  # the runtime lists only a working dir with files\n"
         "import jaild.runtime.files as f\n"
         "class Forged:\n"
         "    def to_wire(self):\n"

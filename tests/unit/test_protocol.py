@@ -201,7 +201,7 @@ SAMPLES: dict[str, list[Message]] = {
         ),
         RunCode(
             code="y = x", filename="<job>", tools=(), tool_payload_bytes=64, result_bytes=64,
-            keep=True, files={"a.txt": b"1"}, download=["*"], file_limits={"max_files": 3},
+            keep=True, files={"a.txt": b"1"}, download=["*"],
         ),
         JailToolReturned(call_id=1, value=msgpack.packb(None)),
         JailToolFailed(call_id=1, error_type="unknown_tool", message="no tool named 'x'"),

@@ -229,7 +229,11 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         {"code": text(1, 64), "message": text()},
         {"ref": st.none() | ref, "job_id": st.none() | job_id},
     ),
-    Harden: message(Harden, {"protocol": version, "seccomp": plain_map}),
+    Harden: message(
+        Harden,
+        {"protocol": version, "seccomp": plain_map},
+        {"file_limits": st.dictionaries(text(1, 20), st.integers(0, 1 << 40), max_size=3)},
+    ),
     RunCode: message(
         RunCode,
         {
@@ -243,7 +247,6 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
             "keep": st.booleans(),
             "files": files,
             "download": patterns,
-            "file_limits": st.dictionaries(text(1, 20), st.integers(0, 1 << 40), max_size=3),
         },
     ),
     JailToolReturned: message(JailToolReturned, {"call_id": ref, "value": payload}),
