@@ -1,12 +1,15 @@
 """Soak: thousands of jobs through one daemon, with zero lost results and flat resources.
 
 ``make soak`` (not part of ``make test``): 5,000 sequential jobs, then bursts of 200
-concurrent ones, against one ``jaild serve``. Every result must come back ``ok`` with
+concurrent ones, then 400 sessions of 10 runs each (16 open at once), against one
+``jaild serve``. Every result must come back ``ok`` with
 the right value, and the daemon's RSS and descriptor count must stay flat: across the
 sequential jobs (after a warm-up of 100), and over the second half of the bursts (the first
 bursts raise the high-water mark -- Python keeps freed arenas -- then it must hold).
 
-Usage: python bench/soak.py [--sequential 5000] [--bursts 8] [--burst-size 200]
+The sessions must leave nothing either: RSS over their second half and descriptors flat.
+
+Usage: python bench/soak.py [--sequential 5000] [--bursts 8] [--burst-size 200] [--sessions 400]
 """
 
 from __future__ import annotations
@@ -48,11 +51,28 @@ async def burst(sock: str, size: int, offset: int) -> int:
     return len(lost)
 
 
+async def sessions(sock: str, count: int, runs: int) -> int:
+    """``count`` sessions of ``runs`` runs each, 16 at a time; how many results were wrong."""
+    gate = asyncio.Semaphore(16)
+
+    async def one(n: int) -> int:
+        async with gate, AsyncClient(sock) as c, c.session() as s:
+            await s.run(f"total = {n}")
+            bad = 0
+            for i in range(1, runs):
+                r = await s.run(f"total += {i}\ntotal")
+                bad += r.status != "ok" or r.result != n + i * (i + 1) // 2
+            return bad
+
+    return sum(await asyncio.gather(*(one(n) for n in range(count))))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sequential", type=int, default=5000)
     parser.add_argument("--bursts", type=int, default=8)
     parser.add_argument("--burst-size", type=int, default=200)
+    parser.add_argument("--sessions", type=int, default=400)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         sock = os.path.join(tmp, "soak.sock")
@@ -90,16 +110,30 @@ def main() -> int:
                       f"{time.monotonic() - t:.1f} s, {n} lost; rss {burst_rss[-1]} kB, "
                       f"fds {fds(proc.pid)}")
             end_fds = fds(proc.pid)
+            session_rss = []
+            t = time.monotonic()
+            for part in range(4):
+                n = asyncio.run(sessions(sock, args.sessions // 4, 10))
+                lost += n
+                time.sleep(0.5)
+                session_rss.append(rss_kb(proc.pid))
+                print(f"sessions {part + 1}/4: {args.sessions // 4} sessions of 10 runs, {n} "
+                      f"lost; rss {session_rss[-1]} kB, fds {fds(proc.pid)}")
+            print(f"sessions: {args.sessions} in {time.monotonic() - t:.0f} s")
+            session_fds = fds(proc.pid)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
     seq_growth = (seq_rss - base_rss) / base_rss
     half = len(burst_rss) // 2  # the first bursts raise the high-water mark, then it must hold
     burst_growth = (burst_rss[-1] - burst_rss[half]) / burst_rss[half]
+    session_growth = (session_rss[-1] - session_rss[1]) / session_rss[1]
     print(f"daemon rss over the sequential jobs: {seq_growth:+.1%}; over the second half of "
-          f"the bursts: {burst_growth:+.1%}; fds {base_fds} -> {end_fds}")
-    ok = (lost == 0 and seq_fds <= base_fds and end_fds <= base_fds and seq_growth < 0.05
-          and burst_growth < 0.05 and proc.returncode == 0)
+          f"the bursts: {burst_growth:+.1%}; over the second half of the sessions: "
+          f"{session_growth:+.1%}; fds {base_fds} -> {end_fds} -> {session_fds}")
+    ok = (lost == 0 and seq_fds <= base_fds and end_fds <= base_fds
+          and session_fds <= base_fds and seq_growth < 0.05 and burst_growth < 0.05
+          and session_growth < 0.05 and proc.returncode == 0)
     print("soak:", "OK" if ok else "FAILED")
     return 0 if ok else 1
 
