@@ -46,7 +46,7 @@ from jaild.protocol.fields import (
     struct,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 MAX_CODE_CHARS = 1 << 20
 MAX_NAME_CHARS = 128

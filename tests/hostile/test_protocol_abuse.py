@@ -18,6 +18,7 @@ import msgpack
 import pytest
 
 from jaild.client import Client
+from jaild.protocol import PROTOCOL_VERSION
 from tests.conftest import REPO_POLICIES, STATE_DIR, DaemonHandle
 
 pytestmark = pytest.mark.integration
@@ -31,7 +32,7 @@ SEND = (
 
 
 def test_jail_repeats_its_handshake(hostile: DaemonHandle) -> None:
-    r = hostile.run(SEND + "send({'type': 'JailReady', 'protocol': 1})\nimport time\ntime.sleep(5)")
+    r = hostile.run(SEND + "send({'type': 'JailReady', 'protocol': 2})\nimport time\ntime.sleep(5)")
     assert r.status == "error"
     assert r.error is not None and r.error["type"] == "ChannelError"
     assert "JailReady is not allowed here" in r.error["message"]
@@ -105,7 +106,7 @@ def test_client_sends_deeply_nested_tool_schema(hostile: DaemonHandle) -> None:
                              "tools": [{"name": "t", "parameters": schema}]})
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(hostile.socket)
-        hello = msgpack.packb({"type": "Hello", "protocol": 1})
+        hello = msgpack.packb({"type": "Hello", "protocol": PROTOCOL_VERSION})
         s.sendall(struct.pack(">I", len(hello)) + hello + struct.pack(">I", len(payload)) + payload)
         s.shutdown(socket.SHUT_WR)
         s.settimeout(10)
@@ -121,7 +122,7 @@ def test_a_client_that_never_reads(hostile: DaemonHandle) -> None:
     s = socket.socket(socket.AF_UNIX)
     try:
         s.connect(hostile.socket)
-        hello = msgpack.packb({"type": "Hello", "protocol": 1})
+        hello = msgpack.packb({"type": "Hello", "protocol": PROTOCOL_VERSION})
         job = msgpack.packb({"type": "RunJob", "ref": 1, "policy": "default",
                              "code": "for _ in range(2000):\n    print('z' * 400)"})
         s.sendall(struct.pack(">I", len(hello)) + hello + struct.pack(">I", len(job)) + job)

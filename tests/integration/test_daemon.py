@@ -18,6 +18,7 @@ import pytest
 
 from jaild.client import Client
 from jaild.errors import BadRequest, PermissionDenied, UnknownPolicy
+from jaild.protocol import PROTOCOL_VERSION
 from tests.conftest import DaemonHandle, start_daemon
 
 pytestmark = pytest.mark.integration
@@ -52,13 +53,13 @@ def raw_exchange(daemon: DaemonHandle, payload: bytes, *, hello: bool = False) -
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(daemon.socket)
         if hello:
-            s.sendall(frame({"type": "Hello", "protocol": 1, "client": "raw"}))
+            s.sendall(frame({"type": "Hello", "protocol": PROTOCOL_VERSION, "client": "raw"}))
         s.sendall(payload)
         s.shutdown(socket.SHUT_WR)  # EOF after our input: the daemon answers, then closes
         return read_frames(s)
 
 
-HELLO_WELCOME = {"type": "Welcome", "protocol": 1}
+HELLO_WELCOME = {"type": "Welcome", "protocol": PROTOCOL_VERSION}
 
 
 @pytest.mark.parametrize(
@@ -70,11 +71,11 @@ HELLO_WELCOME = {"type": "Welcome", "protocol": 1}
          "unexpected_message"),
         (frame({"type": "Hello", "protocol": 99}), False, "unsupported_version"),
         (frame([1, 2, 3]), True, "bad_frame"),
-        (frame({"type": "Welcome", "protocol": 1}), True, "bad_frame"),
+        (frame({"type": "Welcome", "protocol": PROTOCOL_VERSION}), True, "bad_frame"),
         (frame({"type": "RunJob", "ref": 1, "code": 5, "policy": "default"}), True, "bad_frame"),
         (frame({"type": "RunJob", "ref": 1, "code": "1", "policy": "default", "evil": 1}), True,
          "bad_frame"),
-        (frame({"type": "Hello", "protocol": 1}), True, "unexpected_message"),
+        (frame({"type": "Hello", "protocol": PROTOCOL_VERSION}), True, "unexpected_message"),
         (b"\x00\x00\x00\x03\xc1\xc1\xc1", True, "bad_frame"),
     ],
     ids=["garbage", "oversize-length", "before-hello", "wrong-version", "not-a-map",
@@ -94,14 +95,14 @@ def test_bad_input_gets_an_error_frame_and_the_daemon_keeps_serving(
 def test_truncated_frame_then_disconnect(daemon: DaemonHandle) -> None:
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(daemon.socket)
-        s.sendall(frame({"type": "Hello", "protocol": 1})[:-2])
+        s.sendall(frame({"type": "Hello", "protocol": PROTOCOL_VERSION})[:-2])
     daemon.assert_serving()
 
 
 def test_semantic_errors_keep_the_connection(daemon: DaemonHandle) -> None:
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(daemon.socket)
-        s.sendall(frame({"type": "Hello", "protocol": 1}))
+        s.sendall(frame({"type": "Hello", "protocol": PROTOCOL_VERSION}))
         s.sendall(frame({"type": "CancelJob", "job_id": "job-0000"}))
         s.sendall(frame({"type": "ToolReturned", "job_id": "job-0001", "call_id": 1, "value": b"\xc0"}))
         s.sendall(frame({"type": "RunJob", "ref": 7, "code": "1", "policy": "no-such-policy"}))

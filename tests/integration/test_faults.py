@@ -19,6 +19,7 @@ import pytest
 
 from jaild.client import Client
 from jaild.errors import Busy, PermissionDenied, UnknownPolicy
+from jaild.protocol import PROTOCOL_VERSION
 from jaild.staging import locate_nsjail
 from tests.conftest import DaemonHandle, start_daemon, wait_listening
 
@@ -167,7 +168,7 @@ def test_slow_loris_is_cut_off(tuned: Callable[..., DaemonHandle]) -> None:
         assert time.monotonic() - t0 < 3
     with socket.socket(socket.AF_UNIX) as dribbler:
         dribbler.connect(d.socket)
-        dribbler.sendall(_frame({"type": "Hello", "protocol": 1}))
+        dribbler.sendall(_frame({"type": "Hello", "protocol": PROTOCOL_VERSION}))
         dribbler.sendall(b"\x00\x00\x01")  # a frame header, never finished
         data = _read_all(dribbler, 5)
         assert b"a frame was started but not finished within 0.5 s" in data

@@ -662,8 +662,8 @@ MUTATIONS: list[tuple[str, str, Message, bytes]] = [
     ("error-code-empty", "daemon->client", Error(code="busy", message=""),
      wire(Error(code="busy", message=""), code="")),
     ("payload-too-large", "jail->daemon", CALL, wire(CALL, args=b"x" * (MAX_PAYLOAD_BYTES + 1))),
-    ("protocol-over-range", "client->daemon", Hello(protocol=1),
-     wire(Hello(protocol=1), protocol=(1 << 16) + 1)),
+    ("protocol-over-range", "client->daemon", Hello(protocol=PROTOCOL_VERSION),
+     wire(Hello(protocol=PROTOCOL_VERSION), protocol=(1 << 16) + 1)),
     ("ext-field", "jail->daemon", CALL, wire(CALL, args=ext(5))),
     ("ext-type", "client->daemon", RUN, wire(RUN, type=ext(1))),
     ("ext-in-record", "daemon->client", FINISHED, wire(FINISHED, record={"x": [ext(0)]})),
@@ -923,7 +923,7 @@ def test_version_mismatch_is_unsupported_version(role: Role, state: State,
 
 @pytest.mark.parametrize("make_error", [
     lambda c: c.receive_data((1 << 31).to_bytes(4, "big")),
-    lambda c: c.receive_data(encode_frame(encode(Hello(protocol=2)), MAX_FRAME)),
+    lambda c: c.receive_data(encode_frame(encode(Hello(protocol=PROTOCOL_VERSION + 1)), MAX_FRAME)),
     lambda c: c.receive_data(encode_frame(encode(ListPolicies(ref=1)), MAX_FRAME)),
     lambda c: c.receive_data(encode_frame(b"\xc1", MAX_FRAME)),
 ], ids=["frame_too_large", "unsupported_version", "unexpected_message", "bad_frame"])
