@@ -417,6 +417,16 @@ class _Channel:
         self._on_closed()
 
 
+async def _first_of(*events: asyncio.Event) -> None:
+    """Wait until any of ``events`` is set."""
+    waits = [asyncio.get_running_loop().create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
 # --------------------------------------------------------------------------- the job
 
 
@@ -538,20 +548,23 @@ class JailedJob:
     def assign(self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink) -> None:
         """Give a prepared jail its job (same policy; the jail's limits already apply)."""
         assert self._route_tool is None and spec.policy is self.spec.policy
-        self.spec = spec
-        self._route_tool = route_tool
-        self._output = output
-        self._tool_names = {t.name for t in spec.tools}
         if self._cgroup is not None:  # the job's cgroup is named after the job, as ever
             try:
                 self._cgroup.rename(spec.job_id)
                 self.jail_id = spec.job_id
             except OSError as exc:
                 log.warning("job %s: cannot rename cgroup %s: %s", spec.job_id, self.jail_id, exc)
-        self._set_limits(spec)
-        self._started = time.monotonic()
+        self._take_job(spec, route_tool, output)
         if self._ready.is_set() and not self._done.is_set():
             self._begin()  # now, not when the caller's task first runs
+
+    def _take_job(self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink) -> None:
+        self.spec = spec
+        self._route_tool = route_tool
+        self._output = output
+        self._tool_names = {t.name for t in spec.tools}
+        self._set_limits(spec)
+        self._started = time.monotonic()
 
     def host_view(self) -> dict[str, Any]:
         """The job seen from the host while it runs: its processes' ids, its cgroup's limits."""
@@ -572,13 +585,7 @@ class JailedJob:
         """Start the jail and wait until it is hardened and waiting (True) or ended (False)."""
         await self._launch()
         if not self._done.is_set():
-            ready = self._loop.create_task(self._ready.wait())
-            done = self._loop.create_task(self._done.wait())
-            try:
-                await asyncio.wait((ready, done), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                ready.cancel()
-                done.cancel()
+            await _first_of(self._ready, self._done)
         return self.alive
 
     async def run(self) -> dict[str, Any]:
@@ -599,12 +606,7 @@ class JailedJob:
         limit (then :attr:`alive` is False and the record says why). Returns the record, the
         packed result and the downloaded files."""
         assert self._keep and spec.policy is self.spec.policy
-        self.spec = spec
-        self._route_tool = route_tool
-        self._output = output
-        self._tool_names = {t.name for t in spec.tools}
-        self._set_limits(spec)
-        self._started = time.monotonic()
+        self._take_job(spec, route_tool, output)
         self._run_end.clear()
         # what the jail printed between runs is this run's (it was kept, not streamed)
         for stream, buffered in (("stdout", self._stdout), ("stderr", self._stderr)):
@@ -612,13 +614,7 @@ class JailedJob:
                 output(spec.job_id, stream, bytes(buffered))
         if self.alive:
             self._begin()
-        run_end = self._loop.create_task(self._run_end.wait())
-        done = self._loop.create_task(self._done.wait())
-        try:
-            await asyncio.wait((run_end, done), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            run_end.cancel()
-            done.cancel()
+        await _first_of(self._run_end, self._done)
         if self._done.is_set():  # the jail is gone: this record is its last
             record = await self._final_record()
             return record, self.result, self.downloads
