@@ -36,7 +36,7 @@ $(STAMPS)/apt: Makefile
 $(STAMPS)/venv: $(STAMPS)/apt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,lint]'
+	$(PY) -m pip install --quiet -e '.[test,lint,langchain]'
 	@touch $@
 
 # The jail's Python environments, one per envs/NAME.txt, built by `jaild env build` into

@@ -724,9 +724,13 @@ def build_parser() -> argparse.ArgumentParser:
     r = psub.add_parser("reference", help="print the policy reference (Markdown)")
     r.set_defaults(func=cmd_policy_reference)
 
+    from jaild.codemode import add_codemode_commands
     from jaild.envs import add_env_commands
+    from jaild.mcp_server import add_mcp_commands
 
     add_env_commands(sub)
+    add_mcp_commands(sub)
+    add_codemode_commands(sub)
     return parser
 
 

