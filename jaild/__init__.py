@@ -14,8 +14,9 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from jaild.client import AsyncClient, Client, JobResult
     from jaild.errors import JaildError
+    from jaild.toolspec import tool
 
-__all__ = ["AsyncClient", "Client", "JaildError", "JobResult", "__version__"]
+__all__ = ["AsyncClient", "Client", "JaildError", "JobResult", "__version__", "tool"]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,6 +24,10 @@ def __getattr__(name: str) -> Any:
         from jaild import client
 
         return getattr(client, name)
+    if name == "tool":
+        from jaild.toolspec import tool
+
+        return tool
     if name == "JaildError":
         from jaild.errors import JaildError
 

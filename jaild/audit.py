@@ -46,8 +46,9 @@ class AuditLog:
 
     def _emit(self, event: str, fields: dict[str, Any]) -> None:
         record = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "event": event, **fields}
-        text = " ".join(f"{k}={_show(v)}" for k, v in record.items() if k != "ts")
-        log.info("audit: %s", text)
+        if log.isEnabledFor(logging.INFO):
+            text = " ".join(f"{k}={_show(v)}" for k, v in record.items() if k != "ts")
+            log.info("audit: %s", text)
         if self._fd >= 0:
             try:
                 os.write(self._fd, (json.dumps(record, default=str) + "\n").encode())
@@ -86,6 +87,21 @@ class AuditLog:
         self._emit(
             f"session_{event}",
             {"session": session_id, "uid": peer.uid, "pid": peer.pid, "policy": policy, **extra},
+        )
+
+    def tool_call(
+        self, peer: Peer | None, job_id: str, tool: str, outcome: str, duration_s: float
+    ) -> None:
+        """A tool call ended (``outcome``: ok, or why not)."""
+        self._emit(
+            "tool_call",
+            {
+                "job": job_id,
+                "uid": peer.uid if peer else None,
+                "tool": tool,
+                "outcome": outcome,
+                "duration_s": round(duration_s, 6),
+            },
         )
 
     def killed(self, peer: Peer, ident: str) -> None:

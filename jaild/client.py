@@ -29,6 +29,7 @@ import codecs
 import concurrent.futures
 import contextlib
 import functools
+import inspect
 import itertools
 import logging
 import threading
@@ -177,12 +178,18 @@ class JobResult:
         )
 
 
+Approver = Callable[[str, list[Any], dict[str, Any]], Any]
+"""``approve(tool, args, kwargs)`` -> True to allow the call, False or ``(False, "why")`` to
+deny it (plain or async). Asked for tools marked ``approval`` (by the client or the policy)."""
+
+
 @dataclass
 class _Job:
     tools: dict[str, HostTool]
     on_stdout: OutputCallback | None
     on_stderr: OutputCallback | None
     finished: asyncio.Future[JobResult]
+    approve: Approver | None = None
     decoders: dict[str, codecs.IncrementalDecoder] = field(default_factory=dict)
     calls: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -249,6 +256,7 @@ class AsyncSession:
         status such as ``timeout`` or ``memory_limit``, ``disconnected``), or None."""
         self.close_message = ""
         self.info: dict[str, Any] = {}
+        self.approve: Approver | None = None  # for this session's runs (default: the client's)
 
     async def open(self) -> AsyncSession:
         """Open the session: returns once its jail is ready."""
@@ -301,6 +309,8 @@ class AsyncSession:
 
     async def submit(self, code: str, **kwargs: Any) -> AsyncJob:
         session_id = self._check_open()
+        if self.approve is not None:
+            kwargs.setdefault("approve", self.approve)
         return await self._client.submit(
             code, self.policy, self._tools, _session=session_id, **kwargs
         )
@@ -335,9 +345,15 @@ class AsyncClient:
     """
 
     def __init__(
-        self, socket_path: str | None = None, *, name: str = "", handler_threads: int = 64
+        self,
+        socket_path: str | None = None,
+        *,
+        name: str = "",
+        handler_threads: int = 64,
+        approve: Approver | None = None,
     ) -> None:
         self.socket_path = socket_from_env(socket_path)[0]
+        self._approve = approve
         self._name = name or f"jaild-py/{__version__}"
         self._conn = Connection(Role.CLIENT, MAX_FRAME)
         self._reader: asyncio.StreamReader | None = None
@@ -421,6 +437,7 @@ class AsyncClient:
         filename: str = "<job>",
         files: Any = None,
         download: Iterable[str] | bool = (),
+        approve: Approver | None = None,
         _session: str | None = None,
     ) -> AsyncJob:
         """Start ``code`` in a fresh jail; return once the daemon accepted it.
@@ -435,6 +452,8 @@ class AsyncClient:
             files: uploads into the jail's working directory before the code runs:
                 ``{"path/in/jail": bytes or a local path}``, or local paths (a directory
                 goes in recursively).
+            approve: the approval callback for this job's tools marked ``approval`` (default:
+                the client's); without one such calls are denied.
             download: patterns (``fnmatch``, ``*`` crosses ``/``) of files in the working
                 directory whose contents come back in ``result.downloads``; ``True``: every
                 file the run created or changed.
@@ -455,7 +474,7 @@ class AsyncClient:
         ref = next(self._refs)
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[str] = loop.create_future()
-        job = _Job(host_tools, on_stdout, on_stderr, loop.create_future())
+        job = _Job(host_tools, on_stdout, on_stderr, loop.create_future(), approve or self._approve)
         self._accepting[ref] = (accepted, job)
         msg = RunJob(
             ref=ref,
@@ -531,14 +550,18 @@ class AsyncClient:
         limits: Mapping[str, float] | None = None,
         idle_s: float | None = None,
         max_lifetime_s: float | None = None,
+        approve: Approver | None = None,
     ) -> AsyncSession:
         """A session: one jail kept for many runs that share variables, functions and imports.
 
         ``async with client.session(...) as s: await s.run("x = 1"); await s.run("x + 1")``.
         ``idle_s`` / ``max_lifetime_s`` may only tighten the policy's ``[session]`` values;
         ``limits`` are the per-run limits (memory and pids apply to the whole session)."""
-        return AsyncSession(self, policy, normalize_tools(tools), dict(limits or {}), idle_s,
-                            max_lifetime_s)
+        session = AsyncSession(
+            self, policy, normalize_tools(tools), dict(limits or {}), idle_s, max_lifetime_s
+        )
+        session.approve = approve
+        return session
 
     async def cancel(self, job_id: str) -> None:
         """Ask the daemon to cancel a running job (it then finishes with status ``cancelled``)."""
@@ -656,6 +679,30 @@ class AsyncClient:
         elif isinstance(msg, JobFinished) and not job.finished.done():
             job.finished.set_result(JobResult.from_wire(msg.record, msg.result, msg.files))
 
+    async def _approved(
+        self, job: _Job, name: str, args: list[Any], kwargs: dict[str, Any]
+    ) -> tuple[bool, str]:
+        """Ask the job's approval callback (plain ones run in a worker thread: they may
+        prompt a human). No callback: denied."""
+        approve = job.approve
+        if approve is None:
+            return False, f"{name} needs approval and this client has no approve callback"
+        if inspect.iscoroutinefunction(approve):
+            answer = await approve(name, args, kwargs)
+        else:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    self._handler_threads, thread_name_prefix="jaild-tool"
+                )
+            answer = await asyncio.get_running_loop().run_in_executor(
+                self._executor, functools.partial(approve, name, args, kwargs)
+            )
+        if isinstance(answer, tuple):
+            allowed, why = bool(answer[0]), str(answer[1]) if len(answer) > 1 else ""
+        else:
+            allowed, why = bool(answer), ""
+        return allowed, why or (f"{name}: approved" if allowed else f"{name}: denied by the client")
+
     async def _call_tool(self, job_id: str, job: _Job, call: ClientCallTool) -> None:
         tool = job.tools.get(call.name)
         reply: Message
@@ -672,6 +719,10 @@ class AsyncClient:
             ):
                 raise TypeError("malformed tool arguments from the jail")
             args, kwargs = decoded
+            if call.approval:
+                allowed, why = await self._approved(job, call.name, args, kwargs)
+                if not allowed:
+                    raise _Denied(why)
             if tool.is_async:
                 value = await tool.handler(*args, **kwargs)
             else:
@@ -688,6 +739,11 @@ class AsyncClient:
             reply = ClientToolReturned(job_id=job_id, call_id=call.call_id, value=packed)
         except asyncio.CancelledError:
             raise
+        except _Denied as exc:
+            reply = ClientToolFailed(
+                job_id=job_id, call_id=call.call_id, error_type="denied",
+                message=safe_text(str(exc), 4096),
+            )
         except Exception as exc:
             log.debug("tool %s raised", call.name, exc_info=True)
             try:
@@ -704,6 +760,10 @@ class AsyncClient:
             await self._send(reply)
 
 
+class _Denied(Exception):
+    """The approval callback said no."""
+
+
 class Client:
     """A blocking client: the same API as :class:`AsyncClient`, without ``await``.
 
@@ -712,14 +772,21 @@ class Client:
     """
 
     def __init__(
-        self, socket_path: str | None = None, *, name: str = "", handler_threads: int = 64
+        self,
+        socket_path: str | None = None,
+        *,
+        name: str = "",
+        handler_threads: int = 64,
+        approve: Approver | None = None,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="jaild-client", daemon=True
         )
         self._thread.start()
-        self._client = AsyncClient(socket_path, name=name, handler_threads=handler_threads)
+        self._client = AsyncClient(
+            socket_path, name=name, handler_threads=handler_threads, approve=approve
+        )
         try:
             self._call(self._client.connect())
         except BaseException:

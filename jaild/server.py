@@ -336,16 +336,19 @@ class ClientSession:
             )
 
     def call_tool(
-        self, job_id: str, call_id: int, name: str, args: bytes
+        self, job_id: str, call_id: int, name: str, args: bytes, approval: bool = False
     ) -> asyncio.Future[tuple[bool, Any]]:
-        """Send a tool call to this client; the future gets its reply (a ToolRouter)."""
+        """Send a tool call to this client; the future gets its reply (a ToolRouter).
+        ``approval``: the client must ask its approval callback before the handler."""
         if self.closed:
             raise ConnectionLost("the client is gone")
         fut: asyncio.Future[tuple[bool, Any]] = asyncio.get_running_loop().create_future()
         key = (job_id, call_id)
         self.pending_calls[key] = fut
         fut.add_done_callback(lambda _: self.pending_calls.pop(key, None))
-        self.send(ClientCallTool(job_id=job_id, call_id=call_id, name=name, args=args))
+        self.send(
+            ClientCallTool(job_id=job_id, call_id=call_id, name=name, args=args, approval=approval)
+        )
         return fut
 
     def output(self, job_id: str, stream: str, data: bytes) -> None:
@@ -573,6 +576,7 @@ class Daemon:
                 name: seccomp_digest(bpf_program(spec)) for name, spec in specs.items()
             },
             audit=KernelAuditLog(),
+            on_tool_call=self._tool_called,
             uid_base=self.config.uid_base,
             launcher=(setpriv, "--pdeathsig", "TERM", "--"),
             kill_grace_s=self.config.kill_grace_s,
@@ -750,7 +754,7 @@ class Daemon:
         )
 
         def inspect(
-            job_id: str, call_id: int, name: str, args: bytes
+            job_id: str, call_id: int, name: str, args: bytes, approval: bool
         ) -> asyncio.Future[tuple[bool, Any]]:
             reply: asyncio.Future[tuple[bool, Any]] = asyncio.get_running_loop().create_future()
             reply.set_result((True, pack(job.host_view())))
@@ -821,6 +825,12 @@ class Daemon:
                 f"policy {policy.name!r} does not allow tool(s) {', '.join(refused)} "
                 f"(allowed: {', '.join(policy.access.tools)})"
             )
+        assert self.env is not None
+        for tool in tools:
+            problem = self.env.check_schema(tool.parameters)
+            if problem:
+                raise BadRequest(f"tool {tool.name!r}: its parameters are not a valid JSON schema: "
+                                 f"{problem}")
         return policy
 
     @staticmethod
@@ -1244,6 +1254,13 @@ class Daemon:
         self.audit.job(session.peer, record)
         self.accounting.job(session.peer.uid, record, uploaded, downloaded)
         self.metrics.job_finished(record, session.peer.uid)
+
+    def _tool_called(
+        self, job_id: str, policy: str, tool: str, outcome: str, duration_s: float
+    ) -> None:
+        owner = self.owners.get(job_id)
+        self.audit.tool_call(owner[0].peer if owner else None, job_id, tool, outcome, duration_s)
+        self.metrics.tool_call(policy, tool, outcome, duration_s)
 
     def refused(self, peer: Peer, code: str, message: str, **extra: Any) -> None:
         """A connection or request was refused: audited and counted."""

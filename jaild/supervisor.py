@@ -59,7 +59,7 @@ from jaild.errors import ConnectionLost, RemoteProtocolError
 from jaild.kernlog import KernelAuditLog
 from jaild.policy.compile import JOB_UIDS, HostLayout, JobPlacement, job_argv, zygote_request
 from jaild.policy.schema import Limits, Policy
-from jaild.protocol import NEED_DATA, PROTOCOL_VERSION, Connection, Role, State
+from jaild.protocol import NEED_DATA, PROTOCOL_VERSION, Connection, Role, State, unpack
 from jaild.protocol.messages import (
     CodeFinished,
     ErrorInfo,
@@ -97,10 +97,14 @@ FRAME_OVERHEAD = 4 * 2 * 65536 + 65536
 """Room on the jail link beyond the payload limits: CodeFinished may carry a 64K-character
 message and traceback besides the result (UTF-8: up to 4 bytes a character)."""
 
-ToolRouter = Callable[[str, int, str, bytes], "asyncio.Future[tuple[bool, Any]]"]
-"""(job_id, call_id, tool name, packed args) -> a future of (True, packed value) or
-(False, (type, message)); it may fail with ConnectionLost. The router sends the call
-at once; cancelling the future withdraws it."""
+ToolRouter = Callable[[str, int, str, bytes, bool], "asyncio.Future[tuple[bool, Any]]"]
+"""(job_id, call_id, tool name, packed args, needs approval) -> a future of (True, packed
+value) or (False, (type, message)); it may fail with ConnectionLost. The router sends the
+call at once; cancelling the future withdraws it."""
+ToolObserver = Callable[[str, str, str, str, float], None]
+"""(job_id, policy, tool, outcome, duration_s): every tool call, as it ends (audit, metrics).
+``outcome`` is ``ok`` or the error type (``invalid_arguments``, ``denied``, ``timeout``,
+``quota_exceeded``, ``unknown_tool``, the handler's exception type, ...)."""
 OutputSink = Callable[[str, str, bytes], None]
 """(job_id, "stdout"|"stderr", bytes) -> None."""
 
@@ -134,6 +138,7 @@ class JailEnvironment:
     launcher: tuple[str, ...] = ()  # e.g. setpriv --pdeathsig TERM --: nsjail dies with us
     kill_grace_s: float = 1.0
     zygotes: dict[str, Zygote] = field(default_factory=dict)  # policies in zygote mode
+    on_tool_call: ToolObserver = lambda *_: None
     _free_slots: list[int] = field(default_factory=list)
     _next_slot: int = 0
     _hardens: dict[str, Harden] = field(default_factory=dict)
@@ -150,6 +155,78 @@ class JailEnvironment:
             )
             self._hardens[policy.name] = msg
         return msg
+
+    _validators: dict[str, Any] = field(default_factory=dict)
+    _schema_keys: dict[int, tuple[dict[str, Any], str]] = field(default_factory=dict)
+
+    def tool_arguments(
+        self, schema: dict[str, Any], tool: str, packed: bytes
+    ) -> tuple[str, str] | None:
+        """Check a call's arguments against the tool's JSON schema before any handler runs:
+        None if they fit (or the tool has no schema), else ("invalid_arguments", why) naming
+        the argument."""
+        if not schema:
+            return None
+        try:
+            decoded = unpack(packed)
+        except RemoteProtocolError as exc:
+            return ("invalid_arguments", f"{tool}: undecodable arguments: {exc.message}")
+        if not (
+            isinstance(decoded, list)
+            and len(decoded) == 2
+            and isinstance(decoded[0], list)
+            and isinstance(decoded[1], dict)
+        ):
+            return ("invalid_arguments", f"{tool}: arguments must be [args, kwargs]")
+        args, kwargs = decoded
+        names = list(schema.get("properties") or {})
+        if len(args) > len(names):
+            return (
+                "invalid_arguments",
+                f"{tool} takes at most {len(names)} positional argument(s) "
+                f"({', '.join(names) or 'none'}); got {len(args)}",
+            )
+        instance = dict(zip(names, args, strict=False))
+        for key, value in kwargs.items():
+            if key in instance:
+                return ("invalid_arguments", f"{tool}: argument {key!r} given twice")
+            instance[key] = value
+        return schema_error(tool, self._validator(schema), instance)
+
+    def check_schema(self, schema: dict[str, Any]) -> str | None:
+        """Why a tool's parameters are not a usable JSON schema, or None (checked once per
+        distinct schema; the compiled validator is kept for the calls)."""
+        if not schema:
+            return None
+        from jsonschema.exceptions import SchemaError
+
+        try:
+            self._validator(schema)
+        except SchemaError as exc:
+            return exc.message[:1024]
+        return None
+
+    def _validator(self, schema: dict[str, Any]) -> Any:
+        """A compiled validator per distinct schema (clients send the same ones again)."""
+        import json
+
+        key = self._schema_keys.get(id(schema))
+        if key is None or key[0] is not schema:
+            key = (schema, json.dumps(schema, sort_keys=True, default=repr))
+            if len(self._schema_keys) > 4096:
+                self._schema_keys.clear()
+            self._schema_keys[id(schema)] = key
+        validator = self._validators.get(key[1])
+        if validator is None:
+            from jsonschema import validators
+
+            cls = validators.validator_for(schema)
+            cls.check_schema(schema)
+            validator = cls(schema)
+            if len(self._validators) > 4096:
+                self._validators.clear()
+            self._validators[key[1]] = validator
+        return validator
 
     def file_limits(self, policy: Policy) -> FileLimits:
         limits = self._file_limits.get(policy.name)
@@ -466,6 +543,7 @@ class JailedJob:
             + files.max_files * (files.max_path_chars + 256),
         )
         self._tool_names = {t.name for t in spec.tools}
+        self._tool_specs = {t.name: t for t in spec.tools}
         self._log = bytearray()
         self._in_flight: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
         self._out_transports: list[asyncio.ReadTransport] = []
@@ -508,6 +586,8 @@ class JailedJob:
         self._calls: list[dict[str, Any]] = []
         self._calls_omitted = 0
         self._tool_time = 0.0
+        self._calls_made = 0  # counted against limits.tool_calls
+        self._tool_bytes = 0  # packed arguments and results, against limits.tool_bytes
         self._code_started: float | None = None
         self._code_ended: float | None = None
         self._cpu_base: tuple[float, float] | None = None
@@ -563,6 +643,7 @@ class JailedJob:
         self._route_tool = route_tool
         self._output = output
         self._tool_names = {t.name for t in spec.tools}
+        self._tool_specs = {t.name: t for t in spec.tools}
         self._set_limits(spec)
         self._started = time.monotonic()
 
@@ -1128,31 +1209,49 @@ class JailedJob:
         )
 
     def _call_tool(self, call: JailCallTool) -> None:
+        """The broker: every check a call must pass before any handler runs."""
         if call.call_id in self._in_flight:
             self._terminate(
                 "channel_error", f"the jail reused call id {call.call_id} while in flight"
             )
             return
+        limits = self.spec.limits
+        refusal: tuple[str, str] | None = None
         if call.name not in self._tool_names:
             available = ", ".join(sorted(self._tool_names)) or "(none)"
-            self._reply_failed(
-                call.call_id, "unknown_tool", f"no tool named {call.name!r}; available: {available}"
-            )
-            self._note_call(
-                {"name": call.name, "duration_s": 0.0, "ok": False, "error_type": "unknown_tool"}
-            )
-            return
-        if len(self._in_flight) >= self.spec.limits.tool_calls_in_flight:
-            self._reply_failed(
-                call.call_id,
+            refusal = ("unknown_tool", f"no tool named {call.name!r}; available: {available}")
+        elif len(self._in_flight) >= limits.tool_calls_in_flight:
+            refusal = (
                 "too_many_calls",
                 f"{len(self._in_flight)} tool calls already in flight; the policy allows "
-                f"{self.spec.limits.tool_calls_in_flight} at once",
+                f"{limits.tool_calls_in_flight} at once",
             )
+        elif self._calls_made >= limits.tool_calls:
+            refusal = (
+                "quota_exceeded",
+                f"this job made its {limits.tool_calls} tool calls (limits.tool_calls)",
+            )
+        elif self._tool_bytes + len(call.args) > limits.tool_bytes:
+            refusal = (
+                "quota_exceeded",
+                f"this job's tool calls moved {self._tool_bytes} bytes; these arguments "
+                f"({len(call.args)}) would pass limits.tool_bytes ({limits.tool_bytes})",
+            )
+        else:
+            refusal = self._env.tool_arguments(
+                self._tool_specs[call.name].parameters, call.name, call.args
+            )
+        if refusal is not None:
+            self._reply_failed(call.call_id, *refusal)
             self._note_call(
-                {"name": call.name, "duration_s": 0.0, "ok": False, "error_type": "too_many_calls"}
+                {"name": call.name, "duration_s": 0.0, "ok": False, "error_type": refusal[0]}
+            )
+            self._env.on_tool_call(
+                self.spec.job_id, self.spec.policy.name, call.name, refusal[0], 0.0
             )
             return
+        self._calls_made += 1
+        self._tool_bytes += len(call.args)
         reply = self._route(call)
         if reply is not None and not reply.done():
             self._in_flight[call.call_id] = reply
@@ -1172,12 +1271,18 @@ class JailedJob:
         """Hand the call to the router now; its reply is forwarded from a done callback
         (no task per call: a round trip is a few loop iterations shorter)."""
         assert self._route_tool is not None  # calls arrive only after RunCode
+        spec = self._tool_specs[call.name]
+        approval = spec.approval or self.spec.policy.needs_approval(call.name)
         try:
-            reply = self._route_tool(self.spec.job_id, call.call_id, call.name, call.args)
+            reply = self._route_tool(
+                self.spec.job_id, call.call_id, call.name, call.args, approval
+            )
         except ConnectionLost:
             self._terminate("cancelled", "the client disconnected during a tool call")
             return None
         timeout = self.spec.limits.tool_call_timeout_s
+        if spec.timeout_s is not None:
+            timeout = min(timeout, spec.timeout_s)
         timer = self._loop.call_later(timeout, self._call_timed_out, reply, call.name, timeout)
         reply.add_done_callback(
             functools.partial(self._call_done, call, time.monotonic(), timer)
@@ -1210,18 +1315,33 @@ class JailedJob:
             self._terminate("cancelled", "the client disconnected during a tool call")
             return
         ok, value = reply.result()
-        if ok and len(value) > self.spec.limits.tool_payload_bytes:
+        limits = self.spec.limits
+        if ok and len(value) > limits.tool_payload_bytes:
             ok, value = (
                 False,
                 (
                     "payload_too_large",
                     f"the result of {call.name} is {len(value)} bytes packed; "
-                    f"the policy allows {self.spec.limits.tool_payload_bytes}",
+                    f"the policy allows {limits.tool_payload_bytes}",
                 ),
             )
+        elif ok:
+            self._tool_bytes += len(value)
+            if self._tool_bytes > limits.tool_bytes:
+                ok, value = (
+                    False,
+                    (
+                        "quota_exceeded",
+                        f"the result of {call.name} takes this job's tool traffic past "
+                        f"limits.tool_bytes ({limits.tool_bytes})",
+                    ),
+                )
         entry["ok"] = ok
         if not ok:
             entry["error_type"] = value[0]
+        self._env.on_tool_call(
+            self.spec.job_id, self.spec.policy.name, call.name, "ok" if ok else value[0], took
+        )
         if self._conn.state is not State.RUNNING:
             return
         if ok:
@@ -1328,6 +1448,23 @@ class JailedJob:
             "stream_paused_s": round(self._stream_paused, 6),
             "stream_dropped_bytes": self._stream_dropped,
         }
+
+
+def schema_error(tool: str, validator: Any, instance: dict[str, Any]) -> tuple[str, str] | None:
+    """("invalid_arguments", message naming the argument) for the most relevant error."""
+    if validator.is_valid(instance):
+        return None
+    from jsonschema.exceptions import best_match
+
+    error = best_match(validator.iter_errors(instance))
+    if error is None:
+        return None
+    where = "".join(
+        f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p))
+        for i, p in enumerate(error.absolute_path)
+    )
+    what = f"argument {where!r}: " if where else ""
+    return ("invalid_arguments", f"{tool}: {what}{error.message}"[:4096])
 
 
 def file_limits(policy: Policy) -> FileLimits:

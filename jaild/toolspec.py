@@ -30,13 +30,46 @@ class HostTool:
     description: str
     parameters: dict[str, Any]
     handler: Callable[..., Any]
+    timeout_s: float | None = None
+    """This tool's call timeout (the daemon caps it at the policy's ``tool_call_timeout_s``)."""
+    approval: bool = False
+    """Every call waits for the client's ``approve`` callback before the handler runs."""
 
     @property
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.handler)
 
     def spec(self) -> ToolSpec:
-        return ToolSpec(name=self.name, description=self.description, parameters=self.parameters)
+        return ToolSpec(
+            name=self.name,
+            description=self.description,
+            parameters=self.parameters,
+            timeout_s=self.timeout_s,
+            approval=self.approval,
+        )
+
+
+_OPTIONS = "__jaild_tool__"
+
+
+def tool(
+    fn: Callable[..., Any] | None = None,
+    *,
+    name: str | None = None,
+    timeout_s: float | None = None,
+    approval: bool = False,
+) -> Any:
+    """Mark a function as a tool with options: ``@tool(approval=True, timeout_s=5)``.
+
+    ``approval``: each call first asks the client's ``approve`` callback (a denial surfaces
+    in the jail as ``ToolError`` with ``error_type == "denied"``). ``timeout_s``: this tool's
+    call timeout. The function itself is returned unchanged."""
+
+    def mark(f: Callable[..., Any]) -> Callable[..., Any]:
+        setattr(f, _OPTIONS, {"name": name, "timeout_s": timeout_s, "approval": approval})
+        return f
+
+    return mark(fn) if fn is not None else mark
 
 
 _SIMPLE: dict[Any, dict[str, Any]] = {
@@ -98,7 +131,8 @@ def tool_from_function(fn: Callable[..., Any], name: str | None = None) -> HostT
     """Describe ``fn`` as a tool called ``name`` (default: its ``__name__``)."""
     import re
 
-    tool_name: str = name or str(getattr(fn, "__name__", ""))
+    options = getattr(fn, _OPTIONS, {})
+    tool_name: str = name or options.get("name") or str(getattr(fn, "__name__", ""))
     if not re.fullmatch(TOOL_NAME, tool_name or ""):
         raise ValueError(f"tool name {tool_name!r} must match {TOOL_NAME}")
     try:
@@ -131,7 +165,14 @@ def tool_from_function(fn: Callable[..., Any], name: str | None = None) -> HostT
     if not extra:
         parameters["additionalProperties"] = False
     description = inspect.cleandoc(fn.__doc__) if fn.__doc__ else ""
-    return HostTool(tool_name, description, parameters, fn)
+    return HostTool(
+        tool_name,
+        description,
+        parameters,
+        fn,
+        timeout_s=options.get("timeout_s"),
+        approval=bool(options.get("approval")),
+    )
 
 
 def normalize_tools(tools: Mapping[str, Any] | Iterable[Any] | None) -> dict[str, HostTool]:

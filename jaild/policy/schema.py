@@ -111,6 +111,14 @@ class Limits:
     tool_calls_in_flight: int = setting(
         64, "Tool calls one job may have in flight at once.", between(1, 4096)
     )
+    tool_calls: int = setting(
+        10_000, "Tool calls one job (one session run) may make in all.", between(1, 1 << 30)
+    )
+    tool_bytes: int = setting(
+        256 << 20,
+        "Packed tool arguments and results one job may move in all.",
+        between(64, 1 << 40),
+    )
     slow_client: str = setting(
         "pause",
         "When the client reads output slower than the job writes it: \"pause\" the job's "
@@ -187,6 +195,9 @@ class Access:
 
     tools: tuple[str, ...] = setting(("*",), "Glob patterns of tool names jobs may register.")
     users: tuple[str, ...] = setting(("*",), 'Who may run jobs: "*", user names, uids, "@group".')
+    approve: tuple[str, ...] = setting(
+        (), "Glob patterns of tools whose every call needs the client's approval callback."
+    )
 
 
 def _module_names(names: tuple[str, ...]) -> str | None:
@@ -311,6 +322,9 @@ class Policy:
 
     def tool_allowed(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.access.tools)
+
+    def needs_approval(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.access.approve)
 
     def user_allowed(self, uid: int, gids: typing.Iterable[int]) -> bool:
         return user_matches(self.access.users, uid, gids)

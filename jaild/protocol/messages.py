@@ -97,6 +97,10 @@ class ToolSpec(Struct):
     name: str = field(string(MAX_NAME_CHARS, min_len=1, pattern=TOOL_NAME))
     description: str = field(string(MAX_DESCRIPTION_CHARS), default="")
     parameters: dict[str, Any] = field(any_map(), default_factory=dict)
+    timeout_s: float | None = field(optional(number(0.001, 86400)), default=None)
+    """This tool's call timeout (at most the policy's ``tool_call_timeout_s``)."""
+    approval: bool = field(boolean(), default=False)
+    """Each call waits for the client's approval callback before the handler runs."""
 
 
 @struct
@@ -236,6 +240,8 @@ class ClientCallTool(Message):
     call_id: int = field(_call_id)
     name: str = field(_name)
     args: bytes = field(_payload)
+    approval: bool = field(boolean(), default=False)
+    """Ask the client's approval callback first; a denial answers ``ToolFailed`` (``denied``)."""
 
 
 @struct

@@ -129,11 +129,16 @@ def main(warm_up: bool = False) -> None:
         if not isinstance(run, RunCode):
             os._exit(EXIT_PROTOCOL)
         if namespace is None:
+            tools = Tools(run.tools, channel, run.tool_payload_bytes)
             namespace = {
                 "__name__": "__main__",
                 "__builtins__": builtins,
-                "tools": Tools(run.tools, channel, run.tool_payload_bytes),
+                "tools": tools,
                 "ToolError": ToolError,
+                # codemode-lite's names for discovery
+                "_discover": tools._discover,
+                "_schema": tools._schema,
+                "_search": tools._search,
             }
         try:
             if run.files:
