@@ -166,7 +166,8 @@ async def _run_private(
 
     with tempfile.TemporaryDirectory(prefix="jaild-private-") as tmp:
         socket_path = os.path.join(tmp, "jaild.sock")
-        daemon = Daemon(_daemon_config(args, socket_path))
+        config = dataclasses.replace(_daemon_config(args, socket_path), metrics_address=None)
+        daemon = Daemon(config)
         await daemon.start(only_policies={args.policy})
         try:
             return await _run_job(args, socket_path, code, filename, tools)
@@ -399,6 +400,45 @@ def cmd_kill(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _latency(seconds: Any) -> str:
+    """A latency for ``jaild stats``: ms below a second."""
+    if not isinstance(seconds, (int, float)):
+        return "-"
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def _print_metrics(metrics: dict[str, Any]) -> None:
+    """The metrics part of ``jaild stats``: latency quantiles per policy (estimated from
+    the histograms), tool calls by tool and outcome, refused requests by code."""
+    latency = metrics.get("latency") or {}
+    if latency:
+        print(f"\n{'LATENCY':<12} {'JOBS':>6} {'P50 TOTAL':>10} {'P95 TOTAL':>10} "
+              f"{'P50 WALL':>10} {'P95 WALL':>10}")
+        for policy, hists in latency.items():
+            total, wall = hists.get("duration_s") or {}, hists.get("wall_s") or {}
+            print(f"{policy:<12} {total.get('count', 0):>6} {_latency(total.get('p50_s')):>10} "
+                  f"{_latency(total.get('p95_s')):>10} {_latency(wall.get('p50_s')):>10} "
+                  f"{_latency(wall.get('p95_s')):>10}")
+    tools = metrics.get("tool_calls") or {}
+    if tools:
+        print(f"\n{'TOOL CALLS':<12} {'TOOL':<20} {'OUTCOME':<18} {'CALLS':>6} {'P50':>10} "
+              f"{'P95':>10}")
+        tool_latency = metrics.get("tool_latency") or {}
+        for policy, by_tool in tools.items():
+            for tool, outcomes in by_tool.items():
+                hist = tool_latency.get(policy, {}).get(tool) or {}
+                # the latency histogram is per tool (all outcomes): shown on its first row
+                p50, p95 = _latency(hist.get("p50_s")), _latency(hist.get("p95_s"))
+                for outcome, calls in outcomes.items():
+                    print(f"{policy:<12} {tool:<20} {outcome:<18} {calls:>6} {p50:>10} {p95:>10}")
+                    p50 = p95 = ""
+    refused = metrics.get("refused") or {}
+    if refused:
+        print("\nrefused: " + ", ".join(f"{code} {n}" for code, n in refused.items()))
+    if metrics.get("endpoint"):
+        print(f"metrics: {metrics['endpoint']}")
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     stats = _ask(args, lambda c: c.stats())
     if stats is None:
@@ -417,6 +457,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 f"{t.get('wall_s', 0):>8.2f}s {cpu:>8.2f}s {_size(t.get('memory_peak_bytes')):>9} "
                 f"{t.get('tool_calls', 0):>10} {t.get('tool_time_s', 0):>8.2f}s  {statuses}"
             )
+    _print_metrics(stats.get("metrics") or {})
     return 0
 
 
@@ -475,7 +516,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     async def probe() -> dict[str, list[Check]]:
         with tempfile.TemporaryDirectory(prefix="jaild-doctor-") as tmp:
-            daemon = Daemon(dataclasses.replace(config, socket_path=os.path.join(tmp, "d.sock")))
+            daemon = Daemon(
+                dataclasses.replace(
+                    config, socket_path=os.path.join(tmp, "d.sock"), metrics_address=None
+                )
+            )
             try:
                 await daemon.start()
             finally:

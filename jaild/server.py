@@ -510,8 +510,15 @@ class Daemon:
         # before it touches (let alone sweeps) the cgroup subtree the first one uses.
         sock = self._listening_socket()
         try:
+            # before any jail is made: a busy metrics port refuses the start at once
+            self.metrics.start(
+                lambda: {
+                    n: self.pool_summary(p) for n, p in self.policies.items() if n in self.pools
+                }
+            )
             await self._start_serving(sock)
         except BaseException:
+            self.metrics.stop()
             sock.close()
             raise
 
@@ -596,9 +603,6 @@ class Daemon:
         if self.config.probe_policies:
             await self.probe_policies()
         self._start_pools()
-        self.metrics.start(
-            lambda: {n: self.pool_summary(p) for n, p in self.policies.items() if n in self.pools}
-        )
         self._server = await asyncio.start_unix_server(self._accept, sock=sock, limit=1 << 16)
         where = (
             self.config.socket_path if self._owns_socket else f"{sock.getsockname()} (activated)"
@@ -1206,6 +1210,9 @@ class Daemon:
             name: self.pool_summary(p) for name, p in self.policies.items() if name in self.pools
         }
         stats["metrics"] = self.metrics.summary()
+        if uid is not None:  # other users' tool names and counts are theirs
+            for key in ("tool_calls", "tool_latency"):
+                stats["metrics"].pop(key, None)
         return stats
 
     async def _run(self, session: ClientSession, job: JailedJob) -> None:
