@@ -13,6 +13,8 @@
     jaild stats [--socket PATH] [--json]
     jaild env build NAME -r REQUIREMENTS [--python PATH] [--rebuild]
     jaild env list
+    jaild mcp [--socket PATH] [--policy NAME] [--tools FILE]... [--persistent] [--http HOST:PORT]
+    jaild codemode "TASK" --tools FILE.py [--model M] [--base-url URL] [--json]
     jaild policy check FILE...
     jaild policy explain NAME [--policies DIR]
     jaild policy reference
