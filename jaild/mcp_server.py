@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaild.client import AsyncClient, AsyncSession, JobResult
+from jaild.client import Approver, AsyncClient, AsyncSession, JobResult
 from jaild.config import socket_from_env
 from jaild.errors import ConnectionLost, DaemonUnavailable, JaildError
 from jaild.providers import (
@@ -373,21 +373,25 @@ class JaildMcpServer:
     async def run_python(self, code: str, ctx: Any = None) -> Any:
         """Run ``code`` (in the MCP session's jaild session when persistent)."""
         key, connection = self._session_key(ctx) if self.persistent else (None, None)
+        approve = _approver(ctx)
         try:
             if key is None:
                 client = await self._jaild()
                 try:
                     result = await client.run(code, self.policy, self.tools,
-                                              timeout=self.timeout_s, filename="<run_python>")
+                                              timeout=self.timeout_s, filename="<run_python>",
+                                              approve=approve)
                 except ConnectionLost:
                     await self._drop_client(client)
                     raise
                 return tool_result(record_of(result))
-            return await self._run_in_session(key, connection, code)
+            return await self._run_in_session(key, connection, code, approve)
         except JaildError as exc:
             return tool_result(refused_record(exc.code, exc.message))
 
-    async def _run_in_session(self, key: Any, connection: Any, code: str) -> Any:
+    async def _run_in_session(
+        self, key: Any, connection: Any, code: str, approve: Approver | None = None
+    ) -> Any:
         state = self._sessions.get(key)
         if state is None:
             state = self._sessions[key] = _McpSession()
@@ -409,7 +413,7 @@ class JaildMcpServer:
                     raise
             try:
                 result = await state.jail.run(code, timeout=self.timeout_s,
-                                              filename="<run_python>")
+                                              filename="<run_python>", approve=approve)
             except ConnectionLost:
                 if state.client is not None:
                     await self._drop_client(state.client)
@@ -470,6 +474,41 @@ class JaildMcpServer:
 
 
 # --------------------------------------------------------------------------- CLI
+
+
+APPROVAL_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"allow": {"type": "boolean", "title": "Allow this call"}},
+    "required": ["allow"],
+}
+
+
+def _approver(ctx: Any) -> Approver | None:
+    """Approvals over MCP: a tool call that needs approval (the tool is marked, or the
+    policy's ``access.approve`` matches it) is put to the MCP client's user as an
+    elicitation; only an accepted form with ``allow: true`` lets it run."""
+    session = getattr(ctx, "session", None)
+    if session is None:
+        return None
+    request_id = getattr(ctx, "request_id", None)
+
+    async def approve(name: str, args: list[Any], kwargs: dict[str, Any]) -> tuple[bool, str]:
+        shown = json.dumps({"args": json_safe(args), "kwargs": json_safe(kwargs)})
+        try:
+            answer = await session.elicit_form(
+                message=f"The jailed code wants to call the tool {name} with "
+                        f"{shown[:2000]}. Allow this call?",
+                requested_schema=APPROVAL_SCHEMA,
+                related_request_id=request_id,
+            )
+        except Exception as exc:  # no elicitation support, or the client went away
+            return False, f"{name} needs approval and the MCP client could not be asked: {exc}"
+        content = getattr(answer, "content", None) or {}
+        if getattr(answer, "action", "") == "accept" and content.get("allow") is True:
+            return True, "approved by the MCP client"
+        return False, f"{name}: not approved by the MCP client ({getattr(answer, 'action', '?')})"
+
+    return approve
 
 
 def _host_port(text: str) -> tuple[str, int]:

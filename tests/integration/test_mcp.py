@@ -35,7 +35,8 @@ T = TypeVar("T")
 def md(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
     from tests.conftest import start_daemon, sweep_cgroups
 
-    handle = start_daemon(tmp_path_factory.mktemp("mcp"))
+    handle = start_daemon(tmp_path_factory.mktemp("mcp"),
+                          {"guarded": '[access]\napprove = ["demo.add"]\n'})
     yield handle
     assert handle.stop() == 0, handle.log()[-3000:]
     sweep_cgroups(handle)
@@ -56,7 +57,8 @@ def _jaild_mcp(sock: str, *args: str) -> list[str]:
 
 
 def _drive(
-    argv: list[str], log_path: Path, body: Callable[[Any], Awaitable[T]], timeout: float = 60
+    argv: list[str], log_path: Path, body: Callable[[Any], Awaitable[T]], timeout: float = 60,
+    elicit: Any = None,
 ) -> T:
     """Start ``argv`` (a ``jaild mcp`` over stdio) with the SDK's stdio client, initialize,
     and run ``body(session)``."""
@@ -67,7 +69,7 @@ def _drive(
     async def main() -> T:
         with open(log_path, "a") as errlog:
             async with stdio_client(params, errlog=errlog) as (read, write), \
-                    ClientSession(read, write) as session:
+                    ClientSession(read, write, elicitation_callback=elicit) as session:
                 await session.initialize()
                 return await asyncio.wait_for(body(session), timeout)
 
@@ -388,3 +390,37 @@ def test_streamable_http(md: DaemonHandle, servers_json: Path, tmp_path: Path) -
             code = proc.wait()
     assert code == 0, log_path.read_text()[-3000:]
     assert os.path.exists(md.socket)
+
+
+def test_approvals_are_asked_of_the_mcp_client(
+    md: DaemonHandle, servers_json: Path, tmp_path: Path
+) -> None:
+    """The policy 'guarded' needs approval for demo.add: jaild mcp asks the MCP client's user
+    (an elicitation); only an accepted form with allow=true lets the call run."""
+    from mcp import types
+
+    asked: list[str] = []
+    answers = iter([True, False])
+
+    async def elicit(context: Any, params: Any) -> Any:
+        asked.append(params.message)
+        return types.ElicitResult(action="accept", content={"allow": next(answers)})
+
+    code = ("out = []\nfor n in (1, 2):\n    try:\n"
+            "        out.append(await tools.demo.add(a=n, b=1))\n"
+            "    except ToolError as e:\n        out.append(e.error_type)\nout")
+
+    async def body(session: Any) -> Any:
+        return await _run(session, code)
+
+    argv = _jaild_mcp(md.socket, "--tools", str(servers_json), "--policy", "guarded")
+    result = _drive(argv, tmp_path / "approve.log", body, elicit=elicit)
+    assert not result.is_error, _text(result)
+    assert result.structured_content["result"] == [2, "denied"]
+    assert len(asked) == 2 and "demo.add" in asked[0] and '"a": 1' in asked[0]
+
+    async def no_elicitation(session: Any) -> Any:  # a client that cannot be asked: denied
+        return await _run(session, code)
+
+    result = _drive(argv, tmp_path / "approve2.log", no_elicitation)
+    assert result.structured_content["result"] == ["denied", "denied"]
