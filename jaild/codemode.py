@@ -57,7 +57,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from jaild.client import AsyncClient, AsyncSession, JobResult
+from jaild.client import Approver, AsyncClient, AsyncSession, JobResult
 from jaild.errors import SessionClosed
 from jaild.toolspec import HostTool, normalize_tools
 
@@ -541,7 +541,7 @@ class _Executor:
 
     async def _open_session(self) -> AsyncSession:
         session = self._client.session(self._cm.policy, self._cm.tools,
-                                       limits=self._cm.limits)
+                                       limits=self._cm.limits, approve=self._cm.approve)
         await session.open()
         self._session = session
         return session
@@ -551,7 +551,7 @@ class _Executor:
         started = time.perf_counter()
         if not self._use_session:
             job = await self._client.run(code, cm.policy, cm.tools, timeout=cm.timeout,
-                                         limits=cm.limits)
+                                         limits=cm.limits, approve=cm.approve)
         else:
             async with self._turns:
                 session = self._session
@@ -606,6 +606,8 @@ class CodeMode:
         instructions: text appended to the system prompt.
         tool_name: the name of the exported tool (:meth:`as_openai_tool`, ...).
         on_attempt: called with each :class:`Attempt` as it ends (progress, logging).
+        approve: the approval callback for tools that need approval (see
+            :class:`jaild.client.AsyncClient`); without one such calls are denied.
     """
 
     def __init__(
@@ -627,6 +629,7 @@ class CodeMode:
         instructions: str = "",
         tool_name: str = DEFAULT_TOOL_NAME,
         on_attempt: Callable[[Attempt], Any] | None = None,
+        approve: Approver | None = None,
     ) -> None:
         if max_retries < 0:
             raise ValueError(f"max_retries must be 0 or more, got {max_retries}")
@@ -644,6 +647,7 @@ class CodeMode:
         self.instructions = instructions
         self.tool_name = tool_name
         self.on_attempt = on_attempt
+        self.approve = approve
         self.metrics = CodeModeMetrics()
         self._client = client
         self._llm = llm

@@ -367,3 +367,28 @@ def test_the_cli(chat: ChatServer, daemon: DaemonHandle, tmp_path: Path) -> None
     chat.reply(py("print('ok')\n'five'"))
     p = _cli(chat, daemon, tools)
     assert (p.returncode, p.stdout) == (0, "ok\nfive\n"), p.stderr
+
+
+def test_approvals_reach_the_codemode_callback(daemon: DaemonHandle) -> None:
+    from jaild import tool
+
+    asked: list[str] = []
+
+    @tool(approval=True)
+    def wipe(target: str) -> str:
+        """Wipe a target."""
+        return f"wiped {target}"
+
+    def approve(name: str, args: list[Any], kwargs: dict[str, Any]) -> bool:
+        asked.append(kwargs["target"])
+        return kwargs["target"] == "cache"
+
+    cm = CodeMode(tools=[wipe], socket=daemon.socket, approve=approve)
+    code = ("out = []\nfor t in ('cache', 'disk'):\n    try:\n"
+            "        out.append(await tools.wipe(target=t))\n"
+            "    except ToolError as e:\n        out.append(e.error_type)\nout")
+    job = asyncio.run(cm.run_code(code))
+    assert job.result == ["wiped cache", "denied"] and asked == ["cache", "disk"]
+    # without a callback, a tool that needs approval is denied
+    job = asyncio.run(CodeMode(tools=[wipe], socket=daemon.socket).run_code(code))
+    assert job.result == ["denied", "denied"]
