@@ -251,3 +251,44 @@ def test_cli_upload_and_download_dir(daemon: DaemonHandle, tmp_path: Path) -> No
     assert "['data', 'input.txt', 'upper.txt']" in proc.stdout
     assert (out / "upper.txt").read_text() == "HELLO"
     assert sorted(os.listdir(out)) == ["upper.txt"]  # only what the run created or changed
+
+
+# --------------------------------------------------------------------------- the collector,
+# on the host, as root (like the daemon): the attacks a jail cannot even plant
+
+
+@pytest.fixture
+def host_tree(tmp_path: Path) -> Path:
+    from tests.conftest import require_jail_host
+
+    require_jail_host()  # fails, saying why, when not root: never skips
+    (tmp_path / "tree").mkdir()
+    return tmp_path / "tree"
+
+
+def test_collector_does_not_follow_a_symlink_to_etc_shadow(host_tree: Path) -> None:
+    from tests.unit.test_files import assert_no_leak, run
+
+    os.symlink("/etc/shadow", host_tree / "shadow.txt")
+    shadow = Path("/etc/shadow").read_bytes()
+    assert shadow and (host_tree / "shadow.txt").read_bytes() == shadow  # control: it reaches
+    c = run(host_tree)
+    assert {s["path"]: s["reason"] for s in c.skipped} == {"shadow.txt": "symlink"}
+    assert c.files == [] and c.data == {}
+    assert_no_leak(c, shadow)
+
+
+def test_collector_refuses_a_device_node(host_tree: Path) -> None:
+    import stat
+
+    from tests.unit.test_files import run
+
+    os.mknod(host_tree / "zero", stat.S_IFCHR | 0o666, os.makedev(1, 5))  # /dev/zero: endless
+    fd = os.open(host_tree / "zero", os.O_RDONLY)
+    try:
+        assert os.read(fd, 16) == b"\0" * 16  # control: a working device
+    finally:
+        os.close(fd)
+    c = run(host_tree)
+    assert {s["path"]: s["reason"] for s in c.skipped} == {"zero": "device"}
+    assert c.data == {}

@@ -6,8 +6,8 @@ process can reach). Each attack has its positive control -- the naive operation
 (``open(path).read()``, writing through the path) really does reach outside, block,
 or flood -- so a refusal proves the code refused, not that the test was broken.
 
-Tests marked with ``needs_root`` make device nodes or read /etc/shadow; they skip,
-saying so, only when not run as root.
+The two attacks that need root (a device node, a link to /etc/shadow) are in
+tests/integration/test_files.py, which runs as root like the daemon.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from jaild.runtime.files import (
 
 LIMITS = FileLimits(max_files=256, max_bytes=1 << 20, max_depth=16, max_name_chars=255,
                     max_path_chars=1024)
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: mknod, /etc/shadow")
 T = TypeVar("T")
 
 
@@ -203,17 +202,6 @@ def test_collect_never_raises_on_a_missing_root(tmp_path: Path) -> None:
 # --- collect: the attacks -------------------------------------------------------------
 
 
-@needs_root
-def test_symlink_to_etc_shadow_is_not_followed(tree: Path) -> None:
-    os.symlink("/etc/shadow", tree / "shadow.txt")
-    shadow = Path("/etc/shadow").read_bytes()
-    assert shadow and (tree / "shadow.txt").read_bytes() == shadow  # control: the link reaches it
-    c = run(tree)
-    assert reasons(c) == {"shadow.txt": "symlink"}
-    assert c.files == [] and c.data == {}
-    assert_no_leak(c, shadow)
-
-
 def test_symlink_to_a_directory_outside_is_not_entered(tree: Path, outside: Path) -> None:
     os.symlink(outside, tree / "door")
     os.symlink("../outside/secret", tree / "relative")
@@ -303,19 +291,6 @@ def test_a_unix_socket_is_refused(tree: Path) -> None:
         assert reasons(run(tree)) == {"sock": "socket"}
     finally:
         server.close()
-
-
-@needs_root
-def test_a_device_node_is_refused(tree: Path) -> None:
-    os.mknod(tree / "zero", stat.S_IFCHR | 0o666, os.makedev(1, 5))  # /dev/zero: endless
-    fd = os.open(tree / "zero", os.O_RDONLY)
-    try:
-        assert os.read(fd, 16) == b"\0" * 16  # control: a working device
-    finally:
-        os.close(fd)
-    c = run(tree)
-    assert reasons(c) == {"zero": "device"}
-    assert c.data == {}
 
 
 def test_hard_links_are_refused(tree: Path, outside: Path) -> None:
