@@ -210,14 +210,7 @@ class PrivateDaemon:
                     latency.append(time.perf_counter() - job_started)
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
-            return Throughput(
-                concurrency,
-                len(latency),
-                len(failures),
-                time.perf_counter() - started,
-                latency,
-                failures[0] if failures else "",
-            )
+            return Throughput.since(started, concurrency, latency, failures)
 
     def tool_calls(self, calls: int, window: int) -> ToolCalls:
         """One job making ``calls`` sequential echo calls, timed inside the jail, then

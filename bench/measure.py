@@ -52,6 +52,20 @@ class Throughput:
     latency_s: list[float]
     first_failure: str = ""
 
+    @classmethod
+    def since(
+        cls, started: float, concurrency: int, latency: list[float], failures: list[str]
+    ) -> Throughput:
+        """The record of a run that began at ``started`` (``time.perf_counter()``)."""
+        return cls(
+            concurrency,
+            len(latency),
+            len(failures),
+            time.perf_counter() - started,
+            latency,
+            failures[0] if failures else "",
+        )
+
     @property
     def jobs_per_s(self) -> float:
         return (self.jobs - self.failures) / self.seconds
@@ -155,11 +169,4 @@ def flat_out_threads(fn: Callable[[], None], concurrency: int, seconds: float) -
         t.start()
     for t in threads:
         t.join()
-    return Throughput(
-        concurrency,
-        len(latency),
-        len(failures),
-        time.perf_counter() - started,
-        latency,
-        failures[0] if failures else "",
-    )
+    return Throughput.since(started, concurrency, latency, failures)
