@@ -350,13 +350,9 @@ def _connect(args: argparse.Namespace) -> Any:
 
 
 def _size(n: Any) -> str:
-    if not isinstance(n, (int, float)):
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    from jaild.envs import human_size
+
+    return human_size(n)
 
 
 def _ask(args: argparse.Namespace, question: Callable[[Any], Any]) -> Any:

@@ -934,12 +934,16 @@ def list_envs(state_dir: str, policies_dir: str) -> Listing:
     return Listing(envs_dir, tuple(envs), tuple(missing), tuple(retired), policies_dir, error)
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError
+def human_size(n: object) -> str:
+    """Bytes for people: ``512 B``, ``9.8 MB``; ``-`` for no number."""
+    if not isinstance(n, (int, float)):
+        return "-"
+    size = float(n)
+    for unit in ("B", "KB", "MB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GB"
 
 
 def format_listing(listing: Listing) -> str:
@@ -955,7 +959,7 @@ def format_listing(listing: Listing) -> str:
                     e.name,
                     e.python_version or "?",
                     str(e.packages),
-                    _size(e.size_bytes),
+                    human_size(e.size_bytes),
                     m.built_at if m else "no manifest",
                     m.requirements_sha256[:12] if m else "-",
                     ", ".join(e.policies) or "-",

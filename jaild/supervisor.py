@@ -542,8 +542,7 @@ class JailedJob:
             + files.max_bytes
             + files.max_files * (files.max_path_chars + 256),
         )
-        self._tool_names = {t.name for t in spec.tools}
-        self._tool_specs = {t.name: t for t in spec.tools}
+        self._set_tools(spec)
         self._log = bytearray()
         self._in_flight: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
         self._out_transports: list[asyncio.ReadTransport] = []
@@ -638,12 +637,18 @@ class JailedJob:
         if self._ready.is_set() and not self._done.is_set():
             self._begin()  # now, not when the caller's task first runs
 
+    def _set_tools(self, spec: JobSpec) -> None:
+        """The job's tools by name, and which need approval (decided once, not per call)."""
+        self._tool_specs = {t.name: t for t in spec.tools}
+        self._needs_approval = {
+            t.name for t in spec.tools if t.approval or spec.policy.needs_approval(t.name)
+        }
+
     def _take_job(self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink) -> None:
         self.spec = spec
         self._route_tool = route_tool
         self._output = output
-        self._tool_names = {t.name for t in spec.tools}
-        self._tool_specs = {t.name: t for t in spec.tools}
+        self._set_tools(spec)
         self._set_limits(spec)
         self._started = time.monotonic()
 
@@ -1217,8 +1222,8 @@ class JailedJob:
             return
         limits = self.spec.limits
         refusal: tuple[str, str] | None = None
-        if call.name not in self._tool_names:
-            available = ", ".join(sorted(self._tool_names)) or "(none)"
+        if call.name not in self._tool_specs:
+            available = ", ".join(sorted(self._tool_specs)) or "(none)"
             refusal = ("unknown_tool", f"no tool named {call.name!r}; available: {available}")
         elif len(self._in_flight) >= limits.tool_calls_in_flight:
             refusal = (
@@ -1272,10 +1277,10 @@ class JailedJob:
         (no task per call: a round trip is a few loop iterations shorter)."""
         assert self._route_tool is not None  # calls arrive only after RunCode
         spec = self._tool_specs[call.name]
-        approval = spec.approval or self.spec.policy.needs_approval(call.name)
         try:
             reply = self._route_tool(
-                self.spec.job_id, call.call_id, call.name, call.args, approval
+                self.spec.job_id, call.call_id, call.name, call.args,
+                call.name in self._needs_approval,
             )
         except ConnectionLost:
             self._terminate("cancelled", "the client disconnected during a tool call")
