@@ -17,10 +17,34 @@ its counters with it.
   peak from ``memory.max_usage_in_bytes``; CPU time from ``cpuacct`` (its own
   hierarchy here, or co-mounted with ``cpu``); peak processes from ``pids.peak``.
 * cgroup v2 (systemd hosts): ``memory.max``, ``memory.swap.max``; OOM evidence
-  from ``memory.events`` (hierarchical); peak from ``memory.peak``; CPU time from
-  ``cpu.stat``. The subtree
-  must be delegated to the daemon (systemd ``Delegate=yes``); see the README.
+  from ``memory.events`` (hierarchical); peak from ``memory.peak`` (kernel >= 5.19,
+  else absent); CPU time from ``cpu.stat``; peak processes from ``pids.peak`` (where
+  the kernel has it, else absent).
 
+Where the v2 subtree goes (:func:`place_v2`)
+-------------------------------------------
+cgroup v2 has one writer per subtree and one rule that shapes everything: a cgroup
+that hands controllers to its children (``cgroup.subtree_control``) holds no
+processes itself. So the daemon first finds a cgroup it *owns* -- its ``base`` --,
+moves itself into a leaf ``base/daemon``, and creates ``base/<subtree>/<job>``
+beside that leaf. Nothing goes at the top of /sys/fs/cgroup unless no systemd runs.
+
+* ``delegated``: started by systemd with ``Delegate=yes`` (jaild.service). The
+  daemon's own cgroup (``/system.slice/jaild.service``) carries systemd's
+  ``trusted.delegate`` mark and holds nobody else: it is the base. A ``MemoryMax=``
+  on the service then caps every jail, and ``systemctl status`` counts them.
+* ``scope``: started from a shell on a systemd host (a session scope it does not
+  own). The daemon asks systemd for a transient scope ``<subtree>.scope`` with
+  ``Delegate=yes`` holding itself -- what ``systemd-run --scope -p Delegate=yes``
+  does, over D-Bus with ``busctl`` and without re-executing -- and uses that. A
+  scope left by a crashed daemon of the same instance (its jails may still be in
+  it) is joined, so the sweep finds them.
+* ``root``: no systemd, and the daemon is in the root cgroup (exempt from the rule):
+  the base is /sys/fs/cgroup itself.
+* ``own``: no systemd, in a cgroup of its own (a container): that cgroup, if
+  nothing else lives in it.
+
+Anything else fails the start with a message saying what to do.
 Jailed code cannot touch any of this: it has no /sys, a private cgroup
 namespace, and no privilege.
 """
@@ -28,9 +52,12 @@ namespace, and no privilege.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
+import shutil
 import signal
+import subprocess
 import time
 from dataclasses import dataclass, field
 
@@ -101,6 +128,166 @@ def _rmtree_cgroup(directory: str, timeout_s: float = 2.0) -> None:
                 raise
             _kill_members(directory)
             time.sleep(0.01)
+
+
+# ------------------------------------------------------------------ v2 placement
+
+V2_MOUNT = "/sys/fs/cgroup"
+DAEMON_LEAF = "daemon"
+V2_CONTROLLERS = "+memory +pids +cpu"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a cgroup v2 daemon keeps its cgroups, and why there.
+
+    ``base`` is the cgroup directory the daemon owns; job cgroups go in
+    ``base/<subtree>``. ``leaf`` is the daemon's own cgroup inside it (None: it stays
+    in the root cgroup). ``how`` is ``delegated``, ``scope``, ``root`` or ``own``
+    (see the module docstring); ``detail`` says it in a sentence for logs and doctor.
+    """
+
+    base: str
+    leaf: str | None
+    how: str
+    detail: str
+
+
+def cgroup_of(pid: int | str = "self") -> str:
+    """The v2 cgroup path of ``pid`` (``/system.slice/jaild.service``), from /proc."""
+    for line in _read(f"/proc/{pid}/cgroup").splitlines():
+        if line.startswith("0::"):
+            return line[3:].strip() or "/"
+    raise CgroupError(f"process {pid} is in no cgroup v2 hierarchy")
+
+
+def _v2_dir(path: str) -> str:
+    return os.path.normpath(V2_MOUNT + "/" + path.lstrip("/"))
+
+
+def _delegated(directory: str) -> bool:
+    """Did systemd delegate this cgroup (``Delegate=yes``)? It marks it with an xattr."""
+    for name in ("trusted.delegate", "user.delegate"):
+        with contextlib.suppress(OSError):
+            if os.getxattr(directory, name) == b"1":
+                return True
+    return False
+
+
+def _procs(directory: str) -> set[int]:
+    try:
+        return {int(p) for p in _read(os.path.join(directory, "cgroup.procs")).split()}
+    except (OSError, ValueError):
+        return set()
+
+
+def _systemd_running() -> bool:
+    return os.path.isdir("/run/systemd/system")
+
+
+def _join(directory: str, pid: int) -> None:
+    """Move ``pid`` (every thread of it) into the cgroup ``directory``, made if missing."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory)
+    _write(os.path.join(directory, "cgroup.procs"), str(pid))
+
+
+def _start_scope(unit: str, pid: int, timeout_s: float = 10.0) -> str:
+    """Ask systemd for a transient scope ``unit`` with ``Delegate=yes`` holding ``pid``
+    (``systemd-run --scope -p Delegate=yes``, without re-executing). Returns its cgroup
+    path; if a scope of that name already runs (left by a crashed daemon), joins it."""
+    busctl = shutil.which("busctl")
+    if busctl is None:
+        raise CgroupError("busctl (systemd) is missing")
+    call = subprocess.run(
+        [
+            busctl, "call", "--quiet", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+            "org.freedesktop.systemd1.Manager", "StartTransientUnit", "ssa(sv)a(sa(sv))",
+            unit, "fail", "4",
+            "PIDs", "au", "1", str(pid),
+            "Delegate", "b", "true",
+            "CollectMode", "s", "inactive-or-failed",
+            "Description", "s", "jaild daemon (started outside systemd)",
+            "0",
+        ],
+        capture_output=True, text=True, timeout=timeout_s, check=False,
+    )
+    if call.returncode != 0:
+        if "already exists" not in call.stderr and "already loaded" not in call.stderr:
+            raise CgroupError(f"systemd refused the scope {unit}: {call.stderr.strip()}")
+        shown = subprocess.run(
+            ["systemctl", "show", "--property=ControlGroup", "--value", unit],
+            capture_output=True, text=True, timeout=timeout_s, check=False,
+        ).stdout.strip()
+        if not shown or not os.path.isdir(_v2_dir(shown)):
+            raise CgroupError(f"a scope {unit} exists but has no cgroup ({shown!r}); "
+                              f"`systemctl stop {unit}` and start again")
+        _join(_v2_dir(shown + "/" + DAEMON_LEAF), pid)
+        return shown
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:  # the job that moves us is asynchronous
+        now = cgroup_of(pid)
+        if now.endswith("/" + unit):
+            return now
+        time.sleep(0.01)
+    raise CgroupError(f"systemd did not move the daemon into {unit} within {timeout_s:.0f} s")
+
+
+def place_v2(subtree: str) -> Placement:
+    """Find (or make) the cgroup this daemon owns, and move the daemon into its leaf.
+
+    Raises:
+        CgroupError: no usable place; the message says what to do.
+    """
+    pid = os.getpid()
+    own = cgroup_of()
+    if os.path.basename(own) == DAEMON_LEAF and _delegated(_v2_dir(os.path.dirname(own))):
+        own = os.path.dirname(own)  # placed already (a daemon started twice in a process)
+    here = _v2_dir(own)
+    others = _procs(here) - {pid}
+    how: str
+    if own == "/":
+        return Placement(V2_MOUNT, None, "root", "the root cgroup (no systemd manages cgroups)")
+    if _systemd_running():
+        if _delegated(here) and not others:
+            how, detail = "delegated", f"delegated by systemd (Delegate=yes) at {own}"
+        else:
+            unit = f"{subtree}.scope"
+            why = "not delegated" if not _delegated(here) else "shared with other processes"
+            try:
+                own = _start_scope(unit, pid)
+            except (CgroupError, OSError, subprocess.SubprocessError) as exc:
+                raise CgroupError(
+                    f"cgroup v2: the daemon's cgroup {own} is {why}, and no delegated scope "
+                    f"could be made ({exc}). Run jaild as the systemd service (make install; "
+                    f"systemctl enable --now jaild.socket), or start it with "
+                    f"`systemd-run --scope -p Delegate=yes jaild serve ...`"
+                ) from None
+            here = _v2_dir(own)
+            how, detail = "scope", f"transient scope {unit} with Delegate=yes at {own} ({why})"
+    else:
+        if others:
+            raise CgroupError(
+                f"cgroup v2 without systemd: the daemon's cgroup {own} also holds processes "
+                f"{sorted(others)[:5]}; start jaild in a cgroup of its own (or in the root one)"
+            )
+        how, detail = "own", f"its own cgroup {own} (no systemd)"
+    leaf = os.path.join(here, DAEMON_LEAF)
+    if cgroup_of() != own + "/" + DAEMON_LEAF:
+        _join(leaf, pid)
+    return Placement(here, leaf, how, detail)
+
+
+def daemon_subtree_dirs(pid: int, layout: CgroupLayout) -> list[str]:
+    """Where the daemon ``pid`` keeps its job cgroups (tests and ``jaild doctor`` look there).
+
+    v1: ``<mount>/<subtree>`` in each hierarchy. v2: ``<base>/<subtree>``, the base being
+    the parent of the daemon's ``daemon`` leaf, or the root cgroup."""
+    if layout.version == 1:
+        return Cgroups(layout).subtree_dirs()
+    own = cgroup_of(pid)
+    base = os.path.dirname(own) if os.path.basename(own) == DAEMON_LEAF else own
+    return [os.path.join(_v2_dir(base), layout.subtree)]
 
 
 @dataclass
@@ -233,20 +420,6 @@ class JobCgroup:
             "pids_max": number(os.path.join(self.memory_dir, "pids.max")),
         }
 
-    def rename(self, name: str) -> None:
-        """Rename the job's cgroup(s) (a pooled jail takes its job's id). Limits, members
-        and the OOM event registration stay."""
-        moved = {}
-        for d in self.dirs:
-            new = os.path.join(os.path.dirname(d), name)
-            os.rename(d, new)
-            moved[d] = new
-        self.dirs = [moved[d] for d in self.dirs]
-        self.memory_dir = moved.get(self.memory_dir, self.memory_dir)
-        self.pids_dir = moved.get(self.pids_dir, self.pids_dir)
-        self.cpu_dir = moved.get(self.cpu_dir, self.cpu_dir)
-        self.acct_dir = moved.get(self.acct_dir, self.acct_dir)
-
     def adopt(self, pid: int) -> None:
         """Move ``pid`` (a zygote-forked jail) into this job's cgroup(s).
 
@@ -288,6 +461,7 @@ class Cgroups:
 
     def __init__(self, layout: CgroupLayout) -> None:
         self.layout = layout
+        self.placement: Placement | None = None  # v2, once prepared
 
     def _v1_root(self, controller: str) -> str:
         return os.path.join(self.layout.v1_mount(controller), self.layout.subtree)
@@ -326,19 +500,24 @@ class Cgroups:
                         "(the daemon must run as root or own a delegated cgroup)"
                     ) from None
             return
-        root = self._v2_root()
+        if self.placement is None:
+            self.placement = place_v2(self.layout.subtree)
+            self.layout = dataclasses.replace(self.layout, v2_root=self.placement.base)
+        base, root = self.placement.base, self._v2_root()
         try:
             os.makedirs(root, exist_ok=True)
-            _write(
-                os.path.join(self.layout.v2_root, "cgroup.subtree_control"), "+memory +pids +cpu"
-            )
-            _write(os.path.join(root, "cgroup.subtree_control"), "+memory +pids +cpu")
+            _write(os.path.join(base, "cgroup.subtree_control"), V2_CONTROLLERS)
+            _write(os.path.join(root, "cgroup.subtree_control"), V2_CONTROLLERS)
         except OSError as exc:
             raise CgroupError(
-                f"cannot enable memory/pids/cpu controllers for {root}: {exc.strerror}. "
-                "On a systemd host run jaild as a service with Delegate=yes, or give it a "
-                "delegated subtree"
+                f"cannot enable the memory, pids and cpu controllers in {root} "
+                f"({self.placement.detail}): {exc.strerror}. The cgroup must be delegated "
+                "to the daemon (systemd: Delegate=yes) and hold no process itself"
             ) from None
+
+    def subtree_dirs(self) -> list[str]:
+        """The subtree's directories: one per v1 hierarchy, or the one v2 directory."""
+        return self._v1_roots() if self.layout.version == 1 else [self._v2_root()]
 
     def create_job(self, job_id: str, memory_mb: int, pids: int, with_cpu: bool) -> JobCgroup:
         limit = str(memory_mb * 1024 * 1024)
@@ -378,7 +557,7 @@ class Cgroups:
                 os.mkdir(d)
                 job.dirs.append(d)
                 job.memory_dir = job.pids_dir = d
-                _write(os.path.join(d, "cgroup.subtree_control"), "+memory +pids +cpu")
+                _write(os.path.join(d, "cgroup.subtree_control"), V2_CONTROLLERS)
                 _write(os.path.join(d, "memory.max"), limit)
                 with contextlib.suppress(FileNotFoundError):
                     _write(os.path.join(d, "memory.swap.max"), "0")
@@ -391,9 +570,8 @@ class Cgroups:
 
     def job_dirs(self) -> list[str]:
         """Existing job cgroups in the subtree (for sweeping what a crash left)."""
-        roots = self._v1_roots() if self.layout.version == 1 else [self._v2_root()]
         out = []
-        for root in roots:
+        for root in self.subtree_dirs():
             with contextlib.suppress(FileNotFoundError):
                 out += [
                     os.path.join(root, d)
@@ -404,8 +582,7 @@ class Cgroups:
 
     def remove_subtree(self) -> None:
         """Remove the (empty) subtree at shutdown; a non-empty one is left for the next sweep."""
-        roots = self._v1_roots() if self.layout.version == 1 else [self._v2_root()]
-        for root in roots:
+        for root in self.subtree_dirs():
             with contextlib.suppress(OSError):
                 os.rmdir(root)
 

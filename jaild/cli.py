@@ -489,7 +489,7 @@ def cmd_policies(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Host checks, then each policy's self-test in a private daemon; exit 1 on any failure."""
     from jaild.policy.schema import load_policy_dir
-    from jaild.selftest import Check, host_checks
+    from jaild.selftest import Check, cgroup_placement_check, host_checks
     from jaild.server import Daemon, StartupError
     from jaild.staging import locate_nsjail
 
@@ -521,9 +521,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             )
             try:
                 await daemon.start()
+                if daemon.env is not None:
+                    placed.append(cgroup_placement_check(daemon.env.cgroups))
             finally:
                 await daemon.stop()
             return daemon.probe_results
+
+    placed: list[Check] = []
 
     if policies:
         try:
@@ -543,6 +547,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                 )
             )
         else:
+            sections.append(("daemon", placed))
             sections += [(f"policy {name}", checks) for name, checks in results.items()]
     failed = [(s, c) for s, checks in sections for c in checks if not c.ok]
     if args.json:

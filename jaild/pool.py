@@ -75,6 +75,10 @@ class JailPool:
         """Jails ready now."""
         return len(self._ready)
 
+    def ready_ids(self) -> list[str]:
+        """The ids of the ready jails (each the id its job will have)."""
+        return [jail.jail_id for jail in self._ready]
+
     def start(self) -> None:
         self._reaper = asyncio.get_running_loop().create_task(self._recycle_idle())
         self._refill()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jaild.cgroups import Cgroups
 from jaild.policy.compile import JAIL_ENV, JAIL_UID, WORKDIR
 from jaild.policy.schema import JAIL_ROOT, Policy, resolve_env
 
@@ -311,6 +312,7 @@ def host_checks(nsjail: str | None, policies: dict[str, Policy], envs_dir: str) 
                 "enable the memory and pids controllers; under systemd use Delegate=yes",
             )
         )
+        out += _service_delegation()
     else:
         have = [c for c in ("memory", "pids", "cpu") if os.path.isdir(f"/sys/fs/cgroup/{c}")]
         swap = os.path.exists("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes")
@@ -384,3 +386,35 @@ def host_checks(nsjail: str | None, policies: dict[str, Policy], envs_dir: str) 
             )
         )
     return out
+
+
+def _service_delegation() -> list[Check]:
+    """On a systemd host: is jaild.service installed with ``Delegate=yes``?"""
+    if not os.path.isdir("/run/systemd/system") or shutil.which("systemctl") is None:
+        return []
+    shown = subprocess.run(
+        ["systemctl", "show", "--property=LoadState,Delegate", "jaild.service"],
+        capture_output=True, text=True, timeout=10, check=False,
+    ).stdout
+    props = dict(line.split("=", 1) for line in shown.splitlines() if "=" in line)
+    if props.get("LoadState") != "loaded":
+        return [Check("service delegation", True,
+                      "jaild.service not installed (make install sets it up with Delegate=yes)")]
+    return [
+        Check(
+            "service delegation",
+            props.get("Delegate") == "yes",
+            f"jaild.service Delegate={props.get('Delegate', '?')}",
+            "set Delegate=yes in jaild.service: the daemon keeps its job cgroups in the "
+            "service's own cgroup",
+        )
+    ]
+
+
+def cgroup_placement_check(cgroups: Cgroups) -> Check:
+    """Where a daemon on this host keeps its cgroups (the choice of :func:`place_v2`)."""
+    where = " ".join(cgroups.subtree_dirs())
+    if cgroups.placement is None:
+        return Check("cgroup placement", True, f"v1, job cgroups in {where}")
+    detail = f"v2, {cgroups.placement.detail}; job cgroups in {where}"
+    return Check("cgroup placement", True, detail)

@@ -152,6 +152,10 @@ def _children() -> set[int]:
     return out
 
 
+def new_job_id() -> str:
+    return "job-" + secrets.token_hex(8)
+
+
 def _sealed_memfd(name: str, text: str) -> int:
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.write(fd, text.encode())
@@ -327,7 +331,7 @@ class ClientSession:
                             **p.summary(),
                             "available": p.name not in self.daemon.unavailable,
                             "problems": self.daemon.unavailable.get(p.name, ""),
-                            "pool": self.daemon.pool_summary(p),
+                            "pool": self.daemon.pool_summary(p, jails=self.peer.uid == 0),
                         }
                         for p in self.daemon.policies.values()
                         if p.user_allowed(self.peer.uid, (self.peer.gid, *self.peer.groups))
@@ -524,13 +528,15 @@ class Daemon:
 
     async def _start_serving(self, sock: socket.socket) -> None:
         try:
-            layout = detect(self.config.subtree)
-            cgroups = Cgroups(layout)
-            cgroups.prepare()
+            cgroups = Cgroups(detect(self.config.subtree))
+            cgroups.prepare()  # v2: finds the cgroup the daemon owns and moves in
         except CgroupError as exc:
             raise StartupError(str(exc)) from None
+        if cgroups.placement is not None:
+            log.info("cgroup v2: %s; job cgroups in %s", cgroups.placement.detail,
+                     cgroups.subtree_dirs()[0])
         try:
-            await self._start_with(sock, layout, cgroups)
+            await self._start_with(sock, cgroups.layout, cgroups)
         except BaseException:
             # We hold the socket, so the subtree is ours: a failed start leaves none of it.
             if self.env is not None:
@@ -662,15 +668,17 @@ class Daemon:
                 continue
 
             def make(policy: Policy = policy) -> JailedJob:
-                jail_id = "pool-" + secrets.token_hex(8)
+                # named for the job that will take it: its cgroup cannot be renamed (v2)
+                jail_id = new_job_id()
                 spec = JobSpec(jail_id, policy, policy.limits, "", "<pool>", ())
                 return JailedJob(spec, env, None, None, jail_id=jail_id)
 
             self.pools[name] = JailPool(policy, make)
             self.pools[name].start()
 
-    def pool_summary(self, policy: Policy) -> dict[str, Any]:
-        """The policy's jail-making mode and its warm pool's state (for ``jaild policies``)."""
+    def pool_summary(self, policy: Policy, jails: bool = False) -> dict[str, Any]:
+        """The policy's jail-making mode and its warm pool's state (for ``jaild policies``).
+        ``jails``: also the ids of the ready jails (root only: the ids their jobs will get)."""
         pool = self.pools.get(policy.name)
         summary: dict[str, Any] = {
             "mode": policy.pool.mode,
@@ -681,6 +689,8 @@ class Daemon:
         }
         if pool is not None:
             summary.update(dataclasses.asdict(pool.stats))
+            if jails:
+                summary["jails"] = pool.ready_ids()
         return summary
 
     def _listening_socket(self) -> socket.socket:
@@ -874,10 +884,14 @@ class Daemon:
             raise Busy(
                 f"{len(session.jobs)} jobs running on this connection, the limit per connection"
             )
-        job_id = "job-" + secrets.token_hex(8)
+        job_id = new_job_id()
         if self._syntax_error(session, req, job_id, policy, limits):
             return
         assert self.env is not None
+        pool = self.pools.get(policy.name)
+        pooled = pool.take() if pool is not None and poolable(policy, limits) else None
+        if pooled is not None:
+            job_id = pooled.jail_id  # made under the id of the job that takes it
         spec = JobSpec(
             job_id=job_id,
             policy=policy,
@@ -889,9 +903,8 @@ class Daemon:
             download=req.download,
             download_changed=req.download_changed,
         )
-        pool = self.pools.get(policy.name)
-        job = pool.take() if pool is not None and poolable(policy, limits) else None
-        if job is not None:
+        if pooled is not None:
+            job = pooled
             job.assign(spec, session.call_tool, session.output)  # its code is on its way now
         else:
             job = JailedJob(spec, self.env, session.call_tool, session.output)
@@ -1049,7 +1062,7 @@ class Daemon:
                 f"{', '.join(sorted(fixed))} apply to the whole session; set them when opening it"
             )
         self._check_files(policy, req.files, req.download)
-        job_id = "job-" + secrets.token_hex(8)
+        job_id = new_job_id()
         if self._syntax_error(client, req, job_id, policy, limits):
             return
         spec = JobSpec(

@@ -627,12 +627,9 @@ class JailedJob:
     def assign(self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink) -> None:
         """Give a prepared jail its job (same policy; the jail's limits already apply)."""
         assert self._route_tool is None and spec.policy is self.spec.policy
-        if self._cgroup is not None:  # the job's cgroup is named after the job, as ever
-            try:
-                self._cgroup.rename(spec.job_id)
-                self.jail_id = spec.job_id
-            except OSError as exc:
-                log.warning("job %s: cannot rename cgroup %s: %s", spec.job_id, self.jail_id, exc)
+        # The job's cgroup is named after the job, as ever: a pooled jail is made under the
+        # id its job will have (cgroup v2 cannot rename a cgroup), see JailPool.
+        assert spec.job_id == self.jail_id, (spec.job_id, self.jail_id)
         self._take_job(spec, route_tool, output)
         if self._ready.is_set() and not self._done.is_set():
             self._begin()  # now, not when the caller's task first runs

@@ -8,6 +8,7 @@ that says what is missing -- they never skip on a machine that can run them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -27,9 +28,10 @@ import pytest
 # that a garbage-collector finaliser can unbalance (gh-106905, fixed in 3.11.5). pytest
 # imports hypothesis's plugin module at the *end* of a session, and parsing it then can
 # fail with "AST constructor recursion depth mismatch". Importing it first avoids that.
-from jaild.cgroups import Cgroups, detect
+from jaild.cgroups import Cgroups, daemon_subtree_dirs, detect
 from jaild.client import Client, JobResult
 from jaild.config import DaemonConfig, default_state_dir
+from jaild.policy.compile import CgroupLayout
 from jaild.protocol import (
     NEED_DATA,
     PROTOCOL_VERSION,
@@ -66,9 +68,40 @@ class DaemonHandle:
     log_path: str
     config: DaemonConfig = field(init=False)
 
+    layout: CgroupLayout = field(init=False)
+    _subtree_dirs: list[str] = field(init=False, default_factory=list)
+
     def __post_init__(self) -> None:
         self.config = DaemonConfig(socket_path=self.socket, policies_dir=self.policies_dir,
                                    state_dir=STATE_DIR)
+        self.layout = detect(self.config.subtree)
+
+    @property
+    def subtree_dirs(self) -> list[str]:
+        """Where this daemon keeps its job cgroups: each v1 hierarchy's ``<subtree>``, or on
+        v2 the one inside the cgroup the daemon placed itself in (read from /proc while it
+        serves, and remembered, so a test can look there after killing it)."""
+        if not self._subtree_dirs:
+            self._subtree_dirs = daemon_subtree_dirs(self.proc.pid, self.layout)
+        return self._subtree_dirs
+
+    @property
+    def job_root(self) -> Path:
+        """The directory holding the daemon's job cgroups (v1: the memory hierarchy's)."""
+        return self.cgroup_dir("x").parent
+
+    def cgroup_dir(self, ident: str) -> Path:
+        """The cgroup of job, session or zygote ``ident`` (v1: in the memory hierarchy)."""
+        if self.layout.version == 1:
+            return Path(self.layout.v1_mount("memory")) / self.config.subtree / ident
+        return Path(self.subtree_dirs[0]) / ident
+
+    def cgroups(self) -> Cgroups:
+        """The daemon's subtree, as the daemon sees it (to sweep what it left)."""
+        layout = self.layout
+        if layout.version == 2:
+            layout = dataclasses.replace(layout, v2_root=os.path.dirname(self.subtree_dirs[0]))
+        return Cgroups(layout)
 
     def log(self) -> str:
         return Path(self.log_path).read_text(errors="replace")
@@ -88,7 +121,7 @@ class DaemonHandle:
 
     def job_pids(self, job_id: str) -> list[int]:
         """Host pids in a job's cgroup (and its nsjail's below it): the job's processes."""
-        root = Path("/sys/fs/cgroup/memory") / self.config.subtree / job_id
+        root = self.cgroup_dir(job_id)
         pids: set[int] = set()
         for directory, _, files in os.walk(root):  # the cgroup may go while we walk it
             if "cgroup.procs" in files:
@@ -155,12 +188,20 @@ def start_daemon(directory: Path, policies: dict[str, str] | None = None, *,
     handle = DaemonHandle(sock, str(pdir), proc, log_path)
     if wait:
         wait_listening(sock, proc, log_path)
+        handle.subtree_dirs  # noqa: B018 -- where it placed itself, remembered while it runs
     return handle
 
 
 def _subtrees() -> set[str]:
-    root = Path("/sys/fs/cgroup/memory")
-    return {d.name for d in root.iterdir() if d.name.startswith("jaild-")} if root.is_dir() else set()
+    """Every test daemon's cgroup subtree on this host (v1: in the memory hierarchy; v2: at
+    the top, or in a daemon's delegated scope or service)."""
+    if not os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        root = Path("/sys/fs/cgroup/memory")
+        return {d.name for d in root.iterdir() if d.name.startswith("jaild-")} if root.is_dir() else set()
+    found = set()
+    for pattern in ("jaild-*", "*/jaild-*.scope", "*/jaild-*.scope/jaild-*"):
+        found |= {str(p) for p in Path("/sys/fs/cgroup").glob(pattern) if p.is_dir()}
+    return found
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -207,7 +248,7 @@ def private_daemon(tmp_path: Path) -> Iterator[Callable[..., DaemonHandle]]:
 
 def sweep_cgroups(handle: DaemonHandle) -> None:
     """Remove what a stopped daemon left in its cgroup subtree (the daemon's own sweep)."""
-    cgroups = Cgroups(detect(handle.config.subtree))
+    cgroups = handle.cgroups()
     cgroups.sweep()
     cgroups.remove_subtree()
 

@@ -70,6 +70,7 @@ class CgroupLayout:
         ("cpu", "/sys/fs/cgroup/cpu"),
         ("cpuacct", "/sys/fs/cgroup/cpuacct"),
     )
+    # v2: the cgroup the daemon owns (see jaild.cgroups.place_v2); the subtree goes inside it
     v2_root: str = "/sys/fs/cgroup"
 
     def v1_mount(self, controller: str) -> str:

@@ -23,41 +23,54 @@ import pytest
 
 from tests.conftest import REPO_POLICIES, TEST_POLICIES, DaemonHandle, start_daemon
 
-STANDING = ("zygote-", "pool-")  # cgroups of the daemon's zygotes and waiting pooled jails
+
+def standing(d: DaemonHandle) -> set[str]:
+    """The cgroups of the daemon's standing jails: its zygotes, and the jails waiting in its
+    pools (each made under the id its job will have; the daemon lists them to root)."""
+    names = {p.name for p in d.job_root.glob("zygote-*")}
+    with d.client() as c:
+        for policy in c.policies():
+            names.update((policy.get("pool") or {}).get("jails", []))
+    return names
 
 
-def _memory_cgroup(pid: str) -> str:
+def _job_cgroup_name(d: DaemonHandle, pid: str) -> str:
+    """The name of the job cgroup ``pid`` is in, or ""."""
+    root = str(d.job_root) + "/"
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        if ":memory:" in line:
-            return line.split(":", 2)[2]
+        hierarchy, _, path = line.split(":", 2)
+        if (d.layout.version == 1 and hierarchy == "memory") or hierarchy == "":
+            full = (d.layout.v1_mount("memory") if d.layout.version == 1 else "/sys/fs/cgroup") + path
+            if full.startswith(root):
+                return full[len(root):].split("/")[0]
     return ""
 
 
 def jail_processes(d: DaemonHandle) -> list[int]:
     """Processes running as a jail uid that are not a zygote or a waiting pooled jail."""
     out = []
+    keep = standing(d)
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 uid_line = next(ln for ln in Path(f"/proc/{entry}/status").read_text().splitlines()
                                 if ln.startswith("Uid:"))
-                group = _memory_cgroup(entry).split("/")
+                group = _job_cgroup_name(d, entry)
             except (OSError, StopIteration):
                 continue
-            standing = len(group) > 2 and group[2].startswith(STANDING)
             if d.config.uid_base <= int(uid_line.split()[1]) < d.config.uid_base + 65536 \
-                    and not standing:
+                    and group not in keep:
                 out.append(int(entry))
     return out
 
 
 def job_cgroups(d: DaemonHandle) -> list[str]:
     found = []
-    for controller in ("memory", "pids", "cpu", "cpuacct"):
-        root = Path("/sys/fs/cgroup") / controller / d.config.subtree
+    keep = standing(d)
+    for root in map(Path, d.subtree_dirs):
         if root.is_dir():
-            found += [f"{controller}/{p.name}" for p in root.iterdir()
-                      if p.is_dir() and not p.name.startswith(STANDING)]
+            found += [f"{root.parent.name}/{p.name}" for p in root.iterdir()
+                      if p.is_dir() and p.name not in keep]
     return found
 
 

@@ -45,7 +45,7 @@ def jailed_pids(uid_base: int) -> list[int]:
 
 
 def job_cgroups(d: DaemonHandle) -> list[str]:
-    root = Path("/sys/fs/cgroup/memory") / d.config.subtree
+    root = d.job_root
     return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
 

@@ -143,9 +143,8 @@ def test_the_jail_runs_as_an_unprivileged_uid_outside(daemon: DaemonHandle, clie
                                                       policy: str) -> None:
     # While the job runs, a host tool looks at the job's processes from outside.
     def outside_uids() -> list[int]:
-        root = Path("/sys/fs/cgroup/pids") / daemon.config.subtree
         uids = []
-        for tasks in root.glob("job-*/**/tasks"):
+        for tasks in daemon.job_root.glob("job-*/**/cgroup.procs"):
             for pid in tasks.read_text().split():
                 status = Path(f"/proc/{pid}/status").read_text()
                 uid_line = next(ln for ln in status.splitlines() if ln.startswith("Uid:"))

@@ -36,7 +36,7 @@ def sd(tmp_path_factory: pytest.TempPathFactory) -> DaemonHandle:
 
 
 def _cgroup(d: DaemonHandle, ident: str) -> Path:
-    return Path("/sys/fs/cgroup/memory") / d.config.subtree / ident
+    return d.cgroup_dir(ident)
 
 
 def _gone(d: DaemonHandle, ident: str, timeout: float = 10) -> bool:

@@ -130,10 +130,9 @@ def test_cancelled_by_the_client(daemon: DaemonHandle, client: Client) -> None:
 
 def _running_job_ids(daemon: DaemonHandle) -> list[str]:
     """Jobs with a cgroup in the daemon's subtree (the subtree is gone once it stopped)."""
-    for root in (Path("/sys/fs/cgroup/memory") / daemon.config.subtree,
-                 Path("/sys/fs/cgroup") / daemon.config.subtree):
-        if root.is_dir():
-            return [p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("job-")]
+    root = daemon.job_root
+    if root.is_dir():
+        return [p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("job-")]
     return []
 
 
