@@ -17,7 +17,7 @@ APT_PACKAGES := python3 python3-venv python3-dev gcc libcap-dev libseccomp2 syst
 STAMPS := .stamps
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo test unit integration lint bench bench-smoke bench-tools soak install uninstall jail-env clean distclean
+.PHONY: all setup demo test unit integration lint bench bench-smoke bench-tools soak install uninstall jail-env clean distclean test-hosts
 
 all: setup
 
@@ -97,8 +97,24 @@ bench-tools: $(STAMPS)/apt
 soak: setup
 	$(PY) bench/soak.py
 
+# `make test-hosts`: jaild on real hosts -- a Debian 12 guest (systemd 252, kernel 6.1, cgroup
+# v2) under QEMU, booted from a cached debootstrap image, running the README's two commands,
+# `make install`, the socket-activated service and the systemd checks in hosts/checks; see
+# hosts/run.py. HOSTS_ARGS="--suite jails" runs only the suites that start jails in the guest.
+HOSTS_PACKAGES := qemu-system-x86 qemu-utils debootstrap e2fsprogs
+HOSTS_ARGS ?=
+
+test-hosts:
+	@missing=$$(for p in $(HOSTS_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "apt: installing $$missing"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y --no-install-recommends $$missing || { apt-get update && apt-get install -y --no-install-recommends $$missing; }; \
+	fi
+	$(PYTHON) hosts/run.py $(HOSTS_ARGS)
+
 lint: setup
-	$(VENV)/bin/ruff check jaild tests examples bench
+	$(VENV)/bin/ruff check jaild tests examples bench hosts
 	$(VENV)/bin/mypy --strict bench/*.py
 	$(VENV)/bin/mypy
 

@@ -1,0 +1,227 @@
+"""jaild as an installed systemd service, checked for real (run by `make test-hosts` in a guest).
+
+These need what only a real systemd host has -- PID 1 systemd, cgroup v2, ``make install``
+done and ``jaild.socket`` enabled -- so they live outside ``tests/`` and run in the Debian
+guests of the real-host harness, after its ``install`` and ``socket`` steps. Each one drives
+the installed service through ``systemctl`` and the installed socket with jaild's client.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jaild.client import Client, JobResult
+
+SOCKET = "/run/jaild/jaild.sock"
+UNIT = "jaild.service"
+CGROUP = Path("/sys/fs/cgroup/system.slice/jaild.service")
+SECURITY_LOG = Path(os.environ.get("JAILD_HOSTS_SHARE", "/mnt/hosts")) / "security-score.txt"
+
+
+def systemctl(*args: str, check: bool = True) -> str:
+    out = subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=120,
+                         check=False)
+    if check and out.returncode != 0:
+        raise AssertionError(f"systemctl {' '.join(args)}: {out.stderr or out.stdout}")
+    return out.stdout.strip()
+
+
+def prop(name: str) -> str:
+    return systemctl("show", f"--property={name}", "--value", UNIT)
+
+
+def journal(since: str) -> str:
+    return subprocess.run(["journalctl", "--no-pager", "-o", "cat", "-u", UNIT, "--since", since],
+                          capture_output=True, text=True, timeout=60, check=False).stdout
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def run(code: str, **kwargs: object) -> JobResult:
+    with Client(SOCKET) as c:
+        return c.run(code, **kwargs)  # type: ignore[arg-type]
+
+
+def wait_for(predicate: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def procs_below(directory: Path) -> list[int]:
+    pids = []
+    for f in directory.rglob("cgroup.procs"):
+        try:
+            pids += [int(p) for p in f.read_text().split()]
+        except OSError:
+            continue
+    return pids
+
+
+class Running:
+    """A job running in a background thread: ``started`` is set once it printed."""
+
+    def __init__(self, code: str = "import time\nprint('up', flush=True)\ntime.sleep(600)"):
+        self.started = threading.Event()
+        self.result: JobResult | None = None
+        self.error: BaseException | None = None
+        self.job_id = ""
+        self._thread = threading.Thread(target=self._run, args=(code,), daemon=True)
+        self._thread.start()
+        assert self.started.wait(120), f"the job never started ({self.error!r})"
+
+    def _run(self, code: str) -> None:
+        try:
+            with Client(SOCKET) as c:
+                job = c.submit(code, on_stdout=lambda _t: self.started.set())
+                self.job_id = job.job_id
+                self.result = job.result(900)
+        except BaseException as exc:
+            self.error = exc
+            self.started.set()
+
+    def join(self, timeout: float = 120) -> JobResult | None:
+        self._thread.join(timeout)
+        return self.result
+
+
+@pytest.fixture(autouse=True)
+def service_up() -> Iterator[None]:
+    """Each check starts from the state `make install` + `enable --now jaild.socket` gave."""
+    assert systemctl("is-active", "jaild.socket") == "active"
+    yield
+    systemctl("start", UNIT, check=False)
+
+
+def test_socket_activation_starts_the_service_on_first_connection() -> None:
+    systemctl("stop", UNIT)
+    assert prop("ActiveState") == "inactive"
+    assert systemctl("is-active", "jaild.socket") == "active"
+    r = run("6 * 7")
+    assert r.status == "ok" and r.result == 42
+    assert prop("ActiveState") == "active"
+
+
+def test_start_returns_once_jobs_can_run() -> None:
+    # Type=notify: `systemctl start` blocks until READY=1, sent once the daemon serves.
+    systemctl("stop", UNIT)
+    systemctl("start", UNIT)
+    assert prop("ActiveState") == "active" and prop("Type") == "notify"
+    r = run("'ready'")
+    assert r.status == "ok" and r.result == "ready"
+
+
+def test_everything_lives_inside_the_services_delegated_cgroup() -> None:
+    systemctl("start", UNIT)
+    assert prop("Delegate") == "yes"
+    main = int(prop("MainPID"))
+    assert Path(f"/proc/{main}/cgroup").read_text().strip() == \
+        "0::/system.slice/jaild.service/daemon"
+    # the service's own cgroup holds no process: it hands controllers to its children
+    assert (CGROUP / "cgroup.procs").read_text().split() == []
+    assert {"memory", "pids"} <= set((CGROUP / "cgroup.subtree_control").read_text().split())
+    job = Running("import time\nx = bytearray(64 << 20)\nprint('up', flush=True)\n"
+                  "time.sleep(600)")
+    try:
+        jail_pids = procs_below(CGROUP / "jaild" / job.job_id)
+        assert jail_pids, "the job's cgroup is inside the service's"
+        for pid in jail_pids:
+            assert Path(f"/proc/{pid}/cgroup").read_text().startswith(
+                f"0::/system.slice/jaild.service/jaild/{job.job_id}")
+        # systemd counts and charges the jails to the service: MemoryMax= would cap them
+        assert int(prop("MemoryCurrent")) >= 64 << 20
+        assert int(prop("TasksCurrent")) > len(procs_below(CGROUP / "daemon"))
+        # and nothing of jaild sits at the top of the hierarchy
+        assert not [p for p in Path("/sys/fs/cgroup").iterdir() if p.name.startswith("jaild")]
+    finally:
+        with Client(SOCKET) as c:
+            c.kill(job.job_id)
+        job.join()
+
+
+def test_stop_with_jobs_running_cancels_them_and_leaves_nothing() -> None:
+    systemctl("start", UNIT)
+    since = now()
+    jobs = [Running() for _ in range(2)]
+    t0 = time.monotonic()
+    systemctl("stop", UNIT)
+    stop_s = time.monotonic() - t0
+    for job in jobs:
+        r = job.join()
+        assert job.error is None, job.error
+        assert r is not None and r.status == "cancelled", r
+    assert prop("ActiveState") == "inactive"
+    assert prop("Result") == "success"
+    log = journal(since)
+    assert "timed out" not in log.lower(), log[-3000:]
+    assert not CGROUP.exists() or procs_below(CGROUP) == []
+    print(f"systemctl stop with 2 jobs running: {stop_s:.1f} s (TimeoutStopSec=30s)")
+
+
+def test_restart_while_clients_are_connected() -> None:
+    systemctl("start", UNIT)
+    idle = Client(SOCKET)
+    idle.__enter__()
+    job = Running()
+    systemctl("restart", UNIT)
+    r = job.join()
+    assert r is not None and r.status == "cancelled", (r, job.error)
+    with pytest.raises(Exception):  # noqa: B017 -- the old connection is gone, whatever the error
+        idle.run("1")
+    idle.__exit__(None, None, None)
+    r2 = run("'after restart'")
+    assert r2.status == "ok" and r2.result == "after restart"
+
+
+def test_kill_9_restarts_and_the_sweep_removes_what_the_crash_left() -> None:
+    systemctl("start", UNIT)
+    job = Running()
+    old = int(prop("MainPID"))
+    since = now()
+    os.kill(old, 9)
+    wait_for(lambda: prop("MainPID") not in ("0", str(old)) and prop("ActiveState") == "active",
+             120, "systemd to restart jaild")
+    r = job.join()
+    assert r is None or r.status != "ok"  # the client saw its daemon die
+    assert run("'back'").result == "back"
+    log = journal(since)
+    assert "main process exited, code=killed, status=9/KILL" in log.lower() or \
+        "status=9/kill" in log.lower(), log[-3000:]
+    # what the crash left: the job's cgroup, gone now (swept at start if systemd had not)
+    assert not (CGROUP / "jaild" / job.job_id).exists()
+    alive = [p for p in procs_below(CGROUP / "jaild") if p]
+    assert all(Path(f"/proc/{p}/cgroup").read_text().find(job.job_id) < 0 for p in alive)
+
+
+def test_audit_records_reach_the_journal() -> None:
+    systemctl("start", UNIT)
+    since = now()
+    r = run("1 + 1")
+    assert r.status == "ok"
+    wait_for(lambda: r.job_id in journal(since), 30, "the job's audit record in the journal")
+    lines = [ln for ln in journal(since).splitlines() if r.job_id in ln and "audit" in ln]
+    assert lines and "status=ok" in " ".join(lines), journal(since)[-3000:]
+
+
+def test_systemd_analyze_security_score_is_recorded() -> None:
+    out = subprocess.run(["systemd-analyze", "security", "--no-pager", UNIT],
+                         capture_output=True, text=True, timeout=120, check=False).stdout
+    m = re.search(r"Overall exposure level for jaild\.service: ([0-9.]+) (\w+)", out)
+    assert m, out[-2000:]
+    SECURITY_LOG.write_text(f"{m.group(1)} {m.group(2)}\n")
+    print(f"systemd-analyze security jaild.service: {m.group(1)} {m.group(2)}")
+    # the jobs still run under every hardening setting the unit has
+    assert run("'hardened'").result == "hardened"
