@@ -61,12 +61,14 @@ class Guest:
     name: str
     suite: str
     kernel: str
+    kernel_suite: str | None = None  # the kernel from another release (None: ``suite``'s)
     disk_gb: int = 24
     extra_packages: tuple[str, ...] = ()
 
     @property
     def packages(self) -> tuple[str, ...]:
-        return (*BASE_PACKAGES, self.kernel, *self.extra_packages)
+        kernel = () if self.kernel_suite else (self.kernel,)
+        return (*BASE_PACKAGES, *kernel, *self.extra_packages)
 
     def key(self) -> str:
         """The cache key: the recipe and every file baked into the image."""
@@ -83,6 +85,11 @@ GUESTS = {
     # Debian 12: systemd 252, kernel 6.1 (the generic kernel: the cloud one lacks 9p), cgroup v2
     # only. What most users run.
     "debian12": Guest(name="debian12", suite="bookworm", kernel="linux-image-amd64"),
+    # Debian 12's userland (jaild needs Python >= 3.11; Debian 11 has 3.9) on Debian 11's
+    # kernel, 5.10: the older cgroup v2 of many hosts still running (no memory.peak, no
+    # pids.peak, no cgroup.kill before 5.14).
+    "kernel510": Guest(name="kernel510", suite="bookworm", kernel="linux-image-amd64",
+                       kernel_suite="bullseye"),
 }
 
 # Files from hosts/guest/ copied into the image (the rest are per-run, on the 9p share).
@@ -171,6 +178,32 @@ def _configure(root: Path, guest: Guest) -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def _install_kernel(root: Path, guest: Guest, log: Path) -> None:
+    """The kernel of another Debian release, installed into the root file system."""
+    (root / "etc/apt/sources.list.d/kernel.list").write_text(
+        f"deb {MIRROR} {guest.kernel_suite} main\n"
+    )
+    mounts = []
+    try:
+        for fs, where in (("proc", "proc"), ("sysfs", "sys"), ("devtmpfs", "dev")):
+            subprocess.run(["mount", "-t", fs, fs, str(root / where)], check=True)
+            mounts.append(root / where)
+        env = {"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+        for argv in (["apt-get", "update", "-q"],
+                     ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-t",
+                      guest.kernel_suite, guest.kernel]):
+            with log.open("ab") as out:
+                done = subprocess.run(["chroot", str(root), *argv], stdout=out,
+                                      stderr=subprocess.STDOUT, env=env, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"installing {guest.kernel} from {guest.kernel_suite} "
+                                   f"failed; see {log}")
+    finally:
+        for where in reversed(mounts):
+            subprocess.run(["umount", "-l", str(where)], check=False)
+    (root / "etc/apt/sources.list.d/kernel.list").unlink()
+
+
 def build(guest: Guest, *, force: bool = False) -> Image:
     """The base image of ``guest``, built if the cache has none for its current recipe."""
     image = Image(guest, CACHE_DIR / f"{guest.name}-{guest.key()}")
@@ -199,6 +232,8 @@ def build(guest: Guest, *, force: bool = False) -> Image:
         ],
         log,
     )
+    if guest.kernel_suite:
+        _install_kernel(root, guest, log)
     _configure(root, guest)
     boot = sorted((root / "boot").glob("vmlinuz-*"))
     initrds = sorted((root / "boot").glob("initrd.img-*"))
