@@ -141,6 +141,8 @@ def _configure(root: Path, guest: Guest) -> None:
         "hosts /mnt/hosts 9p trans=virtio,version=9p2000.L,msize=1048576,cache=none 0 0\n"
     )
     (root / "mnt/hosts").mkdir(parents=True, exist_ok=True)
+    # the 9p transport is a module udev does not load in time on every kernel (5.10)
+    (root / "etc/modules-load.d/jaild-hosts.conf").write_text("9p\n9pnet_virtio\n")
     # QEMU's user-mode network: static, so nothing waits on DHCP.
     network = root / "etc/systemd/network/10-qemu.network"
     network.parent.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,8 @@ import image
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 KVM_PROBE_S = 20.0
+FIRST_STEP_S = 900.0  # boot to the first step's result (clone) under TCG: ~1 min
+POWEROFF_S = 120.0
 SUITES = {
     # what `make test` runs in the guest
     "full": "",
@@ -168,14 +170,25 @@ def run_guest(name: str, args: argparse.Namespace) -> bool:
         log(f"{name}: booted with {accel} ({args.cpus} vCPUs, {args.memory_mb} MiB); "
             f"logs in {run / 'share'}, console {run / 'console.log'}")
         deadline = started + args.timeout_min * 60
+        booted = time.monotonic()
         reported = 0
+        finished_at: float | None = None
         while guest.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(2)
             rows = read_results(run / "share")
             for step, status, seconds in rows[reported:]:
                 log(f"{name}: {step:<28} {status:<5} {float(seconds):8.1f} s")
             reported = len(rows)
-        timed_out = guest.proc.poll() is None
+            if finished_at is None and any(step == "finished" for step, _, _ in rows):
+                finished_at = time.monotonic()
+            if finished_at is not None and time.monotonic() - finished_at > POWEROFF_S:
+                log(f"{name}: the guest did not power off {POWEROFF_S:.0f} s after its steps")
+                break
+            if not rows and time.monotonic() - booted > FIRST_STEP_S:
+                log(f"{name}: no step started within {FIRST_STEP_S:.0f} s of boot: the guest "
+                    f"failed to come up (see {run / 'console.log'})")
+                break
+        timed_out = guest.proc.poll() is None and finished_at is None
         guest.stop()
         rows = read_results(run / "share")
         for step, status, seconds in rows[reported:]:

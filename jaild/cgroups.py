@@ -96,8 +96,13 @@ def _read(path: str) -> str:
 
 
 def _kill_members(directory: str) -> int:
-    """SIGKILL every process in ``directory`` and its descendants; returns how many."""
+    """SIGKILL every process in ``directory`` and its descendants; returns how many.
+
+    On v2 kernels with ``cgroup.kill`` (5.14+) the kernel kills the whole subtree at once,
+    forks in flight included; the walk below then only counts (and catches stragglers)."""
     killed = 0
+    with contextlib.suppress(OSError):
+        _write(os.path.join(directory, "cgroup.kill"), "1")
     for root, _dirs, files in os.walk(directory, topdown=False):
         name = "cgroup.procs" if "cgroup.procs" in files else "tasks"
         try:
