@@ -141,7 +141,7 @@ def prepare_run(run: Path, args: argparse.Namespace) -> None:
     share.mkdir(parents=True)
     subprocess.run(["git", "-C", str(REPO), "bundle", "create", str(share / "jaild.bundle"),
                     "HEAD"], check=True, capture_output=True)
-    shutil.copyfile(HERE / "guest/steps.sh", share / "guest.sh")
+    shutil.copyfile(args.script or HERE / "guest/steps.sh", share / "guest.sh")
     shutil.copytree(HERE / "checks", share / "checks")
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], check=True,
                             capture_output=True, text=True).stdout.strip()
@@ -149,8 +149,9 @@ def prepare_run(run: Path, args: argparse.Namespace) -> None:
         f"COMMIT={commit}\nSUITE={SUITES[args.suite]!r}\nSTEPS={' '.join(args.steps)!r}\n"
     )
     (share / "results.tsv").write_text("")
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b",
-                    str(args.image.disk), str(run / "disk.qcow2")], check=True)
+    disk, fmt = (args.disk, "qcow2") if args.disk else (args.image.disk, "raw")
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", fmt, "-b",
+                    str(disk), str(run / "disk.qcow2")], check=True)
 
 
 def read_results(share: Path) -> list[tuple[str, str, str]]:
@@ -254,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="/var/tmp", help="where run directories are made")
     p.add_argument("--keep", action="store_true", help="keep the run directory")
     p.add_argument("--rebuild", action="store_true", help="rebuild the base image")
+    # for working on a guest failure: another steps script, and a disk a run left (setup done)
+    p.add_argument("--script", help=argparse.SUPPRESS)
+    p.add_argument("--disk", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         log("must run as root (debootstrap, and QEMU's 9p share writes as the guest's users)")
