@@ -200,42 +200,46 @@ def _join(directory: str, pid: int) -> None:
 def _start_scope(unit: str, pid: int, timeout_s: float = 10.0) -> str:
     """Ask systemd for a transient scope ``unit`` with ``Delegate=yes`` holding ``pid``
     (``systemd-run --scope -p Delegate=yes``, without re-executing). Returns its cgroup
-    path; if a scope of that name already runs (left by a crashed daemon), joins it."""
+    path. If a scope of that name still runs -- left by a crashed daemon of this socket,
+    with whatever the crash left in it -- ``pid`` joins it, so the sweep finds that."""
     busctl = shutil.which("busctl")
     if busctl is None:
         raise CgroupError("busctl (systemd) is missing")
-    call = subprocess.run(
-        [
-            busctl, "call", "--quiet", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
-            "org.freedesktop.systemd1.Manager", "StartTransientUnit", "ssa(sv)a(sa(sv))",
-            unit, "fail", "4",
-            "PIDs", "au", "1", str(pid),
-            "Delegate", "b", "true",
-            "CollectMode", "s", "inactive-or-failed",
-            "Description", "s", "jaild daemon (started outside systemd)",
-            "0",
-        ],
-        capture_output=True, text=True, timeout=timeout_s, check=False,
-    )
-    if call.returncode != 0:
+    for _attempt in range(3):  # a scope left by a crash may be collected while we look
+        call = subprocess.run(
+            [
+                busctl, "call", "--quiet", "org.freedesktop.systemd1",
+                "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
+                "StartTransientUnit", "ssa(sv)a(sa(sv))", unit, "fail", "4",
+                "PIDs", "au", "1", str(pid),
+                "Delegate", "b", "true",
+                "CollectMode", "s", "inactive-or-failed",
+                "Description", "s", "jaild daemon (started outside systemd)",
+                "0",
+            ],
+            capture_output=True, text=True, timeout=timeout_s, check=False,
+        )
+        if call.returncode == 0:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:  # the job that moves us is asynchronous
+                now = cgroup_of(pid)
+                if now.endswith("/" + unit):
+                    return now
+                time.sleep(0.01)
+            raise CgroupError(f"systemd did not move the daemon into {unit} in {timeout_s:.0f} s")
         if "already exists" not in call.stderr and "already loaded" not in call.stderr:
             raise CgroupError(f"systemd refused the scope {unit}: {call.stderr.strip()}")
         shown = subprocess.run(
             ["systemctl", "show", "--property=ControlGroup", "--value", unit],
             capture_output=True, text=True, timeout=timeout_s, check=False,
         ).stdout.strip()
-        if not shown or not os.path.isdir(_v2_dir(shown)):
-            raise CgroupError(f"a scope {unit} exists but has no cgroup ({shown!r}); "
-                              f"`systemctl stop {unit}` and start again")
-        _join(_v2_dir(shown + "/" + DAEMON_LEAF), pid)
-        return shown
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:  # the job that moves us is asynchronous
-        now = cgroup_of(pid)
-        if now.endswith("/" + unit):
-            return now
-        time.sleep(0.01)
-    raise CgroupError(f"systemd did not move the daemon into {unit} within {timeout_s:.0f} s")
+        if shown and os.path.isdir(_v2_dir(shown)):
+            try:
+                _join(_v2_dir(shown + "/" + DAEMON_LEAF), pid)
+            except FileNotFoundError:
+                continue  # collected just now: make it anew
+            return shown
+    raise CgroupError(f"the scope {unit} exists but keeps vanishing; `systemctl stop {unit}`")
 
 
 def place_v2(subtree: str) -> Placement:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -78,7 +79,10 @@ def test_kill_9_leaves_no_jail_alive_and_the_next_start_sweeps(tmp_path: Path) -
         assert jobs
     assert os.path.exists(d.socket)  # stale
     leftovers = job_cgroups(d)
-    assert len(leftovers) >= 20
+    if d.layout.version == 1:  # nothing but a daemon removes them
+        assert len(leftovers) >= 20
+    # v2 from a shell: the daemon's delegated scope, emptied by the crash, is systemd's to
+    # collect with everything in it; whatever it has not removed yet, the next start sweeps.
     # restart with the same command: it sweeps what the crash left, and says so
     restarted = subprocess.Popen(d.proc.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True)
@@ -92,7 +96,11 @@ def test_kill_9_leaves_no_jail_alive_and_the_next_start_sweeps(tmp_path: Path) -
         restarted.send_signal(signal.SIGTERM)
         out, _ = restarted.communicate(timeout=30)
     assert "removed stale socket" in out
-    assert f"swept {len(leftovers)} job(s) left by an earlier run" in out
+    if d.layout.version == 1:
+        assert f"swept {len(leftovers)} job(s) left by an earlier run" in out
+    else:
+        swept = re.search(r"swept (\d+) job\(s\) left by an earlier run", out)
+        assert swept is None or int(swept.group(1)) <= len(leftovers)
     assert restarted.returncode == 0
 
 
