@@ -44,7 +44,10 @@ from jaild.policy.schema import Policy
 
 log = logging.getLogger("jaild.zygote")
 
-READY_TIMEOUT_S = 30.0
+READY_TIMEOUT_S = 120.0
+"""A zygote imports the runtime and its policy's pre-imports before it says it is ready: seconds on
+an idle host, far more on a loaded or emulated one (a cold Debian 12 guest under TCG took over
+30 s). Past this the policy is not served."""
 SCM_CREDENTIALS = 2  # socket.SCM_CREDENTIALS, which typeshed lacks
 MAX_IN_TRANSIT = 32
 """Jails forked but not yet moved into their job's cgroup: they live in the zygote's cgroup
