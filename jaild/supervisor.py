@@ -831,14 +831,21 @@ class JailedJob:
             zygote = self.zygote
             if zygote is None:
                 await self._start(uid)
+                self._arm_start_timeout()
             else:
                 if limits.cpu_cores > 0:
                     self._cgroup.limit_cpu(limits.cpu_cores)
-                await self._start_forked(zygote, uid)
+                await self._start_forked(zygote, uid)  # armed when the zygote gets the request
         except (OSError, RuntimeError) as exc:
             self._ev.kill_reason = "start_failed"
             self._ev.kill_detail = f"could not start the jail: {exc}"
             self._done.set()
+            return
+
+    def _arm_start_timeout(self) -> None:
+        """The jail has START_TIMEOUT_S to become ready, counted from its own start (not
+        from a place in the zygote's queue, where a burst waits its turn)."""
+        if self._done.is_set():
             return
         self._timers.append(self._loop.call_later(START_TIMEOUT_S, self._start_timeout))
 
@@ -856,6 +863,7 @@ class JailedJob:
                 ),
                 (jail_end.detach(), out_w, err_w),
                 self._reaped,
+                on_sent=self._arm_start_timeout,
             )
         except BaseException:
             for fd in (out_r, err_r):

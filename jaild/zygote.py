@@ -103,6 +103,7 @@ class Zygote:
         self._pending: dict[int, OnExit] = {}
         self._outbox: collections.deque[tuple[bytes, tuple[int, ...], int]] = collections.deque()
         self._in_transit: set[int] = set()
+        self._on_sent: dict[int, Callable[[], None]] = {}
         self._writer_armed = False
         self._next_id = 0
         self._ready: asyncio.Future[dict[str, Any]] | None = None
@@ -288,6 +289,7 @@ class Zygote:
             self._control.close()
             self._control = None
         self._in_transit.clear()
+        self._on_sent.clear()
         while self._outbox:
             for fd in self._outbox.popleft()[1]:
                 os.close(fd)
@@ -320,10 +322,17 @@ class Zygote:
 
     # -- jails
 
-    def spawn(self, request: dict[str, Any], fds: tuple[int, ...], on_exit: OnExit) -> int:
+    def spawn(
+        self,
+        request: dict[str, Any],
+        fds: tuple[int, ...],
+        on_exit: OnExit,
+        on_sent: Callable[[], None] | None = None,
+    ) -> int:
         """Ask for one jail; the zygote gets ``fds`` (its channel, stdout, stderr), which
         this takes over and closes once sent. ``on_exit`` hears when it was reaped (or
-        never started), once."""
+        never started), once. ``on_sent`` hears when the request left the queue for the
+        zygote (a burst waits, see MAX_IN_TRANSIT): the jail's own start begins then."""
         if not self.alive or self._control is None:
             for fd in fds:
                 os.close(fd)
@@ -331,6 +340,8 @@ class Zygote:
         self._next_id += 1
         ident = self._next_id
         self._pending[ident] = on_exit
+        if on_sent is not None:
+            self._on_sent[ident] = on_sent
         self._outbox.append((msgpack.packb({"t": "spawn", "id": ident, **request}), fds, ident))
         if len(self._outbox) == 1:
             self._flush()
@@ -362,6 +373,9 @@ class Zygote:
             self._in_transit.add(ident)
             for fd in fds:
                 os.close(fd)
+            sent = self._on_sent.pop(ident, None)
+            if sent is not None:
+                sent()
         if self._writer_armed and control is not None:
             loop.remove_writer(control.fileno())
             self._writer_armed = False
