@@ -8,12 +8,14 @@ that says what is missing -- they never skip on a machine that can run them.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -220,6 +222,87 @@ def world_dir() -> Iterator[Path]:
     d.chmod(0o755)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class ForeignClient:
+    """The client library as another uid can run it, wherever the checkout lives.
+
+    A clone under a 0700 home directory is out of reach for any other uid, and so is the
+    venv's ``bin/python`` inside it: a process of another uid can neither exec the venv's
+    interpreter nor import the checkout. So the modules the client imports -- the checkout's
+    own and the venv's (msgpack) -- are copied, exactly those and as they are, into a
+    world-readable directory in a world-traversable place, and run by the base interpreter
+    the venv was made from, isolated (``-I -S -B``: no environment, no site packages, no
+    bytecode written)."""
+
+    python: str
+    path: str
+
+    def argv(self, code: str, *args: str) -> list[str]:
+        """``python -c code args...`` with the copy first on ``sys.path``."""
+        prelude = f"import sys\nsys.path.insert(0, {self.path!r})\n"
+        return [self.python, "-I", "-S", "-B", "-c", prelude + code, *args]
+
+    def run(self, code: str, *args: str, uid: int, gid: int,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """Run ``code`` as ``uid``:``gid`` with no supplementary groups (not root's), from a
+        directory it can reach, with a minimal environment (nothing of root's)."""
+        return subprocess.run(
+            self.argv(code, *args), capture_output=True, text=True, timeout=timeout,
+            check=False, user=uid, group=gid, extra_groups=[], cwd=self.path,
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+        )
+
+
+_STDLIB_PATHS = {
+    sysconfig.get_path(key, vars={"installed_base": sys.base_prefix, "base": sys.base_prefix,
+                                  "installed_platbase": sys.base_exec_prefix,
+                                  "platbase": sys.base_exec_prefix})
+    for key in ("stdlib", "platstdlib")
+}
+_LIST_MODULES = (
+    "import importlib, json, sys\n"
+    "for name in sys.argv[1:]:\n"
+    "    importlib.import_module(name)\n"
+    "print(json.dumps([(n, m.__file__, hasattr(m, '__path__')) for n, m in sys.modules.items()"
+    " if getattr(m, '__file__', None)]))\n"
+)
+
+
+def copy_client(directory: Path, *modules: str) -> ForeignClient:
+    """Copy what importing ``modules`` loads from outside the standard library (and only
+    that) into ``directory``, world-readable; checked to import from the copy alone."""
+    listed = subprocess.run([sys.executable, "-c", _LIST_MODULES, *modules], capture_output=True,
+                            text=True, timeout=60, check=True)
+    for name, file, is_package in json.loads(listed.stdout):
+        if any(file.startswith(p + os.sep) for p in _STDLIB_PATHS):
+            continue
+        parts = name.split(".") if is_package else name.split(".")[:-1]
+        target = directory.joinpath(*parts, os.path.basename(file))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(file, target)
+    for root, _dirs, files in os.walk(directory):
+        os.chmod(root, 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
+    base = getattr(sys, "_base_executable", "") or os.path.realpath(sys.executable)
+    foreign = ForeignClient(python=base, path=str(directory))
+    check = subprocess.run(foreign.argv("import " + ", ".join(modules)), capture_output=True,
+                           text=True, timeout=60, check=False)
+    assert check.returncode == 0, f"the copied client does not import: {check.stderr}"
+    return foreign
+
+
+@pytest.fixture(scope="session")
+def foreign_client() -> Iterator[ForeignClient]:
+    """The client library (``jaild.client``, ``jaild.errors``) runnable by any uid: see
+    :class:`ForeignClient`."""
+    d = Path(tempfile.mkdtemp(prefix="jaild-test-client-"))
+    try:
+        yield copy_client(d, "jaild.client", "jaild.errors")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 from jaild.client import AsyncClient, Client
 from jaild.errors import BadRequest, Busy, PermissionDenied, SessionClosed, UnknownJob
-from tests.conftest import REPO, DaemonHandle
+from tests.conftest import REPO, DaemonHandle, ForeignClient
 
 pytestmark = pytest.mark.integration
 
@@ -280,23 +281,21 @@ def test_cli_ps_kill_and_stats(sd: DaemonHandle) -> None:
         assert stats.returncode == 0 and "default" in stats.stdout and "POLICY" in stats.stdout
 
 
-def test_other_users_cannot_see_or_kill(world_daemon: Callable[[], DaemonHandle]) -> None:
+def test_other_users_cannot_see_or_kill(world_daemon: Callable[[], DaemonHandle],
+                                        foreign_client: ForeignClient) -> None:
+    # uid 65534 runs the real client library -- a world-readable copy of it, since the
+    # checkout itself may be out of its reach (a clone under a 0700 home directory)
     d = world_daemon()
     with Client(d.socket) as root:
         s = root.session().open()
         code = (
-            "import sys, json\nsys.path.insert(0, sys.argv[2])\nfrom jaild.client import Client\n"
+            "import sys, json\nfrom jaild.client import Client\n"
             "from jaild.errors import UnknownJob\nc = Client(sys.argv[1])\nrows = c.jobs()\n"
-            "try:\n    c.kill(sys.argv[3])\n    killed = True\nexcept UnknownJob:\n    killed = False\n"
+            "try:\n    c.kill(sys.argv[2])\n    killed = True\nexcept UnknownJob:\n    killed = False\n"
             "r = c.run('1 + 1')\nprint(json.dumps([rows, killed, r.result, sorted(c.stats()['uids'])]))\n"
         )
-        out = subprocess.run(
-            [sys.executable, "-c", code, d.socket, str(REPO), s.id or ""],
-            capture_output=True, text=True, timeout=60, check=False, user=65534, group=65534,
-        )
+        out = foreign_client.run(code, d.socket, s.id or "", uid=65534, gid=65534)
         assert out.returncode == 0, out.stderr
-        import json
-
         rows, killed, two, uids = json.loads(out.stdout)
         assert rows == [] and killed is False and two == 2 and uids == ["65534"]
         assert s.run("'still here'").result == "still here"  # positive control: root's works
