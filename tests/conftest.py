@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -87,6 +88,15 @@ class DaemonHandle:
         r = self.run("6 * 7")
         assert r.status == "ok", (r.status, r.error, self.log()[-2000:])
         assert r.result == 42
+
+    def audited(self, job_id: str) -> dict[str, str] | None:
+        """The fields of the daemon's audit line for a job that ended (its log), if any."""
+        for line in self.log().splitlines():
+            if "audit: event=job " in line and f" job={job_id} " in line:
+                text = line.split("audit: ", 1)[1]
+                return {k: json.loads(v) if v.startswith('"') else v
+                        for k, v in re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)', text)}
+        return None
 
     def job_pids(self, job_id: str) -> list[int]:
         """Host pids in a job's cgroup (and its nsjail's below it): the job's processes."""
