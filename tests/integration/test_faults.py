@@ -70,7 +70,7 @@ def test_kill_9_leaves_no_jail_alive_and_the_next_start_sweeps(tmp_path: Path) -
         assert len(jailed_pids(d.config.uid_base)) >= 20
         d.proc.send_signal(signal.SIGKILL)
         d.proc.wait(10)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # a liveness guard: parent-death signals are prompt
         while jailed_pids(d.config.uid_base) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert jailed_pids(d.config.uid_base) == [], "a jail outlived its daemon"
@@ -150,14 +150,16 @@ def _frame(obj: dict[str, object]) -> bytes:
     return struct.pack(">I", len(payload)) + payload
 
 
-def _read_all(sock: socket.socket, timeout: float) -> bytes:
+def _read_until_closed(sock: socket.socket, timeout: float = 60) -> bytes:
+    """Everything the daemon sends until it closes the connection (``timeout``: a liveness
+    guard; failing it fails the test)."""
     sock.settimeout(timeout)
     data = b""
     try:
         while chunk := sock.recv(65536):
             data += chunk
     except TimeoutError:
-        pass
+        raise AssertionError(f"the daemon did not close the connection ({data!r})") from None
     return data
 
 
@@ -170,17 +172,17 @@ def tuned(private_daemon: Callable[..., DaemonHandle], tmp_path: Path) -> Callab
 
 def test_slow_loris_is_cut_off(tuned: Callable[..., DaemonHandle]) -> None:
     d = tuned("[limits]\nhandshake_timeout_s = 0.5\nframe_timeout_s = 0.5\n")
+    # The daemon cuts them off -- it closes the connection, saying which of its timers
+    # fired -- where a client that is never cut off waits on until the liveness guard
     with socket.socket(socket.AF_UNIX) as silent:
         silent.connect(d.socket)
-        t0 = time.monotonic()
-        data = _read_all(silent, 5)
+        data = _read_until_closed(silent)
         assert b"read_timeout" in data and b"no Hello within 0.5 s" in data
-        assert time.monotonic() - t0 < 3
     with socket.socket(socket.AF_UNIX) as dribbler:
         dribbler.connect(d.socket)
         dribbler.sendall(_frame({"type": "Hello", "protocol": PROTOCOL_VERSION}))
         dribbler.sendall(b"\x00\x00\x01")  # a frame header, never finished
-        data = _read_all(dribbler, 5)
+        data = _read_until_closed(dribbler)
         assert b"a frame was started but not finished within 0.5 s" in data
     d.assert_serving()
 
