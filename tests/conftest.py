@@ -224,12 +224,24 @@ def sweep_cgroups(handle: DaemonHandle) -> None:
     cgroups.remove_subtree()
 
 
+WORLD_TMP = "/tmp"
+"""Where directories that other uids must reach are made: /tmp itself, not $TMPDIR, which
+may be private (Debian's libpam-tmpdir sets it to /tmp/user/<uid>, mode 0700)."""
+
+
+def world_tempdir(prefix: str) -> Path:
+    """A new 0755 directory in a place every uid can traverse."""
+    assert os.stat(WORLD_TMP).st_mode & 0o001, f"{WORLD_TMP} is not world-searchable"
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir=WORLD_TMP))
+    d.chmod(0o755)
+    return d
+
+
 @pytest.fixture
 def world_dir() -> Iterator[Path]:
     """A scratch directory the jailed uid can traverse (pytest's tmp_path is under a 0700 dir):
     for bind sources, fake nsjail binaries and environments."""
-    d = Path(tempfile.mkdtemp(prefix="jaild-test-"))
-    d.chmod(0o755)
+    d = world_tempdir("jaild-test-")
     yield d
     shutil.rmtree(d, ignore_errors=True)
 
@@ -308,7 +320,7 @@ def copy_client(directory: Path, *modules: str) -> ForeignClient:
 def foreign_client() -> Iterator[ForeignClient]:
     """The client library (``jaild.client``, ``jaild.errors``) runnable by any uid: see
     :class:`ForeignClient`."""
-    d = Path(tempfile.mkdtemp(prefix="jaild-test-client-"))
+    d = world_tempdir("jaild-test-client-")
     try:
         yield copy_client(d, "jaild.client", "jaild.errors")
     finally:
