@@ -44,7 +44,6 @@ def test_a_sub_second_deadline_counts_from_code_start(client: Client) -> None:
     assert r.error is not None and r.error["limit"] == "wall_time_s"
     assert r.limits["wall_time_s"] == 0.5
     assert r.usage["wall_s"] >= 0.5  # from RunCode to the end: the deadline is never early
-    assert r.duration_s >= r.usage["wall_s"]  # the job's time includes its jail's start
     assert r.usage["wall_s"] < 15  # a liveness guard: cut at its deadline, not the policy's
 
 
