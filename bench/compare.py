@@ -153,6 +153,10 @@ class Run:
                     r.sleep = self.attempt(
                         "cold/sleep", lambda: daemon.sleep_burst(s.sleep_jobs, s.sleep_clients)
                     )
+                    r.deadlines = self.attempt(
+                        "cold/deadlines",
+                        lambda: daemon.deadlines(s.deadline_runs, s.deadline_limit_s),
+                    )
                 if self.profile_dir is not None and key in ("cold", "warm"):
                     self.profile(daemon, pause)
         except Exception as exc:  # the daemon did not start: the other variants still run
@@ -219,6 +223,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, help="seconds per throughput level (4; quick 1)")
     p.add_argument("--tool-calls", type=int, help="tool calls per mode (1000; quick 200)")
     p.add_argument("--sleep-jobs", type=int, help="concurrent sleeping jobs (500; quick 50)")
+    p.add_argument("--deadline-runs", type=int,
+                   help="jobs cut by a 0.5 s wall-clock limit (30; quick 5)")
     p.add_argument("--pyodide-dir", default=baselines.DEFAULT_PYODIDE_DIR,
                    help="directory holding node_modules/pyodide")
     p.add_argument("--profile", action="store_true",
@@ -250,6 +256,8 @@ def main(argv: list[str]) -> int:
         sleep_jobs=pick(args.sleep_jobs, 500, 50),
         sleep_clients=4,
         pool_size=POOL_SIZE,
+        deadline_runs=pick(args.deadline_runs, 30, 5),
+        deadline_limit_s=0.5,
     )
     out: Path = args.out or (
         Path(tempfile.mkdtemp(prefix="jaild-bench-")) / "report.md" if quick else DEFAULT_OUT

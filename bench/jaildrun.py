@@ -22,7 +22,7 @@ from pathlib import Path
 from types import TracebackType
 
 from baselines import CODE
-from measure import BenchError, Latency, SleepBurst, Throughput, ToolCalls, timed
+from measure import BenchError, Deadlines, Latency, SleepBurst, Throughput, ToolCalls, timed
 from procmem import MemorySnapshot, snapshot
 
 from jaild.client import AsyncClient, Client, JobResult
@@ -36,6 +36,7 @@ POOL_SECTION = re.compile(r"^\[pool\].*\n(?:(?!\[).*(?:\n|$))*", re.MULTILINE)
 """A ``[pool]`` table: its header line and every line up to the next table header."""
 JAILD_CODE = f"{CODE}\nresult"  # jaild returns the value of a final expression
 SLEEP_CODE = "import time\ntime.sleep(1)\nresult = 1\nresult"
+DEADLINE_CODE = "import time\ntime.sleep(60)"
 DAEMON_CONFIG = """\
 [limits]
 max_jobs = 1024
@@ -265,6 +266,17 @@ class PrivateDaemon:
         return SleepBurst(
             jobs, clients, wall_s, jobs - statuses.get("ok", 0), job_s, statuses, first_failure
         )
+
+    def deadlines(self, runs: int, limit_s: float) -> Deadlines:
+        """``runs`` jobs, one after another, that sleep past a ``limit_s`` wall-clock limit."""
+        overshoot: list[float] = []
+        with Client(self.socket) as client:
+            for _ in range(runs):
+                r = client.run(DEADLINE_CODE, self.policy, timeout=limit_s)
+                if r.status != "timeout" or (r.error or {}).get("limit") != "wall_time_s":
+                    raise BenchError(f"job {r.status}, not a wall-clock timeout: {r.error}")
+                overshoot.append(float(r.usage["wall_s"]) - limit_s)
+        return Deadlines(limit_s, overshoot)
 
     def settled_snapshot(self, pooled: int, timeout_s: float) -> MemorySnapshot:
         """The memory picture once ``pooled`` jails wait (or at ``timeout_s``, as it is)."""

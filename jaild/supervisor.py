@@ -91,6 +91,15 @@ STATUSES = (
 )
 START_TIMEOUT_S = 30.0
 RELEASE_TIMEOUT_S = 10.0
+LINGER_CHECK_S = 0.01
+"""How often a spawned jail that outlived its nsjail is checked for (see ``_lingering``)."""
+RLIMIT_CPU_REACHED = 0.5
+"""A SIGKILL that nothing else explains (not the daemon's, no OOM) is the CPU limit once the
+jail's rusage CPU time reaches this share of ``cpu_time_s``. The kernel sends RLIMIT_CPU's
+SIGKILL when its *tick-sampled* CPU clock reaches the limit, and on a loaded host that clock
+runs well ahead of the precise one rusage reports: under ``stress-ng --cpu 2`` on 2 cores,
+processes were killed at 65 % of a 1 s limit and 80 % of a 2 s one (rusage), where an idle
+host kills them within a tick of it."""
 MAX_CALL_RECORDS = 1000
 """Tool calls listed in a result record; further calls are only counted (tool_calls_omitted)."""
 FRAME_OVERHEAD = 4 * 2 * 65536 + 65536
@@ -346,7 +355,8 @@ def classify(ev: Evidence) -> tuple[str, dict[str, Any] | None]:
             "MemoryLimit", "the job's cgroup memory limit was hit (OOM kill)", limit="memory_mb"
         )
     if signaled and (
-        signame == "SIGXCPU" or (signame == "SIGKILL" and ev.cpu_s >= ev.cpu_limit_s - 0.05)
+        signame == "SIGXCPU"
+        or (signame == "SIGKILL" and ev.cpu_s >= ev.cpu_limit_s * RLIMIT_CPU_REACHED)
     ):
         return "timeout", _err(
             "Timeout", f"CPU time limit of {ev.cpu_limit_s:g} s exceeded", limit="cpu_time_s"
@@ -571,6 +581,7 @@ class JailedJob:
         self._preamble_sock: socket.socket | None = None
         self._jail_pid: int | None = None  # zygote jails: the jail's process (host pid)
         self._terminating = False
+        self._linger_since: float | None = None  # a spawned jail outlived its nsjail since
         self._timers: list[asyncio.TimerHandle] = []
         self._started = time.monotonic()
         self.ready_at: float | None = None
@@ -1097,11 +1108,44 @@ class JailedJob:
         if self._done.is_set():
             return
         if (self._exited and self._open_streams == 0) or self._claimed:
+            if not self._claimed and self._lingering():
+                return
             self._ev.log = self._log.decode("utf-8", "replace")
             self._ev.stderr_tail = self._stderr[-2048:].decode("utf-8", "replace")
             if self._channel is not None:
                 self._channel.close()
             self._done.set()
+
+    def _lingering(self) -> bool:
+        """A spawned jail's processes that outlive its nsjail: kill them, and check again
+        shortly (True) until none is left.
+
+        nsjail reaps its jail before it exits, so normally there are none. But an nsjail
+        that was SIGKILLed (it ignored SIGTERM) or died cannot: its jail, SIGKILLed through
+        the cgroup and reparented to this subreaper, may still be tearing down its
+        namespaces when the streams reach EOF. The record waits for it, so that it is
+        exact and the cgroup and uid are released only once nothing of the job runs.
+        A process that has not left after ``RELEASE_TIMEOUT_S`` is logged, not waited on."""
+        if self._proc is None or self._cgroup is None:
+            return False
+        try:
+            left = self._cgroup.member_pids()
+        except OSError:
+            return False
+        if not left:
+            return False
+        if self._linger_since is None:
+            self._linger_since = time.monotonic()
+        elif time.monotonic() - self._linger_since > RELEASE_TIMEOUT_S:
+            log.warning(
+                "job %s: processes %s outlived nsjail by %g s despite SIGKILL",
+                self.spec.job_id, left, RELEASE_TIMEOUT_S,
+            )
+            return False
+        with contextlib.suppress(OSError):
+            self._cgroup.kill_all()
+        self._timers.append(self._loop.call_later(LINGER_CHECK_S, self._maybe_done))
+        return True
 
     # -- the channel
 
@@ -1282,6 +1326,9 @@ class JailedJob:
         (no task per call: a round trip is a few loop iterations shorter)."""
         assert self._route_tool is not None  # calls arrive only after RunCode
         spec = self._tool_specs[call.name]
+        # the clock starts before the call can reach the client, so the handler's whole time
+        # is inside what is recorded (the call is written to the client within _route_tool)
+        started = time.monotonic()
         try:
             reply = self._route_tool(
                 self.spec.job_id, call.call_id, call.name, call.args,
@@ -1294,9 +1341,7 @@ class JailedJob:
         if spec.timeout_s is not None:
             timeout = min(timeout, spec.timeout_s)
         timer = self._loop.call_later(timeout, self._call_timed_out, reply, call.name, timeout)
-        reply.add_done_callback(
-            functools.partial(self._call_done, call, time.monotonic(), timer)
-        )
+        reply.add_done_callback(functools.partial(self._call_done, call, started, timer))
         return reply
 
     @staticmethod
@@ -1399,7 +1444,8 @@ class JailedJob:
 
     def _force_kill(self) -> None:
         """nsjail ignored SIGTERM for the whole grace period: SIGKILL it and everything in
-        the job's cgroup (its orphans, reparented to this subreaper, are reaped later)."""
+        the job's cgroup. Its orphans are reparented to this subreaper: the record waits
+        until they are gone (:meth:`_lingering`), the server reaps them after it."""
         if self._proc is not None and not self._exited:
             log.warning("job %s: nsjail ignored SIGTERM; killing it", self.spec.job_id)
             with contextlib.suppress(ProcessLookupError):

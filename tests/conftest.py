@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -118,6 +121,15 @@ class DaemonHandle:
         r = self.run("6 * 7")
         assert r.status == "ok", (r.status, r.error, self.log()[-2000:])
         assert r.result == 42
+
+    def audited(self, job_id: str) -> dict[str, str] | None:
+        """The fields of the daemon's audit line for a job that ended (its log), if any."""
+        for line in self.log().splitlines():
+            if "audit: event=job " in line and f" job={job_id} " in line:
+                text = line.split("audit: ", 1)[1]
+                return {k: json.loads(v) if v.startswith('"') else v
+                        for k, v in re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)', text)}
+        return None
 
     def job_pids(self, job_id: str) -> list[int]:
         """Host pids in a job's cgroup (and its nsjail's below it): the job's processes."""
@@ -253,14 +265,107 @@ def sweep_cgroups(handle: DaemonHandle) -> None:
     cgroups.remove_subtree()
 
 
+WORLD_TMP = "/tmp"
+"""Where directories that other uids must reach are made: /tmp itself, not $TMPDIR, which
+may be private (Debian's libpam-tmpdir sets it to /tmp/user/<uid>, mode 0700)."""
+
+
+def world_tempdir(prefix: str) -> Path:
+    """A new 0755 directory in a place every uid can traverse."""
+    assert os.stat(WORLD_TMP).st_mode & 0o001, f"{WORLD_TMP} is not world-searchable"
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir=WORLD_TMP))
+    d.chmod(0o755)
+    return d
+
+
 @pytest.fixture
 def world_dir() -> Iterator[Path]:
     """A scratch directory the jailed uid can traverse (pytest's tmp_path is under a 0700 dir):
     for bind sources, fake nsjail binaries and environments."""
-    d = Path(tempfile.mkdtemp(prefix="jaild-test-"))
-    d.chmod(0o755)
+    d = world_tempdir("jaild-test-")
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class ForeignClient:
+    """The client library as another uid can run it, wherever the checkout lives.
+
+    A clone under a 0700 home directory is out of reach for any other uid, and so is the
+    venv's ``bin/python`` inside it: a process of another uid can neither exec the venv's
+    interpreter nor import the checkout. So the modules the client imports -- the checkout's
+    own and the venv's (msgpack) -- are copied, exactly those and as they are, into a
+    world-readable directory in a world-traversable place, and run by the base interpreter
+    the venv was made from, isolated (``-I -S -B``: no environment, no site packages, no
+    bytecode written)."""
+
+    python: str
+    path: str
+
+    def argv(self, code: str, *args: str) -> list[str]:
+        """``python -c code args...`` with the copy first on ``sys.path``."""
+        prelude = f"import sys\nsys.path.insert(0, {self.path!r})\n"
+        return [self.python, "-I", "-S", "-B", "-c", prelude + code, *args]
+
+    def run(self, code: str, *args: str, uid: int, gid: int,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """Run ``code`` as ``uid``:``gid`` with no supplementary groups (not root's), from a
+        directory it can reach, with a minimal environment (nothing of root's)."""
+        return subprocess.run(
+            self.argv(code, *args), capture_output=True, text=True, timeout=timeout,
+            check=False, user=uid, group=gid, extra_groups=[], cwd=self.path,
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+        )
+
+
+_STDLIB_PATHS = {
+    sysconfig.get_path(key, vars={"installed_base": sys.base_prefix, "base": sys.base_prefix,
+                                  "installed_platbase": sys.base_exec_prefix,
+                                  "platbase": sys.base_exec_prefix})
+    for key in ("stdlib", "platstdlib")
+}
+_LIST_MODULES = (
+    "import importlib, json, sys\n"
+    "for name in sys.argv[1:]:\n"
+    "    importlib.import_module(name)\n"
+    "print(json.dumps([(n, m.__file__, hasattr(m, '__path__')) for n, m in sys.modules.items()"
+    " if getattr(m, '__file__', None)]))\n"
+)
+
+
+def copy_client(directory: Path, *modules: str) -> ForeignClient:
+    """Copy what importing ``modules`` loads from outside the standard library (and only
+    that) into ``directory``, world-readable; checked to import from the copy alone."""
+    listed = subprocess.run([sys.executable, "-c", _LIST_MODULES, *modules], capture_output=True,
+                            text=True, timeout=60, check=True)
+    for name, file, is_package in json.loads(listed.stdout):
+        if any(file.startswith(p + os.sep) for p in _STDLIB_PATHS):
+            continue
+        parts = name.split(".") if is_package else name.split(".")[:-1]
+        target = directory.joinpath(*parts, os.path.basename(file))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(file, target)
+    for root, _dirs, files in os.walk(directory):
+        os.chmod(root, 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
+    base = getattr(sys, "_base_executable", "") or os.path.realpath(sys.executable)
+    foreign = ForeignClient(python=base, path=str(directory))
+    check = subprocess.run(foreign.argv("import " + ", ".join(modules)), capture_output=True,
+                           text=True, timeout=60, check=False)
+    assert check.returncode == 0, f"the copied client does not import: {check.stderr}"
+    return foreign
+
+
+@pytest.fixture(scope="session")
+def foreign_client() -> Iterator[ForeignClient]:
+    """The client library (``jaild.client``, ``jaild.errors``) runnable by any uid: see
+    :class:`ForeignClient`."""
+    d = world_tempdir("jaild-test-client-")
+    try:
+        yield copy_client(d, "jaild.client", "jaild.errors")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -68,7 +68,9 @@ def test_jail_sends_deeply_nested_arguments(hostile: DaemonHandle) -> None:
     code = SEND + (
         "nested = b'\\x91' * 100000 + b'\\xc0'\n"  # 100000 nested one-element arrays
         "send({'type': 'CallTool', 'call_id': 1, 'name': 'take', 'args': nested})\n"
-        "import time\ntime.sleep(1)\n'sent'"
+        # the job ends once the call's answer is in (read off the channel here), so the
+        # record has the call's outcome -- not after a sleep a slow host may outlast
+        "import select\nselect.select([3], [], [], 60)\nanswer = os.read(3, 1 << 16)\n'sent'"
     )
     r = hostile.run(code, tools={"take": got.append})
     assert (r.status, r.result) == ("ok", "sent")

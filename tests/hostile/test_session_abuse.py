@@ -6,6 +6,8 @@ Every test ends with the daemon serving; the package fixture then checks nothing
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -19,13 +21,15 @@ from tests.hostile.test_protocol_abuse import SEND
 pytestmark = pytest.mark.integration
 
 def raw(socket_path: str, *msgs: Message) -> list[Message]:
-    """Send ``msgs``; the daemon's answers until it goes quiet."""
-    with RawClient(socket_path, timeout=2) as client:
+    """Send ``msgs``, each answered by one message; the answers (a daemon that answers
+    fewer fails the liveness guard, RawClient's 30 s; more are not waited for)."""
+    with RawClient(socket_path) as client:
+        out = []
         for msg in msgs:
             client.send(msg)
-        out = []
-        while (event := client.next()) is not None:
-            out.append(event)
+            answer = client.next()
+            assert answer is not None, f"no answer to {msg!r} (got {out!r})"
+            out.append(answer)
         return out
 
 
@@ -45,12 +49,19 @@ def test_other_connections_cannot_use_or_close_a_session(hostile: DaemonHandle) 
 def test_a_jail_talking_between_runs_ends_its_session(hostile: DaemonHandle) -> None:
     with Client(hostile.socket) as c:
         s = c.session().open()
-        r = s.run(SEND + "import threading, time\n"
-                  "def later():\n    time.sleep(0.3)\n"
-                  "    send({'type': 'CallTool', 'call_id': 1, 'name': 'x', 'args': b''})\n"
+        # the thread speaks once told to by a signal from the host -- sent after the run's
+        # record is in hand, so between runs; not after a sleep a slow host may outlast
+        r = s.run(SEND + "import signal, threading\ngo = threading.Event()\n"
+                  "signal.signal(signal.SIGUSR1, lambda *_: go.set())\n"
+                  "def later():\n    if go.wait(60):\n"
+                  "        send({'type': 'CallTool', 'call_id': 1, 'name': 'x', 'args': b''})\n"
                   "threading.Thread(target=later, daemon=True).start()")
-        assert r.status == "ok"
-        deadline = time.monotonic() + 10
+        assert r.status == "ok", r.error
+        pids = hostile.job_pids(s.id or "")
+        assert pids
+        for pid in pids:
+            os.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 60  # a liveness guard
         while s.closed is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert s.closed == "error" and "protocol" in s.close_message, s.close_message

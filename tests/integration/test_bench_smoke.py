@@ -22,15 +22,18 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path) -> None:
     out = tmp_path / "report.md"
     run = subprocess.run(
         [sys.executable, str(REPO / "bench" / "compare.py"), "--quick", "--runs", "4",
-         "--seconds", "0.3", "--tool-calls", "50", "--sleep-jobs", "20", "--out", str(out)],
+         "--seconds", "0.3", "--tool-calls", "50", "--sleep-jobs", "20", "--deadline-runs", "3",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=600, check=False,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = out.read_text()
     for section in ("## Targets", "## 1. Job latency", "## 2. Fresh-jail jobs per second",
-                    "## 3. Tool-call round trip", "## 4. Memory", "## 5. Concurrent sleeping jobs"):
+                    "## 3. Tool-call round trip", "## 4. Memory", "## 5. Concurrent sleeping jobs",
+                    "## 6. Wall-clock deadlines"):
         assert section in report
     results = json.loads(out.with_suffix(".json").read_text())
     assert results["errors"] == {}, results["errors"]
     for key in ("exec", "nsjail", "bwrap", "spawn", "cold", "warm", "warm_blocking"):
         assert results["latency"][key]["samples_s"], key
+    assert len(results["deadlines"]["overshoot_s"]) == 3

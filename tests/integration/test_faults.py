@@ -71,7 +71,7 @@ def test_kill_9_leaves_no_jail_alive_and_the_next_start_sweeps(tmp_path: Path) -
         assert len(jailed_pids(d.config.uid_base)) >= 20
         d.proc.send_signal(signal.SIGKILL)
         d.proc.wait(10)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # a liveness guard: parent-death signals are prompt
         while jailed_pids(d.config.uid_base) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert jailed_pids(d.config.uid_base) == [], "a jail outlived its daemon"
@@ -104,29 +104,39 @@ def test_kill_9_leaves_no_jail_alive_and_the_next_start_sweeps(tmp_path: Path) -
     assert restarted.returncode == 0
 
 
-def test_client_disconnect_kills_the_jail_within_200ms(daemon: DaemonHandle) -> None:
+def test_a_client_disconnect_kills_its_jail(daemon: DaemonHandle) -> None:
+    # Proved from the daemon's evidence, not a stopwatch: the job's processes die, and its
+    # record says it was cancelled *because the client disconnected*. The job sleeps past
+    # its deadline (the policy's 30 s), and the first reason to end a job is the one
+    # recorded: a daemon that noticed the disconnect only at the deadline, or never, would
+    # have recorded a timeout.
     import asyncio
 
     from jaild.client import AsyncClient
 
-    async def scenario() -> float:
+    async def scenario() -> tuple[str, set[int]]:
         c = AsyncClient(daemon.socket)
         await c.connect()
         seen = asyncio.Event()
-        job = await c.submit("import time\nprint('up', flush=True)\ntime.sleep(60)",
+        job = await c.submit("import time\nprint('up', flush=True)\ntime.sleep(600)",
                              on_stdout=lambda t: seen.set())
-        await asyncio.wait_for(seen.wait(), 20)
+        await asyncio.wait_for(seen.wait(), 60)
         before = set(daemon.job_pids(job.job_id))
         assert before
-        t0 = time.monotonic()
         await c.close()
-        while any(os.path.exists(f"/proc/{pid}") for pid in before):
-            await asyncio.sleep(0.002)
-        del job
-        return time.monotonic() - t0
+        return job.job_id, before
 
-    elapsed = asyncio.run(scenario())
-    assert elapsed < 0.2, f"the jail was still alive {elapsed * 1000:.0f} ms after the disconnect"
+    job_id, before = asyncio.run(scenario())
+    deadline = time.monotonic() + 60  # a liveness guard only: see the record below
+    while (any(os.path.exists(f"/proc/{pid}") for pid in before)
+           or daemon.audited(job_id) is None) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    alive = [pid for pid in before if os.path.exists(f"/proc/{pid}")]
+    assert alive == [], "the jail outlived its client"
+    record = daemon.audited(job_id)
+    assert record is not None, daemon.log()[-2000:]
+    assert record["status"] == "cancelled", record
+    assert record["reason"] == "Cancelled: the client disconnected", record
     daemon.assert_serving()
 
 
@@ -148,14 +158,16 @@ def _frame(obj: dict[str, object]) -> bytes:
     return struct.pack(">I", len(payload)) + payload
 
 
-def _read_all(sock: socket.socket, timeout: float) -> bytes:
+def _read_until_closed(sock: socket.socket, timeout: float = 60) -> bytes:
+    """Everything the daemon sends until it closes the connection (``timeout``: a liveness
+    guard; failing it fails the test)."""
     sock.settimeout(timeout)
     data = b""
     try:
         while chunk := sock.recv(65536):
             data += chunk
     except TimeoutError:
-        pass
+        raise AssertionError(f"the daemon did not close the connection ({data!r})") from None
     return data
 
 
@@ -168,17 +180,17 @@ def tuned(private_daemon: Callable[..., DaemonHandle], tmp_path: Path) -> Callab
 
 def test_slow_loris_is_cut_off(tuned: Callable[..., DaemonHandle]) -> None:
     d = tuned("[limits]\nhandshake_timeout_s = 0.5\nframe_timeout_s = 0.5\n")
+    # The daemon cuts them off -- it closes the connection, saying which of its timers
+    # fired -- where a client that is never cut off waits on until the liveness guard
     with socket.socket(socket.AF_UNIX) as silent:
         silent.connect(d.socket)
-        t0 = time.monotonic()
-        data = _read_all(silent, 5)
+        data = _read_until_closed(silent)
         assert b"read_timeout" in data and b"no Hello within 0.5 s" in data
-        assert time.monotonic() - t0 < 3
     with socket.socket(socket.AF_UNIX) as dribbler:
         dribbler.connect(d.socket)
         dribbler.sendall(_frame({"type": "Hello", "protocol": PROTOCOL_VERSION}))
         dribbler.sendall(b"\x00\x00\x01")  # a frame header, never finished
-        data = _read_all(dribbler, 5)
+        data = _read_until_closed(dribbler)
         assert b"a frame was started but not finished within 0.5 s" in data
     d.assert_serving()
 
@@ -273,17 +285,21 @@ def test_an_nsjail_that_ignores_sigterm_is_killed(private_daemon: Callable[..., 
     d = private_daemon(args=("--nsjail", str(stubborn)))
     with Client(d.socket) as c:
         seen = threading.Event()
-        job = c.submit("import time\nprint('up', flush=True)\ntime.sleep(60)", policy="spawn",
+        # sleeps far past the liveness guard below: only the escalation can end it in time
+        # (the job's own deadline cannot: a job being terminated is not terminated again)
+        job = c.submit("import time\nprint('up', flush=True)\ntime.sleep(600)", policy="spawn",
                        on_stdout=lambda t: seen.set())
-        assert seen.wait(20)
+        assert seen.wait(60)
         assert d.job_pids(job.job_id)
-        t0 = time.monotonic()
         job.cancel()
-        r = job.result(20)
+        r = job.result(120)
         assert r.status == "cancelled"
-        assert time.monotonic() - t0 < 5
+        # the daemon escalated (its log says so, before the record) ...
+        assert f"job {job.job_id}: nsjail ignored SIGTERM; killing it" in d.log()
+        # ... and the record is exact: nothing of the job runs once it is out -- not the
+        # jail, which outlived its SIGKILLed nsjail (reparented here, still tearing down
+        # its namespaces), nor nsjail; so its cgroup and uid can be released
         assert d.job_pids(job.job_id) == []
-        assert "nsjail ignored SIGTERM" in d.log()
         d.assert_serving()
     zombies = [p for p in os.listdir("/proc") if p.isdigit() and _is_zombie_child(int(p), d.proc.pid)]
     assert zombies == []

@@ -14,6 +14,8 @@ the warm pool, prepared before either job existed) and ``spawn`` (a full nsjail 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -148,7 +150,7 @@ def test_positive_control_two_host_processes_see_each_other() -> None:
              .replace("range(20)", "range(0)"))
     with subprocess.Popen(
         [sys.executable, "-c", leave + "print('up', flush=True)\nimport time\ntime.sleep(60)"],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, text=True, start_new_session=True,  # A and its child: one group
     ) as a:
         try:
             assert a.stdout is not None and a.stdout.readline().strip() == "up"
@@ -157,8 +159,7 @@ def test_positive_control_two_host_processes_see_each_other() -> None:
                                  timeout=30, check=True).stdout
             seen = json.loads(out)
         finally:
-            a.kill()
-            subprocess.run(["pkill", "-f", "import time; time.sleep(60)"], check=False)
+            os.killpg(a.pid, signal.SIGKILL)  # A's own processes, not every match on the host
             subprocess.run(["ipcrm", "-M", str(0x7a11d)], check=False, capture_output=True)
             Path("/dev/shm/a-was-here").unlink(missing_ok=True)
     # the module-state probe is the only one two fresh host interpreters cannot share
@@ -184,9 +185,19 @@ def test_a_pooled_jail_serves_one_job_only(daemon: DaemonHandle) -> None:
 def test_limits_count_from_the_jobs_start_not_the_jails(private_daemon: object) -> None:
     # A pooled jail that waited longer than the wall-time limit still gives its job the
     # whole limit: the clock starts with the job.
-    d = private_daemon(policies={"quick": '[limits]\nwall_time_s = 1\n[pool]\nmin = 1\nmax = 1\n'})  # type: ignore[operator]
-    time.sleep(2.0)  # the pooled jail was ready long before this
-    r = d.run("import time\ntime.sleep(0.6)\n'ran'", policy="quick")
+    d = private_daemon(policies={"quick": '[limits]\nwall_time_s = 3\n[pool]\nmin = 1\nmax = 1\n'})  # type: ignore[operator]
+
+    def ready() -> int:
+        with d.client() as c:
+            return int({p["name"]: p for p in c.policies()}["quick"]["pool"]["ready"])
+
+    deadline = time.monotonic() + 60  # a liveness guard
+    while ready() < 1:
+        assert time.monotonic() < deadline, "the pool did not make its jail"
+        time.sleep(0.05)
+    time.sleep(3.5)  # the pooled jail is now older than the job's wall-time limit
+    # counted from the jail's start, the deadline would be past: the job killed at once
+    r = d.run("import time\ntime.sleep(0.5)\n'ran'", policy="quick")
     assert (r.status, r.result) == ("ok", "ran"), (r.status, r.error)
     with d.client() as c:
         pool = {p["name"]: p for p in c.policies()}["quick"]["pool"]

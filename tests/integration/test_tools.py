@@ -67,15 +67,28 @@ def test_gathered_calls_are_in_flight_together_on_the_host(client: Client) -> No
 
 
 def test_async_handlers_run_concurrently(client: Client) -> None:
+    # Each call waits until all six are in their handler at once: proof that the async
+    # handlers run concurrently (one after the other, the first would wait in vain).
+    in_handler = 0
+    peak = 0
+    all_in = asyncio.Event()
+
     async def slow(i: int) -> int:
-        await asyncio.sleep(0.5)
+        nonlocal in_handler, peak
+        in_handler += 1
+        peak = max(peak, in_handler)
+        if in_handler == 6:
+            all_in.set()
+        try:
+            await asyncio.wait_for(all_in.wait(), 60)
+        finally:
+            in_handler -= 1
         return i
 
-    started = time.monotonic()
     r = client.run("import asyncio\nawait asyncio.gather(*(tools.slow(i) for i in range(6)))",
                    tools={"slow": slow})
-    assert r.result == list(range(6))
-    assert time.monotonic() - started < 2.5  # 6 x 0.5 s sequentially would be 3 s + startup
+    assert (r.status, r.result) == ("ok", list(range(6))), r.error
+    assert peak == 6
 
 
 def test_failing_handler_is_a_tool_error_without_host_traceback(client: Client) -> None:
@@ -166,8 +179,18 @@ def test_forged_oversize_frame_on_the_channel_ends_the_job(daemon: DaemonHandle)
 
 
 def test_calls_beyond_the_in_flight_cap_fail_clearly(daemon: DaemonHandle) -> None:
+    # The two calls let in stay in flight until the daemon has refused the other two (its
+    # audit log says so): the refusals cannot come from calls that had already ended.
+    def refused() -> int:
+        return sum("event=tool_call" in line and "tool=slow" in line
+                   and "outcome=too_many_calls" in line for line in daemon.log().splitlines())
+
+    before = refused()
+
     async def slow() -> str:
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 60
+        while refused() < before + 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         return "done"
 
     code = (
@@ -176,7 +199,7 @@ def test_calls_beyond_the_in_flight_cap_fail_clearly(daemon: DaemonHandle) -> No
         "[o if isinstance(o, str) else o.error_type for o in outs]"
     )
     r = daemon.run(code, policy="tiny", tools={"slow": slow})  # tiny: 2 in flight
-    assert r.status == "ok"
+    assert r.status == "ok", r.error
     assert sorted(r.result) == ["done", "done", "too_many_calls", "too_many_calls"]
 
 

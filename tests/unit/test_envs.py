@@ -10,7 +10,6 @@ import os
 import shutil
 import stat
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from jaild.envs import (
 )
 from jaild.errors import PolicyError
 from jaild.policy.schema import host_checks, load_policy_text
+from tests.conftest import world_tempdir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,8 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def state() -> Iterator[Path]:
     """A state directory the jailed uid could reach (pytest's tmp_path sits in a 0700 dir)."""
-    d = Path(tempfile.mkdtemp(prefix="jaild-test-envs-"))
-    d.chmod(0o755)
+    d = world_tempdir("jaild-test-envs-")
     yield d
     for root, dirs, _files in os.walk(d):  # sealed trees: give write permission back
         for name in dirs:

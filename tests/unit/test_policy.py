@@ -18,6 +18,7 @@ from jaild.policy.schema import (
     load_policy_text,
     reference_markdown,
 )
+from tests.conftest import world_tempdir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -114,11 +115,9 @@ def test_host_checks_name_the_problem(tmp_path: Path) -> None:
 
 def test_host_checks_refuse_an_env_the_jail_cannot_see() -> None:
     import shutil
-    import tempfile
 
-    root = Path(tempfile.mkdtemp(prefix="jaild-test-env-"))  # under /tmp: world-searchable
+    root = world_tempdir("jaild-test-env-")
     try:
-        root.chmod(0o755)
         interpreter = root / "elsewhere" / "python3.11"  # like a pyenv build under /root
         interpreter.parent.mkdir()
         interpreter.write_text("")

@@ -1,13 +1,54 @@
-"""The warm pool's sizing rules, with stand-in jails (the real ones: tests/integration)."""
+"""The warm pool's sizing rules, with stand-in jails (the real ones: tests/integration).
+
+The scenarios run on an event loop with a virtual clock: when nothing is ready to run, the
+clock jumps to the next timer instead of waiting for it. The pool's timings (idle_s, the
+retry a second after a failure, the idle sweep) are then exact whatever the host's load --
+a real-time loop stalled for a moment recycles jails the scenario still counts as fresh.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
+import selectors
+from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
+import jaild.pool
 from jaild.policy.schema import load_policy_text
 from jaild.pool import JailPool, poolable
+
+
+class _VirtualSelector(selectors.DefaultSelector):
+    def __init__(self, clock: list[float]) -> None:
+        super().__init__()
+        self._clock = clock
+
+    def select(self, timeout: float | None = None) -> list[Any]:
+        ready = super().select(0)  # the loop's own wake-ups, if any
+        if not ready and timeout is not None and timeout > 0:
+            self._clock[0] += timeout  # nothing to do until the next timer: skip to it
+        return ready
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    def __init__(self) -> None:
+        self._clock = [1000.0]
+        super().__init__(_VirtualSelector(self._clock))
+
+    def time(self) -> float:
+        return self._clock[0]
+
+
+@pytest.fixture
+def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[VirtualTimeLoop]:
+    """The loop the scenarios run on; the pool's time.monotonic() is its clock."""
+    virtual = VirtualTimeLoop()
+    monkeypatch.setattr(jaild.pool, "time", SimpleNamespace(monotonic=virtual.time))
+    yield virtual
+    virtual.close()
 
 
 class FakeJail:
@@ -29,7 +70,7 @@ class FakeJail:
     async def prepare(self) -> bool:
         await asyncio.sleep(0)
         if self.ok:
-            self.ready_at = time.monotonic()
+            self.ready_at = asyncio.get_running_loop().time()
         return self.ok
 
     async def finished(self) -> None:
@@ -52,7 +93,7 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-def test_min_jails_are_made_at_start_and_taken_jails_replaced_after_their_job() -> None:
+def test_min_jails_are_made_at_start_and_taken_jails_replaced_after_their_job(loop: VirtualTimeLoop) -> None:
     async def scenario() -> None:
         pool = pool_of("[pool]\nmin = 2\nmax = 4\n")
         pool.start()
@@ -67,10 +108,10 @@ def test_min_jails_are_made_at_start_and_taken_jails_replaced_after_their_job() 
         assert pool.size == 2 and pool.stats.made == 3
         await pool.close()
 
-    asyncio.run(scenario())
+    loop.run_until_complete(scenario())
 
 
-def test_misses_grow_the_pool_up_to_max_and_idle_jails_shrink_it_to_min() -> None:
+def test_misses_grow_the_pool_up_to_max_and_idle_jails_shrink_it_to_min(loop: VirtualTimeLoop) -> None:
     async def scenario() -> None:
         pool = pool_of("[pool]\nmin = 1\nmax = 3\nidle_s = 0.2\n")
         pool.start()
@@ -89,10 +130,10 @@ def test_misses_grow_the_pool_up_to_max_and_idle_jails_shrink_it_to_min() -> Non
         assert pool.size == 1
         await pool.close()
 
-    asyncio.run(scenario())
+    loop.run_until_complete(scenario())
 
 
-def test_a_pool_whose_jails_fail_stops_retrying_after_three_in_a_row() -> None:
+def test_a_pool_whose_jails_fail_stops_retrying_after_three_in_a_row(loop: VirtualTimeLoop) -> None:
     async def scenario() -> None:
         FakeJail.made = 0
         pool = pool_of("[pool]\nmin = 2\nmax = 2\n", lambda: FakeJail(ok=False))
@@ -105,10 +146,10 @@ def test_a_pool_whose_jails_fail_stops_retrying_after_three_in_a_row() -> None:
         assert pool.take() is None  # jobs still run: the caller makes a jail of its own
         await pool.close()
 
-    asyncio.run(scenario())
+    loop.run_until_complete(scenario())
 
 
-def test_close_discards_the_waiting_jails() -> None:
+def test_close_discards_the_waiting_jails(loop: VirtualTimeLoop) -> None:
     async def scenario() -> None:
         pool = pool_of("[pool]\nmin = 2\nmax = 2\n")
         pool.start()
@@ -118,7 +159,7 @@ def test_close_discards_the_waiting_jails() -> None:
         assert all(j.discarded == "the daemon is stopping" for j in waiting)
         assert pool.size == 0
 
-    asyncio.run(scenario())
+    loop.run_until_complete(scenario())
 
 
 def test_only_jobs_with_the_policys_own_jail_limits_use_the_pool() -> None:
