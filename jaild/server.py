@@ -664,7 +664,8 @@ class Daemon:
         env = self.env
         assert env is not None
         for name, policy in self.policies.items():
-            if policy.pool.max == 0 or name in self.unavailable:
+            # no warm jails for a policy no one may use (access.users = [])
+            if policy.pool.max == 0 or name in self.unavailable or not policy.access.users:
                 continue
 
             def make(policy: Policy = policy) -> JailedJob:

@@ -38,8 +38,8 @@ def _job_cgroup_name(d: DaemonHandle, pid: str) -> str:
     """The name of the job cgroup ``pid`` is in, or ""."""
     root = str(d.job_root) + "/"
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        hierarchy, _, path = line.split(":", 2)
-        if (d.layout.version == 1 and hierarchy == "memory") or hierarchy == "":
+        _id, controllers, path = line.split(":", 2)  # "7:memory:/..." (v1), "0::/..." (v2)
+        if "memory" in controllers.split(",") if d.layout.version == 1 else controllers == "":
             full = (d.layout.v1_mount("memory") if d.layout.version == 1 else "/sys/fs/cgroup") + path
             if full.startswith(root):
                 return full[len(root):].split("/")[0]
@@ -62,6 +62,16 @@ def jail_processes(d: DaemonHandle) -> list[int]:
                     and group not in keep:
                 out.append(int(entry))
     return out
+
+
+def _describe(pid: int) -> str:
+    """A leftover process, for the failure message: its command line and cgroups."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+        groups = Path(f"/proc/{pid}/cgroup").read_text().replace("\n", " ")
+    except OSError:
+        return "(gone)"
+    return f"{cmd} | {groups}"
 
 
 def job_cgroups(d: DaemonHandle) -> list[str]:
@@ -131,7 +141,8 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
     try:
         d.assert_serving()
         pools_full(d)
-        assert jail_processes(d) == [], "jailed processes outlived their jobs"
+        leftover = {pid: _describe(pid) for pid in jail_processes(d)}
+        assert leftover == {}, "jailed processes outlived their jobs"
         assert job_cgroups(d) == [], "job cgroups were left behind"
         deadline = time.monotonic() + 30  # connections the tests just closed may still be closing
         while fd_count(d.proc.pid) != baseline_fds and time.monotonic() < deadline:
