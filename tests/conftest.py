@@ -216,16 +216,57 @@ def _subtrees() -> set[str]:
     return found
 
 
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _foreign_subtrees() -> set[str]:
+    """The subtrees of live daemons this session did not start: another suite (another
+    checkout's) running on the same host at the same time."""
+    mine = _descendants(os.getpid())
+    out = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in mine:
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if ("serve" in argv and "--socket" in argv
+                and any(a == "jaild" or a.endswith("/jaild") for a in argv)):
+            i = argv.index("--socket") + 1
+            if i < len(argv):
+                out.add(DaemonConfig(socket_path=argv[i], state_dir=STATE_DIR).subtree)
+    return out
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_cgroups_left_behind() -> Iterator[None]:
     """The suite leaves no cgroup subtree of any daemon it started (set up first, so checked
-    after every other fixture has stopped its daemon)."""
+    after every other fixture has stopped its daemon). Subtrees of live daemons that another
+    suite started meanwhile are not this suite's."""
     before = _subtrees()
     yield
+
+    def left() -> set[str]:
+        return _subtrees() - before - _foreign_subtrees()
+
     deadline = time.monotonic() + 10
-    while _subtrees() - before and time.monotonic() < deadline:
+    while left() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _subtrees() - before == set(), "daemons left cgroup subtrees behind"
+    assert left() == set(), "daemons left cgroup subtrees behind"
 
 
 @pytest.fixture(scope="session")

@@ -99,8 +99,14 @@ def settled_fd_count(pid: int) -> int:
     return last
 
 
+HARNESS_TMP = ("jaild-test-", "jaild-bench-")
+"""Scratch directories of test suites and benches (world_tempdir, the bench's daemons): not
+the daemon's. Another checkout's suite running on the same host makes them meanwhile."""
+
+
 def tmp_entries() -> set[str]:
-    return {p for p in os.listdir("/tmp") if p.startswith(("nsjail", "jaild"))}
+    return {p for p in os.listdir("/tmp")
+            if p.startswith(("nsjail", "jaild")) and not p.startswith(HARNESS_TMP)}
 
 
 def fixed_pool(text: str) -> str:

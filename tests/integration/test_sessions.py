@@ -21,8 +21,10 @@ from tests.conftest import REPO, DaemonHandle, ForeignClient
 pytestmark = pytest.mark.integration
 
 SESSIONS = {
-    "short": "[session]\nidle_s = 30\nmax_lifetime_s = 60\nmax_per_user = 3\n"
-             "[limits]\nwall_time_s = 10\ncpu_time_s = 1\nmemory_mb = 128\npids = 16\n",
+    # a run's CPU limit must come before its wall-clock limit even on a busy host, where a
+    # CPU-bound run gets a small share of a CPU: the wall limit is far away
+    "short": "[session]\nidle_s = 30\nmax_lifetime_s = 900\nmax_per_user = 3\n"
+             "[limits]\nwall_time_s = 600\ncpu_time_s = 1\nmemory_mb = 128\npids = 16\n",
     "nosession": "[session]\nenabled = false\n",
 }
 

@@ -54,7 +54,7 @@ def test_cpu_time_limit(daemon: DaemonHandle) -> None:
     r = daemon.run("while True:\n    pass", limits={"cpu_time_s": 1})
     assert r.limits["wall_time_s"] == 30
     assert r.status == "timeout"
-    assert r.error is not None and r.error["limit"] == "cpu_time_s"
+    assert r.error is not None and r.error["limit"] == "cpu_time_s", r.error
     daemon.assert_serving()
 
 

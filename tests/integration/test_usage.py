@@ -21,7 +21,9 @@ from tests.integration.test_faults import write_config
 pytestmark = pytest.mark.integration
 
 POLICIES = {
-    "cpu1": "[limits]\ncpu_time_s = 1\nwall_time_s = 20\n",
+    # the wall-clock limits are far away: on a busy host a CPU-bound job or handler gets a
+    # small share of a CPU, and must still meet the CPU limit first
+    "cpu1": "[limits]\ncpu_time_s = 1\nwall_time_s = 600\ntool_call_timeout_s = 600\n",
     "flood-pause": "[limits]\noutput_bytes = 8_388_608\nwall_time_s = 30\nslow_client = \"pause\"\n",
     "flood-truncate": "[limits]\noutput_bytes = 8_388_608\nwall_time_s = 30\n"
                       "slow_client = \"truncate\"\n",
