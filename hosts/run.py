@@ -148,6 +148,8 @@ def prepare_run(run: Path, args: argparse.Namespace) -> None:
     (share / "config.env").write_text(
         f"COMMIT={commit}\nSUITE={SUITES[args.suite]!r}\nSTEPS={' '.join(args.steps)!r}\n"
     )
+    # the accelerator is only known at boot: steps.sh reads it from here when it runs
+    (share / "accel").write_text("unknown\n")
     (share / "results.tsv").write_text("")
     disk, fmt = (args.disk, "qcow2") if args.disk else (args.image.disk, "raw")
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", fmt, "-b",
@@ -176,6 +178,7 @@ def run_guest(name: str, args: argparse.Namespace) -> bool:
         prepare_run(run, args)
         guest, accel = boot(args.image, run, accel=args.accel, memory_mb=args.memory_mb,
                             cpus=args.cpus)
+        (run / "share" / "accel").write_text(f"{accel}\n")
         log(f"{name}: booted with {accel} ({args.cpus} vCPUs, {args.memory_mb} MiB); "
             f"logs in {run / 'share'}, console {run / 'console.log'}")
         deadline = started + args.timeout_min * 60

@@ -11,6 +11,9 @@ CLONE=$WORK/jaild
 export HOME=/root LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
+# under TCG everything is ~10x slower: the suite's liveness guards stretch (tests/conftest.py)
+[ "$(cat "$SHARE/accel" 2>/dev/null)" = tcg ] && export JAILD_TEST_TIME_SCALE=10
+
 wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 
 step() {  # step NAME COMMAND...: run, time and record one step
