@@ -276,7 +276,7 @@ class PrivateDaemon:
                 if r.status != "timeout" or (r.error or {}).get("limit") != "wall_time_s":
                     raise BenchError(f"job {r.status}, not a wall-clock timeout: {r.error}")
                 overshoot.append(float(r.usage["wall_s"]) - limit_s)
-        return Deadlines(limit_s, overshoot)
+        return Deadlines(overshoot, limit_s=limit_s)
 
     def settled_snapshot(self, pooled: int, timeout_s: float) -> MemorySnapshot:
         """The memory picture once ``pooled`` jails wait (or at ``timeout_s``, as it is)."""

@@ -128,20 +128,12 @@ class SleepBurst:
 
 
 @dataclass
-class Deadlines:
-    """Jobs cut by their wall-clock limit, and how far past it each one ended by the daemon's
-    own record: ``usage.wall_s`` (from its code's start to the jail's end) minus the limit."""
+class Deadlines(Latency):
+    """Jobs cut by their wall-clock limit: ``samples_s`` is how far past it each one ended by
+    the daemon's own record, ``usage.wall_s`` (from its code's start to the jail's end) minus
+    the limit."""
 
-    limit_s: float
-    overshoot_s: list[float]
-
-    @property
-    def median_s(self) -> float:
-        return statistics.median(self.overshoot_s)
-
-    @property
-    def p99_s(self) -> float:
-        return percentile(self.overshoot_s, 99)
+    limit_s: float = 0.0
 
 
 def timed(fn: Callable[[], object], runs: int, *, warmup: int = 2, pause_s: float = 0.0) -> Latency:

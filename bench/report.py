@@ -396,13 +396,13 @@ class Report:
             return [*head, self._missing("cold/deadlines")]
         return [
             *head,
-            f"{len(d.overshoot_s)} jobs (`import time; time.sleep(60)`) run one after another on "
+            f"{len(d.samples_s)} jobs (`import time; time.sleep(60)`) run one after another on "
             f"the {self.r.labels['cold']} daemon with a {d.limit_s:g} s wall-clock limit, each "
             "ended by the daemon's deadline. Overshoot: the record's `usage.wall_s` (the "
             "daemon's clock, from the code's start to the jail's end) minus the limit.",
             "",
             f"- overshoot: median {_ms(d.median_s)}, p99 {_ms(d.p99_s)}, "
-            f"max {_ms(max(d.overshoot_s))}",
+            f"max {_ms(max(d.samples_s))}",
         ]
 
     def _profile(self) -> list[str]:

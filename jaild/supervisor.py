@@ -1120,14 +1120,16 @@ class JailedJob:
         """A spawned jail's processes that outlive its nsjail: kill them, and check again
         shortly (True) until none is left.
 
-        nsjail reaps its jail before it exits, so normally there are none. But an nsjail
-        that was SIGKILLed (it ignored SIGTERM) or died cannot: its jail, SIGKILLed through
+        nsjail reaps its jail before it exits, so normally there are none, and the cgroup is
+        only looked at when nsjail was killed by a signal. An nsjail that was SIGKILLed (it
+        ignored SIGTERM) or died cannot reap: its jail, SIGKILLed through
         the cgroup and reparented to this subreaper, may still be tearing down its
         namespaces when the streams reach EOF. The record waits for it, so that it is
         exact and the cgroup and uid are released only once nothing of the job runs.
         A process that has not left after ``RELEASE_TIMEOUT_S`` is logged, not waited on."""
-        if self._proc is None or self._cgroup is None:
-            return False
+        proc = self._proc
+        if proc is None or self._cgroup is None or (proc.returncode or 0) >= 0:
+            return False  # an nsjail that exited by itself reaped its jail: nothing to look for
         try:
             left = self._cgroup.member_pids()
         except OSError:
