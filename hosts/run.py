@@ -54,6 +54,9 @@ SUITES = {
     "full": "",
     # the suites that start jails, where v1 and v2 differ; the unit suite runs on the host
     "jails": "tests/integration tests/hostile",
+    # what an older kernel's cgroup files change: every status, usage, isolation, fresh jails
+    "kernel": "tests/integration/test_statuses.py tests/integration/test_usage.py "
+              "tests/integration/test_isolation.py tests/integration/test_fresh_jails.py",
     "none": "-",
 }
 

@@ -99,6 +99,16 @@ class DaemonHandle:
             return Path(self.layout.v1_mount("memory")) / self.config.subtree / ident
         return Path(self.subtree_dirs[0]) / ident
 
+    def measures(self, counter: str) -> bool:
+        """Does this kernel keep ``counter`` (``memory.peak``, ``pids.peak``) for job cgroups?
+        A usage field the kernel cannot measure must be null (``memory.peak`` arrived in 5.19
+        on v2; v1 has ``memory.max_usage_in_bytes`` everywhere)."""
+        if self.layout.version == 1:
+            if counter == "memory.peak":
+                return True
+            return (Path(self.layout.v1_mount("pids")) / self.config.subtree / counter).exists()
+        return (Path(self.subtree_dirs[0]) / counter).exists()
+
     def cgroups(self) -> Cgroups:
         """The daemon's subtree, as the daemon sees it (to sweep what it left)."""
         layout = self.layout
@@ -144,7 +154,7 @@ class DaemonHandle:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        return self.proc.wait(timeout=timeout)
+        return self.proc.wait(timeout=guard(timeout))
 
 
 HELLO = encode_frame(encode(Hello(protocol=PROTOCOL_VERSION, client="wait")), 1 << 16)
@@ -155,11 +165,17 @@ HELLO = encode_frame(encode(Hello(protocol=PROTOCOL_VERSION, client="wait")), 1 
 TIME_SCALE = float(os.environ.get("JAILD_TEST_TIME_SCALE", "1"))
 
 
+def guard(seconds: float) -> float:
+    """A liveness guard's length here: how long to wait before calling a hang a hang. Never
+    use it for a limit under test (a job's deadline that must expire, a tool's timeout)."""
+    return seconds * TIME_SCALE
+
+
 def wait_listening(path: str, proc: subprocess.Popen[bytes], log_path: str,
                    timeout: float = 60) -> None:
     """Wait until the daemon *serves*: it answers Hello (the socket accepts connections
     earlier, while the daemon still runs its self-tests)."""
-    deadline = time.monotonic() + timeout * TIME_SCALE
+    deadline = time.monotonic() + guard(timeout)
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(
@@ -358,7 +374,7 @@ class ForeignClient:
         """Run ``code`` as ``uid``:``gid`` with no supplementary groups (not root's), from a
         directory it can reach, with a minimal environment (nothing of root's)."""
         return subprocess.run(
-            self.argv(code, *args), capture_output=True, text=True, timeout=timeout,
+            self.argv(code, *args), capture_output=True, text=True, timeout=guard(timeout),
             check=False, user=uid, group=gid, extra_groups=[], cwd=self.path,
             env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
         )
@@ -383,7 +399,7 @@ def copy_client(directory: Path, *modules: str) -> ForeignClient:
     """Copy what importing ``modules`` loads from outside the standard library (and only
     that) into ``directory``, world-readable; checked to import from the copy alone."""
     listed = subprocess.run([sys.executable, "-c", _LIST_MODULES, *modules], capture_output=True,
-                            text=True, timeout=60, check=True)
+                            text=True, timeout=guard(60), check=True)
     for name, file, is_package in json.loads(listed.stdout):
         if any(file.startswith(p + os.sep) for p in _STDLIB_PATHS):
             continue
@@ -398,7 +414,7 @@ def copy_client(directory: Path, *modules: str) -> ForeignClient:
     base = getattr(sys, "_base_executable", "") or os.path.realpath(sys.executable)
     foreign = ForeignClient(python=base, path=str(directory))
     check = subprocess.run(foreign.argv("import " + ", ".join(modules)), capture_output=True,
-                           text=True, timeout=60, check=False)
+                           text=True, timeout=guard(60), check=False)
     assert check.returncode == 0, f"the copied client does not import: {check.stderr}"
     return foreign
 
@@ -423,7 +439,8 @@ def client(daemon: DaemonHandle) -> Iterator[Client]:
 def run_unjailed(code: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     """Positive control: run the same probe on the host, outside any jail."""
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=guard(timeout),
+        check=False,
     )
 
 
@@ -434,7 +451,7 @@ class RawClient:
     def __init__(self, socket_path: str, timeout: float = 30) -> None:
         self.conn = Connection(Role.CLIENT, 1 << 27)
         self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.settimeout(timeout)
+        self.sock.settimeout(guard(timeout))
         self.socket_path = socket_path
 
     def __enter__(self) -> RawClient:

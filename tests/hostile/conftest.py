@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_POLICIES, TEST_POLICIES, DaemonHandle, start_daemon
+from tests.conftest import REPO_POLICIES, TEST_POLICIES, DaemonHandle, guard, start_daemon
 
 
 def standing(d: DaemonHandle) -> set[str]:
@@ -132,7 +132,7 @@ def fixed_pool(text: str) -> str:
 
 def pools_full(d: DaemonHandle) -> None:
     """Wait until every warm pool holds its one jail again."""
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + guard(30)
     while time.monotonic() < deadline:
         with d.client() as c:
             pools = [p["pool"] for p in c.policies() if p["available"] and p["pool"]["max"]]
@@ -158,14 +158,15 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
         pools_full(d)
         # A jail's last process may be exiting as we look (a zombie its parent reaps in a
         # moment); only those are waited for, under a liveness guard. A live one fails at once.
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + guard(30)
         while (dying := jail_processes(d)) and all(_exiting(pid) for pid in dying) \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
         leftover = {pid: _describe(pid) for pid in jail_processes(d)}
         assert leftover == {}, "jailed processes outlived their jobs"
         assert job_cgroups(d) == [], "job cgroups were left behind"
-        deadline = time.monotonic() + 30  # connections the tests just closed may still be closing
+        # connections the tests just closed may still be closing
+        deadline = time.monotonic() + guard(30)
         while fd_count(d.proc.pid) != baseline_fds and time.monotonic() < deadline:
             time.sleep(0.05)
         assert fd_count(d.proc.pid) == baseline_fds, "the daemon leaked file descriptors"

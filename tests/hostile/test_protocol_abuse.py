@@ -19,7 +19,7 @@ import pytest
 
 from jaild.client import Client
 from jaild.protocol import PROTOCOL_VERSION
-from tests.conftest import REPO_POLICIES, STATE_DIR, DaemonHandle
+from tests.conftest import REPO_POLICIES, STATE_DIR, DaemonHandle, guard
 
 pytestmark = pytest.mark.integration
 
@@ -160,7 +160,7 @@ def test_daemon_refuses_to_start_without_nsjail(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "jaild", "serve", "--socket", str(tmp_path / "s.sock"),
          "--policies", str(REPO_POLICIES), "--state-dir", STATE_DIR, "--nsjail", "/nonexistent/nsjail"],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True, text=True, timeout=guard(60), check=False,
     )
     assert out.returncode == 1
     assert "nsjail at /nonexistent/nsjail is missing or not executable" in out.stderr

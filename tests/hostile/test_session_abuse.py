@@ -15,7 +15,7 @@ import pytest
 from jaild.client import Client
 from jaild.errors import UnknownSession
 from jaild.protocol.messages import CloseSession, Error, Message, RunJob
-from tests.conftest import DaemonHandle, RawClient
+from tests.conftest import DaemonHandle, RawClient, guard
 from tests.hostile.test_protocol_abuse import SEND
 
 pytestmark = pytest.mark.integration
@@ -61,7 +61,7 @@ def test_a_jail_talking_between_runs_ends_its_session(hostile: DaemonHandle) -> 
         assert pids
         for pid in pids:
             os.kill(pid, signal.SIGUSR1)
-        deadline = time.monotonic() + 60  # a liveness guard
+        deadline = time.monotonic() + guard(60)  # a liveness guard
         while s.closed is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert s.closed == "error" and "protocol" in s.close_message, s.close_message

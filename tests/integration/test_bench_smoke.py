@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, guard
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +24,7 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path) -> None:
         [sys.executable, str(REPO / "bench" / "compare.py"), "--quick", "--runs", "4",
          "--seconds", "0.3", "--tool-calls", "50", "--sleep-jobs", "20", "--deadline-runs", "3",
          "--out", str(out)],
-        capture_output=True, text=True, timeout=600, check=False,
+        capture_output=True, text=True, timeout=guard(600), check=False,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = out.read_text()

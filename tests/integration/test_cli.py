@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, DaemonHandle
+from tests.conftest import REPO, DaemonHandle, guard
 
 pytestmark = pytest.mark.integration
 
@@ -87,7 +87,7 @@ def test_run_streams_output_as_it_is_produced(daemon: DaemonHandle, tmp_path: Pa
     assert proc.stdout is not None
     first = proc.stdout.readline()
     marker.touch()
-    rest, err = proc.communicate(timeout=120)
+    rest, err = proc.communicate(timeout=guard(120))
     assert first == "first\n"
     assert rest == "second\n", (rest, err)  # 'first' arrived while the job still ran
     assert proc.returncode == 0, err

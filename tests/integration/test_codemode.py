@@ -18,7 +18,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from jaild.codemode import Attempt, CodeMode
-from tests.conftest import REPO, DaemonHandle
+from tests.conftest import REPO, DaemonHandle, guard
 
 pytestmark = pytest.mark.integration
 
@@ -96,7 +96,7 @@ def chat() -> Iterator[ChatServer]:
     yield server
     server.httpd.shutdown()
     server.httpd.server_close()
-    server.thread.join(timeout=10)
+    server.thread.join(timeout=guard(10))
     assert server.errors == []
     assert server.script == [], "the loop did not use every scripted reply"
 
@@ -339,7 +339,7 @@ def _cli(chat: ChatServer, daemon: DaemonHandle, tools: Path, *extra: str,
     return subprocess.run(
         [sys.executable, "-m", "jaild", "codemode", "Add 2 and 3", "--tools", str(tools),
          "--base-url", chat.base_url, "--model", MODEL, "--socket", daemon.socket, *extra],
-        capture_output=True, text=True, timeout=60, cwd=REPO, check=False,
+        capture_output=True, text=True, timeout=guard(60), cwd=REPO, check=False,
         env={**environment, **(env or {"OPENAI_API_KEY": "test-key"})},
     )
 

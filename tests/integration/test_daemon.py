@@ -19,7 +19,7 @@ import pytest
 from jaild.client import Client
 from jaild.errors import BadRequest, PermissionDenied, UnknownPolicy
 from jaild.protocol import PROTOCOL_VERSION
-from tests.conftest import DaemonHandle, start_daemon
+from tests.conftest import DaemonHandle, guard, start_daemon
 
 pytestmark = pytest.mark.integration
 
@@ -118,7 +118,7 @@ def test_semantic_errors_keep_the_connection(daemon: DaemonHandle) -> None:
 def test_a_client_cannot_touch_another_clients_job(daemon: DaemonHandle) -> None:
     release = threading.Event()
     with Client(daemon.socket) as owner:
-        job = owner.submit("await tools.hold()", tools={"hold": lambda: release.wait(20)})
+        job = owner.submit("await tools.hold()", tools={"hold": lambda: release.wait(guard(20))})
         frames = raw_exchange(
             daemon,
             frame({"type": "CancelJob", "job_id": job.job_id})
@@ -169,7 +169,7 @@ def test_socket_is_created_0660(daemon: DaemonHandle) -> None:
 
 def test_daemon_refuses_to_start_on_an_invalid_policy(tmp_path: Path) -> None:
     d = start_daemon(tmp_path, {"broken": "[limits]\nmemory_mb = -5\n"}, wait=False)
-    assert d.proc.wait(60) == 1
+    assert d.proc.wait(guard(60)) == 1
     log = d.log()
     assert "broken.toml: limits.memory_mb: must be between 16 and 1048576, got -5" in log
     assert not os.path.exists(d.socket)
@@ -177,7 +177,7 @@ def test_daemon_refuses_to_start_on_an_invalid_policy(tmp_path: Path) -> None:
 
 def test_daemon_refuses_a_policy_whose_env_is_missing(tmp_path: Path) -> None:
     d = start_daemon(tmp_path, {"noenv": '[python]\nenv = "does-not-exist"\n'}, wait=False)
-    assert d.proc.wait(60) == 1
+    assert d.proc.wait(guard(60)) == 1
     assert "noenv.toml: python.env: environment /var/lib/jaild/envs/does-not-exist does not exist" in d.log()
 
 
@@ -187,7 +187,7 @@ def test_stale_socket_is_replaced_but_a_live_one_is_not(private_daemon: Callable
     # A second daemon on the same socket must refuse: someone is listening.
     clash = subprocess.run(
         [sys.executable, "-m", "jaild", "serve", "--socket", first.socket, "--policies",
-         first.policies_dir], capture_output=True, text=True, timeout=60, check=False,
+         first.policies_dir], capture_output=True, text=True, timeout=guard(60), check=False,
     )
     assert clash.returncode == 1
     assert "another daemon is already listening" in clash.stderr
@@ -208,7 +208,7 @@ def test_stale_socket_is_replaced_but_a_live_one_is_not(private_daemon: Callable
             assert c.run("1 + 1").result == 2
     finally:
         restarted.terminate()
-        _, err = restarted.communicate(timeout=30)
+        _, err = restarted.communicate(timeout=guard(30))
     assert "removed stale socket" in err
     assert restarted.returncode == 0
 
@@ -218,7 +218,7 @@ def test_a_non_socket_at_the_socket_path_is_not_replaced(tmp_path: Path) -> None
     target.write_text("precious")
     out = subprocess.run(
         [sys.executable, "-m", "jaild", "serve", "--socket", str(target)],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True, text=True, timeout=guard(60), check=False,
     )
     assert out.returncode == 1
     assert "exists and is not a socket" in out.stderr

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, DaemonHandle, require_jail_host
+from tests.conftest import REPO, DaemonHandle, guard, require_jail_host
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +54,7 @@ def make_wheel(directory: Path, version: str = "0.1") -> Path:
 
 def jaild_env(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "jaild", "env", *args], capture_output=True,
-                          text=True, timeout=600, check=False)
+                          text=True, timeout=guard(600), check=False)
 
 
 def unseal_and_remove(path: Path) -> None:
@@ -201,7 +201,7 @@ def test_a_daemon_refuses_a_policy_naming_a_missing_env(
     state = scratch / "state"
     d = private_daemon({"absent": '[python]\nenv = "absent"\n'}, with_repo_policies=False,
                        args=("--state-dir", str(state)), wait=False)
-    assert d.proc.wait(60) == 1
+    assert d.proc.wait(guard(60)) == 1
     assert (f"{d.policies_dir}/absent.toml: python.env: environment {state}/envs/absent does "
             f"not exist; build it: jaild env build absent -r requirements.txt --state-dir "
             f"{state} (or point python.env at a venv)") in d.log()
@@ -229,7 +229,7 @@ def test_the_shipped_data_policy(private_daemon: Callable[..., DaemonHandle]) ->
     d = private_daemon({"data": (REPO / "policies" / "data.toml").read_text()},
                        with_repo_policies=False)
     with d.client() as c:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + guard(30)
         while {p["name"]: p for p in c.policies()}["data"]["pool"]["ready"] < 1:
             assert time.monotonic() < deadline, "the data pool never filled"
             time.sleep(0.1)
@@ -244,5 +244,5 @@ def test_the_shipped_data_policy(private_daemon: Callable[..., DaemonHandle]) ->
         assert pool["hits"] >= 1 and pool["max"] == 2
         # and the limit holds: 1.6 GB of touched pages end in memory_limit
         r = c.run("import numpy as np\na = np.ones(200_000_000)\nfloat(a.sum())", "data",
-                  timeout=60)
+                  timeout=guard(60))
         assert r.status == "memory_limit", (r.status, r.error)

@@ -22,7 +22,7 @@ from jaild.client import Client
 from jaild.errors import Busy, PermissionDenied, UnknownPolicy
 from jaild.protocol import PROTOCOL_VERSION
 from jaild.staging import locate_nsjail
-from tests.conftest import DaemonHandle, start_daemon, wait_listening
+from tests.conftest import DaemonHandle, guard, start_daemon, wait_listening
 
 pytestmark = pytest.mark.integration
 
@@ -59,19 +59,19 @@ def write_config(directory: Path, text: str) -> str:
 def test_kill_9_leaves_no_jail_alive_and_the_next_start_sweeps(tmp_path: Path) -> None:
     d = start_daemon(tmp_path)
     release = threading.Event()
-    started = threading.Barrier(21, timeout=60)
+    started = threading.Barrier(21, timeout=guard(60))
 
     def hold() -> bool:
         started.wait()
-        return release.wait(60)
+        return release.wait(guard(60))
 
     with Client(d.socket) as c:
         jobs = [c.submit("await tools.hold()", tools={"hold": hold}) for _ in range(20)]
         started.wait()  # all 20 jails are up and inside a tool call
         assert len(jailed_pids(d.config.uid_base)) >= 20
         d.proc.send_signal(signal.SIGKILL)
-        d.proc.wait(10)
-        deadline = time.monotonic() + 30  # a liveness guard: parent-death signals are prompt
+        d.proc.wait(guard(10))
+        deadline = time.monotonic() + guard(30)  # a liveness guard: parent-death signals are prompt
         while jailed_pids(d.config.uid_base) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert jailed_pids(d.config.uid_base) == [], "a jail outlived its daemon"
@@ -94,7 +94,7 @@ def test_kill_9_leaves_no_jail_alive_and_the_next_start_sweeps(tmp_path: Path) -
             assert c.run("2 + 2").result == 4
     finally:
         restarted.send_signal(signal.SIGTERM)
-        out, _ = restarted.communicate(timeout=30)
+        out, _ = restarted.communicate(timeout=guard(30))
     assert "removed stale socket" in out
     if d.layout.version == 1:
         assert f"swept {len(leftovers)} job(s) left by an earlier run" in out
@@ -120,14 +120,14 @@ def test_a_client_disconnect_kills_its_jail(daemon: DaemonHandle) -> None:
         seen = asyncio.Event()
         job = await c.submit("import time\nprint('up', flush=True)\ntime.sleep(600)",
                              on_stdout=lambda t: seen.set())
-        await asyncio.wait_for(seen.wait(), 60)
+        await asyncio.wait_for(seen.wait(), guard(60))
         before = set(daemon.job_pids(job.job_id))
         assert before
         await c.close()
         return job.job_id, before
 
     job_id, before = asyncio.run(scenario())
-    deadline = time.monotonic() + 60  # a liveness guard only: see the record below
+    deadline = time.monotonic() + guard(60)  # a liveness guard only: see the record below
     while (any(os.path.exists(f"/proc/{pid}") for pid in before)
            or daemon.audited(job_id) is None) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -202,7 +202,7 @@ def test_connection_limits(tuned: Callable[..., DaemonHandle]) -> None:
         with pytest.raises(Busy, match="already has 2 connections"):
             Client(d.socket)
         gate = threading.Event()
-        job = a.submit("await tools.wait()", tools={"wait": lambda: gate.wait(20)})
+        job = a.submit("await tools.wait()", tools={"wait": lambda: gate.wait(guard(20))})
         with pytest.raises(Busy, match="1 jobs running on this connection"):
             a.run("1")
         assert b.run("1 + 1").result == 2  # another connection is not affected
@@ -269,7 +269,7 @@ def test_accept_loop_survives_fd_exhaustion(tmp_path: Path) -> None:
         assert proc.poll() is None
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        proc.wait(guard(30))
     assert proc.returncode == 0
 
 
@@ -289,7 +289,7 @@ def test_an_nsjail_that_ignores_sigterm_is_killed(private_daemon: Callable[..., 
         # (the job's own deadline cannot: a job being terminated is not terminated again)
         job = c.submit("import time\nprint('up', flush=True)\ntime.sleep(600)", policy="spawn",
                        on_stdout=lambda t: seen.set())
-        assert seen.wait(60)
+        assert seen.wait(guard(60))
         assert d.job_pids(job.job_id)
         job.cancel()
         r = job.result(120)
@@ -341,7 +341,7 @@ def test_a_dead_zygote_fails_its_running_jobs_and_is_started_again(
         seen = threading.Event()
         job = c.submit("import time\nprint('up', flush=True)\ntime.sleep(60)", policy="tiny",
                        on_stdout=lambda t: seen.set())
-        assert seen.wait(20)
+        assert seen.wait(guard(20))
         os.kill(_zygote_pid(d, "tiny"), signal.SIGKILL)
         r = job.result(20)
         # the jail died with its zygote (parent-death signal) and nothing reported its end

@@ -20,7 +20,7 @@ import pytest
 from jaild.client import Client
 from jaild.errors import BadRequest
 from jaild.protocol.messages import Error, Message, RunJob
-from tests.conftest import DaemonHandle, RawClient
+from tests.conftest import DaemonHandle, RawClient, guard
 
 pytestmark = pytest.mark.integration
 
@@ -246,7 +246,7 @@ def test_cli_upload_and_download_dir(daemon: DaemonHandle, tmp_path: Path) -> No
          "--upload", str(src), "--upload", f"{src}=data/copy.txt", "--download-dir", str(out),
          "-c", "open('upper.txt', 'w').write(open('data/copy.txt').read().upper())\n"
                "import os\nsorted(os.listdir('.'))"],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True, text=True, timeout=guard(60), check=False,
     )
     assert proc.returncode == 0, proc.stderr
     assert "['data', 'input.txt', 'upper.txt']" in proc.stdout

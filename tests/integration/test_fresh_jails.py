@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from jaild.client import Client
-from tests.conftest import DaemonHandle
+from tests.conftest import DaemonHandle, guard
 
 pytestmark = pytest.mark.integration
 
@@ -110,7 +110,7 @@ def _hold_a(client: Client, policy: str) -> tuple[threading.Event, threading.Eve
 
     def hold() -> bool:
         up.set()
-        return release.wait(60)
+        return release.wait(guard(60))
 
     job = client.submit(
         LEAVE.format(tmp="/tmp") + "await tools.hold()\n"
@@ -125,7 +125,7 @@ def test_job_b_sees_nothing_of_job_a(daemon: DaemonHandle, policy: str) -> None:
     with Client(daemon.socket) as a_client, Client(daemon.socket) as b_client:
         up, release, job_a = _hold_a(a_client, policy)
         try:
-            assert up.wait(30), "job A did not reach its tool call"
+            assert up.wait(guard(30)), "job A did not reach its tool call"
             b = b_client.run(SEE.format(tmp="/tmp") + BUDGET, policy=policy)
         finally:
             release.set()
@@ -156,7 +156,7 @@ def test_positive_control_two_host_processes_see_each_other() -> None:
             assert a.stdout is not None and a.stdout.readline().strip() == "up"
             see = SEE.format(tmp=tmp) + "import json as j\nprint(j.dumps(seen))"
             out = subprocess.run([sys.executable, "-c", see], capture_output=True, text=True,
-                                 timeout=30, check=True).stdout
+                                 timeout=guard(30), check=True).stdout
             seen = json.loads(out)
         finally:
             os.killpg(a.pid, signal.SIGKILL)  # A's own processes, not every match on the host
@@ -191,7 +191,7 @@ def test_limits_count_from_the_jobs_start_not_the_jails(private_daemon: object) 
         with d.client() as c:
             return int({p["name"]: p for p in c.policies()}["quick"]["pool"]["ready"])
 
-    deadline = time.monotonic() + 60  # a liveness guard
+    deadline = time.monotonic() + guard(60)  # a liveness guard
     while ready() < 1:
         assert time.monotonic() < deadline, "the pool did not make its jail"
         time.sleep(0.05)

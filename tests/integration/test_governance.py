@@ -18,7 +18,7 @@ from jaild import tool
 from jaild.client import Client
 from jaild.errors import BadRequest
 from jaild.toolspec import HostTool
-from tests.conftest import DaemonHandle, start_daemon, sweep_cgroups
+from tests.conftest import DaemonHandle, guard, start_daemon, sweep_cgroups
 from tests.integration.test_faults import write_config
 
 pytestmark = pytest.mark.integration
@@ -115,7 +115,7 @@ def test_per_tool_timeouts(gd: DaemonHandle) -> None:
 
     @tool(timeout_s=0.3)
     def slow() -> str:
-        gate.wait(60)  # answers only once the job is over: the 0.3 s timeout must cut it
+        gate.wait(guard(60))  # answers only once the job is over: the 0.3 s timeout must cut it
         answered.append("slow")
         return "late"
 
@@ -253,12 +253,12 @@ def test_approval_from_another_thread_does_not_block_other_jobs(gd: DaemonHandle
 
     def approve(name: str, args: list[object], kwargs: dict[str, object]) -> bool:
         asked.set()
-        answered.append(gate.wait(60))  # a human thinking it over
+        answered.append(gate.wait(guard(60)))  # a human thinking it over
         return answered[-1]
 
     with Client(gd.socket, approve=approve) as c:
         waiting = c.submit("await tools.act()", tools=[act])
-        assert asked.wait(60)
+        assert asked.wait(guard(60))
         assert c.run("'meanwhile'").result == "meanwhile"
         assert answered == []  # served while the approval was still pending
         gate.set()

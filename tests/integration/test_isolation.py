@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from jaild.client import Client
-from tests.conftest import REPO, DaemonHandle, run_unjailed
+from tests.conftest import REPO, DaemonHandle, guard, run_unjailed
 
 pytestmark = pytest.mark.integration
 
@@ -257,7 +257,7 @@ def test_jobs_cannot_see_each_other(daemon: DaemonHandle) -> None:
     release = threading.Event()
 
     def hold() -> bool:
-        return release.wait(20)
+        return release.wait(guard(20))
 
     with Client(daemon.socket) as c:
         a = c.submit("open('/tmp/a-secret', 'w').write('a')\nawait tools.hold()", tools={"hold": hold})

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from jaild.client import Client
-from tests.conftest import DaemonHandle
+from tests.conftest import DaemonHandle, guard
 
 pytestmark = pytest.mark.integration
 
@@ -114,7 +114,7 @@ def test_output_streams_while_the_job_runs(client: Client) -> None:
 
     def wait_until_seen() -> bool:
         """Blocks until the client has received the job's first line."""
-        return seen.wait(timeout=10)
+        return seen.wait(timeout=guard(10))
 
     r = client.run("print('ready')\nawait tools.wait_until_seen()",
                    tools={"wait_until_seen": wait_until_seen}, on_stdout=on_stdout)
@@ -162,7 +162,7 @@ def test_forged_finish_ends_a_zygote_jail_at_once(daemon: DaemonHandle, client: 
     r = job.result(60)
     assert (r.status, r.result) == ("ok", "forged")
     # killed then, not at its 30 s deadline nor after its sleep: gone well before either
-    deadline = time.monotonic() + 20  # a liveness guard, well short of the deadline
+    deadline = time.monotonic() + guard(20)  # a liveness guard, well short of the deadline
     while daemon.job_pids(r.job_id) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert daemon.job_pids(r.job_id) == []

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import pytest
 
 from jaild.client import Client
-from tests.conftest import REPO, DaemonHandle
+from tests.conftest import REPO, DaemonHandle, guard
 
 pytestmark = pytest.mark.integration
 
@@ -261,7 +261,7 @@ def test_persistent_mode_shares_one_jaild_session(
     assert "note: the previous jaild session ended (timeout)" in _text(fresh)
     # the MCP session ended: so did the jaild session
     last = fresh.structured_content["session"]["id"]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + guard(10)
     with Client(md.socket) as c:
         while last in {row["id"] for row in c.jobs()} and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -274,19 +274,19 @@ def test_startup_errors_name_the_culprit(
     bad = tmp_path / "bad.json"
     bad.write_text('{"mcpServers": {"demo": {"command": "x", "argz": []}}}')
     r = subprocess.run(_jaild_mcp(md.socket, "--tools", str(bad)), capture_output=True,
-                       text=True, timeout=30, cwd=REPO, stdin=subprocess.DEVNULL)
+                       text=True, timeout=guard(30), cwd=REPO, stdin=subprocess.DEVNULL)
     assert r.returncode == 2
     assert f"{bad}: mcpServers.demo.argz: unknown key" in r.stderr
 
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps({"mcpServers": {"gone": {"command": str(tmp_path / "nope")}}}))
     r = subprocess.run(_jaild_mcp(md.socket, "--tools", str(broken)), capture_output=True,
-                       text=True, timeout=30, cwd=REPO, stdin=subprocess.DEVNULL)
+                       text=True, timeout=guard(30), cwd=REPO, stdin=subprocess.DEVNULL)
     assert r.returncode == 1
     assert f"MCP server 'gone' (from {broken}) failed to start" in r.stderr
 
     r = subprocess.run(_jaild_mcp(str(tmp_path / "no.sock")), capture_output=True, text=True,
-                       timeout=30, cwd=REPO, stdin=subprocess.DEVNULL)
+                       timeout=guard(30), cwd=REPO, stdin=subprocess.DEVNULL)
     assert r.returncode == 69 and "no jaild daemon" in r.stderr
 
     # --skip-failed serves the rest
@@ -343,7 +343,7 @@ def test_streamable_http(md: DaemonHandle, servers_json: Path, tmp_path: Path) -
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
         )
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + guard(30)
         while True:
             assert proc.poll() is None, log_path.read_text()
             with socket.socket() as s:
@@ -365,7 +365,7 @@ def test_streamable_http(md: DaemonHandle, servers_json: Path, tmp_path: Path) -
             b = await one_session(["y"])
             return a, b
 
-        (set_y, read_y), (other,) = asyncio.run(asyncio.wait_for(main(), 60))
+        (set_y, read_y), (other,) = asyncio.run(asyncio.wait_for(main(), guard(60)))
         assert set_y.is_error is False, _text(set_y)
         assert read_y.structured_content["result"] == 42
         assert read_y.structured_content["session"]["run"] == 2
@@ -374,7 +374,7 @@ def test_streamable_http(md: DaemonHandle, servers_json: Path, tmp_path: Path) -
         assert other.structured_content["session"]["id"] != read_y.structured_content["session"]["id"]
         # each MCP session's end (the client's DELETE) closed its jaild session
         ended = {read_y.structured_content["session"]["id"], other.structured_content["session"]["id"]}
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + guard(10)
         with Client(md.socket) as c:
             while ended & {row["id"] for row in c.jobs()} and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -384,7 +384,7 @@ def test_streamable_http(md: DaemonHandle, servers_json: Path, tmp_path: Path) -
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         try:
-            code = proc.wait(timeout=20)
+            code = proc.wait(timeout=guard(20))
         except subprocess.TimeoutExpired:
             proc.kill()
             code = proc.wait()

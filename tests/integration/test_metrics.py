@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaild.client import Client
 from jaild.errors import UnknownPolicy
-from tests.conftest import REPO_POLICIES, DaemonHandle, start_daemon, sweep_cgroups
+from tests.conftest import REPO_POLICIES, DaemonHandle, guard, start_daemon, sweep_cgroups
 from tests.integration.test_faults import write_config
 
 pytestmark = pytest.mark.integration
@@ -36,7 +36,7 @@ class Scraper:
         self.url = f"http://127.0.0.1:{port}/metrics"
 
     def samples(self) -> Samples:
-        with urllib.request.urlopen(self.url, timeout=10) as response:
+        with urllib.request.urlopen(self.url, timeout=guard(10)) as response:
             assert response.status == 200
             assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
             text = response.read().decode()
@@ -66,7 +66,7 @@ def md(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonHandle,
 def jaild_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "JAILD_SOCKET"}
     return subprocess.run([sys.executable, "-m", "jaild", *args], capture_output=True, text=True,
-                          timeout=60, env=env, check=False)
+                          timeout=guard(60), env=env, check=False)
 
 
 def test_jobs_refusals_and_sessions_are_scraped(md: tuple[DaemonHandle, Scraper]) -> None:
@@ -111,12 +111,12 @@ def test_jobs_refusals_and_sessions_are_scraped(md: tuple[DaemonHandle, Scraper]
 def test_the_endpoint_answers_only_metrics(md: tuple[DaemonHandle, Scraper]) -> None:
     _, scrape = md
     with pytest.raises(urllib.error.HTTPError) as info:
-        urllib.request.urlopen(scrape.url.replace("/metrics", "/"), timeout=10)
+        urllib.request.urlopen(scrape.url.replace("/metrics", "/"), timeout=guard(10))
     assert info.value.code == 404
     info.value.close()
     request = urllib.request.Request(scrape.url, data=b"x", method="POST")
     with pytest.raises(urllib.error.HTTPError) as info:
-        urllib.request.urlopen(request, timeout=10)
+        urllib.request.urlopen(request, timeout=guard(10))
     assert info.value.code == 405
     info.value.close()
 
@@ -184,7 +184,7 @@ def test_a_port_in_use_stops_the_daemon_with_a_clear_message(
             {"default": (REPO_POLICIES / "default.toml").read_text()},
             with_repo_policies=False, args=("--config", config), wait=False,
         )
-        assert d.proc.wait(timeout=60) == 1, d.log()[-3000:]
+        assert d.proc.wait(timeout=guard(60)) == 1, d.log()[-3000:]
     assert (
         f"jaild: cannot start: daemon.metrics_address: cannot listen on '127.0.0.1:{port}': "
         f"port {port} on 127.0.0.1 is already in use"

@@ -15,7 +15,7 @@ import pytest
 from jaild.client import Client
 from jaild.errors import PolicyUnavailable
 from jaild.staging import locate_nsjail
-from tests.conftest import STATE_DIR, TEST_POLICIES, DaemonHandle
+from tests.conftest import STATE_DIR, TEST_POLICIES, DaemonHandle, guard
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def doctor(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "jaild", "doctor", "--state-dir", STATE_DIR, *args],
-                          capture_output=True, text=True, timeout=300, check=False)
+                          capture_output=True, text=True, timeout=guard(300), check=False)
 
 
 def test_doctor_passes_on_this_host() -> None:
@@ -65,7 +65,7 @@ def test_a_jail_with_the_host_network_is_refused(private_daemon: Callable[..., D
     assert listed["spawn"]["available"] is False
     assert "no network interfaces" in listed["spawn"]["problems"]
     shown = subprocess.run([sys.executable, "-m", "jaild", "policies", "--socket", d.socket],
-                           capture_output=True, text=True, timeout=60, check=True).stdout
+                           capture_output=True, text=True, timeout=guard(60), check=True).stdout
     assert "NOT SERVED: it failed its self-test at start: " in shown
     assert "failed its self-test and will not be served" in d.log()
 
@@ -104,11 +104,11 @@ def test_config_file_is_validated(tmp_path: Path) -> None:
     cfg = tmp_path / "jaild.toml"
     cfg.write_text("[limits]\nmax_jobs = 0\n")
     out = subprocess.run([sys.executable, "-m", "jaild", "serve", "--config", str(cfg)],
-                         capture_output=True, text=True, timeout=60, check=False)
+                         capture_output=True, text=True, timeout=guard(60), check=False)
     assert out.returncode == 1
     assert f"{cfg}: limits.max_jobs: must be between 1 and 65536, got 0" in out.stderr
     cfg.write_text("[deamon]\nsocket = '/x'\n")
     out = subprocess.run([sys.executable, "-m", "jaild", "serve", "--config", str(cfg)],
-                         capture_output=True, text=True, timeout=60, check=False)
+                         capture_output=True, text=True, timeout=guard(60), check=False)
     assert f"{cfg}: deamon: unknown key; the config accepts daemon, access, limits" in out.stderr
     assert TEST_POLICIES.exists() and os.path.exists(STATE_DIR)

@@ -13,7 +13,7 @@ import pytest
 
 from jaild.client import Client
 from jaild.errors import BadRequest, ConnectionLost
-from tests.conftest import DaemonHandle
+from tests.conftest import DaemonHandle, guard
 
 pytestmark = pytest.mark.integration
 
@@ -126,15 +126,15 @@ def test_cancelled_by_the_client(daemon: DaemonHandle, client: Client) -> None:
     seen = threading.Event()
     job = client.submit("import time\nprint('up', flush=True)\ntime.sleep(30)",
                         on_stdout=lambda t: seen.set())
-    assert seen.wait(15)
+    assert seen.wait(guard(15))
     assert job.job_id in _running_job_ids(daemon)
     job.cancel()
-    r = job.result(timeout=15)
+    r = job.result(timeout=guard(15))
     assert r.status == "cancelled"
     assert r.error is not None and r.error["message"] == "cancelled by the client"
     assert r.stdout == "up\n"
     # the record goes out first; the jail's cgroup goes once its processes are reaped
-    deadline = time.monotonic() + 30  # a liveness guard
+    deadline = time.monotonic() + guard(30)  # a liveness guard
     while job.job_id in _running_job_ids(daemon) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert job.job_id not in _running_job_ids(daemon)
@@ -160,14 +160,14 @@ def test_client_disconnect_cancels_its_jobs(daemon: DaemonHandle) -> None:
         seen = asyncio.Event()
         task = asyncio.ensure_future(c.run("import time\nprint('up', flush=True)\ntime.sleep(30)",
                                            on_stdout=lambda t: seen.set()))
-        await asyncio.wait_for(seen.wait(), 15)
+        await asyncio.wait_for(seen.wait(), guard(15))
         await c.close()  # the connection goes away mid-job
         with pytest.raises(ConnectionLost):
             await task
 
     before = set(_running_job_ids(daemon))
     asyncio.run(scenario())
-    deadline = time.monotonic() + 30  # a liveness guard
+    deadline = time.monotonic() + guard(30)  # a liveness guard
     while time.monotonic() < deadline and set(_running_job_ids(daemon)) - before:
         time.sleep(0.05)
     assert not set(_running_job_ids(daemon)) - before, "the jail outlived its client"
@@ -203,7 +203,7 @@ def test_daemon_shutdown_cancels_running_jobs(private_daemon: Callable[..., Daem
 
     t = threading.Thread(target=runner)
     t.start()
-    assert seen.wait(15)
+    assert seen.wait(guard(15))
     code = d.stop(sig)
     t.join(15)
     assert code == 0

@@ -10,7 +10,7 @@ import pytest
 
 from jaild.client import Client
 from jaild.errors import ConnectionLost, PermissionDenied
-from tests.conftest import DaemonHandle
+from tests.conftest import DaemonHandle, guard
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +55,7 @@ def test_blocking_call_from_a_worker_thread_inside_async_code(client: Client) ->
 
 
 def test_gathered_calls_are_in_flight_together_on_the_host(client: Client) -> None:
-    barrier = threading.Barrier(3, timeout=10)
+    barrier = threading.Barrier(3, timeout=guard(10))
 
     def meet(i: int) -> int:
         barrier.wait()  # only returns once all three calls are running at the same time
@@ -80,7 +80,7 @@ def test_async_handlers_run_concurrently(client: Client) -> None:
         if in_handler == 6:
             all_in.set()
         try:
-            await asyncio.wait_for(all_in.wait(), 60)
+            await asyncio.wait_for(all_in.wait(), guard(60))
         finally:
             in_handler -= 1
         return i
@@ -188,7 +188,7 @@ def test_calls_beyond_the_in_flight_cap_fail_clearly(daemon: DaemonHandle) -> No
     before = refused()
 
     async def slow() -> str:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + guard(60)
         while refused() < before + 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         return "done"
@@ -260,7 +260,7 @@ def test_client_disconnect_during_a_tool_call_cancels_the_job(daemon: DaemonHand
             await job.result()
 
     asyncio.run(scenario())
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + guard(10)
     while time.monotonic() < deadline and "client disconnected" not in daemon.log():
         time.sleep(0.05)
     assert "status=cancelled" in daemon.log()

@@ -15,7 +15,7 @@ import pytest
 
 from jaild.client import Client
 from jaild.protocol.messages import JobAccepted, JobFinished, JobOutput, RunJob
-from tests.conftest import DaemonHandle, RawClient, start_daemon, sweep_cgroups
+from tests.conftest import DaemonHandle, RawClient, guard, start_daemon, sweep_cgroups
 from tests.integration.test_faults import write_config
 
 pytestmark = pytest.mark.integration
@@ -70,8 +70,15 @@ def test_every_record_carries_usage(ud: DaemonHandle, policy: str) -> None:
     # the loop (user time: reading the process's CPU clock is a system call, so the loop
     # does enough work between two readings to be user time); the page faults
     assert u["cpu_user_s"] > 0.1 and u["cpu_system_s"] > 0
-    assert u["memory_peak_bytes"] >= 100 << 20
-    assert u["pids_peak"] >= 6
+    # a peak the kernel does not keep is null, never a guess (memory.peak: v2 since 5.19)
+    if ud.measures("memory.peak"):
+        assert u["memory_peak_bytes"] >= 100 << 20
+    else:
+        assert u["memory_peak_bytes"] is None
+    if ud.measures("pids.peak"):
+        assert u["pids_peak"] >= 6
+    else:
+        assert u["pids_peak"] is None
     assert u["output_bytes"] == 1000
     assert u["tool_calls"] == 3 and u["tool_time_s"] >= 0.3
     assert u["stream_paused_s"] == 0 and u["stream_dropped_bytes"] == 0
@@ -80,7 +87,10 @@ def test_every_record_carries_usage(ud: DaemonHandle, policy: str) -> None:
 def test_a_small_job_uses_little(ud: DaemonHandle) -> None:
     with Client(ud.socket) as c:
         r = c.run("1 + 1")
-    assert r.usage["memory_peak_bytes"] < 64 << 20 and r.usage["pids_peak"] <= 2
+    if ud.measures("memory.peak"):
+        assert r.usage["memory_peak_bytes"] < 64 << 20
+    if ud.measures("pids.peak"):
+        assert r.usage["pids_peak"] <= 2
     assert cpu(r) < 0.2 and r.usage["output_bytes"] == 0 and r.usage["tool_calls"] == 0
 
 
@@ -114,14 +124,17 @@ def test_totals_per_policy_and_uid(tmp_path: Path) -> None:
         default, spawn = stats["policies"]["default"], stats["policies"]["spawn"]
         assert default["jobs"] == 3 and default["statuses"] == {"ok": 2, "error": 1}
         assert default["sessions"] == 1 and default["tool_calls"] == 1
-        assert default["output_bytes"] == 3 and default["memory_peak_bytes"] > 0
+        assert default["output_bytes"] == 3
+        # totals: the largest peak any one job had (0 when the kernel keeps none)
+        assert (default["memory_peak_bytes"] > 0) == d.measures("memory.peak")
         assert spawn["jobs"] == 1 and spawn["statuses"] == {"ok": 1}
         mine = stats["uids"]["0"]
         assert mine["jobs"] == 4 and mine["sessions"] == 1
         assert mine["cpu_user_s"] + mine["cpu_system_s"] > 0
         assert stats["running"] == {"jobs": 0, "sessions": 0, "connections": 1}
         out = subprocess.run([sys.executable, "-m", "jaild", "stats", "--json", "--socket",
-                              d.socket], capture_output=True, text=True, timeout=30, check=True)
+                              d.socket], capture_output=True, text=True, timeout=guard(30),
+                             check=True)
         assert json.loads(out.stdout)["policies"]["default"]["jobs"] == 3
     finally:
         d.stop()
@@ -216,7 +229,7 @@ def test_other_clients_are_served_while_one_stalls(ud: DaemonHandle) -> None:
 
     def stall(job_id: str) -> None:
         stalled.append(job_id)
-        release.wait(120)
+        release.wait(guard(120))
 
     thread = threading.Thread(target=lambda: box.append(
         stalled_job(ud.socket, "flood-pause", stall)))
