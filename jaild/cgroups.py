@@ -101,8 +101,10 @@ def _kill_members(directory: str) -> int:
     On v2 kernels with ``cgroup.kill`` (5.14+) the kernel kills the whole subtree at once,
     forks in flight included; the walk below then only counts (and catches stragglers)."""
     killed = 0
-    with contextlib.suppress(OSError):
-        _write(os.path.join(directory, "cgroup.kill"), "1")
+    kill = os.path.join(directory, "cgroup.kill")  # v2 only; v1 has no such file
+    if os.path.exists(kill):
+        with contextlib.suppress(OSError):  # the cgroup may be going away
+            _write(kill, "1")
     for root, _dirs, files in os.walk(directory, topdown=False):
         name = "cgroup.procs" if "cgroup.procs" in files else "tasks"
         try:
