@@ -138,10 +138,13 @@ def _configure(root: Path, guest: Guest) -> None:
     (root / "etc/hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 jaild-{guest.name}\n")
     (root / "etc/fstab").write_text(
         "/dev/vda / ext4 rw,errors=remount-ro 0 1\n"
-        "hosts /mnt/hosts 9p trans=virtio,version=9p2000.L,msize=1048576,cache=none 0 0\n"
+        "hosts /mnt/hosts 9p trans=virtio,version=9p2000.L,msize=1048576,cache=none,"
+        "x-systemd.requires=systemd-modules-load.service 0 0\n"
     )
     (root / "mnt/hosts").mkdir(parents=True, exist_ok=True)
-    # the 9p transport is a module udev does not load in time on every kernel (5.10)
+    # The 9p transport is a module: kernel 5.10 does not load it when a mount asks for it
+    # ("Could not find request transport: virtio"), so it is loaded by modules-load.d and the
+    # mount waits for that (x-systemd.requires above; without it the two race).
     (root / "etc/modules-load.d/jaild-hosts.conf").write_text("9p\n9pnet_virtio\n")
     # QEMU's user-mode network: static, so nothing waits on DHCP.
     network = root / "etc/systemd/network/10-qemu.network"
