@@ -176,6 +176,14 @@ def guard(seconds: float) -> float:
     return seconds * TIME_SCALE
 
 
+def until(condition: Callable[[], object], what: str, timeout: float = 60) -> None:
+    """Wait for ``condition()`` to hold; ``timeout`` is a liveness guard only."""
+    deadline = time.monotonic() + guard(timeout)
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {guard(timeout)} s"
+        time.sleep(0.02)
+
+
 def wait_listening(path: str, proc: subprocess.Popen[bytes], log_path: str,
                    timeout: float = 60) -> None:
     """Wait until the daemon *serves*: it answers Hello (the socket accepts connections

@@ -16,7 +16,7 @@ import pytest
 
 from jaild.client import AsyncClient, Client
 from jaild.errors import BadRequest, Busy, PermissionDenied, SessionClosed, UnknownJob
-from tests.conftest import REPO, DaemonHandle, ForeignClient, guard
+from tests.conftest import REPO, DaemonHandle, ForeignClient, guard, until
 
 pytestmark = pytest.mark.integration
 
@@ -43,16 +43,8 @@ def _cgroup(d: DaemonHandle, ident: str) -> Path:
     return d.cgroup_dir(ident)
 
 
-def until(condition: Callable[[], object], what: str, timeout: float = 60) -> None:
-    """Wait for ``condition()``; ``timeout`` is a liveness guard only."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not come within {timeout} s"
-        time.sleep(0.02)
-
-
 def _gone(d: DaemonHandle, ident: str, timeout: float = 30) -> bool:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + guard(timeout)
     while _cgroup(d, ident).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     return not _cgroup(d, ident).exists()

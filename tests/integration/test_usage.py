@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
+import os
+import platform
 import socket
 import subprocess
 import sys
@@ -15,7 +16,14 @@ import pytest
 
 from jaild.client import Client
 from jaild.protocol.messages import JobAccepted, JobFinished, JobOutput, RunJob
-from tests.conftest import DaemonHandle, RawClient, guard, start_daemon, sweep_cgroups
+from tests.conftest import (
+    DaemonHandle,
+    RawClient,
+    guard,
+    start_daemon,
+    sweep_cgroups,
+    until,
+)
 from tests.integration.test_faults import write_config
 
 pytestmark = pytest.mark.integration
@@ -170,23 +178,28 @@ def listed(d: DaemonHandle, job_id: str) -> bool:
         return job_id in {row["id"] for row in c.jobs()}
 
 
-def until(condition: Callable[[], object], what: str, timeout: float = 60) -> None:
-    """Wait for ``condition()`` to hold; ``timeout`` is a liveness guard only."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
-        time.sleep(0.02)
+# write(2) and writev(2): what a job printing to its output pipe sleeps in
+WRITE_SYSCALLS = {"x86_64": {1, 20}, "aarch64": {64, 66}}[platform.machine()]
 
 
 def writes_blocked(d: DaemonHandle, job_id: str) -> bool:
-    """The job's processes are all asleep writing to their output pipe: the daemon stopped
-    reading it (the kernel's own word, /proc/PID/wchan)."""
+    """The job's processes are all asleep writing to a pipe: the daemon stopped reading their
+    output. The kernel's own word: /proc/PID/syscall names the call and its fd, /proc/PID/stat
+    says asleep, /proc/PID/fd/N says a pipe. (/proc/PID/wchan would say ``pipe_write``, but
+    reads ``0`` on kernels with the 2021 wchan disable backported: Debian 11's 5.10.)"""
     pids = d.job_pids(job_id)
-    wchans = []
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            wchans.append(Path(f"/proc/{pid}/wchan").read_text())
-    return bool(pids) and len(wchans) == len(pids) and all("pipe_write" in w for w in wchans)
+    return bool(pids) and all(_asleep_writing_a_pipe(pid) for pid in pids)
+
+
+def _asleep_writing_a_pipe(pid: int) -> bool:
+    try:
+        call = Path(f"/proc/{pid}/syscall").read_text().split()  # "running" while it runs
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state != "S" or int(call[0]) not in WRITE_SYSCALLS:
+            return False
+        return os.readlink(f"/proc/{pid}/fd/{int(call[1], 16)}").startswith("pipe:")
+    except (OSError, IndexError, ValueError):  # gone, running, or not ours to read
+        return False
 
 
 def test_a_slow_client_pauses_the_jobs_output(ud: DaemonHandle) -> None:
