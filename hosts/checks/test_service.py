@@ -206,6 +206,30 @@ def test_kill_9_restarts_and_the_sweep_removes_what_the_crash_left() -> None:
     assert all(Path(f"/proc/{p}/cgroup").read_text().find(job.job_id) < 0 for p in alive)
 
 
+# the installed policies that let jobs call host tools (strict lists none)
+TOOL_POLICIES = {"default", "data"}
+
+
+def test_every_policy_works_under_the_units_hardening() -> None:
+    """The unit's sandboxing (SystemCallFilter, RestrictAddressFamilies, PrivateIPC, ...)
+    leaves every installed policy able to start jails, broker a host tool call, and keep a
+    session's state between runs."""
+    systemctl("start", UNIT)
+    with Client(SOCKET) as c:
+        names = [p["name"] for p in c.policies() if p["available"]]
+        assert set(names) >= {"default", "strict", "data"}, names
+        for name in names:
+            if name in TOOL_POLICIES:
+                r = c.run("(await tools.echo(6)) * 7", name, tools={"echo": lambda v: v})
+            else:
+                r = c.run("6 * 7", name)
+            assert (r.status, r.result) == ("ok", 42), (name, r.status, r.error)
+        with c.session("default", tools={"add": lambda a, b: a + b}) as s:
+            assert s.run("x = await tools.add(40, 1)").status == "ok"
+            r = s.run("x + 1")
+            assert (r.status, r.result) == ("ok", 42), (r.status, r.error)
+
+
 def test_audit_records_reach_the_journal() -> None:
     systemctl("start", UNIT)
     since = now()
