@@ -148,8 +148,9 @@ def prepare_run(run: Path, args: argparse.Namespace) -> None:
     shutil.copytree(HERE / "checks", share / "checks")
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], check=True,
                             capture_output=True, text=True).stdout.strip()
+    suite = " ".join(args.tests) if args.tests else SUITES[args.suite]
     (share / "config.env").write_text(
-        f"COMMIT={commit}\nSUITE={SUITES[args.suite]!r}\nSTEPS={' '.join(args.steps)!r}\n"
+        f"COMMIT={commit}\nSUITE={suite!r}\nSTEPS={' '.join(args.steps)!r}\n"
     )
     # the accelerator is only known at boot: steps.sh reads it from here when it runs
     (share / "accel").write_text("unknown\n")
@@ -251,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a guest to run (repeatable; default: debian12)")
     p.add_argument("--suite", choices=sorted(SUITES), default="full",
                    help="what `make test` runs in the guest (default full)")
+    p.add_argument("--tests", nargs="+", metavar="PATH",
+                   help="test paths (pytest node ids) to run instead of --suite")
     p.add_argument("--steps", nargs="+", default=list(STEPS), choices=STEPS,
                    help="the steps to run, in their fixed order (default: all)")
     p.add_argument("--accel", choices=("auto", "kvm", "tcg"), default="auto")
