@@ -250,13 +250,18 @@ def _subtrees() -> set[str]:
     return found
 
 
+def proc_stat(pid: int | str) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name: ``[0]`` the state (``S``,
+    ``Z``...), ``[1]`` the parent's pid. Raises OSError once the process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _descendants(pid: int) -> set[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError, IndexError, ValueError):
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
+                children.setdefault(int(proc_stat(entry)[1]), []).append(int(entry))
     found, todo = set(), [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -297,7 +302,7 @@ def no_cgroups_left_behind() -> Iterator[None]:
     def left() -> set[str]:
         return _subtrees() - before - _foreign_subtrees()
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + guard(10)
     while left() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert left() == set(), "daemons left cgroup subtrees behind"

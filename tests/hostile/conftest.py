@@ -21,7 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_POLICIES, TEST_POLICIES, DaemonHandle, guard, start_daemon
+from tests.conftest import (
+    REPO_POLICIES,
+    TEST_POLICIES,
+    DaemonHandle,
+    guard,
+    proc_stat,
+    start_daemon,
+)
 
 
 def standing(d: DaemonHandle) -> set[str]:
@@ -67,7 +74,7 @@ def jail_processes(d: DaemonHandle) -> list[int]:
 def _exiting(pid: int) -> bool:
     """Has ``pid`` exited (a zombie not reaped yet, or gone)?"""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = proc_stat(pid)[0]
     except (OSError, IndexError):
         return True
     return state in ("Z", "X")

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from jaild.client import Client
-from jaild.errors import Busy, PermissionDenied, UnknownPolicy
+from jaild.errors import Busy, ConnectionLost, PermissionDenied, UnknownPolicy
 from jaild.protocol import PROTOCOL_VERSION
 from jaild.staging import locate_nsjail
-from tests.conftest import DaemonHandle, guard, start_daemon, wait_listening
+from tests.conftest import DaemonHandle, guard, proc_stat, start_daemon, wait_listening
 
 pytestmark = pytest.mark.integration
 
@@ -123,16 +123,20 @@ def test_a_client_disconnect_kills_its_jail(daemon: DaemonHandle) -> None:
         await asyncio.wait_for(seen.wait(), guard(60))
         before = set(daemon.job_pids(job.job_id))
         assert before
-        await c.close()
+        await c.close()  # the connection goes away mid-job
+        with pytest.raises(ConnectionLost):  # the client's side: the job is lost, and says so
+            await job.result()
         return job.job_id, before
 
     job_id, before = asyncio.run(scenario())
     deadline = time.monotonic() + guard(60)  # a liveness guard only: see the record below
     while (any(os.path.exists(f"/proc/{pid}") for pid in before)
+           or daemon.cgroup_dir(job_id).exists()
            or daemon.audited(job_id) is None) and time.monotonic() < deadline:
         time.sleep(0.01)
     alive = [pid for pid in before if os.path.exists(f"/proc/{pid}")]
     assert alive == [], "the jail outlived its client"
+    assert not daemon.cgroup_dir(job_id).exists(), "the job's cgroup outlived its client"
     record = daemon.audited(job_id)
     assert record is not None, daemon.log()[-2000:]
     assert record["status"] == "cancelled", record
@@ -307,7 +311,7 @@ def test_an_nsjail_that_ignores_sigterm_is_killed(private_daemon: Callable[..., 
 
 def _is_zombie_child(pid: int, parent: int) -> bool:
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = proc_stat(pid)
     except OSError:
         return False
     return fields[0] == "Z" and int(fields[1]) == parent

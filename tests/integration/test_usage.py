@@ -20,6 +20,7 @@ from tests.conftest import (
     DaemonHandle,
     RawClient,
     guard,
+    proc_stat,
     start_daemon,
     sweep_cgroups,
     until,
@@ -194,8 +195,7 @@ def writes_blocked(d: DaemonHandle, job_id: str) -> bool:
 def _asleep_writing_a_pipe(pid: int) -> bool:
     try:
         call = Path(f"/proc/{pid}/syscall").read_text().split()  # "running" while it runs
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        if state != "S" or int(call[0]) not in WRITE_SYSCALLS:
+        if proc_stat(pid)[0] != "S" or int(call[0]) not in WRITE_SYSCALLS:
             return False
         return os.readlink(f"/proc/{pid}/fd/{int(call[1], 16)}").startswith("pipe:")
     except (OSError, IndexError, ValueError):  # gone, running, or not ours to read
