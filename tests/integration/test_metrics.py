@@ -78,7 +78,10 @@ def test_jobs_refusals_and_sessions_are_scraped(md: tuple[DaemonHandle, Scraper]
         return scrape.samples().get(key, 0.0) - before.get(key, 0.0)
 
     with Client(d.socket) as c:
-        assert c.run("6 * 7").status == "ok"
+        # 0.1 s of the job's own CPU time in user mode: trivial code alone can stay under the
+        # accounting's 10 ms tick, and the sum below would be 0
+        burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.1: pass\n6 * 7"
+        assert c.run(burn).status == "ok"
         assert c.run("import time\ntime.sleep(0.3)\nraise ValueError('no')").status == "error"
         assert c.run("import time\ntime.sleep(30)", timeout=1).status == "timeout"
         with pytest.raises(UnknownPolicy):
