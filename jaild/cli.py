@@ -35,7 +35,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaild import __version__
-from jaild.config import DaemonConfig, default_policies_dir, default_state_dir, socket_from_env
+from jaild.daemon.config import (
+    DaemonConfig,
+    default_policies_dir,
+    default_state_dir,
+    socket_from_env,
+)
 from jaild.errors import DaemonUnavailable, JaildError, PolicyError
 
 EXIT_STATUS = {
@@ -74,7 +79,7 @@ def _daemon_config(args: argparse.Namespace, socket_path: str | None) -> DaemonC
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from jaild.server import StartupError, serve
+    from jaild.daemon.server import StartupError, serve
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
@@ -135,7 +140,7 @@ def _writer(stream: Any) -> Any:
 
 def _uploads(specs: Sequence[str] | None) -> dict[str, Any]:
     """``--upload PATH`` (under its base name) or ``--upload PATH=DEST`` (at DEST)."""
-    from jaild.files import load_uploads
+    from jaild.transfer import load_uploads
 
     items: dict[str, Any] = {}
     for spec in specs or ():
@@ -150,7 +155,7 @@ def _uploads(specs: Sequence[str] | None) -> dict[str, Any]:
 def _save_downloads(result: Any, directory: str | None) -> None:
     if not directory or not result.downloads:
         return
-    from jaild.files import UnsafePath
+    from jaild.transfer import UnsafePath
 
     try:
         for path in result.save_files(directory):
@@ -164,7 +169,7 @@ def _save_downloads(result: Any, directory: str | None) -> None:
 async def _run_private(
     args: argparse.Namespace, code: str, filename: str, tools: dict[str, Any]
 ) -> Any:
-    from jaild.server import Daemon
+    from jaild.daemon.server import Daemon
 
     with tempfile.TemporaryDirectory(prefix="jaild-private-") as tmp:
         socket_path = os.path.join(tmp, "jaild.sock")
@@ -488,10 +493,10 @@ def cmd_policies(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Host checks, then each policy's self-test in a private daemon; exit 1 on any failure."""
+    from jaild.daemon.selftest import Check, cgroup_placement_check, host_checks
+    from jaild.daemon.server import Daemon, StartupError
+    from jaild.daemon.staging import locate_nsjail
     from jaild.policy.schema import load_policy_dir
-    from jaild.selftest import Check, cgroup_placement_check, host_checks
-    from jaild.server import Daemon, StartupError
-    from jaild.staging import locate_nsjail
 
     try:
         config = _daemon_config(args, None)
@@ -596,8 +601,8 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
 
 
 def cmd_policy_explain(args: argparse.Namespace) -> int:
-    from jaild.cgroups import CgroupError, detect
-    from jaild.config import DaemonConfig
+    from jaild.daemon.cgroups import CgroupError, detect
+    from jaild.daemon.config import DaemonConfig
     from jaild.policy.compile import (
         JOB_UIDS,
         CgroupLayout,

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaild import __version__
-from jaild.config import socket_from_env
+from jaild.daemon.config import socket_from_env
 from jaild.errors import (
     ConnectionLost,
     DaemonUnavailable,
@@ -49,7 +49,6 @@ from jaild.errors import (
 from jaild.errors import (
     SessionClosed as SessionClosedError,
 )
-from jaild.files import load_uploads, save_files
 from jaild.protocol import CLOSED, NEED_DATA, PROTOCOL_VERSION, Connection, Role, pack, unpack
 from jaild.protocol.messages import (
     MAX_PAYLOAD_BYTES,
@@ -80,6 +79,7 @@ from jaild.protocol.messages import (
     safe_text,
 )
 from jaild.toolspec import HostTool, normalize_tools
+from jaild.transfer import load_uploads, save_files
 
 log = logging.getLogger("jaild.client")
 

@@ -946,7 +946,7 @@ def cmd_codemode(args: argparse.Namespace) -> int:
     did), 2 for usage errors, 65/69 as ``jaild run`` for daemon refusals / no daemon."""
     from openai import OpenAIError
 
-    from jaild.config import socket_from_env
+    from jaild.daemon.config import socket_from_env
     from jaild.errors import DaemonUnavailable, JaildError
     from jaild.toolspec import load_tools_file
 
@@ -1024,8 +1024,8 @@ async def _cli_run(cm: CodeMode, task: str, socket_path: str, named: bool) -> Co
         return await cm.run(task)
     import tempfile
 
-    from jaild.config import DaemonConfig
-    from jaild.server import Daemon
+    from jaild.daemon.config import DaemonConfig
+    from jaild.daemon.server import Daemon
 
     _err(f"no daemon at {socket_path}; running in a private daemon")
     with tempfile.TemporaryDirectory(prefix="jaild-private-") as tmp:

@@ -994,7 +994,7 @@ def format_listing(listing: Listing) -> str:
 
 
 def _state_dir(args: argparse.Namespace) -> str:
-    from jaild.config import default_state_dir
+    from jaild.daemon.config import default_state_dir
 
     return str(args.state_dir or default_state_dir())
 
@@ -1034,7 +1034,7 @@ def cmd_env_build(args: argparse.Namespace) -> int:
 
 
 def cmd_env_list(args: argparse.Namespace) -> int:
-    from jaild.config import default_policies_dir
+    from jaild.daemon.config import default_policies_dir
 
     listing = list_envs(_state_dir(args), args.policies or default_policies_dir())
     if args.json:

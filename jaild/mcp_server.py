@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaild.client import Approver, AsyncClient, AsyncSession, JobResult
-from jaild.config import socket_from_env
+from jaild.daemon.config import socket_from_env
 from jaild.errors import ConnectionLost, DaemonUnavailable, JaildError
 from jaild.providers import (
     DEFAULT_CALL_TIMEOUT_S,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jaild.config import config_reference_markdown
+from jaild.daemon.config import config_reference_markdown
 from jaild.policy.schema import reference_markdown
 
 MARKERS = {

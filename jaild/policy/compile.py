@@ -70,7 +70,7 @@ class CgroupLayout:
         ("cpu", "/sys/fs/cgroup/cpu"),
         ("cpuacct", "/sys/fs/cgroup/cpuacct"),
     )
-    # v2: the cgroup the daemon owns (see jaild.cgroups.place_v2); the subtree goes inside it
+    # v2: the cgroup the daemon owns (see jaild.daemon.cgroups.place_v2); the subtree goes inside it
     v2_root: str = "/sys/fs/cgroup"
 
     def v1_mount(self, controller: str) -> str:
@@ -350,7 +350,7 @@ def zygote_argv(
 def zygote_request(
     policy: Policy, limits: Limits, uid: int, *, pooled: bool = False
 ) -> dict[str, Any]:
-    """What the zygote needs to make one jail of ``policy`` (see :mod:`jaild.zygote`):
+    """What the zygote needs to make one jail of ``policy`` (see :mod:`jaild.daemon.launch.forked`):
     the same /tmp, /dev/shm, /proc, hostname, network and rlimits nsjail would give it;
     ``pooled`` jails have time to warm up while they wait for their job."""
     fs = policy.filesystem

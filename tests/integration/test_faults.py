@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from jaild.client import Client
+from jaild.daemon.staging import locate_nsjail
 from jaild.errors import Busy, ConnectionLost, PermissionDenied, UnknownPolicy
 from jaild.protocol import PROTOCOL_VERSION
-from jaild.staging import locate_nsjail
 from tests.conftest import DaemonHandle, guard, proc_stat, start_daemon, wait_listening
 
 pytestmark = pytest.mark.integration

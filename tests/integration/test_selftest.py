@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from jaild.client import Client
+from jaild.daemon.staging import locate_nsjail
 from jaild.errors import PolicyUnavailable
-from jaild.staging import locate_nsjail
 from tests.conftest import STATE_DIR, TEST_POLICIES, DaemonHandle, guard
 
 pytestmark = pytest.mark.integration

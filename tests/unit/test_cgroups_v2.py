@@ -2,7 +2,7 @@
 
 The placement is proven for real in a Debian 12 guest (``make test-hosts``: the whole
 integration suite, and the installed service's checks). Here: each branch of
-:func:`jaild.cgroups.place_v2` on the facts it reads, and what a job's v2 counters say when
+:func:`jaild.daemon.cgroups.place_v2` on the facts it reads, and what a job's v2 counters say when
 a kernel lacks some of them (``memory.peak`` arrived in 5.19): absent, never made up.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from jaild import cgroups
-from jaild.cgroups import CgroupError, JobCgroup, place_v2
+from jaild.daemon import cgroups
+from jaild.daemon.cgroups import CgroupError, JobCgroup, place_v2
 from jaild.policy.compile import CgroupLayout
 
 

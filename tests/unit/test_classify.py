@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from jaild.daemon.job import Evidence, classify, parse_termination
 from jaild.protocol.messages import CodeFinished, ErrorInfo
-from jaild.supervisor import Evidence, classify, parse_termination
 
 EXITED_0 = "[I][t] pid=41 ([STANDALONE MODE]) exited with status: 0, (PIDs left: 0)"
 EXITED_3 = "[I][t] pid=41 ([STANDALONE MODE]) exited with status: 3, (PIDs left: 0)"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from jaild.config import DaemonConfig, config_reference_markdown, load_config_file
+from jaild.daemon.config import DaemonConfig, config_reference_markdown, load_config_file
 from jaild.errors import PolicyError
 
 REPO = Path(__file__).resolve().parents[2]

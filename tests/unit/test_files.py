@@ -27,7 +27,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaild.runtime.files as rf
-from jaild.files import WIDEST_LIMITS, UnsafePath, load_uploads, save_files
 from jaild.policy.schema import Files
 from jaild.protocol import pack, unpack
 from jaild.runtime.files import (
@@ -42,6 +41,7 @@ from jaild.runtime.files import (
     validate_collected,
     write_uploads,
 )
+from jaild.transfer import WIDEST_LIMITS, UnsafePath, load_uploads, save_files
 
 LIMITS = FileLimits(max_files=256, max_bytes=1 << 20, max_depth=16, max_name_chars=255,
                     max_path_chars=1024)
@@ -608,11 +608,11 @@ def test_save_files_refuses_a_symlink_planted_in_dest(tmp_path: Path, outside: P
 def test_save_files_write_phase_never_follows_a_late_symlink(
         tmp_path: Path, outside: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A link planted after the check (a race) is still not followed by the writes."""
-    import jaild.files
+    import jaild.transfer
 
     dest = tmp_path / "dest"
     dest.mkdir()
-    monkeypatch.setattr(jaild.files, "_check_existing", lambda *args: None)
+    monkeypatch.setattr(jaild.transfer, "_check_existing", lambda *args: None)
     os.symlink(outside, dest / "sub")
     os.symlink(outside / "planted", dest / "leaf")
     for files in ({"sub/x": b"evil"}, {"leaf": b"evil"}):

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-import jaild.pool
+import jaild.daemon.pool
+from jaild.daemon.pool import JailPool, poolable
 from jaild.policy.schema import load_policy_text
-from jaild.pool import JailPool, poolable
 
 
 class _VirtualSelector(selectors.DefaultSelector):
@@ -46,7 +46,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[VirtualTimeLoop]:
     """The loop the scenarios run on; the pool's time.monotonic() is its clock."""
     virtual = VirtualTimeLoop()
-    monkeypatch.setattr(jaild.pool, "time", SimpleNamespace(monotonic=virtual.time))
+    monkeypatch.setattr(jaild.daemon.pool, "time", SimpleNamespace(monotonic=virtual.time))
     yield virtual
     virtual.close()
 

@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 
 from jaild import errors
+from jaild.daemon.job import STATUSES
 from jaild.errors import ERROR_CLASSES, JaildError
 from jaild.protocol import MESSAGES, PROTOCOL_VERSION, Role
 from jaild.protocol import messages as messages_module
 from jaild.protocol.connection import TRANSITIONS
 from jaild.protocol.fields import Struct
 from jaild.protocol.messages import Message
-from jaild.supervisor import STATUSES
 
 SPEC = Path(__file__).resolve().parents[2] / "proto" / "PROTOCOL.md"
 

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from jaild.staging import RUNTIME_FILES
+from jaild.daemon.staging import RUNTIME_FILES
 
 ALLOWED_THIRD_PARTY = {"msgpack", "pyseccomp", "prctl", "_prctl"}
 ALLOWED_JAILD = {"jaild", "jaild.errors", "jaild.protocol", "jaild.runtime"}
@@ -39,7 +39,7 @@ def test_only_the_runtime_is_staged_into_jails() -> None:
 
 def test_jaild_package_import_is_lazy() -> None:
     out = subprocess.run(
-        [sys.executable, "-c", "import sys, jaild; print('jaild.client' in sys.modules, 'jaild.server' in sys.modules)"],
+        [sys.executable, "-c", "import sys, jaild; print('jaild.client' in sys.modules, 'jaild.daemon.server' in sys.modules)"],
         capture_output=True, text=True, check=True,
     )
     assert out.stdout.split() == ["False", "False"]

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jaild.config import DEFAULT_SOCKET
+from jaild.daemon.config import DEFAULT_SOCKET
 
 UNITS_DIR = Path(__file__).resolve().parents[2] / "systemd"
 SERVICE = UNITS_DIR / "jaild.service"

@@ -3,19 +3,19 @@
 Theory of operation
 -------------------
 For each job the supervisor creates the job's cgroup (limits set *there*, see
-:mod:`jaild.cgroups`), a socketpair for the tool channel and pipes for stdout
+:mod:`jaild.daemon.cgroups`), a socketpair for the tool channel and pipes for stdout
 and stderr. Then the jail is made one of two ways (the policy's ``pool.mode``):
 
 * ``spawn`` -- nsjail with the policy's config (a sealed memfd), the job's argv
   and a pipe it logs to; a pidfd says when nsjail exits (``wait4`` then gives its
   rusage, which includes the jailed process nsjail reaped).
-* ``zygote`` -- the policy's zygote (:mod:`jaild.zygote`) forks the jail, which
+* ``zygote`` -- the policy's zygote (:mod:`jaild.daemon.launch.forked`) forks the jail, which
   enters fresh namespaces of its own. Its first byte on the channel carries its
   host pid (SO_PASSCRED), which goes into the job's cgroup before anything else
   happens; the zygote reports how the jail ended.
 
 Everything is event driven on the daemon's loop. A jail may be made before its
-job (the warm pool, :mod:`jaild.pool`): it stops once hardened, and its job is
+job (the warm pool, :mod:`jaild.daemon.pool`): it stops once hardened, and its job is
 assigned later.
 
 The jail link goes ``Harden`` -> ``JailReady`` -> ``RunCode`` -> (``CallTool``
@@ -54,9 +54,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaild.cgroups import Cgroups, JobCgroup
+from jaild.daemon.cgroups import Cgroups, JobCgroup
+from jaild.daemon.kernlog import KernelAuditLog
+from jaild.daemon.launch.forked import SCM_CREDENTIALS, Zygote, ZygoteExit
 from jaild.errors import ConnectionLost, RemoteProtocolError
-from jaild.kernlog import KernelAuditLog
 from jaild.policy.compile import JOB_UIDS, HostLayout, JobPlacement, job_argv, zygote_request
 from jaild.policy.schema import Limits, Policy
 from jaild.protocol import NEED_DATA, PROTOCOL_VERSION, Connection, Role, State, unpack
@@ -74,7 +75,6 @@ from jaild.protocol.messages import (
 )
 from jaild.runtime.files import FileLimits, validate_collected
 from jaild.runtime.zygote import GO, PREAMBLE
-from jaild.zygote import SCM_CREDENTIALS, Zygote, ZygoteExit
 
 log = logging.getLogger("jaild")
 

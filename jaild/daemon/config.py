@@ -25,7 +25,7 @@ DEFAULT_SOCKET = "/run/jaild/jaild.sock"
 DEFAULT_CONFIG = "/etc/jaild/jaild.toml"
 SYSTEM_POLICIES = "/etc/jaild/policies"
 DEFAULT_STATE_DIR = "/var/lib/jaild"
-SOURCE_POLICIES = Path(__file__).resolve().parent.parent / "policies"
+SOURCE_POLICIES = Path(__file__).resolve().parents[2] / "policies"
 
 JAIL_UID_BASE = 0x4000_0000
 """Outside uids/gids of jails: 1073741824 + (per-daemon block) * 65536 + slot."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaild.cgroups import Cgroups
+from jaild.daemon.cgroups import Cgroups
 from jaild.policy.compile import JAIL_ENV, JAIL_UID, WORKDIR
 from jaild.policy.schema import JAIL_ROOT, Policy, resolve_env
 
@@ -365,7 +365,7 @@ def host_checks(nsjail: str | None, policies: dict[str, Policy], envs_dir: str) 
                     "-I",
                     "-c",
                     # the runtime's own imports, from this installation of jaild
-                    f"import sys; sys.path.insert(0, {str(Path(__file__).parent.parent)!r});"
+                    f"import sys; sys.path.insert(0, {str(Path(__file__).parent.parent.parent)!r});"
                     "import msgpack, jaild.runtime.seccomp, jaild.runtime.harden",
                 ],
                 capture_output=True,

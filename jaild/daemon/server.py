@@ -42,11 +42,25 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from jaild import __version__, systemd
-from jaild.accounting import Accounting
-from jaild.audit import AuditLog, Peer
-from jaild.cgroups import CgroupError, Cgroups, detect
-from jaild.config import DaemonConfig
+from jaild import __version__
+from jaild.daemon import systemd
+from jaild.daemon.accounting import Accounting
+from jaild.daemon.audit import AuditLog, Peer
+from jaild.daemon.cgroups import CgroupError, Cgroups, detect
+from jaild.daemon.config import DaemonConfig
+from jaild.daemon.job import (
+    JailedJob,
+    JailEnvironment,
+    JobSpec,
+    internal_error_record,
+    syntax_error_record,
+)
+from jaild.daemon.kernlog import KernelAuditLog
+from jaild.daemon.launch.forked import Zygote
+from jaild.daemon.metrics import Metrics
+from jaild.daemon.pool import JailPool, poolable
+from jaild.daemon.selftest import INSPECT_TOOL, Check, evaluate, host_paths_to_hide, probe_code
+from jaild.daemon.staging import ensure_traversable, locate_nsjail, stage_runtime
 from jaild.errors import (
     BadRequest,
     Busy,
@@ -64,8 +78,6 @@ from jaild.errors import (
     UnknownPolicy,
     UnknownSession,
 )
-from jaild.kernlog import KernelAuditLog
-from jaild.metrics import Metrics
 from jaild.policy.compile import JOB_UIDS, CgroupLayout, HostLayout, nsjail_config
 from jaild.policy.schema import (
     Limits,
@@ -77,7 +89,6 @@ from jaild.policy.schema import (
     user_matches,
 )
 from jaild.policy.seccomp import build_spec
-from jaild.pool import JailPool, poolable
 from jaild.protocol import CLOSED, NEED_DATA, PROTOCOL_VERSION, Connection, Role, pack, unpack
 from jaild.protocol.messages import (
     CancelJob,
@@ -110,16 +121,6 @@ from jaild.runtime.files import check_file_set
 from jaild.runtime.harden import become_child_subreaper
 from jaild.runtime.seccomp import bpf_program
 from jaild.runtime.seccomp import digest as seccomp_digest
-from jaild.selftest import INSPECT_TOOL, Check, evaluate, host_paths_to_hide, probe_code
-from jaild.staging import ensure_traversable, locate_nsjail, stage_runtime
-from jaild.supervisor import (
-    JailedJob,
-    JailEnvironment,
-    JobSpec,
-    internal_error_record,
-    syntax_error_record,
-)
-from jaild.zygote import Zygote
 
 log = logging.getLogger("jaild")
 

@@ -38,11 +38,11 @@ from typing import Any
 
 import msgpack
 
-from jaild.cgroups import Cgroups, JobCgroup
+from jaild.daemon.cgroups import Cgroups, JobCgroup
 from jaild.policy.compile import ZYGOTE_PIDS, HostLayout, zygote_argv, zygote_memory_mb
 from jaild.policy.schema import Policy
 
-log = logging.getLogger("jaild.zygote")
+log = logging.getLogger("jaild.daemon.launch.forked")
 
 READY_TIMEOUT_S = 120.0
 """A zygote imports the runtime and its policy's pre-imports before it says it is ready: seconds on

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("jaild.audit")
+log = logging.getLogger("jaild.daemon.audit")
 
 
 def _show(v: Any) -> str:

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-A pooled jail is an ordinary :class:`~jaild.supervisor.JailedJob` that has been
+A pooled jail is an ordinary :class:`~jaild.daemon.job.JailedJob` that has been
 prepared -- started, sent ``Harden``, its seccomp digest checked -- and stops
 there, before ``RunCode``. :meth:`JailPool.take` hands one to a job, which then
 sends its code; the wall-clock limit starts at that moment. Each jail serves
@@ -31,10 +31,10 @@ import logging
 import time
 from collections.abc import Callable
 
+from jaild.daemon.job import JailedJob
 from jaild.policy.schema import Limits, Policy
-from jaild.supervisor import JailedJob
 
-log = logging.getLogger("jaild.pool")
+log = logging.getLogger("jaild.daemon.pool")
 
 REFILL_WAIT_S = 0.05
 

@@ -55,7 +55,7 @@ from prometheus_client.registry import Collector
 from jaild import __version__
 from jaild.errors import JaildError
 
-log = logging.getLogger("jaild.metrics")
+log = logging.getLogger("jaild.daemon.metrics")
 
 #: Latency buckets (seconds): 1 ms .. 60 s, about three per decade.
 LATENCY_BUCKETS_S = (

@@ -1,0 +1,1 @@
+"""The daemon: admission, placement, jails, the tool broker, and the server shell around them."""
