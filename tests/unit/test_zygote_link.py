@@ -9,6 +9,7 @@ control: the same message without the defect is accepted.
 from __future__ import annotations
 
 import dataclasses
+import os
 import resource
 import socket
 from pathlib import Path
@@ -353,3 +354,19 @@ def test_rlimits_units_are_in_their_names() -> None:
         open_files=policy.limits.open_files,
         core_bytes=0,
     )
+
+
+# ------------------------------------------------------------------------ the daemon's side
+
+
+def test_the_daemon_checks_the_zygote_against_its_plans_namespaces() -> None:
+    from jaild.daemon.launch.forked import namespace_problem
+
+    plan = compile_zygote(POLICIES["default"], HOST)
+    # this process shares its own namespaces: every one of the plan's is named
+    problem = namespace_problem(os.getpid(), plan.jail.namespaces)
+    assert problem is not None
+    assert "shares the daemon's user, mnt, pid, ipc, uts, cgroup, net namespace(s)" in problem
+    assert namespace_problem(os.getpid(), ()) is None  # positive control: nothing asked
+    gone = namespace_problem(2**22 + 1, plan.jail.namespaces)  # above pid_max: no such process
+    assert gone is not None and "cannot inspect" in gone

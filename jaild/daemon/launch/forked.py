@@ -31,13 +31,19 @@ import socket
 import struct
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from jaild.daemon.cgroups import Cgroups, JobCgroup
 from jaild.errors import RemoteProtocolError
-from jaild.policy.compile import ZYGOTE_PIDS, HostLayout, zygote_argv, zygote_memory_mb
+from jaild.policy.compile import (
+    ZYGOTE_PIDS,
+    HostLayout,
+    compile_zygote,
+    zygote_argv,
+    zygote_memory_mb,
+)
 from jaild.policy.schema import Policy
 from jaild.protocol.zygote_link import (
     MAX_PACKET_BYTES,
@@ -78,6 +84,31 @@ class ZygoteExit:
 
 
 OnExit = Callable[[ZygoteExit], None]
+
+
+def namespace_problem(pid: int | None, namespaces: Sequence[str]) -> str | None:
+    """Fail closed unless process ``pid`` (a zygote) really sits in the ``namespaces`` of its
+    plan, its own: it keeps its capabilities, which is only harmless inside a user
+    namespace of its own."""
+    try:
+        names = [_PROC_NS.get(ns, ns) for ns in namespaces]
+        shared = [
+            ns
+            for ns in names
+            if os.readlink(f"/proc/{pid}/ns/{ns}") == os.readlink(f"/proc/self/ns/{ns}")
+        ]
+    except (OSError, ValueError) as exc:
+        return f"cannot inspect the zygote's namespaces: {exc}"
+    if shared:
+        return (
+            f"the zygote shares the daemon's {', '.join(shared)} namespace(s); "
+            "nsjail did not isolate it, refusing to fork jails from it"
+        )
+    return None
+
+
+_PROC_NS = {"mount": "mnt"}
+"""A plan's namespace names that /proc/PID/ns spells differently."""
 
 
 class Zygote:
@@ -200,7 +231,8 @@ class Zygote:
             failed = "; ".join(f"{k}: {v}" for k, v in hello.failed.items())
             self._died("preimport failed")
             raise ZygoteError(f"policy {self.policy.name!r}: pool.preimport failed: {failed}")
-        problem = self._namespace_problem()
+        plan = compile_zygote(self.policy, self._host)
+        problem = namespace_problem(self.host_pid, plan.jail.namespaces)
         if problem:
             self._died(problem)
             raise ZygoteError(self._why(problem))
@@ -213,28 +245,6 @@ class Zygote:
             self._proc.pid,
             self.python,
         )
-
-    def _namespace_problem(self) -> str | None:
-        """Fail closed unless the zygote really sits in its own namespaces: it keeps its
-        capabilities, which is only harmless inside a user namespace of its own."""
-        pid = self.host_pid
-        try:
-            wanted = ["user", "mnt", "pid", "ipc", "uts", "cgroup"]
-            if self.policy.network.mode != "host":
-                wanted.append("net")
-            shared = [
-                ns
-                for ns in wanted
-                if os.readlink(f"/proc/{pid}/ns/{ns}") == os.readlink(f"/proc/self/ns/{ns}")
-            ]
-        except (OSError, ValueError) as exc:
-            return f"cannot inspect the zygote's namespaces: {exc}"
-        if shared:
-            return (
-                f"the zygote shares the daemon's {', '.join(shared)} namespace(s); "
-                "nsjail did not isolate it, refusing to fork jails from it"
-            )
-        return None
 
     def _why(self, what: str) -> str:
         excerpt = "\n".join(self._log.decode("utf-8", "replace").splitlines()[-6:])
