@@ -17,6 +17,8 @@ from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaild.errors import FrameTooLarge, LocalProtocolError, RemoteProtocolError
 from jaild.policy.compile import (
@@ -370,3 +372,31 @@ def test_the_daemon_checks_the_zygote_against_its_plans_namespaces() -> None:
     assert namespace_problem(os.getpid(), ()) is None  # positive control: nothing asked
     gone = namespace_problem(2**22 + 1, plan.jail.namespaces)  # above pid_max: no such process
     assert gone is not None and "cannot inspect" in gone
+
+
+# ------------------------------------------------------------------------ the receive boundary
+
+_MAPS = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12,
+)
+_TYPES = st.sampled_from([*{t for table in MESSAGES.values() for t in table}, "spawn", ""])
+
+
+@settings(max_examples=300, deadline=None)
+@given(way=st.sampled_from(sorted(MESSAGES)), kind=_TYPES,
+       fields=st.dictionaries(st.text(max_size=12), _MAPS, max_size=6), junk=st.binary(max_size=64))
+def test_any_packet_is_a_message_or_a_remote_error(way: Any, kind: str, fields: dict[str, Any],
+                                                   junk: bytes) -> None:
+    """h11's invariant for this link: whatever a packet holds, the receiver gets a message
+    of its direction or a RemoteProtocolError -- never anything else."""
+    payload = msgpack.packb({"type": kind, **fields}, use_bin_type=True)
+    for packet in (len(payload).to_bytes(4, "big") + payload, junk):
+        try:
+            msg = decode_packet(packet, way)
+        except RemoteProtocolError:
+            continue
+        assert type(msg) in MESSAGES[way].values()
