@@ -607,11 +607,12 @@ def cmd_policy_explain(args: argparse.Namespace) -> int:
         JOB_UIDS,
         CgroupLayout,
         HostLayout,
+        JobFacts,
         JobPlacement,
+        forked_jail,
         job_argv,
         nsjail_config,
         zygote_argv,
-        zygote_request,
     )
     from jaild.policy.schema import load_policy_dir
     from jaild.policy.seccomp import build_spec
@@ -644,8 +645,8 @@ def cmd_policy_explain(args: argparse.Namespace) -> int:
         print(f"# nsjail command line of the policy's zygote\n{' '.join(argv)}\n")
         zygote = nsjail_config(policy, host, zygote=True, max_jobs=config.max_jobs)
         print(f"# nsjail config of the zygote (a sealed memfd)\n{zygote}")
-        request = zygote_request(policy, policy.limits, config.uid_base)
-        print(f"# what the zygote is asked for each jail\n{json.dumps(request)}\n")
+        jail = forked_jail(policy, host, JobFacts(policy.limits, config.uid_base))
+        print(f"# what the zygote is asked for each jail\n{json.dumps(jail.to_wire())}\n")
     else:
         argv = job_argv(
             "nsjail",

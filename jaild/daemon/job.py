@@ -58,7 +58,7 @@ from jaild.daemon.cgroups import Cgroups, JobCgroup
 from jaild.daemon.kernlog import KernelAuditLog
 from jaild.daemon.launch.forked import SCM_CREDENTIALS, Zygote, ZygoteExit
 from jaild.errors import ConnectionLost, RemoteProtocolError
-from jaild.policy.compile import JOB_UIDS, HostLayout, JobPlacement, job_argv, zygote_request
+from jaild.policy.compile import JOB_UIDS, HostLayout, JobFacts, JobPlacement, forked_jail, job_argv
 from jaild.policy.schema import Limits, Policy
 from jaild.protocol import NEED_DATA, PROTOCOL_VERSION, Connection, Role, State, unpack
 from jaild.protocol.messages import (
@@ -869,8 +869,10 @@ class JailedJob:
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
             self._spawn_id = zygote.spawn(  # takes over the jail's ends
-                zygote_request(
-                    self.spec.policy, self.spec.limits, uid, pooled=self._route_tool is None
+                forked_jail(
+                    self.spec.policy,
+                    self._env.host,
+                    JobFacts(self.spec.limits, uid, pooled=self._route_tool is None),
                 ),
                 (jail_end.detach(), out_w, err_w),
                 self._reaped,

@@ -1,17 +1,30 @@
-"""Compile a policy (and a job) into what nsjail and the runtime need. Pure: no IO.
+"""Compile a policy (and a job) into one description of its jail, and render it. Pure: no IO.
 
 Theory of operation
 -------------------
-A job's jail is described in two layers:
+:func:`compile_policy` turns a policy (and, for one job, the job's facts) into a
+:class:`JailPlan`: a typed, frozen description of the jail -- its mounts (binds,
+tmpfs and proc with their options, each spelled once, here), namespaces, uid/gid
+maps, rlimits, hostname, working directory, environment, cgroup ceilings, the
+program it runs and the seccomp choice its runtime loads. Everything that makes
+a jail reads that one description:
 
-* :func:`nsjail_config` -- everything that depends only on the policy and the
-  host layout, as an nsjail protobuf-text config. The daemon builds it once per
-  policy at start and hands it to every nsjail of that policy through a sealed
-  memfd (``--config /proc/self/fd/N``). The config file form is needed because
-  only it can mount ``/proc`` and binds ``nosuid,nodev,noexec``.
-* :func:`job_argv` -- the per-job part, on nsjail's command line: the job's
-  cgroup parents, its own unprivileged uid/gid outside the jail, the job's
-  (possibly tightened) rlimits, and the descriptor nsjail logs to.
+* spawn mode: :func:`render_config` renders the plan to an nsjail protobuf-text
+  config. The daemon renders the policy's plan (its own limits, no job) once at
+  start and hands it to every nsjail of that policy through a sealed memfd
+  (``--config /proc/self/fd/N``; only the config file form can mount ``/proc``
+  and binds ``nosuid,nodev,noexec``). :func:`render_argv` renders a job's plan
+  to nsjail's command line: the job's uid/gid map, its (possibly tightened)
+  rlimits, its cgroup parents, and the descriptor nsjail logs to.
+* zygote mode: :func:`compile_zygote` is the plan of the policy's zygote (the
+  same read-only frame, capabilities kept inside its user namespace, a full
+  /proc, no per-job rlimits), rendered like a spawn jail's. A forked jail's plan
+  (``compile_policy(..., forked=True)``) differs from a spawned one's only in who
+  makes it: its :class:`~jaild.protocol.zygote_link.JailSetup` -- the per-jail
+  part: fresh /tmp, /dev/shm and /proc, namespaces, hostname, cwd, rlimits, uid
+  -- goes to the zygote as it is, in a ``SpawnJail`` message, and the zygote
+  applies it (:mod:`jaild.runtime.zygote`). The read-only frame around it is the
+  zygote's own, the same mounts.
 
 The jail gets exactly three descriptors: fd 0 is the tool channel (a
 socketpair, which the runtime moves out of the way and replaces with
@@ -27,17 +40,19 @@ by rlimits, output by the daemon's byte count.
 
 from __future__ import annotations
 
-import resource
+import functools
 from dataclasses import dataclass
-from typing import Any
 
-from jaild.policy.schema import JAIL_ROOT, Limits, Policy, resolve_env
+from jaild.policy.schema import JAIL_ROOT, Filesystem, Limits, Network, Policy, resolve_env
+from jaild.policy.seccomp import SeccompChoice
+from jaild.protocol.zygote_link import JailSetup, Mount, Rlimits
 
 JAIL_ENV = f"{JAIL_ROOT}/env"
 JAIL_RUNTIME = f"{JAIL_ROOT}/runtime"
 JAIL_UID = 65534
 JAIL_HOSTNAME = "jail"
 WORKDIR = "/tmp"
+MIB = 1024 * 1024
 
 BOOTSTRAP = (
     f"import sys;sys.path.insert(0,{JAIL_RUNTIME!r});from jaild.runtime.main import main;main()"
@@ -56,6 +71,20 @@ ZYGOTE_PIDS = 4096
 JOB_UIDS = 65000
 """Job uids per daemon: ``uid_base`` .. ``uid_base + JOB_UIDS - 1``. The rest of the
 daemon's 65536-uid block holds its zygotes' own uids."""
+
+JAIL_ENVIRONMENT = (
+    f"HOME={WORKDIR}",
+    f"TMPDIR={WORKDIR}",
+    f"PATH={JAIL_ENV}/bin:/usr/local/bin:/usr/bin:/bin",
+    "LANG=C.UTF-8",
+    "OMP_NUM_THREADS=1",
+    "OPENBLAS_NUM_THREADS=1",
+    "MKL_NUM_THREADS=1",
+)
+"""The jail's whole environment (nothing of the daemon's is kept)."""
+
+DEVICES = (("null", True), ("zero", False), ("urandom", False), ("random", False))
+"""The device nodes bound into every jail, and whether each is writable."""
 
 
 @dataclass(frozen=True)
@@ -96,20 +125,64 @@ class JobPlacement:
     log_fd: int
 
 
-def _q(s: str) -> str:
-    """A protobuf text-format string literal."""
-    out = s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'"{out}"'
+@dataclass(frozen=True)
+class JobFacts:
+    """What a jail's plan takes from its job."""
+
+    limits: Limits
+    """The job's limits (the policy's, or tighter)."""
+    uid: int
+    """The job's own unprivileged host uid."""
+    pooled: bool = False
+    """Made ahead of its job, so it has time to warm up."""
 
 
-def _mount(**fields: str | bool) -> str:
-    parts = []
-    for key, value in fields.items():
-        if isinstance(value, bool):
-            parts.append(f"{key}: {'true' if value else 'false'}")
-        else:
-            parts.append(f"{key}: {_q(value)}")
-    return "mount { " + " ".join(parts) + " }"
+@dataclass(frozen=True)
+class IdMap:
+    """One line of a user namespace's uid (and gid) map."""
+
+    inside: int
+    outside: int
+    count: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.inside}:{self.outside}:{self.count}"
+
+
+@dataclass(frozen=True)
+class JailPlan:
+    """One jail, described once: rendered to nsjail's config and command line, or sent
+    (its :attr:`jail` part) to a zygote, which applies it."""
+
+    name: str
+    """The policy's name."""
+    jail: JailSetup
+    """The per-jail part: fresh mounts, namespaces, hostname, cwd, rlimits, uid."""
+    frame: tuple[Mount, ...]
+    """The read-only mounts before the jail's own: root, binds, symlinks, env, runtime."""
+    devices: tuple[Mount, ...]
+    """The device nodes, mounted last."""
+    env: tuple[str, ...]
+    id_maps: tuple[IdMap, ...]
+    """The user namespace's uid map (the gid map is the same); empty in a policy's plan
+    (no job yet) and in a forked jail's (the zygote's map applies)."""
+    keep_caps: bool
+    """Keep capabilities inside the user namespace (a zygote only)."""
+    memory_max_bytes: int
+    """nsjail's own cgroup ceiling (see :func:`child_memory_ceiling_bytes`)."""
+    pids_max: int
+    cpu_ms_per_sec: int
+    """CPU bandwidth; 0 = no cpu controller."""
+    cgroup_v2: bool
+    program: tuple[str, ...]
+    """What runs in the jail: the interpreter's path, then its argv (``argv[0]`` first)."""
+    seccomp: SeccompChoice
+    """The filters the runtime loads (built by :func:`jaild.policy.seccomp.build_spec`)."""
+
+    @property
+    def mounts(self) -> tuple[Mount, ...]:
+        """Every mount of the jail, in order."""
+        return (*self.frame, *self.jail.mounts, *self.devices)
 
 
 def tmp_inodes(tmp_mb: int) -> int:
@@ -128,185 +201,278 @@ def zygote_memory_mb(policy: Policy, max_jobs: int) -> int:
 
 def child_memory_ceiling_bytes(policy: Policy) -> int:
     """nsjail's own (child) cgroup ceiling: above the job's, so the job's limit trips first."""
-    return 2 * policy.limits.memory_mb * 1024 * 1024
+    return 2 * policy.limits.memory_mb * MIB
 
 
-def nsjail_config(
-    policy: Policy, host: HostLayout, *, zygote: bool = False, max_jobs: int = 512
-) -> str:
-    """The nsjail protobuf-text config shared by every job of ``policy`` -- or, with
-    ``zygote``, the config of the policy's zygote: the same mounts and namespaces, but
-    capabilities kept inside its user namespace and no per-job rlimits (each jail it
-    forks sets its own), running :mod:`jaild.runtime.zygote`."""
-    lim = policy.limits
-    fs = policy.filesystem
-    env_dir = resolve_env(policy, host.envs_dir)
+# --------------------------------------------------------------------------- compile
+
+
+def _tmpfs(target: str, size_mb: int, inodes: int) -> Mount:
+    """A writable, hardened tmpfs: the only spelling of tmpfs options."""
+    options = f"size={size_mb * MIB},mode=1777,nr_inodes={inodes}"
+    return Mount(
+        target, "tmpfs", options=options, writable=True, nosuid=True, nodev=True, noexec=True
+    )
+
+
+def _bind(source: str, target: str) -> Mount:
+    return Mount(target, "bind", source=source, nosuid=True, nodev=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _frame(policy: Policy, host: HostLayout) -> tuple[Mount, ...]:
+    binds = policy.filesystem.binds
+    # an empty, read-only root; everything else is mounted on it
+    mounts = [Mount("/", "tmpfs", options="size=1048576,mode=0755", nosuid=True, nodev=True)]
+    mounts += [_bind(b.src, b.dst) for b in binds]
+    if any(b.dst == "/usr" for b in binds):
+        mounts += [
+            Mount(f"/{d}", "symlink", source=f"usr/{d}") for d in ("bin", "lib", "lib64", "sbin")
+        ]
+    mounts.append(_bind(resolve_env(policy, host.envs_dir), JAIL_ENV))
+    mounts.append(_bind(host.runtime_dir, JAIL_RUNTIME))
+    return tuple(mounts)
+
+
+@functools.lru_cache(maxsize=1)
+def _devices() -> tuple[Mount, ...]:
+    return tuple(
+        Mount(f"/dev/{d}", "bind", source=f"/dev/{d}", writable=rw, nosuid=True, noexec=True)
+        for d, rw in DEVICES
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _fresh_mounts(fs: Filesystem, *, full_proc: bool) -> tuple[Mount, ...]:
+    """The jail's writable mounts and /proc. A zygote always gets a full /proc: it needs its
+    own pid namespace from there, and the kernel lets a jail mount its own proc only where a
+    fully visible one exists; each jail detaches the zygote's (see jaild.runtime.zygote)."""
+    mounts = [_tmpfs(WORKDIR, fs.tmp_mb, tmp_inodes(fs.tmp_mb))]
+    if fs.shm_mb > 0:
+        mounts.append(_tmpfs("/dev/shm", fs.shm_mb, 4096))
+    if full_proc or fs.proc != "none":
+        options = "subset=pid" if fs.proc == "pid-only" and not full_proc else ""
+        mounts.append(Mount("/proc", "proc", options=options, nosuid=True, nodev=True, noexec=True))
+    return tuple(mounts)
+
+
+def _namespaces(network: Network, *, user: bool) -> tuple[str, ...]:
+    own = ("user",) if user else ()
+    net = ("net",) if network.mode != "host" else ()
+    return (*own, "mount", "pid", "ipc", "uts", "cgroup", *net)
+
+
+@functools.lru_cache(maxsize=256)
+def _rlimits(limits: Limits) -> Rlimits:
+    return Rlimits(
+        cpu_s=limits.cpu_time_s,
+        file_size_bytes=limits.file_size_mb * MIB,
+        open_files=limits.open_files,
+        core_bytes=0,
+    )
+
+
+def _python(*args: str) -> tuple[str, ...]:
+    return (f"{JAIL_ENV}/bin/python3", "python3", "-I", "-B", "-c", *args)
+
+
+def _jail_setup(policy: Policy, job: JobFacts | None, *, forked: bool) -> JailSetup:
+    """The per-jail part of :func:`compile_policy`'s plan."""
+    return JailSetup(
+        uid=job.uid if forked and job is not None else JAIL_UID,
+        hostname=JAIL_HOSTNAME,
+        cwd=WORKDIR,
+        namespaces=_namespaces(policy.network, user=not forked),
+        mounts=_fresh_mounts(policy.filesystem, full_proc=False),
+        rlimits=_rlimits(policy.limits if job is None else job.limits),
+        loopback=policy.network.mode == "loopback",
+        detach=_detach(policy.filesystem) if forked else (),
+        warm_up=job is not None and job.pooled,
+    )
+
+
+def _detach(fs: Filesystem) -> tuple[str, ...]:
+    """What a forked jail hides: the zygote's own fresh mounts (see :func:`compile_zygote`)."""
+    return tuple(m.target for m in _fresh_mounts(fs, full_proc=True))
+
+
+def compile_policy(
+    policy: Policy, host: HostLayout, job: JobFacts | None = None, *, forked: bool = False
+) -> JailPlan:
+    """The plan of one jail of ``policy``.
+
+    Args:
+        policy: the jail's policy.
+        host: where the runtime, the envs and the cgroups are.
+        job: the job it is for; None for the policy's own plan (its limits, no uid
+            map), which the daemon renders once into the policy's nsjail config.
+        forked: a jail forked by the policy's zygote (needs ``job``) rather than
+            spawned by nsjail: it runs as the job's uid in the zygote's user
+            namespace and first hides the zygote's own fresh mounts.
+    Returns:
+        The plan; pure, the same inputs give an equal plan.
+    """
+    limits = policy.limits if job is None else job.limits
+    if forked and job is None:
+        raise ValueError("a forked jail's plan is a job's")
+    return JailPlan(
+        name=policy.name,
+        jail=_jail_setup(policy, job, forked=forked),
+        frame=_frame(policy, host),
+        devices=_devices(),
+        env=JAIL_ENVIRONMENT,
+        id_maps=(IdMap(JAIL_UID, job.uid),) if job is not None and not forked else (),
+        keep_caps=False,
+        memory_max_bytes=child_memory_ceiling_bytes(policy),
+        pids_max=limits.pids,
+        cpu_ms_per_sec=max(1, round(limits.cpu_cores * 1000)) if limits.cpu_cores > 0 else 0,
+        cgroup_v2=host.cgroup.version == 2,
+        program=_python(BOOTSTRAP),
+        seccomp=policy.seccomp_choice,
+    )
+
+
+def compile_zygote(
+    policy: Policy, host: HostLayout, *, max_jobs: int = 512, uids: tuple[int, int] | None = None
+) -> JailPlan:
+    """The plan of ``policy``'s zygote: the same frame and namespaces as its jails, but
+    capabilities kept inside its user namespace, a full /proc and no per-job rlimits
+    (each jail it forks sets its own), running :mod:`jaild.runtime.zygote`.
+
+    Args:
+        uids: ``(zygote_uid, uid_base)``: inside uid 0 is the zygote's own host uid; the
+            daemon's job uids map to themselves, so a forked jail can become one. None
+            leaves the map out (the config does not carry it).
+    """
+    maps = (IdMap(0, uids[0]), IdMap(uids[1], uids[1], JOB_UIDS)) if uids is not None else ()
+    jail = JailSetup(
+        uid=0,
+        hostname=JAIL_HOSTNAME,
+        cwd=WORKDIR,
+        namespaces=_namespaces(policy.network, user=True),
+        mounts=_fresh_mounts(policy.filesystem, full_proc=True),
+        rlimits=None,
+        loopback=policy.network.mode == "loopback",
+    )
+    return JailPlan(
+        name=policy.name,
+        jail=jail,
+        frame=_frame(policy, host),
+        devices=_devices(),
+        env=JAIL_ENVIRONMENT,
+        id_maps=maps,
+        keep_caps=True,
+        memory_max_bytes=zygote_memory_mb(policy, max_jobs) << 20,
+        pids_max=ZYGOTE_PIDS,
+        cpu_ms_per_sec=0,
+        cgroup_v2=host.cgroup.version == 2,
+        program=_python(ZYGOTE_BOOTSTRAP, *policy.pool.preimport),
+        seccomp=policy.seccomp_choice,
+    )
+
+
+# --------------------------------------------------------------------------- render
+
+
+def _q(s: str) -> str:
+    """A protobuf text-format string literal."""
+    out = s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{out}"'
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def render_mount(mount: Mount) -> str:
+    """One ``mount { ... }`` line of nsjail's config."""
+    if mount.kind == "symlink":
+        return f"mount {{ src: {_q(mount.source)} dst: {_q(mount.target)} is_symlink: true }}"
+    if mount.kind == "bind":
+        parts = [f"src: {_q(mount.source)}", f"dst: {_q(mount.target)}", "is_bind: true"]
+    else:
+        parts = [f"dst: {_q(mount.target)}", f"fstype: {_q(mount.kind)}"]
+        parts.append(f"options: {_q(mount.options)}")
+    parts.append(f"rw: {_bool(mount.writable)}")
+    parts += [f"{flag}: true" for flag in ("nosuid", "nodev", "noexec") if getattr(mount, flag)]
+    return "mount { " + " ".join(parts) + " }"
+
+
+def _render_rlimits(plan: JailPlan) -> list[str]:
+    """rlimits: the address space is the cgroup's job (RLIMIT_AS breaks numpy); the stack
+    keeps its soft limit. A plan without rlimits (a zygote) leaves them to its jails."""
+    lines = ["rlimit_as_type: INF"]
+    rl = plan.jail.rlimits
+    lines.append(f"rlimit_core: {rl.core_bytes // MIB if rl is not None else 0}")
+    if plan.keep_caps:
+        lines.append("keep_caps: true")
+    if rl is None:
+        lines += ["rlimit_cpu_type: INF", "rlimit_fsize_type: INF", "rlimit_nofile_type: HARD"]
+    else:
+        lines += [
+            f"rlimit_cpu: {rl.cpu_s}",
+            f"rlimit_fsize: {rl.file_size_bytes // MIB}",
+            f"rlimit_nofile: {rl.open_files}",
+        ]
+    return [*lines, "rlimit_stack_type: SOFT"]
+
+
+def _render_namespaces(jail: JailSetup) -> list[str]:
+    ns = set(jail.namespaces)
+    clone = [("net", "net"), ("user", "user"), ("ns", "mount"), ("pid", "pid")]
+    clone += [("ipc", "ipc"), ("uts", "uts"), ("cgroup", "cgroup")]
+    lines = [f"clone_new{flag}: {_bool(name in ns)}" for flag, name in clone]
+    return [*lines, f"iface_no_lo: {_bool('net' in ns and not jail.loopback)}"]
+
+
+def render_config(plan: JailPlan) -> str:
+    """``plan`` as nsjail's protobuf-text config (its per-job parts are on the command line,
+    see :func:`render_argv`)."""
+    jail = plan.jail
     lines = [
-        f"# jaild policy {policy.name!r} -- generated; do not edit",
-        f"name: {_q('jaild-' + policy.name)}",
+        f"# jaild policy {plan.name!r} -- generated; do not edit",
+        f"name: {_q('jaild-' + plan.name)}",
         "mode: ONCE",
-        f"hostname: {_q(JAIL_HOSTNAME)}",
-        f"cwd: {_q(WORKDIR)}",
+        f"hostname: {_q(jail.hostname)}",
+        f"cwd: {_q(jail.cwd)}",
         "time_limit: 0",  # the daemon enforces wall time, to ~100 ms
         "keep_env: false",
-        f"envar: {_q('HOME=' + WORKDIR)}",
-        f"envar: {_q('TMPDIR=' + WORKDIR)}",
-        f"envar: {_q('PATH=' + JAIL_ENV + '/bin:/usr/local/bin:/usr/bin:/bin')}",
-        f"envar: {_q('LANG=C.UTF-8')}",
-        f"envar: {_q('OMP_NUM_THREADS=1')}",
-        f"envar: {_q('OPENBLAS_NUM_THREADS=1')}",
-        f"envar: {_q('MKL_NUM_THREADS=1')}",
+        *(f"envar: {_q(var)}" for var in plan.env),
         "skip_setsid: false",
         "disable_no_new_privs: false",
-        "rlimit_as_type: INF",  # memory is the cgroup's job; RLIMIT_AS breaks numpy
-        "rlimit_core: 0",
-        *(
-            [
-                "keep_caps: true",
-                "rlimit_cpu_type: INF",
-                "rlimit_fsize_type: INF",
-                "rlimit_nofile_type: HARD",
-            ]
-            if zygote
-            else [
-                f"rlimit_cpu: {lim.cpu_time_s}",
-                f"rlimit_fsize: {lim.file_size_mb}",
-                f"rlimit_nofile: {lim.open_files}",
-            ]
-        ),
-        "rlimit_stack_type: SOFT",
-        f"clone_newnet: {'false' if policy.network.mode == 'host' else 'true'}",
-        "clone_newuser: true",
-        "clone_newns: true",
-        "clone_newpid: true",
-        "clone_newipc: true",
-        "clone_newuts: true",
-        "clone_newcgroup: true",
-        f"iface_no_lo: {'true' if policy.network.mode == 'none' else 'false'}",
+        *_render_rlimits(plan),
+        *_render_namespaces(jail),
         "mount_proc: false",
-        # an empty, read-only root; everything else is mounted on it
-        _mount(
-            dst="/",
-            fstype="tmpfs",
-            options="size=1048576,mode=0755",
-            rw=False,
-            nosuid=True,
-            nodev=True,
-        ),
-    ]
-    for bind in fs.binds:
-        lines.append(
-            _mount(src=bind.src, dst=bind.dst, is_bind=True, rw=False, nosuid=True, nodev=True)
-        )
-    for link in ("bin", "lib", "lib64", "sbin"):
-        if any(b.dst == "/usr" for b in fs.binds):
-            lines.append(_mount(src=f"usr/{link}", dst=f"/{link}", is_symlink=True))
-    lines += [
-        _mount(src=env_dir, dst=JAIL_ENV, is_bind=True, rw=False, nosuid=True, nodev=True),
-        _mount(
-            src=host.runtime_dir, dst=JAIL_RUNTIME, is_bind=True, rw=False, nosuid=True, nodev=True
-        ),
-        _mount(
-            dst=WORKDIR,
-            fstype="tmpfs",
-            options=f"size={fs.tmp_mb * 1024 * 1024},mode=1777,nr_inodes={tmp_inodes(fs.tmp_mb)}",
-            rw=True,
-            nosuid=True,
-            nodev=True,
-            noexec=True,
-        ),
-    ]
-    if fs.shm_mb > 0:
-        lines.append(
-            _mount(
-                dst="/dev/shm",
-                fstype="tmpfs",
-                options=f"size={fs.shm_mb * 1024 * 1024},mode=1777,nr_inodes=4096",
-                rw=True,
-                nosuid=True,
-                nodev=True,
-                noexec=True,
-            )
-        )
-    if fs.proc != "none" or zygote:
-        # The zygote always gets a full /proc: it needs its own pid namespace from there,
-        # and the kernel lets a jail mount its own proc only where a fully visible one
-        # exists; each jail detaches the zygote's (see jaild.runtime.zygote).
-        options = "subset=pid" if fs.proc == "pid-only" and not zygote else ""
-        lines.append(
-            _mount(
-                dst="/proc",
-                fstype="proc",
-                options=options,
-                rw=False,
-                nosuid=True,
-                nodev=True,
-                noexec=True,
-            )
-        )
-    for dev, rw in (("null", True), ("zero", False), ("urandom", False), ("random", False)):
-        lines.append(
-            _mount(
-                src=f"/dev/{dev}", dst=f"/dev/{dev}", is_bind=True, rw=rw, nosuid=True, noexec=True
-            )
-        )
-    lines += [
-        "cgroup_mem_max: "
-        + str(
-            zygote_memory_mb(policy, max_jobs) << 20
-            if zygote
-            else child_memory_ceiling_bytes(policy)
-        ),
+        *(render_mount(m) for m in plan.mounts),
+        f"cgroup_mem_max: {plan.memory_max_bytes}",
         "cgroup_mem_swap_max: 0",
     ]
-    if host.cgroup.version == 2:
+    if plan.cgroup_v2:
         lines.append("use_cgroupv2: true")
-    lines.append("exec_bin {")
-    lines.append(f"  path: {_q(JAIL_ENV + '/bin/python3')}")
-    lines.append(f"  arg0: {_q('python3')}")
-    args = (
-        ["-I", "-B", "-c", ZYGOTE_BOOTSTRAP, *policy.pool.preimport]
-        if zygote
-        else ["-I", "-B", "-c", BOOTSTRAP]
-    )
-    for arg in args:
-        lines.append(f"  arg: {_q(arg)}")
+    path, arg0, *args = plan.program
+    lines += ["exec_bin {", f"  path: {_q(path)}", f"  arg0: {_q(arg0)}"]
+    lines += [f"  arg: {_q(arg)}" for arg in args]
     lines.append("}")
     return "\n".join(lines) + "\n"
 
 
-def job_cgroup_relpath(host: HostLayout, job_id: str) -> str:
-    return f"{host.cgroup.subtree}/{job_id}"
-
-
-def job_argv(
-    nsjail: str, policy: Policy, limits: Limits, host: HostLayout, job: JobPlacement
+def render_argv(
+    plan: JailPlan, nsjail: str, config_path: str, log_fd: int, cgroup: CgroupLayout, rel: str
 ) -> list[str]:
-    """nsjail's command line for one job (the config does the rest)."""
-    rel = job_cgroup_relpath(host, job.job_id)
-    ids = f"{JAIL_UID}:{job.outside_uid}:1"
-    argv = [
-        nsjail,
-        "--config",
-        job.config_path,
-        "--log_fd",
-        str(job.log_fd),
-        "--user",
-        ids,
-        "--group",
-        ids,
-        "--rlimit_cpu",
-        str(limits.cpu_time_s),
-        "--rlimit_fsize",
-        str(limits.file_size_mb),
-        "--rlimit_nofile",
-        str(limits.open_files),
-        "--cgroup_pids_max",
-        str(limits.pids),
-    ]
-    if limits.cpu_cores > 0:
-        argv += ["--cgroup_cpu_ms_per_sec", str(max(1, round(limits.cpu_cores * 1000)))]
-    return argv + _cgroup_args(host.cgroup, rel, cpu=limits.cpu_cores > 0)
+    """nsjail's command line for ``plan`` (its config does the rest): the uid/gid map, the
+    job's rlimits, and its cgroups below ``rel`` (a cgroup the daemon made)."""
+    argv = [nsjail, "--config", config_path, "--log_fd", str(log_fd)]
+    for flag in ("--user", "--group"):
+        for idmap in plan.id_maps:
+            argv += [flag, str(idmap)]
+    rl = plan.jail.rlimits
+    if rl is not None:
+        argv += ["--rlimit_cpu", str(rl.cpu_s), "--rlimit_fsize", str(rl.file_size_bytes // MIB)]
+        argv += ["--rlimit_nofile", str(rl.open_files)]
+    argv += ["--cgroup_pids_max", str(plan.pids_max)]
+    if plan.cpu_ms_per_sec > 0:
+        argv += ["--cgroup_cpu_ms_per_sec", str(plan.cpu_ms_per_sec)]
+    return argv + _cgroup_args(cgroup, rel, cpu=plan.cpu_ms_per_sec > 0)
 
 
 def _cgroup_args(cg: CgroupLayout, rel: str, *, cpu: bool) -> list[str]:
@@ -328,6 +494,33 @@ def _cgroup_args(cg: CgroupLayout, rel: str, *, cpu: bool) -> list[str]:
     return args
 
 
+# --------------------------------------------------------------------------- the daemon's calls
+
+
+def nsjail_config(
+    policy: Policy, host: HostLayout, *, zygote: bool = False, max_jobs: int = 512
+) -> str:
+    """The nsjail config shared by every job of ``policy`` -- or, with ``zygote``, the
+    config of the policy's zygote (see :func:`compile_zygote`)."""
+    plan = (
+        compile_zygote(policy, host, max_jobs=max_jobs) if zygote else compile_policy(policy, host)
+    )
+    return render_config(plan)
+
+
+def job_cgroup_relpath(host: HostLayout, job_id: str) -> str:
+    return f"{host.cgroup.subtree}/{job_id}"
+
+
+def job_argv(
+    nsjail: str, policy: Policy, limits: Limits, host: HostLayout, job: JobPlacement
+) -> list[str]:
+    """nsjail's command line for one job (the config does the rest)."""
+    plan = compile_policy(policy, host, JobFacts(limits, job.outside_uid))
+    rel = job_cgroup_relpath(host, job.job_id)
+    return render_argv(plan, nsjail, job.config_path, job.log_fd, host.cgroup, rel)
+
+
 def zygote_argv(
     nsjail: str,
     policy: Policy,
@@ -337,37 +530,14 @@ def zygote_argv(
     zygote_uid: int,
     uid_base: int,
 ) -> list[str]:
-    """nsjail's command line for the zygote of ``policy``: inside uid 0 is the zygote's own
-    host uid; the daemon's job uids map to themselves, so a forked jail can become one."""
+    """nsjail's command line for the zygote of ``policy``."""
+    plan = compile_zygote(policy, host, uids=(zygote_uid, uid_base))
     rel = f"{host.cgroup.subtree}/zygote-{policy.name}"
-    argv = [nsjail, "--config", config_path, "--log_fd", str(log_fd)]
-    for flag in ("--user", "--group"):
-        argv += [flag, f"0:{zygote_uid}:1", flag, f"{uid_base}:{uid_base}:{JOB_UIDS}"]
-    argv += ["--cgroup_pids_max", str(ZYGOTE_PIDS)]
-    return argv + _cgroup_args(host.cgroup, rel, cpu=False)
+    return render_argv(plan, nsjail, config_path, log_fd, host.cgroup, rel)
 
 
-def zygote_request(
-    policy: Policy, limits: Limits, uid: int, *, pooled: bool = False
-) -> dict[str, Any]:
-    """What the zygote needs to make one jail of ``policy`` (see :mod:`jaild.daemon.launch.forked`):
-    the same /tmp, /dev/shm, /proc, hostname, network and rlimits nsjail would give it;
-    ``pooled`` jails have time to warm up while they wait for their job."""
-    fs = policy.filesystem
-    mib = 1024 * 1024
-    return {
-        "uid": uid,
-        "rlimits": [
-            [resource.RLIMIT_CPU, limits.cpu_time_s, limits.cpu_time_s],
-            [resource.RLIMIT_FSIZE, limits.file_size_mb * mib, limits.file_size_mb * mib],
-            [resource.RLIMIT_NOFILE, limits.open_files, limits.open_files],
-            [resource.RLIMIT_CORE, 0, 0],
-        ],
-        "tmp": f"size={fs.tmp_mb * mib},mode=1777,nr_inodes={tmp_inodes(fs.tmp_mb)}",
-        "shm": f"size={fs.shm_mb * mib},mode=1777,nr_inodes=4096" if fs.shm_mb > 0 else "",
-        "proc": fs.proc,
-        "netns": policy.network.mode != "host",
-        "loopback": policy.network.mode == "loopback",
-        "hostname": JAIL_HOSTNAME,
-        "warm_up": pooled,
-    }
+def forked_jail(policy: Policy, host: HostLayout, job: JobFacts) -> JailSetup:
+    """What ``policy``'s zygote is sent for one jail: the per-jail part of its plan,
+    ``compile_policy(policy, host, job, forked=True).jail`` -- only that part is made,
+    since the daemon asks for it per job."""
+    return _jail_setup(policy, job, forked=True)

@@ -9,22 +9,27 @@ ipc, uts and cgroup namespaces -- but with its capabilities *kept* inside that
 user namespace, and a uid map holding the daemon's whole range of job uids
 (inside uid N = host uid N; inside 0 = the zygote's own host uid). It imports the
 runtime and the policy's ``preimport`` modules, then waits on its control socket
-(fd 0, SOCK_SEQPACKET) for ``spawn`` requests.
+(fd 0, SOCK_SEQPACKET) for ``SpawnJail`` messages (:mod:`jaild.protocol.zygote_link`).
 
-For each request (the job's channel, stdout and stderr arrive with it as
-SCM_RIGHTS) it forks the jail as the first process -- pid 1 -- of a fresh pid
-namespace (``setns`` back to its own, ``unshare(CLONE_NEWPID)``, ``fork``). The
-jail, still privileged inside the zygote's user namespace:
+Each ``SpawnJail`` carries the per-jail part of the daemon's plan of the jail
+(:class:`~jaild.protocol.zygote_link.JailSetup`, compiled by
+:func:`jaild.policy.compile.compile_policy` -- the same plan spawn mode renders to
+nsjail's config), and the job's channel, stdout and stderr as SCM_RIGHTS. The
+zygote turns the plan into steps (:func:`jail_steps`, pure; a plan a forked jail
+cannot follow is a ``SpawnFailed``), then forks the jail as the first process --
+pid 1 -- of a fresh pid namespace (``setns`` back to its own,
+``unshare(CLONE_NEWPID)``, ``fork``). The jail, still privileged inside the
+zygote's user namespace:
 
 1. sends the preamble byte on the channel: the daemon learns its host pid from
    SO_PASSCRED and moves it into the job's cgroup, then sends the go byte;
-2. unshares fresh mount, ipc, uts, cgroup and (unless the policy says host) net
-   namespaces;
-3. makes mount propagation private, mounts a new /tmp, /dev/shm and /proc (the
-   zygote's are detached), sets hostname and rlimits;
-4. drops the bounding set, then becomes the job's unprivileged uid (which clears
-   every capability);
-5. runs :func:`jaild.runtime.main.main` -- Harden, seccomp, JailReady.
+2. applies the steps: unshares the plan's namespaces (mount, ipc, uts, cgroup
+   and, unless the policy says host, net), makes mount propagation private,
+   detaches the zygote's /tmp, /dev/shm and /proc and mounts the plan's own,
+   sets hostname, brings lo up if asked, enters the working directory, sets the
+   plan's rlimits, and last drops the bounding set and becomes the plan's
+   unprivileged uid (which clears every capability);
+3. runs :func:`jaild.runtime.main.main` -- Harden, seccomp, JailReady.
 
 One fork per jail: a waiter process between zygote and jail would cost a second
 fork, its copy-on-write faults and its exit, for nothing the zygote cannot do.
@@ -36,8 +41,8 @@ namespaces, the cgroup is the job's own, the uid is the job's own. What it does
 share with its siblings is the zygote's address-space layout (ASLR is per exec,
 not per fork) and hash seed; the README's security model says so.
 
-The zygote reports each jail's end (wait status, CPU, peak RSS) on the control
-socket. It never reads what a jail writes and never runs user code.
+The zygote reports each jail's end (``JailReaped``: wait status, CPU, peak RSS)
+on the control socket. It never reads what a jail writes and never runs user code.
 """
 
 from __future__ import annotations
@@ -55,11 +60,26 @@ import socket
 import struct
 import sys
 import traceback
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
-import msgpack
 import prctl
+
+from jaild.protocol.messages import Message, safe_text
+from jaild.protocol.zygote_link import (
+    MAX_FAILED_IMPORTS,
+    MAX_FAILURE_CHARS,
+    MAX_PACKET_BYTES,
+    JailReaped,
+    JailSetup,
+    Mount,
+    PrepareSeccomp,
+    SpawnFailed,
+    SpawnJail,
+    ZygoteReady,
+    decode_packet,
+    encode,
+)
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
@@ -81,7 +101,6 @@ IFF_UP = 0x1
 
 PREAMBLE = b"Z"  # jail -> daemon, carrying SO_PASSCRED credentials
 GO = b"G"  # daemon -> jail: you are in the job's cgroup
-MAX_CONTROL = 64 * 1024
 EXIT_SETUP_FAILED = 70
 
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -149,59 +168,145 @@ def _drop_to(uid: int) -> None:
     os.setresuid(uid, uid, uid)
 
 
-def _setup_jail(req: dict[str, Any]) -> None:
-    """In the jail process (pid 1 of its pid namespace), still privileged in the userns."""
-    _mount("none", "/", None, MS_REC | MS_PRIVATE, None)
-    for target in ("/dev/shm", "/tmp"):
-        _umount(target)
-    hardened = MS_NOSUID | MS_NODEV | MS_NOEXEC
-    _mount("tmpfs", "/tmp", "tmpfs", hardened, req["tmp"])
-    if req["shm"]:
-        _mount("tmpfs", "/dev/shm", "tmpfs", hardened, req["shm"])
-    if req["proc"] != "none":
-        # The kernel allows this mount only while a fully visible proc is mounted (the
-        # zygote's, at /proc): mount ours aside, detach the zygote's, move ours in place.
-        aside = "/tmp/.proc"
-        os.mkdir(aside, 0o700)
-        _mount(
-            "proc",
-            aside,
-            "proc",
-            hardened | MS_RDONLY,
-            "subset=pid" if req["proc"] == "pid-only" else "",
+# --------------------------------------------------------------------------- the plan, applied
+
+
+class Step(NamedTuple):
+    """One system-level step of setting up a jail: an operation and its arguments."""
+
+    op: str
+    args: tuple[Any, ...] = ()
+
+
+_UNSHARE = {
+    "mount": CLONE_NEWNS,
+    "ipc": CLONE_NEWIPC,
+    "uts": CLONE_NEWUTS,
+    "cgroup": CLONE_NEWCGROUP,
+    "net": CLONE_NEWNET,
+}
+_RLIMITS = (
+    (resource.RLIMIT_CPU, "cpu_s"),
+    (resource.RLIMIT_FSIZE, "file_size_bytes"),
+    (resource.RLIMIT_NOFILE, "open_files"),
+    (resource.RLIMIT_CORE, "core_bytes"),
+)
+
+
+def _mount_flags(mount: Mount) -> int:
+    flags = 0 if mount.writable else MS_RDONLY
+    for name, flag in (("nosuid", MS_NOSUID), ("nodev", MS_NODEV), ("noexec", MS_NOEXEC)):
+        if getattr(mount, name):
+            flags |= flag
+    return flags
+
+
+def jail_steps(jail: JailSetup) -> list[Step]:
+    """What a forked jail does, in order, to become the jail ``jail`` describes -- the
+    daemon's plan, applied (see :class:`jaild.protocol.zygote_link.JailSetup`). Pure.
+
+    Raises:
+        SetupFailed: the plan asks for something a forked jail cannot do.
+    """
+    if "user" in jail.namespaces or "pid" not in jail.namespaces or jail.rlimits is None:
+        raise SetupFailed(
+            "a forked jail is pid 1 of its own pid namespace, in the zygote's user namespace, "
+            f"with its own rlimits; the plan asks for namespaces {list(jail.namespaces)}"
         )
-        _umount("/proc")
-        _check(_libc.mount(aside.encode(), b"/proc", None, MS_MOVE, None), "move /proc")
-        os.rmdir(aside)
-    else:
-        _umount("/proc")
-    socket.sethostname(req["hostname"])
-    if req["loopback"]:
-        _loopback_up()
-    os.chdir("/tmp")
-    for res, soft, hard in req["rlimits"]:
-        resource.setrlimit(res, (soft, hard))
-    _drop_to(req["uid"])
+    flags = 0
+    for ns in jail.namespaces:
+        flags |= _UNSHARE.get(ns, 0)  # pid: the fork made it
+    steps = [Step("unshare", (flags,)), Step("private", ("/",))]
+    remade_proc = {m.target for m in jail.mounts if m.kind == "proc"}
+    steps += [Step("umount", (t,)) for t in jail.detach if t not in remade_proc]
+    for mount in jail.mounts:
+        if mount.kind == "tmpfs":
+            steps.append(
+                Step("mount", ("tmpfs", mount.target, "tmpfs", _mount_flags(mount), mount.options))
+            )
+        elif mount.kind == "proc":
+            # The kernel allows this mount only while a fully visible proc is mounted (the
+            # zygote's): mount ours aside, detach the zygote's, move ours in place.
+            aside = f"{jail.cwd}/.proc"
+            steps += [
+                Step("mkdir", (aside,)),
+                Step("mount", ("proc", aside, "proc", _mount_flags(mount), mount.options)),
+                *([Step("umount", (mount.target,))] if mount.target in jail.detach else []),
+                Step("move", (aside, mount.target)),
+                Step("rmdir", (aside,)),
+            ]
+        else:
+            raise SetupFailed(f"a zygote cannot make a {mount.kind} mount at {mount.target}")
+    steps.append(Step("hostname", (jail.hostname,)))
+    if jail.loopback:
+        steps.append(Step("loopback_up"))
+    steps.append(Step("chdir", (jail.cwd,)))
+    for res, name in _RLIMITS:
+        value = getattr(jail.rlimits, name)
+        steps.append(Step("rlimit", (res, value, value)))
+    steps.append(Step("become", (jail.uid,)))
+    return steps
 
 
-def _jail(req: dict[str, Any]) -> None:
-    """The forked child, pid 1 of a new pid namespace: preamble, namespaces, the runtime."""
+def _move(source: str, target: str) -> None:
+    _check(_libc.mount(source.encode(), target.encode(), None, MS_MOVE, None), f"move {target}")
+
+
+def _setrlimit(res: int, soft: int, hard: int) -> None:
+    resource.setrlimit(res, (soft, hard))
+
+
+def _unshare(flags: int) -> None:
+    _check(_libc.unshare(flags), "unshare")
+
+
+def _private(target: str) -> None:
+    _mount("none", target, None, MS_REC | MS_PRIVATE, None)
+
+
+def _mkdir(path: str) -> None:
+    os.mkdir(path, 0o700)
+
+
+APPLY: dict[str, Callable[..., None]] = {
+    "unshare": _unshare,
+    "private": _private,
+    "umount": _umount,
+    "mount": _mount,
+    "mkdir": _mkdir,
+    "move": _move,
+    "rmdir": os.rmdir,
+    "hostname": socket.sethostname,
+    "loopback_up": _loopback_up,
+    "chdir": os.chdir,
+    "rlimit": _setrlimit,
+    "become": _drop_to,
+}
+"""Each step's system call(s)."""
+
+
+def _apply(steps: Sequence[Step]) -> None:
+    """In the jail process (pid 1 of its pid namespace), still privileged in the userns."""
+    for step in steps:
+        APPLY[step.op](*step.args)
+
+
+def _jail(steps: Sequence[Step], warm_up: bool) -> None:
+    """The forked child, pid 1 of a new pid namespace: preamble, the plan, the runtime."""
     chan = socket.socket(fileno=os.dup(0))
     chan.sendall(PREAMBLE)
     if chan.recv(1) != GO:
         raise SetupFailed("the daemon did not place the jail in its cgroup")
     chan.close()
-    flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
-    if req["netns"]:
-        flags |= CLONE_NEWNET
-    _check(_libc.unshare(flags), "unshare")
-    _setup_jail(req)
+    _apply(steps)
     from jaild.runtime.main import main
 
-    main(warm_up=bool(req.get("warm_up")))
+    main(warm_up=warm_up)
 
 
-def _child_main(req: dict[str, Any], fds: Sequence[int], control: socket.socket) -> None:
+def _child_main(
+    steps: Sequence[Step], warm_up: bool, fds: Sequence[int], control: socket.socket
+) -> None:
     try:
         # Die with the zygote. Its pid is outside our pid namespace (getppid() is 0), so
         # the arming race cannot be checked here: a zygote that dies takes its cgroup,
@@ -214,7 +319,7 @@ def _child_main(req: dict[str, Any], fds: Sequence[int], control: socket.socket)
         for target, fd in zip((0, 1, 2), fds, strict=True):
             os.dup2(fd, target)
         os.closerange(3, 65536)
-        _jail(req)
+        _jail(steps, warm_up)
     except BaseException as exc:
         try:
             detail = exc if isinstance(exc, SetupFailed) else traceback.format_exc()
@@ -224,27 +329,30 @@ def _child_main(req: dict[str, Any], fds: Sequence[int], control: socket.socket)
     os._exit(0)
 
 
-def _send(control: socket.socket, msg: dict[str, Any]) -> None:
-    control.send(msgpack.packb(msg))
+def _send(control: socket.socket, msg: Message) -> None:
+    control.send(encode(msg))
 
 
 def _spawn(
-    control: socket.socket, req: dict[str, Any], fds: list[int], own_pidns: int
+    control: socket.socket, req: SpawnJail, fds: list[int], own_pidns: int
 ) -> dict[int, int]:
     """Fork the jail as the first process of a fresh pid namespace: back into our own
     namespace for children (``setns``), a new one (``unshare``), then fork."""
     sys.stdout.flush()
     sys.stderr.flush()
     try:
+        if len(fds) != 3:
+            raise SetupFailed(f"a jail needs its channel, stdout and stderr; got {len(fds)} fds")
+        steps = jail_steps(req.jail)
         _check(_libc.setns(own_pidns, CLONE_NEWPID), "setns")
         _check(_libc.unshare(CLONE_NEWPID), "unshare")
         pid = os.fork()
     except (OSError, SetupFailed) as exc:
-        _send(control, {"t": "error", "id": req["id"], "message": f"fork: {exc}"})
+        _send(control, SpawnFailed(req.spawn_id, safe_text(f"fork: {exc}", MAX_FAILURE_CHARS)))
         return {}
     if pid == 0:
-        _child_main(req, fds, control)
-    return {pid: req["id"]}
+        _child_main(steps, req.jail.warm_up, fds, control)
+    return {pid: req.spawn_id}
 
 
 def _reap(control: socket.socket, children: dict[int, int]) -> None:
@@ -255,19 +363,39 @@ def _reap(control: socket.socket, children: dict[int, int]) -> None:
             return
         if pid == 0:
             return
-        job = children.pop(pid, None)
-        if job is None:
+        spawn_id = children.pop(pid, None)
+        if spawn_id is None:
             continue
         _send(
             control,
-            {
-                "t": "exit",
-                "id": job,
-                "status": status,
-                "cpu_s": usage.ru_utime + usage.ru_stime,
-                "maxrss_kb": usage.ru_maxrss,
-            },
+            JailReaped(
+                spawn_id=spawn_id,
+                status=status,
+                cpu_s=usage.ru_utime + usage.ru_stime,
+                maxrss_kb=usage.ru_maxrss,
+            ),
         )
+
+
+def _preimport(names: Sequence[str]) -> dict[str, str]:
+    """Import the runtime and ``names``; what failed, as the ``ZygoteReady`` message says it."""
+    failed: dict[str, str] = {}
+    for name in (*_RUNTIME_MODULES, *names):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            if len(failed) < MAX_FAILED_IMPORTS:
+                failed[name[:256]] = safe_text(f"{type(exc).__name__}: {exc}", MAX_FAILURE_CHARS)
+    return failed
+
+
+def _receive(control: socket.socket) -> tuple[bytes, list[int]]:
+    data, ancdata, _, _ = control.recvmsg(MAX_PACKET_BYTES, socket.CMSG_SPACE(3 * 4))
+    fds: list[int] = []
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds += list(memoryview(payload).cast("i"))
+    return data, fds
 
 
 def main(preimport: Sequence[str]) -> None:
@@ -276,12 +404,7 @@ def main(preimport: Sequence[str]) -> None:
     devnull = os.open("/dev/null", os.O_RDWR)
     os.dup2(devnull, 0)
     os.close(devnull)
-    failed = {}
-    for name in (*_RUNTIME_MODULES, *preimport):
-        try:
-            importlib.import_module(name)
-        except Exception as exc:
-            failed[name] = f"{type(exc).__name__}: {exc}"
+    failed = _preimport(preimport)
     # Every object so far is shared with the jails copy-on-write: keep the collector from
     # walking (and so writing to, and so copying) them in each jail.
     gc.freeze()
@@ -289,10 +412,7 @@ def main(preimport: Sequence[str]) -> None:
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    _send(
-        control,
-        {"t": "ready", "pid": os.getpid(), "python": platform.python_version(), "failed": failed},
-    )
+    _send(control, ZygoteReady(pid=os.getpid(), python=platform.python_version(), failed=failed))
     if failed:
         os._exit(EXIT_SETUP_FAILED)
     children: dict[int, int] = {}
@@ -311,23 +431,20 @@ def main(preimport: Sequence[str]) -> None:
             _reap(control, children)
         if control.fileno() in readable:
             try:
-                data, ancdata, _, _ = control.recvmsg(MAX_CONTROL, socket.CMSG_SPACE(3 * 4))
+                data, fds = _receive(control)
             except InterruptedError:
                 continue
             if not data:
                 os._exit(0)  # the daemon is gone; our children die with us (pdeathsig)
-            fds: list[int] = []
-            for level, kind, payload in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds += list(memoryview(payload).cast("i"))
             try:
-                req = msgpack.unpackb(data)
-                if req.get("t") == "spawn" and len(fds) == 3:
+                # a message we cannot read is the daemon's bug: raise, and exit
+                req = decode_packet(data, "daemon->zygote")
+                if isinstance(req, SpawnJail):
                     children.update(_spawn(control, req, fds, own_pidns))
-                elif req.get("t") == "seccomp":
+                elif isinstance(req, PrepareSeccomp):
                     from jaild.runtime import seccomp
 
-                    seccomp.prepare(req["spec"])
+                    seccomp.prepare(req.spec)
             finally:
                 for fd in fds:
                     os.close(fd)

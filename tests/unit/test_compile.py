@@ -10,25 +10,35 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import resource
 from pathlib import Path
 
 import pytest
 
 from jaild.policy.compile import (
+    JAIL_HOSTNAME,
+    JAIL_UID,
     JOB_UIDS,
+    WORKDIR,
     CgroupLayout,
     HostLayout,
+    IdMap,
+    JailPlan,
+    JobFacts,
     JobPlacement,
     child_memory_ceiling_bytes,
+    compile_policy,
+    compile_zygote,
+    forked_jail,
     job_argv,
     nsjail_config,
+    render_config,
+    render_mount,
     tmp_inodes,
     zygote_argv,
     zygote_memory_mb,
-    zygote_request,
 )
-from jaild.policy.schema import effective_limits, load_policy_dir, load_policy_text
+from jaild.policy.schema import Policy, effective_limits, load_policy_dir, load_policy_text
+from jaild.protocol.zygote_link import JailSetup, Mount, Rlimits
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -164,23 +174,6 @@ def test_preimport_reaches_the_zygote_command_line() -> None:
     assert 'arg: "json"' in cfg and 'arg: "email.message"' in cfg
 
 
-def test_zygote_request_matches_what_nsjail_would_set() -> None:
-    policy = POLICIES["default"]
-    limits = effective_limits(policy, {"memory_mb": 64, "cpu_time_s": 3})
-    req = zygote_request(policy, limits, 4242)
-    rl = {r: (soft, hard) for r, soft, hard in req["rlimits"]}
-    assert rl[resource.RLIMIT_CPU] == (3, 3)
-    assert rl[resource.RLIMIT_FSIZE] == (policy.limits.file_size_mb << 20,) * 2
-    assert rl[resource.RLIMIT_NOFILE] == (policy.limits.open_files,) * 2
-    assert rl[resource.RLIMIT_CORE] == (0, 0)
-    assert req["uid"] == 4242 and req["hostname"] == "jail"
-    assert req["proc"] == "pid-only" and req["netns"] and not req["loopback"]
-    assert f"nr_inodes={tmp_inodes(policy.filesystem.tmp_mb)}" in req["tmp"]
-    host = load_policy_text('[network]\nmode = "host"\n[filesystem]\nshm_mb = 0\n', "h.toml")
-    req = zygote_request(host, host.limits, 1)
-    assert not req["netns"] and req["shm"] == ""
-
-
 def test_the_zygote_cgroup_has_room_for_jails_in_transit() -> None:
     # pages a jail touches before it is moved to its job's cgroup stay charged to the zygote's
     policy = POLICIES["default"]
@@ -189,7 +182,168 @@ def test_the_zygote_cgroup_has_room_for_jails_in_transit() -> None:
     assert zygote_memory_mb(policy, 100) == 2 * policy.limits.memory_mb + 100
 
 
+
+
+# ---------------------------------------------------------------- the plan
+
+
+SHIPPED = sorted(POLICIES)
+JOB_UID = 1073741824 + 7
+
+
+def job_plans(policy: Policy) -> dict[str, JailPlan]:
+    """Every plan the daemon makes of ``policy``'s jails."""
+    job = JobFacts(policy.limits, JOB_UID)
+    return {
+        "policy": compile_policy(policy, V1),
+        "spawned": compile_policy(policy, V1, job),
+        "forked": compile_policy(policy, V1, job, forked=True),
+        "zygote": compile_zygote(policy, V1, uids=(JOB_UID + JOB_UIDS, 1073741824)),
+    }
+
+
+def test_every_policy_is_shipped_with_a_plan() -> None:
+    assert SHIPPED == ["data", "default", "strict"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_plan_of_each_shipped_policy(name: str) -> None:
+    policy = POLICIES[name]
+    fs, lim = policy.filesystem, policy.limits
+    plan = compile_policy(policy, V1, JobFacts(lim, JOB_UID))
+    jail = plan.jail
+    assert plan.name == name and plan.seccomp == policy.seccomp_choice
+    assert (jail.hostname, jail.cwd, jail.uid) == (JAIL_HOSTNAME, WORKDIR, JAIL_UID)
+    assert plan.id_maps == (IdMap(JAIL_UID, JOB_UID, 1),)
+    assert jail.rlimits == Rlimits(lim.cpu_time_s, lim.file_size_mb << 20, lim.open_files, 0)
+    assert plan.pids_max == lim.pids and not plan.keep_caps
+    assert plan.memory_max_bytes == child_memory_ceiling_bytes(policy)
+    assert set(jail.namespaces) >= {"user", "mount", "pid", "ipc", "uts", "cgroup"}
+    assert ("net" in jail.namespaces) == (policy.network.mode != "host")
+    assert jail.loopback == (policy.network.mode == "loopback")
+    # the root is an empty read-only tmpfs; every bind is read-only, nosuid, nodev
+    root = plan.mounts[0]
+    assert (root.target, root.kind, root.writable) == ("/", "tmpfs", False)
+    for mount in plan.mounts:
+        if mount.kind == "bind" and not mount.target.startswith("/dev/"):
+            assert not mount.writable and mount.nosuid and mount.nodev, mount
+    # writable: /tmp, /dev/shm (if any), /dev/null -- nothing else
+    writable = [m.target for m in plan.mounts if m.writable]
+    assert writable == ["/tmp", *(["/dev/shm"] if fs.shm_mb else []), "/dev/null"]
+    for mount in jail.mounts:  # the jail's own: no setuid, devices or programs from there
+        assert mount.nosuid and mount.nodev and mount.noexec, mount
+    tmp = jail.mounts[0]
+    assert tmp.options == f"size={fs.tmp_mb << 20},mode=1777,nr_inodes={tmp_inodes(fs.tmp_mb)}"
+    procs = [m for m in plan.mounts if m.kind == "proc"]
+    assert [m.options for m in procs] == {"none": [], "pid-only": ["subset=pid"], "full": [""]}[
+        fs.proc
+    ]
+    assert plan.program[-1].endswith("from jaild.runtime.main import main;main()")
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_a_forked_jail_is_the_spawned_jail_made_by_its_zygote(name: str) -> None:
+    """The zygote's frame plus the forked jail's own mounts are the spawned jail's mounts;
+    only who makes them, and the uid the jail runs as, differ."""
+    plans = job_plans(POLICIES[name])
+    spawned, forked, zygote = plans["spawned"], plans["forked"], plans["zygote"]
+    assert forked.mounts == spawned.mounts
+    assert zygote.frame == spawned.frame and zygote.devices == spawned.devices
+    # the jail detaches exactly the zygote's own fresh mounts
+    assert forked.jail.detach == tuple(m.target for m in zygote.jail.mounts)
+    assert forked.jail.uid == JOB_UID and forked.id_maps == ()
+    assert set(forked.jail.namespaces) == set(spawned.jail.namespaces) - {"user"}
+    same = ("hostname", "cwd", "mounts", "rlimits", "loopback")
+    assert [getattr(forked.jail, f) for f in same] == [getattr(spawned.jail, f) for f in same]
+    job = JobFacts(POLICIES[name].limits, JOB_UID)
+    assert forked == compile_policy(POLICIES[name], V1, job, forked=True)  # pure
+    assert forked_jail(POLICIES[name], V1, job) == forked.jail  # what the zygote is sent
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_the_zygotes_plan(name: str) -> None:
+    policy = POLICIES[name]
+    zygote = job_plans(policy)["zygote"]
+    assert zygote.keep_caps and zygote.jail.rlimits is None and zygote.jail.uid == 0
+    assert zygote.id_maps == (IdMap(0, JOB_UID + JOB_UIDS), IdMap(1073741824, 1073741824, JOB_UIDS))
+    assert [m.options for m in zygote.jail.mounts if m.kind == "proc"] == [""]  # a full /proc
+    assert zygote.program[6:] == policy.pool.preimport
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_the_tmpfs_options_are_spelled_once(name: str) -> None:
+    """The config's /tmp and /dev/shm lines and what the zygote is sent are one spelling."""
+    policy = POLICIES[name]
+    cfg = nsjail_config(policy, V1)
+    sent = forked_jail(policy, V1, JobFacts(policy.limits, JOB_UID))
+    for mount in sent.mounts:
+        assert render_mount(mount) in cfg.splitlines()
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_the_config_is_the_rendered_plan(name: str) -> None:
+    policy = POLICIES[name]
+    assert nsjail_config(policy, V1) == render_config(compile_policy(policy, V1))
+    assert nsjail_config(policy, V1, zygote=True) == render_config(compile_zygote(policy, V1))
+    cfg = render_config(compile_policy(policy, V1)).splitlines()
+    assert [ln for ln in cfg if ln.startswith("mount {")] == [
+        render_mount(m) for m in compile_policy(policy, V1).mounts
+    ]
+
+
+def test_a_jobs_plan_renders_the_same_config_as_its_policys() -> None:
+    """The config is rendered once per policy; a job's own limits and uid go on nsjail's
+    command line (where they override the config's)."""
+    policy = POLICIES["default"]
+    limits = effective_limits(policy, {"cpu_time_s": 3, "pids": 9})
+    job = compile_policy(policy, V1, JobFacts(limits, JOB_UID))
+    own = compile_policy(policy, V1)
+    assert job.frame == own.frame and job.jail.mounts == own.jail.mounts
+    assert own.id_maps == () and job.jail.rlimits is not None and job.jail.rlimits.cpu_s == 3
+
+
+@pytest.mark.parametrize(("mode", "namespaces", "loopback"), [
+    ("none", True, False), ("loopback", True, True), ("host", False, False),
+])
+def test_network_modes_in_the_plan(mode: str, namespaces: bool, loopback: bool) -> None:
+    policy = load_policy_text(f"[network]\nmode = '{mode}'", "n.toml")
+    for plan in job_plans(policy).values():
+        assert ("net" in plan.jail.namespaces) == namespaces and plan.jail.loopback == loopback
+
+
+def test_proc_none_and_no_shm_in_the_plan() -> None:
+    policy = load_policy_text("[filesystem]\nproc = 'none'\nshm_mb = 0\n", "p.toml")
+    plans = job_plans(policy)
+    assert [m.target for m in plans["spawned"].jail.mounts] == ["/tmp"]
+    assert [m.target for m in plans["zygote"].jail.mounts] == ["/tmp", "/proc"]
+    assert plans["forked"].jail.detach == ("/tmp", "/proc")
+
+
 def test_only_pooled_jails_warm_up() -> None:
     policy = POLICIES["default"]
-    assert zygote_request(policy, policy.limits, 1, pooled=True)["warm_up"] is True
-    assert zygote_request(policy, policy.limits, 1)["warm_up"] is False
+    assert forked_jail(policy, V1, JobFacts(policy.limits, 1, pooled=True)).warm_up is True
+    assert forked_jail(policy, V1, JobFacts(policy.limits, 1)).warm_up is False
+
+
+def test_a_forked_plan_needs_a_job() -> None:
+    with pytest.raises(ValueError, match="a job's"):
+        compile_policy(POLICIES["default"], V1, forked=True)
+
+
+def test_render_mount_kinds() -> None:
+    assert render_mount(Mount("/bin", "symlink", source="usr/bin")) == (
+        'mount { src: "usr/bin" dst: "/bin" is_symlink: true }'
+    )
+    assert render_mount(Mount("/x", "bind", source="/y", writable=True)) == (
+        'mount { src: "/y" dst: "/x" is_bind: true rw: true }'
+    )
+    assert render_mount(Mount("/p", "proc", noexec=True)) == (
+        'mount { dst: "/p" fstype: "proc" options: "" rw: false noexec: true }'
+    )
+
+
+def test_the_plan_is_frozen() -> None:
+    plan = compile_policy(POLICIES["default"], V1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.name = "other"  # type: ignore[misc]
+    assert isinstance(plan.jail, JailSetup)

@@ -2,19 +2,18 @@
 
 The zygote runs in an nsjail of its own, started by :meth:`Zygote.start`; the
 daemon talks to it over a SOCK_SEQPACKET socketpair (the zygote's fd 0), one
-msgpack map per packet:
+framed message of :mod:`jaild.protocol.zygote_link` per packet:
 
-* zygote -> daemon ``{"t": "ready", "pid", "python", "failed": {module: error}}``
-  once, after its imports; a non-empty ``failed`` means it exits and the policy
-  is not served.
-* daemon -> zygote ``{"t": "seccomp", "spec"}`` once, after ``ready``: the policy's
+* zygote -> daemon ``ZygoteReady`` once, after its imports; a non-empty ``failed``
+  means it exits and the policy is not served.
+* daemon -> zygote ``PrepareSeccomp`` once, after ``ZygoteReady``: the policy's
   seccomp spec, whose filters the zygote builds once for all its jails (each jail
   still loads them itself, and the daemon still checks the digest it reports).
-* daemon -> zygote ``{"t": "spawn", "id", "uid", "rlimits", "tmp", "shm", "proc",
-  "netns", "loopback", "hostname", "warm_up"}`` with the jail's channel, stdout and stderr
-  as SCM_RIGHTS.
-* zygote -> daemon ``{"t": "exit", "id", "status", "cpu_s", "maxrss_kb"}`` when a
-  jail was reaped, or ``{"t": "error", "id", "message"}`` when it could not fork.
+* daemon -> zygote ``SpawnJail``: the per-jail part of the jail's plan
+  (:func:`jaild.policy.compile.compile_policy`), with the jail's channel, stdout and
+  stderr as SCM_RIGHTS.
+* zygote -> daemon ``JailReaped`` when a jail was reaped, or ``SpawnFailed`` when
+  it could not fork.
 
 A dead zygote fails every jail it had (they die with it by pdeathsig) and is
 started again on the next spawn.
@@ -32,15 +31,31 @@ import socket
 import struct
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
 from jaild.daemon.cgroups import Cgroups, JobCgroup
-from jaild.policy.compile import ZYGOTE_PIDS, HostLayout, zygote_argv, zygote_memory_mb
+from jaild.errors import RemoteProtocolError
+from jaild.policy.compile import (
+    ZYGOTE_PIDS,
+    HostLayout,
+    compile_zygote,
+    zygote_argv,
+    zygote_memory_mb,
+)
 from jaild.policy.schema import Policy
+from jaild.protocol.zygote_link import (
+    MAX_PACKET_BYTES,
+    JailReaped,
+    JailSetup,
+    PrepareSeccomp,
+    SpawnFailed,
+    SpawnJail,
+    ZygoteReady,
+    decode_packet,
+    encode,
+)
 
 log = logging.getLogger("jaild.daemon.launch.forked")
 
@@ -69,6 +84,31 @@ class ZygoteExit:
 
 
 OnExit = Callable[[ZygoteExit], None]
+
+
+def namespace_problem(pid: int | None, namespaces: Sequence[str]) -> str | None:
+    """Fail closed unless process ``pid`` (a zygote) really sits in the ``namespaces`` of its
+    plan, its own: it keeps its capabilities, which is only harmless inside a user
+    namespace of its own."""
+    try:
+        names = [_PROC_NS.get(ns, ns) for ns in namespaces]
+        shared = [
+            ns
+            for ns in names
+            if os.readlink(f"/proc/{pid}/ns/{ns}") == os.readlink(f"/proc/self/ns/{ns}")
+        ]
+    except (OSError, ValueError) as exc:
+        return f"cannot inspect the zygote's namespaces: {exc}"
+    if shared:
+        return (
+            f"the zygote shares the daemon's {', '.join(shared)} namespace(s); "
+            "nsjail did not isolate it, refusing to fork jails from it"
+        )
+    return None
+
+
+_PROC_NS = {"mount": "mnt"}
+"""A plan's namespace names that /proc/PID/ns spells differently."""
 
 
 class Zygote:
@@ -106,7 +146,7 @@ class Zygote:
         self._on_sent: dict[int, Callable[[], None]] = {}
         self._writer_armed = False
         self._next_id = 0
-        self._ready: asyncio.Future[dict[str, Any]] | None = None
+        self._ready: asyncio.Future[ZygoteReady] | None = None
         self._starting: asyncio.Task[None] | None = None
         self._log = bytearray()
         self._failed_at = 0.0
@@ -187,45 +227,24 @@ class Zygote:
         except (TimeoutError, ZygoteError) as exc:
             self._died(f"the zygote did not start: {exc or 'timeout'}")
             raise ZygoteError(self._why(str(exc) or "it did not become ready")) from None
-        if hello.get("failed"):
-            failed = "; ".join(f"{k}: {v}" for k, v in hello["failed"].items())
+        if hello.failed:
+            failed = "; ".join(f"{k}: {v}" for k, v in hello.failed.items())
             self._died("preimport failed")
             raise ZygoteError(f"policy {self.policy.name!r}: pool.preimport failed: {failed}")
-        problem = self._namespace_problem()
+        plan = compile_zygote(self.policy, self._host)
+        problem = namespace_problem(self.host_pid, plan.jail.namespaces)
         if problem:
             self._died(problem)
             raise ZygoteError(self._why(problem))
-        self.python = str(hello.get("python", ""))
+        self.python = hello.python
         assert self._control is not None
-        self._control.send(msgpack.packb({"t": "seccomp", "spec": self._seccomp_spec}))
+        self._control.send(encode(PrepareSeccomp(self._seccomp_spec)))
         log.info(
             "zygote of policy %s ready (nsjail pid %d, python %s)",
             self.policy.name,
             self._proc.pid,
             self.python,
         )
-
-    def _namespace_problem(self) -> str | None:
-        """Fail closed unless the zygote really sits in its own namespaces: it keeps its
-        capabilities, which is only harmless inside a user namespace of its own."""
-        pid = self.host_pid
-        try:
-            wanted = ["user", "mnt", "pid", "ipc", "uts", "cgroup"]
-            if self.policy.network.mode != "host":
-                wanted.append("net")
-            shared = [
-                ns
-                for ns in wanted
-                if os.readlink(f"/proc/{pid}/ns/{ns}") == os.readlink(f"/proc/self/ns/{ns}")
-            ]
-        except (OSError, ValueError) as exc:
-            return f"cannot inspect the zygote's namespaces: {exc}"
-        if shared:
-            return (
-                f"the zygote shares the daemon's {', '.join(shared)} namespace(s); "
-                "nsjail did not isolate it, refusing to fork jails from it"
-            )
-        return None
 
     def _why(self, what: str) -> str:
         excerpt = "\n".join(self._log.decode("utf-8", "replace").splitlines()[-6:])
@@ -248,7 +267,7 @@ class Zygote:
     def _readable(self) -> None:
         assert self._control is not None
         try:
-            data, ancdata, _, _ = self._control.recvmsg(65536, socket.CMSG_SPACE(12))
+            data, ancdata, _, _ = self._control.recvmsg(MAX_PACKET_BYTES, socket.CMSG_SPACE(12))
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -257,26 +276,25 @@ class Zygote:
             self._died("the zygote exited")
             return
         try:
-            msg = msgpack.unpackb(data)
-            kind = msg["t"]
-        except Exception:
-            self._died("the zygote sent a malformed message")
+            msg = decode_packet(data, "zygote->daemon")
+        except RemoteProtocolError as exc:
+            self._died(f"the zygote sent a malformed message: {exc.message}")
             return
-        if kind == "ready":
+        if isinstance(msg, ZygoteReady):
             creds = [d for lvl, k, d in ancdata if (lvl, k) == (socket.SOL_SOCKET, SCM_CREDENTIALS)]
             if creds and self._ready is not None and not self._ready.done():
                 self.host_pid = struct.unpack("3i", creds[0][:12])[0]
                 self._ready.set_result(msg)
-        elif kind == "exit":
-            self.settled(msg["id"])
-            on_exit = self._pending.pop(msg["id"], None)
+        elif isinstance(msg, JailReaped):
+            self.settled(msg.spawn_id)
+            on_exit = self._pending.pop(msg.spawn_id, None)
             if on_exit is not None:
-                on_exit(ZygoteExit(int(msg["status"]), float(msg["cpu_s"])))
-        elif kind == "error":
-            self.settled(msg["id"])
-            on_exit = self._pending.pop(msg["id"], None)
+                on_exit(ZygoteExit(msg.status, float(msg.cpu_s)))
+        elif isinstance(msg, SpawnFailed):
+            self.settled(msg.spawn_id)
+            on_exit = self._pending.pop(msg.spawn_id, None)
             if on_exit is not None:
-                on_exit(ZygoteExit(None, detail=str(msg["message"])))
+                on_exit(ZygoteExit(None, detail=msg.message))
 
     def _died(self, why: str) -> None:
         loop = asyncio.get_running_loop()
@@ -324,13 +342,14 @@ class Zygote:
 
     def spawn(
         self,
-        request: dict[str, Any],
+        jail: JailSetup,
         fds: tuple[int, ...],
         on_exit: OnExit,
         on_sent: Callable[[], None] | None = None,
     ) -> int:
-        """Ask for one jail; the zygote gets ``fds`` (its channel, stdout, stderr), which
-        this takes over and closes once sent. ``on_exit`` hears when it was reaped (or
+        """Ask for one jail, as ``jail`` (the per-jail part of its plan) describes; the
+        zygote gets ``fds`` (its channel, stdout, stderr), which this takes over and
+        closes once sent. ``on_exit`` hears when it was reaped (or
         never started), once. ``on_sent`` hears when the request left the queue for the
         zygote (a burst waits, see MAX_IN_TRANSIT): the jail's own start begins then."""
         if not self.alive or self._control is None:
@@ -342,7 +361,7 @@ class Zygote:
         self._pending[ident] = on_exit
         if on_sent is not None:
             self._on_sent[ident] = on_sent
-        self._outbox.append((msgpack.packb({"t": "spawn", "id": ident, **request}), fds, ident))
+        self._outbox.append((encode(SpawnJail(ident, jail)), fds, ident))
         if len(self._outbox) == 1:
             self._flush()
         return ident
