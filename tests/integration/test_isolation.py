@@ -7,6 +7,7 @@ a broken probe.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import stat
@@ -141,12 +142,20 @@ def test_the_jailed_process_is_hardened(client: Client, policy: str) -> None:
 @pytest.mark.parametrize("policy", ["default", "spawn", "pooled"])
 def test_the_jail_runs_as_an_unprivileged_uid_outside(daemon: DaemonHandle, client: Client,
                                                       policy: str) -> None:
-    # While the job runs, a host tool looks at the job's processes from outside.
+    # While the job runs, a host tool looks at the jails' processes from outside: this job's
+    # (alive: it waits for the tool) and any other jail's, such as the pool refilling. Those
+    # may end between the listing and the read; a process that is gone has no uid to check.
     def outside_uids() -> list[int]:
         uids = []
         for tasks in daemon.job_root.glob("job-*/**/cgroup.procs"):
-            for pid in tasks.read_text().split():
-                status = Path(f"/proc/{pid}/status").read_text()
+            pids: list[str] = []
+            with contextlib.suppress(FileNotFoundError):  # a cgroup removed meanwhile
+                pids = tasks.read_text().split()
+            for pid in pids:
+                try:
+                    status = Path(f"/proc/{pid}/status").read_text()
+                except (FileNotFoundError, ProcessLookupError):  # it ended meanwhile
+                    continue
                 uid_line = next(ln for ln in status.splitlines() if ln.startswith("Uid:"))
                 uids.extend(int(u) for u in uid_line.split()[1:])
         return uids
