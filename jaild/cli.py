@@ -79,7 +79,8 @@ def _daemon_config(args: argparse.Namespace, socket_path: str | None) -> DaemonC
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from jaild.daemon.server import StartupError, serve
+    from jaild.daemon.server import serve
+    from jaild.errors import StartupError
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
@@ -155,7 +156,7 @@ def _uploads(specs: Sequence[str] | None) -> dict[str, Any]:
 def _save_downloads(result: Any, directory: str | None) -> None:
     if not directory or not result.downloads:
         return
-    from jaild.transfer import UnsafePath
+    from jaild.errors import UnsafePath
 
     try:
         for path in result.save_files(directory):
@@ -494,8 +495,9 @@ def cmd_policies(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Host checks, then each policy's self-test in a private daemon; exit 1 on any failure."""
     from jaild.daemon.selftest import Check, cgroup_placement_check, host_checks
-    from jaild.daemon.server import Daemon, StartupError
+    from jaild.daemon.server import Daemon
     from jaild.daemon.staging import locate_nsjail
+    from jaild.errors import StartupError
     from jaild.policy.schema import load_policy_dir
 
     try:
@@ -601,8 +603,9 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
 
 
 def cmd_policy_explain(args: argparse.Namespace) -> int:
-    from jaild.daemon.cgroups import CgroupError, detect
+    from jaild.daemon.cgroups import detect
     from jaild.daemon.config import DaemonConfig
+    from jaild.errors import CgroupError
     from jaild.policy.compile import (
         JOB_UIDS,
         CgroupLayout,

@@ -35,12 +35,10 @@ from typing import Any
 
 from jaild.client import Approver, AsyncClient, AsyncSession, JobResult
 from jaild.daemon.config import socket_from_env
-from jaild.errors import ConnectionLost, DaemonUnavailable, JaildError
+from jaild.errors import ConfigError, ConnectionLost, DaemonUnavailable, JaildError, ProviderError
 from jaild.providers import (
     DEFAULT_CALL_TIMEOUT_S,
     DEFAULT_CONNECT_TIMEOUT_S,
-    ConfigError,
-    ProviderError,
     ToolProviders,
     one_line,
 )

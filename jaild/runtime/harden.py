@@ -26,11 +26,8 @@ from typing import Any
 
 import prctl
 
+from jaild.errors import HardeningFailed
 from jaild.runtime import seccomp
-
-
-class HardeningFailed(RuntimeError):
-    """The jail is not as locked down as the policy requires; no user code may run."""
 
 
 def _has_any_capability() -> list[str]:

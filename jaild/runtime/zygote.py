@@ -61,6 +61,8 @@ from typing import Any
 import msgpack
 import prctl
 
+from jaild.errors import SetupFailed
+
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWUTS = 0x04000000
@@ -94,10 +96,6 @@ _RUNTIME_MODULES = (
     "jaild.runtime.tools",
     "jaild.runtime.files",
 )
-
-
-class SetupFailed(RuntimeError):
-    pass
 
 
 def _check(rc: int, what: str) -> None:

@@ -39,6 +39,7 @@ from typing import Any
 import msgpack
 
 from jaild.daemon.cgroups import Cgroups, JobCgroup
+from jaild.errors import ZygoteError
 from jaild.policy.compile import ZYGOTE_PIDS, HostLayout, zygote_argv, zygote_memory_mb
 from jaild.policy.schema import Policy
 
@@ -53,10 +54,6 @@ MAX_IN_TRANSIT = 32
 """Jails forked but not yet moved into their job's cgroup: they live in the zygote's cgroup
 and are charged to it, so a burst of 500 must not fork at once (it OOM-killed the zygote)."""
 RESTART_BACKOFF_S = 1.0
-
-
-class ZygoteError(RuntimeError):
-    """The zygote could not be started, or died."""
 
 
 @dataclass
