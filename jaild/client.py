@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaild import __version__
-from jaild.daemon.config import socket_from_env
+from jaild.address import socket_from_env
 from jaild.errors import (
     ConnectionLost,
     DaemonUnavailable,

@@ -396,3 +396,11 @@ def exit_code_for(error: BaseException) -> int:
         if code is not None:
             return code
     return EXIT_FAILURE
+
+
+def error_line(error: JaildError) -> str:
+    """How a front end shows ``error`` before exiting with :func:`exit_code_for`: its
+    message, after its code unless the message says it all (no daemon at the socket)."""
+    if isinstance(error, DaemonUnavailable):
+        return error.message
+    return f"{error.code}: {error.message}"
