@@ -30,18 +30,13 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaild import __version__
-from jaild.daemon.config import (
-    DaemonConfig,
-    default_policies_dir,
-    default_state_dir,
-    socket_from_env,
-)
-from jaild.errors import DaemonUnavailable, JaildError, PolicyError
+from jaild.address import socket_from_env
+from jaild.daemon.config import DaemonConfig, default_policies_dir, default_state_dir
+from jaild.errors import EXIT_USAGE, JaildError, PolicyError, error_line, exit_code_for
 
 EXIT_STATUS = {
     "ok": 0,
@@ -54,13 +49,18 @@ EXIT_STATUS = {
     "cancelled": 8,
     "internal_error": 9,
 }
-EXIT_USAGE = 2
-EXIT_UNAVAILABLE = 69
-EXIT_REFUSED = 65
+"""A job's status -> the exit status of ``jaild run``. Errors met before or instead of a
+result (no daemon, a refusal, ...) exit as :data:`jaild.errors.EXIT_CODES` says."""
 
 
 def _print_err(msg: str) -> None:
     print(f"jaild: {msg}", file=sys.stderr, flush=True)
+
+
+def _refused(exc: JaildError) -> int:
+    """Report an error met instead of a result; return its exit status."""
+    _print_err(error_line(exc))
+    return exit_code_for(exc)
 
 
 # ---------------------------------------------------------------------------- serve
@@ -79,7 +79,8 @@ def _daemon_config(args: argparse.Namespace, socket_path: str | None) -> DaemonC
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from jaild.daemon.server import StartupError, serve
+    from jaild.daemon.server import serve
+    from jaild.errors import StartupError
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
@@ -155,7 +156,7 @@ def _uploads(specs: Sequence[str] | None) -> dict[str, Any]:
 def _save_downloads(result: Any, directory: str | None) -> None:
     if not directory or not result.downloads:
         return
-    from jaild.transfer import UnsafePath
+    from jaild.errors import UnsafePath
 
     try:
         for path in result.save_files(directory):
@@ -166,35 +167,19 @@ def _save_downloads(result: Any, directory: str | None) -> None:
         _print_err(f"not downloaded: {skipped.get('path')!r}: {skipped.get('reason')}")
 
 
-async def _run_private(
+async def _run_somewhere(
     args: argparse.Namespace, code: str, filename: str, tools: dict[str, Any]
 ) -> Any:
-    from jaild.daemon.server import Daemon
+    """Run in the daemon at the named or default socket, else in a private daemon."""
+    from jaild.daemon.private import daemon_socket
 
-    with tempfile.TemporaryDirectory(prefix="jaild-private-") as tmp:
-        socket_path = os.path.join(tmp, "jaild.sock")
-        config = dataclasses.replace(_daemon_config(args, socket_path), metrics_address=None)
-        daemon = Daemon(config)
-        await daemon.start(only_policies={args.policy})
-        try:
-            return await _run_job(args, socket_path, code, filename, tools)
-        finally:
-            await daemon.stop()
+    def announce(path: str) -> None:
+        _print_err(f"no daemon at {path}; running this job in a private daemon")
 
-
-def _nobody_listening(path: str) -> bool:
-    import socket
-
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(path)
-    except (FileNotFoundError, ConnectionRefusedError):
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-    return False
+    async with daemon_socket(
+        args.socket, lambda: _daemon_config(args, None), args.policy, announce
+    ) as socket_path:
+        return await _run_job(args, socket_path, code, filename, tools)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -217,19 +202,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         _print_err(f"cannot upload: {exc}")
         return EXIT_USAGE
-    socket_path, named = socket_from_env(args.socket)
     try:
-        if not named and _nobody_listening(socket_path):
-            _print_err(f"no daemon at {socket_path}; running this job in a private daemon")
-            result = asyncio.run(_run_private(args, code, filename, tools))
-        else:
-            result = asyncio.run(_run_job(args, socket_path, code, filename, tools))
-    except DaemonUnavailable as exc:
-        _print_err(exc.message)
-        return EXIT_UNAVAILABLE
+        result = asyncio.run(_run_somewhere(args, code, filename, tools))
     except JaildError as exc:
-        _print_err(f"{exc.code}: {exc.message}")
-        return EXIT_REFUSED
+        return _refused(exc)
     except KeyboardInterrupt:
         return 130
     _save_downloads(result, args.download_dir)
@@ -328,12 +304,8 @@ def cmd_session(args: argparse.Namespace) -> int:
                     return EXIT_STATUS.get(result.status, 1)
                 if not line:
                     break
-    except DaemonUnavailable as exc:
-        _print_err(exc.message)
-        return EXIT_UNAVAILABLE
     except JaildError as exc:
-        _print_err(f"{exc.code}: {exc.message}")
-        return EXIT_REFUSED
+        return _refused(exc)
     except KeyboardInterrupt:
         return 130
     return 0 if status in ("ok", "error") else EXIT_STATUS.get(status, 1)
@@ -493,9 +465,10 @@ def cmd_policies(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Host checks, then each policy's self-test in a private daemon; exit 1 on any failure."""
+    from jaild.daemon.private import private_daemon
     from jaild.daemon.selftest import Check, cgroup_placement_check, host_checks
-    from jaild.daemon.server import Daemon, StartupError
     from jaild.daemon.staging import locate_nsjail
+    from jaild.errors import StartupError
     from jaild.policy.schema import load_policy_dir
 
     try:
@@ -518,19 +491,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     sections.insert(0, ("host", host_checks(nsjail, policies, config.envs_dir)))
 
     async def probe() -> dict[str, list[Check]]:
-        with tempfile.TemporaryDirectory(prefix="jaild-doctor-") as tmp:
-            daemon = Daemon(
-                dataclasses.replace(
-                    config, socket_path=os.path.join(tmp, "d.sock"), metrics_address=None
-                )
-            )
-            try:
-                await daemon.start()
-                if daemon.env is not None:
-                    placed.append(cgroup_placement_check(daemon.env.cgroups))
-            finally:
-                await daemon.stop()
-            return daemon.probe_results
+        async with private_daemon(config) as daemon:
+            if daemon.env is not None:
+                placed.append(cgroup_placement_check(daemon.env.cgroups))
+        return daemon.probe_results
 
     placed: list[Check] = []
 
@@ -601,8 +565,9 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
 
 
 def cmd_policy_explain(args: argparse.Namespace) -> int:
-    from jaild.daemon.cgroups import CgroupError, detect
+    from jaild.daemon.cgroups import detect
     from jaild.daemon.config import DaemonConfig
+    from jaild.errors import CgroupError
     from jaild.policy.compile import (
         JOB_UIDS,
         CgroupLayout,
@@ -796,9 +761,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.suppress(BrokenPipeError):
         try:
             return int(args.func(args))
-        except DaemonUnavailable as exc:
-            _print_err(exc.message)
-            return EXIT_UNAVAILABLE
+        except JaildError as exc:  # ps, kill, stats, policies: no daemon, or it refused us
+            return _refused(exc)
     return 1
 
 

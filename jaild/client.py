@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaild import __version__
-from jaild.daemon.config import socket_from_env
+from jaild.address import socket_from_env
 from jaild.errors import (
     ConnectionLost,
     DaemonUnavailable,
@@ -49,6 +49,7 @@ from jaild.errors import (
 from jaild.errors import (
     SessionClosed as SessionClosedError,
 )
+from jaild.errors import ToolCallDenied as _Denied
 from jaild.protocol import CLOSED, NEED_DATA, PROTOCOL_VERSION, Connection, Role, pack, unpack
 from jaild.protocol.messages import (
     MAX_PAYLOAD_BYTES,
@@ -758,10 +759,6 @@ class AsyncClient:
             )
         with contextlib.suppress(JaildError, ConnectionError, OSError):
             await self._send(reply)
-
-
-class _Denied(Exception):
-    """The approval callback said no."""
 
 
 class Client:

@@ -943,11 +943,11 @@ def _err(msg: str) -> None:
 
 def cmd_codemode(args: argparse.Namespace) -> int:
     """``jaild codemode``: 0 when the task succeeded, 1 when it failed (or the model's API
-    did), 2 for usage errors, 65/69 as ``jaild run`` for daemon refusals / no daemon."""
+    did), 2 for usage errors, 65/69 as ``jaild run`` for daemon refusals / no daemon
+    (:data:`jaild.errors.EXIT_CODES`)."""
     from openai import OpenAIError
 
-    from jaild.daemon.config import socket_from_env
-    from jaild.errors import DaemonUnavailable, JaildError
+    from jaild.errors import EXIT_USAGE, JaildError, error_line, exit_code_for
     from jaild.toolspec import load_tools_file
 
     tools: dict[str, HostTool] = {}
@@ -956,15 +956,15 @@ def cmd_codemode(args: argparse.Namespace) -> int:
             tools = load_tools_file(args.tools)
         except Exception as exc:
             _err(f"cannot load tools from {args.tools}: {type(exc).__name__}: {exc}")
-            return 2
+            return EXIT_USAGE
     if args.max_retries < 0:
         _err("--max-retries must be 0 or more")
-        return 2
+        return EXIT_USAGE
     api_key = os.environ.get(args.api_key_env)
     if not api_key and not (args.base_url or os.environ.get("OPENAI_BASE_URL")):
         _err(f"set {args.api_key_env} to the API key (or name another variable with "
              "--api-key-env), or give --base-url for a server that needs none")
-        return 2
+        return EXIT_USAGE
 
     def progress(attempt: Attempt) -> None:
         if args.show_code:
@@ -977,15 +977,11 @@ def cmd_codemode(args: argparse.Namespace) -> int:
     cm = CodeMode(tools, model=args.model, base_url=args.base_url, api_key=api_key or None,
                   policy=args.policy, max_retries=args.max_retries, timeout=args.timeout,
                   session=args.session, on_attempt=progress)
-    socket_path, named = socket_from_env(args.socket)
     try:
-        result = asyncio.run(_cli_run(cm, args.task, socket_path, named))
-    except DaemonUnavailable as exc:
-        _err(exc.message)
-        return 69
+        result = asyncio.run(_cli_run(cm, args.task, args.socket))
     except JaildError as exc:
-        _err(f"{exc.code}: {exc.message}")
-        return 65
+        _err(error_line(exc))
+        return exit_code_for(exc)
     except OpenAIError as exc:
         _err(f"the model's API failed: {type(exc).__name__}: {exc}")
         return 1
@@ -1014,25 +1010,16 @@ def cmd_codemode(args: argparse.Namespace) -> int:
     return 0 if result.success else 1
 
 
-async def _cli_run(cm: CodeMode, task: str, socket_path: str, named: bool) -> CodeModeResult:
-    """Run against the daemon at ``socket_path``; with no daemon named and none listening at
-    the default path, in a private daemon started for this one command (as ``jaild run``)."""
-    from jaild.cli import _nobody_listening
-
-    if named or not _nobody_listening(socket_path):
-        cm.socket = socket_path
-        return await cm.run(task)
-    import tempfile
-
+async def _cli_run(cm: CodeMode, task: str, socket: str | None) -> CodeModeResult:
+    """Run against the daemon at the named socket (``--socket``, ``$JAILD_SOCKET``) or the
+    default one; with none named and none listening, in a private daemon started for this
+    one command (as ``jaild run``)."""
     from jaild.daemon.config import DaemonConfig
-    from jaild.daemon.server import Daemon
+    from jaild.daemon.private import daemon_socket
 
-    _err(f"no daemon at {socket_path}; running in a private daemon")
-    with tempfile.TemporaryDirectory(prefix="jaild-private-") as tmp:
-        cm.socket = os.path.join(tmp, "jaild.sock")
-        daemon = Daemon(DaemonConfig.from_sources(socket_path=cm.socket))
-        await daemon.start(only_policies={cm.policy})
-        try:
-            return await cm.run(task)
-        finally:
-            await daemon.stop()
+    def announce(path: str) -> None:
+        _err(f"no daemon at {path}; running in a private daemon")
+
+    async with daemon_socket(socket, DaemonConfig.from_sources, cm.policy, announce) as path:
+        cm.socket = path
+        return await cm.run(task)

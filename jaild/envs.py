@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from jaild import __version__
+from jaild.errors import EXIT_FAILURE, EXIT_USAGE, EnvError, EnvUsageError
 
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}"
 """Env names: the rule of ``python.env`` in policies (jaild.policy.schema._check_python)."""
@@ -90,26 +91,8 @@ CHECKOUT = Path(__file__).resolve().parent.parent
 RUNTIME_REQUIREMENTS_FILE = CHECKOUT / "envs" / "default.txt"
 
 EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
 
 PIP_TAIL_LINES = 25
-
-
-class EnvError(Exception):
-    """``jaild env`` could not do what was asked; the message says why and what to do."""
-
-    exit_code = EXIT_FAILURE
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-class EnvUsageError(EnvError):
-    """The command line itself is wrong (a bad name, a missing file, an unusable --python)."""
-
-    exit_code = EXIT_USAGE
 
 
 # ---------------------------------------------------------------------------- names, paths

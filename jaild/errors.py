@@ -1,9 +1,21 @@
-"""Every error jaild can report, with its stable wire code.
+"""Every error jaild raises, and the one map from errors to exit statuses.
 
-Each wire error code maps 1:1 to one class here (``ERROR_CLASSES``); a peer
-that receives ``Error{code, message}`` rebuilds the same class with
-:func:`error_from_wire`. Messages say what happened, which limit or field was
-involved, and what to do about it.
+Two kinds live here:
+
+* **Coded errors** (:class:`JaildError` and its subclasses). Each wire error
+  code maps 1:1 to one class (``ERROR_CLASSES``); a peer that receives
+  ``Error{code, message}`` rebuilds the same class with :func:`error_from_wire`.
+  Two codes are local only (``local_protocol_error``, ``invalid_policy``).
+* **Local errors**, which never cross a process boundary as an ``Error``: the
+  daemon's startup and host failures, the jail's setup and hardening failures,
+  refused file paths, tool failures as the jailed code sees them, and the front
+  ends' own errors. They keep the builtin base their callers catch them by
+  (``RuntimeError`` for "this host or process cannot go on", ``ValueError`` for
+  "this input is refused"), and carry no wire code.
+
+Messages say what happened, which limit or field was involved, and what to do
+about it. Untrusted text (a path the jail chose) goes into a message through
+:func:`display`.
 
 Whose fault it is matters (h11's lesson):
 
@@ -20,6 +32,33 @@ uses it.
 from __future__ import annotations
 
 from typing import ClassVar
+
+MAX_DISPLAY_CHARS = 512
+"""A refused path or reason is clipped to this many characters for display."""
+
+
+def display(text: str, limit: int = MAX_DISPLAY_CHARS) -> str:
+    """``text`` made safe to show on one line: undecodable bytes (surrogate escapes)
+    as ``\\xNN``; control, format (such as right-to-left overrides), separator and
+    other unprintable characters as ``\\xNN``/``\\uNNNN``; clipped to ``limit``."""
+    if text.isprintable() and len(text) <= limit:
+        return text
+    out = []
+    for c in text:
+        o = ord(c)
+        if c.isprintable():
+            out.append(c)
+        elif 0xDC80 <= o <= 0xDCFF:
+            out.append(f"\\x{o - 0xDC00:02x}")
+        elif o <= 0xFF:
+            out.append(f"\\x{o:02x}")
+        elif o <= 0xFFFF:
+            out.append(f"\\u{o:04x}")
+        else:
+            out.append(f"\\U{o:08x}")
+    shown = "".join(out)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
 
 
 class JaildError(Exception):
@@ -146,6 +185,142 @@ class ConnectionLost(JaildError):
     code = "connection_lost"
 
 
+# ----------------------------------------------------------------------------- local errors
+# None of these is sent as an ``Error``: they carry no wire code.
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message lists every reason.
+
+    A front end that starts a private daemon (:mod:`jaild.daemon.private`) turns it into
+    :class:`DaemonUnavailable`; ``jaild serve`` and ``jaild doctor`` report it as it is.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class MetricsAddressError(StartupError):
+    """``daemon.metrics_address`` cannot be served (unparseable, unresolvable, in use).
+
+    Raised at startup only.
+    """
+
+
+class CgroupError(RuntimeError):
+    """The host's cgroups cannot be used as configured (the message says how to fix it)."""
+
+
+class ZygoteError(RuntimeError):
+    """A policy's zygote could not be started, or died."""
+
+
+class SetupFailed(RuntimeError):
+    """(In a zygote's child.) The jail could not be set up; no user code runs."""
+
+
+class HardeningFailed(RuntimeError):
+    """The jail is not as locked down as the policy requires; no user code may run."""
+
+
+class SeccompSpecError(ValueError):
+    """A seccomp spec is malformed (a daemon bug, or a hostile Harden)."""
+
+
+class SyscallNameError(ValueError):
+    """An entry of allow/deny is not a known syscall or group, or may never be allowed."""
+
+
+class UploadError(ValueError):
+    """An upload was refused: ``path`` (the jail path, or ``""``) and ``reason``."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"upload '{display(path)}': {reason}" if path else f"upload: {reason}")
+
+
+class UnsafePath(ValueError):
+    """A downloaded file was not written: ``path`` (as the jail named it) and ``reason``.
+    Nothing of that call to :func:`jaild.transfer.save_files` was written, unless the tree
+    changed under it while it wrote."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(
+            f"refusing to save '{display(path)}': {reason}" if path else f"refusing: {reason}"
+        )
+
+
+class ToolError(Exception):
+    """(In the jail.) A tool call failed on the host side (or was refused by the daemon).
+
+    Attributes: ``tool`` (name), ``error_type`` (the host exception's type name,
+    or a jaild reason such as ``payload_too_large``), ``message``.
+    """
+
+    def __init__(self, tool: str, error_type: str, message: str) -> None:
+        super().__init__(f"{tool}: {error_type}: {message}")
+        self.tool = tool
+        self.error_type = error_type
+        self.message = message
+
+
+class UnknownToolError(ToolError, AttributeError, KeyError):
+    """No tool of that name. Also an AttributeError/KeyError, so hasattr/`in` work."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class ToolCallDenied(Exception):
+    """(In the client.) The approval callback said no; the jail gets ``ToolError`` with
+    ``error_type == "denied"`` and this message."""
+
+
+class ProviderError(Exception):
+    """A tool provider could not be loaded or started; the message names it and says why."""
+
+
+class ConfigError(ProviderError, ValueError):
+    """A provider source is invalid: ``file: key.path: reason``."""
+
+    def __init__(self, source: str, key: str, reason: str) -> None:
+        super().__init__(f"{source}: {key}: {reason}" if key else f"{source}: {reason}")
+        self.source = source
+        self.key = key
+        self.reason = reason
+
+
+class McpToolError(Exception):
+    """An MCP tool answered with ``isError``; the message is the tool's error text.
+
+    In the jail it surfaces as ``ToolError`` with ``error_type == "McpToolError"``."""
+
+
+class McpServerError(Exception):
+    """An MCP server could not answer a call (not connected, gone, protocol error)."""
+
+
+class EnvError(Exception):
+    """``jaild env`` could not do what was asked; the message says why and what to do."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    @property
+    def exit_code(self) -> int:
+        """The command's exit status for this error (:data:`EXIT_CODES`)."""
+        return exit_code_for(self)
+
+
+class EnvUsageError(EnvError):
+    """The command line itself is wrong (a bad name, a missing file, an unusable --python)."""
+
+
 ERROR_CLASSES: dict[str, type[JaildError]] = {
     cls.code: cls
     for cls in (
@@ -177,3 +352,55 @@ def error_from_wire(code: str, message: str) -> JaildError:
     if cls is None:
         return InternalError(f"{code}: {message}")
     return cls(message)
+
+
+# ----------------------------------------------------------------------------- exit statuses
+
+EXIT_FAILURE = 1
+"""The command could not do what was asked (a job's own statuses are ``jaild run``'s)."""
+EXIT_USAGE = 2
+"""The command line, or a file it names, is wrong."""
+EXIT_REFUSED = 65
+"""The daemon answered and refused the request (unknown policy, looser limits, busy, ...)."""
+EXIT_UNAVAILABLE = 69
+"""No usable daemon: none at the socket, it went away, it is shutting down, it speaks
+another protocol, or a private daemon could not start."""
+
+EXIT_CODES: dict[type[Exception], int] = {
+    JaildError: EXIT_REFUSED,
+    DaemonUnavailable: EXIT_UNAVAILABLE,
+    ConnectionLost: EXIT_UNAVAILABLE,
+    ShuttingDown: EXIT_UNAVAILABLE,
+    RemoteProtocolError: EXIT_UNAVAILABLE,
+    ProviderError: EXIT_FAILURE,
+    ConfigError: EXIT_USAGE,
+    EnvError: EXIT_FAILURE,
+    EnvUsageError: EXIT_USAGE,
+}
+"""The one map from an error to the exit status of the command that met it, used by every
+front end (``jaild run``, ``session``, ``mcp``, ``codemode``, ``env``). The most specific
+class listed wins: ``UnknownPolicy`` is a ``JaildError`` (65), ``UnsupportedVersion`` a
+``RemoteProtocolError`` (69)."""
+
+
+def exit_code_for(error: BaseException) -> int:
+    """The exit status for ``error``: its most specific class in :data:`EXIT_CODES`.
+
+    Args:
+        error: what the command met.
+    Returns:
+        The exit status; :data:`EXIT_FAILURE` for an error the map does not list.
+    """
+    for cls in type(error).__mro__:
+        code = EXIT_CODES.get(cls)
+        if code is not None:
+            return code
+    return EXIT_FAILURE
+
+
+def error_line(error: JaildError) -> str:
+    """How a front end shows ``error`` before exiting with :func:`exit_code_for`: its
+    message, after its code unless the message says it all (no daemon at the socket)."""
+    if isinstance(error, DaemonUnavailable):
+        return error.message
+    return f"{error.code}: {error.message}"

@@ -33,14 +33,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaild.address import socket_from_env
 from jaild.client import Approver, AsyncClient, AsyncSession, JobResult
-from jaild.daemon.config import socket_from_env
-from jaild.errors import ConnectionLost, DaemonUnavailable, JaildError
+from jaild.errors import (
+    ConfigError,
+    ConnectionLost,
+    JaildError,
+    ProviderError,
+    error_line,
+    exit_code_for,
+)
 from jaild.providers import (
     DEFAULT_CALL_TIMEOUT_S,
     DEFAULT_CONNECT_TIMEOUT_S,
-    ConfigError,
-    ProviderError,
     ToolProviders,
     one_line,
 )
@@ -52,7 +57,6 @@ TOOL = "run_python"
 TEXT_LIMIT = 8000
 """Characters of result, stdout and stderr each in the text summary (all of it is in the
 structured output)."""
-EXIT_USAGE, EXIT_FAILED, EXIT_UNAVAILABLE = 2, 1, 69
 
 INPUT_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -566,7 +570,7 @@ def cmd_mcp(args: argparse.Namespace) -> int:
         )
     except ConfigError as exc:
         _print_err(str(exc))
-        return EXIT_USAGE
+        return exit_code_for(exc)
     try:
         return asyncio.run(_serve(args, providers))
     except KeyboardInterrupt:
@@ -579,12 +583,9 @@ async def _serve(args: argparse.Namespace, providers: ToolProviders) -> int:
                             persistent=args.persistent)
     try:
         await server.connect()
-    except DaemonUnavailable as exc:
-        _print_err(exc.message)
-        return EXIT_UNAVAILABLE
     except JaildError as exc:
-        _print_err(f"{exc.code}: {exc.message}")
-        return EXIT_UNAVAILABLE
+        _print_err(error_line(exc))
+        return exit_code_for(exc)
     main = asyncio.current_task()
     loop = asyncio.get_running_loop()
     try:
@@ -592,7 +593,7 @@ async def _serve(args: argparse.Namespace, providers: ToolProviders) -> int:
             await providers.start()
         except ProviderError as exc:
             _print_err(str(exc))
-            return EXIT_FAILED
+            return exit_code_for(exc)
         server.tools = providers.host_tools()
         log.info("serving run_python with %d tools from %d MCP servers and %d modules",
                  len(server.tools), len(providers.connections), len(providers.modules))

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
+from jaild.errors import ConfigError, McpServerError, McpToolError, ProviderError
 from jaild.protocol.messages import MAX_DESCRIPTION_CHARS, MAX_NAME_CHARS, TOOL_NAME
 from jaild.toolspec import HostTool, load_tools_file
 
@@ -74,30 +75,6 @@ _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
 # --------------------------------------------------------------------------- errors
-
-
-class ProviderError(Exception):
-    """A tool provider could not be loaded or started; the message names it and says why."""
-
-
-class ConfigError(ProviderError, ValueError):
-    """A provider source is invalid: ``file: key.path: reason``."""
-
-    def __init__(self, source: str, key: str, reason: str) -> None:
-        super().__init__(f"{source}: {key}: {reason}" if key else f"{source}: {reason}")
-        self.source = source
-        self.key = key
-        self.reason = reason
-
-
-class McpToolError(Exception):
-    """An MCP tool answered with ``isError``; the message is the tool's error text.
-
-    In the jail it surfaces as ``ToolError`` with ``error_type == "McpToolError"``."""
-
-
-class McpServerError(Exception):
-    """An MCP server could not answer a call (not connected, gone, protocol error)."""
 
 
 # --------------------------------------------------------------------------- config

@@ -17,12 +17,11 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeAlias
 
+from jaild.errors import UnsafePath, UploadError, display
 from jaild.runtime.files import (
     FileLimits,
-    UploadError,
     check_file_set,
     check_path,
-    display,
     special_kind,
     write_tree,
 )
@@ -43,19 +42,6 @@ Uploads: TypeAlias = Mapping[str, Source] | Iterable[LocalPath] | LocalPath
 """What :func:`load_uploads` takes: ``{jail path: contents or local path}``, or local paths."""
 
 _LOCAL_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-
-
-class UnsafePath(ValueError):
-    """A downloaded file was not written: ``path`` (as the jail named it) and ``reason``.
-    Nothing of that call to :func:`save_files` was written, unless the tree changed
-    under it while it wrote."""
-
-    def __init__(self, path: str, reason: str) -> None:
-        self.path = path
-        self.reason = reason
-        super().__init__(
-            f"refusing to save '{display(path)}': {reason}" if path else f"refusing: {reason}"
-        )
 
 
 def _kind(mode: int) -> str:

@@ -61,14 +61,11 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+from jaild.errors import CgroupError
 from jaild.policy.compile import CgroupLayout
 
 V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
 OPTIONAL_V1 = ("cpu", "cpuacct")
-
-
-class CgroupError(RuntimeError):
-    """The host's cgroups cannot be used as configured (the message says how to fix it)."""
 
 
 def detect(subtree: str) -> CgroupLayout:

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jaild.address import DEFAULT_SOCKET as DEFAULT_SOCKET
+from jaild.address import socket_from_env as socket_from_env
 from jaild.errors import PolicyError
 from jaild.policy.schema import between, load_section, setting, toml_value, type_label
 
-DEFAULT_SOCKET = "/run/jaild/jaild.sock"
 DEFAULT_CONFIG = "/etc/jaild/jaild.toml"
 SYSTEM_POLICIES = "/etc/jaild/policies"
 DEFAULT_STATE_DIR = "/var/lib/jaild"
@@ -29,16 +30,6 @@ SOURCE_POLICIES = Path(__file__).resolve().parents[2] / "policies"
 
 JAIL_UID_BASE = 0x4000_0000
 """Outside uids/gids of jails: 1073741824 + (per-daemon block) * 65536 + slot."""
-
-
-def socket_from_env(explicit: str | None = None) -> tuple[str, bool]:
-    """(socket path, whether it was named explicitly by flag or JAILD_SOCKET)."""
-    if explicit:
-        return explicit, True
-    env = os.environ.get("JAILD_SOCKET")
-    if env:
-        return env, True
-    return DEFAULT_SOCKET, False
 
 
 def default_policies_dir() -> str:

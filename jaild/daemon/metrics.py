@@ -53,7 +53,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from jaild import __version__
-from jaild.errors import JaildError
+from jaild.errors import MetricsAddressError
 
 log = logging.getLogger("jaild.daemon.metrics")
 
@@ -74,15 +74,6 @@ REQUEST_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 32
 
 PoolsReader = Callable[[], dict[str, dict[str, Any]]]
-
-
-class MetricsAddressError(JaildError):
-    """``daemon.metrics_address`` cannot be served (unparseable, unresolvable, in use).
-
-    Raised at startup only; never sent on the wire.
-    """
-
-    code = "internal_error"
 
 
 def parse_address(text: str) -> tuple[str, int]:

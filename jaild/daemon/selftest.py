@@ -57,14 +57,10 @@ try:
 except OSError:
     pass
 facts["status"] = status
-import prctl
-facts["no_new_privs"] = int(prctl.get_no_new_privs())
-facts["seccomp_mode"] = prctl.get_seccomp()
-facts["capabilities"] = [
-    n for n in prctl.ALL_CAP_NAMES
-    if getattr(prctl.capbset, n) or getattr(prctl.cap_effective, n)
-    or getattr(prctl.cap_permitted, n) or getattr(prctl.cap_inheritable, n)
-]
+from jaild.runtime import harden
+facts["no_new_privs"] = int(harden.no_new_privs())
+facts["seccomp_mode"] = harden.seccomp_mode()
+facts["capabilities"] = harden.capabilities_left()
 
 def try_write(path):
     try:

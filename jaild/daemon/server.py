@@ -46,7 +46,7 @@ from jaild import __version__
 from jaild.daemon import systemd
 from jaild.daemon.accounting import Accounting
 from jaild.daemon.audit import AuditLog, Peer
-from jaild.daemon.cgroups import CgroupError, Cgroups, detect
+from jaild.daemon.cgroups import Cgroups, detect
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.job import (
     JailedJob,
@@ -64,6 +64,7 @@ from jaild.daemon.staging import ensure_traversable, locate_nsjail, stage_runtim
 from jaild.errors import (
     BadRequest,
     Busy,
+    CgroupError,
     ConnectionLost,
     InternalError,
     JaildError,
@@ -74,6 +75,7 @@ from jaild.errors import (
     RemoteProtocolError,
     SessionClosed,
     ShuttingDown,
+    StartupError,
     UnknownJob,
     UnknownPolicy,
     UnknownSession,
@@ -126,12 +128,6 @@ log = logging.getLogger("jaild")
 
 SO_PEERGROUPS = 59
 WRITE_BUFFER_HIGH = 8 << 20
-
-
-class StartupError(JaildError):
-    """The daemon cannot start; the message lists every reason."""
-
-    code = "internal_error"
 
 
 def _peer_credentials(sock: socket.socket) -> tuple[int, int, int, tuple[int, ...]]:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaild.errors import PolicyError
-from jaild.policy.seccomp import ACTIONS, SeccompChoice, SyscallNameError, allowed_syscalls
+from jaild.errors import PolicyError, SyscallNameError
+from jaild.policy.seccomp import ACTIONS, SeccompChoice, allowed_syscalls
 from jaild.policy.syscalls import PROFILES
 from jaild.protocol.messages import MAX_CODE_CHARS, MAX_PAYLOAD_BYTES, POLICY_NAME
 

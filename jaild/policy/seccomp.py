@@ -38,6 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from jaild.errors import SyscallNameError
 from jaild.policy.syscalls import (
     CONDITIONAL,
     GROUPS,
@@ -55,10 +56,6 @@ TIOCSTI, TIOCLINUX = 0x5412, 0x541C
 PERSONALITY_SAFE = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)  # linux, linux32, uname26, query
 
 ACTIONS = ("kill", "errno")
-
-
-class SyscallNameError(ValueError):
-    """An entry of allow/deny is not a known syscall or group, or may never be allowed."""
 
 
 @dataclass(frozen=True)

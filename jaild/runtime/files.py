@@ -49,6 +49,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TypedDict
 
+from jaild.errors import MAX_DISPLAY_CHARS, UploadError, display
+
 MAX_WALK_ENTRIES = 100_000
 """A walk (snapshot or collect) looks at no more entries than this, then stops."""
 MAX_SKIPPED = 100
@@ -58,8 +60,6 @@ SPARSE_SLACK_BYTES = 4096
 MAX_READ_BYTES = 1 << 30
 """A collect reads (to hash, or to send) at most this many bytes in all: a run that fills
 a large tmpfs does not keep its jail hashing for minutes. Files beyond are skipped."""
-MAX_DISPLAY_CHARS = 512
-"""A refused path or reason is clipped to this many characters for display."""
 
 _READ_CHUNK = 1 << 20
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -104,15 +104,6 @@ class FileLimits:
         if not isinstance(wire, Mapping) or set(wire) != set(_LIMIT_NAMES):
             raise ValueError(f"file limits must be a map of exactly {', '.join(_LIMIT_NAMES)}")
         return cls(**{name: wire[name] for name in _LIMIT_NAMES})
-
-
-class UploadError(ValueError):
-    """An upload was refused: ``path`` (the jail path, or ``""``) and ``reason``."""
-
-    def __init__(self, path: str, reason: str) -> None:
-        self.path = path
-        self.reason = reason
-        super().__init__(f"upload '{display(path)}': {reason}" if path else f"upload: {reason}")
 
 
 class ListedFile(TypedDict):
@@ -204,29 +195,6 @@ def check_path(path: object, limits: FileLimits) -> str | None:
     if len(parts) > limits.max_depth:
         return f"deeper than {limits.max_depth} levels"
     return None
-
-
-def display(text: str, limit: int = MAX_DISPLAY_CHARS) -> str:
-    """``text`` made safe to show on one line: undecodable bytes (surrogate escapes)
-    as ``\\xNN``; control, format (such as right-to-left overrides), separator and
-    other unprintable characters as ``\\xNN``/``\\uNNNN``; clipped to ``limit``."""
-    if text.isprintable() and len(text) <= limit:
-        return text
-    out = []
-    for c in text:
-        o = ord(c)
-        if c.isprintable():
-            out.append(c)
-        elif 0xDC80 <= o <= 0xDCFF:
-            out.append(f"\\x{o - 0xDC00:02x}")
-        elif o <= 0xFF:
-            out.append(f"\\x{o:02x}")
-        elif o <= 0xFFFF:
-            out.append(f"\\u{o:04x}")
-        else:
-            out.append(f"\\U{o:08x}")
-    shown = "".join(out)
-    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
 
 
 def _prefix_conflict(paths: Sequence[str]) -> tuple[str, str] | None:

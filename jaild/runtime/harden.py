@@ -16,6 +16,9 @@ closed instead of running user code in a weaker jail:
 
 Everything happens before the first line of user code and before any other
 thread exists, so every thread the code starts inherits the filters.
+
+No other module imports ``prctl``: the zygote, the daemon and the self-test probe use
+the typed functions at the end of this module.
 """
 
 from __future__ import annotations
@@ -26,14 +29,12 @@ from typing import Any
 
 import prctl
 
+from jaild.errors import HardeningFailed
 from jaild.runtime import seccomp
 
 
-class HardeningFailed(RuntimeError):
-    """The jail is not as locked down as the policy requires; no user code may run."""
-
-
-def _has_any_capability() -> list[str]:
+def capabilities_left() -> list[str]:
+    """Every capability this process still holds, as ``set:NAME`` (empty when none)."""
     left = []
     for name in prctl.ALL_CAP_NAMES:
         if getattr(prctl.capbset, name):
@@ -60,23 +61,23 @@ def harden(seccomp_spec: Mapping[str, Any]) -> str:
                 raise HardeningFailed(
                     f"cannot drop capability {name} from the bounding set: {exc}"
                 ) from None
-    if _has_any_capability():
+    if capabilities_left():
         try:
             prctl.cap_effective.limit()
             prctl.cap_permitted.limit()
             prctl.cap_inheritable.limit()
         except OSError:
             pass
-    left = _has_any_capability()
+    left = capabilities_left()
     if left:
         raise HardeningFailed(f"capabilities still present: {', '.join(left)}")
-    if prctl.get_no_new_privs() != 1:
+    if not no_new_privs():
         raise HardeningFailed("no_new_privs is not set")
     try:
         loaded = seccomp.load(seccomp_spec)
     except (OSError, ValueError) as exc:
         raise HardeningFailed(f"cannot load the seccomp filter: {exc}") from None
-    if prctl.get_seccomp() not in (2, True):
+    if seccomp_mode() != 2:
         raise HardeningFailed("seccomp is not in filter mode after loading the filter")
     return loaded
 
@@ -84,3 +85,33 @@ def harden(seccomp_spec: Mapping[str, Any]) -> str:
 def become_child_subreaper() -> None:
     """(Daemon side.) Orphaned descendants are reparented to us, not to init."""
     prctl.set_child_subreaper(1)
+
+
+def die_with_parent(signal_number: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``signal_number`` to this process when its parent dies."""
+    prctl.set_pdeathsig(signal_number)
+
+
+def empty_bounding_set() -> None:
+    """Drop every capability from the bounding set (needs CAP_SETPCAP).
+
+    Raises:
+        OSError: a capability could not be dropped.
+    """
+    for name in prctl.ALL_CAP_NAMES:
+        if getattr(prctl.capbset, name):
+            prctl.capbset.drop(name)
+
+
+def no_new_privs() -> bool:
+    """Whether ``PR_SET_NO_NEW_PRIVS`` is set for this process."""
+    return int(prctl.get_no_new_privs()) == 1
+
+
+def seccomp_mode() -> int:
+    """This process's seccomp mode: 0 off, 2 filter (python-prctl answers on/off; strict
+    mode, 1, leaves no way to run Python)."""
+    mode = prctl.get_seccomp()
+    if isinstance(mode, bool):
+        return 2 if mode else 0
+    return int(mode)

@@ -93,8 +93,9 @@ def main(warm_up: bool = False) -> None:
     sock = _take_channel()
 
     # Imports that pull in libseccomp / libcap happen here, still before user code.
+    from jaild.errors import HardeningFailed
     from jaild.runtime.channel import Channel
-    from jaild.runtime.harden import HardeningFailed, harden
+    from jaild.runtime.harden import harden
 
     channel = Channel(sock, Connection(Role.JAIL, JAIL_MAX_FRAME))
     first = channel.receive()
@@ -120,7 +121,8 @@ def main(warm_up: bool = False) -> None:
 
     if warm_up:  # ... and that of the files and of decoding the job (see _warm_files)
         _warm_files(files, workdir, limits)
-    from jaild.runtime.tools import ToolError, Tools
+    from jaild.errors import ToolError, UploadError
+    from jaild.runtime.tools import Tools
 
     namespace: dict[str, object] | None = None
     session = execute.SessionLoop()
@@ -143,7 +145,7 @@ def main(warm_up: bool = False) -> None:
         try:
             if run.files:
                 files.write_uploads(workdir, run.files, limits)
-        except files.UploadError as exc:
+        except UploadError as exc:
             outcome = execute.Outcome(
                 ok=False, error=ErrorInfo(type="UploadError", message=str(exc)[:4096])
             )

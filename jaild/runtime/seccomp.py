@@ -30,6 +30,8 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jaild.errors import SeccompSpecError
+
 _SONAMES = {"c": "libc.so.6", "seccomp": "libseccomp.so.2"}
 
 
@@ -59,10 +61,6 @@ _OPS = {
     "masked_eq": _sc.MASKED_EQ,
 }
 OPS = frozenset(_OPS)
-
-
-class SeccompSpecError(ValueError):
-    """The spec is malformed (a daemon bug, or a hostile Harden)."""
 
 
 def action_value(action: str) -> int:

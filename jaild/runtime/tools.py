@@ -26,32 +26,12 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+from jaild.errors import ToolError, UnknownToolError
 from jaild.protocol import pack, unpack
 from jaild.protocol.messages import JailCallTool, ToolSpec
 from jaild.runtime.channel import Channel
 
 _DISCOVERY = ("discover", "schema", "search")
-
-
-class ToolError(Exception):
-    """A tool call failed on the host side (or was refused by the daemon).
-
-    Attributes: ``tool`` (name), ``error_type`` (the host exception's type name,
-    or a jaild reason such as ``payload_too_large``), ``message``.
-    """
-
-    def __init__(self, tool: str, error_type: str, message: str) -> None:
-        super().__init__(f"{tool}: {error_type}: {message}")
-        self.tool = tool
-        self.error_type = error_type
-        self.message = message
-
-
-class UnknownToolError(ToolError, AttributeError, KeyError):
-    """No tool of that name. Also an AttributeError/KeyError, so hasattr/`in` work."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -63,8 +63,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import prctl
-
+from jaild.errors import SetupFailed
 from jaild.protocol.messages import Message, safe_text
 from jaild.protocol.zygote_link import (
     MAX_FAILED_IMPORTS,
@@ -80,6 +79,7 @@ from jaild.protocol.zygote_link import (
     decode_packet,
     encode,
 )
+from jaild.runtime.harden import die_with_parent, empty_bounding_set
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
@@ -113,10 +113,6 @@ _RUNTIME_MODULES = (
     "jaild.runtime.tools",
     "jaild.runtime.files",
 )
-
-
-class SetupFailed(RuntimeError):
-    pass
 
 
 def _check(rc: int, what: str) -> None:
@@ -160,9 +156,7 @@ def _loopback_up() -> None:
 def _drop_to(uid: int) -> None:
     """Empty the bounding set while CAP_SETPCAP is still held, then become ``uid``:
     leaving uid 0 clears the effective, permitted and ambient sets."""
-    for name in prctl.ALL_CAP_NAMES:
-        if getattr(prctl.capbset, name):
-            prctl.capbset.drop(name)
+    empty_bounding_set()
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
@@ -311,7 +305,7 @@ def _child_main(
         # Die with the zygote. Its pid is outside our pid namespace (getppid() is 0), so
         # the arming race cannot be checked here: a zygote that dies takes its cgroup,
         # where we still are until the daemon moves us, down with it.
-        prctl.set_pdeathsig(signal.SIGKILL)
+        die_with_parent(signal.SIGKILL)
         control.close()
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM):

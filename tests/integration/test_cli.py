@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from jaild.daemon.config import DaemonConfig
 from tests.conftest import REPO, DaemonHandle, guard
 
 pytestmark = pytest.mark.integration
@@ -138,6 +140,45 @@ def test_private_daemon_when_nothing_listens_at_the_default_socket() -> None:
     assert out.returncode == 0, out.stderr
     assert "running this job in a private daemon" in out.stderr
     assert json.loads(out.stdout)["result"] == "private"
+
+
+def busy_metrics_config(directory: Path, busy: socket.socket) -> str:
+    """A config file whose metrics_address is the port ``busy`` listens on."""
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    path = directory / "jaild.toml"
+    path.write_text(
+        f'[daemon]\npolicies_dir = "{REPO / "policies"}"\n'
+        f'metrics_address = "127.0.0.1:{busy.getsockname()[1]}"\n'
+    )
+    # positive control: the file is read and names the busy port (a daemon of its own,
+    # jaild serve, refuses to start on it: tests/integration/test_metrics.py)
+    port = busy.getsockname()[1]
+    assert DaemonConfig.from_sources(str(path)).metrics_address == f"127.0.0.1:{port}"
+    return str(path)
+
+
+def test_a_private_daemon_serves_no_metrics_whatever_the_config_says(tmp_path: Path) -> None:
+    """metrics_address names the system daemon's port: a private daemon neither takes it
+    nor is refused for it (here something else holds it)."""
+    assert not os.path.exists("/run/jaild/jaild.sock"), "a system daemon runs here; test needs none"
+    with socket.socket() as busy:
+        config = busy_metrics_config(tmp_path, busy)
+        out = jaild("run", "--json", "-c", "'private'", env={"JAILD_CONFIG": config})
+    assert out.returncode == 0, out.stderr
+    assert "running this job in a private daemon" in out.stderr
+    assert json.loads(out.stdout)["result"] == "private"
+
+
+def test_a_private_daemon_that_cannot_start_means_no_daemon(tmp_path: Path) -> None:
+    assert not os.path.exists("/run/jaild/jaild.sock"), "a system daemon runs here; test needs none"
+    empty = tmp_path / "policies"
+    empty.mkdir()
+    out = jaild("run", "--policies", str(empty), "-c", "1", env={})
+    assert out.returncode == 69, out.stderr
+    assert "running this job in a private daemon" in out.stderr
+    assert "no jaild daemon at /run/jaild/jaild.sock, and a private one could not start: " in (
+        out.stderr)
 
 
 def test_a_named_socket_that_does_not_answer_is_an_error(tmp_path: Path) -> None:

@@ -369,6 +369,35 @@ def test_the_cli(chat: ChatServer, daemon: DaemonHandle, tmp_path: Path) -> None
     assert (p.returncode, p.stdout) == (0, "ok\nfive\n"), p.stderr
 
 
+def test_the_cli_without_a_daemon_runs_in_a_private_one_without_metrics(
+    chat: ChatServer, tmp_path: Path
+) -> None:
+    """As jaild run: a private daemon, which ignores the config file's metrics_address
+    (here a port something else holds; codemode's own copy of the private daemon used
+    to try to take it, and refused to start)."""
+    import socket
+
+    from tests.integration.test_cli import busy_metrics_config
+
+    assert not os.path.exists("/run/jaild/jaild.sock"), "a system daemon runs here; test needs none"
+    tools = tmp_path / "tools.py"
+    tools.write_text(TOOLS_FILE)
+    chat.reply(py("await tools.add(a=2, b=3)"))
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("JAILD_SOCKET", "OPENAI_API_KEY", "OPENAI_BASE_URL")}
+    with socket.socket() as busy:
+        config = busy_metrics_config(tmp_path, busy)
+        p = subprocess.run(
+            [sys.executable, "-m", "jaild", "codemode", "Add 2 and 3", "--tools", str(tools),
+             "--base-url", chat.base_url, "--model", MODEL, "--json"],
+            capture_output=True, text=True, timeout=guard(120), cwd=REPO, check=False,
+            env={**environment, "OPENAI_API_KEY": "test-key", "JAILD_CONFIG": config},
+        )
+    assert p.returncode == 0, p.stderr
+    assert "no daemon at /run/jaild/jaild.sock; running in a private daemon" in p.stderr
+    assert json.loads(p.stdout)["result"] == 5
+
+
 def test_approvals_reach_the_codemode_callback(daemon: DaemonHandle) -> None:
     from jaild import tool
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaild.daemon.cgroups import Cgroups, JobCgroup
-from jaild.errors import RemoteProtocolError
+from jaild.errors import RemoteProtocolError, ZygoteError
 from jaild.policy.compile import (
     ZYGOTE_PIDS,
     HostLayout,
@@ -68,10 +68,6 @@ MAX_IN_TRANSIT = 32
 """Jails forked but not yet moved into their job's cgroup: they live in the zygote's cgroup
 and are charged to it, so a burst of 500 must not fork at once (it OOM-killed the zygote)."""
 RESTART_BACKOFF_S = 1.0
-
-
-class ZygoteError(RuntimeError):
-    """The zygote could not be started, or died."""
 
 
 @dataclass
