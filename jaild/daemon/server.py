@@ -25,7 +25,6 @@ unaffected.
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import contextlib
 import dataclasses
@@ -39,11 +38,10 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from jaild import __version__
-from jaild.daemon import systemd
+from jaild.daemon import admission, systemd
 from jaild.daemon.accounting import Accounting
 from jaild.daemon.audit import AuditLog, Peer
 from jaild.daemon.cgroups import CgroupError, Cgroups, detect
@@ -62,31 +60,24 @@ from jaild.daemon.pool import JailPool, poolable
 from jaild.daemon.selftest import INSPECT_TOOL, Check, evaluate, host_paths_to_hide, probe_code
 from jaild.daemon.staging import ensure_traversable, locate_nsjail, stage_runtime
 from jaild.errors import (
-    BadRequest,
     Busy,
     ConnectionLost,
     InternalError,
     JaildError,
-    PermissionDenied,
     PolicyError,
-    PolicyUnavailable,
     ReadTimeout,
     RemoteProtocolError,
     SessionClosed,
-    ShuttingDown,
     UnknownJob,
-    UnknownPolicy,
     UnknownSession,
 )
 from jaild.policy.compile import JOB_UIDS, CgroupLayout, HostLayout, nsjail_config
 from jaild.policy.schema import (
     Limits,
     Policy,
-    effective_limits,
     host_checks,
     load_policy_dir,
     resolve_env,
-    user_matches,
 )
 from jaild.policy.seccomp import build_spec
 from jaild.protocol import CLOSED, NEED_DATA, PROTOCOL_VERSION, Connection, Role, pack, unpack
@@ -117,7 +108,6 @@ from jaild.protocol.messages import (
     Welcome,
 )
 from jaild.protocol.messages import SessionClosed as SessionClosedMsg
-from jaild.runtime.files import check_file_set
 from jaild.runtime.harden import become_child_subreaper
 from jaild.runtime.seccomp import bpf_program
 from jaild.runtime.seccomp import digest as seccomp_digest
@@ -404,14 +394,6 @@ class ClientSession:
         self.daemon.sessions.discard(self)
 
 
-JAIL_LIMITS = ("memory_mb", "pids", "cpu_cores", "file_size_mb", "open_files")
-"""Limits a jail is made with: a session's runs cannot change them."""
-
-
-def _jail_limits(limits: Limits) -> dict[str, float]:
-    return {k: getattr(limits, k) for k in JAIL_LIMITS}
-
-
 class JailSession:
     """A jail kept for a series of runs of one client (``OpenSession``)."""
 
@@ -457,6 +439,13 @@ class JailSession:
                 "idle",
                 f"no run for {self.idle_s:g} s (the session's idle limit)",
             )
+
+    def terms(self) -> admission.SessionTerms:
+        """What the session was opened with, for admitting its runs."""
+        return admission.SessionTerms(
+            self.policy, self.limits, self.jail.spec.limits, self.tools, self.requested,
+            self.idle_s, self.max_lifetime_s,
+        )
 
     def expires_in(self) -> float:
         left = self.max_lifetime_s - (time.monotonic() - self._opened)
@@ -804,90 +793,37 @@ class Daemon:
 
     def admit(self, session: ClientSession) -> JaildError | None:
         """May this connection stay? (peer credentials, connection limits)"""
-        peer = session.peer
-        if not user_matches(self.config.allowed_users, peer.uid, (peer.gid, *peer.groups)):
-            return PermissionDenied(f"uid {peer.uid} may not use this daemon")
-        others = [s for s in self.sessions if s is not session]
-        if len(others) >= self.config.max_connections:
-            return Busy(f"{len(others)} connections open, the daemon's limit; retry later")
-        same_uid = sum(1 for s in others if s.peer.uid == peer.uid)
-        if same_uid >= self.config.max_connections_per_uid:
-            return Busy(f"uid {peer.uid} already has {same_uid} connections, the limit per uid")
+        try:
+            admission.admit_connection(
+                session.peer,
+                [s.peer for s in self.sessions if s is not session],
+                allowed_users=self.config.allowed_users,
+                max_connections=self.config.max_connections,
+                max_connections_per_uid=self.config.max_connections_per_uid,
+            )
+        except JaildError as refusal:
+            return refusal
         return None
 
-    def _policy_for(
-        self, session: ClientSession, name: str, tools: tuple[ToolSpec, ...]
-    ) -> Policy:
-        """The policy a request names, if this peer may use it with these tools."""
-        if self._stopping:
-            raise ShuttingDown("the daemon is shutting down")
-        policy = self.policies.get(name)
-        if policy is None:
-            raise UnknownPolicy(
-                f"no policy {name!r}; this daemon serves: {', '.join(sorted(self.policies))}"
-            )
-        if policy.name in self.unavailable:
-            raise PolicyUnavailable(
-                f"policy {policy.name!r} is not served: {self.unavailable[policy.name]}"
-            )
-        if not policy.user_allowed(session.peer.uid, (session.peer.gid, *session.peer.groups)):
-            raise PermissionDenied(f"uid {session.peer.uid} may not use policy {policy.name!r}")
-        names = [t.name for t in tools]
-        if len(set(names)) != len(names):
-            raise BadRequest("tool names must be unique")
-        refused = [n for n in names if not policy.tool_allowed(n)]
-        if refused:
-            raise PermissionDenied(
-                f"policy {policy.name!r} does not allow tool(s) {', '.join(refused)} "
-                f"(allowed: {', '.join(policy.access.tools)})"
-            )
-        assert self.env is not None
-        for tool in tools:
-            problem = self.env.check_schema(tool.parameters)
-            if problem:
-                raise BadRequest(f"tool {tool.name!r}: its parameters are not a valid JSON schema: "
-                                 f"{problem}")
-        return policy
-
-    @staticmethod
-    def _limits_for(policy: Policy, requested: Mapping[str, float]) -> Limits:
-        try:
-            return effective_limits(policy, requested)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
-
-    def _check_files(
-        self, policy: Policy, files: Mapping[str, bytes], download: tuple[str, ...]
-    ) -> None:
-        """Uploads within the policy's ``[files]`` limits, every name a plain relative path."""
-        if not files and not download:
-            return
-        assert self.env is not None
-        problem = check_file_set(files, self.env.file_limits(policy))
-        if problem is not None:
-            path, reason = problem
-            raise BadRequest(f"upload {path!r} refused by policy {policy.name!r}: {reason}")
-        for pattern in download:
-            if "\x00" in pattern:
-                raise BadRequest(f"download pattern {pattern!r} contains NUL")
+    def catalog(self) -> admission.Catalog:
+        """The policies served, as admission sees them now."""
+        return admission.Catalog(self.policies, self.unavailable, self._stopping)
 
     def submit(self, session: ClientSession, req: RunJob) -> None:
         """Validate a RunJob and start it. Raises a JaildError the client gets as Error."""
         if req.session_id is not None:
             self._submit_to_session(session, req)
             return
-        policy = self._policy_for(session, req.policy, req.tools)
-        self._check_code(policy, req.code)
-        limits = self._limits_for(policy, req.limits)
-        self._check_files(policy, req.files, req.download)
-        if len(self.jobs) >= self.config.max_jobs:
-            raise Busy(f"{len(self.jobs)} jobs running, the daemon's limit; retry later")
-        if len(session.jobs) >= self.config.max_jobs_per_connection:
-            raise Busy(
-                f"{len(session.jobs)} jobs running on this connection, the limit per connection"
-            )
+        admitted = admission.admit_job(self.catalog(), session.peer, req)
+        policy, limits = admitted.policy, admitted.limits
+        admission.check_capacity(
+            len(self.jobs),
+            self.config.max_jobs,
+            len(session.jobs),
+            self.config.max_jobs_per_connection,
+        )
         job_id = new_job_id()
-        if self._syntax_error(session, req, job_id, policy, limits):
+        if self._syntax_error(session, req, job_id, admitted):
             return
         assert self.env is not None
         pool = self.pools.get(policy.name)
@@ -920,75 +856,39 @@ class Daemon:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    @staticmethod
-    def _check_code(policy: Policy, code: str) -> None:
-        code_bytes = len(code.encode("utf-8", "surrogatepass"))
-        if code_bytes > policy.limits.code_bytes:
-            raise BadRequest(
-                f"the code is {code_bytes} bytes; policy {policy.name!r} accepts at most "
-                f"{policy.limits.code_bytes}"
-            )
-
     def _syntax_error(
-        self, session: ClientSession, req: RunJob, job_id: str, policy: Policy, limits: Limits
+        self, session: ClientSession, req: RunJob, job_id: str, admitted: admission.AdmittedJob
     ) -> bool:
         """Code that does not compile gets its record at once (no jail); True if so."""
-        try:
-            compile(
-                req.code,
-                req.filename,
-                "exec",
-                flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
-                dont_inherit=True,
-            )
-        except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as exc:
-            record = syntax_error_record(job_id, policy, limits, exc, req.filename)
-            if req.session_id is not None:
-                record["session"] = {"id": req.session_id, "run": None, "closed": None}
-            self._audit(session, record)  # audited before the client can see the result
-            session.send(JobAccepted(ref=req.ref, job_id=job_id))
-            session.send(JobFinished(job_id=job_id, record=record))
-            return True
-        return False
+        exc = admitted.syntax_error
+        if exc is None:
+            return False
+        record = syntax_error_record(job_id, admitted.policy, admitted.limits, exc, req.filename)
+        if req.session_id is not None:
+            record["session"] = {"id": req.session_id, "run": None, "closed": None}
+        self._audit(session, record)  # audited before the client can see the result
+        session.send(JobAccepted(ref=req.ref, job_id=job_id))
+        session.send(JobFinished(job_id=job_id, record=record))
+        return True
 
     # ------------------------------------------------------------------ sessions
 
     def open_session(self, client: ClientSession, req: OpenSession) -> None:
         """Make a jail that stays for a series of runs; answered by SessionOpened once it
         is ready (or Error if it cannot be made)."""
-        policy = self._policy_for(client, req.policy, req.tools)
-        if not policy.session.enabled:
-            raise PermissionDenied(f"policy {policy.name!r} does not allow sessions")
-        limits = self._limits_for(policy, req.limits)
-        idle_s = policy.session.idle_s
-        lifetime_s = policy.session.max_lifetime_s
-        for key, wanted, allowed in (
-            ("idle_s", req.idle_s, idle_s),
-            ("max_lifetime_s", req.max_lifetime_s, lifetime_s),
-        ):
-            if wanted is not None and wanted > allowed:
-                raise BadRequest(
-                    f"session {key}={wanted:g} is looser than policy {policy.name!r} allows "
-                    f"({allowed:g}); sessions may only tighten it"
-                )
-        idle_s = req.idle_s if req.idle_s is not None else idle_s
-        lifetime_s = req.max_lifetime_s if req.max_lifetime_s is not None else lifetime_s
         mine = sum(1 for s in self.jail_sessions.values() if s.owner.peer.uid == client.peer.uid)
-        if mine >= policy.session.max_per_user:
-            raise Busy(
-                f"uid {client.peer.uid} has {mine} sessions open; policy {policy.name!r} "
-                f"allows {policy.session.max_per_user} per user"
-            )
+        terms = admission.admit_session(self.catalog(), client.peer, req, mine)
+        policy, limits = terms.policy, terms.limits
         if len(self.jobs) + len(self.jail_sessions) >= self.config.max_jobs:
             raise Busy("the daemon is at its job limit; retry later")
         assert self.env is not None
         session_id = "ses-" + secrets.token_hex(8)
-        # the jail's CPU rlimit covers the session; each run's cpu_time_s is watched apart
-        jail_limits = dataclasses.replace(limits, cpu_time_s=policy.session.cpu_time_s)
-        spec = JobSpec(session_id, policy, jail_limits, "", "<session>", req.tools, keep=True)
+        spec = JobSpec(session_id, policy, terms.jail_limits, "", "<session>", req.tools, keep=True)
         jail = JailedJob(spec, self.env, None, None, jail_id=session_id)
-        sess = JailSession(session_id, client, policy, limits, req.tools, jail, idle_s, lifetime_s)
-        sess.requested = dict(req.limits)
+        sess = JailSession(
+            session_id, client, policy, limits, req.tools, jail, terms.idle_s, terms.max_lifetime_s
+        )
+        sess.requested = dict(terms.requested)
         self.jail_sessions[session_id] = sess
         self.metrics.sessions_open(len(self.jail_sessions))
         client.jail_sessions[session_id] = sess
@@ -1047,25 +947,10 @@ class Daemon:
             raise Busy(f"session {sess.id} is running job {sess.busy}; one run at a time")
         if sess.life_timer is None:
             raise Busy(f"session {sess.id} is still starting; wait for SessionOpened")
-        if req.policy != sess.policy.name:
-            raise BadRequest(
-                f"session {sess.id} runs policy {sess.policy.name!r}, not {req.policy!r}"
-            )
-        if req.tools and req.tools != sess.tools:
-            raise BadRequest("a session's tools are given when it opens, not per run")
-        policy = sess.policy
-        self._check_code(policy, req.code)
-        limits = self._limits_for(policy, {**sess.requested, **req.limits})
-        fixed = {
-            k: v for k, v in _jail_limits(limits).items() if v != _jail_limits(sess.limits)[k]
-        }
-        if fixed:
-            raise BadRequest(
-                f"{', '.join(sorted(fixed))} apply to the whole session; set them when opening it"
-            )
-        self._check_files(policy, req.files, req.download)
+        admitted = admission.admit_session_run(sess.terms(), sess.id, req)
+        policy, limits = admitted.policy, admitted.limits
         job_id = new_job_id()
-        if self._syntax_error(client, req, job_id, policy, limits):
+        if self._syntax_error(client, req, job_id, admitted):
             return
         spec = JobSpec(
             job_id,
