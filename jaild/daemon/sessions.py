@@ -4,19 +4,19 @@ Theory of operation
 -------------------
 A session's states, and what moves it on:
 
-============  ===============================  ===========  ===========================
-state         event                            next         action
-============  ===========================  ===============  ===========================
-starting      its jail is ready                idle         ``SessionOpened``; timers
-starting      its jail does not start          (gone)       ``Error`` to its client
-idle          a ``RunJob`` is admitted         running      idle timer stopped
-running       the run's record is sent         idle         idle timer restarted
-running       the run ended the jail           closed       ``SessionClosed``
-idle          its jail ends between runs       closed       ``SessionClosed``
-any           idle / lifetime timer, client    closed       jail killed (a run in
-              closes or leaves, ``jaild kill``,             progress ends
-              shutdown                                      ``cancelled``), discarded
-============  ===============================  ===========  ===========================
+===========  ==================================  =========  =============================
+state        event                               next       action
+===========  ==================================  =========  =============================
+starting     its jail is ready                   idle       ``SessionOpened``; timers set
+starting     its jail does not start             (gone)     ``Error`` to its client
+idle         a ``RunJob`` is admitted            running    idle timer stopped
+running      the run's record is sent            idle       idle timer restarted
+running      the run ended the jail              closed     ``SessionClosed``
+idle         its jail ends between runs          closed     ``SessionClosed``
+any          idle or lifetime timer, the client  closed     its jail killed (a run in
+             closes or leaves, ``jaild kill``,              progress ends ``cancelled``)
+             shutdown                                       and discarded
+===========  ==================================  =========  =============================
 
 The tasks of a session -- opening its jail, watching it between runs, discarding
 it at the end -- run in its owner connection's task group, so the connection is
