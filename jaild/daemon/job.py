@@ -54,6 +54,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaild.daemon.admission import file_limits
 from jaild.daemon.cgroups import Cgroups, JobCgroup
 from jaild.daemon.kernlog import KernelAuditLog
 from jaild.daemon.launch.forked import SCM_CREDENTIALS, Zygote, ZygoteExit
@@ -73,7 +74,7 @@ from jaild.protocol.messages import (
     RunCode,
     ToolSpec,
 )
-from jaild.runtime.files import FileLimits, validate_collected
+from jaild.runtime.files import validate_collected
 from jaild.runtime.zygote import GO, PREAMBLE
 
 log = logging.getLogger("jaild")
@@ -151,7 +152,6 @@ class JailEnvironment:
     _free_slots: list[int] = field(default_factory=list)
     _next_slot: int = 0
     _hardens: dict[str, Harden] = field(default_factory=dict)
-    _file_limits: dict[str, FileLimits] = field(default_factory=dict)
 
     def harden(self, policy: Policy) -> Harden:
         """The policy's first frame to its jails, built (and its fields checked) once."""
@@ -160,7 +160,7 @@ class JailEnvironment:
             msg = Harden(
                 protocol=PROTOCOL_VERSION,
                 seccomp=self.seccomp_specs[policy.name],
-                file_limits=self.file_limits(policy).to_wire(),
+                file_limits=file_limits(policy).to_wire(),
             )
             self._hardens[policy.name] = msg
         return msg
@@ -202,19 +202,6 @@ class JailEnvironment:
             instance[key] = value
         return schema_error(tool, self._validator(schema), instance)
 
-    def check_schema(self, schema: dict[str, Any]) -> str | None:
-        """Why a tool's parameters are not a usable JSON schema, or None (checked once per
-        distinct schema; the compiled validator is kept for the calls)."""
-        if not schema:
-            return None
-        from jsonschema.exceptions import SchemaError
-
-        try:
-            self._validator(schema)
-        except SchemaError as exc:
-            return exc.message[:1024]
-        return None
-
     def _validator(self, schema: dict[str, Any]) -> Any:
         """A compiled validator per distinct schema (clients send the same ones again)."""
         import json
@@ -236,12 +223,6 @@ class JailEnvironment:
                 self._validators.clear()
             self._validators[key[1]] = validator
         return validator
-
-    def file_limits(self, policy: Policy) -> FileLimits:
-        limits = self._file_limits.get(policy.name)
-        if limits is None:
-            limits = self._file_limits[policy.name] = file_limits(policy)
-        return limits
 
     def allocate_uid(self) -> int:
         slot = self._free_slots.pop() if self._free_slots else self._next_slot
@@ -1204,7 +1185,7 @@ class JailedJob:
         """What the runtime collected -- hostile input: checked entry by entry."""
         if wire is None:
             return
-        collected = validate_collected(wire, self._env.file_limits(self.spec.policy))
+        collected = validate_collected(wire, file_limits(self.spec.policy))
         self._files = [dict(f) for f in collected.files]
         self._files_skipped = [dict(f) for f in collected.skipped]
         self.downloads = collected.data
@@ -1525,10 +1506,6 @@ def schema_error(tool: str, validator: Any, instance: dict[str, Any]) -> tuple[s
     )
     what = f"argument {where!r}: " if where else ""
     return ("invalid_arguments", f"{tool}: {what}{error.message}"[:4096])
-
-
-def file_limits(policy: Policy) -> FileLimits:
-    return FileLimits.from_wire(dataclasses.asdict(policy.files))
 
 
 def internal_error_record(spec: JobSpec, exc: BaseException) -> dict[str, Any]:

@@ -32,18 +32,16 @@ import time
 from collections.abc import Callable
 
 from jaild.daemon.job import JailedJob
-from jaild.policy.schema import Limits, Policy
+from jaild.policy.schema import ONE_SHOT_JAIL_LIMITS, Limits, Policy
 
 log = logging.getLogger("jaild.daemon.pool")
 
 REFILL_WAIT_S = 0.05
 
-JAIL_LEVEL_LIMITS = ("memory_mb", "pids", "cpu_time_s", "cpu_cores", "file_size_mb", "open_files")
-
 
 def poolable(policy: Policy, limits: Limits) -> bool:
     """Can a job with ``limits`` use a jail prepared with the policy's own limits?"""
-    return all(getattr(limits, name) == getattr(policy.limits, name) for name in JAIL_LEVEL_LIMITS)
+    return all(getattr(limits, n) == getattr(policy.limits, n) for n in ONE_SHOT_JAIL_LIMITS)
 
 
 @dataclasses.dataclass

@@ -66,6 +66,18 @@ class Bind:
     dst: str
 
 
+JAIL_LEVEL_LIMITS = ("memory_mb", "pids", "cpu_cores", "file_size_mb", "open_files")
+"""``[limits]`` a jail is made with (its cgroup and rlimits), fixed for its whole life: a
+session's runs cannot change them, and a pooled jail serves only jobs that have the
+policy's own. ``cpu_time_s`` is not among them: it is per run. A one-shot jail takes it as
+its RLIMIT_CPU when made (so a pooled jail also needs the policy's own, see
+``ONE_SHOT_JAIL_LIMITS``); a session's jail has the session's ``session.cpu_time_s`` as its
+RLIMIT_CPU and the daemon holds each run to its own ``cpu_time_s`` (its cgroup's CPU time)."""
+
+ONE_SHOT_JAIL_LIMITS = (*JAIL_LEVEL_LIMITS, "cpu_time_s")
+"""What a jail made ahead of a single job (a warm pool's) fixes: also its RLIMIT_CPU."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """``[limits]`` -- what one job may consume. Clients may ask for less per job, never more."""

@@ -1,0 +1,407 @@
+"""Admission: may this request run, and on what terms? Pure: no IO, no asyncio.
+
+Theory of operation
+-------------------
+Every request the daemon accepts passes here first, and nothing here touches a
+socket, a jail or the clock. The inputs are values -- the request message, the
+policies served (a :class:`Catalog`), the peer, and counts of what is running --
+and the output is either the terms the request runs on or a typed refusal: a
+:class:`~jaild.errors.JaildError` subclass whose ``code`` and message the client
+gets as ``Error``. So every rule is tested without root (``tests/unit/test_admission.py``).
+
+=====================  ==========================================  ====================
+request                checks, in order (the first that fails)     result
+=====================  ==========================================  ====================
+a connection           peer allowed; connections; connections/uid  ``None``
+``RunJob``             shutting down, policy known, served, peer    :class:`AdmittedJob`
+                       allowed, tools (unique, allowed, schemas),
+                       code size, limits, uploads
+``RunJob`` (session)   policy and tools are the session's, code     :class:`AdmittedJob`
+                       size, limits, jail-level limits unchanged,
+                       uploads
+``OpenSession``        as ``RunJob``'s policy and tools; sessions   :class:`SessionTerms`
+                       enabled; limits; idle and lifetime only
+                       tighten; sessions per uid
+capacity               jobs running, jobs on the connection         ``None``
+=====================  ==========================================  ====================
+
+Code that does not compile is not a refusal: the job is admitted with its
+``syntax_error`` set, and gets a record at once, without a jail.
+
+Whether a peer may use a policy (``access.users``) can name users and groups,
+which resolves through NSS: the :class:`Catalog` takes that test as a function
+(``may_use``), so admission itself stays pure and tests need no users.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import json
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from jaild.errors import (
+    BadRequest,
+    Busy,
+    PermissionDenied,
+    PolicyUnavailable,
+    ShuttingDown,
+    UnknownPolicy,
+)
+from jaild.policy.schema import (
+    JAIL_LEVEL_LIMITS,
+    Files,
+    Limits,
+    Policy,
+    effective_limits,
+    user_matches,
+)
+from jaild.protocol.messages import OpenSession, RunJob, ToolSpec
+from jaild.runtime.files import FileLimits, check_file_set
+
+if TYPE_CHECKING:
+    from jaild.daemon.audit import Peer
+
+SCHEMA_MESSAGE_CHARS = 1024
+"""A schema's problem is cut to this many characters in the refusal."""
+SCHEMA_MEMO_SIZE = 4096
+_schema_problems: dict[str, str | None] = {}  # a memo: JSON text of a schema -> its problem
+
+
+def policy_allows(policy: Policy, peer: Peer) -> bool:
+    """The policy's ``access.users`` admits the peer (its uid, gid or groups)."""
+    return policy.user_allowed(peer.uid, (peer.gid, *peer.groups))
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """The policies a daemon serves, as admission sees them."""
+
+    policies: Mapping[str, Policy]
+    unavailable: Mapping[str, str] = field(default_factory=dict)  # name -> why not served
+    stopping: bool = False  # the daemon is shutting down: no new work
+    may_use: Callable[[Policy, Peer], bool] = policy_allows
+
+
+@dataclass(frozen=True)
+class AdmittedJob:
+    """A run's terms: everything of its job spec but the id it gets when placed."""
+
+    policy: Policy
+    limits: Limits
+    code: str
+    filename: str
+    tools: tuple[ToolSpec, ...]
+    files: Mapping[str, bytes]
+    download: tuple[str, ...]
+    download_changed: bool
+    syntax_error: BaseException | None = None  # the code does not compile: no jail needed
+
+
+@dataclass(frozen=True)
+class SessionTerms:
+    """What a session is opened with (``OpenSession``, admitted)."""
+
+    policy: Policy
+    limits: Limits  # its runs' limits unless they tighten them
+    jail_limits: Limits  # the jail's own: the session's CPU rlimit in place of a run's
+    tools: tuple[ToolSpec, ...]
+    requested: Mapping[str, float]  # the limits asked for at open (each run adds its own)
+    idle_s: float
+    max_lifetime_s: float
+
+
+# --------------------------------------------------------------------------- connections
+
+
+def admit_connection(
+    peer: Peer,
+    others: Collection[Peer],
+    *,
+    allowed_users: Collection[str],
+    max_connections: int,
+    max_connections_per_uid: int,
+    matches: Callable[[Collection[str], int, tuple[int, ...]], bool] = user_matches,
+) -> None:
+    """May a new connection stay, beside ``others`` (the connections already open)?
+
+    Raises:
+        PermissionDenied: the peer is not in the daemon's ``allowed_users``.
+        Busy: the daemon, or the peer's uid, is at its connection limit.
+    """
+    if not matches(allowed_users, peer.uid, (peer.gid, *peer.groups)):
+        raise PermissionDenied(f"uid {peer.uid} may not use this daemon")
+    if len(others) >= max_connections:
+        raise Busy(f"{len(others)} connections open, the daemon's limit; retry later")
+    same_uid = sum(1 for other in others if other.uid == peer.uid)
+    if same_uid >= max_connections_per_uid:
+        raise Busy(f"uid {peer.uid} already has {same_uid} connections, the limit per uid")
+
+
+def check_capacity(
+    running: int, max_jobs: int, on_connection: int, max_per_connection: int
+) -> None:
+    """Room for one more job? ``running``: the daemon's jobs; ``on_connection``: this
+    connection's.
+
+    Raises:
+        Busy: naming the limit reached.
+    """
+    if running >= max_jobs:
+        raise Busy(f"{running} jobs running, the daemon's limit; retry later")
+    if on_connection >= max_per_connection:
+        raise Busy(f"{on_connection} jobs running on this connection, the limit per connection")
+
+
+# --------------------------------------------------------------------------- the parts
+
+
+def choose_policy(
+    catalog: Catalog, peer: Peer, name: str, tools: tuple[ToolSpec, ...]
+) -> Policy:
+    """The policy a request names, if this peer may use it with these tools.
+
+    Raises:
+        ShuttingDown, UnknownPolicy, PolicyUnavailable, PermissionDenied, BadRequest.
+    """
+    if catalog.stopping:
+        raise ShuttingDown("the daemon is shutting down")
+    policy = catalog.policies.get(name)
+    if policy is None:
+        raise UnknownPolicy(
+            f"no policy {name!r}; this daemon serves: {', '.join(sorted(catalog.policies))}"
+        )
+    if policy.name in catalog.unavailable:
+        raise PolicyUnavailable(
+            f"policy {policy.name!r} is not served: {catalog.unavailable[policy.name]}"
+        )
+    if not catalog.may_use(policy, peer):
+        raise PermissionDenied(f"uid {peer.uid} may not use policy {policy.name!r}")
+    check_tools(policy, tools)
+    return policy
+
+
+def check_tools(policy: Policy, tools: tuple[ToolSpec, ...]) -> None:
+    """Tool names unique and allowed by the policy; each one's parameters a JSON schema.
+
+    Raises:
+        BadRequest: a name given twice, or parameters that are not a schema.
+        PermissionDenied: a tool the policy's ``access.tools`` does not allow.
+    """
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise BadRequest("tool names must be unique")
+    refused = [n for n in names if not policy.tool_allowed(n)]
+    if refused:
+        raise PermissionDenied(
+            f"policy {policy.name!r} does not allow tool(s) {', '.join(refused)} "
+            f"(allowed: {', '.join(policy.access.tools)})"
+        )
+    for tool in tools:
+        problem = check_schema(tool.parameters)
+        if problem:
+            raise BadRequest(
+                f"tool {tool.name!r}: its parameters are not a valid JSON schema: {problem}"
+            )
+
+
+def check_schema(schema: dict[str, Any]) -> str | None:
+    """Why a tool's parameters are not a usable JSON schema, or None (empty: no schema).
+    Checked once per distinct schema: clients send the same ones again and again."""
+    if not schema:
+        return None
+    key = json.dumps(schema, sort_keys=True, default=repr)
+    if key in _schema_problems:
+        return _schema_problems[key]
+    from jsonschema import validators
+    from jsonschema.exceptions import SchemaError
+
+    problem = None
+    try:
+        validators.validator_for(schema).check_schema(schema)
+    except SchemaError as exc:
+        problem = exc.message[:SCHEMA_MESSAGE_CHARS]
+    if len(_schema_problems) >= SCHEMA_MEMO_SIZE:
+        _schema_problems.clear()
+    _schema_problems[key] = problem
+    return problem
+
+
+def limits_for(policy: Policy, requested: Mapping[str, float]) -> Limits:
+    """The policy's limits tightened by a request.
+
+    Raises:
+        BadRequest: an unknown limit, a bad value, or one looser than the policy's.
+    """
+    try:
+        return effective_limits(policy, requested)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def check_code(policy: Policy, code: str) -> None:
+    """The code within the policy's ``limits.code_bytes`` (UTF-8).
+
+    Raises:
+        BadRequest: naming its size and the limit.
+    """
+    code_bytes = len(code.encode("utf-8", "surrogatepass"))
+    if code_bytes > policy.limits.code_bytes:
+        raise BadRequest(
+            f"the code is {code_bytes} bytes; policy {policy.name!r} accepts at most "
+            f"{policy.limits.code_bytes}"
+        )
+
+
+def file_limits(policy: Policy) -> FileLimits:
+    """The policy's ``[files]`` limits, as the runtime checks them."""
+    return _file_limits(policy.files)
+
+
+@functools.lru_cache(maxsize=256)
+def _file_limits(files: Files) -> FileLimits:
+    return FileLimits.from_wire(dataclasses.asdict(files))
+
+
+def check_files(policy: Policy, files: Mapping[str, bytes], download: tuple[str, ...]) -> None:
+    """Uploads within the policy's ``[files]`` limits, every name a plain relative path;
+    download patterns without NUL.
+
+    Raises:
+        BadRequest: naming the upload or pattern and the reason.
+    """
+    if not files and not download:
+        return
+    problem = check_file_set(files, file_limits(policy))
+    if problem is not None:
+        path, reason = problem
+        raise BadRequest(f"upload {path!r} refused by policy {policy.name!r}: {reason}")
+    for pattern in download:
+        if "\x00" in pattern:
+            raise BadRequest(f"download pattern {pattern!r} contains NUL")
+
+
+def syntax_error(code: str, filename: str) -> BaseException | None:
+    """Why the code does not compile (as the jail would compile it), or None."""
+    try:
+        compile(code, filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as exc:
+        return exc
+    return None
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def admit_job(catalog: Catalog, peer: Peer, req: RunJob) -> AdmittedJob:
+    """A one-shot ``RunJob``: its terms, or a refusal (see the table above)."""
+    policy = choose_policy(catalog, peer, req.policy, req.tools)
+    check_code(policy, req.code)
+    limits = limits_for(policy, req.limits)
+    check_files(policy, req.files, req.download)
+    return _admitted(policy, limits, req.tools, req)
+
+
+def admit_session_run(terms: SessionTerms, session_id: str, req: RunJob) -> AdmittedJob:
+    """A ``RunJob`` in an open session with these terms.
+
+    Raises:
+        BadRequest: another policy, tools given per run, a jail-level limit changed
+            (it applies to the whole session), or as :func:`admit_job`.
+    """
+    policy = terms.policy
+    if req.policy != policy.name:
+        raise BadRequest(f"session {session_id} runs policy {policy.name!r}, not {req.policy!r}")
+    if req.tools and req.tools != terms.tools:
+        raise BadRequest("a session's tools are given when it opens, not per run")
+    check_code(policy, req.code)
+    limits = limits_for(policy, {**terms.requested, **req.limits})
+    fixed = [k for k in JAIL_LEVEL_LIMITS if getattr(limits, k) != getattr(terms.limits, k)]
+    if fixed:
+        raise BadRequest(
+            f"{', '.join(sorted(fixed))} apply to the whole session; set them when opening it"
+        )
+    check_files(policy, req.files, req.download)
+    return _admitted(policy, limits, terms.tools, req)
+
+
+def admit_session(
+    catalog: Catalog, peer: Peer, req: OpenSession, open_of_uid: int
+) -> SessionTerms:
+    """An ``OpenSession``; ``open_of_uid``: the sessions the peer's uid has open.
+
+    Raises:
+        PermissionDenied: the policy allows no sessions; as :func:`choose_policy`.
+        BadRequest: a limit, ``idle_s`` or ``max_lifetime_s`` looser than the policy's.
+        Busy: the uid has the policy's ``session.max_per_user`` sessions open.
+    """
+    policy = choose_policy(catalog, peer, req.policy, req.tools)
+    if not policy.session.enabled:
+        raise PermissionDenied(f"policy {policy.name!r} does not allow sessions")
+    limits = limits_for(policy, req.limits)
+    idle_s = policy.session.idle_s
+    lifetime_s = policy.session.max_lifetime_s
+    for key, wanted, allowed in (
+        ("idle_s", req.idle_s, idle_s),
+        ("max_lifetime_s", req.max_lifetime_s, lifetime_s),
+    ):
+        if wanted is not None and wanted > allowed:
+            raise BadRequest(
+                f"session {key}={wanted:g} is looser than policy {policy.name!r} allows "
+                f"({allowed:g}); sessions may only tighten it"
+            )
+    if open_of_uid >= policy.session.max_per_user:
+        raise Busy(
+            f"uid {peer.uid} has {open_of_uid} sessions open; policy {policy.name!r} "
+            f"allows {policy.session.max_per_user} per user"
+        )
+    return SessionTerms(
+        policy=policy,
+        limits=limits,
+        # the jail's CPU rlimit covers the session; each run's cpu_time_s is watched apart
+        jail_limits=dataclasses.replace(limits, cpu_time_s=policy.session.cpu_time_s),
+        tools=req.tools,
+        requested=dict(req.limits),
+        idle_s=req.idle_s if req.idle_s is not None else idle_s,
+        max_lifetime_s=req.max_lifetime_s if req.max_lifetime_s is not None else lifetime_s,
+    )
+
+
+def _admitted(
+    policy: Policy, limits: Limits, tools: tuple[ToolSpec, ...], req: RunJob
+) -> AdmittedJob:
+    return AdmittedJob(
+        policy=policy,
+        limits=limits,
+        code=req.code,
+        filename=req.filename,
+        tools=tools,
+        files=req.files,
+        download=req.download,
+        download_changed=req.download_changed,
+        syntax_error=syntax_error(req.code, req.filename),
+    )
+
+
+__all__ = [
+    "AdmittedJob",
+    "Catalog",
+    "SessionTerms",
+    "admit_connection",
+    "admit_job",
+    "admit_session",
+    "admit_session_run",
+    "check_capacity",
+    "check_code",
+    "check_files",
+    "check_schema",
+    "check_tools",
+    "choose_policy",
+    "file_limits",
+    "limits_for",
+    "policy_allows",
+    "syntax_error",
+]

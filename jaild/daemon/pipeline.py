@@ -1,0 +1,163 @@
+"""The request pipeline: one path from a ``RunJob`` to its ``JobFinished``.
+
+Theory of operation
+-------------------
+Every run, one-shot or in a session, goes the same way::
+
+    RunJob -> admission -> placement -> accepted -> run_to_record -> JobFinished
+               (pure)     (fresh, pooled   (registry)   (the owner's
+                           or session jail)              task group)
+
+1. *Admission* (:mod:`jaild.daemon.admission`, pure) gives the run's terms or a typed
+   refusal, which the client gets as ``Error`` (audited and counted by the server).
+   A session run first needs its session, open and idle (:mod:`jaild.daemon.sessions`);
+   a one-shot job needs room (the daemon's and the connection's job limits).
+2. Code that does not compile gets its record at once: ``JobAccepted`` then
+   ``JobFinished`` with status ``syntax_error``, and no jail.
+3. *Placement* (:mod:`jaild.daemon.placement`) picks the jail.
+4. The job is registered (:mod:`jaild.daemon.registry`), ``JobAccepted`` is sent, and
+   :meth:`Pipeline.run_to_record` runs in the owning connection's task group. It
+   always ends in exactly one record: a failure inside jaild becomes an
+   ``internal_error`` record (and ends a session), never silence. The record is
+   audited and accounted before the client can see it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from jaild.daemon import admission, placement
+from jaild.daemon.job import internal_error_record, syntax_error_record
+from jaild.daemon.registry import LiveJob
+from jaild.protocol.messages import JobAccepted, JobFinished, RunJob
+
+if TYPE_CHECKING:
+    from jaild.daemon.server import ClientSession, Daemon
+
+log = logging.getLogger("jaild")
+
+
+def _children() -> set[int]:
+    """Our direct children, from /proc (every thread's list)."""
+    out: set[int] = set()
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/children") as f:
+                out.update(int(p) for p in f.read().split())
+    return out
+
+
+class Pipeline:
+    """See the module docstring."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def submit(self, client: ClientSession, req: RunJob) -> None:
+        """Admit a RunJob, place it and start it. Raises the JaildError the client gets
+        as Error."""
+        daemon = self.daemon
+        registry = daemon.registry
+        sess = None
+        if req.session_id is None:
+            admitted = admission.admit_job(daemon.catalog(), client.peer, req)
+            admission.check_capacity(
+                registry.job_count(),
+                daemon.config.max_jobs,
+                registry.job_count(client),
+                daemon.config.max_jobs_per_connection,
+            )
+        else:
+            sess = daemon.sessions.runnable(client, req.session_id)
+            admitted = admission.admit_session_run(sess.terms, sess.id, req)
+        job_id = placement.new_job_id()
+        if admitted.syntax_error is not None:
+            self._syntax_error(client, req, job_id, admitted)
+            return
+        env = daemon.env
+        assert env is not None
+        placed = placement.place(
+            admitted, job_id, client.call_tool, client.output, env, daemon.pools, sess
+        )
+        if sess is not None:
+            daemon.sessions.run_started(sess, placed.job_id)
+        # Accepted after a pooled jail got its code (it starts a write earlier); still before
+        # anything about the job can reach the client, which only happens on a later callback.
+        client.send(JobAccepted(ref=req.ref, job_id=placed.job_id))
+        registry.add_job(LiveJob(placed.job_id, placed.jail, client, sess))
+        client.start(self.run_to_record(client, placed))
+
+    async def run_to_record(self, client: ClientSession, placed: placement.Placed) -> None:
+        """Run a placed job to its one record, and send it (see the module docstring)."""
+        spec, sess = placed.spec, placed.session
+        job_id = spec.job_id
+        try:
+            try:
+                record, result, downloads = await placed.run()
+            except Exception as exc:  # a jaild bug: report it, keep serving
+                if sess is None:
+                    log.exception("job %s failed inside jaild", job_id)
+                else:
+                    log.exception("job %s of session %s failed inside jaild", job_id, sess.id)
+                    sess.jail.cancel("internal error")  # and end the session
+                record, result, downloads = internal_error_record(spec, exc), None, {}
+            if sess is not None:
+                record["session"] = sess.run_entry(record)
+            # audited before the client can see the result
+            self.audit(client, record, uploaded=len(spec.files), downloaded=len(downloads))
+            client.send(JobFinished(job_id=job_id, record=record, result=result, files=downloads))
+        finally:
+            self.daemon.registry.remove_job(job_id)
+            if sess is not None:
+                self.daemon.sessions.run_ended(sess)
+            else:
+                self.reap_orphans()
+        if sess is not None:
+            self.daemon.sessions.after_run(sess, job_id, record)
+
+    def _syntax_error(
+        self, client: ClientSession, req: RunJob, job_id: str, admitted: admission.AdmittedJob
+    ) -> None:
+        """Code that does not compile gets its record at once (no jail)."""
+        assert admitted.syntax_error is not None
+        record = syntax_error_record(
+            job_id, admitted.policy, admitted.limits, admitted.syntax_error, req.filename
+        )
+        if req.session_id is not None:
+            record["session"] = {"id": req.session_id, "run": None, "closed": None}
+        self.audit(client, record)  # audited before the client can see the result
+        client.send(JobAccepted(ref=req.ref, job_id=job_id))
+        client.send(JobFinished(job_id=job_id, record=record))
+
+    def audit(
+        self, client: ClientSession, record: dict[str, Any], uploaded: int = 0, downloaded: int = 0
+    ) -> None:
+        """A job's record: audited, accounted and counted."""
+        daemon = self.daemon
+        daemon.audit.job(client.peer, record)
+        daemon.accounting.job(client.peer.uid, record, uploaded, downloaded)
+        daemon.metrics.job_finished(record, client.peer.uid)
+
+    def reap_orphans(self) -> list[int]:
+        """Reap children that are not a running job's nsjail.
+
+        The daemon is a child subreaper: when an nsjail dies before its jail (it was
+        SIGKILLed after the grace period), the jail's processes are reparented here, get
+        their parent-death SIGKILL and must be reaped by us.
+        """
+        tracked = set(self.daemon.registry.pids())
+        env = self.daemon.env
+        if env is not None:
+            tracked |= {z.pid for z in env.zygotes.values() if z.pid is not None}
+        reaped = []
+        for pid in _children() - tracked:
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    reaped.append(pid)
+        return reaped
+
+
+__all__ = ["Pipeline"]

@@ -1,0 +1,106 @@
+"""Placement: which jail an admitted run goes to -- a fresh one, a pooled one, or its
+session's -- and the one way to run it there.
+
+Theory of operation
+-------------------
+=================  ===============================================  ==================
+run                jail                                             its id
+=================  ===============================================  ==================
+one-shot, pooled   taken from the policy's warm pool (only if the   the pooled jail's
+                   job's ``ONE_SHOT_JAIL_LIMITS`` are the policy's  (made under it)
+                   own); it gets its code at once (``assign``)
+one-shot, fresh    made for it (a cold start: no pool, pool empty,  a new id
+                   or other jail-level limits)
+session run        the session's jail, kept between runs            a new id
+=================  ===============================================  ==================
+
+Whichever the jail, :meth:`Placed.run` ends in the same three values -- the
+record, the result, the downloaded files -- so the pipeline has one path from
+here to the record.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from jaild.daemon.admission import AdmittedJob
+from jaild.daemon.job import JailedJob, JailEnvironment, JobSpec, OutputSink, ToolRouter
+from jaild.daemon.pool import JailPool, poolable
+
+if TYPE_CHECKING:
+    from jaild.daemon.sessions import JailSession
+
+RunOutcome = tuple[dict[str, Any], bytes | None, dict[str, bytes]]
+"""What a run ends in: its record, its result (packed), its downloaded files."""
+
+
+def new_job_id() -> str:
+    return "job-" + secrets.token_hex(8)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A run and the jail it runs in."""
+
+    spec: JobSpec
+    jail: JailedJob
+    route_tool: ToolRouter
+    output: OutputSink
+    session: JailSession | None = None
+    pooled: bool = False
+
+    @property
+    def job_id(self) -> str:
+        return self.spec.job_id
+
+    async def run(self) -> RunOutcome:
+        """Run the code to its record (in a session's jail: this run only)."""
+        if self.session is not None:
+            return await self.jail.run_next(self.spec, self.route_tool, self.output)
+        record = await self.jail.run()
+        return record, self.jail.result, self.jail.downloads
+
+
+def _spec(job: AdmittedJob, job_id: str, keep: bool = False) -> JobSpec:
+    return JobSpec(
+        job_id=job_id,
+        policy=job.policy,
+        limits=job.limits,
+        code=job.code,
+        filename=job.filename,
+        tools=job.tools,
+        files=job.files,
+        download=job.download,
+        download_changed=job.download_changed,
+        keep=keep,
+    )
+
+
+def place(
+    job: AdmittedJob,
+    job_id: str,
+    route_tool: ToolRouter,
+    output: OutputSink,
+    env: JailEnvironment,
+    pools: Mapping[str, JailPool],
+    session: JailSession | None = None,
+) -> Placed:
+    """The jail for an admitted run (see the table above). A pooled jail is given its
+    code here, so its run starts before the client hears ``JobAccepted``."""
+    if session is not None:
+        spec = _spec(job, job_id, keep=True)
+        return Placed(spec, session.jail, route_tool, output, session)
+    pool = pools.get(job.policy.name)
+    pooled = pool.take() if pool is not None and poolable(job.policy, job.limits) else None
+    if pooled is not None:
+        spec = _spec(job, pooled.jail_id)  # made under the id of the job that takes it
+        pooled.assign(spec, route_tool, output)  # its code is on its way now
+        return Placed(spec, pooled, route_tool, output, pooled=True)
+    spec = _spec(job, job_id)
+    return Placed(spec, JailedJob(spec, env, route_tool, output), route_tool, output)
+
+
+__all__ = ["Placed", "RunOutcome", "new_job_id", "place"]

@@ -1,0 +1,273 @@
+"""Sessions: a jail kept for a series of runs of one client (``OpenSession``).
+
+Theory of operation
+-------------------
+A session's states, and what moves it on:
+
+===========  ==================================  =========  =============================
+state        event                               next       action
+===========  ==================================  =========  =============================
+starting     its jail is ready                   idle       ``SessionOpened``; timers set
+starting     its jail does not start             (gone)     ``Error`` to its client
+idle         a ``RunJob`` is admitted            running    idle timer stopped
+running      the run's record is sent            idle       idle timer restarted
+running      the run ended the jail              closed     ``SessionClosed``
+idle         its jail ends between runs          closed     ``SessionClosed``
+any          idle or lifetime timer, the client  closed     its jail killed (a run in
+             closes or leaves, ``jaild kill``,              progress ends ``cancelled``)
+             shutdown                                       and discarded
+===========  ==================================  =========  =============================
+
+The tasks of a session -- opening its jail, watching it between runs, discarding
+it at the end -- run in its owner connection's task group, so the connection is
+not done until its sessions' jails are. While a closed session's jail is being
+discarded it is *retiring* in the registry, and shutdown waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from jaild.daemon import admission
+from jaild.daemon.job import JailedJob, JobSpec
+from jaild.errors import Busy, InternalError, SessionClosed, UnknownSession
+from jaild.policy.schema import Limits, Policy
+from jaild.protocol.messages import OpenSession, SessionOpened, ToolSpec
+from jaild.protocol.messages import SessionClosed as SessionClosedMsg
+
+if TYPE_CHECKING:
+    from jaild.daemon.server import ClientSession, Daemon
+
+log = logging.getLogger("jaild")
+
+Close = Callable[["JailSession", str, str], None]
+
+
+class JailSession:
+    """A jail kept for a series of runs of one client."""
+
+    def __init__(
+        self,
+        session_id: str,
+        owner: ClientSession,
+        terms: admission.SessionTerms,
+        jail: JailedJob,
+    ) -> None:
+        self.id = session_id
+        self.owner = owner
+        self.policy: Policy = terms.policy
+        self.limits: Limits = terms.limits
+        self.tools: tuple[ToolSpec, ...] = terms.tools
+        self.terms = terms
+        self.jail = jail
+        self.idle_s = terms.idle_s
+        self.max_lifetime_s = terms.max_lifetime_s
+        self.created = time.time()
+        self._opened = time.monotonic()
+        self.last_used = time.monotonic()
+        self.busy: str | None = None  # the job id of the run in progress
+        self.closed: str | None = None  # why it ended
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self.life_timer: asyncio.TimerHandle | None = None  # set once the jail is ready
+
+    def touch(self, close: Close, idle: bool = True) -> None:
+        """A run starts (idle=False: no idle expiry while it runs) or ends (idle clock
+        restarts; at its end ``close`` is called)."""
+        self.last_used = time.monotonic()
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+        if idle:
+            self.idle_timer = asyncio.get_running_loop().call_later(
+                self.idle_s,
+                close,
+                self,
+                "idle",
+                f"no run for {self.idle_s:g} s (the session's idle limit)",
+            )
+
+    def expires_in(self) -> float:
+        left = self.max_lifetime_s - (time.monotonic() - self._opened)
+        if self.busy is None:
+            left = min(left, self.idle_s - (time.monotonic() - self.last_used))
+        return max(0.0, left)
+
+    def check_runnable(self) -> None:
+        """May a run start now?
+
+        Raises:
+            SessionClosed, Busy: naming why not.
+        """
+        if self.closed is not None:
+            raise SessionClosed(f"session {self.id} is closed: {self.closed}")
+        if self.busy is not None:
+            raise Busy(f"session {self.id} is running job {self.busy}; one run at a time")
+        if self.life_timer is None:
+            raise Busy(f"session {self.id} is still starting; wait for SessionOpened")
+
+    def run_entry(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The ``session`` entry of a run's record."""
+        alive = self.jail.alive
+        return {
+            "id": self.id,
+            "run": self.jail.runs,
+            "closed": None if alive else record["status"],
+        }
+
+    def ps_row(self, now: float) -> dict[str, Any]:
+        """This session as ``jaild ps`` shows it."""
+        owner = self.owner.peer
+        return {
+            "id": self.id,
+            "kind": "session",
+            "policy": self.policy.name,
+            "uid": owner.uid,
+            "client_pid": owner.pid,
+            "state": "starting"
+            if self.life_timer is None
+            else ("running" if self.busy else "idle"),
+            "age_s": round(now - self.created, 3),
+            "runs": self.jail.runs,
+            "running": self.busy,
+            "idle_s": round(time.monotonic() - self.last_used, 3),
+            "expires_in_s": round(self.expires_in(), 3),
+            **self.jail.live_usage(),
+        }
+
+
+class Sessions:
+    """Opening, running in and closing sessions, for one daemon."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def runnable(self, client: ClientSession, session_id: str) -> JailSession:
+        """The client's session a ``RunJob`` names, if a run may start in it now.
+
+        Raises:
+            UnknownSession, SessionClosed, Busy.
+        """
+        sess = self.daemon.registry.session(session_id, owner=client)
+        if sess is None:
+            raise UnknownSession(f"no open session {session_id} of this connection")
+        sess.check_runnable()
+        return sess
+
+    def open(self, client: ClientSession, req: OpenSession) -> None:
+        """Make a jail that stays for a series of runs; answered by SessionOpened once it
+        is ready (or Error if it cannot be made). Raises the refusal the client gets."""
+        daemon = self.daemon
+        registry = daemon.registry
+        mine = registry.session_count(client.peer.uid)
+        terms = admission.admit_session(daemon.catalog(), client.peer, req, mine)
+        if registry.job_count() + registry.session_count() >= daemon.config.max_jobs:
+            raise Busy("the daemon is at its job limit; retry later")
+        env = daemon.env
+        assert env is not None
+        session_id = "ses-" + secrets.token_hex(8)
+        spec = JobSpec(
+            session_id, terms.policy, terms.jail_limits, "", "<session>", terms.tools, keep=True
+        )
+        jail = JailedJob(spec, env, None, None, jail_id=session_id)
+        sess = JailSession(session_id, client, terms, jail)
+        registry.add_session(sess)
+        daemon.metrics.sessions_open(registry.session_count())
+        client.start(self._open(sess, req.ref))
+
+    async def _open(self, sess: JailSession, ref: int) -> None:
+        client = sess.owner
+        ready = await sess.jail.prepare()
+        if not ready or sess.closed is not None:
+            detail = sess.closed or "the jail did not start"
+            if not ready:
+                record = await sess.jail._final_record()
+                error = record.get("error") or {}
+                detail = f"{error.get('type', 'JailStartFailed')}: {error.get('message', '')}"
+            self._forget(sess)
+            sess.jail.cleanup()
+            client.send_error(InternalError(f"the session's jail did not start: {detail}"), ref=ref)
+            return
+        loop = asyncio.get_running_loop()
+        sess.life_timer = loop.call_later(
+            sess.max_lifetime_s,
+            self.close,
+            sess,
+            "lifetime",
+            f"the session reached its maximum lifetime of {sess.max_lifetime_s:g} s",
+        )
+        sess.touch(self.close)
+        client.start(self._watch(sess))
+        daemon = self.daemon
+        daemon.accounting.session(client.peer.uid, sess.policy.name)
+        daemon.audit.session(client.peer, "opened", sess.id, sess.policy.name)
+        client.send(
+            SessionOpened(
+                ref=ref,
+                session_id=sess.id,
+                record={
+                    "policy": sess.policy.name,
+                    "idle_s": sess.idle_s,
+                    "max_lifetime_s": sess.max_lifetime_s,
+                    "limits": dataclasses.asdict(sess.limits),
+                },
+            )
+        )
+
+    async def _watch(self, sess: JailSession) -> None:
+        """A session's jail that dies between runs (its code left a thread that broke the
+        channel protocol, a background process hit a limit) ends the session at once."""
+        status, error = await sess.jail.ended()
+        if sess.closed is None and sess.busy is None:
+            why = (error or {}).get("message", "")
+            self.close(sess, status, f"the session's jail ended between runs: {why}")
+
+    def run_started(self, sess: JailSession, job_id: str) -> None:
+        sess.busy = job_id
+        sess.touch(self.close, idle=False)
+
+    def run_ended(self, sess: JailSession) -> None:
+        sess.busy = None
+
+    def after_run(self, sess: JailSession, job_id: str, record: dict[str, Any]) -> None:
+        """A run's record was sent: the session goes on, or ends with its jail."""
+        if not sess.jail.alive:
+            error = record.get("error") or {}
+            why = f"run {job_id} ended the session: {error.get('message', '')}"
+            self.close(sess, record["status"], why)
+        elif sess.closed is None:
+            sess.touch(self.close)
+
+    def close(self, sess: JailSession, reason: str, message: str) -> None:
+        """End a session: its jail is killed (a run in progress ends ``cancelled``), its
+        client is told. Idempotent."""
+        if sess.closed is not None:
+            return
+        sess.closed = reason
+        for timer in (sess.idle_timer, sess.life_timer):
+            if timer is not None:
+                timer.cancel()
+        if sess.busy is not None:
+            sess.jail.cancel(f"the session was closed ({reason}): {message}")
+        self._forget(sess)
+        sess.owner.start(self._discard(sess, f"session {reason}"))
+        self.daemon.audit.session(sess.owner.peer, "closed", sess.id, sess.policy.name,
+                                  reason=reason)
+        sess.owner.send(SessionClosedMsg(session_id=sess.id, reason=reason, message=message[:4096]))
+
+    async def _discard(self, sess: JailSession, reason: str) -> None:
+        async with self.daemon.registry.retiring():
+            await sess.jail.discard(reason)
+
+    def _forget(self, sess: JailSession) -> None:
+        registry = self.daemon.registry
+        registry.remove_session(sess)
+        self.daemon.metrics.sessions_open(registry.session_count())
+
+
+__all__ = ["JailSession", "Sessions"]

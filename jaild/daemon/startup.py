@@ -1,0 +1,423 @@
+"""Start-up and tear-down of what a daemon serves with.
+
+Theory of operation
+-------------------
+:func:`start` runs once, in this order, and refuses to start (:class:`StartupError`,
+listing every reason) at the first step that fails:
+
+1. load and check every policy (``host_checks``);
+2. claim the listening socket (systemd's, or bind our own: a second daemon for the
+   same socket stops here, before it touches the cgroup subtree the first one uses);
+3. start the metrics listener (a busy port refuses the start before any jail exists);
+4. prepare the cgroup subtree (v2: move the daemon into the cgroup it owns) and
+   sweep what a crashed daemon left;
+5. find nsjail and setpriv, become a child subreaper, stage the runtime, seal one
+   nsjail config per policy in a memfd, compile the seccomp programs;
+6. start the zygotes (a policy whose zygote does not come up is not served), run
+   the policies' self-tests (one that fails is not served), start the warm pools;
+7. serve the socket and tell systemd ``READY=1``.
+
+Everything it makes is kept in one :class:`Served`; a failed start undoes what it
+made (the subtree is ours, since we hold the socket), and :meth:`Served.release`
+undoes it at stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import fcntl
+import grp
+import logging
+import os
+import resource
+import secrets
+import shutil
+import socket
+import stat
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaild import __version__
+from jaild.daemon import systemd
+from jaild.daemon.cgroups import Cgroups, detect
+from jaild.daemon.config import DaemonConfig
+from jaild.daemon.job import JailedJob, JailEnvironment, JobSpec, ToolObserver
+from jaild.daemon.kernlog import KernelAuditLog
+from jaild.daemon.launch.forked import Zygote
+from jaild.daemon.metrics import Metrics
+from jaild.daemon.placement import new_job_id
+from jaild.daemon.pool import JailPool
+from jaild.daemon.selftest import INSPECT_TOOL, Check, evaluate, host_paths_to_hide, probe_code
+from jaild.daemon.staging import ensure_traversable, locate_nsjail, stage_runtime
+from jaild.errors import CgroupError, PolicyError, StartupError
+from jaild.policy.compile import JOB_UIDS, HostLayout, nsjail_config
+from jaild.policy.schema import Policy, host_checks, load_policy_dir, resolve_env
+from jaild.policy.seccomp import build_spec
+from jaild.protocol import pack, unpack
+from jaild.protocol.messages import ToolSpec
+from jaild.runtime.harden import become_child_subreaper
+from jaild.runtime.seccomp import bpf_program
+from jaild.runtime.seccomp import digest as seccomp_digest
+
+log = logging.getLogger("jaild")
+
+Accept = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@dataclass
+class Served:
+    """What a started daemon serves with: made by :func:`start`, undone by :meth:`release`."""
+
+    policies: dict[str, Policy] = field(default_factory=dict)
+    unavailable: dict[str, str] = field(default_factory=dict)  # policy -> why not served
+    probe_results: dict[str, list[Check]] = field(default_factory=dict)
+    pools: dict[str, JailPool] = field(default_factory=dict)
+    env: JailEnvironment | None = None
+    swept: list[str] = field(default_factory=list)  # jobs an earlier run left, swept at start
+    config_fds: list[int] = field(default_factory=list)
+    socket_inode: tuple[int, int] | None = None  # set when we bound the socket: ours to remove
+    server: asyncio.Server | None = None
+
+    def pool_summary(self, policy: Policy, jails: bool = False) -> dict[str, Any]:
+        """The policy's jail-making mode and its warm pool's state (for ``jaild policies``).
+        ``jails``: also the ids of the ready jails (root only: the ids their jobs will get)."""
+        pool = self.pools.get(policy.name)
+        summary: dict[str, Any] = {
+            "mode": policy.pool.mode,
+            "min": policy.pool.min,
+            "max": policy.pool.max,
+            "target": pool.target if pool else 0,
+            "ready": pool.size if pool else 0,
+        }
+        if pool is not None:
+            summary.update(dataclasses.asdict(pool.stats))
+            if jails:
+                summary["jails"] = pool.ready_ids()
+        return summary
+
+    def pool_summaries(self) -> dict[str, dict[str, Any]]:
+        """Every pool's summary, by policy name."""
+        return {n: self.pool_summary(p) for n, p in self.policies.items() if n in self.pools}
+
+    def stop_zygotes(self) -> None:
+        if self.env is not None:
+            for zygote in self.env.zygotes.values():
+                zygote.stop()
+
+    def release(self, config: DaemonConfig) -> None:
+        """At stop: remove our socket, and the cgroup subtree with whatever a job left
+        (only ours: we held the socket), close the sealed configs."""
+        if self.socket_inode is not None:
+            with contextlib.suppress(OSError):
+                st = os.stat(config.socket_path)
+                if (st.st_dev, st.st_ino) == self.socket_inode:
+                    os.unlink(config.socket_path)
+        if self.env is not None:
+            self.env.audit.close()
+            self.env.cgroups.sweep()
+            self.env.cgroups.remove_subtree()
+        for fd in self.config_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.config_fds.clear()
+
+
+def load_policies(config: DaemonConfig) -> dict[str, Policy]:
+    """Every policy of ``policies_dir``, checked against this host.
+
+    Raises:
+        StartupError: listing every problem.
+        PolicyError: a policy file that does not load.
+    """
+    policies = load_policy_dir(config.policies_dir)
+    problems = [str(err) for p in policies.values() for err in host_checks(p, config.envs_dir)]
+    if problems:
+        raise StartupError("invalid policies:\n  " + "\n  ".join(problems))
+    return policies
+
+
+async def start(
+    config: DaemonConfig,
+    served: Served,
+    metrics: Metrics,
+    on_tool_call: ToolObserver,
+    accept: Accept,
+    only_policies: set[str] | None = None,
+) -> None:
+    """Steps 1-7 of the module docstring; ``only_policies``: a private daemon's.
+
+    Raises:
+        StartupError: why the daemon cannot start.
+    """
+    try:
+        served.policies = load_policies(config)
+    except PolicyError as exc:
+        raise StartupError(f"invalid policy: {exc.message}") from None
+    sock = listening_socket(config, served)
+    try:
+        metrics.start(served.pool_summaries)
+        try:
+            cgroups = Cgroups(detect(config.subtree))
+            cgroups.prepare()  # v2: finds the cgroup the daemon owns and moves in
+        except CgroupError as exc:
+            raise StartupError(str(exc)) from None
+        if cgroups.placement is not None:
+            log.info(
+                "cgroup v2: %s; job cgroups in %s",
+                cgroups.placement.detail,
+                cgroups.subtree_dirs()[0],
+            )
+        try:
+            await _start_jails(config, served, cgroups, on_tool_call, only_policies)
+            served.server = await asyncio.start_unix_server(accept, sock=sock, limit=1 << 16)
+        except BaseException:
+            # We hold the socket, so the subtree is ours: a failed start leaves none of it.
+            served.stop_zygotes()
+            cgroups.sweep()
+            cgroups.remove_subtree()
+            raise
+    except BaseException:
+        metrics.stop()
+        sock.close()
+        raise
+    where = config.socket_path if served.socket_inode else f"{sock.getsockname()} (activated)"
+    layout = cgroups.layout
+    log.info(
+        "jaild %s serving %d policies (%s) on %s; nsjail %s; cgroup v%d subtree %s",
+        __version__,
+        len(served.policies),
+        ", ".join(sorted(served.policies)),
+        where,
+        served.env.nsjail if served.env else "?",
+        layout.version,
+        layout.subtree,
+    )
+    systemd.notify(f"READY=1\nSTATUS=serving {len(served.policies)} policies")
+
+
+async def _start_jails(
+    config: DaemonConfig,
+    served: Served,
+    cgroups: Cgroups,
+    on_tool_call: ToolObserver,
+    only_policies: set[str] | None,
+) -> None:
+    """Steps 4-6: the environment every jail shares, then zygotes, self-tests, pools."""
+    served.swept = cgroups.sweep()
+    if served.swept:
+        log.warning(
+            "swept %d job(s) left by an earlier run (killed their processes, removed their "
+            "cgroups): %s",
+            len(served.swept),
+            " ".join(served.swept[:20]),
+        )
+    nsjail = locate_nsjail(config.nsjail)
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        raise StartupError(
+            "setpriv (util-linux) is missing: jaild uses it to give every nsjail a "
+            "parent-death signal, so no jail outlives the daemon. apt-get install util-linux"
+        )
+    become_child_subreaper()
+    ensure_traversable(config.state_dir)
+    interpreters = [
+        os.path.join(resolve_env(p, config.envs_dir), "bin", "python3")
+        for p in served.policies.values()
+    ]
+    runtime_dir = await asyncio.to_thread(stage_runtime, config.state_dir, interpreters)
+    host = HostLayout(runtime_dir=runtime_dir, envs_dir=config.envs_dir, cgroup=cgroups.layout)
+    config_fds = {}
+    specs = {}
+    for name, policy in served.policies.items():
+        fd = _sealed_memfd(f"jaild-{name}", nsjail_config(policy, host))
+        served.config_fds.append(fd)
+        config_fds[name] = fd
+        specs[name] = build_spec(policy.seccomp_choice, network=policy.network.mode != "none")
+    served.env = JailEnvironment(
+        nsjail=nsjail,
+        host=host,
+        cgroups=cgroups,
+        config_fds=config_fds,
+        seccomp_specs=specs,
+        seccomp_digests={name: seccomp_digest(bpf_program(spec)) for name, spec in specs.items()},
+        audit=KernelAuditLog(),
+        on_tool_call=on_tool_call,
+        uid_base=config.uid_base,
+        launcher=(setpriv, "--pdeathsig", "TERM", "--"),
+        kill_grace_s=config.kill_grace_s,
+    )
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if only_policies is not None:
+        served.unavailable.update(
+            {
+                n: "not started in this private daemon"
+                for n in served.policies
+                if n not in only_policies
+            }
+        )
+    await _start_zygotes(config, served, host, nsjail)
+    if config.probe_policies:
+        await probe_policies(config, served)
+    _start_pools(served)
+
+
+async def _start_zygotes(
+    config: DaemonConfig, served: Served, host: HostLayout, nsjail: str
+) -> None:
+    """Start the zygote of every served policy in zygote mode; a policy whose zygote
+    does not come up is not served (its jails could not be made)."""
+    env = served.env
+    assert env is not None
+    for index, (name, policy) in enumerate(sorted(served.policies.items())):
+        if policy.pool.mode != "zygote" or name in served.unavailable:
+            continue
+        text = nsjail_config(policy, host, zygote=True, max_jobs=config.max_jobs)
+        fd = _sealed_memfd(f"jaild-zygote-{name}", text)
+        served.config_fds.append(fd)
+        env.zygotes[name] = Zygote(
+            policy,
+            nsjail,
+            host,
+            env.cgroups,
+            fd,
+            zygote_uid=config.uid_base + JOB_UIDS + index,
+            uid_base=config.uid_base,
+            launcher=env.launcher,
+            seccomp_spec=env.seccomp_specs[name],
+            max_jobs=config.max_jobs,
+        )
+    names = list(env.zygotes)
+    results = await asyncio.gather(
+        *(env.zygotes[n].ensure_started() for n in names), return_exceptions=True
+    )
+    for name, outcome in zip(names, results, strict=True):
+        if isinstance(outcome, BaseException):
+            served.unavailable[name] = f"its zygote did not start: {outcome}"
+            served.probe_results[name] = [
+                Check("zygote", False, str(outcome), "see the zygote's log above")
+            ]
+            log.error("policy %s will not be served: %s", name, served.unavailable[name])
+
+
+def _start_pools(served: Served) -> None:
+    env = served.env
+    assert env is not None
+    for name, policy in served.policies.items():
+        # no warm jails for a policy no one may use (access.users = [])
+        if policy.pool.max == 0 or name in served.unavailable or not policy.access.users:
+            continue
+
+        def make(policy: Policy = policy) -> JailedJob:
+            # named for the job that will take it: its cgroup cannot be renamed (v2)
+            jail_id = new_job_id()
+            spec = JobSpec(jail_id, policy, policy.limits, "", "<pool>", ())
+            return JailedJob(spec, env, None, None, jail_id=jail_id)
+
+        served.pools[name] = JailPool(policy, make)
+        served.pools[name].start()
+
+
+def listening_socket(config: DaemonConfig, served: Served) -> socket.socket:
+    """systemd's socket, or ours: bound with its final mode and group, a stale one
+    replaced, a live one (another daemon) refused."""
+    activated = systemd.listen_sockets()
+    if activated:
+        return activated[0]
+    path = config.socket_path
+    directory = os.path.dirname(os.path.abspath(path))
+    gid = grp.getgrnam(config.socket_group).gr_gid if config.socket_group else -1
+    if not os.path.isdir(directory):
+        os.makedirs(directory, mode=0o750)
+        if gid >= 0:
+            os.chown(directory, -1, gid)  # group members must traverse the 0750 directory
+    if os.path.lexists(path):
+        st = os.lstat(path)
+        if not stat.S_ISSOCK(st.st_mode):
+            raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)  # stale, from a daemon that died
+            log.warning("removed stale socket %s", path)
+        else:
+            raise StartupError(f"another daemon is already listening on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o777 & ~config.socket_mode)
+    try:
+        sock.bind(path)  # created with the final mode: no chmod-after-bind window
+    finally:
+        os.umask(old_umask)
+    if gid >= 0:
+        os.chown(path, -1, gid)
+    st = os.stat(path)
+    served.socket_inode = (st.st_dev, st.st_ino)
+    sock.listen(512)
+    return sock
+
+
+async def probe_policies(config: DaemonConfig, served: Served) -> None:
+    """Run the self-test of every policy; a policy that fails it is not served."""
+    names = sorted(n for n in served.policies if n not in served.unavailable)
+    results = await asyncio.gather(*(_probe(config, served, served.policies[n]) for n in names))
+    served.probe_results.update(zip(names, results, strict=True))
+    for name, checks in zip(names, results, strict=True):
+        failed = [c for c in checks if not c.ok]
+        if failed:
+            served.unavailable[name] = "it failed its self-test at start: " + "; ".join(
+                f"{c.name}: {c.detail}" for c in failed
+            )
+            log.error(
+                "policy %s failed its self-test and will not be served: %s",
+                name,
+                served.unavailable[name],
+            )
+        else:
+            log.info("policy %s passed its self-test (%d checks)", name, len(checks))
+
+
+async def _probe(config: DaemonConfig, served: Served, policy: Policy) -> list[Check]:
+    assert served.env is not None
+    hidden = host_paths_to_hide(policy, config.socket_path, config.state_dir, config.policies_dir)
+    spec = JobSpec(
+        job_id="probe-" + secrets.token_hex(8),
+        policy=policy,
+        limits=dataclasses.replace(policy.limits, wall_time_s=min(policy.limits.wall_time_s, 20)),
+        code=probe_code(policy, hidden),
+        filename="<self-test>",
+        tools=(ToolSpec(name=INSPECT_TOOL, description="the job seen from the host"),),
+    )
+
+    def inspect(
+        job_id: str, call_id: int, name: str, args: bytes, approval: bool
+    ) -> asyncio.Future[tuple[bool, Any]]:
+        reply: asyncio.Future[tuple[bool, Any]] = asyncio.get_running_loop().create_future()
+        reply.set_result((True, pack(job.host_view())))
+        return reply
+
+    job = JailedJob(spec, served.env, inspect, lambda *_: None)
+    try:
+        record = await job.run()
+    except Exception as exc:  # a jaild bug: the policy is not proven, so not served
+        log.exception("self-test of policy %s crashed", policy.name)
+        return [Check("probe job", False, f"crashed: {exc}")]
+    facts = unpack(job.result) if job.result is not None else None
+    return evaluate(policy, record["status"], record["error"], facts, job.outside_uid)
+
+
+def _sealed_memfd(name: str, text: str) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, text.encode())
+    seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+__all__ = ["Served", "StartupError", "listening_socket", "load_policies", "probe_policies", "start"]

@@ -1,0 +1,356 @@
+"""Admission without root: every refusal, its type and its message."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from jaild.daemon import admission
+from jaild.daemon.admission import Catalog, SessionTerms
+from jaild.daemon.audit import Peer
+from jaild.errors import (
+    BadRequest,
+    Busy,
+    JaildError,
+    PermissionDenied,
+    PolicyUnavailable,
+    ShuttingDown,
+    UnknownPolicy,
+)
+from jaild.policy.schema import JAIL_LEVEL_LIMITS, ONE_SHOT_JAIL_LIMITS, Policy, load_policy_text
+from jaild.protocol.messages import OpenSession, RunJob, ToolSpec
+
+ALICE = Peer(pid=10, uid=1000, gid=1000)
+BOB = Peer(pid=11, uid=1001, gid=1001, groups=(50,))
+
+
+def policy(name: str = "default", text: str = "") -> Policy:
+    return load_policy_text(text, f"{name}.toml")
+
+
+def catalog(*policies: Policy, **kw: Any) -> Catalog:
+    return Catalog({p.name: p for p in policies or (policy(),)}, **kw)
+
+
+def run(**kw: Any) -> RunJob:
+    return RunJob(**{"ref": 1, "code": "1 + 1", "policy": "default", **kw})
+
+
+def refused(exc_type: type[JaildError], match: str, fn: Any, *args: Any, **kw: Any) -> None:
+    with pytest.raises(exc_type) as info:
+        fn(*args, **kw)
+    assert type(info.value) is exc_type
+    assert info.value.message == match
+
+
+# --------------------------------------------------------------------------- connections
+
+
+def connect(peer: Peer, others: list[Peer], users: tuple[str, ...] = ("*",)) -> None:
+    admission.admit_connection(
+        peer, others, allowed_users=users, max_connections=3, max_connections_per_uid=2
+    )
+
+
+def test_a_connection_within_the_limits_is_admitted() -> None:
+    connect(ALICE, [ALICE, BOB])
+
+
+def test_a_peer_not_in_allowed_users_is_refused() -> None:
+    refused(PermissionDenied, "uid 1000 may not use this daemon", connect, ALICE, [], ("1001",))
+    connect(BOB, [], ("1001",))  # positive control
+
+
+def test_the_daemons_connection_limit() -> None:
+    refused(
+        Busy,
+        "3 connections open, the daemon's limit; retry later",
+        connect,
+        ALICE,
+        [BOB, BOB, ALICE],
+    )
+
+
+def test_the_connection_limit_per_uid() -> None:
+    refused(
+        Busy,
+        "uid 1000 already has 2 connections, the limit per uid",
+        connect,
+        ALICE,
+        [ALICE, ALICE],
+    )
+
+
+def test_the_peers_groups_count_for_allowed_users() -> None:
+    seen: list[tuple[int, tuple[int, ...]]] = []
+
+    def matches(entries: Any, uid: int, gids: tuple[int, ...]) -> bool:
+        seen.append((uid, gids))
+        return True
+
+    admission.admit_connection(
+        BOB, [], allowed_users=("@g",), max_connections=1, max_connections_per_uid=1,
+        matches=matches,
+    )
+    assert seen == [(1001, (1001, 50))]
+
+
+# --------------------------------------------------------------------------- capacity
+
+
+def test_capacity() -> None:
+    admission.check_capacity(1, 2, 1, 2)
+    refused(Busy, "2 jobs running, the daemon's limit; retry later",
+            admission.check_capacity, 2, 2, 0, 2)
+    refused(Busy, "2 jobs running on this connection, the limit per connection",
+            admission.check_capacity, 2, 3, 2, 2)
+
+
+# --------------------------------------------------------------------------- policies
+
+
+def test_a_job_is_admitted_with_its_terms() -> None:
+    req = run(limits={"memory_mb": 64}, files={"a.txt": b"x"}, download=("*.txt",),
+              download_changed=True, filename="<x>")
+    job = admission.admit_job(catalog(), ALICE, req)
+    assert job.policy.name == "default" and job.limits.memory_mb == 64
+    assert (job.code, job.filename, job.files, job.download, job.download_changed) == (
+        "1 + 1", "<x>", {"a.txt": b"x"}, ("*.txt",), True,
+    )
+    assert job.syntax_error is None
+
+
+def test_no_new_work_while_shutting_down() -> None:
+    refused(ShuttingDown, "the daemon is shutting down",
+            admission.admit_job, catalog(stopping=True), ALICE, run())
+
+
+def test_an_unknown_policy_names_those_served() -> None:
+    refused(UnknownPolicy, "no policy 'nope'; this daemon serves: a, default",
+            admission.admit_job, catalog(policy(), policy("a")), ALICE, run(policy="nope"))
+
+
+def test_a_policy_not_served_says_why() -> None:
+    cat = catalog(unavailable={"default": "it failed its self-test at start: x"})
+    refused(PolicyUnavailable,
+            "policy 'default' is not served: it failed its self-test at start: x",
+            admission.admit_job, cat, ALICE, run())
+
+
+def test_access_users_decides_who_may_use_a_policy() -> None:
+    cat = catalog(policy(text='[access]\nusers = ["1001"]\n'))
+    refused(PermissionDenied, "uid 1000 may not use policy 'default'",
+            admission.admit_job, cat, ALICE, run())
+    assert admission.admit_job(cat, BOB, run()).policy.name == "default"
+
+
+def test_may_use_is_the_catalogs_to_give() -> None:
+    cat = catalog(may_use=lambda p, peer: peer.uid == 1000)
+    admission.admit_job(cat, ALICE, run())
+    refused(PermissionDenied, "uid 1001 may not use policy 'default'",
+            admission.admit_job, cat, BOB, run())
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def test_tool_names_must_be_unique() -> None:
+    tools = (ToolSpec(name="f"), ToolSpec(name="f"))
+    refused(BadRequest, "tool names must be unique",
+            admission.admit_job, catalog(), ALICE, run(tools=tools))
+
+
+def test_tools_the_policy_does_not_allow() -> None:
+    cat = catalog(policy(text='[access]\ntools = ["fetch_*", "get"]\n'))
+    tools = (ToolSpec(name="fetch_url"), ToolSpec(name="rm"), ToolSpec(name="sh"))
+    refused(PermissionDenied,
+            "policy 'default' does not allow tool(s) rm, sh (allowed: fetch_*, get)",
+            admission.admit_job, cat, ALICE, run(tools=tools))
+    assert admission.admit_job(cat, ALICE, run(tools=tools[:1])).tools == tools[:1]
+
+
+def test_a_tools_parameters_must_be_a_json_schema() -> None:
+    bad = ToolSpec(name="f", parameters={"type": "no-such-type"})
+    with pytest.raises(BadRequest) as info:
+        admission.admit_job(catalog(), ALICE, run(tools=(bad,)))
+    assert info.value.message.startswith(
+        "tool 'f': its parameters are not a valid JSON schema: 'no-such-type' is not valid"
+    )
+    good = ToolSpec(name="f", parameters={"type": "object", "properties": {"x": {}}})
+    admission.admit_job(catalog(), ALICE, run(tools=(good,)))
+
+
+def test_check_schema_answers_the_same_for_the_same_schema() -> None:
+    schema = {"type": 5}
+    first = admission.check_schema(schema)
+    assert first is not None and admission.check_schema(dict(schema)) == first
+    assert admission.check_schema({}) is None
+    assert len(first) <= admission.SCHEMA_MESSAGE_CHARS
+
+
+# --------------------------------------------------------------------------- code, limits, files
+
+
+def test_code_over_the_policys_size() -> None:
+    cat = catalog(policy(text="[limits]\ncode_bytes = 1024\n"))
+    refused(BadRequest, "the code is 1025 bytes; policy 'default' accepts at most 1024",
+            admission.admit_job, cat, ALICE, run(code="x" * 1025))
+    refused(BadRequest, "the code is 1026 bytes; policy 'default' accepts at most 1024",
+            admission.admit_job, cat, ALICE, run(code="é" * 513))  # UTF-8 bytes count
+    admission.admit_job(cat, ALICE, run(code="x" * 1024))
+
+
+def test_looser_limits_are_refused() -> None:
+    refused(BadRequest,
+            "limit memory_mb=512 is looser than policy 'default' allows (256); "
+            "jobs may only tighten limits",
+            admission.admit_job, catalog(), ALICE, run(limits={"memory_mb": 512}))
+
+
+def test_unknown_and_bad_limits_are_refused() -> None:
+    with pytest.raises(BadRequest, match=r"^unknown limit 'memroy_mb'; limits are: wall_time_s"):
+        admission.admit_job(catalog(), ALICE, run(limits={"memroy_mb": 1}))
+    refused(BadRequest, "limit pids=0 must be a positive number",
+            admission.admit_job, catalog(), ALICE, run(limits={"pids": 0}))
+
+
+def test_uploads_within_the_policys_files_limits() -> None:
+    cat = catalog(policy(text="[files]\nmax_files = 1\n"))
+    with pytest.raises(BadRequest) as info:
+        admission.admit_job(cat, ALICE, run(files={"a": b"", "b": b""}))
+    assert info.value.message.startswith("upload ")
+    assert "refused by policy 'default': " in info.value.message
+    with pytest.raises(BadRequest, match=r"^upload '\.\./x' refused by policy 'default': "):
+        admission.admit_job(catalog(), ALICE, run(files={"../x": b""}))
+
+
+def test_download_patterns_without_nul() -> None:
+    refused(BadRequest, "download pattern 'a\\x00' contains NUL",
+            admission.admit_job, catalog(), ALICE, run(download=("a\x00",)))
+
+
+def test_file_limits_are_the_policys() -> None:
+    limits = admission.file_limits(policy(text="[files]\nmax_files = 7\nmax_depth = 3\n"))
+    assert (limits.max_files, limits.max_depth) == (7, 3)
+
+
+def test_the_first_failing_check_is_the_one_reported() -> None:
+    # unknown tool and oversize code and a looser limit: the policy's tools come first
+    cat = catalog(policy(text='[access]\ntools = []\n[limits]\ncode_bytes = 1024\n'))
+    req = run(tools=(ToolSpec(name="f"),), code="x" * 2000, limits={"memory_mb": 1 << 19})
+    with pytest.raises(PermissionDenied):
+        admission.admit_job(cat, ALICE, req)
+    with pytest.raises(BadRequest, match=r"^the code is 2000 bytes"):
+        admission.admit_job(cat, ALICE, run(code="x" * 2000, limits={"memory_mb": 1 << 19}))
+
+
+# --------------------------------------------------------------------------- syntax
+
+
+def test_code_that_does_not_compile_is_admitted_with_its_error() -> None:
+    job = admission.admit_job(catalog(), ALICE, run(code="def (:\n"))
+    assert isinstance(job.syntax_error, SyntaxError)
+    assert isinstance(admission.syntax_error("x = '\x00'", "<x>"), (SyntaxError, ValueError))
+    assert admission.syntax_error("await f()", "<x>") is None  # top-level await compiles
+    assert admission.syntax_error("x = 1", "<x>") is None
+
+
+# --------------------------------------------------------------------------- sessions
+
+
+def open_session(**kw: Any) -> OpenSession:
+    return OpenSession(**{"ref": 1, "policy": "default", **kw})
+
+
+def test_a_session_is_admitted_with_its_terms() -> None:
+    p = policy(text="[session]\ncpu_time_s = 99\n")
+    tools = (ToolSpec(name="f"),)
+    terms = admission.admit_session(
+        catalog(p), ALICE, open_session(limits={"memory_mb": 64}, tools=tools, idle_s=5), 0
+    )
+    assert terms.limits.memory_mb == 64 and terms.limits.cpu_time_s == p.limits.cpu_time_s
+    assert terms.jail_limits.cpu_time_s == 99 and terms.jail_limits.memory_mb == 64
+    assert terms.tools == tools and terms.requested == {"memory_mb": 64}
+    assert (terms.idle_s, terms.max_lifetime_s) == (5, p.session.max_lifetime_s)
+
+
+def test_a_policy_without_sessions() -> None:
+    cat = catalog(policy(text="[session]\nenabled = false\n"))
+    refused(PermissionDenied, "policy 'default' does not allow sessions",
+            admission.admit_session, cat, ALICE, open_session(), 0)
+
+
+def test_a_session_may_only_tighten_idle_and_lifetime() -> None:
+    refused(BadRequest,
+            "session idle_s=301 is looser than policy 'default' allows (300); "
+            "sessions may only tighten it",
+            admission.admit_session, catalog(), ALICE, open_session(idle_s=301), 0)
+    refused(BadRequest,
+            "session max_lifetime_s=3601 is looser than policy 'default' allows (3600); "
+            "sessions may only tighten it",
+            admission.admit_session, catalog(), ALICE, open_session(max_lifetime_s=3601), 0)
+
+
+def test_sessions_per_user() -> None:
+    cat = catalog(policy(text="[session]\nmax_per_user = 2\n"))
+    admission.admit_session(cat, ALICE, open_session(), 1)
+    refused(Busy, "uid 1000 has 2 sessions open; policy 'default' allows 2 per user",
+            admission.admit_session, cat, ALICE, open_session(), 2)
+
+
+def test_opening_a_session_checks_the_policy_as_a_job_does() -> None:
+    refused(UnknownPolicy, "no policy 'x'; this daemon serves: default",
+            admission.admit_session, catalog(), ALICE, open_session(policy="x"), 0)
+    refused(ShuttingDown, "the daemon is shutting down",
+            admission.admit_session, catalog(stopping=True), ALICE, open_session(), 0)
+
+
+def terms(text: str = "", **kw: Any) -> SessionTerms:
+    return admission.admit_session(catalog(policy(text=text)), ALICE, open_session(**kw), 0)
+
+
+def test_a_sessions_run_gets_the_sessions_tools_and_limits() -> None:
+    tools = (ToolSpec(name="f"),)
+    t = terms(tools=tools, limits={"memory_mb": 64, "wall_time_s": 5})
+    job = admission.admit_session_run(t, "ses-1", run())
+    assert job.tools == tools and job.limits.memory_mb == 64 and job.limits.wall_time_s == 5
+    job = admission.admit_session_run(t, "ses-1", run(tools=tools, limits={"wall_time_s": 2}))
+    assert job.limits.wall_time_s == 2
+
+
+def test_a_sessions_run_names_its_policy() -> None:
+    refused(BadRequest, "session ses-1 runs policy 'default', not 'other'",
+            admission.admit_session_run, terms(), "ses-1", run(policy="other"))
+
+
+def test_a_sessions_tools_are_given_when_it_opens() -> None:
+    refused(BadRequest, "a session's tools are given when it opens, not per run",
+            admission.admit_session_run, terms(), "ses-1", run(tools=(ToolSpec(name="f"),)))
+
+
+@pytest.mark.parametrize("name", JAIL_LEVEL_LIMITS)
+def test_a_sessions_run_cannot_change_a_jail_level_limit(name: str) -> None:
+    t = terms("[limits]\ncpu_cores = 1\n")
+    value = getattr(t.limits, name) / 2
+    refused(BadRequest, f"{name} apply to the whole session; set them when opening it",
+            admission.admit_session_run, t, "ses-1", run(limits={name: value}))
+
+
+def test_a_sessions_run_has_its_own_cpu_time() -> None:
+    job = admission.admit_session_run(terms(), "ses-1", run(limits={"cpu_time_s": 1}))
+    assert job.limits.cpu_time_s == 1
+
+
+def test_a_sessions_run_is_checked_as_a_job_is() -> None:
+    t = terms("[limits]\ncode_bytes = 1024\n")
+    refused(BadRequest, "the code is 2000 bytes; policy 'default' accepts at most 1024",
+            admission.admit_session_run, t, "ses-1", run(code="x" * 2000))
+    refused(BadRequest, "download pattern 'a\\x00' contains NUL",
+            admission.admit_session_run, t, "ses-1", run(download=("a\x00",)))
+    assert admission.admit_session_run(t, "ses-1", run(code="(")).syntax_error is not None
+
+
+def test_jail_level_limits_are_declared_once() -> None:
+    assert "cpu_time_s" not in JAIL_LEVEL_LIMITS
+    assert (*JAIL_LEVEL_LIMITS, "cpu_time_s") == ONE_SHOT_JAIL_LIMITS

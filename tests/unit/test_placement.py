@@ -1,0 +1,93 @@
+"""Placement without root: which jail a run goes to, and the one way it runs there."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from jaild.daemon import admission, placement
+from jaild.daemon.audit import Peer
+from jaild.policy.schema import load_policy_text
+from jaild.protocol.messages import RunJob
+
+PEER = Peer(pid=1, uid=1000, gid=1000)
+POLICY = load_policy_text("", "default.toml")
+
+
+def admitted(**limits: float) -> admission.AdmittedJob:
+    req = RunJob(ref=1, code="1", policy="default", limits=dict(limits))
+    return admission.admit_job(admission.Catalog({"default": POLICY}), PEER, req)
+
+
+class FakeJail:
+    def __init__(self, spec: Any = None, env: Any = None, route: Any = None, out: Any = None,
+                 jail_id: str = "") -> None:
+        self.spec, self.jail_id = spec, jail_id or (spec.job_id if spec else "")
+        self.assigned: Any = None
+        self.result: bytes | None = b"r"
+        self.downloads: dict[str, bytes] = {"f": b"x"}
+
+    def assign(self, spec: Any, route: Any, out: Any) -> None:
+        self.assigned = spec
+
+    async def run(self) -> dict[str, Any]:
+        return {"job_id": self.spec.job_id}
+
+    async def run_next(self, spec: Any, route: Any, out: Any) -> Any:
+        return {"job_id": spec.job_id}, None, {}
+
+
+class FakePool:
+    def __init__(self, *jails: FakeJail) -> None:
+        self.jails = list(jails)
+
+    def take(self) -> FakeJail | None:
+        return self.jails.pop(0) if self.jails else None
+
+
+def place(job: admission.AdmittedJob, pools: Any, session: Any = None) -> placement.Placed:
+    nothing: Any = None
+    return placement.place(job, "job-new", nothing, nothing, nothing, pools, session)
+
+
+@pytest.fixture(autouse=True)
+def fake_jails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(placement, "JailedJob", FakeJail)
+
+
+def test_a_pooled_jail_is_taken_under_its_own_id_and_gets_its_code() -> None:
+    warm: Any = FakeJail(jail_id="job-warm")
+    placed = place(admitted(), {"default": FakePool(warm)})
+    assert warm.assigned is placed.spec and not placed.spec.keep
+    assert placed.pooled and placed.jail is warm and placed.job_id == "job-warm"
+
+
+def test_an_empty_pool_means_a_fresh_jail() -> None:
+    placed = place(admitted(), {"default": FakePool()})
+    assert not placed.pooled and placed.job_id == "job-new"
+    assert isinstance(placed.jail, FakeJail) and placed.jail.spec is placed.spec
+
+
+def test_other_jail_level_limits_mean_a_fresh_jail() -> None:
+    warm = FakeJail(jail_id="job-warm")
+    for limits in ({"memory_mb": 64}, {"cpu_time_s": 1}):
+        placed = place(admitted(**limits), {"default": FakePool(warm)})
+        assert not placed.pooled and warm.assigned is None
+    placed = place(admitted(wall_time_s=1), {"default": FakePool(warm)})  # a per-run limit
+    assert placed.pooled
+
+
+def test_a_session_run_goes_to_the_sessions_jail() -> None:
+    jail: Any = FakeJail(jail_id="ses-1")
+    placed = place(admitted(), {"default": FakePool(FakeJail())}, SimpleNamespace(jail=jail))
+    assert placed.jail is jail and placed.job_id == "job-new" and placed.spec.keep
+
+
+def test_every_placement_runs_to_record_result_and_files() -> None:
+    one_shot = place(admitted(), {})
+    assert asyncio.run(one_shot.run()) == ({"job_id": "job-new"}, b"r", {"f": b"x"})
+    session = place(admitted(), {}, SimpleNamespace(jail=FakeJail(jail_id="ses-1")))
+    assert asyncio.run(session.run()) == ({"job_id": "job-new"}, None, {})
