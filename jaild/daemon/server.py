@@ -48,17 +48,12 @@ from jaild.daemon.accounting import Accounting
 from jaild.daemon.audit import AuditLog, Peer
 from jaild.daemon.cgroups import CgroupError, Cgroups, detect
 from jaild.daemon.config import DaemonConfig
-from jaild.daemon.job import (
-    JailedJob,
-    JailEnvironment,
-    JobSpec,
-    internal_error_record,
-    syntax_error_record,
-)
+from jaild.daemon.job import JailedJob, JailEnvironment, JobSpec
 from jaild.daemon.kernlog import KernelAuditLog
 from jaild.daemon.launch.forked import Zygote
 from jaild.daemon.metrics import Metrics
 from jaild.daemon.pool import JailPool, poolable
+from jaild.daemon.records import internal_error_record, syntax_error_record, with_session
 from jaild.daemon.selftest import INSPECT_TOOL, Check, evaluate, host_paths_to_hide, probe_code
 from jaild.daemon.staging import ensure_traversable, locate_nsjail, stage_runtime
 from jaild.errors import (
@@ -117,6 +112,7 @@ from jaild.protocol.messages import (
     Welcome,
 )
 from jaild.protocol.messages import SessionClosed as SessionClosedMsg
+from jaild.protocol.records import DaemonStats, JobEntry, JobRecord, PolicyEntry
 from jaild.runtime.files import check_file_set
 from jaild.runtime.harden import become_child_subreaper
 from jaild.runtime.seccomp import bpf_program
@@ -312,7 +308,8 @@ class ClientSession:
             else:
                 self.daemon.close_session(sess, "closed", "closed by the client")
         elif isinstance(msg, ListJobs):
-            self.send(JobList(ref=msg.ref, jobs=tuple(self.daemon.list_jobs(self.peer))))
+            jobs = tuple(map(JobEntry.from_wire, self.daemon.list_jobs(self.peer)))
+            self.send(JobList(ref=msg.ref, jobs=jobs))
         elif isinstance(msg, Kill):
             try:
                 kind = self.daemon.kill(self.peer, msg.id)
@@ -322,18 +319,18 @@ class ClientSession:
                 self.send(Killed(ref=msg.ref, id=msg.id, kind=kind))
         elif isinstance(msg, GetStats):
             uid = None if self.peer.uid == 0 else self.peer.uid
-            self.send(Stats(ref=msg.ref, stats=self.daemon.stats_wire(uid)))
+            self.send(Stats(ref=msg.ref, stats=DaemonStats.from_wire(self.daemon.stats_wire(uid))))
         elif isinstance(msg, ListPolicies):
             self.send(
                 PolicyList(
                     ref=msg.ref,
                     policies=tuple(
-                        {
+                        PolicyEntry.from_wire({
                             **p.summary(),
                             "available": p.name not in self.daemon.unavailable,
                             "problems": self.daemon.unavailable.get(p.name, ""),
                             "pool": self.daemon.pool_summary(p, jails=self.peer.uid == 0),
-                        }
+                        })
                         for p in self.daemon.policies.values()
                         if p.user_allowed(self.peer.uid, (self.peer.gid, *self.peer.groups))
                     ),
@@ -783,7 +780,8 @@ class Daemon:
             log.exception("self-test of policy %s crashed", policy.name)
             return [Check("probe job", False, f"crashed: {exc}")]
         facts = unpack(job.result) if job.result is not None else None
-        return evaluate(policy, record["status"], record["error"], facts, job.outside_uid)
+        error = record.error.to_dict() if record.error is not None else None
+        return evaluate(policy, record.status, error, facts, job.outside_uid)
 
     # ------------------------------------------------------------------ serving
 
@@ -942,9 +940,9 @@ class Daemon:
                 dont_inherit=True,
             )
         except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as exc:
-            record = syntax_error_record(job_id, policy, limits, exc, req.filename)
+            record = syntax_error_record(job_id, policy, limits, exc)
             if req.session_id is not None:
-                record["session"] = {"id": req.session_id, "run": None, "closed": None}
+                record = with_session(record, req.session_id, None, None)
             self._audit(session, record)  # audited before the client can see the result
             session.send(JobAccepted(ref=req.ref, job_id=job_id))
             session.send(JobFinished(job_id=job_id, record=record))
@@ -1003,8 +1001,8 @@ class Daemon:
             detail = sess.closed or "the jail did not start"
             if not ready:
                 record = await sess.jail._final_record()
-                error = record.get("error") or {}
-                detail = f"{error.get('type', 'JailStartFailed')}: {error.get('message', '')}"
+                error = record.error
+                detail = f"{error.type}: {error.message}" if error else "JailStartFailed"
             self._forget_session(sess)
             sess.jail.cleanup()
             client.send_error(InternalError(f"the session's jail did not start: {detail}"), ref=ref)
@@ -1100,14 +1098,11 @@ class Daemon:
                 )
             except Exception as exc:  # a jaild bug: report it, end the session, keep serving
                 log.exception("job %s of session %s failed inside jaild", job_id, sess.id)
-                record, result, downloads = internal_error_record(spec, exc), None, {}
+                record = internal_error_record(spec.job_id, spec.policy, spec.limits, exc)
+                result, downloads = None, {}
                 sess.jail.cancel("internal error")
             alive = sess.jail.alive
-            record["session"] = {
-                "id": sess.id,
-                "run": sess.jail.runs,
-                "closed": None if alive else record["status"],
-            }
+            record = with_session(record, sess.id, sess.jail.runs, None if alive else record.status)
             self._audit(client, record, uploaded=len(spec.files), downloaded=len(downloads))
             client.send(JobFinished(job_id=job_id, record=record, result=result, files=downloads))
         finally:
@@ -1116,9 +1111,8 @@ class Daemon:
             client.jobs.pop(job_id, None)
             sess.busy = None
         if not sess.jail.alive:
-            error = record.get("error") or {}
-            why = f"run {job_id} ended the session: {error.get('message', '')}"
-            self.close_session(sess, record["status"], why)
+            why = f"run {job_id} ended the session: {record.error.message if record.error else ''}"
+            self.close_session(sess, record.status, why)
         elif sess.closed is None:
             sess.touch(self)
 
@@ -1237,7 +1231,8 @@ class Daemon:
                 record = await job.run()
             except Exception as exc:  # a jaild bug: report it, keep serving
                 log.exception("job %s failed inside jaild", job_id)
-                record = internal_error_record(job.spec, exc)
+                spec = job.spec
+                record = internal_error_record(spec.job_id, spec.policy, spec.limits, exc)
                 job.result = None
                 job.downloads = {}
             # audited before the client can see the result
@@ -1271,7 +1266,7 @@ class Daemon:
         return reaped
 
     def _audit(
-        self, session: ClientSession, record: dict[str, Any], uploaded: int = 0, downloaded: int = 0
+        self, session: ClientSession, record: JobRecord, uploaded: int = 0, downloaded: int = 0
     ) -> None:
         self.audit.job(session.peer, record)
         self.accounting.job(session.peer.uid, record, uploaded, downloaded)
