@@ -63,8 +63,8 @@ def job_error(
         message=safe_text(message),
         traceback=safe_text(traceback),
         lineno=lineno if lineno is None or 0 <= lineno <= 1 << 31 else None,
-        signal=signal,
-        syscall=syscall,
+        signal=safe_text(signal, 32) if signal else None,
+        syscall=safe_text(syscall, 64) if syscall else None,
         limit=limit,
     )
 

@@ -1165,7 +1165,7 @@ class Daemon:
                     "uid": client.peer.uid,
                     "client_pid": client.peer.pid,
                     "state": "running" if job.alive else "starting",
-                    "age_s": round(now - started, 3),
+                    "age_s": round(max(0.0, now - started), 3),  # the wall clock may step back
                     "session": job.jail_id if job.jail_id.startswith("ses-") else None,
                     **job.live_usage(),
                 }
@@ -1184,7 +1184,7 @@ class Daemon:
                     "state": "starting"
                     if sess.life_timer is None
                     else ("running" if sess.busy else "idle"),
-                    "age_s": round(now - sess.created, 3),
+                    "age_s": round(max(0.0, now - sess.created), 3),
                     "runs": sess.jail.runs,
                     "running": sess.busy,
                     "idle_s": round(time.monotonic() - sess.last_used, 3),

@@ -329,14 +329,16 @@ class PolicyEntry(Report):
     """A policy the caller may use (an entry of ``PolicyList``; ``jaild policies``)."""
 
     name: str = field(_policy_name)
-    description: str = field(string(MAX_MESSAGE_CHARS))
+    description: str = field(string(MAX_OUTPUT_CHARS))
+    """The operator's text (a policy file bounds it not; the frame does)."""
     limits: dict[str, float | str] = field(_limits)
     network: str = field(_short)
     seccomp: dict[str, str] = field(map_of(_short, string(64), 8))
     """``profile`` and ``action``."""
-    env: str = field(string(256))
+    env: str = field(string(MAX_PATH_CHARS))
+    """An environment's name, or the absolute path of a venv."""
     available: bool = field(boolean())
-    problems: str = field(string(MAX_MESSAGE_CHARS))
+    problems: str = field(string(MAX_OUTPUT_CHARS))
     """Why the policy is not served (its failed self-test), else empty."""
     pool: PoolInfo = field(nested(PoolInfo))
 
