@@ -319,7 +319,7 @@ class AsyncSession:
             )
         )
         self.id = answer.session_id
-        self.info = dict(answer.record)
+        self.info = answer.record.to_dict()
         self._client._sessions[answer.session_id] = self
         return self
 

@@ -112,7 +112,7 @@ from jaild.protocol.messages import (
     Welcome,
 )
 from jaild.protocol.messages import SessionClosed as SessionClosedMsg
-from jaild.protocol.records import DaemonStats, JobEntry, JobRecord, PolicyEntry
+from jaild.protocol.records import DaemonStats, JobEntry, JobRecord, PolicyEntry, SessionInfo
 from jaild.runtime.files import check_file_set
 from jaild.runtime.harden import become_child_subreaper
 from jaild.runtime.seccomp import bpf_program
@@ -1025,12 +1025,12 @@ class Daemon:
             SessionOpened(
                 ref=ref,
                 session_id=sess.id,
-                record={
-                    "policy": sess.policy.name,
-                    "idle_s": sess.idle_s,
-                    "max_lifetime_s": sess.max_lifetime_s,
-                    "limits": dataclasses.asdict(sess.limits),
-                },
+                record=SessionInfo(
+                    policy=sess.policy.name,
+                    idle_s=sess.idle_s,
+                    max_lifetime_s=sess.max_lifetime_s,
+                    limits=dataclasses.asdict(sess.limits),
+                ),
             )
         )
 

@@ -54,7 +54,7 @@ from jaild.protocol.fields import (
     string,
     struct,
 )
-from jaild.protocol.records import DaemonStats, JobEntry, JobRecord, PolicyEntry
+from jaild.protocol.records import DaemonStats, JobEntry, JobRecord, PolicyEntry, SessionInfo
 
 PROTOCOL_VERSION = 3
 
@@ -263,7 +263,7 @@ class SessionOpened(Message):
     TYPE = "SessionOpened"
     ref: int = field(_ref)
     session_id: str = field(_session_id)
-    record: dict[str, Any] = field(any_map(), default_factory=dict)
+    record: SessionInfo = field(nested(SessionInfo))
 
 
 @struct

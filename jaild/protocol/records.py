@@ -271,6 +271,19 @@ class JobRecord(Report):
         return self.status == "ok"
 
 
+@struct
+class SessionInfo(Report):
+    """A session as opened (``SessionOpened.record``)."""
+
+    policy: str = field(_policy_name)
+    idle_s: float = field(_seconds)
+    """The session ends after this long without a run."""
+    max_lifetime_s: float = field(_seconds)
+    """... and this long after it opened, in any case."""
+    limits: dict[str, float | str] = field(_limits)
+    """The session's limits: the policy's, tightened by ``OpenSession.limits``."""
+
+
 # --------------------------------------------------------------------------- ps, policies, stats
 
 
@@ -397,6 +410,7 @@ RECORDS: tuple[type[Report], ...] = (
     FileEntry,
     SkippedFile,
     SessionRun,
+    SessionInfo,
     JobEntry,
     PolicyEntry,
     PoolInfo,
@@ -419,6 +433,7 @@ __all__ = [
     "PoolInfo",
     "Report",
     "RunningCounts",
+    "SessionInfo",
     "SessionRun",
     "SkippedFile",
     "ToolCallEntry",

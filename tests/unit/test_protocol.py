@@ -129,6 +129,8 @@ RECORD = {
     "tool_calls_omitted": 0,
     "session": None,
 }
+SESSION = {"policy": "default", "idle_s": 300.0, "max_lifetime_s": 3600.0,
+           "limits": {"wall_time_s": 30.0, "slow_client": "pause"}}
 OK_RECORD = {**RECORD, "status": "ok", "error": None, "usage": None, "files": [],
              "tool_calls": []}
 POOL = {"mode": "spawn", "min": 0, "max": 4, "target": 1, "ready": 1}
@@ -205,8 +207,7 @@ SAMPLES: dict[str, list[Message]] = {
         Error(code="unknown_job", message="no job", ref=5, job_id=JOB),
         JobFinished(job_id=JOB, record=RECORD,  # type: ignore[arg-type]
                     files={"out/r.csv": b"x,y\n"}),
-        SessionOpened(ref=4, session_id="ses-0123abcd"),
-        SessionOpened(ref=4, session_id="ses-0123abcd", record={"policy": "default"}),
+        SessionOpened(ref=4, session_id="ses-0123abcd", record=SESSION),  # type: ignore[arg-type]
         SessionClosed(session_id="ses-0123abcd", reason="idle", message="idle for 300 s"),
         JobList(ref=6, jobs=()),
         JobList(ref=6, jobs=(JOB_ENTRY,)),  # type: ignore[arg-type]
@@ -620,9 +621,21 @@ CODE = RunCode(code="x", filename="<job>", tools=(SPEC,), tool_payload_bytes=1, 
 CALL = JailCallTool(call_id=1, name="search", args=b"")
 DONE = CodeFinished(ok=False, error=ErrorInfo(type="E", message="m"))
 POLICIES = PolicyList(ref=1, policies=[POLICY])  # type: ignore[arg-type]
-OPENED = SessionOpened(ref=1, session_id="ses-0123abcd", record={"policy": "default"})
 STATS_MSG = Stats(ref=1, stats=STATS)  # type: ignore[arg-type]
 JOBS = JobList(ref=1, jobs=[JOB_ENTRY])  # type: ignore[arg-type]
+
+
+def metrics(value: dict[Any, Any]) -> bytes:
+    """STATS_MSG with ``value`` as its free-form ``stats.metrics`` map."""
+    return wire_raw(STATS_MSG, lambda d: d["stats"].update(metrics=value))
+
+
+def metrics_splice(raw: bytes) -> bytes:
+    """STATS_MSG with raw msgpack bytes as its ``stats.metrics``."""
+    marker = "\x00splice\x00"
+    packed = metrics(marker)  # type: ignore[arg-type]
+    assert packed.count(msgpack.packb(marker)) == 1
+    return packed.replace(msgpack.packb(marker), raw)
 SPEC_WIRE = SPEC.to_wire()
 
 # (id, direction, base message, the defective payload). The base message is the positive
@@ -699,23 +712,18 @@ MUTATIONS: list[tuple[str, str, Message, bytes]] = [
      wire(Hello(protocol=PROTOCOL_VERSION), protocol=(1 << 16) + 1)),
     ("ext-field", "jail->daemon", CALL, wire(CALL, args=ext(5))),
     ("ext-type", "client->daemon", RUN, wire(RUN, type=ext(1))),
-    ("ext-in-record", "daemon->client", OPENED, wire(OPENED, record={"x": [ext(0)]})),
-    ("ext-negative", "daemon->client", OPENED,
-     wire_splice(OPENED, "record", b"\x81\xa1x\xd4\xfb\x00")),  # {"x": fixext1 type -5}
-    ("timestamp-ext", "daemon->client", OPENED,
-     wire(OPENED, record={"at": msgpack.Timestamp(1, 0)})),
+    ("ext-in-record", "daemon->client", STATS_MSG, metrics({"x": [ext(0)]})),
+    ("ext-negative", "daemon->client", STATS_MSG,
+     metrics_splice(b"\x81\xa1x\xd4\xfb\x00")),  # {"x": fixext1 type -5}
+    ("timestamp-ext", "daemon->client", STATS_MSG, metrics({"at": msgpack.Timestamp(1, 0)})),
     ("timestamp-as-field", "client->daemon", RUN, wire(RUN, ref=msgpack.Timestamp(1, 0))),
-    ("deep-record", "daemon->client", OPENED,
-     wire(OPENED, record={"x": nested_lists(MAX_ANY_DEPTH)})),
+    ("deep-record", "daemon->client", STATS_MSG, metrics({"x": nested_lists(MAX_ANY_DEPTH)})),
     ("deep-seccomp", "daemon->jail", HARDEN, deep_harden(5000)),
     ("deep-parameters", "client->daemon", RUN,
      wire(RUN, tools=[{"name": "t", "parameters": {"p": nested_lists(MAX_ANY_DEPTH)}}])),
-    ("record-bytes-key", "daemon->client", OPENED,
-     wire_raw(OPENED, lambda d: d["record"].update({b"k": 1}))),
-    ("record-float-key", "daemon->client", OPENED,
-     wire_raw(OPENED, lambda d: d["record"].update({1.5: 1}))),
-    ("record-nil-key", "daemon->client", OPENED,
-     wire_raw(OPENED, lambda d: d["record"].update({None: 1}))),
+    ("record-bytes-key", "daemon->client", STATS_MSG, metrics({b"k": 1})),
+    ("record-float-key", "daemon->client", STATS_MSG, metrics({1.5: 1})),
+    ("record-nil-key", "daemon->client", STATS_MSG, metrics({None: 1})),
     ("record-status-not-a-status", "daemon->client", FINISHED,
      wire_raw(FINISHED, lambda d: d["record"].update(status="refused"))),
     ("record-unknown-field", "daemon->client", FINISHED,

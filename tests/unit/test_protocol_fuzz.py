@@ -84,6 +84,7 @@ from jaild.protocol.records import (
     PolicyEntry,
     PoolInfo,
     RunningCounts,
+    SessionInfo,
     SessionRun,
     SkippedFile,
     ToolCallEntry,
@@ -215,6 +216,8 @@ job_record = st.fixed_dictionaries(dict(
     session=opt() | st.builds(SessionRun, id=session_id, run=opt() | count,
                               closed=opt() | text(1, 64)),
 )).map(lambda kw: JobRecord(**{**kw, "error": None if kw["status"] == "ok" else kw["error"]}))
+session_info = st.builds(SessionInfo, policy=policy_name, idle_s=seconds,
+                         max_lifetime_s=seconds, limits=record_limits)
 pool_info = st.builds(
     PoolInfo, mode=text(1, 64), min=count, max=count, target=count, ready=count,
     hits=opt() | count, misses=opt() | count, made=opt() | count, failed=opt() | count,
@@ -285,7 +288,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     Kill: message(Kill, {"ref": ref, "id": job_id}),
     GetStats: message(GetStats, {"ref": ref}),
     SessionOpened: message(
-        SessionOpened, {"ref": ref, "session_id": session_id}, {"record": plain_map}
+        SessionOpened, {"ref": ref, "session_id": session_id, "record": session_info}
     ),
     SessionClosed: message(
         SessionClosed, {"session_id": session_id, "reason": text(1, 64)}, {"message": text()}

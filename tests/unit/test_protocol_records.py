@@ -21,6 +21,7 @@ from jaild.protocol.messages import (
     JobFinished,
     JobList,
     PolicyList,
+    SessionOpened,
     Stats,
     decode,
     encode,
@@ -36,6 +37,7 @@ from jaild.protocol.records import (
     PolicyEntry,
     PoolInfo,
     Report,
+    SessionInfo,
     ToolCallEntry,
 )
 
@@ -154,6 +156,18 @@ def test_the_daemon_to_client_reports_are_typed_and_checked() -> None:
     listed = decode(encode(PolicyList(ref=2, policies=(policy,))), "daemon->client")
     assert isinstance(listed, PolicyList) and listed.policies == (policy,)
     assert "hits" not in listed.policies[0].to_dict()["pool"]
+
+
+def test_a_session_as_opened_is_typed_and_its_view_is_the_old_map() -> None:
+    info = SessionInfo(policy="default", idle_s=300.0, max_lifetime_s=3600.0,
+                       limits=build.limits_map(POLICY, POLICY.limits))
+    opened = decode(encode(SessionOpened(ref=1, session_id="ses-0123abcd", record=info)),
+                    "daemon->client")
+    assert isinstance(opened, SessionOpened) and opened.record == info
+    assert opened.record.to_dict() == {"policy": "default", "idle_s": 300.0,
+                                       "max_lifetime_s": 3600.0, "limits": info.limits}
+    with pytest.raises(LocalProtocolError):
+        SessionOpened(ref=1, session_id="ses-0123abcd", record={})  # type: ignore[arg-type]
 
 
 def test_stats_are_typed_down_to_the_totals() -> None:
