@@ -166,6 +166,14 @@ class JobError(Report):
     limit: str | None = field(optional(_short), default=None)
     """The limit that was hit (``timeout``, ``memory_limit``, ``output_limit``)."""
 
+    def to_dict(self) -> dict[str, Any]:
+        """As :meth:`Report.to_dict`; after a seccomp kill ``syscall`` is shown even when nil
+        (the call was not found), as it always was."""
+        out = Report.to_dict(self)
+        if self.signal == "SIGSYS":
+            out["syscall"] = self.syscall
+        return out
+
 
 @struct
 class ToolCallEntry(Report):
@@ -291,9 +299,11 @@ class SessionInfo(Report):
 class JobEntry(Report):
     """One running job or open session (an entry of ``JobList``; ``jaild ps``)."""
 
-    SPARSE = frozenset(
-        {"session", "runs", "running", "idle_s", "expires_in_s", "memory_bytes", "cpu_s", "pids"}
+    JOB_ONLY: ClassVar[frozenset[str]] = frozenset({"session"})
+    SESSION_ONLY: ClassVar[frozenset[str]] = frozenset(
+        {"runs", "running", "idle_s", "expires_in_s"}
     )
+    LIVE: ClassVar[frozenset[str]] = frozenset({"memory_bytes", "cpu_s", "pids"})
 
     id: str = field(_job_id)
     kind: str = field(one_of("job", "session"))
@@ -314,6 +324,14 @@ class JobEntry(Report):
     """What the jail uses now (nil before its cgroup exists, or if unknown)."""
     cpu_s: float | None = field(optional(_seconds), default=None)
     pids: int | None = field(optional(_count), default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The user's view: a job's fields or a session's, and the jail's use now once it
+        has a cgroup (``pids`` is set), as ``jaild ps`` always showed them."""
+        skip = self.SESSION_ONLY if self.kind == "job" else self.JOB_ONLY
+        if self.pids is None:
+            skip = skip | self.LIVE
+        return {k: v for k, v in Report.to_dict(self).items() if k not in skip}
 
 
 @struct

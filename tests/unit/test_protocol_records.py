@@ -148,7 +148,14 @@ def test_the_daemon_to_client_reports_are_typed_and_checked() -> None:
              "state": "running", "age_s": 0.5, "memory_bytes": 4096, "cpu_s": 0.1, "pids": 2}
     jobs = decode(encode(JobList(ref=1, jobs=(JobEntry.from_wire(entry),))), "daemon->client")
     assert isinstance(jobs, JobList) and jobs.jobs[0].memory_bytes == 4096
-    assert jobs.jobs[0].to_dict() == entry  # the nil fields (session, runs, ...) left out
+    assert jobs.jobs[0].to_dict() == {**entry, "session": None}  # a job's fields, as ever
+    starting = JobEntry.from_wire({**entry, "kind": "session", "state": "starting", "runs": 0,
+                                   "running": False, "idle_s": 0.0, "expires_in_s": 60.0,
+                                   "memory_bytes": None, "cpu_s": None, "pids": None})
+    assert set(starting.to_dict()) == {"id", "kind", "policy", "uid", "client_pid", "state",
+                                       "age_s", "runs", "running", "idle_s", "expires_in_s"}
+    no_cpu = JobEntry.from_wire({**entry, "cpu_s": None})
+    assert no_cpu.to_dict()["cpu_s"] is None  # a cgroup without CPU accounting
     pool = PoolInfo(mode="spawn", min=0, max=2, target=0, ready=0)
     policy = PolicyEntry(name="default", description="", limits={"memory_mb": 256},
                          network="none", seccomp={"profile": "default", "action": "kill"},
@@ -196,11 +203,14 @@ def test_the_users_view_is_the_shape_of_protocol_version_2() -> None:
     assert set(ok) == {"job_id", "policy", "status", "stdout", "stderr", "error", "tool_calls",
                        "duration_s", "limits", "usage", "files"}
     assert ok["tool_calls"] == [{"name": "search", "duration_s": 0.25, "ok": True}]
-    failed = run_record(status="policy_violation",
-                        error=build.job_error("PolicyViolation", "x", signal="SIGSYS")).to_dict()
-    assert failed["error"] == {"type": "PolicyViolation", "message": "x", "traceback": "",
-                               "lineno": None, "signal": "SIGSYS"}
+    failed = run_record(status="killed",
+                        error=build.job_error("Killed", "x", signal="SIGSEGV")).to_dict()
+    assert failed["error"] == {"type": "Killed", "message": "x", "traceback": "",
+                               "lineno": None, "signal": "SIGSEGV"}
     assert json.loads(json.dumps(failed)) == failed
+    seccomp = run_record(status="policy_violation", error=build.job_error(
+        "PolicyViolation", "x", signal="SIGSYS", syscall=None)).to_dict()
+    assert seccomp["error"]["syscall"] is None  # the kill is known, the call is not
 
 
 def test_the_client_result_keeps_its_dicts_and_offers_the_typed_record() -> None:
