@@ -3,8 +3,8 @@
 Theory of operation
 -------------------
 A value that crosses the client link as a *report* -- a job's result record
-(``JobFinished.record``), the entries of ``JobList`` and ``PolicyList``, the
-totals of ``Stats`` -- is one of the frozen, self-validating structs below, built
+(``JobFinished.record``), a session as opened (``SessionOpened.record``), the
+entries of ``JobList`` and ``PolicyList``, the totals of ``Stats`` -- is one of the frozen, self-validating structs below, built
 with the same :func:`~jaild.protocol.fields.field` checks as the messages that
 carry them. So:
 
@@ -15,8 +15,11 @@ carry them. So:
   missing fields, wrong types and values outside the limits are a
   :class:`RemoteProtocolError` at the one receive boundary
   (:func:`jaild.protocol.messages.decode`);
-* every reader -- the client, the CLI, the MCP server, code mode, metrics, audit,
-  accounting -- reads attributes (``record.usage.wall_s``), never string keys.
+* the code that takes a record off the wire or builds one -- the client library, the
+  daemon's server, metrics, audit, accounting -- reads attributes
+  (``record.usage.wall_s``), never string keys. The front ends (CLI, MCP server, code
+  mode) use the client's public ``JobResult``, whose plain-map fields are this
+  module's views and whose ``record`` is the typed record.
 
 Two views
 ---------
@@ -24,8 +27,10 @@ Two views
 so the wire shape is fixed per protocol version. :meth:`Report.to_dict` is the
 *user's* view, the JSON that ``jaild run --json`` prints and the client library's
 dict attributes hold: fields listed in a class's ``SPARSE`` are left out when they
-are nil (or, for ``SPARSE_EMPTY``, when they are empty or zero), exactly as the
-dicts of protocol version 2 were.
+are nil (or, for ``SPARSE_EMPTY``, when they are empty or zero); :class:`JobError`
+and :class:`JobEntry` refine that rule, so that every view has exactly the shape
+the maps of protocol version 2 had. The view is for people and JSON; code reads
+the attributes.
 
 ``STATUSES`` is the closed set of job statuses; it lives here because it is part
 of the wire's meaning (a record with any other status is malformed).
