@@ -4,9 +4,9 @@ Theory of operation
 -------------------
 A value that crosses the client link as a *report* -- a job's result record
 (``JobFinished.record``), a session as opened (``SessionOpened.record``), the
-entries of ``JobList`` and ``PolicyList``, the totals of ``Stats`` -- is one of the frozen, self-validating structs below, built
-with the same :func:`~jaild.protocol.fields.field` checks as the messages that
-carry them. So:
+entries of ``JobList`` and ``PolicyList``, the totals of ``Stats`` -- is one of
+the frozen, self-validating structs below, built with the same
+:func:`~jaild.protocol.fields.field` checks as the messages that carry them. So:
 
 * an illegal record cannot be built: the daemon's builders
   (:mod:`jaild.daemon.records`) raise :class:`LocalProtocolError` at once, where
