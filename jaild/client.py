@@ -79,6 +79,7 @@ from jaild.protocol.messages import (
     Welcome,
     safe_text,
 )
+from jaild.protocol.records import JobRecord
 from jaild.toolspec import HostTool, normalize_tools
 from jaild.transfer import load_uploads, save_files
 
@@ -91,7 +92,13 @@ TOOL_RESULT_LIMIT = MAX_PAYLOAD_BYTES
 
 @dataclass(frozen=True)
 class JobResult:
-    """The result record of one job (the CLI's ``--json`` prints :meth:`to_dict`)."""
+    """The result record of one job (the CLI's ``--json`` prints :meth:`to_dict`).
+
+    The fields are plain values -- maps and lists, ready for JSON -- as they have always
+    been. :attr:`record` is the same record typed (:class:`~jaild.protocol.records.JobRecord`),
+    for code that prefers attributes to keys: ``r.record.usage.wall_s``,
+    ``r.record.error.limit``, ``r.record.tool_calls[0].duration_s``.
+    """
 
     job_id: str
     status: str
@@ -117,6 +124,37 @@ class JobResult:
     session: dict[str, Any] | None = None
     """For a session's run: the session ``id``, the ``run`` number, and ``closed`` (the
     reason) if this run ended the session."""
+    _record: JobRecord | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def record(self) -> JobRecord:
+        """The record, typed (checked as the wire checks it).
+
+        Raises:
+            LocalProtocolError: a hand-made result whose fields are not a valid record.
+        """
+        if self._record is None:
+            typed = JobRecord.from_wire(
+                {
+                    "job_id": self.job_id,
+                    "policy": self.policy,
+                    "status": self.status,
+                    "stdout": self.stdout,
+                    "stderr": self.stderr,
+                    "error": self.error,
+                    "tool_calls": self.tool_calls,
+                    "duration_s": self.duration_s,
+                    "limits": self.limits,
+                    "usage": self.usage or None,
+                    "files": self.files,
+                    "files_skipped": self.files_skipped,
+                    "tool_calls_omitted": self.tool_calls_omitted,
+                    "session": self.session,
+                }
+            )
+            object.__setattr__(self, "_record", typed)
+        assert self._record is not None
+        return self._record
 
     @property
     def ok(self) -> bool:
@@ -149,34 +187,43 @@ class JobResult:
     @classmethod
     def from_wire(
         cls,
-        record: Mapping[str, Any],
+        record: JobRecord | Mapping[str, Any],
         packed: bytes | None,
         files: Mapping[str, bytes] | None = None,
     ) -> JobResult:
+        """The result of ``JobFinished``: its record, its packed result and its files.
+
+        Raises:
+            LocalProtocolError: ``record`` is a map that is not a valid record.
+        """
+        typed = record if isinstance(record, JobRecord) else JobRecord.from_wire(record)
         result = None
         if packed is not None:
             try:
                 result = unpack(packed)
             except RemoteProtocolError:
                 result = None
-        return cls(
-            job_id=str(record.get("job_id", "")),
-            status=str(record.get("status", "internal_error")),
+        view = typed.to_dict()
+        out = cls(
+            job_id=typed.job_id,
+            status=typed.status,
             result=result,
-            stdout=str(record.get("stdout", "")),
-            stderr=str(record.get("stderr", "")),
-            error=record.get("error"),
-            tool_calls=list(record.get("tool_calls", [])),
-            duration_s=float(record.get("duration_s", 0.0)),
-            limits=dict(record.get("limits", {})),
-            policy=str(record.get("policy", "")),
-            tool_calls_omitted=int(record.get("tool_calls_omitted", 0)),
-            usage=dict(record.get("usage") or {}),
-            files=list(record.get("files") or []),
-            files_skipped=list(record.get("files_skipped") or []),
+            stdout=typed.stdout,
+            stderr=typed.stderr,
+            error=view["error"],
+            tool_calls=view["tool_calls"],
+            duration_s=typed.duration_s,
+            limits=view["limits"],
+            policy=typed.policy,
+            tool_calls_omitted=typed.tool_calls_omitted,
+            usage=view["usage"] or {},
+            files=view["files"],
+            files_skipped=view.get("files_skipped", []),
             downloads=dict(files or {}),
-            session=record.get("session"),
+            session=view.get("session"),
         )
+        object.__setattr__(out, "_record", typed)
+        return out
 
 
 Approver = Callable[[str, list[Any], dict[str, Any]], Any]
@@ -273,7 +320,7 @@ class AsyncSession:
             )
         )
         self.id = answer.session_id
-        self.info = dict(answer.record)
+        self.info = answer.record.to_dict()
         self._client._sessions[answer.session_id] = self
         return self
 
@@ -525,12 +572,12 @@ class AsyncClient:
     async def policies(self) -> list[dict[str, Any]]:
         """The policies this daemon serves to this user."""
         answer = await self._request(lambda ref: ListPolicies(ref=ref))
-        return list(answer.policies)
+        return [p.to_dict() for p in answer.policies]
 
     async def jobs(self) -> list[dict[str, Any]]:
         """Running jobs and open sessions (``jaild ps``): all for root, else this uid's."""
         answer = await self._request(lambda ref: ListJobs(ref=ref))
-        return list(answer.jobs)
+        return [j.to_dict() for j in answer.jobs]
 
     async def kill(self, ident: str) -> str:
         """End a running job or an open session of this uid's (any, for root), from any
@@ -541,7 +588,8 @@ class AsyncClient:
     async def stats(self) -> dict[str, Any]:
         """Usage totals per policy and per uid since the daemon started (``jaild stats``)."""
         answer = await self._request(lambda ref: GetStats(ref=ref))
-        return dict(answer.stats)
+        stats: dict[str, Any] = answer.stats.to_dict()
+        return stats
 
     def session(
         self,

@@ -43,6 +43,7 @@ from jaild.errors import (
     error_line,
     exit_code_for,
 )
+from jaild.protocol.records import STATUSES
 from jaild.providers import (
     DEFAULT_CALL_TIMEOUT_S,
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -77,9 +78,9 @@ OUTPUT_SCHEMA: dict[str, Any] = {
         "job_id": {"type": "string"},
         "status": {
             "type": "string",
-            "description": "ok, error, timeout, memory_limit, output_limit, killed, "
-                           "policy_violation, cancelled, internal_error; refused: the daemon "
-                           "did not run it",
+            "enum": [*STATUSES, "refused"],
+            "description": "how the job ended; refused: no job ran (the daemon or this "
+                           "server refused the call)",
         },
         "result": {"description": "the value of the final expression (null unless ok)"},
         "stdout": {"type": "string"},
@@ -178,7 +179,11 @@ def json_safe(value: Any, depth: int = 0) -> Any:
 
 
 def refused_record(code: str, message: str) -> dict[str, Any]:
-    """The record of a job that did not run (the daemon refused it, or a bad call)."""
+    """The tool's answer when no job ran (the daemon answered ``Error``, or a bad call).
+
+    Not a job record: ``refused`` is a status of this tool's output only, never of a job
+    (the daemon's records have :data:`~jaild.protocol.records.STATUSES`); the fields the
+    output schema requires are empty, and there is no ``job_id``."""
     return {
         "status": "refused",
         "result": None,

@@ -1,6 +1,6 @@
 """Usage totals the daemon keeps: per policy and per uid (``jaild stats``).
 
-Every finished job's record carries ``usage`` (see :meth:`JailedJob._usage`); the
+Every finished job's record carries ``usage`` (see :func:`jaild.daemon.records.run_usage`); the
 daemon adds each record here as it audits it, so the totals and the audit trail
 agree. Totals live in memory for the daemon's life.
 """
@@ -11,6 +11,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+from jaild.protocol.records import JobRecord, UsageTotals
 
 
 @dataclass
@@ -29,37 +31,39 @@ class Totals:
     files_downloaded: int = 0
     sessions: int = 0
 
-    def add(self, record: dict[str, Any], uploaded: int = 0, downloaded: int = 0) -> None:
-        usage = record.get("usage") or {}
+    def add(self, record: JobRecord, uploaded: int = 0, downloaded: int = 0) -> None:
         self.jobs += 1
-        self.statuses[str(record.get("status"))] += 1
-        self.wall_s += usage.get("wall_s") or 0.0
-        self.cpu_user_s += usage.get("cpu_user_s") or 0.0
-        self.cpu_system_s += usage.get("cpu_system_s") or 0.0
-        self.memory_peak_bytes = max(self.memory_peak_bytes, usage.get("memory_peak_bytes") or 0)
-        self.pids_peak = max(self.pids_peak, usage.get("pids_peak") or 0)
-        self.output_bytes += usage.get("output_bytes") or 0
-        self.tool_calls += usage.get("tool_calls") or 0
-        self.tool_time_s += usage.get("tool_time_s") or 0.0
+        self.statuses[record.status] += 1
         self.files_uploaded += uploaded
         self.files_downloaded += downloaded
+        usage = record.usage
+        if usage is None:  # no code ran
+            return
+        self.wall_s += usage.wall_s
+        self.cpu_user_s += usage.cpu_user_s or 0.0
+        self.cpu_system_s += usage.cpu_system_s or 0.0
+        self.memory_peak_bytes = max(self.memory_peak_bytes, usage.memory_peak_bytes or 0)
+        self.pids_peak = max(self.pids_peak, usage.pids_peak or 0)
+        self.output_bytes += usage.output_bytes
+        self.tool_calls += usage.tool_calls
+        self.tool_time_s += usage.tool_time_s
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "jobs": self.jobs,
-            "statuses": dict(self.statuses),
-            "wall_s": round(self.wall_s, 3),
-            "cpu_user_s": round(self.cpu_user_s, 3),
-            "cpu_system_s": round(self.cpu_system_s, 3),
-            "memory_peak_bytes": self.memory_peak_bytes,
-            "pids_peak": self.pids_peak,
-            "output_bytes": self.output_bytes,
-            "tool_calls": self.tool_calls,
-            "tool_time_s": round(self.tool_time_s, 3),
-            "files_uploaded": self.files_uploaded,
-            "files_downloaded": self.files_downloaded,
-            "sessions": self.sessions,
-        }
+    def to_wire(self) -> UsageTotals:
+        return UsageTotals(
+            jobs=self.jobs,
+            statuses=dict(self.statuses),
+            wall_s=round(self.wall_s, 3),
+            cpu_user_s=round(self.cpu_user_s, 3),
+            cpu_system_s=round(self.cpu_system_s, 3),
+            memory_peak_bytes=self.memory_peak_bytes,
+            pids_peak=self.pids_peak,
+            output_bytes=self.output_bytes,
+            tool_calls=self.tool_calls,
+            tool_time_s=round(self.tool_time_s, 3),
+            files_uploaded=self.files_uploaded,
+            files_downloaded=self.files_downloaded,
+            sessions=self.sessions,
+        )
 
 
 @dataclass
@@ -68,8 +72,8 @@ class Accounting:
     by_uid: dict[int, Totals] = field(default_factory=dict)
     since: float = field(default_factory=time.time)
 
-    def job(self, uid: int, record: dict[str, Any], uploaded: int = 0, downloaded: int = 0) -> None:
-        policy = str(record.get("policy", ""))
+    def job(self, uid: int, record: JobRecord, uploaded: int = 0, downloaded: int = 0) -> None:
+        policy = record.policy
         self.by_policy.setdefault(policy, Totals()).add(record, uploaded, downloaded)
         self.by_uid.setdefault(uid, Totals()).add(record, uploaded, downloaded)
 
@@ -78,6 +82,7 @@ class Accounting:
         self.by_uid.setdefault(uid, Totals()).sessions += 1
 
     def to_wire(self, uid: int | None) -> dict[str, Any]:
+        # the start of a DaemonStats: the server adds what runs now, the pools, the metrics
         """Everything for ``uid`` None (root); otherwise the policy totals and that uid's."""
         return {
             "since": self.since,

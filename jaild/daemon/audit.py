@@ -16,6 +16,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from jaild.protocol.records import JobRecord
+
 log = logging.getLogger("jaild.daemon.audit")
 
 
@@ -55,30 +57,32 @@ class AuditLog:
             except OSError as exc:
                 log.error("cannot write the audit file: %s", exc)
 
-    def job(self, peer: Peer, record: dict[str, Any]) -> None:
+    def job(self, peer: Peer, record: JobRecord) -> None:
         """A job ended (however it ended)."""
-        error = record.get("error") or {}
-        calls = record.get("tool_calls") or []
+        error, usage = record.error, record.usage
         self._emit(
             "job",
             {
-                "job": record["job_id"],
+                "job": record.job_id,
                 "uid": peer.uid,
                 "pid": peer.pid,
-                "policy": record["policy"],
-                "status": record["status"],
-                "duration_s": record["duration_s"],
-                "tool_calls": len(calls),
-                "tools": dict(Counter(c.get("name") for c in calls)),
-                **{
-                    k: v
-                    for k, v in (record.get("usage") or {}).items()
-                    if k in ("cpu_user_s", "cpu_system_s", "memory_peak_bytes", "tool_time_s")
-                },
-                **({"session": record["session"]["id"]} if record.get("session") else {}),
-                "reason": f"{error.get('type')}: {str(error.get('message'))[:200]}"
-                if error
-                else "",
+                "policy": record.policy,
+                "status": record.status,
+                "duration_s": record.duration_s,
+                "tool_calls": len(record.tool_calls),
+                "tools": dict(Counter(c.name for c in record.tool_calls)),
+                **(
+                    {
+                        "cpu_user_s": usage.cpu_user_s,
+                        "cpu_system_s": usage.cpu_system_s,
+                        "memory_peak_bytes": usage.memory_peak_bytes,
+                        "tool_time_s": usage.tool_time_s,
+                    }
+                    if usage is not None
+                    else {}
+                ),
+                **({"session": record.session.id} if record.session else {}),
+                "reason": f"{error.type}: {error.message[:200]}" if error else "",
             },
         )
 

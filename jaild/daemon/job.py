@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -54,6 +53,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaild.daemon import records
 from jaild.daemon.admission import file_limits
 from jaild.daemon.cgroups import Cgroups, JobCgroup
 from jaild.daemon.kernlog import KernelAuditLog
@@ -73,23 +73,14 @@ from jaild.protocol.messages import (
     Message,
     RunCode,
     ToolSpec,
+    jail_link_max_frame,
 )
+from jaild.protocol.records import MAX_CALL_RECORDS, STATUSES, JobRecord, Usage
 from jaild.runtime.files import validate_collected
 from jaild.runtime.zygote import GO, PREAMBLE
 
 log = logging.getLogger("jaild")
 
-STATUSES = (
-    "ok",
-    "error",
-    "timeout",
-    "memory_limit",
-    "output_limit",
-    "killed",
-    "policy_violation",
-    "cancelled",
-    "internal_error",
-)
 START_TIMEOUT_S = 30.0
 RELEASE_TIMEOUT_S = 10.0
 LINGER_CHECK_S = 0.01
@@ -101,11 +92,6 @@ SIGKILL when its *tick-sampled* CPU clock reaches the limit, and on a loaded hos
 runs well ahead of the precise one rusage reports: under ``stress-ng --cpu 2`` on 2 cores,
 processes were killed at 65 % of a 1 s limit and 80 % of a 2 s one (rusage), where an idle
 host kills them within a tick of it."""
-MAX_CALL_RECORDS = 1000
-"""Tool calls listed in a result record; further calls are only counted (tool_calls_omitted)."""
-FRAME_OVERHEAD = 4 * 2 * 65536 + 65536
-"""Room on the jail link beyond the payload limits: CodeFinished may carry a 64K-character
-message and traceback besides the result (UTF-8: up to 4 bytes a character)."""
 
 ToolRouter = Callable[[str, int, str, bytes, bool], "asyncio.Future[tuple[bool, Any]]"]
 """(job_id, call_id, tool name, packed args, needs approval) -> a future of (True, packed
@@ -528,10 +514,13 @@ class JailedJob:
         files = spec.policy.files
         self._conn = Connection(
             Role.SUPERVISOR,
-            max(spec.limits.tool_payload_bytes, spec.limits.result_bytes)
-            + FRAME_OVERHEAD
-            + files.max_bytes
-            + files.max_files * (files.max_path_chars + 256),
+            jail_link_max_frame(
+                tool_payload_bytes=spec.limits.tool_payload_bytes,
+                result_bytes=spec.limits.result_bytes,
+                max_bytes=files.max_bytes,
+                max_files=files.max_files,
+                max_path_chars=files.max_path_chars,
+            ),
         )
         self._set_tools(spec)
         self._log = bytearray()
@@ -663,7 +652,7 @@ class JailedJob:
             await _first_of(self._ready, self._done)
         return self.alive
 
-    async def run(self) -> dict[str, Any]:
+    async def run(self) -> JobRecord:
         try:
             await self._launch()
             if self._ready.is_set() and not self._done.is_set():
@@ -675,7 +664,7 @@ class JailedJob:
 
     async def run_next(
         self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink
-    ) -> tuple[dict[str, Any], bytes | None, dict[str, bytes]]:
+    ) -> tuple[JobRecord, bytes | None, dict[str, bytes]]:
         """A session's jail (prepared with ``keep``): run one more job in it, in the same
         namespace. Returns the run's record; the jail outlives the run unless the run hit a
         limit (then :attr:`alive` is False and the record says why). Returns the record, the
@@ -697,15 +686,15 @@ class JailedJob:
             self._ev.oom = self._cgroup.oom_killed()
         record = self._record()
         outcome = (record, self.result, self.downloads)
-        if record["status"] not in ("ok", "error"):  # e.g. OOM: the session cannot go on
-            self._terminate("cancelled", f"the run ended {record['status']}")
+        if record.status not in ("ok", "error"):  # e.g. OOM: the session cannot go on
+            self._terminate("cancelled", f"the run ended {record.status}")
         self._ev.oom = False
         self._output = None
         self._route_tool = None
         self._reset_run()
         return outcome
 
-    async def _final_record(self) -> dict[str, Any]:
+    async def _final_record(self) -> JobRecord:
         await self._gather_evidence()
         return self._record()
 
@@ -1439,56 +1428,47 @@ class JailedJob:
                 with contextlib.suppress(OSError):
                     self._cgroup.kill_all()
 
-    def _record(self) -> dict[str, Any]:
+    def _record(self) -> JobRecord:
         status, error = classify(self._ev)
-        limits = limits_record(self.spec.policy, self.spec.limits)
         if status != "ok":
             self.result = None
-        record = {
-            "job_id": self.spec.job_id,
-            "policy": self.spec.policy.name,
-            "status": status,
-            "stdout": self._stdout.decode("utf-8", "replace"),
-            "stderr": self._stderr.decode("utf-8", "replace"),
-            "error": error,
-            "tool_calls": list(self._calls),
-            "duration_s": round(time.monotonic() - self._started, 6),
-            "limits": limits,
-        }
-        if self._calls_omitted:
-            record["tool_calls_omitted"] = self._calls_omitted
-        record["usage"] = self._usage()
-        record["files"] = self._files
-        if self._files_skipped:
-            record["files_skipped"] = self._files_skipped
-        if status != "ok":
             self.downloads = {}
-        return record
+        return records.job_record(
+            job_id=self.spec.job_id,
+            policy=self.spec.policy,
+            limits=self.spec.limits,
+            status=status,
+            error=error,
+            stdout=self._stdout,
+            stderr=self._stderr,
+            tool_calls=self._calls,
+            tool_calls_omitted=self._calls_omitted,
+            duration_s=time.monotonic() - self._started,
+            usage=self._usage(),
+            files=self._files,
+            files_skipped=self._files_skipped,
+        )
 
-    def _usage(self) -> dict[str, Any]:
+    def _usage(self) -> Usage:
         """What this run consumed (the cgroup's counters from its ``RunCode`` on)."""
-        end = self._code_ended if self._code_ended is not None else time.monotonic()
         cpu_end = self._cpu_end
         if cpu_end is None and self._cgroup is not None:
             cpu_end = self._cgroup.cpu_times()
-        user = system = None
-        if cpu_end is not None and self._cpu_base is not None:
-            user = round(max(0.0, cpu_end[0] - self._cpu_base[0]), 6)
-            system = round(max(0.0, cpu_end[1] - self._cpu_base[1]), 6)
         if self._paused_since is not None:
             self.resume_output()
-        return {
-            "wall_s": round(end - self._code_started, 6) if self._code_started else 0.0,
-            "cpu_user_s": user,
-            "cpu_system_s": system,
-            "memory_peak_bytes": self._cgroup.peak_memory_bytes() if self._cgroup else None,
-            "pids_peak": self._cgroup.peak_pids() if self._cgroup else None,
-            "output_bytes": self._output_total,
-            "tool_calls": len(self._calls) + self._calls_omitted,
-            "tool_time_s": round(self._tool_time, 6),
-            "stream_paused_s": round(self._stream_paused, 6),
-            "stream_dropped_bytes": self._stream_dropped,
-        }
+        return records.run_usage(
+            code_started=self._code_started,
+            code_ended=self._code_ended if self._code_ended is not None else time.monotonic(),
+            cpu_base=self._cpu_base,
+            cpu_end=cpu_end,
+            memory_peak_bytes=self._cgroup.peak_memory_bytes() if self._cgroup else None,
+            pids_peak=self._cgroup.peak_pids() if self._cgroup else None,
+            output_bytes=self._output_total,
+            tool_calls=len(self._calls) + self._calls_omitted,
+            tool_time_s=self._tool_time,
+            stream_paused_s=self._stream_paused,
+            stream_dropped_bytes=self._stream_dropped,
+        )
 
 
 def schema_error(tool: str, validator: Any, instance: dict[str, Any]) -> tuple[str, str] | None:
@@ -1508,60 +1488,6 @@ def schema_error(tool: str, validator: Any, instance: dict[str, Any]) -> tuple[s
     return ("invalid_arguments", f"{tool}: {what}{error.message}"[:4096])
 
 
-def internal_error_record(spec: JobSpec, exc: BaseException) -> dict[str, Any]:
-    """The record of a job that failed inside jaild (a bug): reported, never silent."""
-    return {
-        "job_id": spec.job_id,
-        "policy": spec.policy.name,
-        "status": "internal_error",
-        "stdout": "",
-        "stderr": "",
-        "tool_calls": [],
-        "duration_s": 0.0,
-        "limits": limits_record(spec.policy, spec.limits),
-        "error": _err("InternalError", str(exc)[:4096]),
-        "usage": {},
-        "files": [],
-    }
-
-
-def limits_record(policy: Policy, limits: Limits) -> dict[str, Any]:
-    """The ``limits`` of a result record: the job's limits plus the policy's network and /tmp."""
-    return {
-        **dataclasses.asdict(limits),
-        "network": policy.network.mode,
-        "tmp_mb": policy.filesystem.tmp_mb,
-    }
-
-
-def syntax_error_record(
-    job_id: str, policy: Policy, limits: Limits, exc: BaseException, filename: str
-) -> dict[str, Any]:
-    """The record of a job whose code does not compile (no jail is started)."""
-    import traceback
-
-    lineno = getattr(exc, "lineno", None)
-    message = getattr(exc, "msg", None) or str(exc)
-    return {
-        "job_id": job_id,
-        "policy": policy.name,
-        "status": "error",
-        "stdout": "",
-        "stderr": "",
-        "error": {
-            "type": type(exc).__name__,
-            "message": str(message)[:65536],
-            "traceback": "".join(traceback.format_exception_only(type(exc), exc))[:65536],
-            "lineno": lineno if isinstance(lineno, int) and lineno >= 0 else None,
-        },
-        "tool_calls": [],
-        "duration_s": 0.0,
-        "limits": limits_record(policy, limits),
-        "usage": {},
-        "files": [],
-    }
-
-
 __all__ = [
     "STATUSES",
     "ErrorInfo",
@@ -1571,5 +1497,4 @@ __all__ = [
     "JobSpec",
     "classify",
     "parse_termination",
-    "syntax_error_record",
 ]

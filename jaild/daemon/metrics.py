@@ -54,6 +54,7 @@ from prometheus_client.registry import Collector
 
 from jaild import __version__
 from jaild.errors import MetricsAddressError
+from jaild.protocol.records import JobRecord
 
 log = logging.getLogger("jaild.daemon.metrics")
 
@@ -351,20 +352,17 @@ class Metrics:
 
     # ------------------------------------------------------------------ hooks
 
-    def job_finished(self, record: dict[str, Any], uid: int) -> None:
+    def job_finished(self, record: JobRecord, uid: int) -> None:
         """A job's record, as audited (``uid`` is not a label: see the module docstring)."""
-        policy = str(record.get("policy", ""))
-        self._jobs.labels(policy, str(record.get("status"))).inc()
-        duration = record.get("duration_s")
-        if isinstance(duration, (int, float)):
-            self._duration.labels(policy).observe(max(0.0, duration))
-        usage = record.get("usage") or {}
-        wall = usage.get("wall_s")
-        if isinstance(wall, (int, float)) and "cpu_user_s" in usage:  # the code ran
-            self._wall.labels(policy).observe(max(0.0, wall))
-        for mode in ("user", "system"):
-            seconds = usage.get(f"cpu_{mode}_s")
-            if isinstance(seconds, (int, float)) and seconds > 0:
+        policy = record.policy
+        self._jobs.labels(policy, record.status).inc()
+        self._duration.labels(policy).observe(record.duration_s)
+        usage = record.usage
+        if usage is None:  # no code ran
+            return
+        self._wall.labels(policy).observe(usage.wall_s)
+        for mode, seconds in (("user", usage.cpu_user_s), ("system", usage.cpu_system_s)):
+            if seconds:
                 self._cpu.labels(policy, mode).inc(seconds)
 
     def refused(self, code: str) -> None:

@@ -27,12 +27,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from jaild.daemon import admission, placement
-from jaild.daemon.job import internal_error_record, syntax_error_record
+from jaild.daemon.records import internal_error_record, syntax_error_record, with_session
 from jaild.daemon.registry import LiveJob
 from jaild.protocol.messages import JobAccepted, JobFinished, RunJob
+from jaild.protocol.records import JobRecord
 
 if TYPE_CHECKING:
     from jaild.daemon.server import ClientSession, Daemon
@@ -103,9 +104,10 @@ class Pipeline:
                 else:
                     log.exception("job %s of session %s failed inside jaild", job_id, sess.id)
                     sess.jail.cancel("internal error")  # and end the session
-                record, result, downloads = internal_error_record(spec, exc), None, {}
+                record = internal_error_record(spec.job_id, spec.policy, spec.limits, exc)
+                result, downloads = None, {}
             if sess is not None:
-                record["session"] = sess.run_entry(record)
+                record = sess.run_entry(record)
             # audited before the client can see the result
             self.audit(client, record, uploaded=len(spec.files), downloaded=len(downloads))
             client.send(JobFinished(job_id=job_id, record=record, result=result, files=downloads))
@@ -124,16 +126,16 @@ class Pipeline:
         """Code that does not compile gets its record at once (no jail)."""
         assert admitted.syntax_error is not None
         record = syntax_error_record(
-            job_id, admitted.policy, admitted.limits, admitted.syntax_error, req.filename
+            job_id, admitted.policy, admitted.limits, admitted.syntax_error
         )
         if req.session_id is not None:
-            record["session"] = {"id": req.session_id, "run": None, "closed": None}
+            record = with_session(record, req.session_id, None, None)
         self.audit(client, record)  # audited before the client can see the result
         client.send(JobAccepted(ref=req.ref, job_id=job_id))
         client.send(JobFinished(job_id=job_id, record=record))
 
     def audit(
-        self, client: ClientSession, record: dict[str, Any], uploaded: int = 0, downloaded: int = 0
+        self, client: ClientSession, record: JobRecord, uploaded: int = 0, downloaded: int = 0
     ) -> None:
         """A job's record: audited, accounted and counted."""
         daemon = self.daemon

@@ -24,16 +24,17 @@ from __future__ import annotations
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from jaild.daemon.admission import AdmittedJob
 from jaild.daemon.job import JailedJob, JailEnvironment, JobSpec, OutputSink, ToolRouter
 from jaild.daemon.pool import JailPool, poolable
+from jaild.protocol.records import JobRecord
 
 if TYPE_CHECKING:
     from jaild.daemon.sessions import JailSession
 
-RunOutcome = tuple[dict[str, Any], bytes | None, dict[str, bytes]]
+RunOutcome = tuple[JobRecord, bytes | None, dict[str, bytes]]
 """What a run ends in: its record, its result (packed), its downloaded files."""
 
 

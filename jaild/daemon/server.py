@@ -91,6 +91,7 @@ from jaild.protocol.messages import (
     Stats,
     Welcome,
 )
+from jaild.protocol.records import DaemonStats, JobEntry, PolicyEntry
 
 log = logging.getLogger("jaild")
 
@@ -260,7 +261,8 @@ class ClientSession:
             else:
                 daemon.close_session(sess, "closed", "closed by the client")
         elif isinstance(msg, ListJobs):
-            self.send(JobList(ref=msg.ref, jobs=tuple(daemon.list_jobs(self.peer))))
+            jobs = tuple(map(JobEntry.from_wire, daemon.list_jobs(self.peer)))
+            self.send(JobList(ref=msg.ref, jobs=jobs))
         elif isinstance(msg, Kill):
             try:
                 kind = daemon.kill(self.peer, msg.id)
@@ -270,9 +272,10 @@ class ClientSession:
                 self.send(Killed(ref=msg.ref, id=msg.id, kind=kind))
         elif isinstance(msg, GetStats):
             uid = None if self.peer.uid == 0 else self.peer.uid
-            self.send(Stats(ref=msg.ref, stats=daemon.stats_wire(uid)))
+            self.send(Stats(ref=msg.ref, stats=DaemonStats.from_wire(daemon.stats_wire(uid))))
         elif isinstance(msg, ListPolicies):
-            self.send(PolicyList(ref=msg.ref, policies=tuple(daemon.list_policies(self.peer))))
+            policies = tuple(map(PolicyEntry.from_wire, daemon.list_policies(self.peer)))
+            self.send(PolicyList(ref=msg.ref, policies=policies))
 
     def _tool_replied(self, msg: ClientToolReturned | ClientToolFailed) -> None:
         fut = self.pending_calls.pop((msg.job_id, msg.call_id), None)
@@ -523,7 +526,7 @@ class Daemon:
                     "uid": owner.uid,
                     "client_pid": owner.pid,
                     "state": "running" if job.alive else "starting",
-                    "age_s": round(now - live.started, 3),
+                    "age_s": round(max(0.0, now - live.started), 3),  # the wall clock may step back
                     "session": job.jail_id if job.jail_id.startswith("ses-") else None,
                     **job.live_usage(),
                 }

@@ -36,10 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 from jaild.daemon import admission
 from jaild.daemon.job import JailedJob, JobSpec
+from jaild.daemon.records import with_session
 from jaild.errors import Busy, InternalError, SessionClosed, UnknownSession
 from jaild.policy.schema import Limits, Policy
 from jaild.protocol.messages import OpenSession, SessionOpened, ToolSpec
 from jaild.protocol.messages import SessionClosed as SessionClosedMsg
+from jaild.protocol.records import JobRecord, SessionInfo
 
 if TYPE_CHECKING:
     from jaild.daemon.server import ClientSession, Daemon
@@ -111,14 +113,10 @@ class JailSession:
         if self.life_timer is None:
             raise Busy(f"session {self.id} is still starting; wait for SessionOpened")
 
-    def run_entry(self, record: dict[str, Any]) -> dict[str, Any]:
-        """The ``session`` entry of a run's record."""
-        alive = self.jail.alive
-        return {
-            "id": self.id,
-            "run": self.jail.runs,
-            "closed": None if alive else record["status"],
-        }
+    def run_entry(self, record: JobRecord) -> JobRecord:
+        """``record`` as this session's run (with the status that ended it, if it did)."""
+        closed = None if self.jail.alive else record.status
+        return with_session(record, self.id, self.jail.runs, closed)
 
     def ps_row(self, now: float) -> dict[str, Any]:
         """This session as ``jaild ps`` shows it."""
@@ -132,7 +130,7 @@ class JailSession:
             "state": "starting"
             if self.life_timer is None
             else ("running" if self.busy else "idle"),
-            "age_s": round(now - self.created, 3),
+            "age_s": round(max(0.0, now - self.created), 3),  # the wall clock may step back
             "runs": self.jail.runs,
             "running": self.busy,
             "idle_s": round(time.monotonic() - self.last_used, 3),
@@ -187,8 +185,8 @@ class Sessions:
             detail = sess.closed or "the jail did not start"
             if not ready:
                 record = await sess.jail._final_record()
-                error = record.get("error") or {}
-                detail = f"{error.get('type', 'JailStartFailed')}: {error.get('message', '')}"
+                error = record.error
+                detail = f"{error.type}: {error.message}" if error else "JailStartFailed"
             self._forget(sess)
             sess.jail.cleanup()
             client.send_error(InternalError(f"the session's jail did not start: {detail}"), ref=ref)
@@ -210,12 +208,12 @@ class Sessions:
             SessionOpened(
                 ref=ref,
                 session_id=sess.id,
-                record={
-                    "policy": sess.policy.name,
-                    "idle_s": sess.idle_s,
-                    "max_lifetime_s": sess.max_lifetime_s,
-                    "limits": dataclasses.asdict(sess.limits),
-                },
+                record=SessionInfo(
+                    policy=sess.policy.name,
+                    idle_s=sess.idle_s,
+                    max_lifetime_s=sess.max_lifetime_s,
+                    limits=dataclasses.asdict(sess.limits),
+                ),
             )
         )
 
@@ -234,12 +232,11 @@ class Sessions:
     def run_ended(self, sess: JailSession) -> None:
         sess.busy = None
 
-    def after_run(self, sess: JailSession, job_id: str, record: dict[str, Any]) -> None:
+    def after_run(self, sess: JailSession, job_id: str, record: JobRecord) -> None:
         """A run's record was sent: the session goes on, or ends with its jail."""
         if not sess.jail.alive:
-            error = record.get("error") or {}
-            why = f"run {job_id} ended the session: {error.get('message', '')}"
-            self.close(sess, record["status"], why)
+            why = f"run {job_id} ended the session: {record.error.message if record.error else ''}"
+            self.close(sess, record.status, why)
         elif sess.closed is None:
             sess.touch(self.close)
 

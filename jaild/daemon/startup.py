@@ -409,7 +409,8 @@ async def _probe(config: DaemonConfig, served: Served, policy: Policy) -> list[C
         log.exception("self-test of policy %s crashed", policy.name)
         return [Check("probe job", False, f"crashed: {exc}")]
     facts = unpack(job.result) if job.result is not None else None
-    return evaluate(policy, record["status"], record["error"], facts, job.outside_uid)
+    error = record.error.to_dict() if record.error is not None else None
+    return evaluate(policy, record.status, error, facts, job.outside_uid)
 
 
 def _sealed_memfd(name: str, text: str) -> int:

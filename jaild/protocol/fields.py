@@ -20,11 +20,44 @@ Check = Callable[[str, Any], Any]
 """A check takes (field path, value) and returns the (possibly normalised) value or raises."""
 
 MAX_ANY_DEPTH = 32
-"""Nesting limit for free-form values (schemas, records) checked with :func:`any_value`."""
+"""Nesting limit for free-form values (schemas, maps) checked with :func:`any_value`."""
+
+# Limits shared by the messages (:mod:`jaild.protocol.messages`) and the records they carry
+# (:mod:`jaild.protocol.records`); both modules export them.
+MAX_NAME_CHARS = 128
+MAX_MESSAGE_CHARS = 1 << 16
+MAX_REF = (1 << 63) - 1
+JOB_ID = r"[a-z0-9\-]{1,64}"
+SESSION_ID = r"ses-[a-z0-9]{1,60}"
 
 
 def _fail(path: str, reason: str) -> LocalProtocolError:
     return LocalProtocolError(f"field {path!r}: {reason}")
+
+
+def show_number(v: float) -> str:
+    """A bound as PROTOCOL.md writes it: ``2^20``, ``2^63-1``, ``86,400``, ``0.001``."""
+    if isinstance(v, float) and not v.is_integer():
+        return repr(v)
+    i = int(v)
+    if i >= 1 << 16 and i & (i - 1) == 0:
+        return f"2^{i.bit_length() - 1}"
+    if i >= (1 << 16) - 1 and (i + 1) & i == 0:
+        return f"2^{i.bit_length()}-1"
+    return f"{i:,}"
+
+
+def describe(check: Check, limit: str | None) -> Check:
+    """Attach the human form of a check's limit (``check.limit``; None: no limit), which
+    PROTOCOL.md's field-limit table states and a test compares."""
+    setattr(check, "limit", limit)  # noqa: B010 -- a function attribute, not a typo
+    return check
+
+
+def limit_of(check: Check) -> str | None:
+    """The limit a check enforces, as PROTOCOL.md states it (None: none beyond the type)."""
+    limit: str | None = getattr(check, "limit", None)
+    return limit
 
 
 def _utf8_ok(v: str) -> bool:
@@ -52,7 +85,8 @@ def string(max_len: int, *, min_len: int = 0, pattern: str | None = None) -> Che
             raise _fail(path, "not encodable as UTF-8 (lone surrogate)")
         return v
 
-    return check
+    size = f"{min_len}..{show_number(max_len)}" if min_len else f"at most {show_number(max_len)}"
+    return describe(check, f"{size} chars" + (f" matching `{pattern}`" if pattern else ""))
 
 
 def integer(lo: int, hi: int) -> Check:
@@ -63,7 +97,7 @@ def integer(lo: int, hi: int) -> Check:
             raise _fail(path, f"{v} outside {lo}..{hi}")
         return v
 
-    return check
+    return describe(check, f"{show_number(lo)} .. {show_number(hi)}")
 
 
 def number(lo: float, hi: float) -> Check:
@@ -74,7 +108,7 @@ def number(lo: float, hi: float) -> Check:
             raise _fail(path, f"{v} outside {lo}..{hi}")
         return v
 
-    return check
+    return describe(check, f"{show_number(lo)} .. {show_number(hi)}")
 
 
 def boolean() -> Check:
@@ -83,7 +117,7 @@ def boolean() -> Check:
             raise _fail(path, f"expected a boolean, got {type(v).__name__}")
         return v
 
-    return check
+    return describe(check, None)
 
 
 def binary(max_len: int) -> Check:
@@ -94,7 +128,7 @@ def binary(max_len: int) -> Check:
             raise _fail(path, f"{len(v)} bytes exceeds {max_len}")
         return v
 
-    return check
+    return describe(check, f"at most {show_number(max_len)} bytes")
 
 
 def one_of(*values: str) -> Check:
@@ -105,14 +139,14 @@ def one_of(*values: str) -> Check:
             raise _fail(path, f"expected one of {sorted(allowed)}, got {v!r}")
         return v
 
-    return check
+    return describe(check, "one of " + ", ".join(f"`{v}`" for v in values))
 
 
 def optional(inner: Check) -> Check:
     def check(path: str, v: Any) -> Any:
         return None if v is None else inner(path, v)
 
-    return check
+    return describe(check, limit_of(inner))
 
 
 def list_of(inner: Check, max_items: int) -> Check:
@@ -125,7 +159,10 @@ def list_of(inner: Check, max_items: int) -> Check:
             raise _fail(path, f"{len(v)} items exceeds {max_items}")
         return tuple(inner(f"{path}[{i}]", item) for i, item in enumerate(v))
 
-    return check
+    each = limit_of(inner)
+    return describe(
+        check, f"at most {show_number(max_items)} items" + (f"; each {each}" if each else "")
+    )
 
 
 def map_of(key: Check, value: Check, max_items: int) -> Check:
@@ -136,7 +173,13 @@ def map_of(key: Check, value: Check, max_items: int) -> Check:
             raise _fail(path, f"{len(v)} entries exceeds {max_items}")
         return {key(f"{path}.<key>", k): value(f"{path}.{k}", item) for k, item in v.items()}
 
-    return check
+    keys, values = limit_of(key), limit_of(value)
+    return describe(
+        check,
+        f"at most {show_number(max_items)} entries"
+        + (f"; keys {keys}" if keys else "")
+        + (f"; values {values}" if values else ""),
+    )
 
 
 _SCALARS = (type(None), bool, int, float, str, bytes)
@@ -172,7 +215,7 @@ def any_value(max_depth: int = MAX_ANY_DEPTH) -> Check:
                 raise _fail(path, f"{t.__name__} is not a plain msgpack value")
         return v
 
-    return check
+    return describe(check, f"nested at most {max_depth} levels")
 
 
 def any_map(max_depth: int = MAX_ANY_DEPTH) -> Check:
@@ -184,7 +227,7 @@ def any_map(max_depth: int = MAX_ANY_DEPTH) -> Check:
             raise _fail(path, f"expected a map, got {type(v).__name__}")
         return inner(path, v)
 
-    return check
+    return describe(check, limit_of(inner))
 
 
 S = TypeVar("S", bound="Struct")
@@ -233,6 +276,8 @@ class Struct:
                 value = value.to_wire()
             elif type(value) is tuple:
                 value = [v.to_wire() if isinstance(v, Struct) else v for v in value]
+            elif type(value) is dict and value and isinstance(next(iter(value.values())), Struct):
+                value = {k: v.to_wire() for k, v in value.items()}
             out[name] = value
         return out
 
@@ -264,7 +309,7 @@ def nested(cls: type[S]) -> Check:
         except TypeError as exc:
             raise _fail(path, str(exc)) from None
 
-    return check
+    return describe(check, None)
 
 
 @dataclass_transform(frozen_default=True, field_specifiers=(field, dataclasses.field))

@@ -13,6 +13,10 @@ requests (``RunJob``, ``CallTool``) and past tense for facts (``JobFinished``,
 (``CallTool`` carries ``job_id`` only on the client link: on the jail link the
 job is whatever jail the channel belongs to, never a field a jail could forge).
 
+Reports -- a job's result record, the entries of ``JobList`` and ``PolicyList``, the totals
+of ``Stats`` -- are the typed structs of :mod:`jaild.protocol.records`, checked like any
+message.
+
 Tool arguments, tool results and job results travel as *packed* msgpack bytes
 (``args``, ``value``, ``result``): the daemon routes them without decoding, and
 their size is simply their length.
@@ -28,6 +32,11 @@ from typing import Any, ClassVar, Literal
 import msgpack
 
 from jaild.errors import LocalProtocolError, RemoteProtocolError
+from jaild.protocol.fields import JOB_ID as JOB_ID
+from jaild.protocol.fields import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
+from jaild.protocol.fields import MAX_NAME_CHARS as MAX_NAME_CHARS
+from jaild.protocol.fields import MAX_REF as MAX_REF
+from jaild.protocol.fields import SESSION_ID as SESSION_ID
 from jaild.protocol.fields import (
     Struct,
     any_map,
@@ -45,20 +54,16 @@ from jaild.protocol.fields import (
     string,
     struct,
 )
+from jaild.protocol.records import DaemonStats, JobEntry, JobRecord, PolicyEntry, SessionInfo
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 MAX_CODE_CHARS = 1 << 20
-MAX_NAME_CHARS = 128
 MAX_DESCRIPTION_CHARS = 8192
 MAX_TOOLS = 512
-MAX_MESSAGE_CHARS = 1 << 16
 MAX_PAYLOAD_BYTES = 64 << 20
-MAX_REF = (1 << 63) - 1
 
 TOOL_NAME = r"[A-Za-z_][A-Za-z0-9_.\-]*"
-JOB_ID = r"[a-z0-9\-]{1,64}"
-SESSION_ID = r"ses-[a-z0-9]{1,60}"
 POLICY_NAME = r"[a-z0-9][a-z0-9_\-]{0,63}"
 
 _name = string(MAX_NAME_CHARS, min_len=1)
@@ -248,7 +253,7 @@ class ClientCallTool(Message):
 class JobFinished(Message):
     TYPE = "JobFinished"
     job_id: str = field(_job_id)
-    record: dict[str, Any] = field(any_map())
+    record: JobRecord = field(nested(JobRecord))
     result: bytes | None = field(optional(_payload), default=None)
     files: dict[str, bytes] = field(_files, default_factory=dict)
 
@@ -258,7 +263,7 @@ class SessionOpened(Message):
     TYPE = "SessionOpened"
     ref: int = field(_ref)
     session_id: str = field(_session_id)
-    record: dict[str, Any] = field(any_map(), default_factory=dict)
+    record: SessionInfo = field(nested(SessionInfo))
 
 
 @struct
@@ -275,7 +280,7 @@ class SessionClosed(Message):
 class JobList(Message):
     TYPE = "JobList"
     ref: int = field(_ref)
-    jobs: tuple[dict[str, Any], ...] = field(list_of(any_map(), 1 << 16))
+    jobs: tuple[JobEntry, ...] = field(list_of(nested(JobEntry), 1 << 16))
 
 
 @struct
@@ -290,14 +295,14 @@ class Killed(Message):
 class Stats(Message):
     TYPE = "Stats"
     ref: int = field(_ref)
-    stats: dict[str, Any] = field(any_map())
+    stats: DaemonStats = field(nested(DaemonStats))
 
 
 @struct
 class PolicyList(Message):
     TYPE = "PolicyList"
     ref: int = field(_ref)
-    policies: tuple[dict[str, Any], ...] = field(list_of(any_map(), 1024))
+    policies: tuple[PolicyEntry, ...] = field(list_of(nested(PolicyEntry), 1024))
 
 
 @struct
@@ -430,6 +435,37 @@ MESSAGES: dict[Direction, dict[str, type[Message]]] = {
     "jail->daemon": {m.TYPE: m for m in (JailReady, JailCallTool, CodeFinished)},
 }
 """Every message, by the direction it travels. ``proto/PROTOCOL.md`` documents exactly these."""
+
+
+# --------------------------------------------------------------------------- frame sizes
+
+FRAME_OVERHEAD = 4 * 2 * MAX_MESSAGE_CHARS + MAX_MESSAGE_CHARS
+"""Room on the jail link beyond the payload limits: ``CodeFinished`` may carry a message and
+a traceback of ``MAX_MESSAGE_CHARS`` each besides the result (UTF-8: up to 4 bytes a
+character), plus the rest of the frame."""
+
+
+def jail_link_max_frame(
+    *,
+    tool_payload_bytes: int,
+    result_bytes: int,
+    max_bytes: int,
+    max_files: int,
+    max_path_chars: int,
+) -> int:
+    """The supervisor's maximum frame size on a job's jail link (PROTOCOL.md section 2).
+
+    Args:
+        tool_payload_bytes, result_bytes: the job's limits of those names.
+        max_bytes, max_files, max_path_chars: the policy's ``[files]`` limits (what
+            ``CodeFinished.files`` may carry: contents, and a listing entry per file).
+    """
+    return (
+        max(tool_payload_bytes, result_bytes)
+        + FRAME_OVERHEAD
+        + max_bytes
+        + max_files * (max_path_chars + 256)
+    )
 
 
 # --------------------------------------------------------------------------- encode / decode

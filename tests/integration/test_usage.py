@@ -16,6 +16,7 @@ import pytest
 
 from jaild.client import Client
 from jaild.protocol.messages import JobAccepted, JobFinished, JobOutput, RunJob
+from jaild.protocol.records import JobRecord
 from tests.conftest import (
     DaemonHandle,
     RawClient,
@@ -156,7 +157,7 @@ def test_totals_per_policy_and_uid(tmp_path: Path) -> None:
 
 
 def stalled_job(socket_path: str, policy: str,
-                stall: Callable[[str], object]) -> tuple[int, dict[str, object]]:
+                stall: Callable[[str], object]) -> tuple[int, JobRecord]:
     """Run FLOOD; read nothing but its JobAccepted until ``stall(job_id)`` returns, then
     read it all: (bytes streamed, record)."""
     streamed = 0
@@ -214,12 +215,12 @@ def test_a_slow_client_pauses_the_jobs_output(ud: DaemonHandle) -> None:
         seen["still blocked"] = writes_blocked(ud, job_id)
 
     streamed, record = stalled_job(ud.socket, "flood-pause", stall)
-    usage = record["usage"]
-    assert record["status"] == "ok", record["error"]
+    usage = record.usage
+    assert record.status == "ok" and usage is not None, record.error
     assert seen == {"still running": True, "still blocked": True}  # the job waited ...
-    assert usage["stream_paused_s"] > 0
-    assert streamed == FLOOD_BYTES == usage["output_bytes"]  # ... and lost nothing
-    assert len(record["stdout"]) == FLOOD_BYTES and usage["stream_dropped_bytes"] == 0
+    assert usage.stream_paused_s > 0
+    assert streamed == FLOOD_BYTES == usage.output_bytes  # ... and lost nothing
+    assert len(record.stdout) == FLOOD_BYTES and usage.stream_dropped_bytes == 0
 
 
 def test_a_slow_client_gets_a_truncated_stream_by_policy(ud: DaemonHandle) -> None:
@@ -227,12 +228,12 @@ def test_a_slow_client_gets_a_truncated_stream_by_policy(ud: DaemonHandle) -> No
         until(lambda: not listed(ud, job_id), "the job's end")
 
     streamed, record = stalled_job(ud.socket, "flood-truncate", stall)
-    usage = record["usage"]
-    assert record["status"] == "ok", record["error"]
+    usage = record.usage
+    assert record.status == "ok" and usage is not None, record.error
     # the job did not wait for the client: it ended while the client read nothing
-    assert usage["stream_dropped_bytes"] > 0 and usage["stream_paused_s"] == 0
-    assert streamed + usage["stream_dropped_bytes"] == FLOOD_BYTES  # said, not lost silently
-    assert len(record["stdout"]) == FLOOD_BYTES  # the record has all of it
+    assert usage.stream_dropped_bytes > 0 and usage.stream_paused_s == 0
+    assert streamed + usage.stream_dropped_bytes == FLOOD_BYTES  # said, not lost silently
+    assert len(record.stdout) == FLOOD_BYTES  # the record has all of it
 
 
 def test_other_clients_are_served_while_one_stalls(ud: DaemonHandle) -> None:
@@ -240,7 +241,7 @@ def test_other_clients_are_served_while_one_stalls(ud: DaemonHandle) -> None:
 
     stalled: list[str] = []
     release = threading.Event()
-    box: list[tuple[int, dict[str, object]]] = []
+    box: list[tuple[int, JobRecord]] = []
 
     def stall(job_id: str) -> None:
         stalled.append(job_id)
@@ -259,5 +260,5 @@ def test_other_clients_are_served_while_one_stalls(ud: DaemonHandle) -> None:
     finally:
         release.set()
         thread.join(120)
-    assert box and box[0][1]["status"] == "ok"
-    assert box[0][1]["usage"]["stream_paused_s"] > 0  # type: ignore[index]
+    assert box and box[0][1].status == "ok"
+    assert box[0][1].usage is not None and box[0][1].usage.stream_paused_s > 0

@@ -21,15 +21,21 @@ from jaild.daemon.metrics import (
     _quantile,
     parse_address,
 )
+from jaild.protocol.records import JobError, JobRecord, Usage
 
 
 def record(policy: str = "default", status: str = "ok", duration_s: float = 0.02,
            wall_s: float = 0.01, user: float | None = 0.004, system: float | None = 0.001,
-           ) -> dict[str, Any]:
-    return {
-        "policy": policy, "status": status, "duration_s": duration_s,
-        "usage": {"wall_s": wall_s, "cpu_user_s": user, "cpu_system_s": system},
-    }
+           ran: bool = True) -> JobRecord:
+    usage = Usage(wall_s=wall_s, cpu_user_s=user, cpu_system_s=system, memory_peak_bytes=None,
+                  pids_peak=None, output_bytes=0, tool_calls=0, tool_time_s=0.0,
+                  stream_paused_s=0.0, stream_dropped_bytes=0)
+    return JobRecord(
+        job_id="job-0000000000000001", policy=policy, status=status, stdout="", stderr="",
+        error=None if status == "ok" else JobError(type="Error", message=""), tool_calls=(),
+        duration_s=duration_s, limits={}, usage=usage if ran else None, files=(),
+        files_skipped=(), tool_calls_omitted=0, session=None,
+    )
 
 
 def samples(m: Metrics) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -77,11 +83,11 @@ def test_jobs_by_policy_and_status_latency_and_cpu() -> None:
 
 def test_a_job_whose_code_never_ran_counts_but_has_no_wall_time() -> None:
     m = Metrics()
-    m.job_finished({"policy": "default", "status": "error", "duration_s": 0.0, "usage": {}}, 0)
-    m.job_finished({"policy": "default", "status": "internal_error"}, 0)
+    m.job_finished(record(status="error", duration_s=0.0, ran=False), 0)
+    m.job_finished(record(status="internal_error", duration_s=0.0, ran=False), 0)
     assert value(m, "jaild_jobs_total", policy="default", status="error") == 1
     assert value(m, "jaild_jobs_total", policy="default", status="internal_error") == 1
-    assert value(m, "jaild_job_duration_seconds_count", policy="default") == 1
+    assert value(m, "jaild_job_duration_seconds_count", policy="default") == 2
     assert value(m, "jaild_job_wall_seconds_count", policy="default") is None
     assert value(m, "jaild_job_cpu_seconds_total", policy="default", mode="user") is None
 

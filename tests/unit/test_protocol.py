@@ -119,7 +119,36 @@ RECORD = {
     "tool_calls": [{"name": "search", "duration_s": 0.25, "ok": True}],
     "duration_s": 1.5,
     "limits": {"wall_time_s": 30.0, "memory_mb": 256, "network": "none"},
+    "usage": {
+        "wall_s": 1.2, "cpu_user_s": 0.5, "cpu_system_s": None, "memory_peak_bytes": 1 << 20,
+        "pids_peak": 3, "output_bytes": 3, "tool_calls": 1, "tool_time_s": 0.25,
+        "stream_paused_s": 0.0, "stream_dropped_bytes": 0,
+    },
+    "files": [{"path": "out/r.csv", "size": 4, "sha256": "0" * 64}],
+    "files_skipped": [],
+    "tool_calls_omitted": 0,
+    "session": None,
 }
+SESSION = {"policy": "default", "idle_s": 300.0, "max_lifetime_s": 3600.0,
+           "limits": {"wall_time_s": 30.0, "slow_client": "pause"}}
+OK_RECORD = {**RECORD, "status": "ok", "error": None, "usage": None, "files": [],
+             "tool_calls": []}
+POOL = {"mode": "spawn", "min": 0, "max": 4, "target": 1, "ready": 1}
+POLICY = {
+    "name": "default", "description": "", "limits": {"memory_mb": 256}, "network": "none",
+    "seccomp": {"profile": "default", "action": "kill"}, "env": "default", "available": True,
+    "problems": "", "pool": POOL,
+}
+JOB_ENTRY = {"id": JOB, "kind": "job", "policy": "default", "uid": 0, "client_pid": 1,
+             "state": "running", "age_s": 0.5}
+TOTALS = {
+    "jobs": 1, "statuses": {"ok": 1}, "wall_s": 0.1, "cpu_user_s": 0.0, "cpu_system_s": 0.0,
+    "memory_peak_bytes": 0, "pids_peak": 0, "output_bytes": 0, "tool_calls": 0,
+    "tool_time_s": 0.0, "files_uploaded": 0, "files_downloaded": 0, "sessions": 0,
+}
+STATS = {"since": 1.0, "policies": {"default": TOTALS}, "uids": {"0": TOTALS},
+         "running": {"jobs": 0, "sessions": 0, "connections": 1}, "pools": {"default": POOL},
+         "metrics": {"jobs": {}}}
 
 # Every message class, at least twice: required fields only, and every field set (edges where
 # a limit is cheap to reach). Keyed by direction, in MESSAGES order.
@@ -169,20 +198,21 @@ SAMPLES: dict[str, list[Message]] = {
         JobOutput(job_id=JOB, stream="stdout", data=b"hello\n"),
         JobOutput(job_id=JOB, stream="stderr", data=b"\xff\xfe not utf-8"),
         ClientCallTool(job_id=JOB, call_id=0, name="search", args=msgpack.packb([[], {}])),
-        JobFinished(job_id=JOB, record={}),
-        JobFinished(job_id=JOB, record=RECORD, result=msgpack.packb({"answer": 42})),
+        JobFinished(job_id=JOB, record=OK_RECORD),  # type: ignore[arg-type]
+        JobFinished(job_id=JOB, record=RECORD,  # type: ignore[arg-type]
+                    result=msgpack.packb({"answer": 42})),
         PolicyList(ref=3, policies=()),
-        PolicyList(ref=3, policies=({"name": "default", "limits": {"memory_mb": 256}},)),
+        PolicyList(ref=3, policies=(POLICY,)),  # type: ignore[arg-type]
         Error(code="busy", message="try later"),
         Error(code="unknown_job", message="no job", ref=5, job_id=JOB),
-        JobFinished(job_id=JOB, record=RECORD, files={"out/r.csv": b"x,y\n"}),
-        SessionOpened(ref=4, session_id="ses-0123abcd"),
-        SessionOpened(ref=4, session_id="ses-0123abcd", record={"policy": "default"}),
+        JobFinished(job_id=JOB, record=RECORD,  # type: ignore[arg-type]
+                    files={"out/r.csv": b"x,y\n"}),
+        SessionOpened(ref=4, session_id="ses-0123abcd", record=SESSION),  # type: ignore[arg-type]
         SessionClosed(session_id="ses-0123abcd", reason="idle", message="idle for 300 s"),
         JobList(ref=6, jobs=()),
-        JobList(ref=6, jobs=({"id": JOB, "kind": "job", "uid": 0},)),
+        JobList(ref=6, jobs=(JOB_ENTRY,)),  # type: ignore[arg-type]
         Killed(ref=8, id=JOB, kind="job"),
-        Stats(ref=9, stats={"policies": {}, "uids": {}}),
+        Stats(ref=9, stats=STATS),  # type: ignore[arg-type]
     ],
     "daemon->jail": [
         Harden(protocol=PROTOCOL_VERSION, seccomp={}),
@@ -447,9 +477,10 @@ def test_a_whole_client_conversation() -> None:
     to_client(JobOutput(job_id=JOB, stream="stdout", data=b"..."))
     to_client(ClientCallTool(job_id=JOB, call_id=1, name="search", args=msgpack.packb([[], {}])))
     to_daemon(ClientToolReturned(job_id=JOB, call_id=1, value=msgpack.packb(["X"])))
-    to_client(JobFinished(job_id=JOB, record=RECORD, result=msgpack.packb(["X"])))
+    to_client(JobFinished(job_id=JOB, record=RECORD,  # type: ignore[arg-type]
+                          result=msgpack.packb(["X"])))
     to_daemon(ListPolicies(ref=2))
-    to_client(PolicyList(ref=2, policies=[{"name": "default"}]))
+    to_client(PolicyList(ref=2, policies=[POLICY]))  # type: ignore[arg-type]
     daemon.receive_data(b"")
     assert daemon.next_event() is CLOSED
     assert (client.state, daemon.state) == (State.READY, State.READY)
@@ -584,12 +615,27 @@ def _add(key: Any, value: Any) -> Callable[[dict[Any, Any]], None]:
 RUN = first("client->daemon", "RunJob")
 CANCEL = CancelJob(job_id=JOB)
 TOOL_OK = ClientToolReturned(job_id=JOB, call_id=1, value=b"\xc0")
-FINISHED = JobFinished(job_id=JOB, record=RECORD)
+FINISHED = JobFinished(job_id=JOB, record=RECORD)  # type: ignore[arg-type]
 HARDEN = Harden(protocol=PROTOCOL_VERSION, seccomp={"rules": []})
 CODE = RunCode(code="x", filename="<job>", tools=(SPEC,), tool_payload_bytes=1, result_bytes=1)
 CALL = JailCallTool(call_id=1, name="search", args=b"")
 DONE = CodeFinished(ok=False, error=ErrorInfo(type="E", message="m"))
-POLICIES = PolicyList(ref=1, policies=[{"name": "default"}])
+POLICIES = PolicyList(ref=1, policies=[POLICY])  # type: ignore[arg-type]
+STATS_MSG = Stats(ref=1, stats=STATS)  # type: ignore[arg-type]
+JOBS = JobList(ref=1, jobs=[JOB_ENTRY])  # type: ignore[arg-type]
+
+
+def metrics(value: dict[Any, Any]) -> bytes:
+    """STATS_MSG with ``value`` as its free-form ``stats.metrics`` map."""
+    return wire_raw(STATS_MSG, lambda d: d["stats"].update(metrics=value))
+
+
+def metrics_splice(raw: bytes) -> bytes:
+    """STATS_MSG with raw msgpack bytes as its ``stats.metrics``."""
+    marker = "\x00splice\x00"
+    packed = metrics(marker)  # type: ignore[arg-type]
+    assert packed.count(msgpack.packb(marker)) == 1
+    return packed.replace(msgpack.packb(marker), raw)
 SPEC_WIRE = SPEC.to_wire()
 
 # (id, direction, base message, the defective payload). The base message is the positive
@@ -666,23 +712,36 @@ MUTATIONS: list[tuple[str, str, Message, bytes]] = [
      wire(Hello(protocol=PROTOCOL_VERSION), protocol=(1 << 16) + 1)),
     ("ext-field", "jail->daemon", CALL, wire(CALL, args=ext(5))),
     ("ext-type", "client->daemon", RUN, wire(RUN, type=ext(1))),
-    ("ext-in-record", "daemon->client", FINISHED, wire(FINISHED, record={"x": [ext(0)]})),
-    ("ext-negative", "daemon->client", FINISHED,
-     wire_splice(FINISHED, "record", b"\x81\xa1x\xd4\xfb\x00")),  # {"x": fixext1 type -5}
-    ("timestamp-ext", "daemon->client", FINISHED,
-     wire(FINISHED, record={"at": msgpack.Timestamp(1, 0)})),
+    ("ext-in-record", "daemon->client", STATS_MSG, metrics({"x": [ext(0)]})),
+    ("ext-negative", "daemon->client", STATS_MSG,
+     metrics_splice(b"\x81\xa1x\xd4\xfb\x00")),  # {"x": fixext1 type -5}
+    ("timestamp-ext", "daemon->client", STATS_MSG, metrics({"at": msgpack.Timestamp(1, 0)})),
     ("timestamp-as-field", "client->daemon", RUN, wire(RUN, ref=msgpack.Timestamp(1, 0))),
-    ("deep-record", "daemon->client", FINISHED,
-     wire(FINISHED, record={"x": nested_lists(MAX_ANY_DEPTH)})),
+    ("deep-record", "daemon->client", STATS_MSG, metrics({"x": nested_lists(MAX_ANY_DEPTH)})),
     ("deep-seccomp", "daemon->jail", HARDEN, deep_harden(5000)),
     ("deep-parameters", "client->daemon", RUN,
      wire(RUN, tools=[{"name": "t", "parameters": {"p": nested_lists(MAX_ANY_DEPTH)}}])),
-    ("record-bytes-key", "daemon->client", FINISHED,
-     wire_raw(FINISHED, lambda d: d["record"].update({b"k": 1}))),
-    ("record-float-key", "daemon->client", FINISHED,
-     wire_raw(FINISHED, lambda d: d["record"].update({1.5: 1}))),
-    ("record-nil-key", "daemon->client", FINISHED,
-     wire_raw(FINISHED, lambda d: d["record"].update({None: 1}))),
+    ("record-bytes-key", "daemon->client", STATS_MSG, metrics({b"k": 1})),
+    ("record-float-key", "daemon->client", STATS_MSG, metrics({1.5: 1})),
+    ("record-nil-key", "daemon->client", STATS_MSG, metrics({None: 1})),
+    ("record-status-not-a-status", "daemon->client", FINISHED,
+     wire_raw(FINISHED, lambda d: d["record"].update(status="refused"))),
+    ("record-unknown-field", "daemon->client", FINISHED,
+     wire_raw(FINISHED, lambda d: d["record"].update(result=1))),
+    ("record-missing-field", "daemon->client", FINISHED,
+     wire_raw(FINISHED, lambda d: d["record"].pop("usage"))),
+    ("record-usage-missing-field", "daemon->client", FINISHED,
+     wire_raw(FINISHED, lambda d: d["record"]["usage"].pop("wall_s"))),
+    ("record-ext-in-stdout", "daemon->client", FINISHED,
+     wire_raw(FINISHED, lambda d: d["record"].update(stdout=ext(0)))),
+    ("record-call-not-a-map", "daemon->client", FINISHED,
+     wire_raw(FINISHED, lambda d: d["record"].update(tool_calls=["search"]))),
+    ("stats-free-form", "daemon->client", STATS_MSG,
+     wire_raw(STATS_MSG, lambda d: d["stats"].update(extra=1))),
+    ("job-entry-unknown-field", "daemon->client", JOBS,
+     wire_raw(JOBS, lambda d: d["jobs"][0].update(extra=1))),
+    ("policy-entry-pool-unknown-field", "daemon->client", POLICIES,
+     wire_raw(POLICIES, lambda d: d["policies"][0]["pool"].update(extra=1))),
 ]
 
 
@@ -976,14 +1035,47 @@ BAD_CONSTRUCTIONS: list[tuple[str, type[Any], dict[str, Any]]] = [
     ("call-tool-args-none", ClientCallTool, {"job_id": JOB, "call_id": 1, "name": "t",
                                              "args": None}),
     ("job-finished-record-list", JobFinished, {"job_id": JOB, "record": []}),
-    ("job-finished-record-set", JobFinished, {"job_id": JOB, "record": {"s": {1}}}),
-    ("job-finished-record-surrogate-key", JobFinished, {"job_id": JOB, "record": {"\udc80": 1}}),
-    ("job-finished-record-too-deep", JobFinished,
-     {"job_id": JOB, "record": {"x": nested_lists(MAX_ANY_DEPTH)}}),
+    ("job-finished-record-empty", JobFinished, {"job_id": JOB, "record": {}}),
+    ("job-finished-record-unknown-field", JobFinished,
+     {"job_id": JOB, "record": {**RECORD, "result": 1}}),
+    ("job-finished-record-status", JobFinished,
+     {"job_id": JOB, "record": {**RECORD, "status": "refused"}}),
+    ("job-finished-record-ok-with-error", JobFinished,
+     {"job_id": JOB, "record": {**RECORD, "status": "ok"}}),
+    ("job-finished-record-error-without-error", JobFinished,
+     {"job_id": JOB, "record": {**RECORD, "error": None}}),
+    ("job-finished-record-surrogate-stdout", JobFinished,
+     {"job_id": JOB, "record": {**RECORD, "stdout": "\udc80"}}),
+    ("job-finished-record-usage-negative", JobFinished,
+     {"job_id": JOB, "record": {**RECORD, "usage": {**RECORD["usage"], "wall_s": -1.0}}}),
+    ("job-finished-record-call-unknown-key", JobFinished,
+     {"job_id": JOB, "record": {**RECORD, "tool_calls": [{"name": "t", "duration_s": 0,
+                                                          "ok": True, "x": 1}]}}),
+    ("job-finished-record-file-sha", JobFinished,
+     {"job_id": JOB, "record": {**RECORD, "files": [{"path": "a", "size": 1, "sha256": "x"}]}}),
+    ("job-finished-record-limit-nan", JobFinished,
+     {"job_id": JOB, "record": {**RECORD, "limits": {"x": math.nan}}}),
+    ("job-finished-record-session-id", JobFinished,
+     {"job_id": JOB, "record": {**RECORD, "session": {"id": JOB, "run": 1, "closed": None}}}),
+    ("job-finished-record-calls-over-max", JobFinished,
+     {"job_id": JOB, "record": {**RECORD, "tool_calls": RECORD["tool_calls"] * 1001}}),
     ("policy-list-not-maps", PolicyList, {"ref": 1, "policies": ["default"]}),
+    ("policy-list-empty-map", PolicyList, {"ref": 1, "policies": [{}]}),
+    ("policy-list-pool-missing", PolicyList,
+     {"ref": 1, "policies": [{k: v for k, v in POLICY.items() if k != "pool"}]}),
+    ("job-list-kind", JobList, {"ref": 1, "jobs": [{**JOB_ENTRY, "kind": "jail"}]}),
+    ("job-list-uid-negative", JobList, {"ref": 1, "jobs": [{**JOB_ENTRY, "uid": -1}]}),
+    ("stats-free-form", Stats, {"ref": 1, "stats": {"policies": {}, "uids": {}}}),
+    ("stats-status-unknown", Stats,
+     {"ref": 1, "stats": {**STATS, "uids": {"0": {**TOTALS, "statuses": {"refused": 1}}}}}),
+    ("stats-uid-not-decimal", Stats, {"ref": 1, "stats": {**STATS, "uids": {"root": TOTALS}}}),
     ("error-code-empty", Error, {"code": "", "message": ""}),
     ("error-job-id-pattern", Error, {"code": "c", "message": "", "job_id": "X"}),
     ("harden-seccomp-list", Harden, {"protocol": 1, "seccomp": []}),
+    ("harden-seccomp-set", Harden, {"protocol": 1, "seccomp": {"s": {1}}}),
+    ("harden-seccomp-surrogate-key", Harden, {"protocol": 1, "seccomp": {"\udc80": 1}}),
+    ("harden-seccomp-too-deep", Harden,
+     {"protocol": 1, "seccomp": {"x": nested_lists(MAX_ANY_DEPTH)}}),
     ("runcode-payload-over-max", RunCode, {**_CODE, "tool_payload_bytes": MAX_PAYLOAD_BYTES + 1}),
     ("runcode-filename-empty", RunCode, {**_CODE, "filename": ""}),
     ("call-tool-name-empty", JailCallTool, {"call_id": 1, "name": "", "args": b""}),
@@ -1007,12 +1099,14 @@ def test_an_illegal_message_cannot_be_built(case: str, cls: type[Any],
 def test_positive_control_the_same_messages_without_the_defect_are_built() -> None:
     RunJob(ref=1, code="print('ü ✓ \U0001f600')", policy="p",
            tools=({"name": "t", "description": "d"},), limits={"x": 0.5})  # type: ignore[arg-type]
-    JobFinished(job_id=JOB, record={"s": [1], 2: {"k": b"v"}, "f": math.nan})
+    JobFinished(job_id=JOB, record=RECORD)  # type: ignore[arg-type]
     JailToolFailed(call_id=1, error_type="E", message="\u00e9")
     Harden(protocol=1, seccomp={})
     ToolSpec(name="t", parameters={})
-    PolicyList(ref=1, policies=[{}])
-    JobFinished(job_id=JOB, record={"x": nested_lists(MAX_ANY_DEPTH - 1)})  # 32 levels
+    PolicyList(ref=1, policies=[POLICY])  # type: ignore[arg-type]
+    JobList(ref=1, jobs=[JOB_ENTRY])  # type: ignore[arg-type]
+    Stats(ref=1, stats=STATS)  # type: ignore[arg-type]
+    Harden(protocol=1, seccomp={"x": nested_lists(MAX_ANY_DEPTH - 1)})  # 32 levels
 
 
 def test_messages_are_frozen_and_normalised() -> None:

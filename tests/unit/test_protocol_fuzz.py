@@ -74,6 +74,23 @@ from jaild.protocol.messages import (
     ToolSpec,
     Welcome,
 )
+from jaild.protocol.records import (
+    STATUSES,
+    DaemonStats,
+    FileEntry,
+    JobEntry,
+    JobError,
+    JobRecord,
+    PolicyEntry,
+    PoolInfo,
+    RunningCounts,
+    SessionInfo,
+    SessionRun,
+    SkippedFile,
+    ToolCallEntry,
+    Usage,
+    UsageTotals,
+)
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 QUICK = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -152,6 +169,90 @@ files = st.dictionaries(text(1, 40), payload, max_size=3)
 patterns = st.lists(text(1, 20), max_size=3).map(tuple)
 
 
+# the records (jaild.protocol.records): every field, nil or not, at its edges now and then
+seconds = st.floats(0, 1e9, allow_nan=False)
+count = st.integers(0, MAX_REF)
+opt = st.none
+policy_name = text(1, 64)
+job_error = st.builds(
+    JobError,
+    type=text(1, 256),
+    message=text(),
+    traceback=text(max_size=80),
+    lineno=opt() | st.integers(0, 1 << 31),
+    signal=opt() | text(1, 32),
+    syscall=opt() | text(1, 64),
+    limit=opt() | text(1, 64),
+)
+record_limits = st.dictionaries(
+    text(1, 64),
+    st.integers(0, 1 << 53) | st.floats(0, float(1 << 53), allow_nan=False) | text(max_size=64),
+    max_size=5,
+)
+usage = st.builds(
+    Usage, wall_s=seconds, cpu_user_s=opt() | seconds, cpu_system_s=opt() | seconds,
+    memory_peak_bytes=opt() | count, pids_peak=opt() | count, output_bytes=count,
+    tool_calls=count, tool_time_s=seconds, stream_paused_s=seconds, stream_dropped_bytes=count,
+)
+job_record = st.fixed_dictionaries(dict(
+    job_id=job_id,
+    policy=policy_name,
+    status=st.sampled_from(STATUSES),
+    stdout=text(max_size=80),
+    stderr=text(max_size=80),
+    error=job_error,
+    tool_calls=st.lists(st.builds(ToolCallEntry, name=text(1, 128), duration_s=seconds,
+                                  ok=st.booleans(), error_type=opt() | text(1, 256)),
+                        max_size=3).map(tuple),
+    duration_s=seconds,
+    limits=record_limits,
+    usage=opt() | usage,
+    files=st.lists(st.builds(FileEntry, path=text(1, 80), size=count,
+                             sha256=st.from_regex(r"[0-9a-f]{64}", fullmatch=True)),
+                   max_size=3).map(tuple),
+    files_skipped=st.lists(st.builds(SkippedFile, path=text(max_size=40),
+                                     reason=text(max_size=40)), max_size=3).map(tuple),
+    tool_calls_omitted=count,
+    session=opt() | st.builds(SessionRun, id=session_id, run=opt() | count,
+                              closed=opt() | text(1, 64)),
+)).map(lambda kw: JobRecord(**{**kw, "error": None if kw["status"] == "ok" else kw["error"]}))
+session_info = st.builds(SessionInfo, policy=policy_name, idle_s=seconds,
+                         max_lifetime_s=seconds, limits=record_limits)
+pool_info = st.builds(
+    PoolInfo, mode=text(1, 64), min=count, max=count, target=count, ready=count,
+    hits=opt() | count, misses=opt() | count, made=opt() | count, failed=opt() | count,
+    recycled=opt() | count, jails=opt() | st.lists(job_id, max_size=3).map(tuple),
+)
+uid = st.integers(0, (1 << 32) - 1)
+job_entry = st.builds(
+    JobEntry, id=job_id, kind=st.sampled_from(["job", "session"]), policy=policy_name,
+    uid=uid, client_pid=uid, state=st.sampled_from(["starting", "running", "idle"]),
+    age_s=seconds, session=opt() | session_id, runs=opt() | count,
+    running=opt() | st.booleans(), idle_s=opt() | seconds, expires_in_s=opt() | seconds,
+    memory_bytes=opt() | count, cpu_s=opt() | seconds, pids=opt() | count,
+)
+policy_entry = st.builds(
+    PolicyEntry, name=policy_name, description=text(), limits=record_limits,
+    network=text(1, 64), seccomp=st.dictionaries(text(1, 64), text(max_size=64), max_size=2),
+    env=text(max_size=64), available=st.booleans(), problems=text(), pool=pool_info,
+)
+usage_totals = st.builds(
+    UsageTotals, jobs=count, statuses=st.dictionaries(st.sampled_from(STATUSES), count),
+    wall_s=seconds, cpu_user_s=seconds, cpu_system_s=seconds, memory_peak_bytes=count,
+    pids_peak=count, output_bytes=count, tool_calls=count, tool_time_s=seconds,
+    files_uploaded=count, files_downloaded=count, sessions=count,
+)
+daemon_stats = st.builds(
+    DaemonStats,
+    since=st.floats(0, 1e10),
+    policies=st.dictionaries(policy_name, usage_totals, max_size=2),
+    uids=st.dictionaries(st.integers(0, 1 << 32).map(str), usage_totals, max_size=2),
+    running=st.builds(RunningCounts, jobs=count, sessions=count, connections=count),
+    pools=st.dictionaries(policy_name, pool_info, max_size=2),
+    metrics=plain_map,
+)
+
+
 def message(cls: type[Message], required: dict[str, Any],
             optional: dict[str, Any] | None = None) -> st.SearchStrategy[Message]:
     """``cls`` built from the required fields and any subset of the optional ones."""
@@ -187,16 +288,16 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     Kill: message(Kill, {"ref": ref, "id": job_id}),
     GetStats: message(GetStats, {"ref": ref}),
     SessionOpened: message(
-        SessionOpened, {"ref": ref, "session_id": session_id}, {"record": plain_map}
+        SessionOpened, {"ref": ref, "session_id": session_id, "record": session_info}
     ),
     SessionClosed: message(
         SessionClosed, {"session_id": session_id, "reason": text(1, 64)}, {"message": text()}
     ),
-    JobList: message(JobList, {"ref": ref, "jobs": st.lists(plain_map, max_size=3).map(tuple)}),
+    JobList: message(JobList, {"ref": ref, "jobs": st.lists(job_entry, max_size=3).map(tuple)}),
     Killed: message(
         Killed, {"ref": ref, "id": job_id, "kind": st.sampled_from(["job", "session"])}
     ),
-    Stats: message(Stats, {"ref": ref, "stats": plain_map}),
+    Stats: message(Stats, {"ref": ref, "stats": daemon_stats}),
     CancelJob: message(CancelJob, {"job_id": job_id}),
     ListPolicies: message(ListPolicies, {"ref": ref}),
     ClientToolReturned: message(
@@ -218,11 +319,11 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     ),
     JobFinished: message(
         JobFinished,
-        {"job_id": job_id, "record": plain_map},
+        {"job_id": job_id, "record": job_record},
         {"result": st.none() | payload, "files": files},
     ),
     PolicyList: message(
-        PolicyList, {"ref": ref, "policies": st.lists(plain_map, max_size=3).map(tuple)}
+        PolicyList, {"ref": ref, "policies": st.lists(policy_entry, max_size=3).map(tuple)}
     ),
     Error: message(
         Error,

@@ -1,0 +1,248 @@
+"""The one place the daemon builds result records. Pure: explicit values in, structs out.
+
+Every :class:`~jaild.protocol.records.JobRecord` the daemon sends is made here -- a run's
+(:func:`job_record`), one that never reached a jail (:func:`syntax_error_record`), one that
+failed inside jaild (:func:`internal_error_record`) -- from values its caller measured.
+Nothing here does IO or reads a clock: the job reads its cgroup and its timers and passes
+the numbers in, so every rule of the record's shape (rounding, what a field holds when
+nothing ran, how long a message may be) is here once, and testable without root.
+
+Text that comes from elsewhere (an nsjail log, an exception's message, the jail's output)
+is made fit for the wire on the way in (:func:`~jaild.protocol.messages.safe_text`): a record
+never fails to build because a message was too long or held a lone surrogate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from jaild.policy.schema import Limits, Policy
+from jaild.protocol.messages import MAX_MESSAGE_CHARS, safe_text
+from jaild.protocol.records import (
+    MAX_CALL_RECORDS,
+    FileEntry,
+    JobError,
+    JobRecord,
+    SessionRun,
+    SkippedFile,
+    ToolCallEntry,
+    Usage,
+)
+
+INTERNAL_MESSAGE_CHARS = 4096
+"""An exception inside jaild is reported with at most this much of its message."""
+PRECISION = 6
+"""Seconds in a record are rounded to microseconds."""
+
+
+def limits_map(policy: Policy, limits: Limits) -> dict[str, float | str]:
+    """The ``limits`` of a record: the job's limits plus the policy's network mode and /tmp."""
+    return {
+        **dataclasses.asdict(limits),
+        "network": policy.network.mode,
+        "tmp_mb": policy.filesystem.tmp_mb,
+    }
+
+
+def job_error(
+    type_: str,
+    message: str,
+    *,
+    traceback: str = "",
+    lineno: int | None = None,
+    signal: str | None = None,
+    syscall: str | None = None,
+    limit: str | None = None,
+) -> JobError:
+    """A record's ``error``; ``message`` and ``traceback`` are cut to fit (the tail is kept)."""
+    return JobError(
+        type=safe_text(type_, 256) or "Error",
+        message=safe_text(message),
+        traceback=safe_text(traceback),
+        lineno=lineno if lineno is None or 0 <= lineno <= 1 << 31 else None,
+        signal=safe_text(signal, 32) if signal else None,
+        syscall=safe_text(syscall, 64) if syscall else None,
+        limit=limit,
+    )
+
+
+def job_error_of(error: JobError | Mapping[str, Any] | None) -> JobError | None:
+    """A record's ``error`` from the ``(status, error)`` of the job's classification, which
+    may give it as a map with :class:`JobError`'s field names."""
+    if error is None or isinstance(error, JobError):
+        return error
+    return job_error(
+        str(error["type"]),
+        str(error["message"]),
+        traceback=str(error.get("traceback") or ""),
+        lineno=error.get("lineno"),
+        signal=error.get("signal"),
+        syscall=error.get("syscall"),
+        limit=error.get("limit"),
+    )
+
+
+def tool_call(
+    name: str, duration_s: float, ok: bool, error_type: str | None = None
+) -> ToolCallEntry:
+    """One entry of a record's ``tool_calls``."""
+    return ToolCallEntry(
+        name=name, duration_s=round(max(0.0, duration_s), PRECISION), ok=ok, error_type=error_type
+    )
+
+
+def _seconds(value: float) -> float:
+    return round(max(0.0, value), PRECISION)
+
+
+def run_usage(
+    *,
+    code_started: float | None,
+    code_ended: float,
+    cpu_base: tuple[float, float] | None,
+    cpu_end: tuple[float, float] | None,
+    memory_peak_bytes: int | None,
+    pids_peak: int | None,
+    output_bytes: int,
+    tool_calls: int,
+    tool_time_s: float,
+    stream_paused_s: float,
+    stream_dropped_bytes: int,
+) -> Usage:
+    """A run's ``usage``.
+
+    Args:
+        code_started, code_ended: the monotonic clock at ``RunCode`` and at the code's end
+            (``code_started`` None: the code never started; wall time 0).
+        cpu_base, cpu_end: the cgroup's (user, system) CPU seconds at those two moments
+            (None where the host has no CPU accounting; then the CPU times are nil).
+        memory_peak_bytes, pids_peak: the cgroup's peaks (None: no cgroup).
+        output_bytes, tool_calls, tool_time_s, stream_paused_s, stream_dropped_bytes: the
+            run's counters.
+    """
+    user = system = None
+    if cpu_base is not None and cpu_end is not None:
+        user = _seconds(cpu_end[0] - cpu_base[0])
+        system = _seconds(cpu_end[1] - cpu_base[1])
+    return Usage(
+        wall_s=_seconds(code_ended - code_started) if code_started else 0.0,
+        cpu_user_s=user,
+        cpu_system_s=system,
+        memory_peak_bytes=memory_peak_bytes,
+        pids_peak=pids_peak,
+        output_bytes=output_bytes,
+        tool_calls=tool_calls,
+        tool_time_s=_seconds(tool_time_s),
+        stream_paused_s=_seconds(stream_paused_s),
+        stream_dropped_bytes=stream_dropped_bytes,
+    )
+
+
+def job_record(
+    *,
+    job_id: str,
+    policy: Policy,
+    limits: Limits,
+    status: str,
+    error: JobError | Mapping[str, Any] | None,
+    stdout: bytes | bytearray,
+    stderr: bytes | bytearray,
+    tool_calls: Iterable[ToolCallEntry | Mapping[str, Any]],
+    tool_calls_omitted: int,
+    duration_s: float,
+    usage: Usage,
+    files: Iterable[Mapping[str, Any]] = (),
+    files_skipped: Iterable[Mapping[str, Any]] = (),
+) -> JobRecord:
+    """The record of a run that reached its jail.
+
+    ``tool_calls`` beyond :data:`MAX_CALL_RECORDS` are counted in ``tool_calls_omitted``;
+    ``files`` and ``files_skipped`` are the daemon's checked listing
+    (:func:`jaild.runtime.files.validate_collected`).
+    """
+    calls = [c if isinstance(c, ToolCallEntry) else tool_call(**c) for c in tool_calls]
+    omitted = tool_calls_omitted + max(0, len(calls) - MAX_CALL_RECORDS)
+    return JobRecord(
+        job_id=job_id,
+        policy=policy.name,
+        status=status,
+        stdout=stdout.decode("utf-8", "replace"),
+        stderr=stderr.decode("utf-8", "replace"),
+        error=job_error_of(error),
+        tool_calls=tuple(calls[:MAX_CALL_RECORDS]),
+        duration_s=_seconds(duration_s),
+        limits=limits_map(policy, limits),
+        usage=usage,
+        files=tuple(FileEntry(path=f["path"], size=f["size"], sha256=f["sha256"]) for f in files),
+        files_skipped=tuple(SkippedFile(path=s["path"], reason=s["reason"]) for s in files_skipped),
+        tool_calls_omitted=omitted,
+        session=None,
+    )
+
+
+def _not_run(
+    job_id: str, policy: Policy, limits: Limits, status: str, error: JobError
+) -> JobRecord:
+    return JobRecord(
+        job_id=job_id,
+        policy=policy.name,
+        status=status,
+        stdout="",
+        stderr="",
+        error=error,
+        tool_calls=(),
+        duration_s=0.0,
+        limits=limits_map(policy, limits),
+        usage=None,
+        files=(),
+        files_skipped=(),
+        tool_calls_omitted=0,
+        session=None,
+    )
+
+
+def internal_error_record(
+    job_id: str, policy: Policy, limits: Limits, exc: BaseException
+) -> JobRecord:
+    """The record of a job that failed inside jaild (a bug): reported, never silent."""
+    error = job_error("InternalError", str(exc)[:INTERNAL_MESSAGE_CHARS])
+    return _not_run(job_id, policy, limits, "internal_error", error)
+
+
+def syntax_error_record(
+    job_id: str, policy: Policy, limits: Limits, exc: BaseException
+) -> JobRecord:
+    """The record of a job whose code does not compile (no jail is started)."""
+    lineno = getattr(exc, "lineno", None)
+    message = getattr(exc, "msg", None) or str(exc)
+    error = job_error(
+        type(exc).__name__,
+        str(message)[:MAX_MESSAGE_CHARS],
+        traceback="".join(traceback.format_exception_only(type(exc), exc)),
+        lineno=lineno if isinstance(lineno, int) and lineno >= 0 else None,
+    )
+    return _not_run(job_id, policy, limits, "error", error)
+
+
+def with_session(
+    record: JobRecord, session_id: str, run: int | None, closed: str | None
+) -> JobRecord:
+    """``record`` as a run of session ``session_id`` (``run``: its number, None if nothing
+    ran; ``closed``: the status that ended the session, None if it goes on)."""
+    return dataclasses.replace(record, session=SessionRun(id=session_id, run=run, closed=closed))
+
+
+__all__ = [
+    "internal_error_record",
+    "job_error",
+    "job_error_of",
+    "job_record",
+    "limits_map",
+    "run_usage",
+    "syntax_error_record",
+    "tool_call",
+    "with_session",
+]

@@ -1,0 +1,465 @@
+"""Typed records: what the daemon reports about jobs, sessions, policies and its own use.
+
+Theory of operation
+-------------------
+A value that crosses the client link as a *report* -- a job's result record
+(``JobFinished.record``), a session as opened (``SessionOpened.record``), the
+entries of ``JobList`` and ``PolicyList``, the totals of ``Stats`` -- is one of
+the frozen, self-validating structs below, built with the same
+:func:`~jaild.protocol.fields.field` checks as the messages that carry them. So:
+
+* an illegal record cannot be built: the daemon's builders
+  (:mod:`jaild.daemon.records`) raise :class:`LocalProtocolError` at once, where
+  the bug is, instead of sending it;
+* a record off the wire is checked field by field like any message: unknown or
+  missing fields, wrong types and values outside the limits are a
+  :class:`RemoteProtocolError` at the one receive boundary
+  (:func:`jaild.protocol.messages.decode`);
+* the code that takes a record off the wire or builds one -- the client library, the
+  daemon's server, metrics, audit, accounting -- reads attributes
+  (``record.usage.wall_s``), never string keys. The front ends (CLI, MCP server, code
+  mode) use the client's public ``JobResult``, whose plain-map fields are this
+  module's views and whose ``record`` is the typed record.
+
+Two views
+---------
+:meth:`Struct.to_wire` always sends every field (nil where there is nothing),
+so the wire shape is fixed per protocol version. :meth:`Report.to_dict` is the
+*user's* view, the JSON that ``jaild run --json`` prints and the client library's
+dict attributes hold: fields listed in a class's ``SPARSE`` are left out when they
+are nil (or, for ``SPARSE_EMPTY``, when they are empty or zero); :class:`JobError`
+and :class:`JobEntry` refine that rule, so that every view has exactly the shape
+the maps of protocol version 2 had. The view is for people and JSON; code reads
+the attributes.
+
+``STATUSES`` is the closed set of job statuses; it lives here because it is part
+of the wire's meaning (a record with any other status is malformed).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from jaild.errors import LocalProtocolError
+from jaild.protocol.fields import (
+    JOB_ID,
+    MAX_MESSAGE_CHARS,
+    MAX_NAME_CHARS,
+    MAX_REF,
+    SESSION_ID,
+    Check,
+    Struct,
+    any_map,
+    boolean,
+    describe,
+    field,
+    integer,
+    limit_of,
+    list_of,
+    map_of,
+    nested,
+    number,
+    one_of,
+    optional,
+    string,
+    struct,
+)
+
+STATUSES = (
+    "ok",
+    "error",
+    "timeout",
+    "memory_limit",
+    "output_limit",
+    "killed",
+    "policy_violation",
+    "cancelled",
+    "internal_error",
+)
+"""How a job can end (PROTOCOL.md section 10, table "statuses")."""
+
+MAX_CALL_RECORDS = 1000
+"""Tool calls listed in a result record; further calls are only counted (``tool_calls_omitted``)."""
+MAX_OUTPUT_CHARS = 1 << 30
+"""``stdout`` / ``stderr`` of a record (the policy's ``output_bytes`` caps them far lower)."""
+MAX_RECORD_FILES = 1 << 16
+"""Files listed in a record (the policy's ``[files] max_files`` is at most this)."""
+MAX_SKIPPED_FILES = 1024
+"""Entries of ``files_skipped`` (the daemon reports at most 100)."""
+MAX_PATH_CHARS = 4096
+"""A path or a reason in a record's file lists."""
+MAX_SECONDS = float(1 << 40)
+"""Durations and ages in records (about 35,000 years)."""
+
+_seconds = number(0, MAX_SECONDS)
+_count = integer(0, MAX_REF)
+_short = string(64, min_len=1)
+_policy_name = string(64, min_len=1)
+_job_id = string(64, min_len=1, pattern=JOB_ID)
+_session_id = string(64, min_len=5, pattern=SESSION_ID)
+
+
+_limit_number = number(0, 1 << 53)
+_limit_text = string(64)
+
+
+def _limit_value(path: str, v: Any) -> Any:
+    """A number (a ``[limits]`` value) or a short string (``network``: the mode)."""
+    if type(v) is str:
+        return _limit_text(path, v)
+    return _limit_number(path, v)
+
+
+describe(_limit_value, f"{limit_of(_limit_number)}, or a string of {limit_of(_limit_text)}")
+_limits: Check = map_of(_short, _limit_value, 64)
+"""The effective limits: the policy's ``[limits]`` names (declared once, in the policy
+schema, so not repeated here as fields), plus ``network`` and ``tmp_mb``."""
+
+
+class Report(Struct):
+    """Base of the record structs: adds the user's sparse view, :meth:`to_dict`."""
+
+    __slots__ = ()
+    SPARSE: ClassVar[frozenset[str]] = frozenset()
+    """Fields left out of :meth:`to_dict` when nil."""
+    SPARSE_EMPTY: ClassVar[frozenset[str]] = frozenset()
+    """Fields left out of :meth:`to_dict` when nil, empty or zero."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The user's view (JSON-ready apart from bytes): like :meth:`to_wire`, recursively,
+        without the ``SPARSE`` fields that hold nothing."""
+        out: dict[str, Any] = {}
+        for name, _ in self._checks:
+            value = getattr(self, name)
+            if value is None and name in self.SPARSE:
+                continue
+            if name in self.SPARSE_EMPTY and (value is None or not value):
+                continue
+            out[name] = _view(value)
+        return out
+
+
+def _view(value: Any) -> Any:
+    if isinstance(value, Report):
+        return value.to_dict()
+    if isinstance(value, Struct):
+        return value.to_wire()
+    if type(value) is tuple:
+        return [_view(v) for v in value]
+    if type(value) is dict:
+        return {k: _view(v) for k, v in value.items()}
+    return value
+
+
+# --------------------------------------------------------------------------- the job record
+
+
+@struct
+class JobError(Report):
+    """Why a job did not end ``ok``: the user's exception, or the daemon's verdict."""
+
+    SPARSE = frozenset({"signal", "syscall", "limit"})
+
+    type: str = field(string(256, min_len=1))
+    message: str = field(string(MAX_MESSAGE_CHARS))
+    traceback: str = field(string(MAX_MESSAGE_CHARS), default="")
+    lineno: int | None = field(optional(integer(0, 1 << 31)), default=None)
+    signal: str | None = field(optional(string(32, min_len=1)), default=None)
+    """The signal that killed the process (``killed``, ``policy_violation``)."""
+    syscall: str | None = field(optional(string(64, min_len=1)), default=None)
+    """The syscall the seccomp filter killed (``policy_violation``; nil if not found)."""
+    limit: str | None = field(optional(_short), default=None)
+    """The limit that was hit (``timeout``, ``memory_limit``, ``output_limit``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """As :meth:`Report.to_dict`; after a seccomp kill ``syscall`` is shown even when nil
+        (the call was not found), as it always was."""
+        out = Report.to_dict(self)
+        if self.signal == "SIGSYS":
+            out["syscall"] = self.syscall
+        return out
+
+
+@struct
+class ToolCallEntry(Report):
+    """One tool call of a job, as it ended."""
+
+    SPARSE = frozenset({"error_type"})
+
+    name: str = field(string(MAX_NAME_CHARS, min_len=1))
+    duration_s: float = field(_seconds)
+    """The host round trip (0 for a call the daemon refused)."""
+    ok: bool = field(boolean())
+    error_type: str | None = field(optional(string(256, min_len=1)), default=None)
+    """Why it failed, when known: ``unknown_tool``, ``payload_too_large``, the host
+    exception's type name, ..."""
+
+
+@struct
+class Usage(Report):
+    """What a run consumed, from its code's start (``RunCode``) to its end."""
+
+    wall_s: float = field(_seconds)
+    cpu_user_s: float | None = field(optional(_seconds))
+    """Nil if the host has no CPU accounting."""
+    cpu_system_s: float | None = field(optional(_seconds))
+    memory_peak_bytes: int | None = field(optional(_count))
+    pids_peak: int | None = field(optional(_count))
+    output_bytes: int = field(_count)
+    tool_calls: int = field(_count)
+    tool_time_s: float = field(_seconds)
+    stream_paused_s: float = field(_seconds)
+    stream_dropped_bytes: int = field(_count)
+
+
+@struct
+class FileEntry(Report):
+    """A regular file the run created or changed in its working directory."""
+
+    path: str = field(string(MAX_PATH_CHARS, min_len=1))
+    size: int = field(integer(0, MAX_REF))
+    sha256: str = field(string(64, min_len=64, pattern=r"[0-9a-f]{64}"))
+
+
+@struct
+class SkippedFile(Report):
+    """An entry of the working directory that is not listed or not sent, and why."""
+
+    path: str = field(string(MAX_PATH_CHARS))
+    reason: str = field(string(MAX_PATH_CHARS))
+
+
+@struct
+class SessionRun(Report):
+    """Where a session's run belongs."""
+
+    id: str = field(_session_id)
+    run: int | None = field(optional(_count))
+    """The run's number in the session (nil: the code did not compile, nothing ran)."""
+    closed: str | None = field(optional(_short))
+    """The status of this run if it ended the session, else nil."""
+
+
+@struct
+class JobRecord(Report):
+    """A job's result record (``JobFinished.record``; PROTOCOL.md section 10)."""
+
+    SPARSE = frozenset({"session"})
+    SPARSE_EMPTY = frozenset({"tool_calls_omitted", "files_skipped"})
+
+    job_id: str = field(_job_id)
+    policy: str = field(_policy_name)
+    status: str = field(one_of(*STATUSES))
+    stdout: str = field(string(MAX_OUTPUT_CHARS))
+    stderr: str = field(string(MAX_OUTPUT_CHARS))
+    error: JobError | None = field(optional(nested(JobError)))
+    """Nil when ``status`` is ``ok``."""
+    tool_calls: tuple[ToolCallEntry, ...] = field(
+        list_of(nested(ToolCallEntry), MAX_CALL_RECORDS)
+    )
+    duration_s: float = field(_seconds)
+    """Wall-clock seconds from the job's start (before the jail exists) to its end."""
+    limits: dict[str, float | str] = field(_limits)
+    usage: Usage | None = field(optional(nested(Usage)))
+    """Nil when no code ran (it did not compile, or the job failed inside jaild)."""
+    files: tuple[FileEntry, ...] = field(list_of(nested(FileEntry), MAX_RECORD_FILES))
+    files_skipped: tuple[SkippedFile, ...] = field(
+        list_of(nested(SkippedFile), MAX_SKIPPED_FILES)
+    )
+    tool_calls_omitted: int = field(_count)
+    """Calls beyond the :data:`MAX_CALL_RECORDS` listed."""
+    session: SessionRun | None = field(optional(nested(SessionRun)))
+    """Set for a session's runs only."""
+
+    def __post_init__(self) -> None:
+        Struct.__post_init__(self)
+        if (self.status == "ok") != (self.error is None):
+            raise LocalProtocolError(
+                f"field 'error': must be nil exactly when the status is ok "
+                f"(status {self.status!r})"
+            )
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@struct
+class SessionInfo(Report):
+    """A session as opened (``SessionOpened.record``)."""
+
+    policy: str = field(_policy_name)
+    idle_s: float = field(_seconds)
+    """The session ends after this long without a run."""
+    max_lifetime_s: float = field(_seconds)
+    """... and this long after it opened, in any case."""
+    limits: dict[str, float | str] = field(_limits)
+    """The session's limits: the policy's, tightened by ``OpenSession.limits``."""
+
+
+# --------------------------------------------------------------------------- ps, policies, stats
+
+
+@struct
+class JobEntry(Report):
+    """One running job or open session (an entry of ``JobList``; ``jaild ps``)."""
+
+    JOB_ONLY: ClassVar[frozenset[str]] = frozenset({"session"})
+    SESSION_ONLY: ClassVar[frozenset[str]] = frozenset(
+        {"runs", "running", "idle_s", "expires_in_s"}
+    )
+    LIVE: ClassVar[frozenset[str]] = frozenset({"memory_bytes", "cpu_s", "pids"})
+
+    id: str = field(_job_id)
+    kind: str = field(one_of("job", "session"))
+    policy: str = field(_policy_name)
+    uid: int = field(integer(0, (1 << 32) - 1))
+    client_pid: int = field(integer(0, (1 << 32) - 1))
+    state: str = field(one_of("starting", "running", "idle"))
+    age_s: float = field(_seconds)
+    session: str | None = field(optional(_session_id), default=None)
+    """A job's session (jobs only; nil for a one-shot job)."""
+    runs: int | None = field(optional(_count), default=None)
+    """A session's runs so far (sessions only)."""
+    running: bool | None = field(optional(boolean()), default=None)
+    """A session is running a job now (sessions only)."""
+    idle_s: float | None = field(optional(_seconds), default=None)
+    expires_in_s: float | None = field(optional(_seconds), default=None)
+    memory_bytes: int | None = field(optional(_count), default=None)
+    """What the jail uses now (nil before its cgroup exists, or if unknown)."""
+    cpu_s: float | None = field(optional(_seconds), default=None)
+    pids: int | None = field(optional(_count), default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The user's view: a job's fields or a session's, and the jail's use now once it
+        has a cgroup (``pids`` is set), as ``jaild ps`` always showed them."""
+        skip = self.SESSION_ONLY if self.kind == "job" else self.JOB_ONLY
+        if self.pids is None:
+            skip = skip | self.LIVE
+        return {k: v for k, v in Report.to_dict(self).items() if k not in skip}
+
+
+@struct
+class PoolInfo(Report):
+    """How a policy's jails are made, and its warm pool's state."""
+
+    SPARSE = frozenset({"hits", "misses", "made", "failed", "recycled", "jails"})
+
+    mode: str = field(_short)
+    min: int = field(_count)
+    max: int = field(_count)
+    target: int = field(_count)
+    ready: int = field(_count)
+    hits: int | None = field(optional(_count), default=None)
+    """Counters of the pool (nil when the policy has none)."""
+    misses: int | None = field(optional(_count), default=None)
+    made: int | None = field(optional(_count), default=None)
+    failed: int | None = field(optional(_count), default=None)
+    recycled: int | None = field(optional(_count), default=None)
+    jails: tuple[str, ...] | None = field(optional(list_of(_job_id, 1 << 16)), default=None)
+    """The ids of the ready jails (for root only)."""
+
+
+@struct
+class PolicyEntry(Report):
+    """A policy the caller may use (an entry of ``PolicyList``; ``jaild policies``)."""
+
+    name: str = field(_policy_name)
+    description: str = field(string(MAX_OUTPUT_CHARS))
+    """The operator's text (a policy file bounds it not; the frame does)."""
+    limits: dict[str, float | str] = field(_limits)
+    network: str = field(_short)
+    seccomp: dict[str, str] = field(map_of(_short, string(64), 8))
+    """``profile`` and ``action``."""
+    env: str = field(string(MAX_PATH_CHARS))
+    """An environment's name, or the absolute path of a venv."""
+    available: bool = field(boolean())
+    problems: str = field(string(MAX_OUTPUT_CHARS))
+    """Why the policy is not served (its failed self-test), else empty."""
+    pool: PoolInfo = field(nested(PoolInfo))
+
+
+@struct
+class UsageTotals(Report):
+    """Usage summed over the jobs of a policy or a uid since the daemon started."""
+
+    jobs: int = field(_count)
+    statuses: dict[str, int] = field(map_of(one_of(*STATUSES), _count, len(STATUSES)))
+    wall_s: float = field(_seconds)
+    cpu_user_s: float = field(_seconds)
+    cpu_system_s: float = field(_seconds)
+    memory_peak_bytes: int = field(_count)
+    """The largest peak of any one job."""
+    pids_peak: int = field(_count)
+    output_bytes: int = field(_count)
+    tool_calls: int = field(_count)
+    tool_time_s: float = field(_seconds)
+    files_uploaded: int = field(_count)
+    files_downloaded: int = field(_count)
+    sessions: int = field(_count)
+
+
+@struct
+class RunningCounts(Report):
+    """What the daemon serves now."""
+
+    jobs: int = field(_count)
+    sessions: int = field(_count)
+    connections: int = field(_count)
+
+
+@struct
+class DaemonStats(Report):
+    """``Stats.stats`` (``jaild stats``): totals, what runs now, the pools, the metrics."""
+
+    since: float = field(number(0, 1 << 40))
+    """When the totals started (Unix time: the daemon's start)."""
+    policies: dict[str, UsageTotals] = field(map_of(_policy_name, nested(UsageTotals), 4096))
+    uids: dict[str, UsageTotals] = field(
+        map_of(string(10, min_len=1, pattern=r"[0-9]+"), nested(UsageTotals), 1 << 16)
+    )
+    """By uid (decimal string); only the caller's own unless the caller is root."""
+    running: RunningCounts = field(nested(RunningCounts))
+    pools: dict[str, PoolInfo] = field(map_of(_policy_name, nested(PoolInfo), 4096))
+    metrics: dict[str, Any] = field(any_map())
+    """The Prometheus metrics summed up (free-form: ``jaild.daemon.metrics.Metrics.summary``)."""
+
+
+RECORDS: tuple[type[Report], ...] = (
+    JobRecord,
+    JobError,
+    ToolCallEntry,
+    Usage,
+    FileEntry,
+    SkippedFile,
+    SessionRun,
+    SessionInfo,
+    JobEntry,
+    PolicyEntry,
+    PoolInfo,
+    DaemonStats,
+    UsageTotals,
+    RunningCounts,
+)
+"""Every record struct; ``proto/PROTOCOL.md`` documents exactly these (section 10)."""
+
+__all__ = [
+    "MAX_CALL_RECORDS",
+    "RECORDS",
+    "STATUSES",
+    "DaemonStats",
+    "FileEntry",
+    "JobEntry",
+    "JobError",
+    "JobRecord",
+    "PolicyEntry",
+    "PoolInfo",
+    "Report",
+    "RunningCounts",
+    "SessionInfo",
+    "SessionRun",
+    "SkippedFile",
+    "ToolCallEntry",
+    "Usage",
+    "UsageTotals",
+]

@@ -1,0 +1,302 @@
+"""Typed records (jaild.protocol.records) and the daemon's one place that builds them
+(jaild.daemon.records): validation, the wire round trip, the user's view, malformed input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jaild.client import JobResult
+from jaild.daemon import records as build
+from jaild.errors import LocalProtocolError, RemoteProtocolError
+from jaild.policy.schema import load_policy_text
+from jaild.protocol.messages import (
+    MAX_MESSAGE_CHARS,
+    JobFinished,
+    JobList,
+    PolicyList,
+    SessionOpened,
+    Stats,
+    decode,
+    encode,
+)
+from jaild.protocol.records import (
+    MAX_CALL_RECORDS,
+    RECORDS,
+    STATUSES,
+    DaemonStats,
+    JobEntry,
+    JobError,
+    JobRecord,
+    PolicyEntry,
+    PoolInfo,
+    Report,
+    SessionInfo,
+    ToolCallEntry,
+)
+
+JOB = "job-0123456789abcdef"
+POLICY = load_policy_text('description = "test"\n', "/etc/jaild/policies/default.toml")
+USAGE = build.run_usage(
+    code_started=10.0, code_ended=11.25, cpu_base=(1.0, 0.5), cpu_end=(1.75, 0.625),
+    memory_peak_bytes=1 << 20, pids_peak=3, output_bytes=6, tool_calls=1, tool_time_s=0.1,
+    stream_paused_s=0.0, stream_dropped_bytes=0,
+)
+
+
+def run_record(**changes: Any) -> JobRecord:
+    kwargs: dict[str, Any] = {
+        "job_id": JOB, "policy": POLICY, "limits": POLICY.limits, "status": "ok", "error": None,
+        "stdout": b"hello\n", "stderr": b"", "tool_calls": [build.tool_call("search", 0.25, True)],
+        "tool_calls_omitted": 0, "duration_s": 1.5, "usage": USAGE,
+    }
+    return build.job_record(**{**kwargs, **changes})
+
+
+def over_the_wire(record: JobRecord) -> JobRecord:
+    msg = decode(encode(JobFinished(job_id=record.job_id, record=record)), "daemon->client")
+    assert isinstance(msg, JobFinished)
+    return msg.record
+
+
+# --------------------------------------------------------------------------- the structs
+
+
+def test_every_record_is_a_frozen_report() -> None:
+    record = run_record()
+    assert all(issubclass(cls, Report) for cls in RECORDS)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.status = "error"  # type: ignore[misc]
+
+
+def test_a_record_round_trips_through_the_wire_unchanged() -> None:
+    record = build.with_session(
+        run_record(status="timeout", error=build.job_error("Timeout", "too slow",
+                                                           limit="wall_time_s"),
+                   files=[{"path": "out/a.txt", "size": 2, "sha256": "a" * 64}],
+                   files_skipped=[{"path": "fifo", "reason": "not a regular file"}]),
+        "ses-0123abcd", 2, "timeout",
+    )
+    assert over_the_wire(record) == record
+    assert over_the_wire(record).usage == USAGE  # typed all the way down
+    assert over_the_wire(record).session.closed == "timeout"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("status", STATUSES)
+def test_error_is_nil_exactly_when_the_status_is_ok(status: str) -> None:
+    error = build.job_error("E", "m")
+    if status == "ok":
+        run_record(status=status, error=None)
+        with pytest.raises(LocalProtocolError, match="nil exactly when"):
+            run_record(status=status, error=error)
+    else:
+        run_record(status=status, error=error)
+        with pytest.raises(LocalProtocolError, match="nil exactly when"):
+            run_record(status=status, error=None)
+
+
+def test_there_is_no_status_outside_the_closed_set() -> None:
+    """Positive control first: the same record with a real status is built."""
+    run_record(status="error", error=build.job_error("E", "m"))
+    for status in ("refused", "OK", "", "timeout "):
+        with pytest.raises(LocalProtocolError, match="status"):
+            run_record(status=status, error=build.job_error("E", "m"))
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("job_id", "JOB-1"),
+    ("duration_s", -0.5),
+    ("duration_s", float("nan")),
+    ("stdout", "\udc80"),
+    ("tool_calls", ({"name": "", "duration_s": 0, "ok": True},)),
+    ("tool_calls", ({"name": "t", "duration_s": 0, "ok": 1},)),
+    ("limits", {"memory_mb": True}),
+    ("usage", {}),
+    ("files", ({"path": "a", "size": -1, "sha256": "0" * 64},)),
+    ("tool_calls_omitted", -1),
+    ("session", {"id": "ses-1", "run": 1}),
+])
+def test_a_malformed_field_cannot_be_built_nor_received(field: str, value: Any) -> None:
+    good = run_record().to_wire()
+    JobRecord.from_wire(good)  # positive control
+    with pytest.raises(LocalProtocolError):
+        JobRecord.from_wire({**good, field: value})
+    frame = msgpack.packb({"type": "JobFinished", "job_id": JOB, "record": {**good, field: value}},
+                          use_bin_type=True, unicode_errors="surrogateescape")  # \udc80: 0x80
+    with pytest.raises(RemoteProtocolError):
+        decode(frame, "daemon->client")
+
+
+@pytest.mark.parametrize("cls", RECORDS, ids=lambda c: c.__name__)
+def test_a_record_map_with_an_unknown_or_a_missing_field_is_rejected(cls: type[Report]) -> None:
+    required = sorted(cls._required)
+    assert required, f"{cls.__name__} has no required field"
+    with pytest.raises(LocalProtocolError, match="missing"):
+        cls.from_wire({})
+    with pytest.raises(LocalProtocolError, match="unknown"):
+        cls.from_wire({"surprise": 1})
+
+
+def test_the_daemon_to_client_reports_are_typed_and_checked() -> None:
+    entry = {"id": JOB, "kind": "job", "policy": "default", "uid": 1000, "client_pid": 42,
+             "state": "running", "age_s": 0.5, "memory_bytes": 4096, "cpu_s": 0.1, "pids": 2}
+    jobs = decode(encode(JobList(ref=1, jobs=(JobEntry.from_wire(entry),))), "daemon->client")
+    assert isinstance(jobs, JobList) and jobs.jobs[0].memory_bytes == 4096
+    assert jobs.jobs[0].to_dict() == {**entry, "session": None}  # a job's fields, as ever
+    starting = JobEntry.from_wire({**entry, "kind": "session", "state": "starting", "runs": 0,
+                                   "running": False, "idle_s": 0.0, "expires_in_s": 60.0,
+                                   "memory_bytes": None, "cpu_s": None, "pids": None})
+    assert set(starting.to_dict()) == {"id", "kind", "policy", "uid", "client_pid", "state",
+                                       "age_s", "runs", "running", "idle_s", "expires_in_s"}
+    no_cpu = JobEntry.from_wire({**entry, "cpu_s": None})
+    assert no_cpu.to_dict()["cpu_s"] is None  # a cgroup without CPU accounting
+    pool = PoolInfo(mode="spawn", min=0, max=2, target=0, ready=0)
+    policy = PolicyEntry(name="default", description="", limits={"memory_mb": 256},
+                         network="none", seccomp={"profile": "default", "action": "kill"},
+                         env="default", available=True, problems="", pool=pool)
+    listed = decode(encode(PolicyList(ref=2, policies=(policy,))), "daemon->client")
+    assert isinstance(listed, PolicyList) and listed.policies == (policy,)
+    assert "hits" not in listed.policies[0].to_dict()["pool"]
+
+
+def test_a_session_as_opened_is_typed_and_its_view_is_the_old_map() -> None:
+    info = SessionInfo(policy="default", idle_s=300.0, max_lifetime_s=3600.0,
+                       limits=build.limits_map(POLICY, POLICY.limits))
+    opened = decode(encode(SessionOpened(ref=1, session_id="ses-0123abcd", record=info)),
+                    "daemon->client")
+    assert isinstance(opened, SessionOpened) and opened.record == info
+    assert opened.record.to_dict() == {"policy": "default", "idle_s": 300.0,
+                                       "max_lifetime_s": 3600.0, "limits": info.limits}
+    with pytest.raises(LocalProtocolError):
+        SessionOpened(ref=1, session_id="ses-0123abcd", record={})  # type: ignore[arg-type]
+
+
+def test_stats_are_typed_down_to_the_totals() -> None:
+    totals = {"jobs": 2, "statuses": {"ok": 1, "timeout": 1}, "wall_s": 1.0, "cpu_user_s": 0.5,
+              "cpu_system_s": 0.1, "memory_peak_bytes": 10, "pids_peak": 2, "output_bytes": 3,
+              "tool_calls": 0, "tool_time_s": 0.0, "files_uploaded": 0, "files_downloaded": 0,
+              "sessions": 0}
+    stats = DaemonStats.from_wire({
+        "since": 1.0, "policies": {"default": totals}, "uids": {"1000": totals},
+        "running": {"jobs": 0, "sessions": 0, "connections": 1}, "pools": {},
+        "metrics": {"refused": {"busy": 1}},
+    })
+    got = decode(encode(Stats(ref=1, stats=stats)), "daemon->client")
+    assert isinstance(got, Stats) and got.stats == stats
+    assert got.stats.uids["1000"].statuses == {"ok": 1, "timeout": 1}
+    assert json.loads(json.dumps(got.stats.to_dict()))["policies"]["default"] == totals
+
+
+# --------------------------------------------------------------------------- the user's view
+
+
+def test_the_users_view_is_the_shape_of_protocol_version_2() -> None:
+    """What ``jaild run --json`` prints and the client's dict attributes hold did not change:
+    sparse fields are left out when nil or empty, the rest is plain JSON."""
+    ok = run_record().to_dict()
+    assert set(ok) == {"job_id", "policy", "status", "stdout", "stderr", "error", "tool_calls",
+                       "duration_s", "limits", "usage", "files"}
+    assert ok["tool_calls"] == [{"name": "search", "duration_s": 0.25, "ok": True}]
+    failed = run_record(status="killed",
+                        error=build.job_error("Killed", "x", signal="SIGSEGV")).to_dict()
+    assert failed["error"] == {"type": "Killed", "message": "x", "traceback": "",
+                               "lineno": None, "signal": "SIGSEGV"}
+    assert json.loads(json.dumps(failed)) == failed
+    seccomp = run_record(status="policy_violation", error=build.job_error(
+        "PolicyViolation", "x", signal="SIGSYS", syscall=None)).to_dict()
+    assert seccomp["error"]["syscall"] is None  # the kill is known, the call is not
+
+
+def test_the_client_result_keeps_its_dicts_and_offers_the_typed_record() -> None:
+    record = build.with_session(run_record(), "ses-0123abcd", 1, None)
+    result = JobResult.from_wire(record, msgpack.packb(42), {"out/a.txt": b"hi"})
+    assert result.result == 42 and result.downloads == {"out/a.txt": b"hi"}
+    assert result.usage["wall_s"] == 1.25 and result.usage == USAGE.to_dict()
+    assert result.session == {"id": "ses-0123abcd", "run": 1, "closed": None}
+    assert result.record is record and result.record.usage.cpu_user_s == 0.75  # type: ignore[union-attr]
+    # a result made by hand (a test double) has the typed record too
+    by_hand = dataclasses.replace(result)
+    assert by_hand.record == record
+
+
+def test_a_record_without_usage_shows_an_empty_usage_map() -> None:
+    never_ran = build.syntax_error_record(JOB, POLICY, POLICY.limits, SyntaxError("x"))
+    assert JobResult.from_wire(never_ran, None).usage == {}
+    assert JobResult.from_wire(never_ran.to_wire(), None).record == never_ran
+
+
+# --------------------------------------------------------------------------- the builders
+
+
+def test_run_usage_rounds_and_knows_when_there_is_no_cpu_accounting() -> None:
+    assert (USAGE.wall_s, USAGE.cpu_user_s, USAGE.cpu_system_s) == (1.25, 0.75, 0.125)
+    usage = build.run_usage(
+        code_started=None, code_ended=5.0, cpu_base=None, cpu_end=(1.0, 1.0),
+        memory_peak_bytes=None, pids_peak=None, output_bytes=0, tool_calls=0,
+        tool_time_s=1e-9, stream_paused_s=0.0, stream_dropped_bytes=0,
+    )
+    assert usage.wall_s == 0.0 and usage.cpu_user_s is None and usage.tool_time_s == 0.0
+
+
+def test_job_record_counts_calls_beyond_the_listed_ones() -> None:
+    calls = [build.tool_call("t", 0.0, True)] * (MAX_CALL_RECORDS + 5)
+    record = run_record(tool_calls=calls, tool_calls_omitted=7)
+    assert len(record.tool_calls) == MAX_CALL_RECORDS and record.tool_calls_omitted == 12
+
+
+def test_job_record_takes_calls_and_errors_as_maps_too() -> None:
+    """The job's own bookkeeping may still hold maps: they are checked on the way in."""
+    record = run_record(
+        status="killed", error={"type": "Killed", "message": "SIGSEGV", "traceback": "",
+                                "lineno": None, "signal": "SIGSEGV"},
+        tool_calls=[{"name": "t", "duration_s": 0.1234567, "ok": False, "error_type": "E"}],
+    )
+    assert record.error == JobError(type="Killed", message="SIGSEGV", signal="SIGSEGV")
+    assert record.tool_calls == (ToolCallEntry(name="t", duration_s=0.123457, ok=False,
+                                               error_type="E"),)
+    with pytest.raises(LocalProtocolError):
+        run_record(tool_calls=[{"name": "t", "duration_s": 0.0, "ok": "yes"}])
+
+
+def test_text_from_elsewhere_is_made_to_fit() -> None:
+    """An nsjail log or an exception message of any length or encoding never breaks a record."""
+    error = build.job_error("JailLost", "x" * (3 * MAX_MESSAGE_CHARS) + "\udc80end")
+    assert len(error.message) == MAX_MESSAGE_CHARS and error.message.endswith("\\udc80end")
+    record = run_record(status="internal_error", error=error, stdout=b"\xff\xfe ok")
+    assert record.stdout == "\ufffd\ufffd ok"
+    assert over_the_wire(record) == record
+
+
+def test_syntax_and_internal_error_records() -> None:
+    try:
+        compile("def f(:\n", "<job>", "exec")
+    except SyntaxError as exc:
+        syntax = build.syntax_error_record(JOB, POLICY, POLICY.limits, exc)
+    assert syntax.status == "error" and syntax.usage is None and syntax.tool_calls == ()
+    assert syntax.error is not None and syntax.error.type == "SyntaxError"
+    assert syntax.error.lineno == 1 and "SyntaxError" in syntax.error.traceback
+    internal = build.internal_error_record(JOB, POLICY, POLICY.limits, RuntimeError("y" * 9000))
+    assert internal.status == "internal_error" and internal.error is not None
+    assert internal.error.type == "InternalError" and len(internal.error.message) == 4096
+    for record in (syntax, internal):
+        assert record.limits == build.limits_map(POLICY, POLICY.limits)
+        assert record.limits["network"] == "none" and record.limits["tmp_mb"] == 64
+        assert over_the_wire(record) == record
+
+
+@given(st.binary(max_size=200), st.binary(max_size=200),
+       st.floats(0, 1e6), st.text(max_size=300), st.sampled_from(STATUSES))
+def test_any_run_builds_a_record_that_survives_the_wire(
+    stdout: bytes, stderr: bytes, duration: float, message: str, status: str
+) -> None:
+    error = None if status == "ok" else build.job_error("E", message)
+    record = run_record(stdout=stdout, stderr=stderr, duration_s=duration, status=status,
+                        error=error)
+    assert over_the_wire(record) == record
+    assert JobResult.from_wire(record, None).to_dict()["status"] == status
