@@ -27,16 +27,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from jaild.daemon import admission, placement
+from jaild.daemon.pool import JailPool
 from jaild.daemon.records import internal_error_record, syntax_error_record, with_session
-from jaild.daemon.registry import LiveJob
+from jaild.daemon.registry import ClientSession, LiveJob
+from jaild.daemon.sessions import SessionHost, Sessions
 from jaild.protocol.messages import JobAccepted, JobFinished, RunJob
 from jaild.protocol.records import JobRecord
 
-if TYPE_CHECKING:
-    from jaild.daemon.server import ClientSession, Daemon
+
+class PipelineHost(SessionHost, Protocol):
+    """What the pipeline needs of the daemon: what sessions need, plus the sessions
+    themselves and the warm pools."""
+
+    @property
+    def sessions(self) -> Sessions: ...
+
+    @property
+    def pools(self) -> dict[str, JailPool]: ...
 
 log = logging.getLogger("jaild")
 
@@ -54,7 +64,7 @@ def _children() -> set[int]:
 class Pipeline:
     """See the module docstring."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: PipelineHost) -> None:
         self.daemon = daemon
 
     def submit(self, client: ClientSession, req: RunJob) -> None:

@@ -32,7 +32,7 @@ from jaild.daemon.pool import JailPool, poolable
 from jaild.protocol.records import JobRecord
 
 if TYPE_CHECKING:
-    from jaild.daemon.sessions import JailSession
+    from jaild.daemon.registry import JailSession
 
 RunOutcome = tuple[JobRecord, bytes | None, dict[str, bytes]]
 """What a run ends in: its record, its result (packed), its downloaded files."""

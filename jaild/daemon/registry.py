@@ -29,15 +29,45 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from jaild.daemon import admission
+from jaild.daemon.audit import Peer
 from jaild.daemon.job import JailedJob
+from jaild.daemon.records import with_session
+from jaild.errors import Busy, JaildError, SessionClosed
+from jaild.policy.schema import Limits, Policy
+from jaild.protocol.messages import Message, ToolSpec
+from jaild.protocol.records import JobRecord
 
-if TYPE_CHECKING:
-    from jaild.daemon.server import ClientSession
-    from jaild.daemon.sessions import JailSession
+
+class ClientSession(Protocol):
+    """What the daemon's core needs of a client connection (the server's
+    :class:`~jaild.daemon.server.ClientSession`): who it is, sending to it, running work
+    in its task group, its part of a job (output, tool calls), and shutting it at the
+    stop. Declared here, where connections are registered, so that the core does not
+    depend on the server."""
+
+    @property
+    def peer(self) -> Peer: ...
+
+    def send(self, msg: Message) -> None: ...
+
+    def send_error(
+        self, err: JaildError, ref: int | None = None, job_id: str | None = None
+    ) -> None: ...
+
+    def start(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]: ...
+
+    def output(self, job_id: str, stream: str, data: bytes) -> None: ...
+
+    def call_tool(
+        self, job_id: str, call_id: int, name: str, args: bytes, approval: bool = False
+    ) -> asyncio.Future[tuple[bool, Any]]: ...
+
+    async def shut(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -49,6 +79,97 @@ class LiveJob:
     owner: ClientSession
     session: JailSession | None = None
     started: float = field(default_factory=time.time)
+
+
+Close = Callable[["JailSession", str, str], None]
+
+
+class JailSession:
+    """A jail kept for a series of runs of one client."""
+
+    def __init__(
+        self,
+        session_id: str,
+        owner: ClientSession,
+        terms: admission.SessionTerms,
+        jail: JailedJob,
+    ) -> None:
+        self.id = session_id
+        self.owner = owner
+        self.policy: Policy = terms.policy
+        self.limits: Limits = terms.limits
+        self.tools: tuple[ToolSpec, ...] = terms.tools
+        self.terms = terms
+        self.jail = jail
+        self.idle_s = terms.idle_s
+        self.max_lifetime_s = terms.max_lifetime_s
+        self.created = time.time()
+        self._opened = time.monotonic()
+        self.last_used = time.monotonic()
+        self.busy: str | None = None  # the job id of the run in progress
+        self.closed: str | None = None  # why it ended
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self.life_timer: asyncio.TimerHandle | None = None  # set once the jail is ready
+
+    def touch(self, close: Close, idle: bool = True) -> None:
+        """A run starts (idle=False: no idle expiry while it runs) or ends (idle clock
+        restarts; at its end ``close`` is called)."""
+        self.last_used = time.monotonic()
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+        if idle:
+            self.idle_timer = asyncio.get_running_loop().call_later(
+                self.idle_s,
+                close,
+                self,
+                "idle",
+                f"no run for {self.idle_s:g} s (the session's idle limit)",
+            )
+
+    def expires_in(self) -> float:
+        left = self.max_lifetime_s - (time.monotonic() - self._opened)
+        if self.busy is None:
+            left = min(left, self.idle_s - (time.monotonic() - self.last_used))
+        return max(0.0, left)
+
+    def check_runnable(self) -> None:
+        """May a run start now?
+
+        Raises:
+            SessionClosed, Busy: naming why not.
+        """
+        if self.closed is not None:
+            raise SessionClosed(f"session {self.id} is closed: {self.closed}")
+        if self.busy is not None:
+            raise Busy(f"session {self.id} is running job {self.busy}; one run at a time")
+        if self.life_timer is None:
+            raise Busy(f"session {self.id} is still starting; wait for SessionOpened")
+
+    def run_entry(self, record: JobRecord) -> JobRecord:
+        """``record`` as this session's run (with the status that ended it, if it did)."""
+        closed = None if self.jail.alive else record.status
+        return with_session(record, self.id, self.jail.runs, closed)
+
+    def ps_row(self, now: float) -> dict[str, Any]:
+        """This session as ``jaild ps`` shows it."""
+        owner = self.owner.peer
+        return {
+            "id": self.id,
+            "kind": "session",
+            "policy": self.policy.name,
+            "uid": owner.uid,
+            "client_pid": owner.pid,
+            "state": "starting"
+            if self.life_timer is None
+            else ("running" if self.busy else "idle"),
+            "age_s": round(max(0.0, now - self.created), 3),  # the wall clock may step back
+            "runs": self.jail.runs,
+            "running": self.busy,
+            "idle_s": round(time.monotonic() - self.last_used, 3),
+            "expires_in_s": round(self.expires_in(), 3),
+            **self.jail.live_usage(),
+        }
 
 
 class Registry:

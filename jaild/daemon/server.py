@@ -54,9 +54,9 @@ from jaild.daemon.job import JailedJob, JailEnvironment
 from jaild.daemon.metrics import Metrics
 from jaild.daemon.pipeline import Pipeline
 from jaild.daemon.pool import JailPool
-from jaild.daemon.registry import Registry
+from jaild.daemon.registry import JailSession, Registry
 from jaild.daemon.selftest import Check
-from jaild.daemon.sessions import JailSession, Sessions
+from jaild.daemon.sessions import Sessions
 from jaild.errors import (
     ConnectionLost,
     InternalError,
@@ -135,6 +135,12 @@ class ClientSession:
         if self.closed or self.writer.is_closing():
             return
         self.writer.write(self.conn.send(msg))
+
+    async def shut(self) -> None:
+        """The daemon stops: what is buffered goes out (for a second at most), then close."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.writer.drain(), timeout=1.0)
+        self.close()
 
     def send_error(
         self, err: JaildError, ref: int | None = None, job_id: str | None = None
@@ -448,9 +454,7 @@ class Daemon:
                 await self.registry.drained()
         self.served.stop_zygotes()
         for session in list(self.registry.connections):
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(session.writer.drain(), timeout=1.0)
-            session.close()
+            await session.shut()
         self.audit.close()
         self.metrics.stop()
         await asyncio.sleep(0)  # let the cleanups of the jobs just ended run

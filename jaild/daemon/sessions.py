@@ -30,119 +30,51 @@ import asyncio
 import dataclasses
 import logging
 import secrets
-import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 from jaild.daemon import admission
-from jaild.daemon.job import JailedJob, JobSpec
-from jaild.daemon.records import with_session
-from jaild.errors import Busy, InternalError, SessionClosed, UnknownSession
-from jaild.policy.schema import Limits, Policy
-from jaild.protocol.messages import OpenSession, SessionOpened, ToolSpec
+from jaild.daemon.accounting import Accounting
+from jaild.daemon.audit import AuditLog
+from jaild.daemon.config import DaemonConfig
+from jaild.daemon.job import JailedJob, JailEnvironment, JobSpec
+from jaild.daemon.metrics import Metrics
+from jaild.daemon.registry import ClientSession, JailSession, Registry
+from jaild.errors import Busy, InternalError, UnknownSession
+from jaild.protocol.messages import OpenSession, SessionOpened
 from jaild.protocol.messages import SessionClosed as SessionClosedMsg
 from jaild.protocol.records import JobRecord, SessionInfo
 
-if TYPE_CHECKING:
-    from jaild.daemon.server import ClientSession, Daemon
+
+class SessionHost(Protocol):
+    """What sessions need of the daemon (the server's :class:`~jaild.daemon.server.Daemon`),
+    declared here so that the core does not depend on the server shell."""
+
+    @property
+    def config(self) -> DaemonConfig: ...
+
+    @property
+    def registry(self) -> Registry: ...
+
+    @property
+    def env(self) -> JailEnvironment | None: ...
+
+    @property
+    def audit(self) -> AuditLog: ...
+
+    @property
+    def accounting(self) -> Accounting: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    def catalog(self) -> admission.Catalog: ...
 
 log = logging.getLogger("jaild")
-
-Close = Callable[["JailSession", str, str], None]
-
-
-class JailSession:
-    """A jail kept for a series of runs of one client."""
-
-    def __init__(
-        self,
-        session_id: str,
-        owner: ClientSession,
-        terms: admission.SessionTerms,
-        jail: JailedJob,
-    ) -> None:
-        self.id = session_id
-        self.owner = owner
-        self.policy: Policy = terms.policy
-        self.limits: Limits = terms.limits
-        self.tools: tuple[ToolSpec, ...] = terms.tools
-        self.terms = terms
-        self.jail = jail
-        self.idle_s = terms.idle_s
-        self.max_lifetime_s = terms.max_lifetime_s
-        self.created = time.time()
-        self._opened = time.monotonic()
-        self.last_used = time.monotonic()
-        self.busy: str | None = None  # the job id of the run in progress
-        self.closed: str | None = None  # why it ended
-        self.idle_timer: asyncio.TimerHandle | None = None
-        self.life_timer: asyncio.TimerHandle | None = None  # set once the jail is ready
-
-    def touch(self, close: Close, idle: bool = True) -> None:
-        """A run starts (idle=False: no idle expiry while it runs) or ends (idle clock
-        restarts; at its end ``close`` is called)."""
-        self.last_used = time.monotonic()
-        if self.idle_timer is not None:
-            self.idle_timer.cancel()
-            self.idle_timer = None
-        if idle:
-            self.idle_timer = asyncio.get_running_loop().call_later(
-                self.idle_s,
-                close,
-                self,
-                "idle",
-                f"no run for {self.idle_s:g} s (the session's idle limit)",
-            )
-
-    def expires_in(self) -> float:
-        left = self.max_lifetime_s - (time.monotonic() - self._opened)
-        if self.busy is None:
-            left = min(left, self.idle_s - (time.monotonic() - self.last_used))
-        return max(0.0, left)
-
-    def check_runnable(self) -> None:
-        """May a run start now?
-
-        Raises:
-            SessionClosed, Busy: naming why not.
-        """
-        if self.closed is not None:
-            raise SessionClosed(f"session {self.id} is closed: {self.closed}")
-        if self.busy is not None:
-            raise Busy(f"session {self.id} is running job {self.busy}; one run at a time")
-        if self.life_timer is None:
-            raise Busy(f"session {self.id} is still starting; wait for SessionOpened")
-
-    def run_entry(self, record: JobRecord) -> JobRecord:
-        """``record`` as this session's run (with the status that ended it, if it did)."""
-        closed = None if self.jail.alive else record.status
-        return with_session(record, self.id, self.jail.runs, closed)
-
-    def ps_row(self, now: float) -> dict[str, Any]:
-        """This session as ``jaild ps`` shows it."""
-        owner = self.owner.peer
-        return {
-            "id": self.id,
-            "kind": "session",
-            "policy": self.policy.name,
-            "uid": owner.uid,
-            "client_pid": owner.pid,
-            "state": "starting"
-            if self.life_timer is None
-            else ("running" if self.busy else "idle"),
-            "age_s": round(max(0.0, now - self.created), 3),  # the wall clock may step back
-            "runs": self.jail.runs,
-            "running": self.busy,
-            "idle_s": round(time.monotonic() - self.last_used, 3),
-            "expires_in_s": round(self.expires_in(), 3),
-            **self.jail.live_usage(),
-        }
-
 
 class Sessions:
     """Opening, running in and closing sessions, for one daemon."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: SessionHost) -> None:
         self.daemon = daemon
 
     def runnable(self, client: ClientSession, session_id: str) -> JailSession:
