@@ -54,13 +54,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaild.daemon.broker import Admitted, Broker, Refused, Validators
 from jaild.daemon.cgroups import Cgroups, JobCgroup
 from jaild.daemon.kernlog import KernelAuditLog
 from jaild.daemon.launch.forked import SCM_CREDENTIALS, Zygote, ZygoteExit
 from jaild.errors import ConnectionLost, RemoteProtocolError
 from jaild.policy.compile import JOB_UIDS, HostLayout, JobPlacement, job_argv, zygote_request
 from jaild.policy.schema import Limits, Policy
-from jaild.protocol import NEED_DATA, PROTOCOL_VERSION, Connection, Role, State, unpack
+from jaild.protocol import NEED_DATA, PROTOCOL_VERSION, Connection, Role, State
 from jaild.protocol.messages import (
     CodeFinished,
     ErrorInfo,
@@ -100,8 +101,6 @@ SIGKILL when its *tick-sampled* CPU clock reaches the limit, and on a loaded hos
 runs well ahead of the precise one rusage reports: under ``stress-ng --cpu 2`` on 2 cores,
 processes were killed at 65 % of a 1 s limit and 80 % of a 2 s one (rusage), where an idle
 host kills them within a tick of it."""
-MAX_CALL_RECORDS = 1000
-"""Tool calls listed in a result record; further calls are only counted (tool_calls_omitted)."""
 FRAME_OVERHEAD = 4 * 2 * 65536 + 65536
 """Room on the jail link beyond the payload limits: CodeFinished may carry a 64K-character
 message and traceback besides the result (UTF-8: up to 4 bytes a character)."""
@@ -165,42 +164,13 @@ class JailEnvironment:
             self._hardens[policy.name] = msg
         return msg
 
-    _validators: dict[str, Any] = field(default_factory=dict)
-    _schema_keys: dict[int, tuple[dict[str, Any], str]] = field(default_factory=dict)
+    validators: Validators = field(default_factory=Validators)
 
     def tool_arguments(
         self, schema: dict[str, Any], tool: str, packed: bytes
     ) -> tuple[str, str] | None:
-        """Check a call's arguments against the tool's JSON schema before any handler runs:
-        None if they fit (or the tool has no schema), else ("invalid_arguments", why) naming
-        the argument."""
-        if not schema:
-            return None
-        try:
-            decoded = unpack(packed)
-        except RemoteProtocolError as exc:
-            return ("invalid_arguments", f"{tool}: undecodable arguments: {exc.message}")
-        if not (
-            isinstance(decoded, list)
-            and len(decoded) == 2
-            and isinstance(decoded[0], list)
-            and isinstance(decoded[1], dict)
-        ):
-            return ("invalid_arguments", f"{tool}: arguments must be [args, kwargs]")
-        args, kwargs = decoded
-        names = list(schema.get("properties") or {})
-        if len(args) > len(names):
-            return (
-                "invalid_arguments",
-                f"{tool} takes at most {len(names)} positional argument(s) "
-                f"({', '.join(names) or 'none'}); got {len(args)}",
-            )
-        instance = dict(zip(names, args, strict=False))
-        for key, value in kwargs.items():
-            if key in instance:
-                return ("invalid_arguments", f"{tool}: argument {key!r} given twice")
-            instance[key] = value
-        return schema_error(tool, self._validator(schema), instance)
+        """See :meth:`jaild.daemon.broker.Validators.check_arguments`."""
+        return self.validators.check_arguments(schema, tool, packed)
 
     def check_schema(self, schema: dict[str, Any]) -> str | None:
         """Why a tool's parameters are not a usable JSON schema, or None (checked once per
@@ -217,25 +187,7 @@ class JailEnvironment:
 
     def _validator(self, schema: dict[str, Any]) -> Any:
         """A compiled validator per distinct schema (clients send the same ones again)."""
-        import json
-
-        key = self._schema_keys.get(id(schema))
-        if key is None or key[0] is not schema:
-            key = (schema, json.dumps(schema, sort_keys=True, default=repr))
-            if len(self._schema_keys) > 4096:
-                self._schema_keys.clear()
-            self._schema_keys[id(schema)] = key
-        validator = self._validators.get(key[1])
-        if validator is None:
-            from jsonschema import validators
-
-            cls = validators.validator_for(schema)
-            cls.check_schema(schema)
-            validator = cls(schema)
-            if len(self._validators) > 4096:
-                self._validators.clear()
-            self._validators[key[1]] = validator
-        return validator
+        return self.validators.validator(schema)
 
     def file_limits(self, policy: Policy) -> FileLimits:
         limits = self._file_limits.get(policy.name)
@@ -552,7 +504,9 @@ class JailedJob:
             + files.max_bytes
             + files.max_files * (files.max_path_chars + 256),
         )
-        self._set_tools(spec)
+        self._broker = Broker(
+            spec.tools, spec.limits, spec.policy.needs_approval, env.validators
+        )
         self._log = bytearray()
         self._in_flight: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
         self._out_transports: list[asyncio.ReadTransport] = []
@@ -593,11 +547,7 @@ class JailedJob:
         self._stdout = bytearray()
         self._stderr = bytearray()
         self._output_total = 0
-        self._calls: list[dict[str, Any]] = []
-        self._calls_omitted = 0
-        self._tool_time = 0.0
-        self._calls_made = 0  # counted against limits.tool_calls
-        self._tool_bytes = 0  # packed arguments and results, against limits.tool_bytes
+        self._broker.new_run()  # the call log, the tool quotas' counts
         self._code_started: float | None = None
         self._code_ended: float | None = None
         self._cpu_base: tuple[float, float] | None = None
@@ -645,18 +595,24 @@ class JailedJob:
         if self._ready.is_set() and not self._done.is_set():
             self._begin()  # now, not when the caller's task first runs
 
-    def _set_tools(self, spec: JobSpec) -> None:
-        """The job's tools by name, and which need approval (decided once, not per call)."""
-        self._tool_specs = {t.name: t for t in spec.tools}
-        self._needs_approval = {
-            t.name for t in spec.tools if t.approval or spec.policy.needs_approval(t.name)
-        }
+    @property
+    def _calls(self) -> list[dict[str, Any]]:
+        """The run's call log (see :mod:`jaild.daemon.broker`)."""
+        return self._broker.entries
+
+    @property
+    def _calls_omitted(self) -> int:
+        return self._broker.omitted
+
+    @property
+    def _tool_time(self) -> float:
+        return self._broker.tool_time_s
 
     def _take_job(self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink) -> None:
         self.spec = spec
         self._route_tool = route_tool
         self._output = output
-        self._set_tools(spec)
+        self._broker.set_job(spec.tools, spec.limits, spec.policy.needs_approval)
         self._set_limits(spec)
         self._started = time.monotonic()
 
@@ -1265,84 +1221,42 @@ class JailedJob:
         )
 
     def _call_tool(self, call: JailCallTool) -> None:
-        """The broker: every check a call must pass before any handler runs."""
-        if call.call_id in self._in_flight:
-            self._terminate(
-                "channel_error", f"the jail reused call id {call.call_id} while in flight"
-            )
-            return
-        limits = self.spec.limits
-        refusal: tuple[str, str] | None = None
-        if call.name not in self._tool_specs:
-            available = ", ".join(sorted(self._tool_specs)) or "(none)"
-            refusal = ("unknown_tool", f"no tool named {call.name!r}; available: {available}")
-        elif len(self._in_flight) >= limits.tool_calls_in_flight:
-            refusal = (
-                "too_many_calls",
-                f"{len(self._in_flight)} tool calls already in flight; the policy allows "
-                f"{limits.tool_calls_in_flight} at once",
-            )
-        elif self._calls_made >= limits.tool_calls:
-            refusal = (
-                "quota_exceeded",
-                f"this job made its {limits.tool_calls} tool calls (limits.tool_calls)",
-            )
-        elif self._tool_bytes + len(call.args) > limits.tool_bytes:
-            refusal = (
-                "quota_exceeded",
-                f"this job's tool calls moved {self._tool_bytes} bytes; these arguments "
-                f"({len(call.args)}) would pass limits.tool_bytes ({limits.tool_bytes})",
-            )
-        else:
-            refusal = self._env.tool_arguments(
-                self._tool_specs[call.name].parameters, call.name, call.args
-            )
-        if refusal is not None:
-            self._reply_failed(call.call_id, *refusal)
-            self._note_call(
-                {"name": call.name, "duration_s": 0.0, "ok": False, "error_type": refusal[0]}
-            )
+        """Every check a call must pass before any handler runs (the broker's)."""
+        verdict = self._broker.admit(call.call_id, call.name, call.args)
+        if isinstance(verdict, Refused):
+            self._reply_failed(call.call_id, verdict.error_type, verdict.message)
             self._env.on_tool_call(
-                self.spec.job_id, self.spec.policy.name, call.name, refusal[0], 0.0
+                self.spec.job_id, self.spec.policy.name, call.name, verdict.error_type, 0.0
             )
-            return
-        self._calls_made += 1
-        self._tool_bytes += len(call.args)
-        reply = self._route(call)
-        if reply is not None and not reply.done():
-            self._in_flight[call.call_id] = reply
-
-    def _note_call(self, entry: dict[str, Any]) -> None:
-        """Record a call in the result, up to MAX_CALL_RECORDS (then only count it)."""
-        if len(self._calls) < MAX_CALL_RECORDS:
-            self._calls.append(entry)
+        elif isinstance(verdict, Admitted):
+            reply = self._route(verdict)
+            if reply is not None and not reply.done():
+                self._in_flight[call.call_id] = reply
         else:
-            self._calls_omitted += 1
+            self._terminate("channel_error", verdict.message)
 
     def _reply_failed(self, call_id: int, error_type: str, message: str) -> None:
         if self._conn.state is State.RUNNING:
             self._send(JailToolFailed(call_id=call_id, error_type=error_type, message=message))
 
-    def _route(self, call: JailCallTool) -> asyncio.Future[tuple[bool, Any]] | None:
+    def _route(self, call: Admitted) -> asyncio.Future[tuple[bool, Any]] | None:
         """Hand the call to the router now; its reply is forwarded from a done callback
         (no task per call: a round trip is a few loop iterations shorter)."""
         assert self._route_tool is not None  # calls arrive only after RunCode
-        spec = self._tool_specs[call.name]
         # the clock starts before the call can reach the client, so the handler's whole time
         # is inside what is recorded (the call is written to the client within _route_tool)
         started = time.monotonic()
         try:
             reply = self._route_tool(
-                self.spec.job_id, call.call_id, call.name, call.args,
-                call.name in self._needs_approval,
+                self.spec.job_id, call.call_id, call.name, call.args, call.needs_approval
             )
         except ConnectionLost:
+            self._broker.withdraw(call.call_id)
             self._terminate("cancelled", "the client disconnected during a tool call")
             return None
-        timeout = self.spec.limits.tool_call_timeout_s
-        if spec.timeout_s is not None:
-            timeout = min(timeout, spec.timeout_s)
-        timer = self._loop.call_later(timeout, self._call_timed_out, reply, call.name, timeout)
+        timer = self._loop.call_later(
+            call.timeout_s, self._call_timed_out, reply, call.name, call.timeout_s
+        )
         reply.add_done_callback(functools.partial(self._call_done, call, started, timer))
         return reply
 
@@ -1355,7 +1269,7 @@ class JailedJob:
 
     def _call_done(
         self,
-        call: JailCallTool,
+        call: Admitted,
         started: float,
         timer: asyncio.TimerHandle,
         reply: asyncio.Future[tuple[bool, Any]],
@@ -1363,48 +1277,30 @@ class JailedJob:
         timer.cancel()
         self._in_flight.pop(call.call_id, None)
         took = time.monotonic() - started
-        self._tool_time += took
-        entry: dict[str, Any] = {"name": call.name, "duration_s": round(took, 6), "ok": False}
-        self._note_call(entry)
         if reply.cancelled():  # the job is over
+            self._broker.withdraw(call.call_id)
             return
         if isinstance(reply.exception(), ConnectionLost):
+            self._broker.withdraw(call.call_id)
             self._terminate("cancelled", "the client disconnected during a tool call")
             return
         ok, value = reply.result()
-        limits = self.spec.limits
-        if ok and len(value) > limits.tool_payload_bytes:
-            ok, value = (
-                False,
-                (
-                    "payload_too_large",
-                    f"the result of {call.name} is {len(value)} bytes packed; "
-                    f"the policy allows {limits.tool_payload_bytes}",
-                ),
-            )
-        elif ok:
-            self._tool_bytes += len(value)
-            if self._tool_bytes > limits.tool_bytes:
-                ok, value = (
-                    False,
-                    (
-                        "quota_exceeded",
-                        f"the result of {call.name} takes this job's tool traffic past "
-                        f"limits.tool_bytes ({limits.tool_bytes})",
-                    ),
-                )
-        entry["ok"] = ok
-        if not ok:
-            entry["error_type"] = value[0]
+        answer = self._broker.answer(call.call_id, ok, value, took)
+        if answer is None:
+            return
         self._env.on_tool_call(
-            self.spec.job_id, self.spec.policy.name, call.name, "ok" if ok else value[0], took
+            self.spec.job_id, self.spec.policy.name, call.name, answer.outcome, took
         )
         if self._conn.state is not State.RUNNING:
             return
-        if ok:
-            self._send(JailToolReturned(call_id=call.call_id, value=value))
+        if answer.ok:
+            self._send(JailToolReturned(call_id=call.call_id, value=answer.value))
         else:
-            self._send(JailToolFailed(call_id=call.call_id, error_type=value[0], message=value[1]))
+            self._send(
+                JailToolFailed(
+                    call_id=call.call_id, error_type=answer.error_type, message=answer.message
+                )
+            )
 
     # -- ending
 
@@ -1506,23 +1402,6 @@ class JailedJob:
             "stream_paused_s": round(self._stream_paused, 6),
             "stream_dropped_bytes": self._stream_dropped,
         }
-
-
-def schema_error(tool: str, validator: Any, instance: dict[str, Any]) -> tuple[str, str] | None:
-    """("invalid_arguments", message naming the argument) for the most relevant error."""
-    if validator.is_valid(instance):
-        return None
-    from jsonschema.exceptions import best_match
-
-    error = best_match(validator.iter_errors(instance))
-    if error is None:
-        return None
-    where = "".join(
-        f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p))
-        for i, p in enumerate(error.absolute_path)
-    )
-    what = f"argument {where!r}: " if where else ""
-    return ("invalid_arguments", f"{tool}: {what}{error.message}"[:4096])
 
 
 def file_limits(policy: Policy) -> FileLimits:
