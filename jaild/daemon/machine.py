@@ -581,7 +581,7 @@ class JobMachine:
             for stream, kept in (("stdout", self.tally.stdout), ("stderr", self.tally.stderr))
             if kept
         ]
-        if self.phase is Phase.IDLE:
+        if self.phase is Phase.IDLE and self._can_begin():
             actions += self._begin()
         elif self.phase is Phase.DONE:
             actions += self._record(final=True)
@@ -662,7 +662,13 @@ class JobMachine:
         if self.phase is not Phase.STARTING:
             return []
         self.phase = Phase.IDLE
-        return [Ready(), *(self._begin() if self._job is not None else [])]
+        return [Ready(), *(self._begin() if self._job is not None and self._can_begin() else [])]
+
+    def _can_begin(self) -> bool:
+        """Not when the jail is dying already (it exited, or broke its link): its job's
+        record then comes with its end."""
+        ready_link = self.conn.state in (State.AWAIT_CODE, State.FINISHED)
+        return ready_link and self.evidence.kill_reason is None and not self._facts.exited
 
     def _begin(self) -> list[Action]:
         """Send the job's code; its wall-clock limit counts from here."""
