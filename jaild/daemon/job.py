@@ -49,44 +49,82 @@ import socket
 import struct
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaild.daemon.broker import Admitted, Broker, Refused, Validators
+from jaild.daemon.broker import Admitted, Validators
 from jaild.daemon.cgroups import Cgroups, JobCgroup
 from jaild.daemon.classify import STATUSES, Evidence, _err, classify, parse_termination
 from jaild.daemon.kernlog import KernelAuditLog
 from jaild.daemon.launch.forked import SCM_CREDENTIALS, Zygote, ZygoteExit
-from jaild.errors import ConnectionLost, RemoteProtocolError
+from jaild.daemon.machine import (
+    START_TIMEOUT_S,
+    Action,
+    ArmReleaseTimer,
+    ArmRunTimers,
+    Assign,
+    AwaitLeftovers,
+    Cancel,
+    ChannelBroken,
+    ChannelOpened,
+    Cleanup,
+    CloseChannel,
+    CodeEnded,
+    CollectEvidence,
+    CpuExceeded,
+    Drained,
+    DrainOutput,
+    EmitRecord,
+    Event,
+    EvidenceRead,
+    Exited,
+    ForwardOutput,
+    JailData,
+    JailEnded,
+    JobMachine,
+    JobSpec,
+    Kill,
+    Launch,
+    LaunchFailed,
+    LeftoversGone,
+    LogData,
+    ObserveCall,
+    Output,
+    Phase,
+    Ready,
+    Reaped,
+    Release,
+    ReleaseTimedOut,
+    RouteCall,
+    SendToJail,
+    Spawned,
+    StartFailed,
+    StartJail,
+    StartRun,
+    StopRunTimers,
+    StreamClosed,
+    Teardown,
+    TimerFired,
+    ToolLost,
+    ToolReplied,
+    ToolTimedOut,
+    Vanished,
+    WithdrawCall,
+)
+from jaild.errors import ConnectionLost
 from jaild.policy.compile import JOB_UIDS, HostLayout, JobPlacement, job_argv, zygote_request
 from jaild.policy.schema import Limits, Policy
-from jaild.protocol import NEED_DATA, PROTOCOL_VERSION, Connection, Role, State
-from jaild.protocol.messages import (
-    CodeFinished,
-    ErrorInfo,
-    Harden,
-    JailCallTool,
-    JailReady,
-    JailToolFailed,
-    JailToolReturned,
-    Message,
-    RunCode,
-    ToolSpec,
-)
+from jaild.protocol import PROTOCOL_VERSION
+from jaild.protocol.messages import ErrorInfo, Harden
 from jaild.runtime.files import FileLimits, validate_collected
 from jaild.runtime.zygote import GO, PREAMBLE
 
 log = logging.getLogger("jaild")
 
-START_TIMEOUT_S = 30.0
 RELEASE_TIMEOUT_S = 10.0
 LINGER_CHECK_S = 0.01
 """How often a spawned jail that outlived its nsjail is checked for (see ``_lingering``)."""
-FRAME_OVERHEAD = 4 * 2 * 65536 + 65536
-"""Room on the jail link beyond the payload limits: CodeFinished may carry a 64K-character
-message and traceback besides the result (UTF-8: up to 4 bytes a character)."""
-
 ToolRouter = Callable[[str, int, str, bytes, bool], "asyncio.Future[tuple[bool, Any]]"]
 """(job_id, call_id, tool name, packed args, needs approval) -> a future of (True, packed
 value) or (False, (type, message)); it may fail with ConnectionLost. The router sends the
@@ -97,20 +135,8 @@ ToolObserver = Callable[[str, str, str, str, float], None]
 ``quota_exceeded``, ``unknown_tool``, the handler's exception type, ...)."""
 OutputSink = Callable[[str, str, bytes], None]
 """(job_id, "stdout"|"stderr", bytes) -> None."""
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    job_id: str
-    policy: Policy
-    limits: Limits
-    code: str
-    filename: str
-    tools: tuple[ToolSpec, ...]
-    files: Mapping[str, bytes] = field(default_factory=dict)  # uploads, checked by the daemon
-    download: tuple[str, ...] = ()  # patterns of files whose contents come back
-    download_changed: bool = False  # ... and of every file the run created or changed
-    keep: bool = False  # a session's jail: it outlives the run
+Outcome = tuple[dict[str, Any], bytes | None, dict[str, bytes]]
+"""A run's record, its packed result (None unless ok) and its downloaded files."""
 
 
 @dataclass
@@ -302,329 +328,45 @@ async def _first_of(*events: asyncio.Event) -> None:
             w.cancel()
 
 
-# --------------------------------------------------------------------------- the job
+# --------------------------------------------------------------------------- the jail's IO
 
 
-class JailedJob:
-    """One job, one jail. ``await run()`` returns the result record (without ``result``).
+class _JailIO:
+    """The IO of one jail: making it (nsjail or a zygote), its pipes and channel, killing
+    it, and releasing its cgroup and uid. Everything it sees is fed to the job's
+    :class:`~jaild.daemon.machine.JobMachine` (``_feed``); it decides nothing itself."""
 
-    A jail may also be made ahead of its job (the warm pool): construct it with the
-    policy's :func:`placeholder_spec` and no router, ``await prepare()`` -- it is then
-    hardened and waiting for its code -- and later :meth:`assign` the real job and
-    ``await run()``. Each jail serves exactly one job.
-    """
+    spec: JobSpec
+    jail_id: str
+    outside_uid: int | None
+    _env: JailEnvironment
+    _loop: asyncio.AbstractEventLoop
+    _machine: JobMachine
+    _route_tool: ToolRouter | None
+    _cgroup: JobCgroup | None
+    _proc: subprocess.Popen[bytes] | None
+    _channel: _Channel | None
+    _preamble_sock: socket.socket | None
+    _jail_pid: int | None
+    _spawn_id: int
+    _pipes: tuple[tuple[int, str], ...]
+    _out_transports: list[asyncio.ReadTransport]
+    _timers: list[asyncio.TimerHandle]
+    _release_timer: asyncio.TimerHandle | None
+    _linger_since: float | None
 
-    def __init__(
-        self,
-        spec: JobSpec,
-        env: JailEnvironment,
-        route_tool: ToolRouter | None,
-        output: OutputSink | None,
-        *,
-        jail_id: str | None = None,
-    ) -> None:
-        self.spec = spec
-        self.jail_id = jail_id or spec.job_id
-        self._env = env
-        self._route_tool = route_tool
-        self._output = output
-        self._loop = asyncio.get_running_loop()
-        self._ev = Evidence(cpu_limit_s=float(spec.limits.cpu_time_s))
-        self._keep = spec.keep
-        self._set_limits(spec)
-        files = spec.policy.files
-        self._conn = Connection(
-            Role.SUPERVISOR,
-            max(spec.limits.tool_payload_bytes, spec.limits.result_bytes)
-            + FRAME_OVERHEAD
-            + files.max_bytes
-            + files.max_files * (files.max_path_chars + 256),
-        )
-        self._broker = Broker(
-            spec.tools, spec.limits, spec.policy.needs_approval, env.validators
-        )
-        self._log = bytearray()
-        self._in_flight: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
-        self._out_transports: list[asyncio.ReadTransport] = []
-        self._paused_since: float | None = None
-        self._run_end = asyncio.Event()
-        self._run_timers: list[asyncio.TimerHandle] = []
-        self.runs = 0  # runs started in this jail (a session's count)
-        self._reset_run()
-        self._open_streams = 0
-        self._done = asyncio.Event()
-        self._ready = asyncio.Event()
-        self._launched = False
-        self._cleaned = False
-        self._released = False
-        self._spawned = False  # a zygote was asked for this jail
-        self._zygote_reaped = False  # ... and has reaped the jail
-        self._release_pending = False
-        self._release_timer: asyncio.TimerHandle | None = None
-        self._spawn_id = 0
-        self._claimed = False  # the result is in and decides the record (zygote jails)
-        self._evidence_gathered = False
-        self._pipes: tuple[tuple[int, str], ...] = ()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._exited = False
-        self._channel: _Channel | None = None
-        self._preamble_sock: socket.socket | None = None
-        self._jail_pid: int | None = None  # zygote jails: the jail's process (host pid)
-        self._terminating = False
-        self._linger_since: float | None = None  # a spawned jail outlived its nsjail since
-        self._timers: list[asyncio.TimerHandle] = []
-        self._started = time.monotonic()
-        self.ready_at: float | None = None
-        self.outside_uid: int | None = None
-        self._cgroup: JobCgroup | None = None
-
-    def _reset_run(self) -> None:
-        """What one run accounts for: output, calls, result, files, usage."""
-        self._stdout = bytearray()
-        self._stderr = bytearray()
-        self._output_total = 0
-        self._broker.new_run()  # the call log, the tool quotas' counts
-        self._code_started: float | None = None
-        self._code_ended: float | None = None
-        self._cpu_base: tuple[float, float] | None = None
-        self._cpu_end: tuple[float, float] | None = None
-        self._stream_dropped = 0
-        self._stream_paused = 0.0
-        self.result: bytes | None = None
-        self.downloads: dict[str, bytes] = {}
-        self._files: list[dict[str, Any]] = []
-        self._files_skipped: list[dict[str, Any]] = []
-        self._ev.claim = None
-
-    def _set_limits(self, spec: JobSpec) -> None:
-        if not self._keep:  # a session's jail keeps its own (session-wide) CPU rlimit
-            self._ev.cpu_limit_s = float(spec.limits.cpu_time_s)
-        self._ev.wall_limit_s = spec.limits.wall_time_s
-        self._ev.output_limit = spec.limits.output_bytes
-
-    # -- public
-
-    @property
-    def pid(self) -> int | None:
-        """nsjail's pid while it runs (None for a zygote jail: not our child)."""
-        return self._proc.pid if self._proc is not None and not self._exited else None
+    def _feed(self, event: Event) -> None:
+        raise NotImplementedError
 
     @property
     def zygote(self) -> Zygote | None:
         return self._env.zygotes.get(self.spec.policy.name)
 
-    @property
-    def alive(self) -> bool:
-        """Ready for (or running) its job, not ended."""
-        return self._ready.is_set() and not self._done.is_set()
-
-    def cancel(self, reason: str = "the job was cancelled") -> None:
-        self._terminate("cancelled", reason)
-
-    def assign(self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink) -> None:
-        """Give a prepared jail its job (same policy; the jail's limits already apply)."""
-        assert self._route_tool is None and spec.policy is self.spec.policy
-        # The job's cgroup is named after the job, as ever: a pooled jail is made under the
-        # id its job will have (cgroup v2 cannot rename a cgroup), see JailPool.
-        assert spec.job_id == self.jail_id, (spec.job_id, self.jail_id)
-        self._take_job(spec, route_tool, output)
-        if self._ready.is_set() and not self._done.is_set():
-            self._begin()  # now, not when the caller's task first runs
-
-    @property
-    def _calls(self) -> list[dict[str, Any]]:
-        """The run's call log (see :mod:`jaild.daemon.broker`)."""
-        return self._broker.entries
-
-    @property
-    def _calls_omitted(self) -> int:
-        return self._broker.omitted
-
-    @property
-    def _tool_time(self) -> float:
-        return self._broker.tool_time_s
-
-    def _take_job(self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink) -> None:
-        self.spec = spec
-        self._route_tool = route_tool
-        self._output = output
-        self._broker.set_job(spec.tools, spec.limits, spec.policy.needs_approval)
-        self._set_limits(spec)
-        self._started = time.monotonic()
-
-    def host_view(self) -> dict[str, Any]:
-        """The job seen from the host while it runs: its processes' ids, its cgroup's limits."""
-        if self._cgroup is None:
-            return {}
-        ids: set[int] = set()
-        for pid in self._cgroup.member_pids(jail_only=True):
-            with (
-                contextlib.suppress(OSError, ValueError, IndexError),
-                open(f"/proc/{pid}/status", encoding="ascii") as status,
-            ):
-                for line in status:
-                    if line.startswith(("Uid:", "Gid:")):
-                        ids.update(int(x) for x in line.split()[1:])
-        return {"outside_ids": sorted(ids), **self._cgroup.limits()}
-
-    async def prepare(self) -> bool:
-        """Start the jail and wait until it is hardened and waiting (True) or ended (False)."""
-        await self._launch()
-        if not self._done.is_set():
-            await _first_of(self._ready, self._done)
-        return self.alive
-
-    async def run(self) -> dict[str, Any]:
-        try:
-            await self._launch()
-            if self._ready.is_set() and not self._done.is_set():
-                self._begin()
-            return await self._final_record()
-        finally:
-            # after the caller has sent the record: killing what is left is not on its path
-            self._loop.call_soon(self.cleanup)
-
-    async def run_next(
-        self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink
-    ) -> tuple[dict[str, Any], bytes | None, dict[str, bytes]]:
-        """A session's jail (prepared with ``keep``): run one more job in it, in the same
-        namespace. Returns the run's record; the jail outlives the run unless the run hit a
-        limit (then :attr:`alive` is False and the record says why). Returns the record, the
-        packed result and the downloaded files."""
-        assert self._keep and spec.policy is self.spec.policy
-        self._take_job(spec, route_tool, output)
-        self._run_end.clear()
-        # what the jail printed between runs is this run's (it was kept, not streamed)
-        for stream, buffered in (("stdout", self._stdout), ("stderr", self._stderr)):
-            if buffered:
-                output(spec.job_id, stream, bytes(buffered))
-        if self.alive:
-            self._begin()
-        await _first_of(self._run_end, self._done)
-        if self._done.is_set():  # the jail is gone: this record is its last
-            record = await self._final_record()
-            return record, self.result, self.downloads
-        if self._cgroup is not None:
-            self._ev.oom = self._cgroup.oom_killed()
-        record = self._record()
-        outcome = (record, self.result, self.downloads)
-        if record["status"] not in ("ok", "error"):  # e.g. OOM: the session cannot go on
-            self._terminate("cancelled", f"the run ended {record['status']}")
-        self._ev.oom = False
-        self._output = None
-        self._route_tool = None
-        self._reset_run()
-        return outcome
-
-    async def _final_record(self) -> dict[str, Any]:
-        await self._gather_evidence()
-        return self._record()
-
-    async def _gather_evidence(self) -> None:
-        """Once the jail is gone: what the host knows about how it ended."""
-        await self._done.wait()
-        if self._evidence_gathered:
-            return
-        self._evidence_gathered = True
-        for task in list(self._in_flight.values()):
-            task.cancel()
-        if self._cgroup is not None:
-            self._ev.oom = self._ev.oom or self._cgroup.oom_killed()
-        term = self._ev.term
-        if term and term[0] == "signaled" and term[2] == "SIGSYS":
-            self._ev.syscall = self._env.audit.seccomp_kill(term[3])
-
-    async def ended(self) -> tuple[str, dict[str, Any] | None]:
-        """Wait for the jail to end; its status and error (a session's jail between runs)."""
-        await self._gather_evidence()
-        return classify(self._ev)
-
-    def live_usage(self) -> dict[str, Any]:
-        """For ``jaild ps``: what the jail uses right now."""
-        if self._cgroup is None:
-            return {}
-        cpu = self._cgroup.cpu_times()
-        return {
-            "memory_bytes": self._cgroup.memory_bytes(),
-            "cpu_s": round(sum(cpu), 3) if cpu else None,
-            "pids": len(self._cgroup.member_pids()),
-        }
-
-    def pause_output(self) -> None:
-        """Stop reading the jail's stdout/stderr (a slow client): the jail blocks on write."""
-        if self._paused_since is None:
-            self._paused_since = time.monotonic()
-            for transport in self._out_transports:
-                with contextlib.suppress(Exception):
-                    transport.pause_reading()
-
-    def resume_output(self) -> None:
-        if self._paused_since is not None:
-            self._stream_paused += time.monotonic() - self._paused_since
-            self._paused_since = None
-            for transport in self._out_transports:
-                with contextlib.suppress(Exception):
-                    transport.resume_reading()
-
-    def output_dropped(self, n: int) -> None:
-        """The client's stream skipped ``n`` bytes of output (still in the record)."""
-        self._stream_dropped += n
-
-    async def finished(self) -> None:
-        await self._done.wait()
-
-    async def discard(self, reason: str) -> None:
-        """End a jail that will not run a job (an idle pooled jail, a shutdown)."""
-        self._terminate("cancelled", reason)
-        await self._done.wait()
-        self.cleanup()
-
-    def cleanup(self) -> None:
-        """Kill what is left of the jail; release its cgroup and uid once nothing of it runs.
-
-        A zygote jail's record is out at its claim, while the jail may still be tearing
-        down its namespaces; the cgroup and uid are released when the zygote has reaped
-        it (or after ``RELEASE_TIMEOUT_S``, by then long dead)."""
-        if self._cleaned:
-            return
-        self._cleaned = True
-        for timer in self._timers:
-            timer.cancel()
-        if self._channel is not None:
-            self._channel.close()
-        self._close_preamble()
-        if self._proc is not None and not self._exited:
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.kill()
-        if self._cgroup is not None:
-            with contextlib.suppress(OSError):
-                self._cgroup.kill_all()
-        if self._spawned and not self._zygote_reaped:
-            self._release_pending = True
-            # cancelled on release: a pending timer would keep the whole job alive for 10 s
-            self._release_timer = self._loop.call_later(RELEASE_TIMEOUT_S, self._release)
-        else:
-            self._release()
-
-    def _release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        if self._release_timer is not None:
-            self._release_timer.cancel()
-        if self._cgroup is not None:
-            with contextlib.suppress(OSError):
-                self._cgroup.kill_all()
-                self._cgroup.remove()
-        if self.outside_uid is not None:
-            self._env.release_uid(self.outside_uid)
-
     # -- start
 
     async def _launch(self) -> None:
-        if self._launched:
-            return
-        self._launched = True
+        if not self._machine.handle(Launch()):
+            return  # launched once already, or ended before it was
         limits = self.spec.limits
         try:
             uid = self.outside_uid = self._env.allocate_uid()
@@ -640,17 +382,16 @@ class JailedJob:
                     self._cgroup.limit_cpu(limits.cpu_cores)
                 await self._start_forked(zygote, uid)  # armed when the zygote gets the request
         except (OSError, RuntimeError) as exc:
-            self._ev.kill_reason = "start_failed"
-            self._ev.kill_detail = f"could not start the jail: {exc}"
-            self._done.set()
-            return
+            self._feed(LaunchFailed(str(exc)))
 
     def _arm_start_timeout(self) -> None:
         """The jail has START_TIMEOUT_S to become ready, counted from its own start (not
         from a place in the zygote's queue, where a burst waits its turn)."""
-        if self._done.is_set():
+        if self._machine.phase is not Phase.STARTING:
             return
-        self._timers.append(self._loop.call_later(START_TIMEOUT_S, self._start_timeout))
+        self._timers.append(
+            self._loop.call_later(START_TIMEOUT_S, self._feed, TimerFired("start"))
+        )
 
     async def _start_forked(self, zygote: Zygote, uid: int) -> None:
         """Ask the policy's zygote for a jail (see :mod:`jaild.runtime.zygote`)."""
@@ -673,9 +414,8 @@ class JailedJob:
                 os.close(fd)
             daemon_end.close()
             raise
-        self._spawned = True
         # stdout, stderr and the channel; the zygote reports the end
-        self._open_streams = 3
+        self._feed(Spawned(forked=True, streams=3))
         await self._read_output(out_r, err_r)
         daemon_end.setblocking(False)
         self._preamble_sock = daemon_end
@@ -697,15 +437,15 @@ class JailedJob:
         zygote = self.zygote
         if data != PREAMBLE or not creds or zygote is None:
             self._close_preamble()
-            self._stream_closed()
+            self._feed(StreamClosed())
             return
         pid, uid, _gid = struct.unpack("3i", creds[0][:12])
         self._loop.remove_reader(sock.fileno())
         self._preamble_sock = None
         if uid != zygote.uid:  # only a process of the zygote's may claim a jail
             sock.close()
-            self._terminate("start_failed", f"preamble from uid {uid}, not the zygote's")
-            self._stream_closed()
+            self._feed(StartFailed(f"preamble from uid {uid}, not the zygote's"))
+            self._feed(StreamClosed())
             return
         try:
             self._cgroup.adopt(pid)
@@ -714,8 +454,8 @@ class JailedJob:
             sock.send(GO)
         except OSError as exc:
             sock.close()
-            self._terminate("start_failed", f"could not move the jail into its cgroup: {exc}")
-            self._stream_closed()
+            self._feed(StartFailed(f"could not move the jail into its cgroup: {exc}"))
+            self._feed(StreamClosed())
             return
         self._open_channel(sock)
 
@@ -727,34 +467,23 @@ class JailedJob:
 
     def _reaped(self, end: ZygoteExit) -> None:
         """The zygote reaped the jail (or never made it): its end, and nothing left of it."""
-        self._zygote_reaped = True
-        self._forked_exit(end)
-        if self._release_pending:
-            self._release()
-
-    def _forked_exit(self, end: ZygoteExit) -> None:
-        if self._exited:
-            return
         if end.status is None:
-            self._log += end.detail.encode()
-            if not self._ev.jail_ready and self._ev.kill_reason is None:
-                self._ev.kill_reason = "start_failed"
-                self._ev.kill_detail = end.detail
+            self._feed(Exited(cpu_s=end.cpu_s, failure=end.detail))
         elif os.WIFSIGNALED(end.status):
             sig = os.WTERMSIG(end.status)
             try:
                 name = signal.Signals(sig).name
             except ValueError:
                 name = f"SIG{sig}"
-            self._ev.termination = ("signaled", sig, name, self._jail_pid or 0)
+            term = ("signaled", sig, name, self._jail_pid or 0)
+            self._feed(Exited(termination=term, cpu_s=end.cpu_s))
         else:
-            self._ev.termination = ("exited", os.waitstatus_to_exitcode(end.status), "", 0)
-        self._ev.cpu_s = end.cpu_s
-        self._exited = True
+            term = ("exited", os.waitstatus_to_exitcode(end.status), "", 0)
+            self._feed(Exited(termination=term, cpu_s=end.cpu_s))
         if self._preamble_sock is not None:  # it never spoke: nothing more will come
             self._close_preamble()
-            self._stream_closed()
-        self._maybe_done()
+            self._feed(StreamClosed())
+        self._feed(Reaped())
 
     def _accounting_prefix(self) -> list[str]:
         """cgroup v1: nsjail places the jail in the memory, pids and cpu hierarchies only;
@@ -800,7 +529,7 @@ class JailedJob:
             jail_end.close()
         # stdout, stderr, nsjail's log and the channel: the job is over when nsjail has exited
         # and all four reached EOF (so no output and no CodeFinished is left unread)
-        self._open_streams = 4
+        self._feed(Spawned(forked=False, streams=4))
         self._watch_exit(self._proc.pid)
         await self._read_output(out_r, err_r)
         await self._loop.connect_read_pipe(
@@ -827,11 +556,11 @@ class JailedJob:
             self._channel_data,
             self._stream_closed,
             functools.partial(
-                self._terminate, "channel_error", "the jail does not read its tool replies"
+                self._feed, ChannelBroken("the jail does not read its tool replies")
             ),
-            max_buffered=4 * self._conn.max_frame_bytes,
+            max_buffered=4 * self._machine.conn.max_frame_bytes,
         )
-        self._send(self._env.harden(self.spec.policy))
+        self._feed(ChannelOpened())  # -> Harden
 
     def _watch_exit(self, pid: int) -> None:
         pidfd = os.pidfd_open(pid)
@@ -845,150 +574,458 @@ class JailedJob:
                 return
             self._loop.remove_reader(pidfd)
             os.close(pidfd)
-            self._exited = True
             assert self._proc is not None
             self._proc.returncode = os.waitstatus_to_exitcode(status)
-            self._ev.nsjail_returncode = self._proc.returncode
-            if rusage is not None:
-                self._ev.cpu_s = rusage.ru_utime + rusage.ru_stime
-            self._maybe_done()
+            cpu_s = rusage.ru_utime + rusage.ru_stime if rusage is not None else 0.0
+            self._feed(Exited(returncode=self._proc.returncode, cpu_s=cpu_s))
 
         self._loop.add_reader(pidfd, on_exit)
 
-    # -- stream handlers
+    # -- the jail's streams
 
     def _log_data(self, data: bytes) -> None:
-        if len(self._log) < 256 * 1024:
-            self._log += data
+        self._feed(LogData(data))
 
     def _output_data(self, stream: str, data: bytes) -> None:
-        if self._ev.kill_reason is not None or self._claimed:
-            return
-        limit = self.spec.limits.output_bytes
-        room = limit - self._output_total
-        chunk = data[:room] if len(data) > room else data
-        self._output_total += len(chunk)
-        if chunk:
-            (self._stdout if stream == "stdout" else self._stderr).extend(chunk)
-            if self._output is not None:
-                self._output(self.spec.job_id, stream, chunk)
-        if len(data) > room:
-            self._terminate("output_limit", "")
+        self._feed(Output(stream, data))
 
-    def _claim(self) -> None:
-        """A zygote jail's runtime reported its result: the job is over now.
-
-        Everything that can overrule a claim -- the daemon's kill reasons, the output
-        limit, a limit or seccomp kill, OOM -- either happened before it (a killed
-        process sends nothing; OOM kills are counted by the cgroup, read at the record)
-        or is the code's own doing after it had its result. So the record need not wait
-        for the jail's exit, which tears down its namespaces; the output written before
-        the claim is already in the pipes and is drained here. The jail is killed in
-        :meth:`cleanup`."""
-        for pipe, sink in self._pipes:
-            with contextlib.suppress(OSError):
-                while data := os.read(pipe, 1 << 16):
-                    self._output_data(sink, data)
-        self._claimed = True
-        self._maybe_done()
+    def _channel_data(self, data: bytes) -> None:
+        self._feed(JailData(data))
 
     def _stream_closed(self) -> None:
-        self._open_streams -= 1
-        self._maybe_done()
+        self._feed(StreamClosed())
 
-    def _maybe_done(self) -> None:
-        if self._done.is_set():
-            return
-        if (self._exited and self._open_streams == 0) or self._claimed:
-            if not self._claimed and self._lingering():
-                return
-            self._ev.log = self._log.decode("utf-8", "replace")
-            self._ev.stderr_tail = self._stderr[-2048:].decode("utf-8", "replace")
-            if self._channel is not None:
-                self._channel.close()
-            self._done.set()
+    # -- the end
 
-    def _lingering(self) -> bool:
-        """A spawned jail's processes that outlive its nsjail: kill them, and check again
-        shortly (True) until none is left.
-
-        nsjail reaps its jail before it exits, so normally there are none, and the cgroup is
-        only looked at when nsjail was killed by a signal. An nsjail that was SIGKILLed (it
-        ignored SIGTERM) or died cannot reap: its jail, SIGKILLed through
-        the cgroup and reparented to this subreaper, may still be tearing down its
-        namespaces when the streams reach EOF. The record waits for it, so that it is
-        exact and the cgroup and uid are released only once nothing of the job runs.
-        A process that has not left after ``RELEASE_TIMEOUT_S`` is logged, not waited on."""
+    def _kill(self, action: Kill) -> None:
+        """End the jail: nsjail gets SIGTERM (it SIGKILLs the jail and cleans up) and a
+        grace period; a zygote jail is killed through its cgroup, with no grace period."""
         proc = self._proc
-        if proc is None or self._cgroup is None or (proc.returncode or 0) >= 0:
-            return False  # an nsjail that exited by itself reaped its jail: nothing to look for
+        if proc is None and self._jail_pid is None:
+            if self._preamble_sock is not None:  # the waiter exits when it reads EOF
+                self._close_preamble()
+                self._feed(StreamClosed())
+            else:
+                self._feed(Vanished())
+            return
+        if proc is None:  # a zygote jail: nothing of it may survive, so no grace period
+            self._kill_cgroup()
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)  # nsjail SIGKILLs the jail and cleans up
+        self._timers.append(self._loop.call_later(self._env.kill_grace_s, self._force_kill))
+
+    def _kill_cgroup(self) -> None:
+        if not self._machine.jail_exited and self._cgroup is not None:
+            with contextlib.suppress(OSError):
+                self._cgroup.kill_all()
+            if self._cgroup.member_pids():  # a fork raced the kill: again, shortly
+                self._timers.append(self._loop.call_later(0.05, self._kill_cgroup))
+
+    def _force_kill(self) -> None:
+        """nsjail ignored SIGTERM for the whole grace period: SIGKILL it and everything in
+        the job's cgroup. Its orphans are reparented to this subreaper: the record waits
+        until they are gone (:meth:`_await_leftovers`), the server reaps them after it."""
+        if self._proc is not None and self._proc.returncode is None:
+            log.warning("job %s: nsjail ignored SIGTERM; killing it", self.spec.job_id)
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+            if self._cgroup is not None:
+                with contextlib.suppress(OSError):
+                    self._cgroup.kill_all()
+
+    def _await_leftovers(self) -> None:
+        """A spawned jail's processes that outlive its killed nsjail: kill them, and check
+        again shortly until none is left (then LeftoversGone).
+
+        An nsjail that was SIGKILLed (it ignored SIGTERM) or died cannot reap: its jail,
+        SIGKILLed through the cgroup and reparented to this subreaper, may still be tearing
+        down its namespaces when the streams reach EOF. The record waits for it, so that it
+        is exact and the cgroup and uid are released only once nothing of the job runs.
+        A process that has not left after ``RELEASE_TIMEOUT_S`` is logged, not waited on."""
+        if self._cgroup is None:
+            self._feed(LeftoversGone())
+            return
         try:
             left = self._cgroup.member_pids()
         except OSError:
-            return False
-        if not left:
-            return False
-        if self._linger_since is None:
+            left = []
+        if left and self._linger_since is None:
             self._linger_since = time.monotonic()
-        elif time.monotonic() - self._linger_since > RELEASE_TIMEOUT_S:
+        elif left and time.monotonic() - (self._linger_since or 0.0) > RELEASE_TIMEOUT_S:
             log.warning(
                 "job %s: processes %s outlived nsjail by %g s despite SIGKILL",
                 self.spec.job_id, left, RELEASE_TIMEOUT_S,
             )
-            return False
+            left = []
+        if not left:
+            self._feed(LeftoversGone())
+            return
         with contextlib.suppress(OSError):
             self._cgroup.kill_all()
-        self._timers.append(self._loop.call_later(LINGER_CHECK_S, self._maybe_done))
-        return True
+        self._timers.append(self._loop.call_later(LINGER_CHECK_S, self._await_leftovers))
 
-    # -- the channel
+    def _teardown(self) -> None:
+        """Kill what is left of the jail (its cgroup and uid are released apart)."""
+        for timer in self._timers:
+            timer.cancel()
+        if self._channel is not None:
+            self._channel.close()
+        self._close_preamble()
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+        if self._cgroup is not None:
+            with contextlib.suppress(OSError):
+                self._cgroup.kill_all()
 
-    def _send(self, msg: Message) -> None:
-        if self._channel is None or self._channel.closed:
-            return
-        self._channel.write(self._conn.send(msg))
+    def _arm_release_timer(self) -> None:
+        # cancelled on release: a pending timer would keep the whole job alive for 10 s
+        self._release_timer = self._loop.call_later(
+            RELEASE_TIMEOUT_S, self._feed, ReleaseTimedOut()
+        )
 
-    def _channel_data(self, data: bytes) -> None:
+    def _release(self) -> None:
+        if self._release_timer is not None:
+            self._release_timer.cancel()
+        if self._cgroup is not None:
+            with contextlib.suppress(OSError):
+                self._cgroup.kill_all()
+                self._cgroup.remove()
+        if self.outside_uid is not None:
+            self._env.release_uid(self.outside_uid)
+
+
+# --------------------------------------------------------------------------- the job
+
+
+class JailedJob(_JailIO):
+    """One jail and the job (or a session's runs) it serves: the asyncio driver of a
+    :class:`~jaild.daemon.machine.JobMachine`. ``await run()`` returns the result record
+    (without ``result``).
+
+    A jail may also be made ahead of its job (the warm pool): construct it with the
+    policy's :func:`placeholder_spec` and no router, ``await prepare()`` -- it is then
+    hardened and waiting for its code -- and later :meth:`assign` the real job and
+    ``await run()``. Each jail serves exactly one job, except a session's (``keep``),
+    which serves one :meth:`run_next` after another.
+    """
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        env: JailEnvironment,
+        route_tool: ToolRouter | None,
+        output: OutputSink | None,
+        *,
+        jail_id: str | None = None,
+    ) -> None:
+        self.spec = spec
+        self.jail_id = jail_id or spec.job_id
+        self._env = env
+        self._route_tool = route_tool
+        self._output = output
+        self._loop = asyncio.get_running_loop()
+        self._machine = JobMachine(
+            spec,
+            has_job=route_tool is not None,
+            harden=env.harden(spec.policy),
+            seccomp_digest=env.seccomp_digests[spec.policy.name],
+            validators=env.validators,
+        )
+        self._in_flight: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
+        self._out_transports = []
+        self._paused_since: float | None = None
+        self._run_timers: list[asyncio.TimerHandle] = []
+        self._timers = []
+        self._done = asyncio.Event()  # the jail is gone (JailEnded)
+        self._ready = asyncio.Event()  # it was hardened (Ready)
+        self._outcome_wait: asyncio.Future[Outcome] = self._loop.create_future()
+        self._release_timer = None
+        self._spawn_id = 0
+        self._pipes = ()
+        self._proc = None
+        self._channel = None
+        self._preamble_sock = None
+        self._jail_pid = None  # zygote jails: the jail's process (host pid)
+        self._linger_since = None  # a spawned jail outlived its nsjail since
+        self._started = time.monotonic()
+        self.ready_at: float | None = None
+        self.outside_uid = None
+        self._cgroup = None
+        self._tally = self._machine.tally
+        self._outcome: tuple[str, dict[str, Any] | None] = ("internal_error", None)
+        self._reset_run()
+
+    def _reset_run(self) -> None:
+        """What one run accounts for besides the machine's tally: times, result, files."""
+        self._code_started: float | None = None
+        self._code_ended: float | None = None
+        self._cpu_base: tuple[float, float] | None = None
+        self._cpu_end: tuple[float, float] | None = None
+        self._stream_dropped = 0
+        self._stream_paused = 0.0
+        self.result: bytes | None = None
+        self.downloads: dict[str, bytes] = {}
+        self._files: list[dict[str, Any]] = []
+        self._files_skipped: list[dict[str, Any]] = []
+
+    # -- public
+
+    @property
+    def pid(self) -> int | None:
+        """nsjail's pid while it runs (None for a zygote jail: not our child)."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.returncode is None else None
+
+    @property
+    def alive(self) -> bool:
+        """Ready for (or running) its job, not ended."""
+        return self._machine.alive
+
+    @property
+    def runs(self) -> int:
+        """Runs started in this jail (a session's count)."""
+        return self._machine.runs
+
+    def cancel(self, reason: str = "the job was cancelled") -> None:
+        self._feed(Cancel(reason))
+
+    def assign(self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink) -> None:
+        """Give a prepared jail its job (same policy; the jail's limits already apply)."""
+        assert self._route_tool is None and spec.policy is self.spec.policy
+        # The job's cgroup is named after the job, as ever: a pooled jail is made under the
+        # id its job will have (cgroup v2 cannot rename a cgroup), see JailPool.
+        assert spec.job_id == self.jail_id, (spec.job_id, self.jail_id)
+        self._take_job(spec, route_tool, output)
+        self._feed(Assign(spec))  # its code is sent now if the jail is ready
+
+    def _take_job(self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink) -> None:
+        self.spec = spec
+        self._route_tool = route_tool
+        self._output = output
+        self._started = time.monotonic()
+
+    async def prepare(self) -> bool:
+        """Start the jail and wait until it is hardened and waiting (True) or ended (False)."""
+        await self._launch()
+        if not self._done.is_set():
+            await _first_of(self._ready, self._done)
+        return self.alive
+
+    async def run(self) -> dict[str, Any]:
         try:
-            self._conn.receive_data(data)
-            while True:
-                event = self._conn.next_event()
-                if event is NEED_DATA:
-                    return
-                if not isinstance(event, Message):  # CLOSED
-                    return
-                self._jail_event(event)
-        except RemoteProtocolError as exc:
-            self._terminate("channel_error", f"the jail broke the tool channel protocol: {exc}")
+            await self._launch()
+            record, _, _ = await self._outcome_wait
+            return record
+        finally:
+            # after the caller has sent the record: killing what is left is not on its path
+            self._loop.call_soon(self.cleanup)
 
-    def _jail_event(self, event: Message) -> None:
-        if isinstance(event, JailReady):
-            expected = self._env.seccomp_digests[self.spec.policy.name]
-            if event.seccomp_digest != expected:
-                self._terminate(
-                    "start_failed",
-                    f"the jail loaded a seccomp filter other than policy {self.spec.policy.name!r}"
-                    f"'s (digest {event.seccomp_digest!r}, expected {expected!r}); refusing it",
-                )
-                return
-            self._ev.jail_ready = True
+    async def run_next(
+        self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink
+    ) -> Outcome:
+        """A session's jail (prepared with ``keep``): run one more job in it, in the same
+        namespace. The jail outlives the run unless the run hit a limit (then :attr:`alive`
+        is False and the record says why). Returns the record, the packed result and the
+        downloaded files."""
+        assert self._machine.keep and spec.policy is self.spec.policy
+        self._take_job(spec, route_tool, output)
+        self._outcome_wait = self._loop.create_future()
+        self._feed(Assign(spec))
+        return await self._outcome_wait
+
+    async def ended(self) -> tuple[str, dict[str, Any] | None]:
+        """Wait for the jail to end; its status and error (a session's jail between runs)."""
+        await self._done.wait()
+        return self._machine.outcome()
+
+    async def _final_record(self) -> dict[str, Any]:
+        """The ended jail's status and error, shaped as a record's (server.py reads them when
+        a session's jail did not start; :meth:`ended` is the same, as a tuple)."""
+        status, error = await self.ended()
+        return {"status": status, "error": error}
+
+    def host_view(self) -> dict[str, Any]:
+        """The job seen from the host while it runs: its processes' ids, its cgroup's limits."""
+        if self._cgroup is None:
+            return {}
+        ids: set[int] = set()
+        for pid in self._cgroup.member_pids(jail_only=True):
+            with (
+                contextlib.suppress(OSError, ValueError, IndexError),
+                open(f"/proc/{pid}/status", encoding="ascii") as status,
+            ):
+                for line in status:
+                    if line.startswith(("Uid:", "Gid:")):
+                        ids.update(int(x) for x in line.split()[1:])
+        return {"outside_ids": sorted(ids), **self._cgroup.limits()}
+
+    def live_usage(self) -> dict[str, Any]:
+        """For ``jaild ps``: what the jail uses right now."""
+        if self._cgroup is None:
+            return {}
+        cpu = self._cgroup.cpu_times()
+        return {
+            "memory_bytes": self._cgroup.memory_bytes(),
+            "cpu_s": round(sum(cpu), 3) if cpu else None,
+            "pids": len(self._cgroup.member_pids()),
+        }
+
+    def pause_output(self) -> None:
+        """Stop reading the jail's stdout/stderr (a slow client): the jail blocks on write."""
+        if self._paused_since is None:
+            self._paused_since = time.monotonic()
+            for transport in self._out_transports:
+                with contextlib.suppress(Exception):
+                    transport.pause_reading()
+
+    def resume_output(self) -> None:
+        if self._paused_since is not None:
+            self._stream_paused += time.monotonic() - self._paused_since
+            self._paused_since = None
+            for transport in self._out_transports:
+                with contextlib.suppress(Exception):
+                    transport.resume_reading()
+
+    def output_dropped(self, n: int) -> None:
+        """The client's stream skipped ``n`` bytes of output (still in the record)."""
+        self._stream_dropped += n
+
+    async def finished(self) -> None:
+        await self._done.wait()
+
+    async def discard(self, reason: str) -> None:
+        """End a jail that will not run a job (an idle pooled jail, a shutdown)."""
+        self._feed(Cancel(reason))
+        await self._done.wait()
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        """Kill what is left of the jail; release its cgroup and uid once nothing of it runs.
+
+        A zygote jail's record is out at its claim, while the jail may still be tearing
+        down its namespaces; the cgroup and uid are released when the zygote has reaped
+        it (or after ``RELEASE_TIMEOUT_S``, by then long dead)."""
+        self._feed(Cleanup())
+
+    # -- the machine's actions
+
+    def _feed(self, event: Event) -> None:
+        """Feed the machine; do what it says, in order (its answers may feed it again)."""
+        for action in self._machine.handle(event):
+            self._perform(action)
+
+    def _perform(self, action: Action) -> None:
+        if isinstance(action, SendToJail):
+            if self._channel is not None and not self._channel.closed:
+                self._channel.write(action.data)
+        elif isinstance(action, ForwardOutput):
+            if self._output is not None:
+                self._output(self.spec.job_id, action.stream, action.data)
+        elif isinstance(action, RouteCall):
+            self._route(action.call)
+        elif isinstance(action, WithdrawCall):
+            reply = self._in_flight.pop(action.call_id, None)
+            if reply is not None:
+                reply.cancel()
+        elif isinstance(action, ObserveCall):
+            self._env.on_tool_call(
+                self.spec.job_id, self.spec.policy.name, action.name, action.outcome,
+                action.duration_s,
+            )
+        elif isinstance(action, EmitRecord):
+            self._emit(action)
+        else:
+            self._perform_jail(action)
+
+    def _perform_jail(self, action: Action) -> None:
+        if isinstance(action, Ready):
             self.ready_at = time.monotonic()
             self._ready.set()
-            if self._route_tool is not None:
-                self._begin()
-        elif isinstance(event, JailCallTool):
-            self._call_tool(event)
-        elif isinstance(event, CodeFinished):
-            self._ev.claim = event
-            self.result = event.result
+        elif isinstance(action, StartRun):
+            if self._cgroup is not None:
+                self._cgroup.reset_peak_memory()
+                self._cpu_base = self._cgroup.start_cpu_count()
+        elif isinstance(action, ArmRunTimers):
+            self._arm_run_timers(action)
+        elif isinstance(action, StopRunTimers):
+            for timer in self._run_timers:
+                timer.cancel()
+            self._run_timers.clear()
+        elif isinstance(action, CodeEnded):
+            self.result = action.report.result
             self._code_ended = time.monotonic()
             if self._cgroup is not None:
                 self._cpu_end = self._cgroup.cpu_times()
-            self._take_files(event.files)
-            if self._keep:
-                self._run_finished()
-            elif self._spawned:
-                self._claim()
+            self._take_files(action.report.files)
+        elif isinstance(action, DrainOutput):
+            for pipe, stream in self._pipes:  # what the code printed is in the pipes
+                with contextlib.suppress(OSError):
+                    while data := os.read(pipe, 1 << 16):
+                        self._feed(Output(stream, data))
+            self._feed(Drained())
+        elif isinstance(action, CollectEvidence):
+            self._collect_evidence(action)
+        else:
+            self._perform_end(action)
+
+    def _perform_end(self, action: Action) -> None:
+        if isinstance(action, Kill):
+            self._kill(action)
+        elif isinstance(action, AwaitLeftovers):
+            self._await_leftovers()
+        elif isinstance(action, CloseChannel):
+            if self._channel is not None:
+                self._channel.close()
+        elif isinstance(action, JailEnded):
+            self._done.set()
+        elif isinstance(action, Teardown):
+            self._teardown()
+        elif isinstance(action, ArmReleaseTimer):
+            self._arm_release_timer()
+        elif isinstance(action, Release):
+            self._release()
+        else:  # StartJail: _launch does it
+            assert isinstance(action, StartJail), action
+
+    def _arm_run_timers(self, action: ArmRunTimers) -> None:
+        """The run's code is on its way: its wall-clock limit counts from here."""
+        self._code_started = time.monotonic()
+        timer = self._loop.call_later(
+            action.wall_time_s, self._feed, TimerFired("wall", action.run)
+        )
+        self._timers.append(timer)
+        if action.watch_cpu:  # the jail's CPU rlimit is the session's: each run is watched
+            self._run_timers.append(timer)
+            self._watch_cpu()
+
+    def _watch_cpu(self) -> None:
+        """End a session's run that used its ``cpu_time_s`` (all its processes together).
+        Checks when the budget could be gone at the earliest, so rarely."""
+        running = self._machine.phase in (Phase.RUNNING, Phase.REPORTED)
+        if self._cgroup is None or self._cpu_base is None or not running:
+            return
+        now = self._cgroup.cpu_times()
+        if now is None:
+            return
+        limit = self.spec.limits.cpu_time_s
+        left = limit - (sum(now) - sum(self._cpu_base))
+        if left <= 0:
+            self._feed(CpuExceeded(f"CPU time limit of {limit:g} s exceeded (this run)"))
+            return
+        cores = self.spec.limits.cpu_cores or os.cpu_count() or 1
+        self._run_timers.append(
+            self._loop.call_later(max(0.05, left / cores), self._watch_cpu)
+        )
+
+    def _collect_evidence(self, action: CollectEvidence) -> None:
+        """What the host knows about how the jail (or a session's run) ended."""
+        oom = self._cgroup.oom_killed() if self._cgroup is not None else False
+        syscall = None
+        if action.sigsys_pid is not None:
+            syscall = self._env.audit.seccomp_kill(action.sigsys_pid)
+        self._feed(EvidenceRead(oom=oom, syscall=syscall))
 
     def _take_files(self, wire: Any) -> None:
         """What the runtime collected -- hostile input: checked entry by entry."""
@@ -999,85 +1036,24 @@ class JailedJob:
         self._files_skipped = [dict(f) for f in collected.skipped]
         self.downloads = collected.data
 
-    def _run_finished(self) -> None:
-        """A session's run reported its result; the jail waits for the next run."""
-        for pipe, sink in self._pipes:  # what the run printed is in the pipes: take it now
-            with contextlib.suppress(OSError):
-                while data := os.read(pipe, 1 << 16):
-                    self._output_data(sink, data)
-        for timer in self._run_timers:
-            timer.cancel()
-        self._run_timers.clear()
-        self._run_end.set()
+    def _emit(self, action: EmitRecord) -> None:
+        """The job's (or run's) record, for whoever awaits it."""
+        self._tally = action.tally
+        self._outcome = (action.status, action.error)
+        record = self._record()
+        outcome = (record, self.result, self.downloads)
+        if not action.final:  # a session's jail waits for its next run
+            self._output = None
+            self._route_tool = None
+            self._reset_run()
+        if not self._outcome_wait.done():
+            self._outcome_wait.set_result(outcome)
 
-    def _begin(self) -> None:
-        """Send the job's code; its wall-clock limit counts from here."""
-        if self._code_started is not None:
-            return
-        self.runs += 1
-        if self._cgroup is not None:
-            self._cgroup.reset_peak_memory()
-            self._cpu_base = self._cgroup.start_cpu_count()
-        self._send(
-            RunCode(
-                code=self.spec.code,
-                filename=self.spec.filename,
-                tools=self.spec.tools,
-                tool_payload_bytes=self.spec.limits.tool_payload_bytes,
-                result_bytes=self.spec.limits.result_bytes,
-                keep=self._keep,
-                files=dict(self.spec.files),
-                download=self.spec.download,
-                download_changed=self.spec.download_changed,
-            )
-        )
-        self._code_started = time.monotonic()
-        timer = self._loop.call_later(self.spec.limits.wall_time_s, self._terminate, "timeout", "")
-        self._timers.append(timer)
-        if self._keep:  # the jail's CPU rlimit is the session's: each run is watched here
-            self._run_timers.append(timer)
-            self._watch_cpu()
+    # -- tool calls
 
-    def _watch_cpu(self) -> None:
-        """End a session's run that used its ``cpu_time_s`` (all its processes together).
-        Checks when the budget could be gone at the earliest, so rarely."""
-        if self._cgroup is None or self._cpu_base is None or self._run_end.is_set():
-            return
-        now = self._cgroup.cpu_times()
-        if now is None:
-            return
-        limit = self.spec.limits.cpu_time_s
-        left = limit - (sum(now) - sum(self._cpu_base))
-        if left <= 0:
-            self._terminate("cpu_time", f"CPU time limit of {limit:g} s exceeded (this run)")
-            return
-        cores = self.spec.limits.cpu_cores or os.cpu_count() or 1
-        self._run_timers.append(
-            self._loop.call_later(max(0.05, left / cores), self._watch_cpu)
-        )
-
-    def _call_tool(self, call: JailCallTool) -> None:
-        """Every check a call must pass before any handler runs (the broker's)."""
-        verdict = self._broker.admit(call.call_id, call.name, call.args)
-        if isinstance(verdict, Refused):
-            self._reply_failed(call.call_id, verdict.error_type, verdict.message)
-            self._env.on_tool_call(
-                self.spec.job_id, self.spec.policy.name, call.name, verdict.error_type, 0.0
-            )
-        elif isinstance(verdict, Admitted):
-            reply = self._route(verdict)
-            if reply is not None and not reply.done():
-                self._in_flight[call.call_id] = reply
-        else:
-            self._terminate("channel_error", verdict.message)
-
-    def _reply_failed(self, call_id: int, error_type: str, message: str) -> None:
-        if self._conn.state is State.RUNNING:
-            self._send(JailToolFailed(call_id=call_id, error_type=error_type, message=message))
-
-    def _route(self, call: Admitted) -> asyncio.Future[tuple[bool, Any]] | None:
-        """Hand the call to the router now; its reply is forwarded from a done callback
-        (no task per call: a round trip is a few loop iterations shorter)."""
+    def _route(self, call: Admitted) -> None:
+        """Hand the call to the router now; its reply is fed from a done callback (no task
+        per call: a round trip is a few loop iterations shorter)."""
         assert self._route_tool is not None  # calls arrive only after RunCode
         # the clock starts before the call can reach the client, so the handler's whole time
         # is inside what is recorded (the call is written to the client within _route_tool)
@@ -1087,21 +1063,18 @@ class JailedJob:
                 self.spec.job_id, call.call_id, call.name, call.args, call.needs_approval
             )
         except ConnectionLost:
-            self._broker.withdraw(call.call_id)
-            self._terminate("cancelled", "the client disconnected during a tool call")
-            return None
-        timer = self._loop.call_later(
-            call.timeout_s, self._call_timed_out, reply, call.name, call.timeout_s
-        )
+            self._feed(ToolLost(call.call_id))
+            return
+        timer = self._loop.call_later(call.timeout_s, self._call_timed_out, call, started)
         reply.add_done_callback(functools.partial(self._call_done, call, started, timer))
-        return reply
-
-    @staticmethod
-    def _call_timed_out(
-        reply: asyncio.Future[tuple[bool, Any]], name: str, timeout: float
-    ) -> None:
         if not reply.done():
-            reply.set_result((False, ("timeout", f"{name} did not answer within {timeout:g} s")))
+            self._in_flight[call.call_id] = reply
+
+    def _call_timed_out(self, call: Admitted, started: float) -> None:
+        reply = self._in_flight.pop(call.call_id, None)
+        if reply is not None and not reply.done():
+            self._feed(ToolTimedOut(call.call_id, time.monotonic() - started))
+            reply.cancel()
 
     def _call_done(
         self,
@@ -1111,85 +1084,43 @@ class JailedJob:
         reply: asyncio.Future[tuple[bool, Any]],
     ) -> None:
         timer.cancel()
-        self._in_flight.pop(call.call_id, None)
-        took = time.monotonic() - started
-        if reply.cancelled():  # the job is over
-            self._broker.withdraw(call.call_id)
+        if reply.cancelled():  # withdrawn, or timed out: the machine knows
             return
+        self._in_flight.pop(call.call_id, None)
         if isinstance(reply.exception(), ConnectionLost):
-            self._broker.withdraw(call.call_id)
-            self._terminate("cancelled", "the client disconnected during a tool call")
+            self._feed(ToolLost(call.call_id))
             return
         ok, value = reply.result()
-        answer = self._broker.answer(call.call_id, ok, value, took)
-        if answer is None:
-            return
-        self._env.on_tool_call(
-            self.spec.job_id, self.spec.policy.name, call.name, answer.outcome, took
-        )
-        if self._conn.state is not State.RUNNING:
-            return
-        if answer.ok:
-            self._send(JailToolReturned(call_id=call.call_id, value=answer.value))
-        else:
-            self._send(
-                JailToolFailed(
-                    call_id=call.call_id, error_type=answer.error_type, message=answer.message
-                )
-            )
+        self._feed(ToolReplied(call.call_id, ok, value, time.monotonic() - started))
 
-    # -- ending
+    # -- records (built in jaild.daemon.records once that lands)
 
-    def _start_timeout(self) -> None:
-        if not self._ev.jail_ready:
-            self._terminate(
-                "start_failed", f"the jail did not become ready within {START_TIMEOUT_S:g} s"
-            )
+    @property
+    def _stdout(self) -> bytearray:
+        return self._tally.stdout
 
-    def _terminate(self, reason: str, detail: str) -> None:
-        if self._ev.kill_reason is None:
-            self._ev.kill_reason = reason
-            self._ev.kill_detail = detail
-        if self._exited or self._terminating:
-            return
-        proc = self._proc
-        if proc is None and self._jail_pid is None:
-            if self._preamble_sock is not None:  # the waiter exits when it reads EOF
-                self._terminating = True
-                self._close_preamble()
-                self._stream_closed()
-            else:
-                self._done.set()
-            return
-        self._terminating = True
-        if proc is None:  # a zygote jail: nothing of it may survive, so no grace period
-            self._kill_cgroup()
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)  # nsjail SIGKILLs the jail and cleans up
-        self._timers.append(self._loop.call_later(self._env.kill_grace_s, self._force_kill))
+    @property
+    def _stderr(self) -> bytearray:
+        return self._tally.stderr
 
-    def _kill_cgroup(self) -> None:
-        if not self._exited and self._cgroup is not None:
-            with contextlib.suppress(OSError):
-                self._cgroup.kill_all()
-            if self._cgroup.member_pids():  # a fork raced the kill: again, shortly
-                self._timers.append(self._loop.call_later(0.05, self._kill_cgroup))
+    @property
+    def _output_total(self) -> int:
+        return self._tally.output_bytes
 
-    def _force_kill(self) -> None:
-        """nsjail ignored SIGTERM for the whole grace period: SIGKILL it and everything in
-        the job's cgroup. Its orphans are reparented to this subreaper: the record waits
-        until they are gone (:meth:`_lingering`), the server reaps them after it."""
-        if self._proc is not None and not self._exited:
-            log.warning("job %s: nsjail ignored SIGTERM; killing it", self.spec.job_id)
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.kill()
-            if self._cgroup is not None:
-                with contextlib.suppress(OSError):
-                    self._cgroup.kill_all()
+    @property
+    def _calls(self) -> list[dict[str, Any]]:
+        return self._tally.calls
+
+    @property
+    def _calls_omitted(self) -> int:
+        return self._tally.calls_omitted
+
+    @property
+    def _tool_time(self) -> float:
+        return self._tally.tool_time_s
 
     def _record(self) -> dict[str, Any]:
-        status, error = classify(self._ev)
+        status, error = self._outcome
         limits = limits_record(self.spec.policy, self.spec.limits)
         if status != "ok":
             self.result = None

@@ -36,6 +36,7 @@ starting      ChannelOpened (c)                      starting (SendToJail Harden
 starting      JailReady, digest right                idle (Ready), or running if a job waits
 starting      JailReady, digest wrong; start timer   killing (Kill start_failed)
 starting      LaunchFailed                           settling (CollectEvidence)
+starting      StartFailed                            killing (Kill start_failed)
 idle          Assign (c)                             running (StartRun, SendToJail RunCode,
                                                      ArmRunTimers)
 running       CallTool                               running (RouteCall | SendToJail ToolFailed
@@ -157,6 +158,13 @@ class Spawned:
 
 @dataclass(frozen=True, slots=True)
 class LaunchFailed:
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartFailed:
+    """The jail came up wrong (not the zygote's, or not movable into its cgroup)."""
+
     detail: str
 
 
@@ -295,10 +303,10 @@ class ReleaseTimedOut:
 
 
 Event = (
-    Launch | Spawned | LaunchFailed | ChannelOpened | JailData | ChannelBroken | Assign | Output
-    | LogData | Drained | StreamClosed | Exited | Vanished | LeftoversGone | Reaped
-    | ToolReplied | ToolTimedOut | ToolLost | TimerFired | CpuExceeded | Cancel | EvidenceRead
-    | Cleanup | ReleaseTimedOut
+    Launch | Spawned | LaunchFailed | StartFailed | ChannelOpened | JailData | ChannelBroken
+    | Assign | Output | LogData | Drained | StreamClosed | Exited | Vanished | LeftoversGone
+    | Reaped | ToolReplied | ToolTimedOut | ToolLost | TimerFired | CpuExceeded | Cancel
+    | EvidenceRead | Cleanup | ReleaseTimedOut
 )
 
 
@@ -527,6 +535,11 @@ class JobMachine:
         return self.evidence.jail_ready and self.phase in LIVE
 
     @property
+    def jail_exited(self) -> bool:
+        """The jail's top process (nsjail, or the zygote's child) has ended."""
+        return self._facts.exited
+
+    @property
     def has_job(self) -> bool:
         return self._job is not None
 
@@ -562,6 +575,9 @@ class JobMachine:
     def _on_LaunchFailed(self, event: LaunchFailed) -> list[Action]:
         self._set_kill("start_failed", f"could not start the jail: {event.detail}")
         return self._settle() if self.phase in LIVE else []
+
+    def _on_StartFailed(self, event: StartFailed) -> list[Action]:
+        return self._kill("start_failed", event.detail)
 
     def _on_ChannelOpened(self, _: ChannelOpened) -> list[Action]:
         if self.phase is not Phase.STARTING or self.conn.state is not State.SEND_HARDEN:
