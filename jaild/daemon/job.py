@@ -44,10 +44,6 @@ import dataclasses
 import functools
 import logging
 import os
-import signal
-import socket
-import struct
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,7 +53,9 @@ from jaild.daemon.broker import Admitted, Validators
 from jaild.daemon.cgroups import Cgroups, JobCgroup
 from jaild.daemon.classify import STATUSES, Evidence, _err, classify, parse_termination
 from jaild.daemon.kernlog import KernelAuditLog
-from jaild.daemon.launch.forked import SCM_CREDENTIALS, Zygote, ZygoteExit
+from jaild.daemon.launch.forked import Zygote, ZygoteLauncher
+from jaild.daemon.launch.handle import JailHandle, Launcher
+from jaild.daemon.launch.spawned import SpawnLauncher
 from jaild.daemon.machine import (
     START_TIMEOUT_S,
     Action,
@@ -66,8 +64,6 @@ from jaild.daemon.machine import (
     Assign,
     AwaitLeftovers,
     Cancel,
-    ChannelBroken,
-    ChannelOpened,
     Cleanup,
     CloseChannel,
     CodeEnded,
@@ -78,53 +74,38 @@ from jaild.daemon.machine import (
     EmitRecord,
     Event,
     EvidenceRead,
-    Exited,
     ForwardOutput,
-    JailData,
     JailEnded,
     JobMachine,
     JobSpec,
     Kill,
     Launch,
     LaunchFailed,
-    LeftoversGone,
-    LogData,
     ObserveCall,
-    Output,
     Phase,
     Ready,
-    Reaped,
     Release,
-    ReleaseTimedOut,
     RouteCall,
     SendToJail,
-    Spawned,
-    StartFailed,
     StartJail,
     StartRun,
     StopRunTimers,
-    StreamClosed,
     Teardown,
     TimerFired,
     ToolLost,
     ToolReplied,
     ToolTimedOut,
-    Vanished,
     WithdrawCall,
 )
 from jaild.errors import ConnectionLost
-from jaild.policy.compile import JOB_UIDS, HostLayout, JobPlacement, job_argv, zygote_request
+from jaild.policy.compile import JOB_UIDS, HostLayout
 from jaild.policy.schema import Limits, Policy
 from jaild.protocol import PROTOCOL_VERSION
 from jaild.protocol.messages import ErrorInfo, Harden
 from jaild.runtime.files import FileLimits, validate_collected
-from jaild.runtime.zygote import GO, PREAMBLE
 
 log = logging.getLogger("jaild")
 
-RELEASE_TIMEOUT_S = 10.0
-LINGER_CHECK_S = 0.01
-"""How often a spawned jail that outlived its nsjail is checked for (see ``_lingering``)."""
 ToolRouter = Callable[[str, int, str, bytes, bool], "asyncio.Future[tuple[bool, Any]]"]
 """(job_id, call_id, tool name, packed args, needs approval) -> a future of (True, packed
 value) or (False, (type, message)); it may fail with ConnectionLost. The router sends the
@@ -218,106 +199,6 @@ class JailEnvironment:
 # --------------------------------------------------------------------------- asyncio plumbing
 
 
-class _PipeReader(asyncio.Protocol):
-    def __init__(self, on_data: Callable[[bytes], None], on_eof: Callable[[], None]) -> None:
-        self._on_data = on_data
-        self._on_eof = on_eof
-
-    def data_received(self, data: bytes) -> None:
-        self._on_data(data)
-
-    def eof_received(self) -> bool:
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._on_eof()
-
-
-class _Channel:
-    """The daemon's end of a jail's socketpair, driven by the event loop.
-
-    Not an asyncio transport on purpose: a transport tears the connection down on the
-    first failed write, dropping whatever the jail wrote just before it exited (its
-    ``CodeFinished`` among it). Here a failed write only stops writing; reading goes on
-    until EOF. Replies the jail does not read are buffered up to ``max_buffered`` bytes.
-    """
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        sock: socket.socket,
-        on_data: Callable[[bytes], None],
-        on_closed: Callable[[], None],
-        on_overflow: Callable[[], None],
-        max_buffered: int,
-    ) -> None:
-        self._loop = loop
-        self._sock = sock
-        self._fd = sock.fileno()
-        self._on_data = on_data
-        self._on_closed = on_closed
-        self._on_overflow = on_overflow
-        self._max_buffered = max_buffered
-        self._out = bytearray()
-        self._can_write = True
-        self.closed = False
-        sock.setblocking(False)
-        loop.add_reader(self._fd, self._readable)
-
-    def _readable(self) -> None:
-        try:
-            data = self._sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if data:
-            self._on_data(data)
-        else:
-            self.close()
-
-    def write(self, data: bytes) -> None:
-        if self.closed or not self._can_write:
-            return
-        if not self._out:
-            try:
-                sent = self._sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
-                self._can_write = False  # the jail is gone; keep reading what it left
-                return
-            if sent == len(data):
-                return
-            self._loop.add_writer(self._fd, self._writable)
-            data = data[sent:]
-        self._out += data
-        if len(self._out) > self._max_buffered:
-            self._on_overflow()
-
-    def _writable(self) -> None:
-        try:
-            sent = self._sock.send(self._out)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._can_write = False
-            self._out.clear()
-            sent = 0
-        del self._out[:sent]
-        if not self._out:
-            self._loop.remove_writer(self._fd)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self._loop.remove_reader(self._fd)
-        self._loop.remove_writer(self._fd)
-        self._sock.close()
-        self._on_closed()
-
-
 async def _first_of(*events: asyncio.Event) -> None:
     """Wait until any of ``events`` is set."""
     waits = [asyncio.get_running_loop().create_task(e.wait()) for e in events]
@@ -328,378 +209,10 @@ async def _first_of(*events: asyncio.Event) -> None:
             w.cancel()
 
 
-# --------------------------------------------------------------------------- the jail's IO
-
-
-class _JailIO:
-    """The IO of one jail: making it (nsjail or a zygote), its pipes and channel, killing
-    it, and releasing its cgroup and uid. Everything it sees is fed to the job's
-    :class:`~jaild.daemon.machine.JobMachine` (``_feed``); it decides nothing itself."""
-
-    spec: JobSpec
-    jail_id: str
-    outside_uid: int | None
-    _env: JailEnvironment
-    _loop: asyncio.AbstractEventLoop
-    _machine: JobMachine
-    _route_tool: ToolRouter | None
-    _cgroup: JobCgroup | None
-    _proc: subprocess.Popen[bytes] | None
-    _channel: _Channel | None
-    _preamble_sock: socket.socket | None
-    _jail_pid: int | None
-    _spawn_id: int
-    _pipes: tuple[tuple[int, str], ...]
-    _out_transports: list[asyncio.ReadTransport]
-    _timers: list[asyncio.TimerHandle]
-    _release_timer: asyncio.TimerHandle | None
-    _linger_since: float | None
-
-    def _feed(self, event: Event) -> None:
-        raise NotImplementedError
-
-    @property
-    def zygote(self) -> Zygote | None:
-        return self._env.zygotes.get(self.spec.policy.name)
-
-    # -- start
-
-    async def _launch(self) -> None:
-        if not self._machine.handle(Launch()):
-            return  # launched once already, or ended before it was
-        limits = self.spec.limits
-        try:
-            uid = self.outside_uid = self._env.allocate_uid()
-            self._cgroup = self._env.cgroups.create_job(
-                self.jail_id, limits.memory_mb, limits.pids, with_cpu=limits.cpu_cores > 0
-            )
-            zygote = self.zygote
-            if zygote is None:
-                await self._start(uid)
-                self._arm_start_timeout()
-            else:
-                if limits.cpu_cores > 0:
-                    self._cgroup.limit_cpu(limits.cpu_cores)
-                await self._start_forked(zygote, uid)  # armed when the zygote gets the request
-        except (OSError, RuntimeError) as exc:
-            self._feed(LaunchFailed(str(exc)))
-
-    def _arm_start_timeout(self) -> None:
-        """The jail has START_TIMEOUT_S to become ready, counted from its own start (not
-        from a place in the zygote's queue, where a burst waits its turn)."""
-        if self._machine.phase is not Phase.STARTING:
-            return
-        self._timers.append(
-            self._loop.call_later(START_TIMEOUT_S, self._feed, TimerFired("start"))
-        )
-
-    async def _start_forked(self, zygote: Zygote, uid: int) -> None:
-        """Ask the policy's zygote for a jail (see :mod:`jaild.runtime.zygote`)."""
-        await zygote.ensure_started()
-        daemon_end, jail_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        daemon_end.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        try:
-            self._spawn_id = zygote.spawn(  # takes over the jail's ends
-                zygote_request(
-                    self.spec.policy, self.spec.limits, uid, pooled=self._route_tool is None
-                ),
-                (jail_end.detach(), out_w, err_w),
-                self._reaped,
-                on_sent=self._arm_start_timeout,
-            )
-        except BaseException:
-            for fd in (out_r, err_r):
-                os.close(fd)
-            daemon_end.close()
-            raise
-        # stdout, stderr and the channel; the zygote reports the end
-        self._feed(Spawned(forked=True, streams=3))
-        await self._read_output(out_r, err_r)
-        daemon_end.setblocking(False)
-        self._preamble_sock = daemon_end
-        self._loop.add_reader(daemon_end.fileno(), self._preamble)
-
-    def _preamble(self) -> None:
-        """The jail's first byte: its host pid (SO_PASSCRED) goes into the job's cgroup."""
-        sock = self._preamble_sock
-        assert sock is not None and self._cgroup is not None
-        try:
-            data, ancdata, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(12))
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data, ancdata = b"", []
-        creds = [
-            d for lvl, kind, d in ancdata if (lvl, kind) == (socket.SOL_SOCKET, SCM_CREDENTIALS)
-        ]
-        zygote = self.zygote
-        if data != PREAMBLE or not creds or zygote is None:
-            self._close_preamble()
-            self._feed(StreamClosed())
-            return
-        pid, uid, _gid = struct.unpack("3i", creds[0][:12])
-        self._loop.remove_reader(sock.fileno())
-        self._preamble_sock = None
-        if uid != zygote.uid:  # only a process of the zygote's may claim a jail
-            sock.close()
-            self._feed(StartFailed(f"preamble from uid {uid}, not the zygote's"))
-            self._feed(StreamClosed())
-            return
-        try:
-            self._cgroup.adopt(pid)
-            zygote.settled(self._spawn_id)
-            self._jail_pid = pid
-            sock.send(GO)
-        except OSError as exc:
-            sock.close()
-            self._feed(StartFailed(f"could not move the jail into its cgroup: {exc}"))
-            self._feed(StreamClosed())
-            return
-        self._open_channel(sock)
-
-    def _close_preamble(self) -> None:
-        sock, self._preamble_sock = self._preamble_sock, None
-        if sock is not None:
-            self._loop.remove_reader(sock.fileno())
-            sock.close()
-
-    def _reaped(self, end: ZygoteExit) -> None:
-        """The zygote reaped the jail (or never made it): its end, and nothing left of it."""
-        if end.status is None:
-            self._feed(Exited(cpu_s=end.cpu_s, failure=end.detail))
-        elif os.WIFSIGNALED(end.status):
-            sig = os.WTERMSIG(end.status)
-            try:
-                name = signal.Signals(sig).name
-            except ValueError:
-                name = f"SIG{sig}"
-            term = ("signaled", sig, name, self._jail_pid or 0)
-            self._feed(Exited(termination=term, cpu_s=end.cpu_s))
-        else:
-            term = ("exited", os.waitstatus_to_exitcode(end.status), "", 0)
-            self._feed(Exited(termination=term, cpu_s=end.cpu_s))
-        if self._preamble_sock is not None:  # it never spoke: nothing more will come
-            self._close_preamble()
-            self._feed(StreamClosed())
-        self._feed(Reaped())
-
-    def _accounting_prefix(self) -> list[str]:
-        """cgroup v1: nsjail places the jail in the memory, pids and cpu hierarchies only;
-        CPU time is counted in ``cpuacct``, so nsjail starts there (and the jail with it)."""
-        acct = self._cgroup.acct_dir if self._cgroup is not None else ""
-        if not acct or acct == self._cgroup.cpu_dir:  # type: ignore[union-attr]
-            return []
-        return ["/bin/sh", "-c", 'echo 0 > "$0" && exec "$@"', f"{acct}/cgroup.procs"]
-
-    async def _start(self, uid: int) -> None:
-        spec = self.spec
-        config_fd = self._env.config_fds[spec.policy.name]
-        daemon_end, jail_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        log_r, log_w = os.pipe2(os.O_CLOEXEC)
-        try:
-            argv = job_argv(
-                self._env.nsjail,
-                spec.policy,
-                spec.limits,
-                self._env.host,
-                JobPlacement(self.jail_id, uid, f"/proc/self/fd/{config_fd}", log_w),
-            )
-            self._proc = subprocess.Popen(
-                [*self._env.launcher, *self._accounting_prefix(), *argv],
-                stdin=jail_end.fileno(),
-                stdout=out_w,
-                stderr=err_w,
-                pass_fds=(config_fd, log_w),
-                close_fds=True,
-                start_new_session=True,
-                env={},
-            )
-        except BaseException:
-            for fd in (out_r, err_r, log_r):
-                os.close(fd)
-            daemon_end.close()
-            raise
-        finally:
-            for fd in (out_w, err_w, log_w):
-                os.close(fd)
-            jail_end.close()
-        # stdout, stderr, nsjail's log and the channel: the job is over when nsjail has exited
-        # and all four reached EOF (so no output and no CodeFinished is left unread)
-        self._feed(Spawned(forked=False, streams=4))
-        self._watch_exit(self._proc.pid)
-        await self._read_output(out_r, err_r)
-        await self._loop.connect_read_pipe(
-            functools.partial(_PipeReader, self._log_data, self._stream_closed),
-            os.fdopen(log_r, "rb", buffering=0),
-        )
-        self._open_channel(daemon_end)
-
-    async def _read_output(self, out_r: int, err_r: int) -> None:
-        self._pipes = ((out_r, "stdout"), (err_r, "stderr"))
-        for fd, sink in self._pipes:
-            transport, _ = await self._loop.connect_read_pipe(
-                functools.partial(
-                    _PipeReader, functools.partial(self._output_data, sink), self._stream_closed
-                ),
-                os.fdopen(fd, "rb", buffering=0),
-            )
-            self._out_transports.append(transport)
-
-    def _open_channel(self, sock: socket.socket) -> None:
-        self._channel = _Channel(
-            self._loop,
-            sock,
-            self._channel_data,
-            self._stream_closed,
-            functools.partial(
-                self._feed, ChannelBroken("the jail does not read its tool replies")
-            ),
-            max_buffered=4 * self._machine.conn.max_frame_bytes,
-        )
-        self._feed(ChannelOpened())  # -> Harden
-
-    def _watch_exit(self, pid: int) -> None:
-        pidfd = os.pidfd_open(pid)
-
-        def on_exit() -> None:
-            try:
-                waited, status, rusage = os.wait4(pid, os.WNOHANG)
-            except ChildProcessError:
-                waited, status, rusage = pid, 0, None
-            if waited == 0:
-                return
-            self._loop.remove_reader(pidfd)
-            os.close(pidfd)
-            assert self._proc is not None
-            self._proc.returncode = os.waitstatus_to_exitcode(status)
-            cpu_s = rusage.ru_utime + rusage.ru_stime if rusage is not None else 0.0
-            self._feed(Exited(returncode=self._proc.returncode, cpu_s=cpu_s))
-
-        self._loop.add_reader(pidfd, on_exit)
-
-    # -- the jail's streams
-
-    def _log_data(self, data: bytes) -> None:
-        self._feed(LogData(data))
-
-    def _output_data(self, stream: str, data: bytes) -> None:
-        self._feed(Output(stream, data))
-
-    def _channel_data(self, data: bytes) -> None:
-        self._feed(JailData(data))
-
-    def _stream_closed(self) -> None:
-        self._feed(StreamClosed())
-
-    # -- the end
-
-    def _kill(self, action: Kill) -> None:
-        """End the jail: nsjail gets SIGTERM (it SIGKILLs the jail and cleans up) and a
-        grace period; a zygote jail is killed through its cgroup, with no grace period."""
-        proc = self._proc
-        if proc is None and self._jail_pid is None:
-            if self._preamble_sock is not None:  # the waiter exits when it reads EOF
-                self._close_preamble()
-                self._feed(StreamClosed())
-            else:
-                self._feed(Vanished())
-            return
-        if proc is None:  # a zygote jail: nothing of it may survive, so no grace period
-            self._kill_cgroup()
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)  # nsjail SIGKILLs the jail and cleans up
-        self._timers.append(self._loop.call_later(self._env.kill_grace_s, self._force_kill))
-
-    def _kill_cgroup(self) -> None:
-        if not self._machine.jail_exited and self._cgroup is not None:
-            with contextlib.suppress(OSError):
-                self._cgroup.kill_all()
-            if self._cgroup.member_pids():  # a fork raced the kill: again, shortly
-                self._timers.append(self._loop.call_later(0.05, self._kill_cgroup))
-
-    def _force_kill(self) -> None:
-        """nsjail ignored SIGTERM for the whole grace period: SIGKILL it and everything in
-        the job's cgroup. Its orphans are reparented to this subreaper: the record waits
-        until they are gone (:meth:`_await_leftovers`), the server reaps them after it."""
-        if self._proc is not None and self._proc.returncode is None:
-            log.warning("job %s: nsjail ignored SIGTERM; killing it", self.spec.job_id)
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.kill()
-            if self._cgroup is not None:
-                with contextlib.suppress(OSError):
-                    self._cgroup.kill_all()
-
-    def _await_leftovers(self) -> None:
-        """A spawned jail's processes that outlive its killed nsjail: kill them, and check
-        again shortly until none is left (then LeftoversGone).
-
-        An nsjail that was SIGKILLed (it ignored SIGTERM) or died cannot reap: its jail,
-        SIGKILLed through the cgroup and reparented to this subreaper, may still be tearing
-        down its namespaces when the streams reach EOF. The record waits for it, so that it
-        is exact and the cgroup and uid are released only once nothing of the job runs.
-        A process that has not left after ``RELEASE_TIMEOUT_S`` is logged, not waited on."""
-        if self._cgroup is None:
-            self._feed(LeftoversGone())
-            return
-        try:
-            left = self._cgroup.member_pids()
-        except OSError:
-            left = []
-        if left and self._linger_since is None:
-            self._linger_since = time.monotonic()
-        elif left and time.monotonic() - (self._linger_since or 0.0) > RELEASE_TIMEOUT_S:
-            log.warning(
-                "job %s: processes %s outlived nsjail by %g s despite SIGKILL",
-                self.spec.job_id, left, RELEASE_TIMEOUT_S,
-            )
-            left = []
-        if not left:
-            self._feed(LeftoversGone())
-            return
-        with contextlib.suppress(OSError):
-            self._cgroup.kill_all()
-        self._timers.append(self._loop.call_later(LINGER_CHECK_S, self._await_leftovers))
-
-    def _teardown(self) -> None:
-        """Kill what is left of the jail (its cgroup and uid are released apart)."""
-        for timer in self._timers:
-            timer.cancel()
-        if self._channel is not None:
-            self._channel.close()
-        self._close_preamble()
-        if self._proc is not None and self._proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.kill()
-        if self._cgroup is not None:
-            with contextlib.suppress(OSError):
-                self._cgroup.kill_all()
-
-    def _arm_release_timer(self) -> None:
-        # cancelled on release: a pending timer would keep the whole job alive for 10 s
-        self._release_timer = self._loop.call_later(
-            RELEASE_TIMEOUT_S, self._feed, ReleaseTimedOut()
-        )
-
-    def _release(self) -> None:
-        if self._release_timer is not None:
-            self._release_timer.cancel()
-        if self._cgroup is not None:
-            with contextlib.suppress(OSError):
-                self._cgroup.kill_all()
-                self._cgroup.remove()
-        if self.outside_uid is not None:
-            self._env.release_uid(self.outside_uid)
-
-
 # --------------------------------------------------------------------------- the job
 
 
-class JailedJob(_JailIO):
+class JailedJob:
     """One jail and the job (or a session's runs) it serves: the asyncio driver of a
     :class:`~jaild.daemon.machine.JobMachine`. ``await run()`` returns the result record
     (without ``result``).
@@ -733,26 +246,15 @@ class JailedJob(_JailIO):
             seccomp_digest=env.seccomp_digests[spec.policy.name],
             validators=env.validators,
         )
+        self._handle = JailHandle(env, self.jail_id, self._feed, self._machine.conn.max_frame_bytes)
         self._in_flight: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
-        self._out_transports = []
         self._paused_since: float | None = None
         self._run_timers: list[asyncio.TimerHandle] = []
-        self._timers = []
         self._done = asyncio.Event()  # the jail is gone (JailEnded)
         self._ready = asyncio.Event()  # it was hardened (Ready)
         self._outcome_wait: asyncio.Future[Outcome] = self._loop.create_future()
-        self._release_timer = None
-        self._spawn_id = 0
-        self._pipes = ()
-        self._proc = None
-        self._channel = None
-        self._preamble_sock = None
-        self._jail_pid = None  # zygote jails: the jail's process (host pid)
-        self._linger_since = None  # a spawned jail outlived its nsjail since
         self._started = time.monotonic()
         self.ready_at: float | None = None
-        self.outside_uid = None
-        self._cgroup = None
         self._tally = self._machine.tally
         self._outcome: tuple[str, dict[str, Any] | None] = ("internal_error", None)
         self._reset_run()
@@ -775,8 +277,20 @@ class JailedJob(_JailIO):
     @property
     def pid(self) -> int | None:
         """nsjail's pid while it runs (None for a zygote jail: not our child)."""
-        proc = self._proc
-        return proc.pid if proc is not None and proc.returncode is None else None
+        return self._handle.pid
+
+    @property
+    def outside_uid(self) -> int | None:
+        """The host uid the jail runs as (its first; see ``JOB_UIDS``)."""
+        return self._handle.outside_uid
+
+    @property
+    def _cgroup(self) -> JobCgroup | None:
+        return self._handle.cgroup
+
+    @property
+    def zygote(self) -> Zygote | None:
+        return self._env.zygotes.get(self.spec.policy.name)
 
     @property
     def alive(self) -> bool:
@@ -876,17 +390,13 @@ class JailedJob(_JailIO):
         """Stop reading the jail's stdout/stderr (a slow client): the jail blocks on write."""
         if self._paused_since is None:
             self._paused_since = time.monotonic()
-            for transport in self._out_transports:
-                with contextlib.suppress(Exception):
-                    transport.pause_reading()
+            self._handle.pause_output()
 
     def resume_output(self) -> None:
         if self._paused_since is not None:
             self._stream_paused += time.monotonic() - self._paused_since
             self._paused_since = None
-            for transport in self._out_transports:
-                with contextlib.suppress(Exception):
-                    transport.resume_reading()
+            self._handle.resume_output()
 
     def output_dropped(self, n: int) -> None:
         """The client's stream skipped ``n`` bytes of output (still in the record)."""
@@ -909,6 +419,36 @@ class JailedJob(_JailIO):
         it (or after ``RELEASE_TIMEOUT_S``, by then long dead)."""
         self._feed(Cleanup())
 
+    # -- start
+
+    async def _launch(self) -> None:
+        if not self._machine.handle(Launch()):
+            return  # launched once already, or ended before it was
+        handle = self._handle
+        limits = self.spec.limits
+        try:
+            uid = handle.outside_uid = self._env.allocate_uid()
+            handle.cgroup = self._env.cgroups.create_job(
+                self.jail_id, limits.memory_mb, limits.pids, with_cpu=limits.cpu_cores > 0
+            )
+            zygote = self.zygote
+            launcher: Launcher = SpawnLauncher() if zygote is None else ZygoteLauncher(zygote)
+            await launcher.start(
+                handle,
+                self.spec,
+                uid,
+                pooled=self._route_tool is None,
+                on_sent=self._arm_start_timeout,  # a zygote's: when the request left its queue
+            )
+        except (OSError, RuntimeError) as exc:
+            self._feed(LaunchFailed(str(exc)))
+
+    def _arm_start_timeout(self) -> None:
+        """The jail has START_TIMEOUT_S to become ready, counted from its own start (not
+        from a place in the zygote's queue, where a burst waits its turn)."""
+        if self._machine.phase is Phase.STARTING:
+            self._handle.later(START_TIMEOUT_S, TimerFired("start"))
+
     # -- the machine's actions
 
     def _feed(self, event: Event) -> None:
@@ -918,8 +458,7 @@ class JailedJob(_JailIO):
 
     def _perform(self, action: Action) -> None:
         if isinstance(action, SendToJail):
-            if self._channel is not None and not self._channel.closed:
-                self._channel.write(action.data)
+            self._handle.write(action.data)
         elif isinstance(action, ForwardOutput):
             if self._output is not None:
                 self._output(self.spec.job_id, action.stream, action.data)
@@ -960,10 +499,7 @@ class JailedJob(_JailIO):
                 self._cpu_end = self._cgroup.cpu_times()
             self._take_files(action.report.files)
         elif isinstance(action, DrainOutput):
-            for pipe, stream in self._pipes:  # what the code printed is in the pipes
-                with contextlib.suppress(OSError):
-                    while data := os.read(pipe, 1 << 16):
-                        self._feed(Output(stream, data))
+            self._handle.drain()  # what the code printed is in the pipes
             self._feed(Drained())
         elif isinstance(action, CollectEvidence):
             self._collect_evidence(action)
@@ -972,30 +508,26 @@ class JailedJob(_JailIO):
 
     def _perform_end(self, action: Action) -> None:
         if isinstance(action, Kill):
-            self._kill(action)
+            self._handle.kill()
         elif isinstance(action, AwaitLeftovers):
-            self._await_leftovers()
+            self._handle.await_leftovers()
         elif isinstance(action, CloseChannel):
-            if self._channel is not None:
-                self._channel.close()
+            self._handle.close_channel()
         elif isinstance(action, JailEnded):
             self._done.set()
         elif isinstance(action, Teardown):
-            self._teardown()
+            self._handle.teardown()
         elif isinstance(action, ArmReleaseTimer):
-            self._arm_release_timer()
+            self._handle.arm_release_timer()
         elif isinstance(action, Release):
-            self._release()
+            self._handle.release()
         else:  # StartJail: _launch does it
             assert isinstance(action, StartJail), action
 
     def _arm_run_timers(self, action: ArmRunTimers) -> None:
         """The run's code is on its way: its wall-clock limit counts from here."""
         self._code_started = time.monotonic()
-        timer = self._loop.call_later(
-            action.wall_time_s, self._feed, TimerFired("wall", action.run)
-        )
-        self._timers.append(timer)
+        timer = self._handle.later(action.wall_time_s, TimerFired("wall", action.run))
         if action.watch_cpu:  # the jail's CPU rlimit is the session's: each run is watched
             self._run_timers.append(timer)
             self._watch_cpu()
