@@ -39,7 +39,6 @@ could change it) and the jail is killed then.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -247,7 +246,7 @@ class JailedJob:
             validators=env.validators,
         )
         self._handle = JailHandle(env, self.jail_id, self._feed, self._machine.conn.max_frame_bytes)
-        self._in_flight: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
+        self._calls_out = _Calls(self)
         self._paused_since: float | None = None
         self._run_timers: list[asyncio.TimerHandle] = []
         self._done = asyncio.Event()  # the jail is gone (JailEnded)
@@ -362,29 +361,11 @@ class JailedJob:
 
     def host_view(self) -> dict[str, Any]:
         """The job seen from the host while it runs: its processes' ids, its cgroup's limits."""
-        if self._cgroup is None:
-            return {}
-        ids: set[int] = set()
-        for pid in self._cgroup.member_pids(jail_only=True):
-            with (
-                contextlib.suppress(OSError, ValueError, IndexError),
-                open(f"/proc/{pid}/status", encoding="ascii") as status,
-            ):
-                for line in status:
-                    if line.startswith(("Uid:", "Gid:")):
-                        ids.update(int(x) for x in line.split()[1:])
-        return {"outside_ids": sorted(ids), **self._cgroup.limits()}
+        return self._handle.host_view()
 
     def live_usage(self) -> dict[str, Any]:
         """For ``jaild ps``: what the jail uses right now."""
-        if self._cgroup is None:
-            return {}
-        cpu = self._cgroup.cpu_times()
-        return {
-            "memory_bytes": self._cgroup.memory_bytes(),
-            "cpu_s": round(sum(cpu), 3) if cpu else None,
-            "pids": len(self._cgroup.member_pids()),
-        }
+        return self._handle.live_usage()
 
     def pause_output(self) -> None:
         """Stop reading the jail's stdout/stderr (a slow client): the jail blocks on write."""
@@ -463,11 +444,9 @@ class JailedJob:
             if self._output is not None:
                 self._output(self.spec.job_id, action.stream, action.data)
         elif isinstance(action, RouteCall):
-            self._route(action.call)
+            self._calls_out.route(action.call)
         elif isinstance(action, WithdrawCall):
-            reply = self._in_flight.pop(action.call_id, None)
-            if reply is not None:
-                reply.cancel()
+            self._calls_out.withdraw(action.call_id)
         elif isinstance(action, ObserveCall):
             self._env.on_tool_call(
                 self.spec.job_id, self.spec.policy.name, action.name, action.outcome,
@@ -581,50 +560,6 @@ class JailedJob:
         if not self._outcome_wait.done():
             self._outcome_wait.set_result(outcome)
 
-    # -- tool calls
-
-    def _route(self, call: Admitted) -> None:
-        """Hand the call to the router now; its reply is fed from a done callback (no task
-        per call: a round trip is a few loop iterations shorter)."""
-        assert self._route_tool is not None  # calls arrive only after RunCode
-        # the clock starts before the call can reach the client, so the handler's whole time
-        # is inside what is recorded (the call is written to the client within _route_tool)
-        started = time.monotonic()
-        try:
-            reply = self._route_tool(
-                self.spec.job_id, call.call_id, call.name, call.args, call.needs_approval
-            )
-        except ConnectionLost:
-            self._feed(ToolLost(call.call_id))
-            return
-        timer = self._loop.call_later(call.timeout_s, self._call_timed_out, call, started)
-        reply.add_done_callback(functools.partial(self._call_done, call, started, timer))
-        if not reply.done():
-            self._in_flight[call.call_id] = reply
-
-    def _call_timed_out(self, call: Admitted, started: float) -> None:
-        reply = self._in_flight.pop(call.call_id, None)
-        if reply is not None and not reply.done():
-            self._feed(ToolTimedOut(call.call_id, time.monotonic() - started))
-            reply.cancel()
-
-    def _call_done(
-        self,
-        call: Admitted,
-        started: float,
-        timer: asyncio.TimerHandle,
-        reply: asyncio.Future[tuple[bool, Any]],
-    ) -> None:
-        timer.cancel()
-        if reply.cancelled():  # withdrawn, or timed out: the machine knows
-            return
-        self._in_flight.pop(call.call_id, None)
-        if isinstance(reply.exception(), ConnectionLost):
-            self._feed(ToolLost(call.call_id))
-            return
-        ok, value = reply.result()
-        self._feed(ToolReplied(call.call_id, ok, value, time.monotonic() - started))
-
     # -- records (built in jaild.daemon.records once that lands)
 
     @property
@@ -701,6 +636,66 @@ class JailedJob:
             "stream_paused_s": round(self._stream_paused, 6),
             "stream_dropped_bytes": self._stream_dropped,
         }
+
+
+# --------------------------------------------------------------------------- tool calls
+
+
+class _Calls:
+    """The routed tool calls of one jail: each a future of the client's reply, with its
+    timeout. Replies, timeouts and losses are fed to the job's machine."""
+
+    def __init__(self, job: JailedJob) -> None:
+        self._job = job
+        self._in_flight: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
+
+    def route(self, call: Admitted) -> None:
+        """Hand the call to the router now; its reply is fed from a done callback (no task
+        per call: a round trip is a few loop iterations shorter)."""
+        job = self._job
+        assert job._route_tool is not None  # calls arrive only after RunCode
+        # the clock starts before the call can reach the client, so the handler's whole time
+        # is inside what is recorded (the call is written to the client within _route_tool)
+        started = time.monotonic()
+        try:
+            reply = job._route_tool(
+                job.spec.job_id, call.call_id, call.name, call.args, call.needs_approval
+            )
+        except ConnectionLost:
+            job._feed(ToolLost(call.call_id))
+            return
+        timer = job._loop.call_later(call.timeout_s, self._timed_out, call, started)
+        reply.add_done_callback(functools.partial(self._done, call, started, timer))
+        if not reply.done():
+            self._in_flight[call.call_id] = reply
+
+    def withdraw(self, call_id: int) -> None:
+        reply = self._in_flight.pop(call_id, None)
+        if reply is not None:
+            reply.cancel()
+
+    def _timed_out(self, call: Admitted, started: float) -> None:
+        reply = self._in_flight.pop(call.call_id, None)
+        if reply is not None and not reply.done():
+            self._job._feed(ToolTimedOut(call.call_id, time.monotonic() - started))
+            reply.cancel()
+
+    def _done(
+        self,
+        call: Admitted,
+        started: float,
+        timer: asyncio.TimerHandle,
+        reply: asyncio.Future[tuple[bool, Any]],
+    ) -> None:
+        timer.cancel()
+        if reply.cancelled():  # withdrawn, or timed out: the machine knows
+            return
+        self._in_flight.pop(call.call_id, None)
+        if isinstance(reply.exception(), ConnectionLost):
+            self._job._feed(ToolLost(call.call_id))
+            return
+        ok, value = reply.result()
+        self._job._feed(ToolReplied(call.call_id, ok, value, time.monotonic() - started))
 
 
 def file_limits(policy: Policy) -> FileLimits:

@@ -28,7 +28,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from jaild.daemon.cgroups import JobCgroup
 from jaild.daemon.machine import (
@@ -210,6 +210,32 @@ class JailHandle:
         """nsjail's pid while it runs (None for a zygote jail: not our child)."""
         proc = self.proc
         return proc.pid if proc is not None and proc.returncode is None else None
+
+    def host_view(self) -> dict[str, Any]:
+        """The jail seen from the host: its processes' ids, its cgroup's limits."""
+        if self.cgroup is None:
+            return {}
+        ids: set[int] = set()
+        for pid in self.cgroup.member_pids(jail_only=True):
+            with (
+                contextlib.suppress(OSError, ValueError, IndexError),
+                open(f"/proc/{pid}/status", encoding="ascii") as status,
+            ):
+                for line in status:
+                    if line.startswith(("Uid:", "Gid:")):
+                        ids.update(int(x) for x in line.split()[1:])
+        return {"outside_ids": sorted(ids), **self.cgroup.limits()}
+
+    def live_usage(self) -> dict[str, Any]:
+        """What the jail uses right now (memory, CPU time, processes)."""
+        if self.cgroup is None:
+            return {}
+        cpu = self.cgroup.cpu_times()
+        return {
+            "memory_bytes": self.cgroup.memory_bytes(),
+            "cpu_s": round(sum(cpu), 3) if cpu else None,
+            "pids": len(self.cgroup.member_pids()),
+        }
 
     def later(self, delay_s: float, event: Event) -> asyncio.TimerHandle:
         """Feed ``event`` after ``delay_s`` (cancelled at teardown)."""
