@@ -1,39 +1,30 @@
-"""Run one job in one fresh jail, and decide how it ended.
+"""Run one job in one jail: the asyncio driver of the job's machine.
 
 Theory of operation
 -------------------
-For each job the supervisor creates the job's cgroup (limits set *there*, see
-:mod:`jaild.daemon.cgroups`), a socketpair for the tool channel and pipes for stdout
-and stderr. Then the jail is made one of two ways (the policy's ``pool.mode``):
+Three parts make a job, and this module wires them together:
 
-* ``spawn`` -- nsjail with the policy's config (a sealed memfd), the job's argv
-  and a pipe it logs to; a pidfd says when nsjail exits (``wait4`` then gives its
-  rusage, which includes the jailed process nsjail reaped).
-* ``zygote`` -- the policy's zygote (:mod:`jaild.daemon.launch.forked`) forks the jail, which
-  enters fresh namespaces of its own. Its first byte on the channel carries its
-  host pid (SO_PASSCRED), which goes into the job's cgroup before anything else
-  happens; the zygote reports how the jail ended.
+* the :class:`~jaild.daemon.machine.JobMachine` decides everything -- the jail link's
+  protocol, the tool broker's rules, the output limit, the timers' meaning, when the
+  jail's end is complete and how the job ended (:mod:`jaild.daemon.classify`). It does
+  no IO;
+* a :class:`~jaild.daemon.launch.handle.JailHandle`, filled by a launcher -- nsjail per
+  job (:mod:`jaild.daemon.launch.spawned`) or the policy's zygote
+  (:class:`~jaild.daemon.launch.forked.ZygoteLauncher`), the policy's ``pool.mode`` --
+  holds the jail's channel, pipes, cgroup, uid and top process;
+* :class:`JailedJob` feeds the machine every event the handle, the timers and the
+  client's replies produce, and performs the actions it returns, in order (an action
+  may feed the machine again: drained output, the host's evidence).
 
-Everything is event driven on the daemon's loop. A jail may be made before its
-job (the warm pool, :mod:`jaild.daemon.pool`): it stops once hardened, and its job is
-assigned later.
+Everything is event driven on the daemon's loop. A jail may be made before its job
+(the warm pool, :mod:`jaild.daemon.pool`): it stops once hardened, and its job is
+assigned later (:meth:`JailedJob.assign`). A session's jail (``keep``) serves one
+:meth:`JailedJob.run_next` after another.
 
 The jail link goes ``Harden`` -> ``JailReady`` -> ``RunCode`` -> (``CallTool``
-<-> ``ToolReturned``/``ToolFailed``)* -> ``CodeFinished``. The wall-clock
-deadline starts when ``RunCode`` is sent. Every frame from the jail is hostile
-input: the connection state machine rejects anything out of order, the frame
-limit is the policy's tool payload limit, tool names must be ones the client
-registered, call ids must not collide, and in-flight calls are capped.
-
-How a job ended is decided by :func:`classify` from evidence the jailed code
-cannot forge, in this order: the daemon's own kill reason (cancelled, timeout,
-output limit, channel abuse), the job cgroup's OOM evidence, the termination
-signal nsjail logged on its private descriptor (and, for SIGSYS, the kernel's
-audit record of the syscall), the CPU time in the rusage -- and only then the
-runtime's own report (``CodeFinished``), which decides between ``ok`` and
-``error``. The exit code alone is never trusted. A zygote jail's record is made
-when that report arrives (see :meth:`JailedJob._claim` for why nothing later
-could change it) and the jail is killed then.
+<-> ``ToolReturned``/``ToolFailed``)* -> ``CodeFinished``. The wall-clock deadline
+starts when ``RunCode`` is sent. Every frame from the jail is hostile input: see
+:mod:`jaild.daemon.machine` and :mod:`jaild.daemon.broker`.
 """
 
 from __future__ import annotations

@@ -17,10 +17,19 @@ how the jail ended, and so the classification of each job's end.
 
 A jail is made either by nsjail (it ends when nsjail has exited and its stdout,
 stderr, log and channel reached EOF -- after a killed nsjail, once no process of
-the jail is left) or by a zygote (its ``CodeFinished`` ends a one-shot job at
-once: see :meth:`jaild.daemon.job.JailedJob` for why nothing later could change
-the record). A *pooled* jail is made before its job (:class:`Assign` gives it one);
-a *session's* jail (``keep``) serves one run after another.
+the jail is left) or by a zygote. A zygote jail's ``CodeFinished`` ends a one-shot
+job at once (the *claim*): everything that can overrule a claim -- the daemon's kill
+reasons, the output limit, a limit or seccomp kill, OOM -- either happened before it
+(a killed process sends nothing; OOM kills are counted by the cgroup, read with the
+evidence) or is the code's own doing after it had its result. So the record need not
+wait for the jail's exit, which tears down its namespaces; the output written before
+the claim is already in the pipes and is drained first (DrainOutput). A *pooled*
+jail is made before its job (:class:`Assign` gives it one); a *session's* jail
+(``keep``) serves one run after another.
+
+Size: :class:`JobMachine` is one class of some 350 lines of code on purpose -- its
+handlers are the rows of the table above, and splitting them over classes would
+hide which state may do what.
 
 States (:class:`Phase`) and the events that move between them; an event not listed
 for a state is a late fact and changes nothing there, except for the driver's own
