@@ -63,7 +63,6 @@ from jaild.daemon.machine import (
     DrainOutput,
     EmitRecord,
     Event,
-    EvidenceRead,
     ForwardOutput,
     JailEnded,
     JobMachine,
@@ -472,7 +471,7 @@ class JailedJob:
             self._handle.drain()  # what the code printed is in the pipes
             self._feed(Drained())
         elif isinstance(action, CollectEvidence):
-            self._collect_evidence(action)
+            self._feed(self._handle.evidence(action.sigsys_pid))
         else:
             self._perform_end(action)
 
@@ -520,14 +519,6 @@ class JailedJob:
         self._run_timers.append(
             self._loop.call_later(max(0.05, left / cores), self._watch_cpu)
         )
-
-    def _collect_evidence(self, action: CollectEvidence) -> None:
-        """What the host knows about how the jail (or a session's run) ended."""
-        oom = self._cgroup.oom_killed() if self._cgroup is not None else False
-        syscall = None
-        if action.sigsys_pid is not None:
-            syscall = self._env.audit.seccomp_kill(action.sigsys_pid)
-        self._feed(EvidenceRead(oom=oom, syscall=syscall))
 
     def _take_files(self, wire: Any) -> None:
         """What the runtime collected -- hostile input: checked entry by entry."""

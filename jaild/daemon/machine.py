@@ -27,9 +27,10 @@ the claim is already in the pipes and is drained first (DrainOutput). A *pooled*
 jail is made before its job (:class:`Assign` gives it one); a *session's* jail
 (``keep``) serves one run after another.
 
-Size: :class:`JobMachine` is one class of some 350 lines of code on purpose -- its
-handlers are the rows of the table above, and splitting them over classes would
-hide which state may do what.
+Size: :class:`JobMachine` is one class of about 400 lines (some 320 of code) on
+purpose -- its handlers are the rows of the table above, and splitting them over
+classes would hide which state may do what. The tool calls' glue is apart
+(:class:`_CallDesk`), the rules themselves in the broker.
 
 States (:class:`Phase`) and the events that move between them; an event not listed
 for a state is a late fact and changes nothing there, except for the driver's own
@@ -437,6 +438,16 @@ class Tally:
     calls_omitted: int = 0
     tool_time_s: float = 0.0
 
+    def take(self, stream: str, data: bytes, limit: int) -> tuple[bytes, bool]:
+        """Keep what fits under ``limit`` bytes of output in all: (the part kept, whether
+        ``data`` was cut there)."""
+        room = limit - self.output_bytes
+        chunk = data[:room] if len(data) > room else data
+        if chunk:
+            self.output_bytes += len(chunk)
+            (self.stdout if stream == "stdout" else self.stderr).extend(chunk)
+        return chunk, len(data) > room
+
 
 @dataclass(frozen=True, slots=True)
 class EmitRecord:
@@ -500,6 +511,54 @@ class _Facts:
     reaped: bool = False
 
 
+class _CallDesk:
+    """A job's tool calls between its jail link and the broker: which frames answer the
+    jail, and what is observed. It decides no kill; it says when the job must die."""
+
+    def __init__(self, broker: Broker, conn: Connection) -> None:
+        self._broker = broker
+        self._conn = conn
+
+    def call(self, call: JailCallTool, *, routing: bool) -> list[Action] | str:
+        """The actions for a ``CallTool`` -- or, as a string, why the jail must be killed
+        (``channel_error``). ``routing``: the job's code is running (not being killed)."""
+        if not routing:
+            return self.reply(call.call_id, False, ("cancelled", "the job is ending"))
+        verdict = self._broker.admit(call.call_id, call.name, call.args)
+        if isinstance(verdict, Admitted):
+            return [RouteCall(verdict)]
+        if isinstance(verdict, Refused):
+            return [
+                *self.reply(call.call_id, False, (verdict.error_type, verdict.message)),
+                ObserveCall(None, call.name, verdict.error_type, 0.0),
+            ]
+        return verdict.message
+
+    def answered(self, answer: Answer | None, duration_s: float) -> list[Action]:
+        """A routed call's end (the broker's checked answer): observe it, tell the jail."""
+        if answer is None:  # not in flight: withdrawn, or answered already
+            return []
+        value = answer.value if answer.ok else (answer.error_type, answer.message)
+        observed = ObserveCall(answer.call_id, answer.name, answer.outcome, duration_s)
+        return [observed, *self.reply(answer.call_id, answer.ok, value)]
+
+    def reply(self, call_id: int, ok: bool, value: Any) -> list[Action]:
+        if self._conn.state is not State.RUNNING:
+            return []  # the code has finished (or the link is broken): nobody reads it
+        if ok:
+            message: Message = JailToolReturned(call_id=call_id, value=value)
+        else:
+            message = JailToolFailed(call_id=call_id, error_type=value[0], message=value[1])
+        return [SendToJail(message, self._conn.send(message))]
+
+    def withdraw_all(self) -> list[Action]:
+        """The job is over: every call in flight is withdrawn (and not logged)."""
+        calls = list(self._broker.in_flight)
+        for call_id in calls:
+            self._broker.withdraw(call_id)
+        return [WithdrawCall(call_id) for call_id in calls]
+
+
 class JobMachine:
     """One jail's lifecycle and its jobs' ends. See the module docstring.
 
@@ -529,6 +588,7 @@ class JobMachine:
         self._digest = seccomp_digest
         self.conn = Connection(Role.SUPERVISOR, frame_limit(spec))
         self.broker = Broker(spec.tools, spec.limits, spec.policy.needs_approval, validators)
+        self.calls = _CallDesk(self.broker, self.conn)
         self.evidence = Evidence(cpu_limit_s=float(spec.limits.cpu_time_s))
         self._facts = _Facts()
         self._log = bytearray()
@@ -636,7 +696,7 @@ class JobMachine:
     def _on_Cleanup(self, _: Cleanup) -> list[Action]:
         if self.phase is Phase.CLOSED:
             return []
-        actions: list[Action] = [WithdrawCall(call_id) for call_id in self._withdraw_all()]
+        actions: list[Action] = self.calls.withdraw_all()
         if self.phase is not Phase.DONE:
             actions.append(JailEnded())  # nothing of it will be waited for any more
         actions.append(Teardown())
@@ -731,34 +791,19 @@ class JobMachine:
     # -- tool calls
 
     def _call(self, call: JailCallTool) -> list[Action]:
-        if self.phase is not Phase.RUNNING:  # being killed: no call is routed any more
-            return self._reply(call.call_id, False, ("cancelled", "the job is ending"))
-        verdict = self.broker.admit(call.call_id, call.name, call.args)
-        if isinstance(verdict, Admitted):
-            return [RouteCall(verdict)]
-        if isinstance(verdict, Refused):
-            return [
-                *self._reply(call.call_id, False, (verdict.error_type, verdict.message)),
-                ObserveCall(None, call.name, verdict.error_type, 0.0),
-            ]
-        return self._kill("channel_error", verdict.message)
+        # being killed: no call is routed any more
+        verdict = self.calls.call(call, routing=self.phase is Phase.RUNNING)
+        if isinstance(verdict, str):
+            return self._kill("channel_error", verdict)
+        return verdict
 
     def _on_ToolReplied(self, event: ToolReplied) -> list[Action]:
-        return self._answer(
-            self.broker.answer(event.call_id, event.ok, event.value, event.duration_s),
-            event.duration_s,
-        )
+        answer = self.broker.answer(event.call_id, event.ok, event.value, event.duration_s)
+        return self.calls.answered(answer, event.duration_s)
 
     def _on_ToolTimedOut(self, event: ToolTimedOut) -> list[Action]:
         answer = self.broker.timed_out(event.call_id, event.duration_s)
-        return self._answer(answer, event.duration_s)
-
-    def _answer(self, answer: Answer | None, duration_s: float) -> list[Action]:
-        if answer is None:  # not in flight: withdrawn, or answered already
-            return []
-        value = answer.value if answer.ok else (answer.error_type, answer.message)
-        observed = ObserveCall(answer.call_id, answer.name, answer.outcome, duration_s)
-        return [observed, *self._reply(answer.call_id, answer.ok, value)]
+        return self.calls.answered(answer, event.duration_s)
 
     def _on_ToolLost(self, event: ToolLost) -> list[Action]:
         if not self.broker.withdraw(event.call_id):
@@ -766,30 +811,16 @@ class JobMachine:
         why = "the client disconnected during a tool call"
         return [WithdrawCall(event.call_id), *self._kill("cancelled", why)]
 
-    def _reply(self, call_id: int, ok: bool, value: Any) -> list[Action]:
-        if self.conn.state is not State.RUNNING or self.phase not in LIVE:
-            return []  # the code has finished (or the jail is gone): nobody reads it
-        if ok:
-            return [self._send(JailToolReturned(call_id=call_id, value=value))]
-        return [self._send(JailToolFailed(call_id=call_id, error_type=value[0], message=value[1]))]
-
     # -- output, timers, limits
 
     def _on_Output(self, event: Output) -> list[Action]:
         if self.evidence.kill_reason is not None or self.phase not in LIVE:
             return []
-        tally = self.tally
-        room = self.spec.limits.output_bytes - tally.output_bytes
-        chunk = event.data[:room] if len(event.data) > room else event.data
+        chunk, cut = self.tally.take(event.stream, event.data, self.spec.limits.output_bytes)
         actions: list[Action] = []
-        if chunk:
-            tally.output_bytes += len(chunk)
-            (tally.stdout if event.stream == "stdout" else tally.stderr).extend(chunk)
-            if self._job is not None:
-                actions.append(ForwardOutput(event.stream, chunk))
-        if len(event.data) > room:
-            actions += self._kill("output_limit", "")
-        return actions
+        if chunk and self._job is not None:  # before its job, a jail's output is only kept
+            actions.append(ForwardOutput(event.stream, chunk))
+        return actions + (self._kill("output_limit", "") if cut else [])
 
     def _on_LogData(self, event: LogData) -> list[Action]:
         if len(self._log) < MAX_LOG_BYTES:
@@ -905,16 +936,10 @@ class JobMachine:
         ev.log = self._log.decode("utf-8", "replace")
         ev.stderr_tail = self.tally.stderr[-2048:].decode("utf-8", "replace")
         actions: list[Action] = [CloseChannel()]
-        actions += [WithdrawCall(call_id) for call_id in self._withdraw_all()]
+        actions += self.calls.withdraw_all()
         term = ev.term
         sigsys = term[3] if term and term[0] == "signaled" and term[2] == "SIGSYS" else None
         return [*actions, CollectEvidence(final=True, sigsys_pid=sigsys)]
-
-    def _withdraw_all(self) -> list[int]:
-        calls = list(self.broker.in_flight)
-        for call_id in calls:
-            self.broker.withdraw(call_id)
-        return calls
 
     def _record(self, *, final: bool) -> list[Action]:
         assert self._job is not None

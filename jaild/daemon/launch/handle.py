@@ -35,6 +35,7 @@ from jaild.daemon.machine import (
     ChannelBroken,
     ChannelOpened,
     Event,
+    EvidenceRead,
     JailData,
     JobSpec,
     LeftoversGone,
@@ -236,6 +237,13 @@ class JailHandle:
             "cpu_s": round(sum(cpu), 3) if cpu else None,
             "pids": len(self.cgroup.member_pids()),
         }
+
+    def evidence(self, sigsys_pid: int | None) -> EvidenceRead:
+        """What the host knows about how the jail (or a session's run) ended: the cgroup's
+        OOM kills, and for a SIGSYS the kernel's audit record of the syscall."""
+        oom = self.cgroup.oom_killed() if self.cgroup is not None else False
+        syscall = self.env.audit.seccomp_kill(sigsys_pid) if sigsys_pid is not None else None
+        return EvidenceRead(oom=oom, syscall=syscall)
 
     def later(self, delay_s: float, event: Event) -> asyncio.TimerHandle:
         """Feed ``event`` after ``delay_s`` (cancelled at teardown)."""
