@@ -32,9 +32,10 @@ purpose -- its handlers are the rows of the table above, and splitting them over
 classes would hide which state may do what. The tool calls' glue is apart
 (:class:`_CallDesk`), the rules themselves in the broker.
 
-States (:class:`Phase`) and the events that move between them; an event not listed
-for a state is a late fact and changes nothing there, except for the driver's own
-commands marked (c), which are a bug there (:class:`~jaild.errors.LocalProtocolError`):
+States (:class:`Phase`) and the events that move between them. An event not listed
+for a state is a late fact and changes nothing there; of the driver's own commands,
+marked (c), an Assign to a jail that serves a job (or is closed) and an EvidenceRead
+nobody asked for are bugs (:class:`~jaild.errors.LocalProtocolError`):
 
 ============  =====================================  ===========================================
 state         event                                  next state (actions)
@@ -49,6 +50,7 @@ starting      LaunchFailed                           settling (CollectEvidence)
 starting      StartFailed                            killing (Kill start_failed)
 idle          Assign (c)                             running (StartRun, SendToJail RunCode,
                                                      ArmRunTimers)
+idle          Cancel, ChannelBroken                  killing (Kill)
 running       CallTool                               running (RouteCall | SendToJail ToolFailed
                                                      + ObserveCall | Kill channel_error)
 running       ToolReplied/TimedOut                   running (ObserveCall, SendToJail answer)
