@@ -1,97 +1,101 @@
-"""Run one job in one fresh jail, and decide how it ended.
+"""Run one job in one jail: the asyncio driver of the job's machine.
 
 Theory of operation
 -------------------
-For each job the supervisor creates the job's cgroup (limits set *there*, see
-:mod:`jaild.daemon.cgroups`), a socketpair for the tool channel and pipes for stdout
-and stderr. Then the jail is made one of two ways (the policy's ``pool.mode``):
+Three parts make a job, and this module wires them together:
 
-* ``spawn`` -- nsjail with the policy's config (a sealed memfd), the job's argv
-  and a pipe it logs to; a pidfd says when nsjail exits (``wait4`` then gives its
-  rusage, which includes the jailed process nsjail reaped).
-* ``zygote`` -- the policy's zygote (:mod:`jaild.daemon.launch.forked`) forks the jail, which
-  enters fresh namespaces of its own. Its first byte on the channel carries its
-  host pid (SO_PASSCRED), which goes into the job's cgroup before anything else
-  happens; the zygote reports how the jail ended.
+* the :class:`~jaild.daemon.machine.JobMachine` decides everything -- the jail link's
+  protocol, the tool broker's rules, the output limit, the timers' meaning, when the
+  jail's end is complete and how the job ended (:mod:`jaild.daemon.classify`). It does
+  no IO;
+* a :class:`~jaild.daemon.launch.handle.JailHandle`, filled by a launcher -- nsjail per
+  job (:mod:`jaild.daemon.launch.spawned`) or the policy's zygote
+  (:class:`~jaild.daemon.launch.forked.ZygoteLauncher`), the policy's ``pool.mode`` --
+  holds the jail's channel, pipes, cgroup, uid and top process;
+* :class:`JailedJob` feeds the machine every event the handle, the timers and the
+  client's replies produce, and performs the actions it returns, in order (an action
+  may feed the machine again: drained output, the host's evidence).
 
-Everything is event driven on the daemon's loop. A jail may be made before its
-job (the warm pool, :mod:`jaild.daemon.pool`): it stops once hardened, and its job is
-assigned later.
+Everything is event driven on the daemon's loop. A jail may be made before its job
+(the warm pool, :mod:`jaild.daemon.pool`): it stops once hardened, and its job is
+assigned later (:meth:`JailedJob.assign`). A session's jail (``keep``) serves one
+:meth:`JailedJob.run_next` after another.
 
 The jail link goes ``Harden`` -> ``JailReady`` -> ``RunCode`` -> (``CallTool``
-<-> ``ToolReturned``/``ToolFailed``)* -> ``CodeFinished``. The wall-clock
-deadline starts when ``RunCode`` is sent. Every frame from the jail is hostile
-input: the connection state machine rejects anything out of order, the frame
-limit is the policy's tool payload limit, tool names must be ones the client
-registered, call ids must not collide, and in-flight calls are capped.
-
-How a job ended is decided by :func:`classify` from evidence the jailed code
-cannot forge, in this order: the daemon's own kill reason (cancelled, timeout,
-output limit, channel abuse), the job cgroup's OOM evidence, the termination
-signal nsjail logged on its private descriptor (and, for SIGSYS, the kernel's
-audit record of the syscall), the CPU time in the rusage -- and only then the
-runtime's own report (``CodeFinished``), which decides between ``ok`` and
-``error``. The exit code alone is never trusted. A zygote jail's record is made
-when that report arrives (see :meth:`JailedJob._claim` for why nothing later
-could change it) and the jail is killed then.
+<-> ``ToolReturned``/``ToolFailed``)* -> ``CodeFinished``. The wall-clock deadline
+starts when ``RunCode`` is sent. Every frame from the jail is hostile input: see
+:mod:`jaild.daemon.machine` and :mod:`jaild.daemon.broker`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
-import re
-import signal
-import socket
-import struct
-import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from jaild.daemon import records
 from jaild.daemon.admission import file_limits
+from jaild.daemon.broker import Admitted, Validators
 from jaild.daemon.cgroups import Cgroups, JobCgroup
+from jaild.daemon.classify import STATUSES, Evidence, classify, parse_termination
 from jaild.daemon.kernlog import KernelAuditLog
-from jaild.daemon.launch.forked import SCM_CREDENTIALS, Zygote, ZygoteExit
-from jaild.errors import ConnectionLost, RemoteProtocolError
-from jaild.policy.compile import JOB_UIDS, HostLayout, JobFacts, JobPlacement, forked_jail, job_argv
-from jaild.policy.schema import Limits, Policy
-from jaild.protocol import NEED_DATA, PROTOCOL_VERSION, Connection, Role, State, unpack
-from jaild.protocol.messages import (
-    CodeFinished,
-    ErrorInfo,
-    Harden,
-    JailCallTool,
-    JailReady,
-    JailToolFailed,
-    JailToolReturned,
-    Message,
-    RunCode,
-    ToolSpec,
-    jail_link_max_frame,
+from jaild.daemon.launch.forked import Zygote, ZygoteLauncher
+from jaild.daemon.launch.handle import JailHandle, Launcher
+from jaild.daemon.launch.spawned import SpawnLauncher
+from jaild.daemon.machine import (
+    START_TIMEOUT_S,
+    Action,
+    ArmReleaseTimer,
+    ArmRunTimers,
+    Assign,
+    AwaitLeftovers,
+    Cancel,
+    Cleanup,
+    CloseChannel,
+    CodeEnded,
+    CollectEvidence,
+    CpuExceeded,
+    Drained,
+    DrainOutput,
+    EmitRecord,
+    Event,
+    ForwardOutput,
+    JailEnded,
+    JobMachine,
+    JobSpec,
+    Kill,
+    Launch,
+    LaunchFailed,
+    ObserveCall,
+    Phase,
+    Ready,
+    Release,
+    RouteCall,
+    SendToJail,
+    StartJail,
+    StartRun,
+    StopRunTimers,
+    Teardown,
+    TimerFired,
+    ToolLost,
+    ToolReplied,
+    ToolTimedOut,
+    WithdrawCall,
 )
-from jaild.protocol.records import MAX_CALL_RECORDS, STATUSES, JobRecord, Usage
+from jaild.errors import ConnectionLost
+from jaild.policy.compile import JOB_UIDS, HostLayout
+from jaild.policy.schema import Policy
+from jaild.protocol import PROTOCOL_VERSION
+from jaild.protocol.messages import ErrorInfo, Harden
+from jaild.protocol.records import JobRecord, Usage
 from jaild.runtime.files import validate_collected
-from jaild.runtime.zygote import GO, PREAMBLE
 
 log = logging.getLogger("jaild")
-
-START_TIMEOUT_S = 30.0
-RELEASE_TIMEOUT_S = 10.0
-LINGER_CHECK_S = 0.01
-"""How often a spawned jail that outlived its nsjail is checked for (see ``_lingering``)."""
-RLIMIT_CPU_REACHED = 0.5
-"""A SIGKILL that nothing else explains (not the daemon's, no OOM) is the CPU limit once the
-jail's rusage CPU time reaches this share of ``cpu_time_s``. The kernel sends RLIMIT_CPU's
-SIGKILL when its *tick-sampled* CPU clock reaches the limit, and on a loaded host that clock
-runs well ahead of the precise one rusage reports: under ``stress-ng --cpu 2`` on 2 cores,
-processes were killed at 65 % of a 1 s limit and 80 % of a 2 s one (rusage), where an idle
-host kills them within a tick of it."""
 
 ToolRouter = Callable[[str, int, str, bytes, bool], "asyncio.Future[tuple[bool, Any]]"]
 """(job_id, call_id, tool name, packed args, needs approval) -> a future of (True, packed
@@ -103,20 +107,8 @@ ToolObserver = Callable[[str, str, str, str, float], None]
 ``quota_exceeded``, ``unknown_tool``, the handler's exception type, ...)."""
 OutputSink = Callable[[str, str, bytes], None]
 """(job_id, "stdout"|"stderr", bytes) -> None."""
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    job_id: str
-    policy: Policy
-    limits: Limits
-    code: str
-    filename: str
-    tools: tuple[ToolSpec, ...]
-    files: Mapping[str, bytes] = field(default_factory=dict)  # uploads, checked by the daemon
-    download: tuple[str, ...] = ()  # patterns of files whose contents come back
-    download_changed: bool = False  # ... and of every file the run created or changed
-    keep: bool = False  # a session's jail: it outlives the run
+Outcome = tuple[JobRecord, bytes | None, dict[str, bytes]]
+"""A run's record, its packed result (None unless ok) and its downloaded files."""
 
 
 @dataclass
@@ -151,64 +143,13 @@ class JailEnvironment:
             self._hardens[policy.name] = msg
         return msg
 
-    _validators: dict[str, Any] = field(default_factory=dict)
-    _schema_keys: dict[int, tuple[dict[str, Any], str]] = field(default_factory=dict)
+    validators: Validators = field(default_factory=Validators)
 
     def tool_arguments(
         self, schema: dict[str, Any], tool: str, packed: bytes
     ) -> tuple[str, str] | None:
-        """Check a call's arguments against the tool's JSON schema before any handler runs:
-        None if they fit (or the tool has no schema), else ("invalid_arguments", why) naming
-        the argument."""
-        if not schema:
-            return None
-        try:
-            decoded = unpack(packed)
-        except RemoteProtocolError as exc:
-            return ("invalid_arguments", f"{tool}: undecodable arguments: {exc.message}")
-        if not (
-            isinstance(decoded, list)
-            and len(decoded) == 2
-            and isinstance(decoded[0], list)
-            and isinstance(decoded[1], dict)
-        ):
-            return ("invalid_arguments", f"{tool}: arguments must be [args, kwargs]")
-        args, kwargs = decoded
-        names = list(schema.get("properties") or {})
-        if len(args) > len(names):
-            return (
-                "invalid_arguments",
-                f"{tool} takes at most {len(names)} positional argument(s) "
-                f"({', '.join(names) or 'none'}); got {len(args)}",
-            )
-        instance = dict(zip(names, args, strict=False))
-        for key, value in kwargs.items():
-            if key in instance:
-                return ("invalid_arguments", f"{tool}: argument {key!r} given twice")
-            instance[key] = value
-        return schema_error(tool, self._validator(schema), instance)
-
-    def _validator(self, schema: dict[str, Any]) -> Any:
-        """A compiled validator per distinct schema (clients send the same ones again)."""
-        import json
-
-        key = self._schema_keys.get(id(schema))
-        if key is None or key[0] is not schema:
-            key = (schema, json.dumps(schema, sort_keys=True, default=repr))
-            if len(self._schema_keys) > 4096:
-                self._schema_keys.clear()
-            self._schema_keys[id(schema)] = key
-        validator = self._validators.get(key[1])
-        if validator is None:
-            from jsonschema import validators
-
-            cls = validators.validator_for(schema)
-            cls.check_schema(schema)
-            validator = cls(schema)
-            if len(self._validators) > 4096:
-                self._validators.clear()
-            self._validators[key[1]] = validator
-        return validator
+        """See :meth:`jaild.daemon.broker.Validators.check_arguments`."""
+        return self.validators.check_arguments(schema, tool, packed)
 
     def allocate_uid(self) -> int:
         slot = self._free_slots.pop() if self._free_slots else self._next_slot
@@ -222,253 +163,7 @@ class JailEnvironment:
         self._free_slots.append(uid - self.uid_base)
 
 
-# --------------------------------------------------------------------------- classification
-
-_EXITED = re.compile(r"pid=(\d+) \(\[STANDALONE MODE\]\) exited with status: (\d+)")
-_SIGNALED = re.compile(r"pid=(\d+) \(\[STANDALONE MODE\]\) terminated with signal: (\w+) \((\d+)\)")
-_LAUNCH_FAILED = ("Couldn't launch the child process", "Launching child process failed")
-
-
-@dataclass
-class Evidence:
-    kill_reason: str | None = (
-        None  # cancelled | timeout | cpu_time | output_limit | channel_error | start_failed
-    )
-    kill_detail: str = ""
-    log: str = ""
-    jail_ready: bool = False
-    oom: bool = False
-    cpu_s: float = 0.0
-    cpu_limit_s: float = 0.0
-    wall_limit_s: float = 0.0
-    output_limit: int = 0
-    syscall: str | None = None
-    claim: CodeFinished | None = None
-    nsjail_returncode: int | None = None
-    stderr_tail: str = ""
-    termination: tuple[str, int, str, int] | None = None  # zygote jails: from the wait status
-
-    @property
-    def term(self) -> tuple[str, int, str, int] | None:
-        """How the jail ended: the zygote's wait status, else what nsjail logged."""
-        return self.termination or parse_termination(self.log)
-
-
-def parse_termination(log: str) -> tuple[str, int, str, int] | None:
-    """From nsjail's log: ("exited", code, "", pid) or ("signaled", signum, NAME, pid)."""
-    for line in reversed(log.splitlines()):
-        m = _EXITED.search(line)
-        if m:
-            return ("exited", int(m.group(2)), "", int(m.group(1)))
-        m = _SIGNALED.search(line)
-        if m:
-            return ("signaled", int(m.group(3)), m.group(2), int(m.group(1)))
-    return None
-
-
-def _err(type_: str, message: str, **extra: Any) -> dict[str, Any]:
-    return {"type": type_, "message": message, "traceback": "", "lineno": None, **extra}
-
-
-def _log_excerpt(log: str) -> str:
-    lines = [ln for ln in log.splitlines() if ln.startswith(("[E]", "[F]", "[W]"))]
-    return "\n".join(lines[-8:]) or "\n".join(log.splitlines()[-8:])
-
-
-def _claimed(claim: CodeFinished) -> tuple[str, dict[str, Any] | None]:
-    """The runtime's own report, once nothing stronger decided."""
-    if claim.ok:
-        return "ok", None
-    err = claim.error
-    if err is None:
-        return "error", _err("Error", "the code failed without details")
-    return "error", {
-        "type": err.type,
-        "message": err.message,
-        "traceback": err.traceback,
-        "lineno": err.lineno,
-    }
-
-
-def classify(ev: Evidence) -> tuple[str, dict[str, Any] | None]:
-    """(status, error) from the evidence. Pure; the order is the precedence."""
-    term = ev.term
-    signaled = term is not None and term[0] == "signaled"
-    signame = term[2] if signaled and term else ""
-    if ev.kill_reason == "cancelled":
-        return "cancelled", _err("Cancelled", ev.kill_detail or "the job was cancelled")
-    if ev.kill_reason == "timeout":
-        return "timeout", _err(
-            "Timeout", f"wall-clock limit of {ev.wall_limit_s:g} s exceeded", limit="wall_time_s"
-        )
-    if ev.kill_reason == "cpu_time":  # a session's run, watched by the daemon
-        return "timeout", _err("Timeout", ev.kill_detail, limit="cpu_time_s")
-    if ev.kill_reason == "output_limit":
-        return "output_limit", _err(
-            "OutputLimit",
-            f"stdout+stderr exceeded {ev.output_limit} bytes; output truncated there, job stopped",
-            limit="output_bytes",
-        )
-    if ev.kill_reason == "start_failed":
-        return "internal_error", _err("JailStartFailed", ev.kill_detail)
-    if ev.kill_reason == "channel_error":
-        return "error", _err("ChannelError", ev.kill_detail)
-    if any(marker in ev.log for marker in _LAUNCH_FAILED):
-        return "internal_error", _err(
-            "JailStartFailed", "nsjail could not start the jail: " + _log_excerpt(ev.log)
-        )
-    if ev.oom and (signame == "SIGKILL" or ev.claim is None or not ev.claim.ok):
-        return "memory_limit", _err(
-            "MemoryLimit", "the job's cgroup memory limit was hit (OOM kill)", limit="memory_mb"
-        )
-    if signaled and (
-        signame == "SIGXCPU"
-        or (signame == "SIGKILL" and ev.cpu_s >= ev.cpu_limit_s * RLIMIT_CPU_REACHED)
-    ):
-        return "timeout", _err(
-            "Timeout", f"CPU time limit of {ev.cpu_limit_s:g} s exceeded", limit="cpu_time_s"
-        )
-    if signame == "SIGSYS":
-        what = f"syscall {ev.syscall}" if ev.syscall else "a syscall the policy does not allow"
-        return "policy_violation", _err(
-            "PolicyViolation",
-            f"the seccomp filter killed the process for {what}",
-            syscall=ev.syscall,
-            signal="SIGSYS",
-        )
-    if signaled:
-        assert term is not None
-        return "killed", _err(
-            "Killed", f"the process was killed by {signame} ({term[1]})", signal=signame
-        )
-    if term is None and ev.claim is not None and ev.jail_ready:
-        return _claimed(ev.claim)
-    if term is None:
-        if not ev.jail_ready:
-            return "internal_error", _err(
-                "JailStartFailed",
-                "nsjail could not start the jail: " + (_log_excerpt(ev.log) or "no log output"),
-            )
-        return "internal_error", _err(
-            "JailLost",
-            f"nsjail ended without reporting the job (exit {ev.nsjail_returncode})"
-            if ev.nsjail_returncode is not None
-            else f"the jail's end was not reported: {ev.log or 'no details'}",
-        )
-    code = term[1]
-    if not ev.jail_ready:
-        why = ev.stderr_tail.strip().splitlines()[-1:] or [f"exit code {code}"]
-        return "internal_error", _err(
-            "RuntimeStartFailed", f"the in-jail runtime did not come up: {why[0]}"
-        )
-    if ev.claim is not None:
-        return _claimed(ev.claim)
-    return "error", _err(
-        "ProcessExit", f"the process exited with code {code} before reporting a result"
-    )
-
-
 # --------------------------------------------------------------------------- asyncio plumbing
-
-
-class _PipeReader(asyncio.Protocol):
-    def __init__(self, on_data: Callable[[bytes], None], on_eof: Callable[[], None]) -> None:
-        self._on_data = on_data
-        self._on_eof = on_eof
-
-    def data_received(self, data: bytes) -> None:
-        self._on_data(data)
-
-    def eof_received(self) -> bool:
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._on_eof()
-
-
-class _Channel:
-    """The daemon's end of a jail's socketpair, driven by the event loop.
-
-    Not an asyncio transport on purpose: a transport tears the connection down on the
-    first failed write, dropping whatever the jail wrote just before it exited (its
-    ``CodeFinished`` among it). Here a failed write only stops writing; reading goes on
-    until EOF. Replies the jail does not read are buffered up to ``max_buffered`` bytes.
-    """
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        sock: socket.socket,
-        on_data: Callable[[bytes], None],
-        on_closed: Callable[[], None],
-        on_overflow: Callable[[], None],
-        max_buffered: int,
-    ) -> None:
-        self._loop = loop
-        self._sock = sock
-        self._fd = sock.fileno()
-        self._on_data = on_data
-        self._on_closed = on_closed
-        self._on_overflow = on_overflow
-        self._max_buffered = max_buffered
-        self._out = bytearray()
-        self._can_write = True
-        self.closed = False
-        sock.setblocking(False)
-        loop.add_reader(self._fd, self._readable)
-
-    def _readable(self) -> None:
-        try:
-            data = self._sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if data:
-            self._on_data(data)
-        else:
-            self.close()
-
-    def write(self, data: bytes) -> None:
-        if self.closed or not self._can_write:
-            return
-        if not self._out:
-            try:
-                sent = self._sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
-                self._can_write = False  # the jail is gone; keep reading what it left
-                return
-            if sent == len(data):
-                return
-            self._loop.add_writer(self._fd, self._writable)
-            data = data[sent:]
-        self._out += data
-        if len(self._out) > self._max_buffered:
-            self._on_overflow()
-
-    def _writable(self) -> None:
-        try:
-            sent = self._sock.send(self._out)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._can_write = False
-            self._out.clear()
-            sent = 0
-        del self._out[:sent]
-        if not self._out:
-            self._loop.remove_writer(self._fd)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self._loop.remove_reader(self._fd)
-        self._loop.remove_writer(self._fd)
-        self._sock.close()
-        self._on_closed()
 
 
 async def _first_of(*events: asyncio.Event) -> None:
@@ -485,12 +180,15 @@ async def _first_of(*events: asyncio.Event) -> None:
 
 
 class JailedJob:
-    """One job, one jail. ``await run()`` returns the result record (without ``result``).
+    """One jail and the job (or a session's runs) it serves: the asyncio driver of a
+    :class:`~jaild.daemon.machine.JobMachine`. ``await run()`` returns the result record
+    (without ``result``).
 
     A jail may also be made ahead of its job (the warm pool): construct it with the
     policy's :func:`placeholder_spec` and no router, ``await prepare()`` -- it is then
     hardened and waiting for its code -- and later :meth:`assign` the real job and
-    ``await run()``. Each jail serves exactly one job.
+    ``await run()``. Each jail serves exactly one job, except a session's (``keep``),
+    which serves one :meth:`run_next` after another.
     """
 
     def __init__(
@@ -508,66 +206,28 @@ class JailedJob:
         self._route_tool = route_tool
         self._output = output
         self._loop = asyncio.get_running_loop()
-        self._ev = Evidence(cpu_limit_s=float(spec.limits.cpu_time_s))
-        self._keep = spec.keep
-        self._set_limits(spec)
-        files = spec.policy.files
-        self._conn = Connection(
-            Role.SUPERVISOR,
-            jail_link_max_frame(
-                tool_payload_bytes=spec.limits.tool_payload_bytes,
-                result_bytes=spec.limits.result_bytes,
-                max_bytes=files.max_bytes,
-                max_files=files.max_files,
-                max_path_chars=files.max_path_chars,
-            ),
+        self._machine = JobMachine(
+            spec,
+            has_job=route_tool is not None,
+            harden=env.harden(spec.policy),
+            seccomp_digest=env.seccomp_digests[spec.policy.name],
+            validators=env.validators,
         )
-        self._set_tools(spec)
-        self._log = bytearray()
-        self._in_flight: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
-        self._out_transports: list[asyncio.ReadTransport] = []
+        self._handle = JailHandle(env, self.jail_id, self._feed, self._machine.conn.max_frame_bytes)
+        self._calls_out = _Calls(self)
         self._paused_since: float | None = None
-        self._run_end = asyncio.Event()
         self._run_timers: list[asyncio.TimerHandle] = []
-        self.runs = 0  # runs started in this jail (a session's count)
-        self._reset_run()
-        self._open_streams = 0
-        self._done = asyncio.Event()
-        self._ready = asyncio.Event()
-        self._launched = False
-        self._cleaned = False
-        self._released = False
-        self._spawned = False  # a zygote was asked for this jail
-        self._zygote_reaped = False  # ... and has reaped the jail
-        self._release_pending = False
-        self._release_timer: asyncio.TimerHandle | None = None
-        self._spawn_id = 0
-        self._claimed = False  # the result is in and decides the record (zygote jails)
-        self._evidence_gathered = False
-        self._pipes: tuple[tuple[int, str], ...] = ()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._exited = False
-        self._channel: _Channel | None = None
-        self._preamble_sock: socket.socket | None = None
-        self._jail_pid: int | None = None  # zygote jails: the jail's process (host pid)
-        self._terminating = False
-        self._linger_since: float | None = None  # a spawned jail outlived its nsjail since
-        self._timers: list[asyncio.TimerHandle] = []
+        self._done = asyncio.Event()  # the jail is gone (JailEnded)
+        self._ready = asyncio.Event()  # it was hardened (Ready)
+        self._outcome_wait: asyncio.Future[Outcome] = self._loop.create_future()
         self._started = time.monotonic()
         self.ready_at: float | None = None
-        self.outside_uid: int | None = None
-        self._cgroup: JobCgroup | None = None
+        self._tally = self._machine.tally
+        self._outcome: tuple[str, dict[str, Any] | None] = ("internal_error", None)
+        self._reset_run()
 
     def _reset_run(self) -> None:
-        """What one run accounts for: output, calls, result, files, usage."""
-        self._stdout = bytearray()
-        self._stderr = bytearray()
-        self._output_total = 0
-        self._calls: list[dict[str, Any]] = []
-        self._calls_omitted = 0
-        self._tool_time = 0.0
-        self._calls_made = 0  # counted against limits.tool_calls
-        self._tool_bytes = 0  # packed arguments and results, against limits.tool_bytes
+        """What one run accounts for besides the machine's tally: times, result, files."""
         self._code_started: float | None = None
         self._code_ended: float | None = None
         self._cpu_base: tuple[float, float] | None = None
@@ -578,20 +238,22 @@ class JailedJob:
         self.downloads: dict[str, bytes] = {}
         self._files: list[dict[str, Any]] = []
         self._files_skipped: list[dict[str, Any]] = []
-        self._ev.claim = None
-
-    def _set_limits(self, spec: JobSpec) -> None:
-        if not self._keep:  # a session's jail keeps its own (session-wide) CPU rlimit
-            self._ev.cpu_limit_s = float(spec.limits.cpu_time_s)
-        self._ev.wall_limit_s = spec.limits.wall_time_s
-        self._ev.output_limit = spec.limits.output_bytes
 
     # -- public
 
     @property
     def pid(self) -> int | None:
         """nsjail's pid while it runs (None for a zygote jail: not our child)."""
-        return self._proc.pid if self._proc is not None and not self._exited else None
+        return self._handle.pid
+
+    @property
+    def outside_uid(self) -> int | None:
+        """The host uid the jail runs as (its first; see ``JOB_UIDS``)."""
+        return self._handle.outside_uid
+
+    @property
+    def _cgroup(self) -> JobCgroup | None:
+        return self._handle.cgroup
 
     @property
     def zygote(self) -> Zygote | None:
@@ -600,10 +262,15 @@ class JailedJob:
     @property
     def alive(self) -> bool:
         """Ready for (or running) its job, not ended."""
-        return self._ready.is_set() and not self._done.is_set()
+        return self._machine.alive
+
+    @property
+    def runs(self) -> int:
+        """Runs started in this jail (a session's count)."""
+        return self._machine.runs
 
     def cancel(self, reason: str = "the job was cancelled") -> None:
-        self._terminate("cancelled", reason)
+        self._feed(Cancel(reason))
 
     def assign(self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink) -> None:
         """Give a prepared jail its job (same policy; the jail's limits already apply)."""
@@ -612,38 +279,13 @@ class JailedJob:
         # id its job will have (cgroup v2 cannot rename a cgroup), see JailPool.
         assert spec.job_id == self.jail_id, (spec.job_id, self.jail_id)
         self._take_job(spec, route_tool, output)
-        if self._ready.is_set() and not self._done.is_set():
-            self._begin()  # now, not when the caller's task first runs
-
-    def _set_tools(self, spec: JobSpec) -> None:
-        """The job's tools by name, and which need approval (decided once, not per call)."""
-        self._tool_specs = {t.name: t for t in spec.tools}
-        self._needs_approval = {
-            t.name for t in spec.tools if t.approval or spec.policy.needs_approval(t.name)
-        }
+        self._feed(Assign(spec))  # its code is sent now if the jail is ready
 
     def _take_job(self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink) -> None:
         self.spec = spec
         self._route_tool = route_tool
         self._output = output
-        self._set_tools(spec)
-        self._set_limits(spec)
         self._started = time.monotonic()
-
-    def host_view(self) -> dict[str, Any]:
-        """The job seen from the host while it runs: its processes' ids, its cgroup's limits."""
-        if self._cgroup is None:
-            return {}
-        ids: set[int] = set()
-        for pid in self._cgroup.member_pids(jail_only=True):
-            with (
-                contextlib.suppress(OSError, ValueError, IndexError),
-                open(f"/proc/{pid}/status", encoding="ascii") as status,
-            ):
-                for line in status:
-                    if line.startswith(("Uid:", "Gid:")):
-                        ids.update(int(x) for x in line.split()[1:])
-        return {"outside_ids": sorted(ids), **self._cgroup.limits()}
 
     async def prepare(self) -> bool:
         """Start the jail and wait until it is hardened and waiting (True) or ended (False)."""
@@ -655,94 +297,49 @@ class JailedJob:
     async def run(self) -> JobRecord:
         try:
             await self._launch()
-            if self._ready.is_set() and not self._done.is_set():
-                self._begin()
-            return await self._final_record()
+            record, _, _ = await self._outcome_wait
+            return record
         finally:
             # after the caller has sent the record: killing what is left is not on its path
             self._loop.call_soon(self.cleanup)
 
     async def run_next(
         self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink
-    ) -> tuple[JobRecord, bytes | None, dict[str, bytes]]:
+    ) -> Outcome:
         """A session's jail (prepared with ``keep``): run one more job in it, in the same
-        namespace. Returns the run's record; the jail outlives the run unless the run hit a
-        limit (then :attr:`alive` is False and the record says why). Returns the record, the
-        packed result and the downloaded files."""
-        assert self._keep and spec.policy is self.spec.policy
+        namespace. The jail outlives the run unless the run hit a limit (then :attr:`alive`
+        is False and the record says why). Returns the record, the packed result and the
+        downloaded files."""
+        assert self._machine.keep and spec.policy is self.spec.policy
         self._take_job(spec, route_tool, output)
-        self._run_end.clear()
-        # what the jail printed between runs is this run's (it was kept, not streamed)
-        for stream, buffered in (("stdout", self._stdout), ("stderr", self._stderr)):
-            if buffered:
-                output(spec.job_id, stream, bytes(buffered))
-        if self.alive:
-            self._begin()
-        await _first_of(self._run_end, self._done)
-        if self._done.is_set():  # the jail is gone: this record is its last
-            record = await self._final_record()
-            return record, self.result, self.downloads
-        if self._cgroup is not None:
-            self._ev.oom = self._cgroup.oom_killed()
-        record = self._record()
-        outcome = (record, self.result, self.downloads)
-        if record.status not in ("ok", "error"):  # e.g. OOM: the session cannot go on
-            self._terminate("cancelled", f"the run ended {record.status}")
-        self._ev.oom = False
-        self._output = None
-        self._route_tool = None
-        self._reset_run()
-        return outcome
-
-    async def _final_record(self) -> JobRecord:
-        await self._gather_evidence()
-        return self._record()
-
-    async def _gather_evidence(self) -> None:
-        """Once the jail is gone: what the host knows about how it ended."""
-        await self._done.wait()
-        if self._evidence_gathered:
-            return
-        self._evidence_gathered = True
-        for task in list(self._in_flight.values()):
-            task.cancel()
-        if self._cgroup is not None:
-            self._ev.oom = self._ev.oom or self._cgroup.oom_killed()
-        term = self._ev.term
-        if term and term[0] == "signaled" and term[2] == "SIGSYS":
-            self._ev.syscall = self._env.audit.seccomp_kill(term[3])
+        self._outcome_wait = self._loop.create_future()
+        self._feed(Assign(spec))
+        return await self._outcome_wait
 
     async def ended(self) -> tuple[str, dict[str, Any] | None]:
         """Wait for the jail to end; its status and error (a session's jail between runs)."""
-        await self._gather_evidence()
-        return classify(self._ev)
+        await self._done.wait()
+        return self._machine.outcome()
+
+    def host_view(self) -> dict[str, Any]:
+        """The job seen from the host while it runs: its processes' ids, its cgroup's limits."""
+        return self._handle.host_view()
 
     def live_usage(self) -> dict[str, Any]:
         """For ``jaild ps``: what the jail uses right now."""
-        if self._cgroup is None:
-            return {}
-        cpu = self._cgroup.cpu_times()
-        return {
-            "memory_bytes": self._cgroup.memory_bytes(),
-            "cpu_s": round(sum(cpu), 3) if cpu else None,
-            "pids": len(self._cgroup.member_pids()),
-        }
+        return self._handle.live_usage()
 
     def pause_output(self) -> None:
         """Stop reading the jail's stdout/stderr (a slow client): the jail blocks on write."""
         if self._paused_since is None:
             self._paused_since = time.monotonic()
-            for transport in self._out_transports:
-                with contextlib.suppress(Exception):
-                    transport.pause_reading()
+            self._handle.pause_output()
 
     def resume_output(self) -> None:
         if self._paused_since is not None:
             self._stream_paused += time.monotonic() - self._paused_since
             self._paused_since = None
-            for transport in self._out_transports:
-                with contextlib.suppress(Exception):
-                    transport.resume_reading()
+            self._handle.resume_output()
 
     def output_dropped(self, n: int) -> None:
         """The client's stream skipped ``n`` bytes of output (still in the record)."""
@@ -753,7 +350,7 @@ class JailedJob:
 
     async def discard(self, reason: str) -> None:
         """End a jail that will not run a job (an idle pooled jail, a shutdown)."""
-        self._terminate("cancelled", reason)
+        self._feed(Cancel(reason))
         await self._done.wait()
         self.cleanup()
 
@@ -763,412 +360,137 @@ class JailedJob:
         A zygote jail's record is out at its claim, while the jail may still be tearing
         down its namespaces; the cgroup and uid are released when the zygote has reaped
         it (or after ``RELEASE_TIMEOUT_S``, by then long dead)."""
-        if self._cleaned:
-            return
-        self._cleaned = True
-        for timer in self._timers:
-            timer.cancel()
-        if self._channel is not None:
-            self._channel.close()
-        self._close_preamble()
-        if self._proc is not None and not self._exited:
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.kill()
-        if self._cgroup is not None:
-            with contextlib.suppress(OSError):
-                self._cgroup.kill_all()
-        if self._spawned and not self._zygote_reaped:
-            self._release_pending = True
-            # cancelled on release: a pending timer would keep the whole job alive for 10 s
-            self._release_timer = self._loop.call_later(RELEASE_TIMEOUT_S, self._release)
-        else:
-            self._release()
-
-    def _release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        if self._release_timer is not None:
-            self._release_timer.cancel()
-        if self._cgroup is not None:
-            with contextlib.suppress(OSError):
-                self._cgroup.kill_all()
-                self._cgroup.remove()
-        if self.outside_uid is not None:
-            self._env.release_uid(self.outside_uid)
+        self._feed(Cleanup())
 
     # -- start
 
     async def _launch(self) -> None:
-        if self._launched:
-            return
-        self._launched = True
+        if not self._machine.handle(Launch()):
+            return  # launched once already, or ended before it was
+        handle = self._handle
         limits = self.spec.limits
         try:
-            uid = self.outside_uid = self._env.allocate_uid()
-            self._cgroup = self._env.cgroups.create_job(
+            uid = handle.outside_uid = self._env.allocate_uid()
+            handle.cgroup = self._env.cgroups.create_job(
                 self.jail_id, limits.memory_mb, limits.pids, with_cpu=limits.cpu_cores > 0
             )
             zygote = self.zygote
-            if zygote is None:
-                await self._start(uid)
-                self._arm_start_timeout()
-            else:
-                if limits.cpu_cores > 0:
-                    self._cgroup.limit_cpu(limits.cpu_cores)
-                await self._start_forked(zygote, uid)  # armed when the zygote gets the request
+            launcher: Launcher = SpawnLauncher() if zygote is None else ZygoteLauncher(zygote)
+            await launcher.start(
+                handle,
+                self.spec,
+                uid,
+                pooled=self._route_tool is None,
+                on_sent=self._arm_start_timeout,  # a zygote's: when the request left its queue
+            )
         except (OSError, RuntimeError) as exc:
-            self._ev.kill_reason = "start_failed"
-            self._ev.kill_detail = f"could not start the jail: {exc}"
-            self._done.set()
-            return
+            self._feed(LaunchFailed(str(exc)))
 
     def _arm_start_timeout(self) -> None:
         """The jail has START_TIMEOUT_S to become ready, counted from its own start (not
         from a place in the zygote's queue, where a burst waits its turn)."""
-        if self._done.is_set():
-            return
-        self._timers.append(self._loop.call_later(START_TIMEOUT_S, self._start_timeout))
+        if self._machine.phase is Phase.STARTING:
+            self._handle.later(START_TIMEOUT_S, TimerFired("start"))
 
-    async def _start_forked(self, zygote: Zygote, uid: int) -> None:
-        """Ask the policy's zygote for a jail (see :mod:`jaild.runtime.zygote`)."""
-        await zygote.ensure_started()
-        daemon_end, jail_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        daemon_end.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        try:
-            self._spawn_id = zygote.spawn(  # takes over the jail's ends
-                forked_jail(
-                    self.spec.policy,
-                    self._env.host,
-                    JobFacts(self.spec.limits, uid, pooled=self._route_tool is None),
-                ),
-                (jail_end.detach(), out_w, err_w),
-                self._reaped,
-                on_sent=self._arm_start_timeout,
-            )
-        except BaseException:
-            for fd in (out_r, err_r):
-                os.close(fd)
-            daemon_end.close()
-            raise
-        self._spawned = True
-        # stdout, stderr and the channel; the zygote reports the end
-        self._open_streams = 3
-        await self._read_output(out_r, err_r)
-        daemon_end.setblocking(False)
-        self._preamble_sock = daemon_end
-        self._loop.add_reader(daemon_end.fileno(), self._preamble)
+    # -- the machine's actions
 
-    def _preamble(self) -> None:
-        """The jail's first byte: its host pid (SO_PASSCRED) goes into the job's cgroup."""
-        sock = self._preamble_sock
-        assert sock is not None and self._cgroup is not None
-        try:
-            data, ancdata, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(12))
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data, ancdata = b"", []
-        creds = [
-            d for lvl, kind, d in ancdata if (lvl, kind) == (socket.SOL_SOCKET, SCM_CREDENTIALS)
-        ]
-        zygote = self.zygote
-        if data != PREAMBLE or not creds or zygote is None:
-            self._close_preamble()
-            self._stream_closed()
-            return
-        pid, uid, _gid = struct.unpack("3i", creds[0][:12])
-        self._loop.remove_reader(sock.fileno())
-        self._preamble_sock = None
-        if uid != zygote.uid:  # only a process of the zygote's may claim a jail
-            sock.close()
-            self._terminate("start_failed", f"preamble from uid {uid}, not the zygote's")
-            self._stream_closed()
-            return
-        try:
-            self._cgroup.adopt(pid)
-            zygote.settled(self._spawn_id)
-            self._jail_pid = pid
-            sock.send(GO)
-        except OSError as exc:
-            sock.close()
-            self._terminate("start_failed", f"could not move the jail into its cgroup: {exc}")
-            self._stream_closed()
-            return
-        self._open_channel(sock)
+    def _feed(self, event: Event) -> None:
+        """Feed the machine; do what it says, in order (its answers may feed it again)."""
+        for action in self._machine.handle(event):
+            self._perform(action)
 
-    def _close_preamble(self) -> None:
-        sock, self._preamble_sock = self._preamble_sock, None
-        if sock is not None:
-            self._loop.remove_reader(sock.fileno())
-            sock.close()
-
-    def _reaped(self, end: ZygoteExit) -> None:
-        """The zygote reaped the jail (or never made it): its end, and nothing left of it."""
-        self._zygote_reaped = True
-        self._forked_exit(end)
-        if self._release_pending:
-            self._release()
-
-    def _forked_exit(self, end: ZygoteExit) -> None:
-        if self._exited:
-            return
-        if end.status is None:
-            self._log += end.detail.encode()
-            if not self._ev.jail_ready and self._ev.kill_reason is None:
-                self._ev.kill_reason = "start_failed"
-                self._ev.kill_detail = end.detail
-        elif os.WIFSIGNALED(end.status):
-            sig = os.WTERMSIG(end.status)
-            try:
-                name = signal.Signals(sig).name
-            except ValueError:
-                name = f"SIG{sig}"
-            self._ev.termination = ("signaled", sig, name, self._jail_pid or 0)
-        else:
-            self._ev.termination = ("exited", os.waitstatus_to_exitcode(end.status), "", 0)
-        self._ev.cpu_s = end.cpu_s
-        self._exited = True
-        if self._preamble_sock is not None:  # it never spoke: nothing more will come
-            self._close_preamble()
-            self._stream_closed()
-        self._maybe_done()
-
-    def _accounting_prefix(self) -> list[str]:
-        """cgroup v1: nsjail places the jail in the memory, pids and cpu hierarchies only;
-        CPU time is counted in ``cpuacct``, so nsjail starts there (and the jail with it)."""
-        acct = self._cgroup.acct_dir if self._cgroup is not None else ""
-        if not acct or acct == self._cgroup.cpu_dir:  # type: ignore[union-attr]
-            return []
-        return ["/bin/sh", "-c", 'echo 0 > "$0" && exec "$@"', f"{acct}/cgroup.procs"]
-
-    async def _start(self, uid: int) -> None:
-        spec = self.spec
-        config_fd = self._env.config_fds[spec.policy.name]
-        daemon_end, jail_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        log_r, log_w = os.pipe2(os.O_CLOEXEC)
-        try:
-            argv = job_argv(
-                self._env.nsjail,
-                spec.policy,
-                spec.limits,
-                self._env.host,
-                JobPlacement(self.jail_id, uid, f"/proc/self/fd/{config_fd}", log_w),
-            )
-            self._proc = subprocess.Popen(
-                [*self._env.launcher, *self._accounting_prefix(), *argv],
-                stdin=jail_end.fileno(),
-                stdout=out_w,
-                stderr=err_w,
-                pass_fds=(config_fd, log_w),
-                close_fds=True,
-                start_new_session=True,
-                env={},
-            )
-        except BaseException:
-            for fd in (out_r, err_r, log_r):
-                os.close(fd)
-            daemon_end.close()
-            raise
-        finally:
-            for fd in (out_w, err_w, log_w):
-                os.close(fd)
-            jail_end.close()
-        # stdout, stderr, nsjail's log and the channel: the job is over when nsjail has exited
-        # and all four reached EOF (so no output and no CodeFinished is left unread)
-        self._open_streams = 4
-        self._watch_exit(self._proc.pid)
-        await self._read_output(out_r, err_r)
-        await self._loop.connect_read_pipe(
-            functools.partial(_PipeReader, self._log_data, self._stream_closed),
-            os.fdopen(log_r, "rb", buffering=0),
-        )
-        self._open_channel(daemon_end)
-
-    async def _read_output(self, out_r: int, err_r: int) -> None:
-        self._pipes = ((out_r, "stdout"), (err_r, "stderr"))
-        for fd, sink in self._pipes:
-            transport, _ = await self._loop.connect_read_pipe(
-                functools.partial(
-                    _PipeReader, functools.partial(self._output_data, sink), self._stream_closed
-                ),
-                os.fdopen(fd, "rb", buffering=0),
-            )
-            self._out_transports.append(transport)
-
-    def _open_channel(self, sock: socket.socket) -> None:
-        self._channel = _Channel(
-            self._loop,
-            sock,
-            self._channel_data,
-            self._stream_closed,
-            functools.partial(
-                self._terminate, "channel_error", "the jail does not read its tool replies"
-            ),
-            max_buffered=4 * self._conn.max_frame_bytes,
-        )
-        self._send(self._env.harden(self.spec.policy))
-
-    def _watch_exit(self, pid: int) -> None:
-        pidfd = os.pidfd_open(pid)
-
-        def on_exit() -> None:
-            try:
-                waited, status, rusage = os.wait4(pid, os.WNOHANG)
-            except ChildProcessError:
-                waited, status, rusage = pid, 0, None
-            if waited == 0:
-                return
-            self._loop.remove_reader(pidfd)
-            os.close(pidfd)
-            self._exited = True
-            assert self._proc is not None
-            self._proc.returncode = os.waitstatus_to_exitcode(status)
-            self._ev.nsjail_returncode = self._proc.returncode
-            if rusage is not None:
-                self._ev.cpu_s = rusage.ru_utime + rusage.ru_stime
-            self._maybe_done()
-
-        self._loop.add_reader(pidfd, on_exit)
-
-    # -- stream handlers
-
-    def _log_data(self, data: bytes) -> None:
-        if len(self._log) < 256 * 1024:
-            self._log += data
-
-    def _output_data(self, stream: str, data: bytes) -> None:
-        if self._ev.kill_reason is not None or self._claimed:
-            return
-        limit = self.spec.limits.output_bytes
-        room = limit - self._output_total
-        chunk = data[:room] if len(data) > room else data
-        self._output_total += len(chunk)
-        if chunk:
-            (self._stdout if stream == "stdout" else self._stderr).extend(chunk)
+    def _perform(self, action: Action) -> None:
+        if isinstance(action, SendToJail):
+            self._handle.write(action.data)
+        elif isinstance(action, ForwardOutput):
             if self._output is not None:
-                self._output(self.spec.job_id, stream, chunk)
-        if len(data) > room:
-            self._terminate("output_limit", "")
-
-    def _claim(self) -> None:
-        """A zygote jail's runtime reported its result: the job is over now.
-
-        Everything that can overrule a claim -- the daemon's kill reasons, the output
-        limit, a limit or seccomp kill, OOM -- either happened before it (a killed
-        process sends nothing; OOM kills are counted by the cgroup, read at the record)
-        or is the code's own doing after it had its result. So the record need not wait
-        for the jail's exit, which tears down its namespaces; the output written before
-        the claim is already in the pipes and is drained here. The jail is killed in
-        :meth:`cleanup`."""
-        for pipe, sink in self._pipes:
-            with contextlib.suppress(OSError):
-                while data := os.read(pipe, 1 << 16):
-                    self._output_data(sink, data)
-        self._claimed = True
-        self._maybe_done()
-
-    def _stream_closed(self) -> None:
-        self._open_streams -= 1
-        self._maybe_done()
-
-    def _maybe_done(self) -> None:
-        if self._done.is_set():
-            return
-        if (self._exited and self._open_streams == 0) or self._claimed:
-            if not self._claimed and self._lingering():
-                return
-            self._ev.log = self._log.decode("utf-8", "replace")
-            self._ev.stderr_tail = self._stderr[-2048:].decode("utf-8", "replace")
-            if self._channel is not None:
-                self._channel.close()
-            self._done.set()
-
-    def _lingering(self) -> bool:
-        """A spawned jail's processes that outlive its nsjail: kill them, and check again
-        shortly (True) until none is left.
-
-        nsjail reaps its jail before it exits, so normally there are none, and the cgroup is
-        only looked at when nsjail was killed by a signal. An nsjail that was SIGKILLed (it
-        ignored SIGTERM) or died cannot reap: its jail, SIGKILLed through
-        the cgroup and reparented to this subreaper, may still be tearing down its
-        namespaces when the streams reach EOF. The record waits for it, so that it is
-        exact and the cgroup and uid are released only once nothing of the job runs.
-        A process that has not left after ``RELEASE_TIMEOUT_S`` is logged, not waited on."""
-        proc = self._proc
-        if proc is None or self._cgroup is None or (proc.returncode or 0) >= 0:
-            return False  # an nsjail that exited by itself reaped its jail: nothing to look for
-        try:
-            left = self._cgroup.member_pids()
-        except OSError:
-            return False
-        if not left:
-            return False
-        if self._linger_since is None:
-            self._linger_since = time.monotonic()
-        elif time.monotonic() - self._linger_since > RELEASE_TIMEOUT_S:
-            log.warning(
-                "job %s: processes %s outlived nsjail by %g s despite SIGKILL",
-                self.spec.job_id, left, RELEASE_TIMEOUT_S,
+                self._output(self.spec.job_id, action.stream, action.data)
+        elif isinstance(action, RouteCall):
+            self._calls_out.route(action.call)
+        elif isinstance(action, WithdrawCall):
+            self._calls_out.withdraw(action.call_id)
+        elif isinstance(action, ObserveCall):
+            self._env.on_tool_call(
+                self.spec.job_id, self.spec.policy.name, action.name, action.outcome,
+                action.duration_s,
             )
-            return False
-        with contextlib.suppress(OSError):
-            self._cgroup.kill_all()
-        self._timers.append(self._loop.call_later(LINGER_CHECK_S, self._maybe_done))
-        return True
+        elif isinstance(action, EmitRecord):
+            self._emit(action)
+        else:
+            self._perform_jail(action)
 
-    # -- the channel
-
-    def _send(self, msg: Message) -> None:
-        if self._channel is None or self._channel.closed:
-            return
-        self._channel.write(self._conn.send(msg))
-
-    def _channel_data(self, data: bytes) -> None:
-        try:
-            self._conn.receive_data(data)
-            while True:
-                event = self._conn.next_event()
-                if event is NEED_DATA:
-                    return
-                if not isinstance(event, Message):  # CLOSED
-                    return
-                self._jail_event(event)
-        except RemoteProtocolError as exc:
-            self._terminate("channel_error", f"the jail broke the tool channel protocol: {exc}")
-
-    def _jail_event(self, event: Message) -> None:
-        if isinstance(event, JailReady):
-            expected = self._env.seccomp_digests[self.spec.policy.name]
-            if event.seccomp_digest != expected:
-                self._terminate(
-                    "start_failed",
-                    f"the jail loaded a seccomp filter other than policy {self.spec.policy.name!r}"
-                    f"'s (digest {event.seccomp_digest!r}, expected {expected!r}); refusing it",
-                )
-                return
-            self._ev.jail_ready = True
+    def _perform_jail(self, action: Action) -> None:
+        if isinstance(action, Ready):
             self.ready_at = time.monotonic()
             self._ready.set()
-            if self._route_tool is not None:
-                self._begin()
-        elif isinstance(event, JailCallTool):
-            self._call_tool(event)
-        elif isinstance(event, CodeFinished):
-            self._ev.claim = event
-            self.result = event.result
+        elif isinstance(action, StartRun):
+            if self._cgroup is not None:
+                self._cgroup.reset_peak_memory()
+                self._cpu_base = self._cgroup.start_cpu_count()
+        elif isinstance(action, ArmRunTimers):
+            self._arm_run_timers(action)
+        elif isinstance(action, StopRunTimers):
+            for timer in self._run_timers:
+                timer.cancel()
+            self._run_timers.clear()
+        elif isinstance(action, CodeEnded):
+            self.result = action.report.result
             self._code_ended = time.monotonic()
             if self._cgroup is not None:
                 self._cpu_end = self._cgroup.cpu_times()
-            self._take_files(event.files)
-            if self._keep:
-                self._run_finished()
-            elif self._spawned:
-                self._claim()
+            self._take_files(action.report.files)
+        elif isinstance(action, DrainOutput):
+            self._handle.drain()  # what the code printed is in the pipes
+            self._feed(Drained())
+        elif isinstance(action, CollectEvidence):
+            self._feed(self._handle.evidence(action.sigsys_pid))
+        else:
+            self._perform_end(action)
+
+    def _perform_end(self, action: Action) -> None:
+        if isinstance(action, Kill):
+            self._handle.kill()
+        elif isinstance(action, AwaitLeftovers):
+            self._handle.await_leftovers()
+        elif isinstance(action, CloseChannel):
+            self._handle.close_channel()
+        elif isinstance(action, JailEnded):
+            self._done.set()
+        elif isinstance(action, Teardown):
+            self._handle.teardown()
+        elif isinstance(action, ArmReleaseTimer):
+            self._handle.arm_release_timer()
+        elif isinstance(action, Release):
+            self._handle.release()
+        else:  # StartJail: _launch does it
+            assert isinstance(action, StartJail), action
+
+    def _arm_run_timers(self, action: ArmRunTimers) -> None:
+        """The run's code is on its way: its wall-clock limit counts from here."""
+        self._code_started = time.monotonic()
+        timer = self._handle.later(action.wall_time_s, TimerFired("wall", action.run))
+        if action.watch_cpu:  # the jail's CPU rlimit is the session's: each run is watched
+            self._run_timers.append(timer)
+            self._watch_cpu()
+
+    def _watch_cpu(self) -> None:
+        """End a session's run that used its ``cpu_time_s`` (all its processes together).
+        Checks when the budget could be gone at the earliest, so rarely."""
+        running = self._machine.phase in (Phase.RUNNING, Phase.REPORTED)
+        if self._cgroup is None or self._cpu_base is None or not running:
+            return
+        now = self._cgroup.cpu_times()
+        if now is None:
+            return
+        limit = self.spec.limits.cpu_time_s
+        left = limit - (sum(now) - sum(self._cpu_base))
+        if left <= 0:
+            self._feed(CpuExceeded(f"CPU time limit of {limit:g} s exceeded (this run)"))
+            return
+        cores = self.spec.limits.cpu_cores or os.cpu_count() or 1
+        self._run_timers.append(
+            self._loop.call_later(max(0.05, left / cores), self._watch_cpu)
+        )
 
     def _take_files(self, wire: Any) -> None:
         """What the runtime collected -- hostile input: checked entry by entry."""
@@ -1179,257 +501,47 @@ class JailedJob:
         self._files_skipped = [dict(f) for f in collected.skipped]
         self.downloads = collected.data
 
-    def _run_finished(self) -> None:
-        """A session's run reported its result; the jail waits for the next run."""
-        for pipe, sink in self._pipes:  # what the run printed is in the pipes: take it now
-            with contextlib.suppress(OSError):
-                while data := os.read(pipe, 1 << 16):
-                    self._output_data(sink, data)
-        for timer in self._run_timers:
-            timer.cancel()
-        self._run_timers.clear()
-        self._run_end.set()
+    def _emit(self, action: EmitRecord) -> None:
+        """The job's (or run's) record, for whoever awaits it."""
+        self._tally = action.tally
+        self._outcome = (action.status, action.error)
+        record = self._record()
+        outcome = (record, self.result, self.downloads)
+        if not action.final:  # a session's jail waits for its next run
+            self._output = None
+            self._route_tool = None
+            self._reset_run()
+        if not self._outcome_wait.done():
+            self._outcome_wait.set_result(outcome)
 
-    def _begin(self) -> None:
-        """Send the job's code; its wall-clock limit counts from here."""
-        if self._code_started is not None:
-            return
-        self.runs += 1
-        if self._cgroup is not None:
-            self._cgroup.reset_peak_memory()
-            self._cpu_base = self._cgroup.start_cpu_count()
-        self._send(
-            RunCode(
-                code=self.spec.code,
-                filename=self.spec.filename,
-                tools=self.spec.tools,
-                tool_payload_bytes=self.spec.limits.tool_payload_bytes,
-                result_bytes=self.spec.limits.result_bytes,
-                keep=self._keep,
-                files=dict(self.spec.files),
-                download=self.spec.download,
-                download_changed=self.spec.download_changed,
-            )
-        )
-        self._code_started = time.monotonic()
-        timer = self._loop.call_later(self.spec.limits.wall_time_s, self._terminate, "timeout", "")
-        self._timers.append(timer)
-        if self._keep:  # the jail's CPU rlimit is the session's: each run is watched here
-            self._run_timers.append(timer)
-            self._watch_cpu()
+    # -- records (built in jaild.daemon.records once that lands)
 
-    def _watch_cpu(self) -> None:
-        """End a session's run that used its ``cpu_time_s`` (all its processes together).
-        Checks when the budget could be gone at the earliest, so rarely."""
-        if self._cgroup is None or self._cpu_base is None or self._run_end.is_set():
-            return
-        now = self._cgroup.cpu_times()
-        if now is None:
-            return
-        limit = self.spec.limits.cpu_time_s
-        left = limit - (sum(now) - sum(self._cpu_base))
-        if left <= 0:
-            self._terminate("cpu_time", f"CPU time limit of {limit:g} s exceeded (this run)")
-            return
-        cores = self.spec.limits.cpu_cores or os.cpu_count() or 1
-        self._run_timers.append(
-            self._loop.call_later(max(0.05, left / cores), self._watch_cpu)
-        )
+    @property
+    def _stdout(self) -> bytearray:
+        return self._tally.stdout
 
-    def _call_tool(self, call: JailCallTool) -> None:
-        """The broker: every check a call must pass before any handler runs."""
-        if call.call_id in self._in_flight:
-            self._terminate(
-                "channel_error", f"the jail reused call id {call.call_id} while in flight"
-            )
-            return
-        limits = self.spec.limits
-        refusal: tuple[str, str] | None = None
-        if call.name not in self._tool_specs:
-            available = ", ".join(sorted(self._tool_specs)) or "(none)"
-            refusal = ("unknown_tool", f"no tool named {call.name!r}; available: {available}")
-        elif len(self._in_flight) >= limits.tool_calls_in_flight:
-            refusal = (
-                "too_many_calls",
-                f"{len(self._in_flight)} tool calls already in flight; the policy allows "
-                f"{limits.tool_calls_in_flight} at once",
-            )
-        elif self._calls_made >= limits.tool_calls:
-            refusal = (
-                "quota_exceeded",
-                f"this job made its {limits.tool_calls} tool calls (limits.tool_calls)",
-            )
-        elif self._tool_bytes + len(call.args) > limits.tool_bytes:
-            refusal = (
-                "quota_exceeded",
-                f"this job's tool calls moved {self._tool_bytes} bytes; these arguments "
-                f"({len(call.args)}) would pass limits.tool_bytes ({limits.tool_bytes})",
-            )
-        else:
-            refusal = self._env.tool_arguments(
-                self._tool_specs[call.name].parameters, call.name, call.args
-            )
-        if refusal is not None:
-            self._reply_failed(call.call_id, *refusal)
-            self._note_call(
-                {"name": call.name, "duration_s": 0.0, "ok": False, "error_type": refusal[0]}
-            )
-            self._env.on_tool_call(
-                self.spec.job_id, self.spec.policy.name, call.name, refusal[0], 0.0
-            )
-            return
-        self._calls_made += 1
-        self._tool_bytes += len(call.args)
-        reply = self._route(call)
-        if reply is not None and not reply.done():
-            self._in_flight[call.call_id] = reply
+    @property
+    def _stderr(self) -> bytearray:
+        return self._tally.stderr
 
-    def _note_call(self, entry: dict[str, Any]) -> None:
-        """Record a call in the result, up to MAX_CALL_RECORDS (then only count it)."""
-        if len(self._calls) < MAX_CALL_RECORDS:
-            self._calls.append(entry)
-        else:
-            self._calls_omitted += 1
+    @property
+    def _output_total(self) -> int:
+        return self._tally.output_bytes
 
-    def _reply_failed(self, call_id: int, error_type: str, message: str) -> None:
-        if self._conn.state is State.RUNNING:
-            self._send(JailToolFailed(call_id=call_id, error_type=error_type, message=message))
+    @property
+    def _calls(self) -> list[dict[str, Any]]:
+        return self._tally.calls
 
-    def _route(self, call: JailCallTool) -> asyncio.Future[tuple[bool, Any]] | None:
-        """Hand the call to the router now; its reply is forwarded from a done callback
-        (no task per call: a round trip is a few loop iterations shorter)."""
-        assert self._route_tool is not None  # calls arrive only after RunCode
-        spec = self._tool_specs[call.name]
-        # the clock starts before the call can reach the client, so the handler's whole time
-        # is inside what is recorded (the call is written to the client within _route_tool)
-        started = time.monotonic()
-        try:
-            reply = self._route_tool(
-                self.spec.job_id, call.call_id, call.name, call.args,
-                call.name in self._needs_approval,
-            )
-        except ConnectionLost:
-            self._terminate("cancelled", "the client disconnected during a tool call")
-            return None
-        timeout = self.spec.limits.tool_call_timeout_s
-        if spec.timeout_s is not None:
-            timeout = min(timeout, spec.timeout_s)
-        timer = self._loop.call_later(timeout, self._call_timed_out, reply, call.name, timeout)
-        reply.add_done_callback(functools.partial(self._call_done, call, started, timer))
-        return reply
+    @property
+    def _calls_omitted(self) -> int:
+        return self._tally.calls_omitted
 
-    @staticmethod
-    def _call_timed_out(
-        reply: asyncio.Future[tuple[bool, Any]], name: str, timeout: float
-    ) -> None:
-        if not reply.done():
-            reply.set_result((False, ("timeout", f"{name} did not answer within {timeout:g} s")))
-
-    def _call_done(
-        self,
-        call: JailCallTool,
-        started: float,
-        timer: asyncio.TimerHandle,
-        reply: asyncio.Future[tuple[bool, Any]],
-    ) -> None:
-        timer.cancel()
-        self._in_flight.pop(call.call_id, None)
-        took = time.monotonic() - started
-        self._tool_time += took
-        entry: dict[str, Any] = {"name": call.name, "duration_s": round(took, 6), "ok": False}
-        self._note_call(entry)
-        if reply.cancelled():  # the job is over
-            return
-        if isinstance(reply.exception(), ConnectionLost):
-            self._terminate("cancelled", "the client disconnected during a tool call")
-            return
-        ok, value = reply.result()
-        limits = self.spec.limits
-        if ok and len(value) > limits.tool_payload_bytes:
-            ok, value = (
-                False,
-                (
-                    "payload_too_large",
-                    f"the result of {call.name} is {len(value)} bytes packed; "
-                    f"the policy allows {limits.tool_payload_bytes}",
-                ),
-            )
-        elif ok:
-            self._tool_bytes += len(value)
-            if self._tool_bytes > limits.tool_bytes:
-                ok, value = (
-                    False,
-                    (
-                        "quota_exceeded",
-                        f"the result of {call.name} takes this job's tool traffic past "
-                        f"limits.tool_bytes ({limits.tool_bytes})",
-                    ),
-                )
-        entry["ok"] = ok
-        if not ok:
-            entry["error_type"] = value[0]
-        self._env.on_tool_call(
-            self.spec.job_id, self.spec.policy.name, call.name, "ok" if ok else value[0], took
-        )
-        if self._conn.state is not State.RUNNING:
-            return
-        if ok:
-            self._send(JailToolReturned(call_id=call.call_id, value=value))
-        else:
-            self._send(JailToolFailed(call_id=call.call_id, error_type=value[0], message=value[1]))
-
-    # -- ending
-
-    def _start_timeout(self) -> None:
-        if not self._ev.jail_ready:
-            self._terminate(
-                "start_failed", f"the jail did not become ready within {START_TIMEOUT_S:g} s"
-            )
-
-    def _terminate(self, reason: str, detail: str) -> None:
-        if self._ev.kill_reason is None:
-            self._ev.kill_reason = reason
-            self._ev.kill_detail = detail
-        if self._exited or self._terminating:
-            return
-        proc = self._proc
-        if proc is None and self._jail_pid is None:
-            if self._preamble_sock is not None:  # the waiter exits when it reads EOF
-                self._terminating = True
-                self._close_preamble()
-                self._stream_closed()
-            else:
-                self._done.set()
-            return
-        self._terminating = True
-        if proc is None:  # a zygote jail: nothing of it may survive, so no grace period
-            self._kill_cgroup()
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)  # nsjail SIGKILLs the jail and cleans up
-        self._timers.append(self._loop.call_later(self._env.kill_grace_s, self._force_kill))
-
-    def _kill_cgroup(self) -> None:
-        if not self._exited and self._cgroup is not None:
-            with contextlib.suppress(OSError):
-                self._cgroup.kill_all()
-            if self._cgroup.member_pids():  # a fork raced the kill: again, shortly
-                self._timers.append(self._loop.call_later(0.05, self._kill_cgroup))
-
-    def _force_kill(self) -> None:
-        """nsjail ignored SIGTERM for the whole grace period: SIGKILL it and everything in
-        the job's cgroup. Its orphans are reparented to this subreaper: the record waits
-        until they are gone (:meth:`_lingering`), the server reaps them after it."""
-        if self._proc is not None and not self._exited:
-            log.warning("job %s: nsjail ignored SIGTERM; killing it", self.spec.job_id)
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.kill()
-            if self._cgroup is not None:
-                with contextlib.suppress(OSError):
-                    self._cgroup.kill_all()
+    @property
+    def _tool_time(self) -> float:
+        return self._tally.tool_time_s
 
     def _record(self) -> JobRecord:
-        status, error = classify(self._ev)
+        status, error = self._outcome
         if status != "ok":
             self.result = None
             self.downloads = {}
@@ -1471,21 +583,64 @@ class JailedJob:
         )
 
 
-def schema_error(tool: str, validator: Any, instance: dict[str, Any]) -> tuple[str, str] | None:
-    """("invalid_arguments", message naming the argument) for the most relevant error."""
-    if validator.is_valid(instance):
-        return None
-    from jsonschema.exceptions import best_match
+# --------------------------------------------------------------------------- tool calls
 
-    error = best_match(validator.iter_errors(instance))
-    if error is None:
-        return None
-    where = "".join(
-        f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p))
-        for i, p in enumerate(error.absolute_path)
-    )
-    what = f"argument {where!r}: " if where else ""
-    return ("invalid_arguments", f"{tool}: {what}{error.message}"[:4096])
+
+class _Calls:
+    """The routed tool calls of one jail: each a future of the client's reply, with its
+    timeout. Replies, timeouts and losses are fed to the job's machine."""
+
+    def __init__(self, job: JailedJob) -> None:
+        self._job = job
+        self._in_flight: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
+
+    def route(self, call: Admitted) -> None:
+        """Hand the call to the router now; its reply is fed from a done callback (no task
+        per call: a round trip is a few loop iterations shorter)."""
+        job = self._job
+        assert job._route_tool is not None  # calls arrive only after RunCode
+        # the clock starts before the call can reach the client, so the handler's whole time
+        # is inside what is recorded (the call is written to the client within _route_tool)
+        started = time.monotonic()
+        try:
+            reply = job._route_tool(
+                job.spec.job_id, call.call_id, call.name, call.args, call.needs_approval
+            )
+        except ConnectionLost:
+            job._feed(ToolLost(call.call_id))
+            return
+        timer = job._loop.call_later(call.timeout_s, self._timed_out, call, started)
+        reply.add_done_callback(functools.partial(self._done, call, started, timer))
+        if not reply.done():
+            self._in_flight[call.call_id] = reply
+
+    def withdraw(self, call_id: int) -> None:
+        reply = self._in_flight.pop(call_id, None)
+        if reply is not None:
+            reply.cancel()
+
+    def _timed_out(self, call: Admitted, started: float) -> None:
+        reply = self._in_flight.pop(call.call_id, None)
+        if reply is not None and not reply.done():
+            self._job._feed(ToolTimedOut(call.call_id, time.monotonic() - started))
+            reply.cancel()
+
+    def _done(
+        self,
+        call: Admitted,
+        started: float,
+        timer: asyncio.TimerHandle,
+        reply: asyncio.Future[tuple[bool, Any]],
+    ) -> None:
+        timer.cancel()
+        if reply.cancelled():  # withdrawn, or timed out: the machine knows
+            return
+        self._in_flight.pop(call.call_id, None)
+        if isinstance(reply.exception(), ConnectionLost):
+            self._job._feed(ToolLost(call.call_id))
+            return
+        ok, value = reply.result()
+        self._job._feed(ToolReplied(call.call_id, ok, value, time.monotonic() - started))
 
 
 __all__ = [

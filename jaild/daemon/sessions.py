@@ -116,9 +116,9 @@ class Sessions:
         if not ready or sess.closed is not None:
             detail = sess.closed or "the jail did not start"
             if not ready:
-                record = await sess.jail._final_record()
-                error = record.error
-                detail = f"{error.type}: {error.message}" if error else "JailStartFailed"
+                _, error = await sess.jail.ended()
+                error = error or {}
+                detail = f"{error.get('type', 'JailStartFailed')}: {error.get('message', '')}"
             self._forget(sess)
             sess.jail.cleanup()
             client.send_error(InternalError(f"the session's jail did not start: {detail}"), ref=ref)

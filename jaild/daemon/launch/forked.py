@@ -25,8 +25,10 @@ import array
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -36,11 +38,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaild.daemon.cgroups import Cgroups, JobCgroup
+from jaild.daemon.launch.handle import JailHandle
+from jaild.daemon.machine import Exited, JobSpec, Reaped, Spawned, StartFailed, StreamClosed
 from jaild.errors import RemoteProtocolError, ZygoteError
 from jaild.policy.compile import (
     ZYGOTE_PIDS,
     HostLayout,
+    JobFacts,
     compile_zygote,
+    forked_jail,
     zygote_argv,
     zygote_memory_mb,
 )
@@ -56,6 +62,7 @@ from jaild.protocol.zygote_link import (
     decode_packet,
     encode,
 )
+from jaild.runtime.zygote import GO, PREAMBLE
 
 log = logging.getLogger("jaild.daemon.launch.forked")
 
@@ -396,4 +403,111 @@ class Zygote:
             self._writer_armed = False
 
 
-__all__ = ["Zygote", "ZygoteError", "ZygoteExit"]
+# --------------------------------------------------------------------------- the launcher
+
+
+class ZygoteLauncher:
+    """Makes jails with the policy's zygote: it forks the jail, which enters fresh
+    namespaces of its own. The jail's first byte on the channel carries its host pid
+    (SO_PASSCRED), which goes into the job's cgroup before anything else happens; the
+    zygote reports how the jail ended (its wait status) once it has reaped it."""
+
+    def __init__(self, zygote: Zygote) -> None:
+        self.zygote = zygote
+
+    async def start(
+        self, handle: JailHandle, spec: JobSpec, uid: int, *, pooled: bool,
+        on_sent: Callable[[], None],
+    ) -> None:
+        """Ask the policy's zygote for a jail (see :mod:`jaild.runtime.zygote`)."""
+        zygote = self.zygote
+        assert handle.cgroup is not None
+        if spec.limits.cpu_cores > 0:
+            handle.cgroup.limit_cpu(spec.limits.cpu_cores)
+        await zygote.ensure_started()
+        daemon_end, jail_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        daemon_end.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        jail = forked_jail(spec.policy, handle.env.host, JobFacts(spec.limits, uid, pooled=pooled))
+        try:
+            handle.spawn_id = zygote.spawn(  # takes over the jail's ends
+                jail,
+                (jail_end.detach(), out_w, err_w),
+                functools.partial(_reaped, handle),
+                on_sent=on_sent,
+            )
+        except BaseException:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            daemon_end.close()
+            raise
+        # stdout, stderr and the channel; the zygote reports the end
+        handle.feed(Spawned(forked=True, streams=3))
+        await handle.read_output(out_r, err_r)
+        daemon_end.setblocking(False)
+        handle.preamble_sock = daemon_end
+        handle.loop.add_reader(daemon_end.fileno(), _preamble, handle, zygote)
+
+
+def _preamble(handle: JailHandle, zygote: Zygote) -> None:
+    """The jail's first byte: its host pid (SO_PASSCRED) goes into the job's cgroup."""
+    sock = handle.preamble_sock
+    assert sock is not None and handle.cgroup is not None
+    try:
+        data, ancdata, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(12))
+    except (BlockingIOError, InterruptedError):
+        return
+    except OSError:
+        data, ancdata = b"", []
+    creds = [
+        d for lvl, kind, d in ancdata if (lvl, kind) == (socket.SOL_SOCKET, SCM_CREDENTIALS)
+    ]
+    if data != PREAMBLE or not creds:
+        handle.close_preamble()
+        handle.feed(StreamClosed())
+        return
+    pid, uid, _gid = struct.unpack("3i", creds[0][:12])
+    handle.loop.remove_reader(sock.fileno())
+    handle.preamble_sock = None
+    if uid != zygote.uid:  # only a process of the zygote's may claim a jail
+        sock.close()
+        handle.feed(StartFailed(f"preamble from uid {uid}, not the zygote's"))
+        handle.feed(StreamClosed())
+        return
+    try:
+        handle.cgroup.adopt(pid)
+        zygote.settled(handle.spawn_id)
+        handle.jail_pid = pid
+        sock.send(GO)
+    except OSError as exc:
+        sock.close()
+        handle.feed(StartFailed(f"could not move the jail into its cgroup: {exc}"))
+        handle.feed(StreamClosed())
+        return
+    handle.open_channel(sock)
+
+
+def _reaped(handle: JailHandle, end: ZygoteExit) -> None:
+    """The zygote reaped the jail (or never made it): its end, and nothing left of it."""
+    handle.reaped = True
+    if end.status is None:
+        handle.feed(Exited(cpu_s=end.cpu_s, failure=end.detail))
+    elif os.WIFSIGNALED(end.status):
+        sig = os.WTERMSIG(end.status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"SIG{sig}"
+        term = ("signaled", sig, name, handle.jail_pid or 0)
+        handle.feed(Exited(termination=term, cpu_s=end.cpu_s))
+    else:
+        term = ("exited", os.waitstatus_to_exitcode(end.status), "", 0)
+        handle.feed(Exited(termination=term, cpu_s=end.cpu_s))
+    if handle.preamble_sock is not None:  # it never spoke: nothing more will come
+        handle.close_preamble()
+        handle.feed(StreamClosed())
+    handle.feed(Reaped())
+
+
+__all__ = ["Zygote", "ZygoteError", "ZygoteExit", "ZygoteLauncher"]

@@ -1,0 +1,354 @@
+"""The tool broker: every rule a jail's tool call must pass, as pure code.
+
+Theory of operation
+-------------------
+A jailed job calls the client's tools through the daemon. Every ``CallTool``
+frame is hostile input, so before any handler runs the call must pass, in this
+order (the first failing check decides the answer):
+
+=====================  ==============================================  ==================
+check                  refused when                                    answer
+=====================  ==============================================  ==================
+call id                it collides with a call still in flight         the job is killed
+                                                                       (``channel_error``)
+tool name              no tool of that name was registered             ``unknown_tool``
+in-flight cap          ``limits.tool_calls_in_flight`` calls pending   ``too_many_calls``
+call quota             ``limits.tool_calls`` calls already made        ``quota_exceeded``
+traffic quota          the arguments pass ``limits.tool_bytes``        ``quota_exceeded``
+arguments              they do not fit the tool's JSON schema          ``invalid_arguments``
+=====================  ==============================================  ==================
+
+An admitted call is routed to the client with whether it needs approval (the
+tool asks for it, or the policy does) and its timeout (the policy's
+``tool_call_timeout_s``, shortened by the tool's own). Its reply passes two
+more checks: a value larger than ``limits.tool_payload_bytes`` becomes
+``payload_too_large``, and one that takes the job's traffic past
+``limits.tool_bytes`` becomes ``quota_exceeded``.
+
+Every refused or answered call is one entry of the call log (the record's
+``tool_calls``), up to :data:`MAX_CALL_RECORDS`; further calls are only counted
+(``tool_calls_omitted``). A call withdrawn because its job ended is not logged.
+
+The broker does no IO and keeps no clock: durations are given to it.
+:class:`Broker` has three verbs: :meth:`Broker.admit` a call, :meth:`Broker.answer`
+it (or :meth:`Broker.withdraw` it), and :meth:`Broker.new_run` for a session's next
+run (which starts the counts afresh).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from jaild.errors import RemoteProtocolError
+from jaild.policy.schema import Limits
+from jaild.protocol import unpack
+from jaild.protocol.messages import ToolSpec
+from jaild.protocol.records import MAX_CALL_RECORDS
+
+_CACHE_MAX = 4096
+
+
+# --------------------------------------------------------------------------- verdicts
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Answer the call with ``ToolFailed(error_type, message)`` now; no handler runs."""
+
+    call_id: int
+    name: str
+    error_type: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """Route the call to the client; answer it within ``timeout_s``."""
+
+    call_id: int
+    name: str
+    args: bytes
+    needs_approval: bool
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """The jail broke the channel's rules: kill the job (``channel_error``)."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What to send the jail for a finished call: ``ToolReturned(value)`` when ``ok``,
+    else ``ToolFailed(error_type, message)``."""
+
+    call_id: int
+    name: str
+    ok: bool
+    value: bytes = b""
+    error_type: str = ""
+    message: str = ""
+
+    @property
+    def outcome(self) -> str:
+        """``ok`` or the error type (for audit and metrics)."""
+        return "ok" if self.ok else self.error_type
+
+
+# --------------------------------------------------------------------------- schemas
+
+
+class Validators:
+    """Compiled JSON-schema validators, one per distinct schema (clients send the same
+    schemas again and again, so they are compiled once)."""
+
+    def __init__(self) -> None:
+        self._by_text: dict[str, Any] = {}
+        self._keys: dict[int, tuple[dict[str, Any], str]] = {}
+
+    def validator(self, schema: dict[str, Any]) -> Any:
+        """The validator of ``schema``. Raises jsonschema's SchemaError if it is not one."""
+        key = self._keys.get(id(schema))
+        if key is None or key[0] is not schema:
+            key = (schema, json.dumps(schema, sort_keys=True, default=repr))
+            if len(self._keys) > _CACHE_MAX:
+                self._keys.clear()
+            self._keys[id(schema)] = key
+        validator = self._by_text.get(key[1])
+        if validator is None:
+            from jsonschema import validators
+
+            cls = validators.validator_for(schema)
+            cls.check_schema(schema)
+            validator = cls(schema)
+            if len(self._by_text) > _CACHE_MAX:
+                self._by_text.clear()
+            self._by_text[key[1]] = validator
+        return validator
+
+    def check_arguments(
+        self, schema: dict[str, Any], tool: str, packed: bytes
+    ) -> tuple[str, str] | None:
+        """Check a call's packed ``[args, kwargs]`` against the tool's JSON schema: None if
+        they fit (or the tool has no schema), else ("invalid_arguments", why) naming the
+        argument."""
+        if not schema:
+            return None
+        try:
+            decoded = unpack(packed)
+        except RemoteProtocolError as exc:
+            return ("invalid_arguments", f"{tool}: undecodable arguments: {exc.message}")
+        if not (
+            isinstance(decoded, list)
+            and len(decoded) == 2
+            and isinstance(decoded[0], list)
+            and isinstance(decoded[1], dict)
+        ):
+            return ("invalid_arguments", f"{tool}: arguments must be [args, kwargs]")
+        args, kwargs = decoded
+        names = list(schema.get("properties") or {})
+        if len(args) > len(names):
+            return (
+                "invalid_arguments",
+                f"{tool} takes at most {len(names)} positional argument(s) "
+                f"({', '.join(names) or 'none'}); got {len(args)}",
+            )
+        instance = dict(zip(names, args, strict=False))
+        for key, value in kwargs.items():
+            if key in instance:
+                return ("invalid_arguments", f"{tool}: argument {key!r} given twice")
+            instance[key] = value
+        return schema_error(tool, self.validator(schema), instance)
+
+
+def schema_error(tool: str, validator: Any, instance: dict[str, Any]) -> tuple[str, str] | None:
+    """("invalid_arguments", message naming the argument) for the most relevant error."""
+    if validator.is_valid(instance):
+        return None
+    from jsonschema.exceptions import best_match
+
+    error = best_match(validator.iter_errors(instance))
+    if error is None:
+        return None
+    where = "".join(
+        f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p))
+        for i, p in enumerate(error.absolute_path)
+    )
+    what = f"argument {where!r}: " if where else ""
+    return ("invalid_arguments", f"{tool}: {what}{error.message}"[:4096])
+
+
+# --------------------------------------------------------------------------- the broker
+
+
+class Broker:
+    """The tool rules of one job (or of one session's runs, see :meth:`new_run`).
+
+    Args:
+        tools: the tools the client registered for the job.
+        limits: the job's limits (``tool_calls``, ``tool_bytes``, ``tool_calls_in_flight``,
+            ``tool_payload_bytes``, ``tool_call_timeout_s``).
+        approval_required: which tool names the policy says need approval
+            (``Policy.needs_approval``).
+        validators: the shared schema cache (a fresh one if omitted).
+    """
+
+    def __init__(
+        self,
+        tools: tuple[ToolSpec, ...],
+        limits: Limits,
+        approval_required: Callable[[str], bool] = lambda _: False,
+        validators: Validators | None = None,
+    ) -> None:
+        self._validators = validators if validators is not None else Validators()
+        self.in_flight: dict[int, str] = {}  # call id -> tool name
+        self.set_job(tools, limits, approval_required)
+        self.new_run()
+
+    def set_job(
+        self,
+        tools: tuple[ToolSpec, ...],
+        limits: Limits,
+        approval_required: Callable[[str], bool] = lambda _: False,
+    ) -> None:
+        """The tools and limits of the job now served (a pooled or session jail's next)."""
+        self.limits = limits
+        self._tools: Mapping[str, ToolSpec] = {t.name: t for t in tools}
+        # decided once per job, not per call
+        self._approval = {t.name for t in tools if t.approval or approval_required(t.name)}
+
+    def new_run(self) -> None:
+        """Start the counts and the call log afresh (a session's next run)."""
+        self.entries: list[dict[str, Any]] = []
+        self.omitted = 0
+        self.tool_time_s = 0.0
+        self.calls_made = 0  # against limits.tool_calls
+        self.tool_bytes = 0  # packed arguments and results, against limits.tool_bytes
+
+    @property
+    def calls_logged(self) -> int:
+        """Calls in the log, listed or only counted."""
+        return len(self.entries) + self.omitted
+
+    def admit(self, call_id: int, name: str, args: bytes) -> Admitted | Refused | Violation:
+        """Decide a ``CallTool`` from the jail: route it, refuse it, or kill the job.
+
+        A refusal is logged here; an admitted call is in flight until answered or withdrawn.
+        """
+        if call_id in self.in_flight:
+            return Violation(f"the jail reused call id {call_id} while in flight")
+        refusal = self._refusal(name, args)
+        if refusal is not None:
+            self._log(name, 0.0, refusal[0])
+            return Refused(call_id, name, *refusal)
+        self.calls_made += 1
+        self.tool_bytes += len(args)
+        self.in_flight[call_id] = name
+        return Admitted(call_id, name, args, name in self._approval, self.timeout_s(name))
+
+    def timeout_s(self, name: str) -> float:
+        """A call's timeout: the policy's ``tool_call_timeout_s``, or the tool's if shorter."""
+        own = self._tools[name].timeout_s if name in self._tools else None
+        limit = self.limits.tool_call_timeout_s
+        return limit if own is None else min(limit, own)
+
+    def _refusal(self, name: str, args: bytes) -> tuple[str, str] | None:
+        limits = self.limits
+        if name not in self._tools:
+            available = ", ".join(sorted(self._tools)) or "(none)"
+            return ("unknown_tool", f"no tool named {name!r}; available: {available}")
+        if len(self.in_flight) >= limits.tool_calls_in_flight:
+            return (
+                "too_many_calls",
+                f"{len(self.in_flight)} tool calls already in flight; the policy allows "
+                f"{limits.tool_calls_in_flight} at once",
+            )
+        if self.calls_made >= limits.tool_calls:
+            return (
+                "quota_exceeded",
+                f"this job made its {limits.tool_calls} tool calls (limits.tool_calls)",
+            )
+        if self.tool_bytes + len(args) > limits.tool_bytes:
+            return (
+                "quota_exceeded",
+                f"this job's tool calls moved {self.tool_bytes} bytes; these arguments "
+                f"({len(args)}) would pass limits.tool_bytes ({limits.tool_bytes})",
+            )
+        return self._validators.check_arguments(self._tools[name].parameters, name, args)
+
+    def answer(
+        self,
+        call_id: int,
+        ok: bool,
+        value: Any,
+        duration_s: float,
+    ) -> Answer | None:
+        """The client's reply to an admitted call -- ``(True, packed value)`` or ``(False,
+        (error type, message))``, a timeout being ``(False, ("timeout", ...))`` -- checked
+        and logged. None if the call is not in flight (already answered or withdrawn)."""
+        name = self.in_flight.pop(call_id, None)
+        if name is None:
+            return None
+        self.tool_time_s += duration_s
+        limits = self.limits
+        if ok and len(value) > limits.tool_payload_bytes:
+            ok, value = False, (
+                "payload_too_large",
+                f"the result of {name} is {len(value)} bytes packed; "
+                f"the policy allows {limits.tool_payload_bytes}",
+            )
+        elif ok:
+            self.tool_bytes += len(value)
+            if self.tool_bytes > limits.tool_bytes:
+                ok, value = False, (
+                    "quota_exceeded",
+                    f"the result of {name} takes this job's tool traffic past "
+                    f"limits.tool_bytes ({limits.tool_bytes})",
+                )
+        if ok:
+            self._log(name, duration_s, None)
+            return Answer(call_id, name, True, value=bytes(value))
+        error_type, message = str(value[0]), str(value[1])
+        self._log(name, duration_s, error_type)
+        return Answer(call_id, name, False, error_type=error_type, message=message)
+
+    def withdraw(self, call_id: int) -> bool:
+        """The job ended with the call in flight: forget it (not logged). True if it was."""
+        return self.in_flight.pop(call_id, None) is not None
+
+    def timed_out(self, call_id: int, duration_s: float) -> Answer | None:
+        """The call's timeout fired before its reply: it fails with ``timeout``."""
+        name = self.in_flight.get(call_id)
+        if name is None:
+            return None
+        why = f"{name} did not answer within {self.timeout_s(name):g} s"
+        return self.answer(call_id, False, ("timeout", why), duration_s)
+
+    def _log(self, name: str, duration_s: float, error_type: str | None) -> None:
+        """A call log entry, up to MAX_CALL_RECORDS (then the call is only counted)."""
+        if len(self.entries) >= MAX_CALL_RECORDS:
+            self.omitted += 1
+            return
+        entry: dict[str, Any] = {"name": name, "duration_s": round(duration_s, 6), "ok": False}
+        if error_type is None:
+            entry["ok"] = True
+        else:
+            entry["error_type"] = error_type
+        self.entries.append(entry)
+
+
+__all__ = [
+    "MAX_CALL_RECORDS",
+    "Admitted",
+    "Answer",
+    "Broker",
+    "Refused",
+    "Validators",
+    "Violation",
+    "schema_error",
+]

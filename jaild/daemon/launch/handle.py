@@ -1,0 +1,442 @@
+"""A jail as the daemon holds it: its channel, output pipes, cgroup and top process.
+
+Theory of operation
+-------------------
+A :class:`JailHandle` is made empty for one jail and filled by a :class:`Launcher`:
+:class:`~jaild.daemon.launch.spawned.SpawnLauncher` runs nsjail for the jail,
+:class:`~jaild.daemon.launch.forked.ZygoteLauncher` has the policy's zygote fork it. Either
+way the handle then holds the daemon's end of the jail's channel, its stdout and stderr
+pipes, its cgroup and uid, and its top process (nsjail, or the zygote's child).
+
+The handle decides nothing. It reports what it sees -- channel bytes, output, EOFs, the
+jail's exit -- as :mod:`jaild.daemon.machine` events through ``feed``, and it offers the
+verbs the machine's actions need: write to the jail, drain its pipes, kill it, tear down
+what is left, release the cgroup and uid. Whether a handle is reused for another job (a
+pooled jail, a session's runs) is the job machine's and its driver's business, not the
+launcher's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from jaild.daemon.cgroups import JobCgroup
+from jaild.daemon.kernlog import KernelAuditLog
+from jaild.daemon.machine import (
+    ChannelBroken,
+    ChannelOpened,
+    Event,
+    EvidenceRead,
+    JailData,
+    JobSpec,
+    LeftoversGone,
+    LogData,
+    Output,
+    ReleaseTimedOut,
+    StreamClosed,
+    Vanished,
+)
+from jaild.policy.compile import HostLayout
+
+log = logging.getLogger("jaild")
+
+RELEASE_TIMEOUT_S = 10.0
+"""A zygote that has not reported a jail's reap by then: its cgroup and uid are released."""
+LINGER_CHECK_S = 0.01
+"""How often a spawned jail that outlived its nsjail is checked for (see ``await_leftovers``)."""
+
+
+class LaunchEnvironment(Protocol):
+    """What starting and ending a jail needs of the daemon's shared environment
+    (:class:`jaild.daemon.job.JailEnvironment` provides it; declared here so that the
+    launchers do not depend on the job)."""
+
+    nsjail: str
+    host: HostLayout
+    config_fds: dict[str, int]
+    launcher: tuple[str, ...]
+    audit: KernelAuditLog
+    kill_grace_s: float
+
+    def release_uid(self, uid: int) -> None: ...
+
+
+class Launcher(Protocol):
+    """Makes a jail into a :class:`JailHandle`."""
+
+    async def start(
+        self, handle: JailHandle, spec: JobSpec, uid: int, *, pooled: bool,
+        on_sent: Callable[[], None],
+    ) -> None:
+        """Start the jail for ``spec`` as ``uid``; fill ``handle`` and feed ``Spawned``.
+        ``on_sent``: called when the jail's own start begins (its start timeout counts from
+        there). Raises OSError or RuntimeError if the jail cannot be started."""
+
+
+class _PipeReader(asyncio.Protocol):
+    def __init__(self, on_data: Callable[[bytes], None], on_eof: Callable[[], None]) -> None:
+        self._on_data = on_data
+        self._on_eof = on_eof
+
+    def data_received(self, data: bytes) -> None:
+        self._on_data(data)
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_eof()
+
+
+class _Channel:
+    """The daemon's end of a jail's socketpair, driven by the event loop.
+
+    Not an asyncio transport on purpose: a transport tears the connection down on the
+    first failed write, dropping whatever the jail wrote just before it exited (its
+    ``CodeFinished`` among it). Here a failed write only stops writing; reading goes on
+    until EOF. Replies the jail does not read are buffered up to ``max_buffered`` bytes.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        on_data: Callable[[bytes], None],
+        on_closed: Callable[[], None],
+        on_overflow: Callable[[], None],
+        max_buffered: int,
+    ) -> None:
+        self._loop = loop
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._on_data = on_data
+        self._on_closed = on_closed
+        self._on_overflow = on_overflow
+        self._max_buffered = max_buffered
+        self._out = bytearray()
+        self._can_write = True
+        self.closed = False
+        sock.setblocking(False)
+        loop.add_reader(self._fd, self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data = self._sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            self._on_data(data)
+        else:
+            self.close()
+
+    def write(self, data: bytes) -> None:
+        if self.closed or not self._can_write:
+            return
+        if not self._out:
+            try:
+                sent = self._sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self._can_write = False  # the jail is gone; keep reading what it left
+                return
+            if sent == len(data):
+                return
+            self._loop.add_writer(self._fd, self._writable)
+            data = data[sent:]
+        self._out += data
+        if len(self._out) > self._max_buffered:
+            self._on_overflow()
+
+    def _writable(self) -> None:
+        try:
+            sent = self._sock.send(self._out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._can_write = False
+            self._out.clear()
+            sent = 0
+        del self._out[:sent]
+        if not self._out:
+            self._loop.remove_writer(self._fd)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._loop.remove_reader(self._fd)
+        self._loop.remove_writer(self._fd)
+        self._sock.close()
+        self._on_closed()
+
+
+
+class JailHandle:
+    """One jail's IO. See the module docstring.
+
+    Args:
+        env: what every jail of the daemon shares.
+        jail_id: the jail's id (its cgroup's name).
+        feed: where the handle's events go (the job machine's driver).
+        max_frame_bytes: the jail link's frame limit (replies are buffered up to 4 frames).
+    """
+
+    def __init__(
+        self,
+        env: LaunchEnvironment,
+        jail_id: str,
+        feed: Callable[[Event], None],
+        max_frame_bytes: int,
+    ) -> None:
+        self.env = env
+        self.jail_id = jail_id
+        self.feed = feed
+        self.loop = asyncio.get_running_loop()
+        self.max_frame_bytes = max_frame_bytes
+        self.cgroup: JobCgroup | None = None
+        self.outside_uid: int | None = None
+        self.proc: subprocess.Popen[bytes] | None = None  # spawned: nsjail
+        self.jail_pid: int | None = None  # forked: the jail's process (host pid)
+        self.reaped = False  # forked: the zygote reaped it
+        self.spawn_id = 0  # forked: the zygote's id of the request
+        self.preamble_sock: socket.socket | None = None  # forked: the channel, before it spoke
+        self.channel: _Channel | None = None
+        self.pipes: tuple[tuple[int, str], ...] = ()
+        self.out_transports: list[asyncio.ReadTransport] = []
+        self.timers: list[asyncio.TimerHandle] = []
+        self.release_timer: asyncio.TimerHandle | None = None
+        self.linger_since: float | None = None  # a spawned jail outlived its nsjail since
+
+    @property
+    def pid(self) -> int | None:
+        """nsjail's pid while it runs (None for a zygote jail: not our child)."""
+        proc = self.proc
+        return proc.pid if proc is not None and proc.returncode is None else None
+
+    def host_view(self) -> dict[str, Any]:
+        """The jail seen from the host: its processes' ids, its cgroup's limits."""
+        if self.cgroup is None:
+            return {}
+        ids: set[int] = set()
+        for pid in self.cgroup.member_pids(jail_only=True):
+            with (
+                contextlib.suppress(OSError, ValueError, IndexError),
+                open(f"/proc/{pid}/status", encoding="ascii") as status,
+            ):
+                for line in status:
+                    if line.startswith(("Uid:", "Gid:")):
+                        ids.update(int(x) for x in line.split()[1:])
+        return {"outside_ids": sorted(ids), **self.cgroup.limits()}
+
+    def live_usage(self) -> dict[str, Any]:
+        """What the jail uses right now (memory, CPU time, processes)."""
+        if self.cgroup is None:
+            return {}
+        cpu = self.cgroup.cpu_times()
+        return {
+            "memory_bytes": self.cgroup.memory_bytes(),
+            "cpu_s": round(sum(cpu), 3) if cpu else None,
+            "pids": len(self.cgroup.member_pids()),
+        }
+
+    def evidence(self, sigsys_pid: int | None) -> EvidenceRead:
+        """What the host knows about how the jail (or a session's run) ended: the cgroup's
+        OOM kills, and for a SIGSYS the kernel's audit record of the syscall."""
+        oom = self.cgroup.oom_killed() if self.cgroup is not None else False
+        syscall = self.env.audit.seccomp_kill(sigsys_pid) if sigsys_pid is not None else None
+        return EvidenceRead(oom=oom, syscall=syscall)
+
+    def later(self, delay_s: float, event: Event) -> asyncio.TimerHandle:
+        """Feed ``event`` after ``delay_s`` (cancelled at teardown)."""
+        timer = self.loop.call_later(delay_s, self.feed, event)
+        self.timers.append(timer)
+        return timer
+
+    # -- streams
+
+    async def read_output(self, out_r: int, err_r: int) -> None:
+        self.pipes = ((out_r, "stdout"), (err_r, "stderr"))
+        for fd, sink in self.pipes:
+            transport, _ = await self.loop.connect_read_pipe(
+                functools.partial(
+                    _PipeReader, functools.partial(self._output_data, sink), self.stream_closed
+                ),
+                os.fdopen(fd, "rb", buffering=0),
+            )
+            self.out_transports.append(transport)
+
+    async def read_log(self, log_r: int) -> None:
+        """nsjail's log, on its private descriptor."""
+        await self.loop.connect_read_pipe(
+            functools.partial(_PipeReader, self._log_data, self.stream_closed),
+            os.fdopen(log_r, "rb", buffering=0),
+        )
+
+    def open_channel(self, sock: socket.socket) -> None:
+        self.channel = _Channel(
+            self.loop,
+            sock,
+            self._channel_data,
+            self.stream_closed,
+            functools.partial(
+                self.feed, ChannelBroken("the jail does not read its tool replies")
+            ),
+            max_buffered=4 * self.max_frame_bytes,
+        )
+        self.feed(ChannelOpened())  # -> Harden
+
+    def _log_data(self, data: bytes) -> None:
+        self.feed(LogData(data))
+
+    def _output_data(self, stream: str, data: bytes) -> None:
+        self.feed(Output(stream, data))
+
+    def _channel_data(self, data: bytes) -> None:
+        self.feed(JailData(data))
+
+    def stream_closed(self) -> None:
+        self.feed(StreamClosed())
+
+    def write(self, data: bytes) -> None:
+        if self.channel is not None and not self.channel.closed:
+            self.channel.write(data)
+
+    def close_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+
+    def drain(self) -> None:
+        """Feed what the output pipes hold now (the code's output before its report)."""
+        for pipe, stream in self.pipes:
+            with contextlib.suppress(OSError):
+                while data := os.read(pipe, 1 << 16):
+                    self.feed(Output(stream, data))
+
+    def pause_output(self) -> None:
+        for transport in self.out_transports:
+            with contextlib.suppress(Exception):
+                transport.pause_reading()
+
+    def resume_output(self) -> None:
+        for transport in self.out_transports:
+            with contextlib.suppress(Exception):
+                transport.resume_reading()
+
+    def close_preamble(self) -> None:
+        sock, self.preamble_sock = self.preamble_sock, None
+        if sock is not None:
+            self.loop.remove_reader(sock.fileno())
+            sock.close()
+
+    # -- the end
+
+    def kill(self) -> None:
+        """End the jail: nsjail gets SIGTERM (it SIGKILLs the jail and cleans up) and a
+        grace period; a zygote jail is killed through its cgroup, with no grace period."""
+        proc = self.proc
+        if proc is None and self.jail_pid is None:
+            if self.preamble_sock is not None:  # the waiter exits when it reads EOF
+                self.close_preamble()
+                self.feed(StreamClosed())
+            else:
+                self.feed(Vanished())
+            return
+        if proc is None:  # a zygote jail: nothing of it may survive, so no grace period
+            self.kill_cgroup()
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)  # nsjail SIGKILLs the jail and cleans up
+        self.timers.append(self.loop.call_later(self.env.kill_grace_s, self.force_kill))
+
+    def kill_cgroup(self) -> None:
+        if not self.reaped and self.cgroup is not None:
+            with contextlib.suppress(OSError):
+                self.cgroup.kill_all()
+            if self.cgroup.member_pids():  # a fork raced the kill: again, shortly
+                self.timers.append(self.loop.call_later(0.05, self.kill_cgroup))
+
+    def force_kill(self) -> None:
+        """nsjail ignored SIGTERM for the whole grace period: SIGKILL it and everything in
+        the job's cgroup. Its orphans are reparented to this subreaper: the record waits
+        until they are gone (:meth:`await_leftovers`), the server reaps them after it."""
+        if self.proc is not None and self.proc.returncode is None:
+            log.warning("job %s: nsjail ignored SIGTERM; killing it", self.jail_id)
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            if self.cgroup is not None:
+                with contextlib.suppress(OSError):
+                    self.cgroup.kill_all()
+
+    def await_leftovers(self) -> None:
+        """A spawned jail's processes that outlive its killed nsjail: kill them, and check
+        again shortly until none is left (then LeftoversGone).
+
+        An nsjail that was SIGKILLed (it ignored SIGTERM) or died cannot reap: its jail,
+        SIGKILLed through the cgroup and reparented to this subreaper, may still be tearing
+        down its namespaces when the streams reach EOF. The record waits for it, so that it
+        is exact and the cgroup and uid are released only once nothing of the job runs.
+        A process that has not left after ``RELEASE_TIMEOUT_S`` is logged, not waited on."""
+        if self.cgroup is None:
+            self.feed(LeftoversGone())
+            return
+        try:
+            left = self.cgroup.member_pids()
+        except OSError:
+            left = []
+        if left and self.linger_since is None:
+            self.linger_since = time.monotonic()
+        elif left and time.monotonic() - (self.linger_since or 0.0) > RELEASE_TIMEOUT_S:
+            log.warning(
+                "job %s: processes %s outlived nsjail by %g s despite SIGKILL",
+                self.jail_id, left, RELEASE_TIMEOUT_S,
+            )
+            left = []
+        if not left:
+            self.feed(LeftoversGone())
+            return
+        with contextlib.suppress(OSError):
+            self.cgroup.kill_all()
+        self.timers.append(self.loop.call_later(LINGER_CHECK_S, self.await_leftovers))
+
+    def teardown(self) -> None:
+        """Kill what is left of the jail (its cgroup and uid are released apart)."""
+        for timer in self.timers:
+            timer.cancel()
+        if self.channel is not None:
+            self.channel.close()
+        self.close_preamble()
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        if self.cgroup is not None:
+            with contextlib.suppress(OSError):
+                self.cgroup.kill_all()
+
+    def arm_release_timer(self) -> None:
+        # cancelled on release: a pending timer would keep the whole job alive for 10 s
+        self.release_timer = self.loop.call_later(
+            RELEASE_TIMEOUT_S, self.feed, ReleaseTimedOut()
+        )
+
+    def release(self) -> None:
+        if self.release_timer is not None:
+            self.release_timer.cancel()
+        if self.cgroup is not None:
+            with contextlib.suppress(OSError):
+                self.cgroup.kill_all()
+                self.cgroup.remove()
+        if self.outside_uid is not None:
+            self.env.release_uid(self.outside_uid)

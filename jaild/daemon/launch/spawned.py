@@ -1,0 +1,106 @@
+"""Spawn launch: nsjail per job.
+
+Theory of operation
+-------------------
+:class:`SpawnLauncher` runs nsjail with the policy's config (a sealed memfd), the job's
+argv and a pipe it logs to. The jail's channel is nsjail's stdin; its stdout and stderr
+are pipes. A pidfd says when nsjail exits (``wait4`` then gives its rusage, which
+includes the jailed process nsjail reaped). The jail is over when nsjail has exited and
+its stdout, stderr, log and channel reached EOF -- so no output and no ``CodeFinished``
+is left unread.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from collections.abc import Callable
+
+from jaild.daemon.launch.handle import JailHandle
+from jaild.daemon.machine import Exited, JobSpec, Spawned
+from jaild.policy.compile import JobPlacement, job_argv
+
+
+class SpawnLauncher:
+    """Makes jails with nsjail (see the module docstring)."""
+
+    async def start(
+        self, handle: JailHandle, spec: JobSpec, uid: int, *, pooled: bool,
+        on_sent: Callable[[], None],
+    ) -> None:
+        env = handle.env
+        config_fd = env.config_fds[spec.policy.name]
+        daemon_end, jail_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        log_r, log_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            argv = job_argv(
+                env.nsjail,
+                spec.policy,
+                spec.limits,
+                env.host,
+                JobPlacement(handle.jail_id, uid, f"/proc/self/fd/{config_fd}", log_w),
+            )
+            handle.proc = subprocess.Popen(
+                [*env.launcher, *_accounting_prefix(handle), *argv],
+                stdin=jail_end.fileno(),
+                stdout=out_w,
+                stderr=err_w,
+                pass_fds=(config_fd, log_w),
+                close_fds=True,
+                start_new_session=True,
+                env={},
+            )
+        except BaseException:
+            for fd in (out_r, err_r, log_r):
+                os.close(fd)
+            daemon_end.close()
+            raise
+        finally:
+            for fd in (out_w, err_w, log_w):
+                os.close(fd)
+            jail_end.close()
+        # stdout, stderr, nsjail's log and the channel: the job is over when nsjail has exited
+        # and all four reached EOF (so no output and no CodeFinished is left unread)
+        handle.feed(Spawned(forked=False, streams=4))
+        _watch_exit(handle, handle.proc)
+        await handle.read_output(out_r, err_r)
+        await handle.read_log(log_r)
+        handle.open_channel(daemon_end)
+        on_sent()
+
+
+def _accounting_prefix(handle: JailHandle) -> list[str]:
+    """cgroup v1: nsjail places the jail in the memory, pids and cpu hierarchies only;
+    CPU time is counted in ``cpuacct``, so nsjail starts there (and the jail with it)."""
+    cgroup = handle.cgroup
+    acct = cgroup.acct_dir if cgroup is not None else ""
+    if not acct or cgroup is None or acct == cgroup.cpu_dir:
+        return []
+    return ["/bin/sh", "-c", 'echo 0 > "$0" && exec "$@"', f"{acct}/cgroup.procs"]
+
+
+def _watch_exit(handle: JailHandle, proc: subprocess.Popen[bytes]) -> None:
+    """Feed Exited (nsjail's exit code and rusage CPU time) when nsjail exits."""
+    pid = proc.pid
+    pidfd = os.pidfd_open(pid)
+
+    def on_exit() -> None:
+        try:
+            waited, status, rusage = os.wait4(pid, os.WNOHANG)
+        except ChildProcessError:
+            waited, status, rusage = pid, 0, None
+        if waited == 0:
+            return
+        handle.loop.remove_reader(pidfd)
+        os.close(pidfd)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        cpu_s = rusage.ru_utime + rusage.ru_stime if rusage is not None else 0.0
+        handle.feed(Exited(returncode=proc.returncode, cpu_s=cpu_s))
+
+    handle.loop.add_reader(pidfd, on_exit)
+
+
+__all__ = ["SpawnLauncher"]

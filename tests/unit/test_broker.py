@@ -1,0 +1,197 @@
+"""The tool broker's rules, without a jail: quotas, schemas, approvals, payload limits, the log."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from jaild.daemon.broker import (
+    MAX_CALL_RECORDS,
+    Admitted,
+    Answer,
+    Broker,
+    Refused,
+    Validators,
+    Violation,
+)
+from jaild.policy.schema import Limits
+from jaild.protocol import pack
+from jaild.protocol.messages import ToolSpec
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+    "required": ["city"],
+}
+TOOLS = (
+    ToolSpec(name="weather", parameters=SCHEMA),
+    ToolSpec(name="free"),
+    ToolSpec(name="quick", timeout_s=0.5),
+    ToolSpec(name="asks", approval=True),
+)
+ARGS = pack([[], {}])
+
+
+def broker(**limits: Any) -> Broker:
+    return Broker(TOOLS, dataclasses.replace(Limits(), **limits))
+
+
+def test_admitted_call_carries_approval_and_timeout() -> None:
+    b = Broker(TOOLS, Limits(tool_call_timeout_s=2.0), lambda name: name == "free")
+    assert b.admit(1, "free", ARGS) == Admitted(1, "free", ARGS, True, 2.0)
+    assert b.admit(2, "quick", ARGS) == Admitted(2, "quick", ARGS, False, 0.5)
+    assert b.admit(3, "asks", ARGS) == Admitted(3, "asks", ARGS, True, 2.0)
+    assert b.in_flight == {1: "free", 2: "quick", 3: "asks"}
+    assert b.calls_made == 3 and b.tool_bytes == 3 * len(ARGS)
+    assert b.entries == []  # logged when answered
+
+
+def test_reused_call_id_is_a_violation() -> None:
+    b = broker()
+    assert isinstance(b.admit(7, "free", ARGS), Admitted)
+    verdict = b.admit(7, "free", ARGS)
+    assert isinstance(verdict, Violation) and "reused call id 7" in verdict.message
+    b.answer(7, True, b"\xc0", 0.1)
+    assert isinstance(b.admit(7, "free", ARGS), Admitted)  # free again once answered
+
+
+def test_unknown_tool_names_the_available_ones() -> None:
+    verdict = broker().admit(1, "nope", ARGS)
+    assert isinstance(verdict, Refused) and verdict.error_type == "unknown_tool"
+    assert "asks, free, quick, weather" in verdict.message
+    assert Broker((), Limits()).admit(1, "x", ARGS) == Refused(
+        1, "x", "unknown_tool", "no tool named 'x'; available: (none)"
+    )
+
+
+def test_in_flight_cap() -> None:
+    b = broker(tool_calls_in_flight=2)
+    assert isinstance(b.admit(1, "free", ARGS), Admitted)
+    assert isinstance(b.admit(2, "free", ARGS), Admitted)
+    verdict = b.admit(3, "free", ARGS)
+    assert isinstance(verdict, Refused) and verdict.error_type == "too_many_calls"
+    b.answer(1, True, b"\xc0", 0.0)
+    assert isinstance(b.admit(3, "free", ARGS), Admitted)
+
+
+def test_call_quota_counts_admitted_calls_only() -> None:
+    b = broker(tool_calls=2)
+    assert isinstance(b.admit(1, "nope", ARGS), Refused)  # refused: not counted
+    for call_id in (2, 3):
+        assert isinstance(b.admit(call_id, "free", ARGS), Admitted)
+        b.answer(call_id, True, b"\xc0", 0.0)
+    verdict = b.admit(4, "free", ARGS)
+    assert isinstance(verdict, Refused) and verdict.error_type == "quota_exceeded"
+    assert "limits.tool_calls" in verdict.message
+
+
+def test_traffic_quota_on_arguments_and_results() -> None:
+    b = broker(tool_bytes=100)
+    big = pack([["x" * 120], {}])
+    verdict = b.admit(1, "free", big)
+    assert isinstance(verdict, Refused) and verdict.error_type == "quota_exceeded"
+    assert isinstance(b.admit(2, "free", ARGS), Admitted)
+    answer = b.answer(2, True, b"y" * 99, 0.0)
+    assert answer is not None and not answer.ok and answer.error_type == "quota_exceeded"
+    assert "past limits.tool_bytes (100)" in answer.message
+
+
+def test_payload_limit_on_results() -> None:
+    b = broker(tool_payload_bytes=64)
+    assert isinstance(b.admit(1, "free", ARGS), Admitted)
+    answer = b.answer(1, True, b"z" * 65, 0.25)
+    assert answer == Answer(
+        1,
+        "free",
+        False,
+        error_type="payload_too_large",
+        message="the result of free is 65 bytes packed; the policy allows 64",
+    )
+    assert b.entries == [
+        {"name": "free", "duration_s": 0.25, "ok": False, "error_type": "payload_too_large"}
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (pack([["Oslo"], {"days": 0}]), "argument 'days': 0 is less than the minimum of 1"),
+        (pack([[], {"days": 2}]), "'city' is a required property"),
+        (pack([["Oslo", 2, 3], {}]), "takes at most 2 positional argument(s) (city, days); got 3"),
+        (pack([["Oslo"], {"city": "Rome"}]), "argument 'city' given twice"),
+        (pack({"city": "Oslo"}), "arguments must be [args, kwargs]"),
+        (b"\xc1", "undecodable arguments"),
+    ],
+)
+def test_schema_checks_name_the_argument(args: bytes, why: str) -> None:
+    verdict = broker().admit(1, "weather", args)
+    assert isinstance(verdict, Refused) and verdict.error_type == "invalid_arguments"
+    assert why in verdict.message and verdict.message.startswith("weather")
+
+
+def test_fitting_arguments_pass_the_schema() -> None:
+    assert isinstance(broker().admit(1, "weather", pack([["Oslo"], {"days": 3}])), Admitted)
+
+
+def test_answers_and_log() -> None:
+    b = broker()
+    b.admit(1, "free", ARGS)
+    b.admit(2, "free", ARGS)
+    b.admit(3, "nope", ARGS)
+    assert b.answer(2, False, ("ValueError", "bad"), 0.5) == Answer(
+        2, "free", False, error_type="ValueError", message="bad"
+    )
+    ok = b.answer(1, True, b"\x01", 1.25)
+    assert ok == Answer(1, "free", True, value=b"\x01") and ok.outcome == "ok"
+    assert b.answer(1, True, b"\x01", 1.0) is None  # answered once only
+    assert b.entries == [
+        {"name": "nope", "duration_s": 0.0, "ok": False, "error_type": "unknown_tool"},
+        {"name": "free", "duration_s": 0.5, "ok": False, "error_type": "ValueError"},
+        {"name": "free", "duration_s": 1.25, "ok": True},
+    ]
+    assert b.tool_time_s == 1.75 and b.calls_logged == 3
+
+
+def test_timeout_and_withdrawal() -> None:
+    b = broker()
+    b.admit(1, "quick", ARGS)
+    b.admit(2, "free", ARGS)
+    answer = b.timed_out(1, 0.5)
+    assert answer is not None and answer.error_type == "timeout"
+    assert answer.message == "quick did not answer within 0.5 s"
+    assert b.timed_out(1, 0.6) is None and b.answer(1, True, b"", 0.7) is None
+    assert b.withdraw(2) and not b.withdraw(2)
+    assert b.answer(2, True, b"", 0.1) is None
+    assert [e["name"] for e in b.entries] == ["quick"]  # a withdrawn call is not logged
+
+
+def test_log_is_capped_then_counted() -> None:
+    b = broker()
+    for call_id in range(MAX_CALL_RECORDS + 5):
+        b.admit(call_id, "nope", ARGS)
+    assert len(b.entries) == MAX_CALL_RECORDS and b.omitted == 5
+    assert b.calls_logged == MAX_CALL_RECORDS + 5
+
+
+def test_new_run_and_new_job() -> None:
+    b = broker(tool_calls=1)
+    b.admit(1, "free", ARGS)
+    b.answer(1, True, b"", 0.1)
+    b.new_run()
+    assert (b.entries, b.omitted, b.calls_made, b.tool_bytes, b.tool_time_s) == ([], 0, 0, 0, 0.0)
+    b.set_job((ToolSpec(name="other"),), Limits(), lambda _: True)
+    assert b.admit(2, "other", ARGS) == Admitted(2, "other", ARGS, True, 60.0)
+    assert isinstance(b.admit(3, "free", ARGS), Refused)
+
+
+def test_validators_are_compiled_once_per_schema() -> None:
+    cache = Validators()
+    first = cache.validator(SCHEMA)
+    assert cache.validator(dict(SCHEMA)) is first
+    assert cache.check_arguments({}, "t", b"\xc1") is None  # no schema: anything goes
+    from jsonschema.exceptions import SchemaError
+
+    with pytest.raises(SchemaError):
+        cache.validator({"type": 12})
