@@ -1,0 +1,301 @@
+"""jaild.testing: the frame helpers, the fake launcher and the daemon in memory -- and,
+through them, the broker's and the pipeline's rules without root.
+
+Every test here runs the real daemon core (server shell, admission, pipeline, placement,
+sessions, registry, job machine, broker) and the real in-jail runtime, in plain
+subprocesses: no root, no namespaces, no cgroups, no nsjail. The positive controls are
+the tests next to each refusal: the same daemon runs what it then refuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from jaild.client import AsyncClient, Client
+from jaild.daemon.config import DaemonConfig
+from jaild.errors import (
+    BadRequest,
+    ConnectionLost,
+    LocalProtocolError,
+    PermissionDenied,
+    RemoteProtocolError,
+    UnknownPolicy,
+)
+from jaild.protocol import CLOSED, PROTOCOL_VERSION, Role
+from jaild.protocol.messages import (
+    CodeFinished,
+    Hello,
+    JailCallTool,
+    RunCode,
+    RunJob,
+    Welcome,
+)
+from jaild.testing import (
+    UNHARDENED,
+    ConnectionPair,
+    daemon_pair,
+    daemon_thread,
+    fake_daemon,
+    frame,
+    frames,
+)
+from tests.conftest import guard
+
+POLICY = """
+[limits]
+wall_time_s = 20
+tool_call_timeout_s = 20
+
+[access]
+approve = ["transfer"]
+"""
+"""The policy of these tests: ``transfer`` needs the client's approval."""
+
+
+def run(test: Callable[[AsyncClient], Awaitable[None]], policies: Any = None) -> None:
+    """Run ``test`` against a fresh daemon pair (``guard``: a liveness bound only)."""
+
+    async def main() -> None:
+        async with asyncio.timeout(guard(60)):
+            async with daemon_pair(policies or {"default": POLICY}) as client:
+                await test(client)
+
+    asyncio.run(main())
+
+
+# ----------------------------------------------------------------------------- frames
+
+
+def test_frames_round_trip_whole_and_in_any_split() -> None:
+    messages = [Hello(protocol=PROTOCOL_VERSION, client="t"), RunJob(ref=1, code="1", policy="default")]
+    data = b"".join(frame(m) for m in messages)
+    assert frames(data, "client->daemon") == messages
+    with pytest.raises(RemoteProtocolError, match="inside a frame"):
+        frames(data[:-1], "client->daemon")
+    with pytest.raises(RemoteProtocolError):  # a daemon->client message sent the wrong way
+        frames(frame(Welcome(protocol=PROTOCOL_VERSION)), "client->daemon")
+
+
+def test_frame_refuses_what_the_link_would_refuse() -> None:
+    with pytest.raises(LocalProtocolError, match="frame"):
+        frame(RunJob(ref=1, code="x" * 1000, policy="default"), max_frame_bytes=100)
+
+
+def test_client_link_pair_follows_the_state_table() -> None:
+    pair = ConnectionPair.client_link()
+    with pytest.raises(LocalProtocolError):  # nothing before Hello
+        pair.send(Role.CLIENT, RunJob(ref=1, code="1", policy="default"))
+    pair.handshake()
+    assert pair[Role.CLIENT].state is pair[Role.DAEMON].state
+    assert pair.send(Role.CLIENT, RunJob(ref=7, code="1", policy="default")) == [RunJob(ref=7, code="1", policy="default")]
+    assert pair.close(Role.CLIENT) == [CLOSED]
+
+
+def test_jail_link_pair_byte_by_byte() -> None:
+    pair = ConnectionPair.jail_link()
+    pair.handshake()
+    run_code = RunCode(code="1", filename="<t>", tools=(), tool_payload_bytes=64, result_bytes=64)
+    data = pair[Role.SUPERVISOR].send(run_code)
+    received = [e for b in data for e in ConnectionPair.feed(pair[Role.JAIL], bytes([b]))]
+    assert received == [run_code]
+    call = JailCallTool(call_id=1, name="x", args=b"\x80")
+    assert pair.send(Role.JAIL, call, CodeFinished(ok=True)) == [call, CodeFinished(ok=True)]
+
+
+# ----------------------------------------------------------------------------- jobs
+
+
+def test_a_jobs_record() -> None:
+    async def test(client: AsyncClient) -> None:
+        r = await client.run("print('hello'); import os; os.getcwd(), 6 * 7")
+        assert r.status == "ok", r.error
+        cwd, answer = r.result
+        assert answer == 42 and r.stdout == "hello\n" and r.error is None
+        assert os.path.basename(cwd).startswith("jaild-testing-job-")
+        assert not os.path.exists(cwd)  # the fake jail's directory went with it
+        assert r.policy == "default" and r.limits["wall_time_s"] == 20
+        assert r.record.usage.output_bytes == len("hello\n")
+
+        failed = await client.run("raise ValueError('no')")
+        assert failed.status == "error" and failed.error is not None
+        assert failed.error["type"] == "ValueError" and failed.error["message"] == "no"
+
+    run(test)
+
+
+def test_a_tool_call_is_routed_to_its_host_handler() -> None:
+    seen: list[tuple[str, int]] = []
+
+    def lookup(name: str, count: int = 1) -> dict[str, Any]:
+        seen.append((name, count))
+        return {"name": name.upper(), "count": count}
+
+    async def test(client: AsyncClient) -> None:
+        r = await client.run("await tools.lookup(name='ada', count=2)", tools={"lookup": lookup})
+        assert r.status == "ok", r.error
+        assert r.result == {"name": "ADA", "count": 2} and seen == [("ada", 2)]
+        assert [(c["name"], c["ok"]) for c in r.tool_calls] == [("lookup", True)]
+
+    run(test)
+
+
+def test_a_tool_call_that_breaks_its_schema_never_reaches_the_handler() -> None:
+    seen: list[int] = []
+
+    def double(x: int) -> int:
+        seen.append(x)
+        return 2 * x
+
+    code = (
+        "try:\n"
+        "    await tools.double(x='seven')\n"
+        "except ToolError as exc:\n"
+        "    refused = str(exc)\n"
+        "refused, await tools.double(x=7)\n"  # the positive control, in the same job
+    )
+
+    async def test(client: AsyncClient) -> None:
+        r = await client.run(code, tools={"double": double})
+        assert r.status == "ok", r.error
+        refused, doubled = r.result
+        assert doubled == 14 and seen == [7]
+        assert "argument 'x'" in refused and "integer" in refused
+        first, second = r.tool_calls
+        assert (first["ok"], first["error_type"]) == (False, "invalid_arguments")
+        assert second["ok"] is True
+
+    run(test)
+
+
+def test_a_tool_needing_approval_is_denied_without_an_approver() -> None:
+    async def test(client: AsyncClient) -> None:
+        code = "try:\n    await tools.transfer(n=1)\nexcept ToolError as e:\n    r = repr(e)\nr"
+        r = await client.run(code, tools={"transfer": lambda n: n})
+        assert r.status == "ok", r.error
+        assert "denied" in r.result.lower()
+        approved = await client.run(
+            "await tools.transfer(n=3)", tools={"transfer": lambda n: n},
+            approve=lambda name, args, kwargs: True,
+        )
+        assert approved.status == "ok" and approved.result == 3
+
+    run(test)
+
+
+def test_the_wall_clock_limit_kills_the_job() -> None:
+    async def test(client: AsyncClient) -> None:
+        r = await client.run("import time\nprint('started')\ntime.sleep(600)", timeout=0.5)
+        assert r.status == "timeout" and r.error is not None
+        assert r.error["limit"] == "wall_time_s" and r.stdout == "started\n"
+
+    run(test)
+
+
+def test_the_output_limit_stops_the_job() -> None:
+    async def test(client: AsyncClient) -> None:
+        r = await client.run("while True:\n    print('x' * 1000)", limits={"output_bytes": 10_000})
+        assert r.status == "output_limit"
+        assert len(r.stdout) == 10_000
+
+    run(test)
+
+
+def test_a_cancelled_job_ends_cancelled() -> None:
+    async def test(client: AsyncClient) -> None:
+        started = asyncio.Event()
+        job = await client.submit(
+            "import time\nprint('go')\ntime.sleep(600)", on_stdout=lambda _: started.set()
+        )
+        await started.wait()
+        await job.cancel()
+        r = await job.result()
+        assert r.status == "cancelled" and r.stdout == "go\n"
+
+    run(test)
+
+
+def test_a_session_keeps_its_namespace_between_runs() -> None:
+    async def test(client: AsyncClient) -> None:
+        async with client.session() as session:
+            first = await session.run("x = 20\nimport os\nos.getpid()")
+            second = await session.run("x + 22, os.getpid()")
+            assert first.status == second.status == "ok"
+            assert second.result == [42, first.result]  # the same process: the same jail
+            assert second.session is not None and second.session["run"] == 2
+            assert [j["kind"] for j in await client.jobs()] == ["session"]
+        assert await client.jobs() == []
+
+    run(test)
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_admission_refuses_an_unknown_policy_and_looser_limits() -> None:
+    async def test(client: AsyncClient) -> None:
+        with pytest.raises(UnknownPolicy, match="nope"):
+            await client.run("1", policy="nope")
+        with pytest.raises(BadRequest, match="wall_time_s=999 is looser"):
+            await client.run("1", timeout=999)
+        assert (await client.run("1", timeout=5)).result == 1  # the positive control
+
+    run(test)
+
+
+def test_admission_refuses_a_policy_the_peer_may_not_use() -> None:
+    policies = {"default": "", "closed": "[access]\nusers = []\n"}
+
+    async def test(client: AsyncClient) -> None:
+        with pytest.raises(PermissionDenied):
+            await client.run("1", policy="closed")
+        assert [p["name"] for p in await client.policies()] == ["default"]
+        assert (await client.run("1")).status == "ok"
+
+    run(test, policies)
+
+
+def test_the_connection_limit_refuses_a_second_client() -> None:
+    async def main() -> None:
+        config = DaemonConfig(max_connections=1, probe_policies=False)
+        async with asyncio.timeout(guard(60)), fake_daemon(config=config) as fake:
+            first = await fake.connect()
+            with pytest.raises(Exception, match="connections") as refused:
+                await fake.connect()
+            assert not isinstance(refused.value, ConnectionLost)
+            assert (await first.run("1")).status == "ok"
+            stats = await first.stats()
+            assert stats["running"]["connections"] == 1
+
+    asyncio.run(main())
+
+
+# ----------------------------------------------------------------------------- the rest
+
+
+def test_the_fake_jail_reports_no_hardening() -> None:
+    """The fake daemon accepts exactly the fake's digest: a jail that loaded a real
+    filter (or claims another) would be refused as it is by a real daemon."""
+
+    async def main() -> None:
+        async with asyncio.timeout(guard(60)), fake_daemon() as fake:
+            env = fake.daemon.env
+            assert env is not None and env.seccomp_digests == {"default": UNHARDENED}
+            env.seccomp_digests["default"] = "something else"
+            client = await fake.connect()
+            r = await client.run("1")
+            assert r.status == "internal_error" and r.error is not None
+            assert "seccomp filter" in r.error["message"]
+
+    asyncio.run(main())
+
+
+def test_the_blocking_client_against_a_daemon_thread() -> None:
+    with daemon_thread() as d, Client(d.socket_path) as client:
+        assert client.run("6 * 7", timeout=guard(30)).result == 42
+        assert os.path.exists(d.socket_path)
+    assert not os.path.exists(d.socket_path)
