@@ -499,12 +499,63 @@ async def daemon_pair(
         yield await fake.connect(approve=approve)
 
 
-@dataclass(frozen=True)
 class DaemonThread:
-    """A :func:`fake_daemon` on its own thread, listening on :attr:`socket_path`."""
+    """A :func:`fake_daemon` on a thread and event loop of its own, serving the Unix
+    socket :attr:`socket_path` (in a private temporary directory). Made by
+    :func:`daemon_thread`."""
 
-    socket_path: str
-    fake: FakeDaemon
+    def __init__(
+        self, policies: Mapping[str, PolicySource] | None, config: DaemonConfig | None
+    ) -> None:
+        self._policies = load_policies(policies)  # a bad one raises here, not on the thread
+        self._config = config
+        self._directory = tempfile.mkdtemp(prefix="jaild-testing-")
+        self.socket_path = os.path.join(self._directory, "jaild.sock")
+        self._serving = threading.Event()  # set once it serves, or failed to start
+        self._stop: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="jaild-testing-daemon")
+
+    def start(self) -> None:
+        """Start the thread; return once the daemon serves.
+
+        Raises:
+            RuntimeError: it did not start (the cause attached).
+        """
+        self._thread.start()
+        self._serving.wait()
+        if self._error is not None:
+            self.stop()
+            raise RuntimeError("the fake daemon did not start") from self._error
+
+    def stop(self) -> None:
+        """Stop the daemon (its jobs cancelled), end the thread, remove the directory."""
+        if self._stop is not None:
+            loop, stop = self._stop
+            with contextlib.suppress(RuntimeError):  # its loop is closed: it stopped already
+                loop.call_soon_threadsafe(stop.set)
+        if self._thread.is_alive():
+            self._thread.join()
+        shutil.rmtree(self._directory, ignore_errors=True)
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:  # reported by start() (or lost after a clean start)
+            self._error = exc
+        finally:
+            self._serving.set()
+
+    async def _serve(self) -> None:
+        stop = asyncio.Event()
+        self._stop = (asyncio.get_running_loop(), stop)
+        async with fake_daemon(self._policies, config=self._config) as fake:
+            daemon = fake.daemon
+            daemon.served.server = await asyncio.start_unix_server(
+                daemon._accept, path=self.socket_path, limit=1 << 16
+            )
+            self._serving.set()
+            await stop.wait()
 
 
 @contextlib.contextmanager
@@ -512,54 +563,24 @@ def daemon_thread(
     policies: Mapping[str, PolicySource] | None = None, *, config: DaemonConfig | None = None
 ) -> Iterator[DaemonThread]:
     """A :func:`fake_daemon` on a thread of its own, serving a Unix socket in a private
-    temporary directory -- for the blocking :class:`~jaild.client.Client`::
+    temporary directory -- for the blocking :class:`~jaild.client.Client`, or for code
+    that finds jaild by ``JAILD_SOCKET``::
 
         with daemon_thread() as d, Client(d.socket_path) as client:
             assert client.run("6 * 7").result == 42
 
     Args: as :func:`fake_daemon`.
+
+    Raises:
+        PolicyError: a policy that does not load.
+        RuntimeError: the daemon did not start.
     """
-    ready = threading.Event()
-    box: dict[str, Any] = {}
-    directory = tempfile.mkdtemp(prefix="jaild-testing-")
-    path = os.path.join(directory, "jaild.sock")
-
-    async def serve() -> None:
-        stop = asyncio.Event()
-        box["stop"] = (asyncio.get_running_loop(), stop)
-        async with fake_daemon(policies, config=config) as fake:
-            daemon = fake.daemon
-            daemon.served.server = await asyncio.start_unix_server(
-                daemon._accept, path=path, limit=1 << 16
-            )
-            box["thread"] = DaemonThread(path, fake)
-            ready.set()
-            await stop.wait()
-
-    def main() -> None:
-        try:
-            asyncio.run(serve())
-        except BaseException as exc:
-            box["error"] = exc
-        finally:
-            ready.set()
-
-    thread = threading.Thread(target=main, name="jaild-testing-daemon", daemon=True)
-    thread.start()
-    ready.wait()
+    served = DaemonThread(policies, config)
+    served.start()
     try:
-        if "thread" not in box:
-            raise RuntimeError("the fake daemon did not start") from box.get("error")
-        yield box["thread"]
+        yield served
     finally:
-        if "stop" in box:
-            loop, stop = box["stop"]
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(stop.set)
-        thread.join()
-        shutil.rmtree(directory, ignore_errors=True)
-        if "error" in box and "thread" in box:
-            raise box["error"]
+        served.stop()
 
 
 __all__ = [

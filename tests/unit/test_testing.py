@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -187,6 +191,32 @@ def test_a_tool_needing_approval_is_denied_without_an_approver() -> None:
     run(test)
 
 
+def test_the_tool_call_quota_and_timeout() -> None:
+    async def slow(seconds: float) -> float:
+        await asyncio.sleep(seconds)
+        return seconds
+
+    code = (
+        "out = []\n"
+        "for s in (0, 600, 0):\n"
+        "    try:\n"
+        "        out.append(await tools.slow(seconds=s))\n"
+        "    except ToolError as exc:\n"
+        "        out.append(str(exc))\n"
+        "out\n"
+    )
+
+    async def test(client: AsyncClient) -> None:
+        limits = {"tool_calls": 2, "tool_call_timeout_s": 0.5}
+        r = await client.run(code, tools={"slow": slow}, limits=limits)
+        assert r.status == "ok", r.error
+        done, timed_out, over_quota = r.result
+        assert done == 0 and "timeout" in timed_out and "quota" in over_quota
+        assert [c.get("error_type") for c in r.tool_calls] == [None, "timeout", "quota_exceeded"]
+
+    run(test)
+
+
 def test_the_wall_clock_limit_kills_the_job() -> None:
     async def test(client: AsyncClient) -> None:
         r = await client.run("import time\nprint('started')\ntime.sleep(600)", timeout=0.5)
@@ -299,3 +329,42 @@ def test_the_blocking_client_against_a_daemon_thread() -> None:
         assert client.run("6 * 7", timeout=guard(30)).result == 42
         assert os.path.exists(d.socket_path)
     assert not os.path.exists(d.socket_path)
+
+
+def test_the_readme_example_works() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Testing against jaild without root\n", 1)[1].split("\n## ", 1)[0]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "daemon_pair" in example
+    exec(compile(example, "README.md", "exec"), {"__name__": "readme"})
+
+
+NOBODY = 65534
+PROBE = """
+import asyncio, os
+from jaild.testing import daemon_pair
+
+async def main():
+    async with daemon_pair() as client:
+        r = await client.run("import os; os.geteuid()", tools={"one": lambda: 1})
+        print(r.status, r.result, os.geteuid())
+
+asyncio.run(main())
+"""
+
+
+def test_no_root_is_needed() -> None:
+    """As root, the same run again as nobody with no capability (as anyone else: as is)."""
+    argv = [sys.executable, "-B", "-c", PROBE]
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        assert setpriv is not None, "setpriv (util-linux) is missing"
+        argv = [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                "--inh-caps=-all", "--bounding-set=-all", *argv]
+    out = subprocess.run(
+        argv, capture_output=True, text=True, timeout=guard(60), cwd="/",
+        env={**os.environ, "HOME": "/", "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert out.returncode == 0, out.stderr
+    uid = NOBODY if os.geteuid() == 0 else os.geteuid()
+    assert out.stdout.split() == ["ok", str(uid), str(uid)]
