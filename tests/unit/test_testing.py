@@ -22,6 +22,8 @@ import pytest
 
 from jaild.client import AsyncClient, Client
 from jaild.daemon.config import DaemonConfig
+from jaild.daemon.job import JailedJob
+from jaild.daemon.machine import JobSpec
 from jaild.errors import (
     BadRequest,
     ConnectionLost,
@@ -30,13 +32,14 @@ from jaild.errors import (
     RemoteProtocolError,
     UnknownPolicy,
 )
-from jaild.protocol import CLOSED, PROTOCOL_VERSION, Role
+from jaild.protocol import CLOSED, PROTOCOL_VERSION, Role, pack, unpack
 from jaild.protocol.messages import (
     CodeFinished,
     Hello,
     JailCallTool,
     RunCode,
     RunJob,
+    ToolSpec,
     Welcome,
 )
 from jaild.testing import (
@@ -45,8 +48,10 @@ from jaild.testing import (
     daemon_pair,
     daemon_thread,
     fake_daemon,
+    fake_environment,
     frame,
     frames,
+    load_policies,
 )
 from tests.conftest import guard
 
@@ -109,6 +114,45 @@ def test_jail_link_pair_byte_by_byte() -> None:
     assert received == [run_code]
     call = JailCallTool(call_id=1, name="x", args=b"\x80")
     assert pair.send(Role.JAIL, call, CodeFinished(ok=True)) == [call, CodeFinished(ok=True)]
+
+
+# ----------------------------------------------------------------------------- the launcher
+
+
+def test_a_jailed_job_drives_the_fake_launcher_as_a_jail() -> None:
+    """Below the daemon: a JailedJob and its machine, with the fake launcher's jail."""
+    policy = load_policies(None)["default"]
+    calls: list[tuple[str, Any]] = []
+
+    def route(job_id: str, call_id: int, name: str, args: bytes, approval: bool) -> Any:
+        calls.append((name, unpack(args)))
+        reply: asyncio.Future[tuple[bool, Any]] = asyncio.get_running_loop().create_future()
+        reply.set_result((True, pack(40)))
+        return reply
+
+    async def main() -> None:
+        env = fake_environment({"default": policy})
+        spec = JobSpec("job-1", policy, policy.limits, "await tools.add(x=2) + 2", "<t>",
+                       (ToolSpec(name="add"),))
+        output: list[tuple[str, bytes]] = []
+        job = JailedJob(spec, env, route, lambda _, stream, data: output.append((stream, data)))
+        async with asyncio.timeout(guard(60)):
+            record = await job.run()
+        assert record.status == "ok", record.error
+        assert job.result is not None and unpack(job.result) == 42
+        assert calls == [("add", [[], {"x": 2}])] and output == []  # (args, kwargs)
+        env.audit.close()
+
+    asyncio.run(main())
+
+
+def test_an_exception_in_the_block_is_not_wrapped() -> None:
+    async def main() -> None:
+        async with daemon_pair():
+            raise KeyError("mine")
+
+    with pytest.raises(KeyError, match="mine"):
+        asyncio.run(main())
 
 
 # ----------------------------------------------------------------------------- jobs
