@@ -45,6 +45,7 @@ from jaild.protocol.messages import (
 from jaild.testing import (
     UNHARDENED,
     ConnectionPair,
+    FakeLauncher,
     daemon_pair,
     daemon_thread,
     fake_daemon,
@@ -291,6 +292,30 @@ def test_a_cancelled_job_ends_cancelled() -> None:
         assert r.status == "cancelled" and r.stdout == "go\n"
 
     run(test)
+
+
+def test_files_go_in_and_come_back() -> None:
+    async def test(client: AsyncClient) -> None:
+        code = "open('out.txt', 'w').write(open('in.txt').read().upper())"
+        r = await client.run(code, files={"in.txt": b"abc"}, download=["out.txt"])
+        assert r.status == "ok", r.error
+        assert r.downloads == {"out.txt": b"ABC"}
+        assert [f["path"] for f in r.files] == ["out.txt"]  # what the run created
+
+    run(test)
+
+
+def test_a_jail_that_cannot_start_is_an_internal_error() -> None:
+    async def main() -> None:
+        launcher = FakeLauncher(python="/nonexistent/python3")
+        async with asyncio.timeout(guard(60)), fake_daemon(launcher=launcher) as fake:
+            client = await fake.connect()
+            r = await client.run("1")
+            assert r.status == "internal_error" and r.error is not None
+            assert r.error["type"] == "JailStartFailed"
+            assert "/nonexistent/python3" in r.error["message"]
+
+    asyncio.run(main())
 
 
 def test_a_session_keeps_its_namespace_between_runs() -> None:
