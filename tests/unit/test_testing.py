@@ -26,7 +26,7 @@ from jaild.daemon.job import JailedJob
 from jaild.daemon.machine import JobSpec
 from jaild.errors import (
     BadRequest,
-    ConnectionLost,
+    Busy,
     LocalProtocolError,
     PermissionDenied,
     RemoteProtocolError,
@@ -252,7 +252,7 @@ def test_the_tool_call_quota_and_timeout() -> None:
     )
 
     async def test(client: AsyncClient) -> None:
-        limits = {"tool_calls": 2, "tool_call_timeout_s": 0.5}
+        limits = {"tool_calls": 2, "tool_call_timeout_s": 2}
         r = await client.run(code, tools={"slow": slow}, limits=limits)
         assert r.status == "ok", r.error
         done, timed_out, over_quota = r.result
@@ -264,7 +264,7 @@ def test_the_tool_call_quota_and_timeout() -> None:
 
 def test_the_wall_clock_limit_kills_the_job() -> None:
     async def test(client: AsyncClient) -> None:
-        r = await client.run("import time\nprint('started')\ntime.sleep(600)", timeout=0.5)
+        r = await client.run("import time\nprint('started')\ntime.sleep(600)", timeout=2)
         assert r.status == "timeout" and r.error is not None
         assert r.error["limit"] == "wall_time_s" and r.stdout == "started\n"
 
@@ -363,9 +363,8 @@ def test_the_connection_limit_refuses_a_second_client() -> None:
         config = DaemonConfig(max_connections=1, probe_policies=False)
         async with asyncio.timeout(guard(60)), fake_daemon(config=config) as fake:
             first = await fake.connect()
-            with pytest.raises(Exception, match="connections") as refused:
+            with pytest.raises(Busy, match="1 connections open, the daemon's limit"):
                 await fake.connect()
-            assert not isinstance(refused.value, ConnectionLost)
             assert (await first.run("1")).status == "ok"
             stats = await first.stats()
             assert stats["running"]["connections"] == 1
