@@ -27,7 +27,8 @@ The three parts:
 * **A daemon in memory** -- :func:`fake_daemon` runs the real daemon core (the server
   shell, admission, the pipeline, placement, sessions, the registry, the job machine and
   its broker) with the fake launcher; :meth:`FakeDaemon.connect` gives an
-  :class:`~jaild.client.AsyncClient` connected to it over a socketpair, and
+  :class:`~jaild.client.AsyncClient` connected to it over a socketpair
+  (:meth:`FakeDaemon.raw_connection`: a socket to write frames at it by hand), and
   :func:`daemon_pair` does both::
 
       async with jaild.testing.daemon_pair() as client:
@@ -397,18 +398,26 @@ class FakeDaemon:
         Raises:
             JaildError: the daemon refused the connection (e.g. ``max_connections``).
         """
-        daemon_end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            reader, writer = await asyncio.open_unix_connection(sock=daemon_end, limit=1 << 16)
-        except BaseException:
-            daemon_end.close()
-            client_end.close()
-            raise
-        self._tasks.create_task(self.daemon._accept(reader, writer))
-        client = _PairedClient(client_end, name=name or "jaild.testing", approve=approve)
+        client = _PairedClient(self.raw_connection(), name=name or "jaild.testing", approve=approve)
         await client.connect()
         self._clients.append(client)
         return client
+
+    def raw_connection(self) -> socket.socket:
+        """A new connection to the daemon, raw: the caller's end of a socketpair, nothing
+        said yet -- for writing frames by hand (:func:`frame`) and reading what the daemon
+        answers (:func:`frames`). The caller closes it."""
+        daemon_end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._tasks.create_task(self._serve(daemon_end))
+        return client_end
+
+    async def _serve(self, sock: socket.socket) -> None:
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 16)
+        except BaseException:
+            sock.close()
+            raise
+        await self.daemon._accept(reader, writer)
 
     async def _close(self) -> None:
         for client in self._clients:

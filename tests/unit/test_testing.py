@@ -35,6 +35,7 @@ from jaild.errors import (
 from jaild.protocol import CLOSED, PROTOCOL_VERSION, Role, pack, unpack
 from jaild.protocol.messages import (
     CodeFinished,
+    Error,
     Hello,
     JailCallTool,
     RunCode,
@@ -115,6 +116,23 @@ def test_jail_link_pair_byte_by_byte() -> None:
     assert received == [run_code]
     call = JailCallTool(call_id=1, name="x", args=b"\x80")
     assert pair.send(Role.JAIL, call, CodeFinished(ok=True)) == [call, CodeFinished(ok=True)]
+
+
+def test_raw_frames_at_the_daemon() -> None:
+    """A hand-written conversation: the daemon answers garbage with an Error and closes."""
+
+    async def main() -> None:
+        async with asyncio.timeout(guard(60)), fake_daemon() as fake:
+            reader, writer = await asyncio.open_unix_connection(sock=fake.raw_connection())
+            writer.write(frame(Hello(protocol=PROTOCOL_VERSION, client="raw")))
+            writer.write(b"\x00\x00\x00\x02\xc1\xc1")  # a frame of bytes msgpack never uses
+            answer = frames(await reader.read(), "daemon->client")
+            writer.close()
+            welcome, error = answer
+            assert isinstance(welcome, Welcome) and isinstance(error, Error)
+            assert error.code == "bad_frame" and "msgpack" in error.message
+
+    asyncio.run(main())
 
 
 # ----------------------------------------------------------------------------- the launcher
