@@ -426,20 +426,7 @@ class AsyncClient:
 
     async def connect(self) -> None:
         """Connect and handshake. Raises DaemonUnavailable if nobody answers."""
-        try:
-            self._reader, self._writer = await asyncio.open_unix_connection(
-                self.socket_path, limit=1 << 16
-            )
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            raise DaemonUnavailable(
-                f"no jaild daemon at {self.socket_path} ({exc.strerror}); start one with "
-                "'jaild serve' or set JAILD_SOCKET"
-            ) from None
-        except PermissionError:
-            raise DaemonUnavailable(
-                f"permission denied connecting to {self.socket_path}; ask the operator to add "
-                "you to the daemon's socket group"
-            ) from None
+        self._reader, self._writer = await self._open_streams()
         try:
             self._writer.write(self._conn.send(Hello(protocol=PROTOCOL_VERSION, client=self._name)))
             try:
@@ -456,6 +443,21 @@ class AsyncClient:
                 await self._writer.wait_closed()
             raise
         self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _open_streams(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The connection to the daemon (:mod:`jaild.testing` connects over a socketpair)."""
+        try:
+            return await asyncio.open_unix_connection(self.socket_path, limit=1 << 16)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise DaemonUnavailable(
+                f"no jaild daemon at {self.socket_path} ({exc.strerror}); start one with "
+                "'jaild serve' or set JAILD_SOCKET"
+            ) from None
+        except PermissionError:
+            raise DaemonUnavailable(
+                f"permission denied connecting to {self.socket_path}; ask the operator to add "
+                "you to the daemon's socket group"
+            ) from None
 
     async def close(self) -> None:
         if self._writer is not None:

@@ -126,6 +126,9 @@ class JailEnvironment:
     launcher: tuple[str, ...] = ()  # e.g. setpriv --pdeathsig TERM --: nsjail dies with us
     kill_grace_s: float = 1.0
     zygotes: dict[str, Zygote] = field(default_factory=dict)  # policies in zygote mode
+    stand_in: Launcher | None = None
+    """A launcher that makes every jail instead of nsjail or a zygote, with no cgroup: only
+    :class:`jaild.testing.FakeLauncher`, which isolates nothing. The daemon never sets it."""
     on_tool_call: ToolObserver = lambda *_: None
     _free_slots: list[int] = field(default_factory=list)
     _next_slot: int = 0
@@ -371,11 +374,13 @@ class JailedJob:
         limits = self.spec.limits
         try:
             uid = handle.outside_uid = self._env.allocate_uid()
-            handle.cgroup = self._env.cgroups.create_job(
-                self.jail_id, limits.memory_mb, limits.pids, with_cpu=limits.cpu_cores > 0
-            )
-            zygote = self.zygote
-            launcher: Launcher = SpawnLauncher() if zygote is None else ZygoteLauncher(zygote)
+            launcher = self._env.stand_in
+            if launcher is None:
+                handle.cgroup = self._env.cgroups.create_job(
+                    self.jail_id, limits.memory_mb, limits.pids, with_cpu=limits.cpu_cores > 0
+                )
+                zygote = self.zygote
+                launcher = SpawnLauncher() if zygote is None else ZygoteLauncher(zygote)
             await launcher.start(
                 handle,
                 self.spec,

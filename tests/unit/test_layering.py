@@ -14,6 +14,8 @@ The rules (issue 13, "Done when"):
 6. ``prctl`` and ``pyseccomp`` are each imported by exactly one module, their wrapper.
 7. No two modules import each other (as ``jaild.cli`` and ``jaild.codemode`` did), the
    package's lazy public API in ``jaild/__init__.py`` excepted.
+8. ``jaild.testing`` (the fake launcher and daemon) is imported by no module of the
+   package: what serves real jobs cannot come to depend on what isolates nothing.
 
 "No IO", precisely: a pure module can neither act on nor observe anything outside its
 arguments and the interpreter's memory -- files, pipes, sockets, processes, signals,
@@ -270,6 +272,14 @@ def no_two_modules_import_each_other(modules: Mapping[str, Module]) -> list[str]
     ]
 
 
+def nothing_imports_testing(modules: Mapping[str, Module]) -> list[str]:
+    return [
+        f"{m.name}:{i.line} imports {i.name}"
+        for m in modules.values() if not _within("jaild.testing", m.name)
+        for i in m.imported() if _within("jaild.testing", i.name)
+    ]
+
+
 RULES: dict[str, Rule] = {
     "errors": errors_imports_only_the_stdlib,
     "protocol": protocol_imports_only_errors,
@@ -278,6 +288,7 @@ RULES: dict[str, Rule] = {
     "pure": pure_modules_do_no_io,
     "wrappers": foreign_packages_have_one_wrapper,
     "mutual": no_two_modules_import_each_other,
+    "testing": nothing_imports_testing,
 }
 
 
@@ -324,6 +335,8 @@ BREAKERS = [
     ("wrappers", "jaild.daemon.evil", "from seccomp import SyscallFilter\n"),
     ("wrappers", "jaild.runtime.harden", "x = 1\n"),  # the wrapper no longer wraps it
     ("mutual", "jaild.codemode", "def f():\n    from jaild.cli import main\n"),
+    ("testing", "jaild.daemon.job", "from jaild.testing import FakeLauncher\n"),
+    ("testing", "jaild.client", "def f():\n    import jaild.testing\n"),
 ]
 
 
