@@ -19,9 +19,11 @@ and no thread ever runs beside the jails' launcher. The body is prometheus-clien
 exposition (text or OpenMetrics by ``Accept``, gzip by ``Accept-Encoding``). One request
 per connection; the request head is bounded (16 KiB), so are its time (10 s) and the
 connections at once (32); a failing ``accept`` (EMFILE) pauses accepting for a second.
-:meth:`Metrics.stop` removes the reader and closes the listening socket at once (it is
-synchronous: a port freed by a stopped daemon is free when ``stop`` returns) and cancels
-the open connections.
+The connections are tasks of one task group, held for the endpoint's life by a task
+:meth:`Metrics.start` makes. :meth:`Metrics.stop` removes the reader and closes the
+listening socket at once (it is synchronous: a port freed by a stopped daemon is free when
+``stop`` returns) and cancels that task: its group cancels the open connections and waits
+for them (:meth:`Metrics.wait_closed` waits for that).
 
 Label cardinality: ``policy`` comes from the daemon's policy files, ``status`` and
 ``code`` from jaild's own fixed sets. Tool names and tool-call outcomes come from clients
@@ -303,7 +305,9 @@ class Metrics:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: socket.socket | None = None
         self._resume: asyncio.TimerHandle | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._serving: asyncio.Task[None] | None = None  # holds the connections' task group
+        self._connections: asyncio.TaskGroup | None = None
+        self._open_connections = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -333,22 +337,39 @@ class Metrics:
             return
         self._loop = asyncio.get_running_loop()
         self._sock = _bind(self.address)
-        self._loop.add_reader(self._sock.fileno(), self._accept)
+        self._serving = self._loop.create_task(self._serve(self._sock), name="metrics endpoint")
         log.info("serving Prometheus metrics on http://%s/metrics", self.address)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        """The endpoint's scope, until :meth:`stop` cancels it: every connection is a task
+        of its group, which cancels them and waits for them as it ends."""
+        assert self._loop is not None
+        async with asyncio.TaskGroup() as connections:
+            self._connections = connections
+            self._loop.add_reader(sock.fileno(), self._accept)
+            try:
+                await self._loop.create_future()  # stop() cancels this
+            finally:
+                self._connections = None
 
     def stop(self) -> None:
         """Stop serving: the listening socket is closed now; open connections are cancelled
-        (each closes as its task ends, on the loop's next turn)."""
+        (each closes as its task ends, within a few turns of the loop: :meth:`wait_closed`)."""
         if self._sock is not None:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self._sock.fileno())
             if self._resume is not None:
                 self._resume.cancel()
             self._sock.close()
-        for task in list(self._connections):
-            task.cancel()  # its finally closes the connection
+        if self._serving is not None:
+            self._serving.cancel()  # its group cancels the connections; each closes its own
         self._sock = self._resume = None
         self._pools.read = None
+
+    async def wait_closed(self) -> None:
+        """After :meth:`stop`: wait until every connection has ended and is closed."""
+        if self._serving is not None:
+            await asyncio.wait([self._serving])
 
     # ------------------------------------------------------------------ hooks
 
@@ -459,13 +480,12 @@ class Metrics:
                 self._loop.remove_reader(self._sock.fileno())
                 self._resume = self._loop.call_later(1.0, self._resume_accepting)
                 return
-            if len(self._connections) >= MAX_CONNECTIONS:
+            if self._connections is None or self._open_connections >= MAX_CONNECTIONS:
                 conn.close()
                 continue
             conn.setblocking(False)
-            task = self._loop.create_task(self._serve_connection(conn))
-            self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
+            self._open_connections += 1
+            self._connections.create_task(self._serve_connection(conn))
 
     def _resume_accepting(self) -> None:
         self._resume = None
@@ -499,6 +519,7 @@ class Metrics:
             log.exception("metrics: answering a scrape failed")
         finally:
             conn.close()
+            self._open_connections -= 1
 
     def _respond(self, head: bytes) -> tuple[str, dict[str, str], bytes]:
         """Status, headers and body for one request head."""
