@@ -302,22 +302,14 @@ class Metrics:
         self._outcome_label = _BoundedLabel(MAX_OUTCOMES_PER_POLICY)
         self._started = time.time()
         self._start_time.set(self._started)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._sock: socket.socket | None = None
-        self._resume: asyncio.TimerHandle | None = None
-        self._serving: asyncio.Task[None] | None = None  # holds the connections' task group
-        self._connections: asyncio.TaskGroup | None = None
-        self._open_connections = 0
+        self._endpoint: _Endpoint | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     @property
     def listening(self) -> tuple[str, int] | None:
         """The address the endpoint listens on, or None."""
-        if self._sock is None or self._sock.fileno() < 0:
-            return None
-        name = self._sock.getsockname()
-        return str(name[0]), int(name[1])
+        return self._endpoint.listening if self._endpoint is not None else None
 
     def start(self, pools: PoolsReader) -> None:
         """Begin serving (if an address was given). ``pools``: policy -> pool summary.
@@ -333,43 +325,23 @@ class Metrics:
         self._pools.read = pools
         self._started = time.time()
         self._start_time.set(self._started)
-        if self.address is None or self._sock is not None:
+        if self.address is None or self.listening is not None:
             return
-        self._loop = asyncio.get_running_loop()
-        self._sock = _bind(self.address)
-        self._serving = self._loop.create_task(self._serve(self._sock), name="metrics endpoint")
+        loop = asyncio.get_running_loop()
+        self._endpoint = _Endpoint(loop, self.registry, _bind(self.address))
         log.info("serving Prometheus metrics on http://%s/metrics", self.address)
-
-    async def _serve(self, sock: socket.socket) -> None:
-        """The endpoint's scope, until :meth:`stop` cancels it: every connection is a task
-        of its group, which cancels them and waits for them as it ends."""
-        assert self._loop is not None
-        async with asyncio.TaskGroup() as connections:
-            self._connections = connections
-            self._loop.add_reader(sock.fileno(), self._accept)
-            try:
-                await self._loop.create_future()  # stop() cancels this
-            finally:
-                self._connections = None
 
     def stop(self) -> None:
         """Stop serving: the listening socket is closed now; open connections are cancelled
         (each closes as its task ends, within a few turns of the loop: :meth:`wait_closed`)."""
-        if self._sock is not None:
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_reader(self._sock.fileno())
-            if self._resume is not None:
-                self._resume.cancel()
-            self._sock.close()
-        if self._serving is not None:
-            self._serving.cancel()  # its group cancels the connections; each closes its own
-        self._sock = self._resume = None
+        if self._endpoint is not None:
+            self._endpoint.close()
         self._pools.read = None
 
     async def wait_closed(self) -> None:
         """After :meth:`stop`: wait until every connection has ended and is closed."""
-        if self._serving is not None:
-            await asyncio.wait([self._serving])
+        if self._endpoint is not None:
+            await self._endpoint.wait_closed()
 
     # ------------------------------------------------------------------ hooks
 
@@ -456,7 +428,7 @@ class Metrics:
                 for name, p in sorted(self._pools.pools().items())
             },
             "started": self._started,
-            "endpoint": f"http://{self.address}/metrics" if self._sock is not None else None,
+            "endpoint": f"http://{self.address}/metrics" if self.listening else None,
         }
 
     def _samples(self) -> Iterator[tuple[str, dict[str, str], float]]:
@@ -466,10 +438,59 @@ class Metrics:
                 for s in family.samples:
                     yield s.name, s.labels, s.value
 
-    # ------------------------------------------------------------------ HTTP
+
+class _Endpoint:
+    """``GET /metrics`` over HTTP/1.1 on the daemon's loop, from a bound socket (see the
+    module docstring). Its connections are tasks of one task group, held by the task the
+    endpoint starts with; :meth:`close` cancels that task, and so every connection."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, registry: CollectorRegistry, sock: socket.socket
+    ) -> None:
+        self._registry = registry
+        self._sock: socket.socket | None = sock
+        self._loop = loop
+        self._resume: asyncio.TimerHandle | None = None
+        self._connections: asyncio.TaskGroup | None = None
+        self._open_connections = 0
+        self._serving = self._loop.create_task(self._serve(sock), name="metrics endpoint")
+
+    @property
+    def listening(self) -> tuple[str, int] | None:
+        if self._sock is None or self._sock.fileno() < 0:
+            return None
+        name = self._sock.getsockname()
+        return str(name[0]), int(name[1])
+
+    async def _serve(self, sock: socket.socket) -> None:
+        """The endpoint's scope, until :meth:`close` cancels it: every connection is a task
+        of its group, which cancels them and waits for them as it ends."""
+        async with asyncio.TaskGroup() as connections:
+            self._connections = connections
+            self._loop.add_reader(sock.fileno(), self._accept)
+            try:
+                await self._loop.create_future()  # close() cancels this
+            finally:
+                self._connections = None
+
+    def close(self) -> None:
+        """Close the listening socket now; cancel the open connections."""
+        if self._sock is not None:
+            if not self._loop.is_closed():
+                self._loop.remove_reader(self._sock.fileno())
+            if self._resume is not None:
+                self._resume.cancel()
+            self._sock.close()
+        if not self._loop.is_closed():
+            self._serving.cancel()  # its group cancels the connections; each closes its own
+        self._sock = self._resume = None
+
+    async def wait_closed(self) -> None:
+        """After :meth:`close`: wait until every connection has ended and is closed."""
+        await asyncio.wait([self._serving])
 
     def _accept(self) -> None:
-        assert self._sock is not None and self._loop is not None
+        assert self._sock is not None
         while True:
             try:
                 conn, _ = self._sock.accept()
@@ -489,7 +510,7 @@ class Metrics:
 
     def _resume_accepting(self) -> None:
         self._resume = None
-        if self._sock is not None and self._loop is not None:
+        if self._sock is not None:
             self._loop.add_reader(self._sock.fileno(), self._accept)
 
     async def _serve_connection(self, conn: socket.socket) -> None:
@@ -537,7 +558,7 @@ class Metrics:
             key, _, value = line.partition(":")
             headers[key.strip().lower()] = value.strip()
         encoder, content_type = choose_encoder(headers.get("accept", ""))
-        body = encoder(self.registry)
+        body = encoder(self._registry)
         out = {"Content-Type": content_type}
         if "gzip" in headers.get("accept-encoding", ""):
             body = gzip.compress(body, compresslevel=1)
