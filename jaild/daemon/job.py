@@ -183,19 +183,6 @@ class JailEnvironment:
         await launcher.start(handle, spec, uid, pooled=pooled, on_sent=on_sent)
 
 
-# --------------------------------------------------------------------------- asyncio plumbing
-
-
-async def _first_of(*events: asyncio.Event) -> None:
-    """Wait until any of ``events`` is set."""
-    waits = [asyncio.get_running_loop().create_task(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
-
-
 # --------------------------------------------------------------------------- the job
 
 
@@ -238,7 +225,7 @@ class JailedJob:
         self._run = RunAccount(self._handle)  # what the run measures besides the tally
         self._run_timers: list[asyncio.TimerHandle] = []
         self._done = asyncio.Event()  # the jail is gone (JailEnded)
-        self._ready = asyncio.Event()  # it was hardened (Ready)
+        self._settled = asyncio.Event()  # it was hardened (Ready), or it is gone
         self._outcome_wait: asyncio.Future[Outcome] = self._loop.create_future()
         self.ready_at: float | None = None
 
@@ -299,8 +286,7 @@ class JailedJob:
     async def prepare(self) -> bool:
         """Start the jail and wait until it is hardened and waiting (True) or ended (False)."""
         await self._launch()
-        if not self._done.is_set():
-            await _first_of(self._ready, self._done)
+        await self._settled.wait()
         return self.alive
 
     async def run(self) -> JobRecord:
@@ -417,7 +403,7 @@ class JailedJob:
     def _perform_jail(self, action: Action) -> None:
         if isinstance(action, Ready):
             self.ready_at = time.monotonic()
-            self._ready.set()
+            self._settled.set()
         elif isinstance(action, StartRun):
             self._run.run_started()
         elif isinstance(action, ArmRunTimers):
@@ -445,6 +431,7 @@ class JailedJob:
             self._handle.close_channel()
         elif isinstance(action, JailEnded):
             self._done.set()
+            self._settled.set()
         elif isinstance(action, Teardown):
             self._handle.teardown()
         elif isinstance(action, ArmReleaseTimer):
