@@ -14,7 +14,9 @@ Three parts make a job, and this module wires them together:
   holds the jail's channel, pipes, cgroup, uid and top process;
 * :class:`JailedJob` feeds the machine every event the handle, the timers and the
   client's replies produce, and performs the actions it returns, in order (an action
-  may feed the machine again: drained output, the host's evidence).
+  may feed the machine again: drained output, the host's evidence). What a run measures
+  besides the machine's tally (times, CPU, the client's stream, result and files) is
+  its :class:`~jaild.daemon.run_account.RunAccount`'s, which builds the run's record.
 
 Everything is event driven on the daemon's loop. A jail may be made before its job
 (the warm pool, :mod:`jaild.daemon.pool`): it stops once hardened, and its job is
@@ -38,10 +40,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaild.daemon import records
 from jaild.daemon.admission import file_limits
 from jaild.daemon.broker import Admitted, Validators
-from jaild.daemon.cgroups import Cgroups, JobCgroup
+from jaild.daemon.cgroups import Cgroups
 from jaild.daemon.classify import STATUSES, Evidence, classify, parse_termination
 from jaild.daemon.kernlog import KernelAuditLog
 from jaild.daemon.launch.forked import Zygote, ZygoteLauncher
@@ -87,13 +88,13 @@ from jaild.daemon.machine import (
     ToolTimedOut,
     WithdrawCall,
 )
+from jaild.daemon.run_account import RunAccount
 from jaild.errors import ConnectionLost
 from jaild.policy.compile import JOB_UIDS, HostLayout
 from jaild.policy.schema import Policy
 from jaild.protocol import PROTOCOL_VERSION
 from jaild.protocol.messages import ErrorInfo, Harden
-from jaild.protocol.records import JobRecord, Usage
-from jaild.runtime.files import validate_collected
+from jaild.protocol.records import JobRecord
 
 log = logging.getLogger("jaild")
 
@@ -165,18 +166,26 @@ class JailEnvironment:
     def release_uid(self, uid: int) -> None:
         self._free_slots.append(uid - self.uid_base)
 
+    async def start_jail(
+        self, handle: JailHandle, spec: JobSpec, *, pooled: bool, on_sent: Callable[[], None]
+    ) -> None:
+        """Give ``handle`` a uid and a cgroup (named after its jail) and start its jail:
+        nsjail per job, or a fork of the policy's zygote (its ``pool.mode``). See
+        :meth:`jaild.daemon.launch.handle.Launcher.start`.
 
-# --------------------------------------------------------------------------- asyncio plumbing
-
-
-async def _first_of(*events: asyncio.Event) -> None:
-    """Wait until any of ``events`` is set."""
-    waits = [asyncio.get_running_loop().create_task(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
+        Raises:
+            OSError, RuntimeError: the jail cannot be started (no uid left, no cgroup, ...).
+        """
+        limits = spec.limits
+        uid = handle.outside_uid = self.allocate_uid()
+        launcher = self.stand_in  # jaild.testing's unisolated stand-in: no cgroup
+        if launcher is None:
+            handle.cgroup = self.cgroups.create_job(
+                handle.jail_id, limits.memory_mb, limits.pids, with_cpu=limits.cpu_cores > 0
+            )
+            zygote = self.zygotes.get(spec.policy.name)
+            launcher = SpawnLauncher() if zygote is None else ZygoteLauncher(zygote)
+        await launcher.start(handle, spec, uid, pooled=pooled, on_sent=on_sent)
 
 
 # --------------------------------------------------------------------------- the job
@@ -218,31 +227,24 @@ class JailedJob:
         )
         self._handle = JailHandle(env, self.jail_id, self._feed, self._machine.conn.max_frame_bytes)
         self._calls_out = _Calls(self)
-        self._paused_since: float | None = None
+        self._run = RunAccount(self._handle)  # what the run measures besides the tally
         self._run_timers: list[asyncio.TimerHandle] = []
         self._done = asyncio.Event()  # the jail is gone (JailEnded)
-        self._ready = asyncio.Event()  # it was hardened (Ready)
+        self._settled = asyncio.Event()  # it was hardened (Ready), or it is gone
         self._outcome_wait: asyncio.Future[Outcome] = self._loop.create_future()
-        self._started = time.monotonic()
         self.ready_at: float | None = None
-        self._tally = self._machine.tally
-        self._outcome: tuple[str, dict[str, Any] | None] = ("internal_error", None)
-        self._reset_run()
-
-    def _reset_run(self) -> None:
-        """What one run accounts for besides the machine's tally: times, result, files."""
-        self._code_started: float | None = None
-        self._code_ended: float | None = None
-        self._cpu_base: tuple[float, float] | None = None
-        self._cpu_end: tuple[float, float] | None = None
-        self._stream_dropped = 0
-        self._stream_paused = 0.0
-        self.result: bytes | None = None
-        self.downloads: dict[str, bytes] = {}
-        self._files: list[dict[str, Any]] = []
-        self._files_skipped: list[dict[str, Any]] = []
 
     # -- public
+
+    @property
+    def result(self) -> bytes | None:
+        """The packed result of the last run (None unless it ended ``ok``)."""
+        return self._run.result
+
+    @property
+    def downloads(self) -> dict[str, bytes]:
+        """The files the last run left for download (empty unless it ended ``ok``)."""
+        return self._run.downloads
 
     @property
     def pid(self) -> int | None:
@@ -253,10 +255,6 @@ class JailedJob:
     def outside_uid(self) -> int | None:
         """The host uid the jail runs as (its first; see ``JOB_UIDS``)."""
         return self._handle.outside_uid
-
-    @property
-    def _cgroup(self) -> JobCgroup | None:
-        return self._handle.cgroup
 
     @property
     def zygote(self) -> Zygote | None:
@@ -288,13 +286,12 @@ class JailedJob:
         self.spec = spec
         self._route_tool = route_tool
         self._output = output
-        self._started = time.monotonic()
+        self._run.job_started = time.monotonic()
 
     async def prepare(self) -> bool:
         """Start the jail and wait until it is hardened and waiting (True) or ended (False)."""
         await self._launch()
-        if not self._done.is_set():
-            await _first_of(self._ready, self._done)
+        await self._settled.wait()
         return self.alive
 
     async def run(self) -> JobRecord:
@@ -334,19 +331,14 @@ class JailedJob:
 
     def pause_output(self) -> None:
         """Stop reading the jail's stdout/stderr (a slow client): the jail blocks on write."""
-        if self._paused_since is None:
-            self._paused_since = time.monotonic()
-            self._handle.pause_output()
+        self._run.pause_output()
 
     def resume_output(self) -> None:
-        if self._paused_since is not None:
-            self._stream_paused += time.monotonic() - self._paused_since
-            self._paused_since = None
-            self._handle.resume_output()
+        self._run.resume_output()
 
     def output_dropped(self, n: int) -> None:
         """The client's stream skipped ``n`` bytes of output (still in the record)."""
-        self._stream_dropped += n
+        self._run.output_dropped(n)
 
     async def finished(self) -> None:
         await self._done.wait()
@@ -370,21 +362,10 @@ class JailedJob:
     async def _launch(self) -> None:
         if not self._machine.handle(Launch()):
             return  # launched once already, or ended before it was
-        handle = self._handle
-        limits = self.spec.limits
         try:
-            uid = handle.outside_uid = self._env.allocate_uid()
-            launcher = self._env.stand_in
-            if launcher is None:
-                handle.cgroup = self._env.cgroups.create_job(
-                    self.jail_id, limits.memory_mb, limits.pids, with_cpu=limits.cpu_cores > 0
-                )
-                zygote = self.zygote
-                launcher = SpawnLauncher() if zygote is None else ZygoteLauncher(zygote)
-            await launcher.start(
-                handle,
+            await self._env.start_jail(
+                self._handle,
                 self.spec,
-                uid,
                 pooled=self._route_tool is None,
                 on_sent=self._arm_start_timeout,  # a zygote's: when the request left its queue
             )
@@ -427,11 +408,9 @@ class JailedJob:
     def _perform_jail(self, action: Action) -> None:
         if isinstance(action, Ready):
             self.ready_at = time.monotonic()
-            self._ready.set()
+            self._settled.set()
         elif isinstance(action, StartRun):
-            if self._cgroup is not None:
-                self._cgroup.reset_peak_memory()
-                self._cpu_base = self._cgroup.start_cpu_count()
+            self._run.run_started()
         elif isinstance(action, ArmRunTimers):
             self._arm_run_timers(action)
         elif isinstance(action, StopRunTimers):
@@ -439,11 +418,7 @@ class JailedJob:
                 timer.cancel()
             self._run_timers.clear()
         elif isinstance(action, CodeEnded):
-            self.result = action.report.result
-            self._code_ended = time.monotonic()
-            if self._cgroup is not None:
-                self._cpu_end = self._cgroup.cpu_times()
-            self._take_files(action.report.files)
+            self._run.code_ended(action.report, self.spec.policy)
         elif isinstance(action, DrainOutput):
             self._handle.drain()  # what the code printed is in the pipes
             self._feed(Drained())
@@ -461,6 +436,7 @@ class JailedJob:
             self._handle.close_channel()
         elif isinstance(action, JailEnded):
             self._done.set()
+            self._settled.set()
         elif isinstance(action, Teardown):
             self._handle.teardown()
         elif isinstance(action, ArmReleaseTimer):
@@ -472,7 +448,7 @@ class JailedJob:
 
     def _arm_run_timers(self, action: ArmRunTimers) -> None:
         """The run's code is on its way: its wall-clock limit counts from here."""
-        self._code_started = time.monotonic()
+        self._run.code_sent()
         timer = self._handle.later(action.wall_time_s, TimerFired("wall", action.run))
         if action.watch_cpu:  # the jail's CPU rlimit is the session's: each run is watched
             self._run_timers.append(timer)
@@ -481,14 +457,13 @@ class JailedJob:
     def _watch_cpu(self) -> None:
         """End a session's run that used its ``cpu_time_s`` (all its processes together).
         Checks when the budget could be gone at the earliest, so rarely."""
-        running = self._machine.phase in (Phase.RUNNING, Phase.REPORTED)
-        if self._cgroup is None or self._cpu_base is None or not running:
+        if self._machine.phase not in (Phase.RUNNING, Phase.REPORTED):
             return
-        now = self._cgroup.cpu_times()
-        if now is None:
+        used = self._run.cpu_used_s()
+        if used is None:
             return
         limit = self.spec.limits.cpu_time_s
-        left = limit - (sum(now) - sum(self._cpu_base))
+        left = limit - used
         if left <= 0:
             self._feed(CpuExceeded(f"CPU time limit of {limit:g} s exceeded (this run)"))
             return
@@ -497,95 +472,16 @@ class JailedJob:
             self._loop.call_later(max(0.05, left / cores), self._watch_cpu)
         )
 
-    def _take_files(self, wire: Any) -> None:
-        """What the runtime collected -- hostile input: checked entry by entry."""
-        if wire is None:
-            return
-        collected = validate_collected(wire, file_limits(self.spec.policy))
-        self._files = [dict(f) for f in collected.files]
-        self._files_skipped = [dict(f) for f in collected.skipped]
-        self.downloads = collected.data
-
     def _emit(self, action: EmitRecord) -> None:
         """The job's (or run's) record, for whoever awaits it."""
-        self._tally = action.tally
-        self._outcome = (action.status, action.error)
-        record = self._record()
-        outcome = (record, self.result, self.downloads)
+        record = self._run.record(self.spec, action.status, action.error, action.tally)
+        outcome = (record, self._run.result, self._run.downloads)
         if not action.final:  # a session's jail waits for its next run
             self._output = None
             self._route_tool = None
-            self._reset_run()
+            self._run.reset()
         if not self._outcome_wait.done():
             self._outcome_wait.set_result(outcome)
-
-    # -- records (built in jaild.daemon.records once that lands)
-
-    @property
-    def _stdout(self) -> bytearray:
-        return self._tally.stdout
-
-    @property
-    def _stderr(self) -> bytearray:
-        return self._tally.stderr
-
-    @property
-    def _output_total(self) -> int:
-        return self._tally.output_bytes
-
-    @property
-    def _calls(self) -> list[dict[str, Any]]:
-        return self._tally.calls
-
-    @property
-    def _calls_omitted(self) -> int:
-        return self._tally.calls_omitted
-
-    @property
-    def _tool_time(self) -> float:
-        return self._tally.tool_time_s
-
-    def _record(self) -> JobRecord:
-        status, error = self._outcome
-        if status != "ok":
-            self.result = None
-            self.downloads = {}
-        return records.job_record(
-            job_id=self.spec.job_id,
-            policy=self.spec.policy,
-            limits=self.spec.limits,
-            status=status,
-            error=error,
-            stdout=self._stdout,
-            stderr=self._stderr,
-            tool_calls=self._calls,
-            tool_calls_omitted=self._calls_omitted,
-            duration_s=time.monotonic() - self._started,
-            usage=self._usage(),
-            files=self._files,
-            files_skipped=self._files_skipped,
-        )
-
-    def _usage(self) -> Usage:
-        """What this run consumed (the cgroup's counters from its ``RunCode`` on)."""
-        cpu_end = self._cpu_end
-        if cpu_end is None and self._cgroup is not None:
-            cpu_end = self._cgroup.cpu_times()
-        if self._paused_since is not None:
-            self.resume_output()
-        return records.run_usage(
-            code_started=self._code_started,
-            code_ended=self._code_ended if self._code_ended is not None else time.monotonic(),
-            cpu_base=self._cpu_base,
-            cpu_end=cpu_end,
-            memory_peak_bytes=self._cgroup.peak_memory_bytes() if self._cgroup else None,
-            pids_peak=self._cgroup.peak_pids() if self._cgroup else None,
-            output_bytes=self._output_total,
-            tool_calls=len(self._calls) + self._calls_omitted,
-            tool_time_s=self._tool_time,
-            stream_paused_s=self._stream_paused,
-            stream_dropped_bytes=self._stream_dropped,
-        )
 
 
 # --------------------------------------------------------------------------- tool calls

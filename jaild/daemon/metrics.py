@@ -19,9 +19,11 @@ and no thread ever runs beside the jails' launcher. The body is prometheus-clien
 exposition (text or OpenMetrics by ``Accept``, gzip by ``Accept-Encoding``). One request
 per connection; the request head is bounded (16 KiB), so are its time (10 s) and the
 connections at once (32); a failing ``accept`` (EMFILE) pauses accepting for a second.
-:meth:`Metrics.stop` removes the reader and closes the listening socket at once (it is
-synchronous: a port freed by a stopped daemon is free when ``stop`` returns) and cancels
-the open connections.
+The connections are tasks of one task group, held for the endpoint's life by a task
+:meth:`Metrics.start` makes. :meth:`Metrics.stop` removes the reader and closes the
+listening socket at once (it is synchronous: a port freed by a stopped daemon is free when
+``stop`` returns) and cancels that task: its group cancels the open connections and waits
+for them (:meth:`Metrics.wait_closed` waits for that).
 
 Label cardinality: ``policy`` comes from the daemon's policy files, ``status`` and
 ``code`` from jaild's own fixed sets. Tool names and tool-call outcomes come from clients
@@ -300,20 +302,14 @@ class Metrics:
         self._outcome_label = _BoundedLabel(MAX_OUTCOMES_PER_POLICY)
         self._started = time.time()
         self._start_time.set(self._started)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._sock: socket.socket | None = None
-        self._resume: asyncio.TimerHandle | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._endpoint: _Endpoint | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     @property
     def listening(self) -> tuple[str, int] | None:
         """The address the endpoint listens on, or None."""
-        if self._sock is None or self._sock.fileno() < 0:
-            return None
-        name = self._sock.getsockname()
-        return str(name[0]), int(name[1])
+        return self._endpoint.listening if self._endpoint is not None else None
 
     def start(self, pools: PoolsReader) -> None:
         """Begin serving (if an address was given). ``pools``: policy -> pool summary.
@@ -329,26 +325,23 @@ class Metrics:
         self._pools.read = pools
         self._started = time.time()
         self._start_time.set(self._started)
-        if self.address is None or self._sock is not None:
+        if self.address is None or self.listening is not None:
             return
-        self._loop = asyncio.get_running_loop()
-        self._sock = _bind(self.address)
-        self._loop.add_reader(self._sock.fileno(), self._accept)
+        loop = asyncio.get_running_loop()
+        self._endpoint = _Endpoint(loop, self.registry, _bind(self.address))
         log.info("serving Prometheus metrics on http://%s/metrics", self.address)
 
     def stop(self) -> None:
         """Stop serving: the listening socket is closed now; open connections are cancelled
-        (each closes as its task ends, on the loop's next turn)."""
-        if self._sock is not None:
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_reader(self._sock.fileno())
-            if self._resume is not None:
-                self._resume.cancel()
-            self._sock.close()
-        for task in list(self._connections):
-            task.cancel()  # its finally closes the connection
-        self._sock = self._resume = None
+        (each closes as its task ends, within a few turns of the loop: :meth:`wait_closed`)."""
+        if self._endpoint is not None:
+            self._endpoint.close()
         self._pools.read = None
+
+    async def wait_closed(self) -> None:
+        """After :meth:`stop`: wait until every connection has ended and is closed."""
+        if self._endpoint is not None:
+            await self._endpoint.wait_closed()
 
     # ------------------------------------------------------------------ hooks
 
@@ -435,7 +428,7 @@ class Metrics:
                 for name, p in sorted(self._pools.pools().items())
             },
             "started": self._started,
-            "endpoint": f"http://{self.address}/metrics" if self._sock is not None else None,
+            "endpoint": f"http://{self.address}/metrics" if self.listening else None,
         }
 
     def _samples(self) -> Iterator[tuple[str, dict[str, str], float]]:
@@ -445,10 +438,59 @@ class Metrics:
                 for s in family.samples:
                     yield s.name, s.labels, s.value
 
-    # ------------------------------------------------------------------ HTTP
+
+class _Endpoint:
+    """``GET /metrics`` over HTTP/1.1 on the daemon's loop, from a bound socket (see the
+    module docstring). Its connections are tasks of one task group, held by the task the
+    endpoint starts with; :meth:`close` cancels that task, and so every connection."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, registry: CollectorRegistry, sock: socket.socket
+    ) -> None:
+        self._registry = registry
+        self._sock: socket.socket | None = sock
+        self._loop = loop
+        self._resume: asyncio.TimerHandle | None = None
+        self._connections: asyncio.TaskGroup | None = None
+        self._open_connections = 0
+        self._serving = self._loop.create_task(self._serve(sock), name="metrics endpoint")
+
+    @property
+    def listening(self) -> tuple[str, int] | None:
+        if self._sock is None or self._sock.fileno() < 0:
+            return None
+        name = self._sock.getsockname()
+        return str(name[0]), int(name[1])
+
+    async def _serve(self, sock: socket.socket) -> None:
+        """The endpoint's scope, until :meth:`close` cancels it: every connection is a task
+        of its group, which cancels them and waits for them as it ends."""
+        async with asyncio.TaskGroup() as connections:
+            self._connections = connections
+            self._loop.add_reader(sock.fileno(), self._accept)
+            try:
+                await self._loop.create_future()  # close() cancels this
+            finally:
+                self._connections = None
+
+    def close(self) -> None:
+        """Close the listening socket now; cancel the open connections."""
+        if self._sock is not None:
+            if not self._loop.is_closed():
+                self._loop.remove_reader(self._sock.fileno())
+            if self._resume is not None:
+                self._resume.cancel()
+            self._sock.close()
+        if not self._loop.is_closed():
+            self._serving.cancel()  # its group cancels the connections; each closes its own
+        self._sock = self._resume = None
+
+    async def wait_closed(self) -> None:
+        """After :meth:`close`: wait until every connection has ended and is closed."""
+        await asyncio.wait([self._serving])
 
     def _accept(self) -> None:
-        assert self._sock is not None and self._loop is not None
+        assert self._sock is not None
         while True:
             try:
                 conn, _ = self._sock.accept()
@@ -459,17 +501,16 @@ class Metrics:
                 self._loop.remove_reader(self._sock.fileno())
                 self._resume = self._loop.call_later(1.0, self._resume_accepting)
                 return
-            if len(self._connections) >= MAX_CONNECTIONS:
+            if self._connections is None or self._open_connections >= MAX_CONNECTIONS:
                 conn.close()
                 continue
             conn.setblocking(False)
-            task = self._loop.create_task(self._serve_connection(conn))
-            self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
+            self._open_connections += 1
+            self._connections.create_task(self._serve_connection(conn))
 
     def _resume_accepting(self) -> None:
         self._resume = None
-        if self._sock is not None and self._loop is not None:
+        if self._sock is not None:
             self._loop.add_reader(self._sock.fileno(), self._accept)
 
     async def _serve_connection(self, conn: socket.socket) -> None:
@@ -499,6 +540,7 @@ class Metrics:
             log.exception("metrics: answering a scrape failed")
         finally:
             conn.close()
+            self._open_connections -= 1
 
     def _respond(self, head: bytes) -> tuple[str, dict[str, str], bytes]:
         """Status, headers and body for one request head."""
@@ -516,7 +558,7 @@ class Metrics:
             key, _, value = line.partition(":")
             headers[key.strip().lower()] = value.strip()
         encoder, content_type = choose_encoder(headers.get("accept", ""))
-        body = encoder(self.registry)
+        body = encoder(self._registry)
         out = {"Content-Type": content_type}
         if "gzip" in headers.get("accept-encoding", ""):
             body = gzip.compress(body, compresslevel=1)

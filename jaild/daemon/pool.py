@@ -54,18 +54,23 @@ class PoolStats:
 
 
 class JailPool:
-    """The warm pool of one policy."""
+    """The warm pool of one policy.
+
+    Its work -- jails being made, replacements waiting for a job to end, the idle sweep --
+    runs in one task group, entered at :meth:`start` and left at :meth:`close`, which
+    waits for all of it.
+    """
 
     def __init__(self, policy: Policy, make: Callable[[], JailedJob]) -> None:
         self.policy = policy
         self._make = make
         self._ready: collections.deque[JailedJob] = collections.deque()
-        self._starting: set[asyncio.Task[None]] = set()
-        self._refilling: set[asyncio.Task[None]] = set()
+        self._preparing = 0  # jails being made now
         self.target = policy.pool.min
         self.stats = PoolStats()
-        self._closed = False
-        self._reaper: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
+        self._work: asyncio.TaskGroup | None = None  # while the pool runs
+        self._scope: asyncio.Task[None] | None = None  # the task that holds it
         self._consecutive_failures = 0
 
     @property
@@ -78,8 +83,25 @@ class JailPool:
         return [jail.jail_id for jail in self._ready]
 
     def start(self) -> None:
-        self._reaper = asyncio.get_running_loop().create_task(self._recycle_idle())
-        self._refill()
+        """Begin: make ``pool.min`` jails, and sweep the idle ones, until :meth:`close`."""
+        self._scope = asyncio.get_running_loop().create_task(
+            self._run(), name=f"pool {self.policy.name}"
+        )
+
+    async def _run(self) -> None:
+        """The pool's life: its task group, open until :meth:`close`. A crash in its work
+        (a jaild bug) is logged and ends the pool: jobs then get jails made for them."""
+        try:
+            async with asyncio.TaskGroup() as work:
+                self._work = work
+                work.create_task(self._recycle_idle())
+                self._refill()
+                await self._closing.wait()
+        except Exception:
+            log.exception("pool %s: crashed; it makes no more jails", self.policy.name)
+        finally:
+            self._work = None
+            self._closing.set()
 
     def take(self) -> JailedJob | None:
         """A ready jail for a job, or None (the caller makes one; the pool grows)."""
@@ -87,9 +109,8 @@ class JailPool:
             jail = self._ready.popleft()
             if jail.alive:
                 self.stats.hits += 1
-                refill = asyncio.get_running_loop().create_task(self._refill_after(jail))
-                self._refilling.add(refill)
-                refill.add_done_callback(self._refilling.discard)
+                if self._work is not None and not self._closing.is_set():
+                    self._work.create_task(self._refill_after(jail))
                 return jail
             jail.cleanup()
         self.stats.misses += 1
@@ -102,26 +123,32 @@ class JailPool:
         """Make the replacement once the taken jail's job is over (or REFILL_WAIT_S has
         passed): making a jail costs CPU the job would otherwise wait for."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(jail.finished(), REFILL_WAIT_S)
+            async with asyncio.timeout(REFILL_WAIT_S):
+                await jail.finished()
         self._refill()
 
     def _refill(self) -> None:
-        if self._closed or self._consecutive_failures >= 3:
+        work = self._work
+        if work is None or self._closing.is_set() or self._consecutive_failures >= 3:
             return
-        loop = asyncio.get_running_loop()
-        while len(self._ready) + len(self._starting) < self.target:
-            task = loop.create_task(self._prepare_one())
-            self._starting.add(task)
-            task.add_done_callback(self._starting.discard)
+        while len(self._ready) + self._preparing < self.target:
+            self._preparing += 1
+            work.create_task(self._prepare_one())
 
     async def _prepare_one(self) -> None:
+        try:
+            await self._prepare()
+        finally:
+            self._preparing -= 1
+
+    async def _prepare(self) -> None:
         jail = self._make()
         try:
             ready = await jail.prepare()
         except Exception:  # a jaild bug: do not spin on it
             log.exception("pool %s: preparing a jail crashed", self.policy.name)
             ready = False
-        if not ready or self._closed:
+        if not ready or self._closing.is_set():
             if not ready:
                 self.stats.failed += 1
                 self._consecutive_failures += 1
@@ -140,8 +167,7 @@ class JailPool:
 
     async def _recycle_idle(self) -> None:
         idle_s = self.policy.pool.idle_s
-        while not self._closed:
-            await asyncio.sleep(min(idle_s / 4, 5.0))
+        while not await self._closed_within(min(idle_s / 4, 5.0)):
             now = time.monotonic()
             keep: collections.deque[JailedJob] = collections.deque()
             old: list[JailedJob] = []
@@ -161,17 +187,20 @@ class JailPool:
             self._consecutive_failures = 0
             self._refill()
 
+    async def _closed_within(self, seconds: float) -> bool:
+        """Wait ``seconds``, or less if the pool is closed meanwhile; is it?"""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._closing.wait()
+        return self._closing.is_set()
+
     async def close(self) -> None:
-        self._closed = True
-        for task in list(self._refilling):
-            task.cancel()
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-        for task in list(self._starting):
-            with contextlib.suppress(Exception):
-                await task
+        """Stop: the pool's work ends and is awaited (a jail being made is made, then
+        discarded; the idle sweep stops; a replacement is no longer made), then the
+        waiting jails are discarded. Cancelling ``close`` cancels that work."""
+        self._closing.set()
+        if self._scope is not None:
+            await self._scope
         ready, self._ready = list(self._ready), collections.deque()
         await asyncio.gather(*(j.discard("the daemon is stopping") for j in ready))
 

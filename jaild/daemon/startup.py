@@ -175,6 +175,8 @@ async def start(
             served.server = await asyncio.start_unix_server(accept, sock=sock, limit=1 << 16)
         except BaseException:
             # We hold the socket, so the subtree is ours: a failed start leaves none of it.
+            pools, served.pools = list(served.pools.values()), {}
+            await asyncio.gather(*(pool.close() for pool in pools), return_exceptions=True)
             served.stop_zygotes()
             cgroups.sweep()
             cgroups.remove_subtree()

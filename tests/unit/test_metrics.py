@@ -294,7 +294,8 @@ def test_a_slow_or_garbage_client_does_not_hold_the_endpoint() -> None:
         )
         assert status == 200
         m.stop()
-        await asyncio.sleep(0)  # the cancelled connection closes
+        await m.wait_closed()  # the cancelled connection closes
+        assert asyncio.all_tasks() == {asyncio.current_task()}  # none left behind
         idle.settimeout(5)
         assert idle.recv(10) == b""
         idle.close()

@@ -162,6 +162,95 @@ def test_close_discards_the_waiting_jails(loop: VirtualTimeLoop) -> None:
     loop.run_until_complete(scenario())
 
 
+class SlowJail(FakeJail):
+    """A jail whose start waits for the scenario's word."""
+
+    go = asyncio.Event()
+
+    async def prepare(self) -> bool:
+        await SlowJail.go.wait()
+        return await super().prepare()
+
+
+def test_close_waits_for_a_jail_being_made_then_discards_it(loop: VirtualTimeLoop) -> None:
+    async def scenario() -> None:
+        SlowJail.go = asyncio.Event()
+        made: list[SlowJail] = []
+        pool = pool_of("[pool]\nmin = 1\nmax = 1\n", lambda: made.append(SlowJail()) or made[-1])
+        pool.start()
+        await settle()
+        assert len(made) == 1 and pool.size == 0  # being made
+        closing = asyncio.ensure_future(pool.close())
+        await settle()
+        assert not closing.done()  # the pool's work is not abandoned
+        SlowJail.go.set()
+        await closing
+        assert made[0].discarded == "the pool does not need it"
+        # nothing of the pool is left running: its task group waited for all of it
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    loop.run_until_complete(scenario())
+
+
+def test_close_ends_the_idle_sweep_and_the_waits_for_replacements(loop: VirtualTimeLoop) -> None:
+    async def scenario() -> None:
+        pool = pool_of("[pool]\nmin = 2\nmax = 2\nidle_s = 3600\n")
+        pool.start()
+        await settle()
+        taken = pool.take()  # its replacement waits for its job, which never ends
+        assert taken is not None
+        before = loop.time()
+        await pool.close()
+        assert loop.time() - before < 1.0  # not the sweep's interval (5 s)
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+        assert pool.size == 0 and pool.stats.made == 2  # no replacement after close
+
+    loop.run_until_complete(scenario())
+
+
+def test_cancelling_close_cancels_the_pools_work(loop: VirtualTimeLoop) -> None:
+    async def scenario() -> None:
+        SlowJail.go = asyncio.Event()
+        pool = pool_of("[pool]\nmin = 1\nmax = 1\n", SlowJail)
+        pool.start()
+        await settle()
+        closing = asyncio.ensure_future(pool.close())
+        await settle()
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        await settle()
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    loop.run_until_complete(scenario())
+
+
+def test_a_crash_in_the_pools_work_is_logged_and_ends_the_pool(
+    loop: VirtualTimeLoop, caplog: pytest.LogCaptureFixture
+) -> None:
+    def make() -> FakeJail:
+        if FakeJail.made >= 1:
+            raise ValueError("a jaild bug")
+        return FakeJail()
+
+    async def scenario() -> None:
+        FakeJail.made = 0
+        pool = pool_of("[pool]\nmin = 1\nmax = 2\n", make)
+        pool.start()
+        await settle()
+        assert pool.take() is not None and pool.size == 0
+        assert pool.take() is None  # a miss: the pool grows, and making the jail crashes
+        await settle()
+        assert "pool p: crashed" in caplog.text and "a jaild bug" in caplog.text
+        assert pool.take() is None and pool.target == 2  # jobs get jails of their own
+        await asyncio.sleep(10)
+        assert FakeJail.made == 1  # and the pool makes no more
+        await pool.close()
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    loop.run_until_complete(scenario())
+
+
 def test_only_jobs_with_the_policys_own_jail_limits_use_the_pool() -> None:
     policy = load_policy_text("", "p.toml")
     assert poolable(policy, policy.limits)
