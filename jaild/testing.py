@@ -71,6 +71,7 @@ from jaild.daemon.config import DaemonConfig
 from jaild.daemon.job import JailEnvironment
 from jaild.daemon.kernlog import KernelAuditLog
 from jaild.daemon.launch.handle import JailHandle
+from jaild.daemon.launch.spawned import watch_exit
 from jaild.daemon.machine import Exited, JobSpec, Spawned
 from jaild.daemon.pipeline import Pipeline
 from jaild.daemon.server import Daemon
@@ -292,27 +293,17 @@ def _watch_exit(handle: JailHandle, proc: subprocess.Popen[bytes], workdir: str)
     """Feed Exited when the runtime exits; first kill what it left in its process group
     (it is a zombie until reaped, so its pid cannot have been reused)."""
     pid = proc.pid
-    pidfd = os.pidfd_open(pid)
 
-    def on_exit() -> None:
+    def kill_group() -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
-        try:
-            waited, status, rusage = os.wait4(pid, os.WNOHANG)
-        except ChildProcessError:  # reaped by someone else: its status is lost
-            waited, status, rusage = pid, 0, None
-        if waited == 0:
-            return
-        handle.loop.remove_reader(pidfd)
-        os.close(pidfd)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        shutil.rmtree(workdir, ignore_errors=True)
-        cpu_s = rusage.ru_utime + rusage.ru_stime if rusage is not None else 0.0
-        handle.feed(
-            Exited(returncode=proc.returncode, termination=_termination(status, pid), cpu_s=cpu_s)
-        )
 
-    handle.loop.add_reader(pidfd, on_exit)
+    def ended(status: int, cpu_s: float) -> Exited:
+        shutil.rmtree(workdir, ignore_errors=True)
+        returncode = os.waitstatus_to_exitcode(status)
+        return Exited(returncode=returncode, termination=_termination(status, pid), cpu_s=cpu_s)
+
+    watch_exit(handle, proc, ended, before_reap=kill_group)
 
 
 # ----------------------------------------------------------------------------- the daemon

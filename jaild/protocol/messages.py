@@ -27,6 +27,7 @@ returns a message or raises :class:`RemoteProtocolError` -- nothing else.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 import msgpack
@@ -517,11 +518,16 @@ def encode(msg: Message) -> bytes:
 
 def decode(payload: bytes, direction: Direction) -> Message:
     """msgpack payload -> Message of ``direction``, or RemoteProtocolError. Never anything else."""
+    return decode_from(payload, MESSAGES[direction], direction)
+
+
+def decode_from(payload: bytes, table: Mapping[str, type[Message]], direction: str) -> Message:
+    """msgpack payload -> one of the messages in ``table`` (by wire name; ``direction`` names
+    the table in errors), or RemoteProtocolError. Never anything else. Every link decodes here."""
     data = unpack(payload)
     if type(data) is not dict:
         raise RemoteProtocolError(f"a message must be a map, got {type(data).__name__}")
     kind = data.pop("type", None)
-    table = MESSAGES[direction]
     if type(kind) is not str or kind not in table:
         raise RemoteProtocolError(
             f"unknown message type {kind!r} for {direction}; expected one of {sorted(table)}"

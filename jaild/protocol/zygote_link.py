@@ -64,7 +64,7 @@ from jaild.protocol.fields import (
     struct,
 )
 from jaild.protocol.framing import HEADER, HEADER_BYTES, FrameDecoder, encode_frame
-from jaild.protocol.messages import Message, unpack
+from jaild.protocol.messages import Message, decode_from
 
 MAX_FRAME_BYTES = 1 << 16
 """The largest frame either side sends (the seccomp spec is the largest message, ~10 KB)."""
@@ -235,21 +235,7 @@ def encode(msg: Message) -> bytes:
 
 def decode(payload: bytes, direction: Direction) -> Message:
     """msgpack payload -> Message of ``direction``, or RemoteProtocolError. Never anything else."""
-    data = unpack(payload)
-    if type(data) is not dict:
-        raise RemoteProtocolError(f"a message must be a map, got {type(data).__name__}")
-    kind = data.pop("type", None)
-    table = MESSAGES[direction]
-    if type(kind) is not str or kind not in table:
-        raise RemoteProtocolError(
-            f"unknown message type {kind!r} for {direction}; expected one of {sorted(table)}"
-        )
-    try:
-        return table[kind].from_wire(data)
-    except LocalProtocolError as exc:
-        raise RemoteProtocolError(f"invalid {kind}: {exc.message}") from None
-    except (TypeError, ValueError, RecursionError, MemoryError) as exc:
-        raise RemoteProtocolError(f"invalid {kind}: {exc}") from None
+    return decode_from(payload, MESSAGES[direction], direction)
 
 
 class LinkDecoder:

@@ -65,7 +65,7 @@ class SpawnLauncher:
         # stdout, stderr, nsjail's log and the channel: the job is over when nsjail has exited
         # and all four reached EOF (so no output and no CodeFinished is left unread)
         handle.feed(Spawned(forked=False, streams=4))
-        _watch_exit(handle, handle.proc)
+        watch_exit(handle, handle.proc)
         await handle.read_output(out_r, err_r)
         await handle.read_log(log_r)
         handle.open_channel(daemon_end)
@@ -82,15 +82,30 @@ def _accounting_prefix(handle: JailHandle) -> list[str]:
     return ["/bin/sh", "-c", 'echo 0 > "$0" && exec "$@"', f"{acct}/cgroup.procs"]
 
 
-def _watch_exit(handle: JailHandle, proc: subprocess.Popen[bytes]) -> None:
-    """Feed Exited (nsjail's exit code and rusage CPU time) when nsjail exits."""
+def watch_exit(
+    handle: JailHandle,
+    proc: subprocess.Popen[bytes],
+    ended: Callable[[int, float], Exited] | None = None,
+    *,
+    before_reap: Callable[[], None] | None = None,
+) -> None:
+    """Feed the jail's :class:`Exited` when ``proc`` exits (a pidfd on the loop).
+
+    Args:
+        ended: makes the event from the wait status and the rusage CPU seconds; by default
+            nsjail's exit code and its CPU time.
+        before_reap: runs first, while the exited process is a zombie (so its pid, or its
+            process group's, cannot have been reused).
+    """
     pid = proc.pid
     pidfd = os.pidfd_open(pid)
 
     def on_exit() -> None:
+        if before_reap is not None:
+            before_reap()
         try:
             waited, status, rusage = os.wait4(pid, os.WNOHANG)
-        except ChildProcessError:
+        except ChildProcessError:  # reaped by someone else: its status is lost
             waited, status, rusage = pid, 0, None
         if waited == 0:
             return
@@ -98,9 +113,12 @@ def _watch_exit(handle: JailHandle, proc: subprocess.Popen[bytes]) -> None:
         os.close(pidfd)
         proc.returncode = os.waitstatus_to_exitcode(status)
         cpu_s = rusage.ru_utime + rusage.ru_stime if rusage is not None else 0.0
-        handle.feed(Exited(returncode=proc.returncode, cpu_s=cpu_s))
+        if ended is None:
+            handle.feed(Exited(returncode=proc.returncode, cpu_s=cpu_s))
+        else:
+            handle.feed(ended(status, cpu_s))
 
     handle.loop.add_reader(pidfd, on_exit)
 
 
-__all__ = ["SpawnLauncher"]
+__all__ = ["SpawnLauncher", "watch_exit"]
