@@ -185,6 +185,34 @@ def test_derived_defaults_of_the_shares_and_the_ceiling(tmp_path: Any) -> None:
         8, 256, 8, 1000, 1000)
 
 
+def test_what_a_uid_holds_counts_jobs_and_sessions_once_each() -> None:
+    from types import SimpleNamespace
+
+    from jaild.daemon.registry import LiveJob, Registry
+
+    def conn(uid: int) -> Any:
+        return SimpleNamespace(peer=SimpleNamespace(uid=uid))
+
+    def sess(sid: str, owner: Any, memory_mb: int) -> Any:
+        limits = SimpleNamespace(memory_mb=memory_mb)
+        return SimpleNamespace(id=sid, owner=owner, terms=SimpleNamespace(jail_limits=limits))
+
+    reg = Registry()
+    a, b = conn(1000), conn(1001)
+    s1 = sess("ses-1", a, 512)
+    reg.add_session(s1)
+    reg.add_job(LiveJob("job-1", SimpleNamespace(pid=None), a, memory_mb=256))  # type: ignore[arg-type]
+    # a run in the session: its jail is the session's, already counted
+    reg.add_job(LiveJob("job-2", SimpleNamespace(pid=None), a, s1))  # type: ignore[arg-type]
+    reg.add_job(LiveJob("job-3", SimpleNamespace(pid=None), b, memory_mb=128))  # type: ignore[arg-type]
+    assert reg.held(1000) == admission.Held(jails=2, memory_mb=768)
+    assert reg.held(1001) == admission.Held(jails=1, memory_mb=128)
+    assert reg.held() == admission.Held(jails=3, memory_mb=896)
+    reg.remove_job("job-1")
+    reg.remove_session(s1)
+    assert reg.held(1000) == admission.Held(jails=0, memory_mb=0)
+
+
 def test_warm_pools_are_reserved_at_their_maximum() -> None:
     from jaild.daemon.sessions import pools_reserved_mb
 
