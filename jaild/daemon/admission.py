@@ -146,10 +146,16 @@ def admit_connection(
     if not matches(allowed_users, peer.uid, (peer.gid, *peer.groups)):
         raise PermissionDenied(f"uid {peer.uid} may not use this daemon")
     if len(others) >= max_connections:
-        raise Busy(f"{len(others)} connections open, the daemon's limit; retry later")
+        raise Busy(
+            f"{len(others)} connections open, the daemon's limit "
+            f"(limits.max_connections {max_connections}); retry later"
+        )
     same_uid = sum(1 for other in others if other.uid == peer.uid)
     if same_uid >= max_connections_per_uid:
-        raise Busy(f"uid {peer.uid} already has {same_uid} connections, the limit per uid")
+        raise Busy(
+            f"uid {peer.uid} already has {same_uid} connections, the limit per uid "
+            f"(limits.max_connections_per_uid {max_connections_per_uid})"
+        )
 
 
 @dataclass(frozen=True)

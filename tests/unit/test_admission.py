@@ -65,7 +65,7 @@ def test_a_peer_not_in_allowed_users_is_refused() -> None:
 def test_the_daemons_connection_limit() -> None:
     refused(
         Busy,
-        "3 connections open, the daemon's limit; retry later",
+        "3 connections open, the daemon's limit (limits.max_connections 3); retry later",
         connect,
         ALICE,
         [BOB, BOB, ALICE],
@@ -75,7 +75,7 @@ def test_the_daemons_connection_limit() -> None:
 def test_the_connection_limit_per_uid() -> None:
     refused(
         Busy,
-        "uid 1000 already has 2 connections, the limit per uid",
+        "uid 1000 already has 2 connections, the limit per uid (limits.max_connections_per_uid 2)",
         connect,
         ALICE,
         [ALICE, ALICE],
