@@ -45,6 +45,7 @@ beside that leaf. Nothing goes at the top of /sys/fs/cgroup unless no systemd ru
   nothing else lives in it.
 
 Anything else fails the start with a message saying what to do.
+
 The memory ceiling
 ------------------
 The subtree as a whole carries a memory limit (:meth:`Cgroups.limit_memory`,
@@ -534,9 +535,9 @@ class Cgroups:
         session, warm jail and zygote of the daemon together (``limits.max_memory_mb``).
 
         v1: ``memory.limit_in_bytes`` and ``memory.memsw.limit_in_bytes`` on the subtree in
-        the memory hierarchy (hierarchical: ``memory.use_hierarchy`` must be 1, as it is on
-        every kernel since 5.x's deprecation of 0). v2: ``memory.max`` and
-        ``memory.swap.max`` on ``base/<subtree>``.
+        the memory hierarchy, which must be hierarchical (``memory.use_hierarchy`` 1, set
+        here if it is not; possible only while the subtree has no children). v2:
+        ``memory.max`` and ``memory.swap.max`` on ``base/<subtree>``.
 
         Raises:
             CgroupError: the limit cannot be set (what holds the memory, if it is in use).
@@ -547,7 +548,7 @@ class Cgroups:
             hierarchy = os.path.join(root, "memory.use_hierarchy")
             try:
                 if _read(hierarchy).strip() != "1":
-                    _write(hierarchy, "1")  # only possible while the subtree has no children
+                    _write(hierarchy, "1")
                 # memsw >= memory at every step: raise memsw first if it is lower, else memory
                 pairs = [("memory.limit_in_bytes", limit), ("memory.memsw.limit_in_bytes", limit)]
                 memsw = os.path.join(root, pairs[1][0])

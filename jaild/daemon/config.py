@@ -10,6 +10,7 @@ path and reason, and the daemon refuses to start on them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import tomllib
@@ -45,8 +46,10 @@ def default_state_dir() -> str:
     return os.environ.get("JAILD_STATE_DIR", DEFAULT_STATE_DIR)
 
 
+@functools.lru_cache(maxsize=4)
 def host_memory_mb(meminfo: str = "/proc/meminfo") -> int:
-    """The host's MemTotal in MiB (what derived memory defaults are a fraction of)."""
+    """The host's MemTotal in MiB (what derived memory defaults are a fraction of); read
+    once, since admission asks on every job."""
     with open(meminfo, encoding="ascii") as f:
         for line in f:
             if line.startswith("MemTotal:"):
