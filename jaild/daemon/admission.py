@@ -22,11 +22,22 @@ a connection           peer allowed; connections; connections/uid  ``None``
 ``OpenSession``        as ``RunJob``'s policy and tools; sessions   :class:`SessionTerms`
                        enabled; limits; idle and lifetime only
                        tighten; sessions per uid
-capacity               jobs running, jobs on the connection         ``None``
+capacity               jobs on the connection; the uid's jails and   ``None``
+                       memory; the daemon's jails and memory
 =====================  ==========================================  ====================
 
 Code that does not compile is not a refusal: the job is admitted with its
 ``syntax_error`` set, and gets a record at once, without a jail.
+
+Capacity (:func:`check_capacity`) is where uids share the daemon. A *jail held* is a
+one-shot job running or a session open (a session's run is its session's jail, not
+another); its *memory* is its ``memory_mb`` limit. A uid may hold at most
+``max_jobs_per_uid`` jails and ``max_memory_mb_per_uid`` of memory -- by default half
+the daemon's -- so one uid flooding the daemon leaves the rest to everyone else. The
+daemon as a whole holds at most ``max_jobs`` jails, and the memory limits of its jails
+plus the warm pools (each reserved at its ``pool.max`` jails) stay within
+``max_memory_mb``, the limit of its cgroup subtree. A request past any of these is
+refused ``busy``, naming the limit; nothing waits in a queue.
 
 Whether a peer may use a policy (``access.users``) can name users and groups,
 which resolves through NSS: the :class:`Catalog` takes that test as a function
@@ -135,25 +146,90 @@ def admit_connection(
     if not matches(allowed_users, peer.uid, (peer.gid, *peer.groups)):
         raise PermissionDenied(f"uid {peer.uid} may not use this daemon")
     if len(others) >= max_connections:
-        raise Busy(f"{len(others)} connections open, the daemon's limit; retry later")
+        raise Busy(
+            f"{len(others)} connections open, the daemon's limit "
+            f"(limits.max_connections {max_connections}); retry later"
+        )
     same_uid = sum(1 for other in others if other.uid == peer.uid)
     if same_uid >= max_connections_per_uid:
-        raise Busy(f"uid {peer.uid} already has {same_uid} connections, the limit per uid")
+        raise Busy(
+            f"uid {peer.uid} already has {same_uid} connections, the limit per uid "
+            f"(limits.max_connections_per_uid {max_connections_per_uid})"
+        )
 
 
-def check_capacity(
-    running: int, max_jobs: int, on_connection: int, max_per_connection: int
-) -> None:
-    """Room for one more job? ``running``: the daemon's jobs; ``on_connection``: this
-    connection's.
+@dataclass(frozen=True)
+class Capacity:
+    """The daemon's limits on what runs at once (config keys, derived defaults resolved)."""
+
+    max_jobs: int
+    max_jobs_per_connection: int
+    max_jobs_per_uid: int
+    max_memory_mb: int
+    max_memory_mb_per_uid: int
+
+
+@dataclass(frozen=True)
+class Held:
+    """What some party holds now: jails (one-shot jobs running, sessions open; a session's
+    run is its session's jail, not another) and the sum of their memory limits, in MiB."""
+
+    jails: int = 0
+    memory_mb: int = 0
+
+
+@dataclass(frozen=True)
+class Load:
+    """What is held when a request arrives."""
+
+    daemon: Held  # everyone's jails
+    uid: Held  # the requesting uid's
+    on_connection: int | None = None  # jobs running on the connection (None: not limited)
+    reserved_mb: int = 0  # the warm pools' jails, counted at each pool's maximum size
+
+
+def _mib(mb: int) -> str:
+    return f"{mb / 1024:.1f} GiB" if mb >= 1024 else f"{mb} MiB"
+
+
+def check_capacity(uid: int, load: Load, caps: Capacity, memory_mb: int) -> None:
+    """Room for one more jail of ``memory_mb`` for ``uid``? The rules, first to fail:
+    the connection's jobs, the uid's jails, the uid's memory, the daemon's jails, the
+    daemon's memory (jails' limits plus the warm pools' reservation). A uid at its share
+    is refused; the rest of the daemon stays for the other uids.
 
     Raises:
-        Busy: naming the limit reached.
+        Busy: naming the limit reached (its config key) and the numbers.
     """
-    if running >= max_jobs:
-        raise Busy(f"{running} jobs running, the daemon's limit; retry later")
-    if on_connection >= max_per_connection:
-        raise Busy(f"{on_connection} jobs running on this connection, the limit per connection")
+    if load.on_connection is not None and load.on_connection >= caps.max_jobs_per_connection:
+        raise Busy(
+            f"{load.on_connection} jobs running on this connection, the limit per connection "
+            f"(limits.max_jobs_per_connection {caps.max_jobs_per_connection})"
+        )
+    if load.uid.jails >= caps.max_jobs_per_uid:
+        raise Busy(
+            f"uid {uid} holds {load.uid.jails} jobs and sessions, its share "
+            f"(limits.max_jobs_per_uid {caps.max_jobs_per_uid}); retry when one ends"
+        )
+    mine = load.uid.memory_mb + memory_mb
+    if mine > caps.max_memory_mb_per_uid:
+        raise Busy(
+            f"uid {uid}'s memory limits would reach {_mib(mine)} ({load.uid.memory_mb} MiB "
+            f"held + {memory_mb} MiB for this one), over its share "
+            f"(limits.max_memory_mb_per_uid {caps.max_memory_mb_per_uid}); retry when one ends"
+        )
+    if load.daemon.jails >= caps.max_jobs:
+        raise Busy(
+            f"{load.daemon.jails} jobs and sessions open, the daemon's limit "
+            f"(limits.max_jobs {caps.max_jobs}); retry later"
+        )
+    total = load.daemon.memory_mb + load.reserved_mb + memory_mb
+    if total > caps.max_memory_mb:
+        raise Busy(
+            f"jails' memory limits would reach {_mib(total)} ({load.daemon.memory_mb} MiB "
+            f"held, {load.reserved_mb} MiB of warm pools, {memory_mb} MiB for this one), over "
+            f"the daemon's ceiling (limits.max_memory_mb {caps.max_memory_mb}); retry later"
+        )
 
 
 # --------------------------------------------------------------------------- the parts
@@ -388,7 +464,10 @@ def _admitted(
 
 __all__ = [
     "AdmittedJob",
+    "Capacity",
     "Catalog",
+    "Held",
+    "Load",
     "SessionTerms",
     "admit_connection",
     "admit_job",

@@ -45,6 +45,13 @@ beside that leaf. Nothing goes at the top of /sys/fs/cgroup unless no systemd ru
   nothing else lives in it.
 
 Anything else fails the start with a message saying what to do.
+
+The memory ceiling
+------------------
+The subtree as a whole carries a memory limit (:meth:`Cgroups.limit_memory`,
+``limits.max_memory_mb``): whatever the jails, sessions, warm jails and zygotes do,
+together they never hold more. Admission keeps the jails' own limits within it.
+
 Jailed code cannot touch any of this: it has no /sys, a private cgroup
 namespace, and no privilege.
 """
@@ -522,6 +529,63 @@ class Cgroups:
                 f"({self.placement.detail}): {exc.strerror}. The cgroup must be delegated "
                 "to the daemon (systemd: Delegate=yes) and hold no process itself"
             ) from None
+
+    def limit_memory(self, memory_mb: int) -> None:
+        """Cap the whole subtree's memory at ``memory_mb`` (no swap beyond it): every job,
+        session, warm jail and zygote of the daemon together (``limits.max_memory_mb``).
+
+        v1: ``memory.limit_in_bytes`` and ``memory.memsw.limit_in_bytes`` on the subtree in
+        the memory hierarchy, which must be hierarchical (``memory.use_hierarchy`` 1, set
+        here if it is not; possible only while the subtree has no children). v2:
+        ``memory.max`` and ``memory.swap.max`` on ``base/<subtree>``.
+
+        Raises:
+            CgroupError: the limit cannot be set (what holds the memory, if it is in use).
+        """
+        limit = str(memory_mb * 1024 * 1024)
+        if self.layout.version == 1:
+            root = self._v1_root("memory")
+            hierarchy = os.path.join(root, "memory.use_hierarchy")
+            try:
+                if _read(hierarchy).strip() != "1":
+                    _write(hierarchy, "1")
+                # memsw >= memory at every step: raise memsw first if it is lower, else memory
+                pairs = [("memory.limit_in_bytes", limit), ("memory.memsw.limit_in_bytes", limit)]
+                memsw = os.path.join(root, pairs[1][0])
+                if not os.path.exists(memsw):
+                    pairs = pairs[:1]
+                elif int(_read(memsw)) < int(limit):
+                    pairs.reverse()
+                for name, value in pairs:
+                    _write(os.path.join(root, name), value)
+            except (OSError, ValueError) as exc:
+                raise CgroupError(
+                    f"cannot set the memory ceiling of {root} to {memory_mb} MiB "
+                    f"(limits.max_memory_mb): {exc}"
+                ) from None
+            return
+        root = self._v2_root()
+        try:
+            _write(os.path.join(root, "memory.max"), limit)
+            with contextlib.suppress(FileNotFoundError):
+                _write(os.path.join(root, "memory.swap.max"), "0")
+        except OSError as exc:
+            raise CgroupError(
+                f"cannot set the memory ceiling of {root} to {memory_mb} MiB "
+                f"(limits.max_memory_mb): {exc}"
+            ) from None
+
+    def memory_limit_bytes(self) -> int | None:
+        """The subtree's memory limit in force (None: none, or unreadable)."""
+        if self.layout.version == 1:
+            path = os.path.join(self._v1_root("memory"), "memory.limit_in_bytes")
+        else:
+            path = os.path.join(self._v2_root(), "memory.max")
+        try:
+            text = _read(path).strip()
+        except OSError:
+            return None
+        return None if text == "max" else int(text)
 
     def subtree_dirs(self) -> list[str]:
         """The subtree's directories: one per v1 hierarchy, or the one v2 directory."""

@@ -10,6 +10,7 @@ path and reason, and the daemon refuses to start on them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import tomllib
@@ -43,6 +44,17 @@ def default_policies_dir() -> str:
 
 def default_state_dir() -> str:
     return os.environ.get("JAILD_STATE_DIR", DEFAULT_STATE_DIR)
+
+
+@functools.lru_cache(maxsize=4)
+def host_memory_mb(meminfo: str = "/proc/meminfo") -> int:
+    """The host's MemTotal in MiB (what derived memory defaults are a fraction of); read
+    once, since admission asks on every job."""
+    with open(meminfo, encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024  # kB
+    raise OSError(f"no MemTotal in {meminfo}")
 
 
 def _absolute(v: Any) -> str | None:
@@ -112,6 +124,27 @@ class LimitsFile:
     shutdown_grace_s: float = setting(
         10.0, "How long shutdown waits for cancelled jobs.", between(0.1, 600)
     )
+    # -- fairness between uids and the memory ceiling (see "Sharing the daemon" in README)
+    max_jobs_per_uid: int = setting(
+        0,
+        "Jails one uid may hold at once: its jobs running plus its sessions open. "
+        "0: derived, half of `max_jobs` (at least 1), so one uid never holds every slot.",
+        between(0, 65536),
+    )
+    max_memory_mb: int = setting(
+        0,
+        "Ceiling on all jails' memory together: the memory limit of the daemon's cgroup "
+        "subtree (jobs, sessions, warm jails, zygotes), and the most the memory limits of "
+        "jobs, sessions and warm pools may add up to. 0: derived, 3/4 of the host's "
+        "MemTotal (/proc/meminfo).",
+        between(0, 1 << 30),
+    )
+    max_memory_mb_per_uid: int = setting(
+        0,
+        "The most one uid's jails' memory limits may add up to (its jobs and sessions). "
+        "0: derived, half of the memory ceiling.",
+        between(0, 1 << 30),
+    )
 
 
 FILE_SECTIONS: dict[str, type] = {"daemon": DaemonFile, "access": AccessFile, "limits": LimitsFile}
@@ -178,6 +211,10 @@ class DaemonConfig:
     frame_timeout_s: float = 30.0
     kill_grace_s: float = 1.0
     shutdown_grace_s: float = 10.0
+    # fairness and the memory ceiling: 0 means derived (see the properties below)
+    max_jobs_per_uid: int = 0
+    max_memory_mb: int = 0
+    max_memory_mb_per_uid: int = 0
     probe_policies: bool = True
 
     @classmethod
@@ -218,6 +255,23 @@ class DaemonConfig:
         values.update({k: v for k, v in env.items() if v})
         values.update({k: v for k, v in flags.items() if v is not None})
         return cls(**values)
+
+    @property
+    def jobs_per_uid(self) -> int:
+        """``max_jobs_per_uid``, or derived: half of ``max_jobs`` (at least 1); never more
+        than ``max_jobs``."""
+        return min(self.max_jobs, self.max_jobs_per_uid or max(1, self.max_jobs // 2))
+
+    @property
+    def memory_ceiling_mb(self) -> int:
+        """``max_memory_mb``, or derived: 3/4 of the host's MemTotal, in MiB."""
+        return self.max_memory_mb or max(1, host_memory_mb() * 3 // 4)
+
+    @property
+    def memory_mb_per_uid(self) -> int:
+        """``max_memory_mb_per_uid``, or derived: half of the ceiling; never more than it."""
+        ceiling = self.memory_ceiling_mb
+        return min(ceiling, self.max_memory_mb_per_uid or max(1, ceiling // 2))
 
     @property
     def envs_dir(self) -> str:

@@ -11,7 +11,8 @@ Every run, one-shot or in a session, goes the same way::
 1. *Admission* (:mod:`jaild.daemon.admission`, pure) gives the run's terms or a typed
    refusal, which the client gets as ``Error`` (audited and counted by the server).
    A session run first needs its session, open and idle (:mod:`jaild.daemon.sessions`);
-   a one-shot job needs room (the daemon's and the connection's job limits).
+   a one-shot job needs room: the connection's jobs, its uid's share of jails and
+   memory, the daemon's jails and memory ceiling (``sessions.check_room``).
 2. Code that does not compile gets its record at once: ``JobAccepted`` then
    ``JobFinished`` with status ``syntax_error``, and no jail.
 3. *Placement* (:mod:`jaild.daemon.placement`) picks the jail.
@@ -30,23 +31,19 @@ import os
 from typing import Protocol
 
 from jaild.daemon import admission, placement
-from jaild.daemon.pool import JailPool
 from jaild.daemon.records import internal_error_record, syntax_error_record, with_session
 from jaild.daemon.registry import ClientSession, LiveJob
-from jaild.daemon.sessions import SessionHost, Sessions
+from jaild.daemon.sessions import SessionHost, Sessions, check_room
 from jaild.protocol.messages import JobAccepted, JobFinished, RunJob
 from jaild.protocol.records import JobRecord
 
 
 class PipelineHost(SessionHost, Protocol):
     """What the pipeline needs of the daemon: what sessions need, plus the sessions
-    themselves and the warm pools."""
+    themselves."""
 
     @property
     def sessions(self) -> Sessions: ...
-
-    @property
-    def pools(self) -> dict[str, JailPool]: ...
 
 log = logging.getLogger("jaild")
 
@@ -75,11 +72,8 @@ class Pipeline:
         sess = None
         if req.session_id is None:
             admitted = admission.admit_job(daemon.catalog(), client.peer, req)
-            admission.check_capacity(
-                registry.job_count(),
-                daemon.config.max_jobs,
-                registry.job_count(client),
-                daemon.config.max_jobs_per_connection,
+            check_room(
+                daemon, client.peer.uid, admitted.limits.memory_mb, registry.job_count(client)
             )
         else:
             sess = daemon.sessions.runnable(client, req.session_id)
@@ -98,7 +92,8 @@ class Pipeline:
         # Accepted after a pooled jail got its code (it starts a write earlier); still before
         # anything about the job can reach the client, which only happens on a later callback.
         client.send(JobAccepted(ref=req.ref, job_id=placed.job_id))
-        registry.add_job(LiveJob(placed.job_id, placed.jail, client, sess))
+        memory_mb = 0 if sess is not None else admitted.limits.memory_mb  # a session holds its own
+        registry.add_job(LiveJob(placed.job_id, placed.jail, client, sess, memory_mb=memory_mb))
         client.start(self.run_to_record(client, placed))
 
     async def run_to_record(self, client: ClientSession, placed: placement.Placed) -> None:

@@ -8,7 +8,9 @@ session's jail is *retiring* from its close until its jail is gone. Each live jo
 and session has one owner, the connection that made it: only that connection may
 cancel it or answer its tool calls, and ``jaild ps``/``kill`` show others' only
 to root. Everything that asks "which jobs", "whose", "how many" -- admission's
-limits, ps, kill, stats, cancel on disconnect, shutdown -- asks here.
+limits, ps, kill, stats, cancel on disconnect, shutdown -- asks here. What a uid
+*holds* against its share (:meth:`held`) is counted in jails: a one-shot job
+running or a session open, each with its memory limit.
 
 ===============  ===========================  ==============================
 event            registry                     who calls
@@ -79,6 +81,7 @@ class LiveJob:
     owner: ClientSession
     session: JailSession | None = None
     started: float = field(default_factory=time.time)
+    memory_mb: int = 0  # its jail's memory limit (a session's run: 0, the session holds it)
 
 
 Close = Callable[["JailSession", str, str], None]
@@ -217,6 +220,20 @@ class Registry:
         if owner is None:
             return len(self._jobs)
         return sum(1 for j in self._jobs.values() if j.owner is owner)
+
+    def held(self, uid: int | None = None) -> admission.Held:
+        """The jails held (of connections of ``uid``) and their memory limits: one-shot
+        jobs running and sessions open; a session's run is its session's jail."""
+        jails = memory = 0
+        for live in self._jobs.values():
+            if live.session is None and (uid is None or live.owner.peer.uid == uid):
+                jails += 1
+                memory += live.memory_mb
+        for sess in self._sessions.values():
+            if uid is None or sess.owner.peer.uid == uid:
+                jails += 1
+                memory += sess.terms.jail_limits.memory_mb
+        return admission.Held(jails, memory)
 
     def pids(self) -> Iterator[int]:
         """The nsjail pids of the live jobs (our children)."""

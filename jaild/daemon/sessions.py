@@ -18,6 +18,10 @@ any          idle or lifetime timer, the client  closed     its jail killed (a r
              shutdown                                       and discarded
 ===========  ==================================  =========  =============================
 
+An open session holds a jail: it counts as one of its uid's jails, with its memory
+limit, against the uid's share and the daemon's limits (:func:`check_room`) from
+``OpenSession`` until it is closed, idle or running.
+
 The tasks of a session -- opening its jail, watching it between runs, discarding
 it at the end -- run in its owner connection's task group, so the connection is
 not done until its sessions' jails are. While a closed session's jail is being
@@ -30,6 +34,7 @@ import asyncio
 import dataclasses
 import logging
 import secrets
+from collections.abc import Mapping
 from typing import Protocol
 
 from jaild.daemon import admission
@@ -38,8 +43,9 @@ from jaild.daemon.audit import AuditLog
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.job import JailedJob, JailEnvironment, JobSpec
 from jaild.daemon.metrics import Metrics
+from jaild.daemon.pool import JailPool
 from jaild.daemon.registry import ClientSession, JailSession, Registry
-from jaild.errors import Busy, InternalError, UnknownSession
+from jaild.errors import InternalError, UnknownSession
 from jaild.protocol.messages import OpenSession, SessionOpened
 from jaild.protocol.messages import SessionClosed as SessionClosedMsg
 from jaild.protocol.records import JobRecord, SessionInfo
@@ -67,7 +73,46 @@ class SessionHost(Protocol):
     @property
     def metrics(self) -> Metrics: ...
 
+    @property
+    def pools(self) -> dict[str, JailPool]: ...
+
     def catalog(self) -> admission.Catalog: ...
+
+
+def capacity(config: DaemonConfig) -> admission.Capacity:
+    """The daemon's limits on what runs at once, derived defaults resolved."""
+    return admission.Capacity(
+        max_jobs=config.max_jobs,
+        max_jobs_per_connection=config.max_jobs_per_connection,
+        max_jobs_per_uid=config.jobs_per_uid,
+        max_memory_mb=config.memory_ceiling_mb,
+        max_memory_mb_per_uid=config.memory_mb_per_uid,
+    )
+
+
+def pools_reserved_mb(pools: Mapping[str, JailPool]) -> int:
+    """The memory the warm pools may hold: each at its ``pool.max`` jails of the policy's
+    ``memory_mb`` (ready or being made; a jail taken by a job counts as that job's)."""
+    return sum(p.policy.pool.max * p.policy.limits.memory_mb for p in pools.values())
+
+
+def check_room(
+    daemon: SessionHost, uid: int, memory_mb: int, on_connection: int | None = None
+) -> None:
+    """Room for one more jail of ``memory_mb`` for ``uid``
+    (:func:`~jaild.daemon.admission.check_capacity` on what is held now).
+
+    Raises:
+        Busy: naming the limit reached.
+    """
+    registry = daemon.registry
+    load = admission.Load(
+        daemon=registry.held(),
+        uid=registry.held(uid),
+        on_connection=on_connection,
+        reserved_mb=pools_reserved_mb(daemon.pools),
+    )
+    admission.check_capacity(uid, load, capacity(daemon.config), memory_mb)
 
 log = logging.getLogger("jaild")
 
@@ -96,8 +141,7 @@ class Sessions:
         registry = daemon.registry
         mine = registry.session_count(client.peer.uid)
         terms = admission.admit_session(daemon.catalog(), client.peer, req, mine)
-        if registry.job_count() + registry.session_count() >= daemon.config.max_jobs:
-            raise Busy("the daemon is at its job limit; retry later")
+        check_room(daemon, client.peer.uid, terms.jail_limits.memory_mb)
         env = daemon.env
         assert env is not None
         session_id = "ses-" + secrets.token_hex(8)
@@ -199,4 +243,4 @@ class Sessions:
         self.daemon.metrics.sessions_open(registry.session_count())
 
 
-__all__ = ["JailSession", "Sessions"]
+__all__ = ["JailSession", "Sessions", "capacity", "check_room", "pools_reserved_mb"]

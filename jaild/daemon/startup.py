@@ -162,6 +162,7 @@ async def start(
         try:
             cgroups = Cgroups(detect(config.subtree))
             cgroups.prepare()  # v2: finds the cgroup the daemon owns and moves in
+            cgroups.limit_memory(config.memory_ceiling_mb)  # every jail's memory, together
         except CgroupError as exc:
             raise StartupError(str(exc)) from None
         if cgroups.placement is not None:

@@ -65,7 +65,7 @@ def test_a_peer_not_in_allowed_users_is_refused() -> None:
 def test_the_daemons_connection_limit() -> None:
     refused(
         Busy,
-        "3 connections open, the daemon's limit; retry later",
+        "3 connections open, the daemon's limit (limits.max_connections 3); retry later",
         connect,
         ALICE,
         [BOB, BOB, ALICE],
@@ -75,7 +75,7 @@ def test_the_daemons_connection_limit() -> None:
 def test_the_connection_limit_per_uid() -> None:
     refused(
         Busy,
-        "uid 1000 already has 2 connections, the limit per uid",
+        "uid 1000 already has 2 connections, the limit per uid (limits.max_connections_per_uid 2)",
         connect,
         ALICE,
         [ALICE, ALICE],
@@ -99,12 +99,130 @@ def test_the_peers_groups_count_for_allowed_users() -> None:
 # --------------------------------------------------------------------------- capacity
 
 
-def test_capacity() -> None:
-    admission.check_capacity(1, 2, 1, 2)
-    refused(Busy, "2 jobs running, the daemon's limit; retry later",
-            admission.check_capacity, 2, 2, 0, 2)
-    refused(Busy, "2 jobs running on this connection, the limit per connection",
-            admission.check_capacity, 2, 3, 2, 2)
+CAPS = admission.Capacity(max_jobs=8, max_jobs_per_connection=6, max_jobs_per_uid=4,
+                          max_memory_mb=1024, max_memory_mb_per_uid=512)
+
+
+def load(daemon: tuple[int, int] = (0, 0), uid: tuple[int, int] = (0, 0),
+         on_connection: int | None = None, reserved_mb: int = 0) -> admission.Load:
+    return admission.Load(admission.Held(*daemon), admission.Held(*uid), on_connection,
+                          reserved_mb)
+
+
+def test_capacity_admits_within_every_limit() -> None:
+    admission.check_capacity(1000, load((7, 512), (3, 384), 5, reserved_mb=384), CAPS, 128)
+    admission.check_capacity(1000, load(), CAPS, 512)  # exactly the uid's share: allowed
+
+
+def test_capacity_refuses_the_connection_at_its_limit() -> None:
+    refused(Busy, "6 jobs running on this connection, the limit per connection "
+            "(limits.max_jobs_per_connection 6)",
+            admission.check_capacity, 1000, load((6, 0), (3, 0), 6), CAPS, 1)
+
+
+def test_a_uid_at_its_share_of_jails_is_refused_and_another_uid_is_not() -> None:
+    held = load(daemon=(4, 256), uid=(4, 256))
+    refused(Busy, "uid 1000 holds 4 jobs and sessions, its share "
+            "(limits.max_jobs_per_uid 4); retry when one ends",
+            admission.check_capacity, 1000, held, CAPS, 64)
+    # the same daemon, as another uid holding nothing: there is room
+    admission.check_capacity(1001, load(daemon=(4, 256)), CAPS, 64)
+
+
+def test_a_uid_at_its_share_of_memory_is_refused_and_another_uid_is_not() -> None:
+    held = load(daemon=(2, 448), uid=(2, 448))
+    refused(Busy, "uid 1000's memory limits would reach 576 MiB (448 MiB held + 128 MiB "
+            "for this one), over its share (limits.max_memory_mb_per_uid 512); retry when one ends",
+            admission.check_capacity, 1000, held, CAPS, 128)
+    admission.check_capacity(1000, held, CAPS, 64)  # a smaller one fits its share
+    admission.check_capacity(1001, load(daemon=(2, 448)), CAPS, 128)
+
+
+def test_the_daemon_at_its_jail_limit_refuses_everyone() -> None:
+    refused(Busy, "8 jobs and sessions open, the daemon's limit (limits.max_jobs 8); retry later",
+            admission.check_capacity, 1001, load(daemon=(8, 512)), CAPS, 1)
+
+
+def test_the_memory_ceiling_counts_jails_and_warm_pools() -> None:
+    # 640 held by others + 256 of warm pools + 256 for this one > 1024: refused
+    refused(Busy, "jails' memory limits would reach 1.1 GiB (640 MiB held, 256 MiB of warm "
+            "pools, 256 MiB for this one), over the daemon's ceiling "
+            "(limits.max_memory_mb 1024); retry later",
+            admission.check_capacity, 1001, load((5, 640), reserved_mb=256), CAPS, 256)
+    admission.check_capacity(1001, load((5, 640), reserved_mb=256), CAPS, 128)  # exactly full
+    # without the warm pools' reservation it would fit: they are counted
+    admission.check_capacity(1001, load((5, 640)), CAPS, 256)
+
+
+def test_fairness_off_one_uid_takes_everything() -> None:
+    # positive control: per-uid caps equal to the daemon's let one uid hold it all, and
+    # the next uid is refused by the daemon's limit
+    off = admission.Capacity(8, 8, 8, 1024, 1024)
+    admission.check_capacity(1000, load((7, 896), (7, 896)), off, 128)
+    refused(Busy, "8 jobs and sessions open, the daemon's limit (limits.max_jobs 8); retry later",
+            admission.check_capacity, 1001, load((8, 1024)), off, 64)
+
+
+def test_derived_defaults_of_the_shares_and_the_ceiling(tmp_path: Any) -> None:
+    from jaild.daemon.config import DaemonConfig, host_memory_mb
+    from jaild.daemon.sessions import capacity
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24684084 kB\nMemFree:         1 kB\n")
+    assert host_memory_mb(str(meminfo)) == 24105
+    derived = capacity(DaemonConfig(max_jobs=512))
+    host = host_memory_mb()
+    assert derived == admission.Capacity(
+        max_jobs=512, max_jobs_per_connection=256, max_jobs_per_uid=256,
+        max_memory_mb=host * 3 // 4, max_memory_mb_per_uid=host * 3 // 4 // 2)
+    assert capacity(DaemonConfig(max_jobs=1)).max_jobs_per_uid == 1  # at least one
+    given = capacity(DaemonConfig(max_jobs=8, max_jobs_per_uid=3, max_memory_mb=1000,
+                                  max_memory_mb_per_uid=300))
+    assert given == admission.Capacity(8, 256, 3, 1000, 300)
+    # a share larger than the whole is the whole
+    assert capacity(DaemonConfig(max_jobs=8, max_jobs_per_uid=20, max_memory_mb=1000,
+                                 max_memory_mb_per_uid=5000)) == admission.Capacity(
+        8, 256, 8, 1000, 1000)
+
+
+def test_what_a_uid_holds_counts_jobs_and_sessions_once_each() -> None:
+    from types import SimpleNamespace
+
+    from jaild.daemon.registry import LiveJob, Registry
+
+    def conn(uid: int) -> Any:
+        return SimpleNamespace(peer=SimpleNamespace(uid=uid))
+
+    def sess(sid: str, owner: Any, memory_mb: int) -> Any:
+        limits = SimpleNamespace(memory_mb=memory_mb)
+        return SimpleNamespace(id=sid, owner=owner, terms=SimpleNamespace(jail_limits=limits))
+
+    reg = Registry()
+    a, b = conn(1000), conn(1001)
+    s1 = sess("ses-1", a, 512)
+    reg.add_session(s1)
+    reg.add_job(LiveJob("job-1", SimpleNamespace(pid=None), a, memory_mb=256))  # type: ignore[arg-type]
+    # a run in the session: its jail is the session's, already counted
+    reg.add_job(LiveJob("job-2", SimpleNamespace(pid=None), a, s1))  # type: ignore[arg-type]
+    reg.add_job(LiveJob("job-3", SimpleNamespace(pid=None), b, memory_mb=128))  # type: ignore[arg-type]
+    assert reg.held(1000) == admission.Held(jails=2, memory_mb=768)
+    assert reg.held(1001) == admission.Held(jails=1, memory_mb=128)
+    assert reg.held() == admission.Held(jails=3, memory_mb=896)
+    reg.remove_job("job-1")
+    reg.remove_session(s1)
+    assert reg.held(1000) == admission.Held(jails=0, memory_mb=0)
+
+
+def test_warm_pools_are_reserved_at_their_maximum() -> None:
+    from jaild.daemon.sessions import pools_reserved_mb
+
+    class Pool:
+        def __init__(self, text: str) -> None:
+            self.policy = policy(text=text)
+
+    pools = {"a": Pool("[limits]\nmemory_mb = 256\n[pool]\nmin = 1\nmax = 3\n"),
+             "b": Pool("[limits]\nmemory_mb = 128\n[pool]\nmax = 0\n")}
+    assert pools_reserved_mb(pools) == 768  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- policies
