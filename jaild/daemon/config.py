@@ -132,10 +132,19 @@ def load_config_file(path: str) -> dict[str, Any]:
             raise PolicyError(
                 path, key, f"unknown key; the config accepts {', '.join(FILE_SECTIONS)}"
             )
-    return {
+    sections = {
         name: load_section(path, name, cls, data.get(name, {}))
         for name, cls in FILE_SECTIONS.items()
     }
+    limits = sections["limits"]
+    if limits.max_connections_per_uid >= limits.max_connections > 1:
+        raise PolicyError(
+            path,
+            "limits.max_connections_per_uid",
+            f"must be less than limits.max_connections ({limits.max_connections}), so that "
+            "no one uid can take every connection",
+        )
+    return sections
 
 
 def config_reference_markdown() -> str:
