@@ -53,6 +53,7 @@ SENT = 24 << 20  # the part of it actually sent, per connection
 FLOODER = r"""
 import json, socket, struct, sys
 path, n, sent, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+huge, guard = int(sys.argv[5]), float(sys.argv[6])
 socks = []
 for _ in range(n):
     s = socket.socket(socket.AF_UNIX)
@@ -60,7 +61,7 @@ for _ in range(n):
     socks.append(s)
     if sent:
         try:
-            s.sendall(struct.pack(">I", %d))
+            s.sendall(struct.pack(">I", huge))
             chunk = bytes(1 << 20)
             for _ in range(sent >> 20):
                 s.sendall(chunk)
@@ -71,7 +72,7 @@ sys.stdin.readline()
 out = []
 if mode == "read":
     for s in socks:
-        s.settimeout(%f)
+        s.settimeout(guard)
         data = b""
         try:
             while chunk := s.recv(65536):
@@ -81,7 +82,7 @@ if mode == "read":
         out.append(data.hex())
 print(json.dumps(out), flush=True)
 sys.stdin.readline()
-""" % (HUGE, guard(60))
+"""
 
 
 class Flood:
@@ -91,7 +92,8 @@ class Flood:
                  mode: str = "read") -> None:
         python = getattr(sys, "_base_executable", "") or sys.executable
         self.proc = subprocess.Popen(
-            [python, "-I", "-S", "-B", "-c", FLOODER, d.socket, str(n), str(sent), mode],
+            [python, "-I", "-S", "-B", "-c", FLOODER, d.socket, str(n), str(sent), mode,
+             str(HUGE), str(guard(60))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, user=uid, group=NOGROUP,
             extra_groups=[], cwd="/", env={"PATH": "/usr/bin:/bin"},
         )
@@ -221,15 +223,14 @@ def test_huge_frames_before_hello_are_not_buffered(door: tuple[DaemonHandle, Pat
     # ... and the same from an allowed uid that has not said Hello yet
     allowed = Flood(d, ALLOWED_UID, PER_UID, sent=SENT)
     try:
-        grown = vm_hwm(d.proc.pid) - before
+        grown, sent = vm_hwm(d.proc.pid) - before, (8 + PER_UID) * SENT
+        # A memory bound with a wide margin: what was sent is 288 MiB; before the fix the
+        # daemon's peak grew by about that much.
+        assert grown < 64 << 20, f"the daemon's peak RSS grew by {grown >> 20} of {sent >> 20} MiB"
         answers = refused.answers(), allowed.answers()
     finally:
         refused.close()
         allowed.close()
-    sent = (8 + PER_UID) * SENT
-    # A memory bound with a wide margin: what was sent is 288 MiB; before the fix the
-    # daemon's peak grew by about that much.
-    assert grown < 64 << 20, f"the daemon's peak RSS grew by {grown >> 20} MiB of {sent >> 20}"
     for data in answers[0]:
         assert frames(data, "daemon->client")[0].code == "permission_denied"  # type: ignore[attr-defined]
     for data in answers[1]:
