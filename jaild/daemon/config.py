@@ -90,7 +90,10 @@ class LimitsFile:
     )
     max_connections: int = setting(1024, "Client connections at once.", between(1, 1 << 20))
     max_connections_per_uid: int = setting(
-        128, "Client connections at once from one uid.", between(1, 1 << 20)
+        128,
+        "Client connections at once from one uid, counted from connect (Hello or not); "
+        "below max_connections.",
+        between(1, 1 << 20),
     )
     stream_buffer_bytes: int = setting(
         1 << 20,
@@ -98,7 +101,9 @@ class LimitsFile:
         between(1 << 12, 1 << 30),
     )
     max_frame_bytes: int = setting(
-        80 << 20, "Largest frame a client may send.", between(1 << 16, 1 << 30)
+        80 << 20,
+        "Largest frame a client may send once it has said Hello (64 KiB before).",
+        between(1 << 16, 1 << 30),
     )
     handshake_timeout_s: float = setting(
         10.0, "A new connection must say Hello within this.", between(0.1, 3600)

@@ -169,3 +169,16 @@ def test_a_refused_peer_is_answered_before_it_says_anything() -> None:
     assert isinstance(refused[0], Error) and refused[0].code == "permission_denied"
     served = frames(asyncio.run(main(("*",))), "daemon->client")
     assert isinstance(served[0], Welcome)
+
+
+# ----------------------------------------------------------------------------- the unit
+
+
+def test_the_service_has_a_memory_ceiling_that_leaves_the_host_some() -> None:
+    from tests.unit.test_systemd_units import SERVICE, settings
+
+    unit = settings(SERVICE)
+    (ceiling,) = unit[("Service", "MemoryMax")]
+    assert ceiling.endswith("%") and 50 <= int(ceiling[:-1]) < 100
+    # an OOM kill under the ceiling is a job's end, not the service's
+    assert unit[("Service", "OOMPolicy")] == ["continue"]
