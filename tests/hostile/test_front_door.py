@@ -151,11 +151,14 @@ def door() -> Iterator[tuple[DaemonHandle, Path]]:
             shutil.rmtree(world, ignore_errors=True)
 
 
-def connections(d: DaemonHandle) -> int:
-    """The daemon's connections now, root's own included. The listening socket is FIFO, so a
-    connection made after a flood is accepted -- and the flood admitted or refused -- first."""
-    with Client(d.socket) as c:
-        return int(c.stats()["running"]["connections"])
+def connections(d: DaemonHandle, c: Client | None = None) -> int:
+    """The daemon's connections now, this client's own included. The listening socket is
+    FIFO, so a connection made after a flood is accepted -- and the flood admitted or
+    refused -- first."""
+    if c is None:
+        with Client(d.socket) as c:
+            return connections(d, c)
+    return int(c.stats()["running"]["connections"])
 
 
 def settled(d: DaemonHandle) -> None:
@@ -171,8 +174,9 @@ def test_a_refused_uid_cannot_fill_the_connection_table(
     try:
         # Before the fix: every one of bin's connections held a slot until its Hello, and
         # root was refused "busy: 40 connections open".
-        assert d.run("6 * 7").result == 42
-        assert connections(d) == 1  # refused ones hold nothing: only root's own
+        with Client(d.socket) as c:
+            assert c.run("6 * 7").result == 42
+            assert connections(d, c) == 1  # refused ones hold nothing: only root's own
         answers = flood.answers()
     finally:
         flood.close()
@@ -194,9 +198,10 @@ def test_one_allowed_uid_cannot_fill_the_connection_table(
     try:
         # Before the fix the per-uid cap applied only at Hello: nobody's 40 idle connections
         # all held slots, and root was refused busy.
-        assert d.run("6 * 7").result == 42
-        # counted from the first byte: nobody holds exactly its cap, Hello or not
-        assert connections(d) == PER_UID + 1
+        with Client(d.socket) as c:
+            assert c.run("6 * 7").result == 42
+            # counted from the first byte: nobody holds exactly its cap, Hello or not
+            assert connections(d, c) == PER_UID + 1
     finally:
         flood.close()
     settled(d)
