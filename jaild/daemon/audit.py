@@ -15,8 +15,8 @@ and written as one summary record -- the totals are exact, only the detail is cu
 * ``refused`` (connections and requests), per uid: the first
   :data:`REFUSALS_PER_WINDOW` in each :data:`REFUSAL_WINDOW_S`-second window are
   written; the rest are counted by code, and one ``refused_summary`` record
-  (``uid``, ``suppressed: {code: n}``) is written when the uid's window is over (at
-  its next refusal, or when the daemon stops).
+  (``uid``, ``audited``, ``suppressed: {code: n}``) is written once the uid's window
+  is over (at the next refusal of any uid, or when the daemon stops).
 * ``tool_call`` records of calls the broker refused (:data:`~jaild.daemon.broker.REFUSALS`),
   per job: the first :data:`REFUSED_CALLS_PER_JOB` are written; at the job's end a
   ``tool_calls_refused`` record gives the total per error type (``refused``), how many
