@@ -5,8 +5,9 @@ Two real uids besides root reach the daemon's socket (group ``nogroup``): ``nobo
 (65534), whom ``access.users`` allows, and ``bin`` (2), whom it refuses. Each attack runs
 as that uid in a subprocess of the base interpreter, with only the standard library, and
 root -- the other tenant -- must still be served. Each test fails on the code before the
-fix (the fix's commit message says how it was checked); the positive controls are noted
-where they are made.
+fix (checked against a19ce62's ``jaild/``: root refused ``busy: 40 connections open``, the
+daemon's peak RSS up by the 288 MiB sent, 3,000 audit lines for 3,000 refused calls); the
+positive controls are noted where they are made.
 """
 
 from __future__ import annotations
