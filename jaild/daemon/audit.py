@@ -4,6 +4,25 @@ Every record goes to the daemon's log (stderr, hence journald under systemd) as
 one ``audit: key=value ...`` line, and -- when the config names a file -- is
 appended to it as one JSON object per line. The file is opened ``O_APPEND``
 and created ``0640``.
+
+Theory of operation: bounded, and nothing lost
+----------------------------------------------
+Whoever is refused decides how often: a local user the allow-list refuses can
+connect in a loop, and a jail can call an unknown tool in a loop. So those two
+kinds of record are rate-limited, and what is not written individually is counted
+and written as one summary record -- the totals are exact, only the detail is cut:
+
+* ``refused`` (connections and requests), per uid: the first
+  :data:`REFUSALS_PER_WINDOW` in each :data:`REFUSAL_WINDOW_S`-second window are
+  written; the rest are counted by code, and one ``refused_summary`` record
+  (``uid``, ``audited``, ``suppressed: {code: n}``) is written once the uid's window
+  is over (at the next refusal of any uid, or when the daemon stops).
+* ``tool_call`` records of calls the broker refused (:data:`~jaild.daemon.broker.REFUSALS`),
+  per job: the first :data:`REFUSED_CALLS_PER_JOB` are written; at the job's end a
+  ``tool_calls_refused`` record gives the total per error type (``refused``), how many
+  were written (``audited``) and how many were only counted (``suppressed``). Every
+  call counts against the job's ``limits.tool_calls`` too, and the job record's
+  ``tool_calls`` is every call the job made, refused ones included.
 """
 
 from __future__ import annotations
@@ -13,9 +32,11 @@ import logging
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+from jaild.daemon.broker import REFUSALS
 from jaild.protocol.records import JobRecord
 
 log = logging.getLogger("jaild.daemon.audit")
@@ -40,8 +61,41 @@ class Peer:
         return f"uid={self.uid} pid={self.pid}"
 
 
+REFUSALS_PER_WINDOW = 20
+"""Refusals of one uid written individually per window; the rest are summarised."""
+REFUSAL_WINDOW_S = 60.0
+REFUSED_CALLS_PER_JOB = 20
+"""Refused tool calls of one job written individually; the rest are summarised."""
+_JOBS_TRACKED = 4096  # jobs with refused calls whose end has not been audited yet
+
+
+@dataclass
+class _Window:
+    """One uid's refusals in its current window."""
+
+    start: float
+    written: int = 0
+    suppressed: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class _CallRefusals:
+    """One job's refused tool calls so far."""
+
+    uid: int | None
+    written: int = 0
+    totals: Counter[str] = field(default_factory=Counter)
+
+
 class AuditLog:
-    def __init__(self, path: str | None = None) -> None:
+    """The audit trail (see the module docstring). ``clock``: monotonic seconds."""
+
+    def __init__(
+        self, path: str | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._clock = clock
+        self._windows: dict[int, _Window] = {}
+        self._calls: dict[str, _CallRefusals] = {}
         self._fd = -1
         if path:
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
@@ -58,8 +112,9 @@ class AuditLog:
                 log.error("cannot write the audit file: %s", exc)
 
     def job(self, peer: Peer, record: JobRecord) -> None:
-        """A job ended (however it ended)."""
+        """A job ended (however it ended): its refused calls' summary, then its record."""
         error, usage = record.error, record.usage
+        self._calls_summary(record.job_id)
         self._emit(
             "job",
             {
@@ -69,7 +124,7 @@ class AuditLog:
                 "policy": record.policy,
                 "status": record.status,
                 "duration_s": record.duration_s,
-                "tool_calls": len(record.tool_calls),
+                "tool_calls": len(record.tool_calls) + record.tool_calls_omitted,
                 "tools": dict(Counter(c.name for c in record.tool_calls)),
                 **(
                     {
@@ -96,7 +151,18 @@ class AuditLog:
     def tool_call(
         self, peer: Peer | None, job_id: str, tool: str, outcome: str, duration_s: float
     ) -> None:
-        """A tool call ended (``outcome``: ok, or why not)."""
+        """A tool call ended (``outcome``: ok, or why not). Refused calls past
+        :data:`REFUSED_CALLS_PER_JOB` are only counted, for the job's summary."""
+        if outcome in REFUSALS:
+            seen = self._calls.get(job_id)
+            if seen is None:
+                if len(self._calls) >= _JOBS_TRACKED:  # jobs whose end was never audited
+                    self._calls_summary(next(iter(self._calls)))
+                seen = self._calls[job_id] = _CallRefusals(peer.uid if peer else None)
+            seen.totals[outcome] += 1
+            if seen.written >= REFUSED_CALLS_PER_JOB:
+                return
+            seen.written += 1
         self._emit(
             "tool_call",
             {
@@ -112,14 +178,63 @@ class AuditLog:
         """``jaild kill`` ended a job or session."""
         self._emit("kill", {"id": ident, "uid": peer.uid, "pid": peer.pid})
 
-    def refused(self, peer: Peer, code: str, message: str, **extra: Any) -> None:
-        """A request (or a connection) was refused."""
+    def _calls_summary(self, job_id: str) -> None:
+        seen = self._calls.pop(job_id, None)
+        if seen is None or seen.written == sum(seen.totals.values()):
+            return  # every refused call of the job has its own record
+        self._emit(
+            "tool_calls_refused",
+            {
+                "job": job_id,
+                "uid": seen.uid,
+                "refused": dict(seen.totals),
+                "audited": seen.written,
+                "suppressed": sum(seen.totals.values()) - seen.written,
+            },
+        )
+
+    def refused(self, peer: Peer, code: str, message: str, **extra: Any) -> bool:
+        """A request (or a connection) was refused. False if the record was only counted
+        (the uid is past :data:`REFUSALS_PER_WINDOW` in this window)."""
+        now = self._clock()
+        for uid in [u for u, w in self._windows.items() if now - w.start >= REFUSAL_WINDOW_S]:
+            self._refusals_summary(uid)  # that uid's window is over
+        window = self._windows.get(peer.uid)
+        if window is None:
+            window = self._windows[peer.uid] = _Window(now)
+        if window.written >= REFUSALS_PER_WINDOW:
+            window.suppressed[code] += 1
+            return False
+        window.written += 1
         self._emit(
             "refused",
             {"uid": peer.uid, "pid": peer.pid, "code": code, "message": message[:500], **extra},
         )
+        return True
+
+    def _refusals_summary(self, uid: int) -> None:
+        window = self._windows.pop(uid, None)
+        if window is None or not window.suppressed:
+            return
+        self._emit(
+            "refused_summary",
+            {
+                "uid": uid,
+                "window_s": round(self._clock() - window.start, 3),
+                "audited": window.written,
+                "suppressed": dict(window.suppressed),
+            },
+        )
+
+    def flush(self) -> None:
+        """Write every pending summary (the daemon stops)."""
+        for uid in list(self._windows):
+            self._refusals_summary(uid)
+        for job_id in list(self._calls):
+            self._calls_summary(job_id)
 
     def close(self) -> None:
+        self.flush()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -11,12 +11,17 @@ check                  refused when                                    answer
 =====================  ==============================================  ==================
 call id                it collides with a call still in flight         the job is killed
                                                                        (``channel_error``)
+call quota             ``limits.tool_calls`` calls already made        ``quota_exceeded``
 tool name              no tool of that name was registered             ``unknown_tool``
 in-flight cap          ``limits.tool_calls_in_flight`` calls pending   ``too_many_calls``
-call quota             ``limits.tool_calls`` calls already made        ``quota_exceeded``
 traffic quota          the arguments pass ``limits.tool_bytes``        ``quota_exceeded``
 arguments              they do not fit the tool's JSON schema          ``invalid_arguments``
 =====================  ==============================================  ==================
+
+Every call the jail makes counts against ``limits.tool_calls``, refused or not: a job
+that keeps calling an unknown tool (or calls past a refusal) uses up its quota like
+one whose calls succeed, and every call after that is refused ``quota_exceeded``.
+The refusal codes are :data:`REFUSALS` (the audit summarises them per job).
 
 An admitted call is routed to the client with whether it needs approval (the
 tool asks for it, or the policy does) and its timeout (the policy's
@@ -49,6 +54,12 @@ from jaild.protocol.messages import ToolSpec
 from jaild.protocol.records import MAX_CALL_RECORDS
 
 _CACHE_MAX = 4096
+
+REFUSALS = frozenset(
+    {"unknown_tool", "too_many_calls", "quota_exceeded", "invalid_arguments", "payload_too_large"}
+)
+"""The error types the broker answers a call with itself (no handler ran, or its result
+was refused): unbounded in number only through a job's quota, and audited in summary."""
 
 
 # --------------------------------------------------------------------------- verdicts
@@ -227,7 +238,7 @@ class Broker:
         self.entries: list[dict[str, Any]] = []
         self.omitted = 0
         self.tool_time_s = 0.0
-        self.calls_made = 0  # against limits.tool_calls
+        self.calls_made = 0  # every call the jail made, refused or not: against limits.tool_calls
         self.tool_bytes = 0  # packed arguments and results, against limits.tool_bytes
 
     @property
@@ -243,10 +254,10 @@ class Broker:
         if call_id in self.in_flight:
             return Violation(f"the jail reused call id {call_id} while in flight")
         refusal = self._refusal(name, args)
+        self.calls_made += 1
         if refusal is not None:
             self._log(name, 0.0, refusal[0])
             return Refused(call_id, name, *refusal)
-        self.calls_made += 1
         self.tool_bytes += len(args)
         self.in_flight[call_id] = name
         return Admitted(call_id, name, args, name in self._approval, self.timeout_s(name))
@@ -259,6 +270,12 @@ class Broker:
 
     def _refusal(self, name: str, args: bytes) -> tuple[str, str] | None:
         limits = self.limits
+        if self.calls_made >= limits.tool_calls:
+            return (
+                "quota_exceeded",
+                f"this job made its {limits.tool_calls} tool calls, refused ones included "
+                "(limits.tool_calls)",
+            )
         if name not in self._tools:
             available = ", ".join(sorted(self._tools)) or "(none)"
             return ("unknown_tool", f"no tool named {name!r}; available: {available}")
@@ -267,11 +284,6 @@ class Broker:
                 "too_many_calls",
                 f"{len(self.in_flight)} tool calls already in flight; the policy allows "
                 f"{limits.tool_calls_in_flight} at once",
-            )
-        if self.calls_made >= limits.tool_calls:
-            return (
-                "quota_exceeded",
-                f"this job made its {limits.tool_calls} tool calls (limits.tool_calls)",
             )
         if self.tool_bytes + len(args) > limits.tool_bytes:
             return (
@@ -344,6 +356,7 @@ class Broker:
 
 __all__ = [
     "MAX_CALL_RECORDS",
+    "REFUSALS",
     "Admitted",
     "Answer",
     "Broker",

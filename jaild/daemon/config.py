@@ -102,7 +102,10 @@ class LimitsFile:
     )
     max_connections: int = setting(1024, "Client connections at once.", between(1, 1 << 20))
     max_connections_per_uid: int = setting(
-        128, "Client connections at once from one uid.", between(1, 1 << 20)
+        128,
+        "Client connections at once from one uid, counted from connect (Hello or not); "
+        "below max_connections.",
+        between(1, 1 << 20),
     )
     stream_buffer_bytes: int = setting(
         1 << 20,
@@ -110,7 +113,9 @@ class LimitsFile:
         between(1 << 12, 1 << 30),
     )
     max_frame_bytes: int = setting(
-        80 << 20, "Largest frame a client may send.", between(1 << 16, 1 << 30)
+        80 << 20,
+        "Largest frame a client may send once it has said Hello (64 KiB before).",
+        between(1 << 16, 1 << 30),
     )
     handshake_timeout_s: float = setting(
         10.0, "A new connection must say Hello within this.", between(0.1, 3600)
@@ -165,10 +170,19 @@ def load_config_file(path: str) -> dict[str, Any]:
             raise PolicyError(
                 path, key, f"unknown key; the config accepts {', '.join(FILE_SECTIONS)}"
             )
-    return {
+    sections = {
         name: load_section(path, name, cls, data.get(name, {}))
         for name, cls in FILE_SECTIONS.items()
     }
+    limits = sections["limits"]
+    if limits.max_connections_per_uid >= limits.max_connections > 1:
+        raise PolicyError(
+            path,
+            "limits.max_connections_per_uid",
+            f"must be less than limits.max_connections ({limits.max_connections}), so that "
+            "no one uid can take every connection",
+        )
+    return sections
 
 
 def config_reference_markdown() -> str:

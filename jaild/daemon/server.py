@@ -27,6 +27,22 @@ and connection is in the :class:`~jaild.daemon.registry.Registry`; requests go
 through the :class:`~jaild.daemon.pipeline.Pipeline` (admission, placement,
 ``run_to_record``) and :class:`~jaild.daemon.sessions.Sessions`.
 
+The front door: a connection is admitted or refused the moment it is accepted, on
+its peer credentials (``SO_PEERCRED``) alone -- before it has sent a byte. A uid not
+in ``access.users``, or one at ``limits.max_connections_per_uid``, or any uid when
+the daemon is at ``limits.max_connections``, gets an ``Error`` frame
+(``permission_denied`` or ``busy``) at once and is closed; it never enters the
+registry, so it takes no connection slot from anyone. An admitted connection counts
+against its uid and the daemon from then on, Hello or not, and until ``Hello`` its
+frames may be at most 64 KiB (:data:`~jaild.protocol.connection.HANDSHAKE_FRAME_BYTES`):
+``max_frame_bytes`` is for clients that have said who they are. So that the refused
+client reads the reason rather than a broken pipe, a refused connection lingers for
+at most :data:`REFUSED_LINGER_S` reading (and dropping) at most 64 KiB -- its Hello --
+and only while fewer than :data:`REFUSED_LINGER_MAX` refused connections (and
+:data:`REFUSED_LINGER_PER_UID` of its uid) linger; past that it is closed right
+after the ``Error``. Refusals are audited, rate-limited per uid
+(:mod:`jaild.daemon.audit`), and counted in the metrics.
+
 Hostile input on a connection (a bad frame, an oversize frame, a message out of
 order) gets an ``Error`` frame and that connection is closed; a well-formed but
 unacceptable request (unknown policy, looser limits, unknown job) gets an
@@ -42,6 +58,7 @@ import logging
 import socket
 import struct
 import time
+from collections import Counter
 from collections.abc import Coroutine
 from typing import Any
 
@@ -69,6 +86,7 @@ from jaild.errors import (
 )
 from jaild.policy.schema import Policy
 from jaild.protocol import CLOSED, NEED_DATA, PROTOCOL_VERSION, Connection, Role
+from jaild.protocol.connection import HANDSHAKE_FRAME_BYTES
 from jaild.protocol.messages import (
     CancelJob,
     ClientCallTool,
@@ -97,6 +115,13 @@ log = logging.getLogger("jaild")
 
 SO_PEERGROUPS = 59
 WRITE_BUFFER_HIGH = 8 << 20
+
+REFUSED_LINGER_S = 1.0
+"""How long a refused connection stays open to read its client's Hello (then closed)."""
+REFUSED_LINGER_MAX = 64
+"""Refused connections lingering at once, all uids; more are closed right after the Error."""
+REFUSED_LINGER_PER_UID = 8
+"""Refused connections of one uid lingering at once."""
 
 
 def _peer_credentials(sock: socket.socket) -> tuple[int, int, int, tuple[int, ...]]:
@@ -179,15 +204,6 @@ class ClientSession:
                 ) from None
             if not isinstance(hello, Hello):
                 return
-            # Admission answers the Hello (rather than closing on connect), so the client
-            # always gets to read why it was refused.
-            refusal = self.daemon.admit(self)
-            if refusal is not None:
-                log.warning("refused connection from %s: %s", self.who, refusal.message)
-                self.daemon.refused(self.peer, refusal.code, refusal.message)
-                self.send_error(refusal)
-                await self._flush()
-                return
             self.send(Welcome(protocol=PROTOCOL_VERSION, daemon=f"jaild/{__version__}"))
             while True:
                 msg = await self._next_message()
@@ -197,14 +213,28 @@ class ClientSession:
                 if self.writer.transport.get_write_buffer_size() > WRITE_BUFFER_HIGH:
                     await self.writer.drain()
         except RemoteProtocolError as exc:
-            log.warning("client %s sent bad input: %s", self.who, exc.message)
-            self.daemon.refused(self.peer, exc.code, exc.message)
+            if self.daemon.refused(self.peer, exc.code, exc.message):
+                log.warning("client %s sent bad input: %s", self.who, exc.message)
             self.send_error(exc)
             await self._flush()
         except (ConnectionError, OSError):
             pass
         except Exception:  # a jaild bug: this connection ends, its jobs end as usual
             log.exception("connection of %s failed inside jaild", self.who)
+
+    async def refuse(self, refusal: JaildError, linger: bool) -> None:
+        """Refused at the door: the Error, then (``linger``) read and drop the client's
+        Hello -- at most 64 KiB, for at most REFUSED_LINGER_S -- so that it can read the
+        reason instead of a broken pipe; then close."""
+        self.send_error(refusal)
+        await self._flush()
+        if linger:
+            left = HANDSHAKE_FRAME_BYTES
+            with contextlib.suppress(TimeoutError, ConnectionError, OSError):
+                async with asyncio.timeout(REFUSED_LINGER_S):
+                    while left > 0 and (data := await self.reader.read(left)):
+                        left -= len(data)
+        self.close()
 
     async def _flush(self) -> None:
         with contextlib.suppress(Exception):
@@ -239,8 +269,8 @@ class ClientSession:
             try:
                 daemon.submit(self, msg)
             except JaildError as exc:
-                log.info("refused job from %s: %s: %s", self.who, exc.code, exc.message)
-                daemon.refused(self.peer, exc.code, exc.message, policy=msg.policy)
+                if daemon.refused(self.peer, exc.code, exc.message, policy=msg.policy):
+                    log.info("refused job from %s: %s: %s", self.who, exc.code, exc.message)
                 self.send_error(exc, ref=msg.ref)
         elif isinstance(msg, (ClientToolReturned, ClientToolFailed)):
             self._tool_replied(msg)
@@ -376,6 +406,7 @@ class Daemon:
         self.audit = AuditLog()
         self.accounting = Accounting()
         self.metrics = Metrics(config.metrics_address)
+        self._lingering: Counter[int] = Counter()  # refused connections still open, by uid
         self._stopping = False
         self._stopped = asyncio.Event()
 
@@ -430,8 +461,25 @@ class Daemon:
         except OSError:
             writer.close()
             return
-        self.registry.connect(session)
-        await session.serve()
+        refusal = self.admit(session)
+        if refusal is None:
+            self.registry.connect(session)  # it counts from now on, Hello or not
+            await session.serve()
+            return
+        uid = session.peer.uid
+        if self.refused(session.peer, refusal.code, refusal.message):
+            log.warning("refused connection from %s: %s", session.who, refusal.message)
+        linger = (
+            self._lingering.total() < REFUSED_LINGER_MAX
+            and self._lingering[uid] < REFUSED_LINGER_PER_UID
+        )
+        self._lingering[uid] += linger
+        try:
+            await session.refuse(refusal, linger)
+        finally:
+            self._lingering[uid] -= linger
+            if not self._lingering[uid]:
+                del self._lingering[uid]
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting, end every job and session (their clients get their records
@@ -468,7 +516,8 @@ class Daemon:
     # ------------------------------------------------------------------ requests
 
     def admit(self, session: ClientSession) -> JaildError | None:
-        """May this connection stay? (peer credentials, connection limits)"""
+        """May this connection, just accepted, stay? (peer credentials, connection limits:
+        every connection admitted before counts, whether it has said Hello or not)"""
         try:
             admission.admit_connection(
                 session.peer,
@@ -584,10 +633,11 @@ class Daemon:
         self.audit.tool_call(live.owner.peer if live else None, job_id, tool, outcome, duration_s)
         self.metrics.tool_call(policy, tool, outcome, duration_s)
 
-    def refused(self, peer: Peer, code: str, message: str, **extra: Any) -> None:
-        """A connection or request was refused: audited and counted."""
-        self.audit.refused(peer, code, message, **extra)
+    def refused(self, peer: Peer, code: str, message: str, **extra: Any) -> bool:
+        """A connection or request was refused: counted, and audited -- rate-limited per
+        uid (False: only counted, for the uid's ``refused_summary``)."""
         self.metrics.refused(code)
+        return self.audit.refused(peer, code, message, **extra)
 
 
 async def serve(config: DaemonConfig) -> None:

@@ -124,7 +124,9 @@ class Limits:
         64, "Tool calls one job may have in flight at once.", between(1, 4096)
     )
     tool_calls: int = setting(
-        10_000, "Tool calls one job (one session run) may make in all.", between(1, 1 << 30)
+        10_000,
+        "Tool calls one job (one session run) may make in all, refused ones included.",
+        between(1, 1 << 30),
     )
     tool_bytes: int = setting(
         256 << 20,

@@ -24,6 +24,11 @@ may still send ``Error`` (state ``closed``) to tell the client why.
 The version handshake happens in the first message each way (``Hello`` /
 ``Welcome`` on the client link, ``Harden`` / ``JailReady`` on the jail link):
 a version other than :data:`PROTOCOL_VERSION` raises :class:`UnsupportedVersion`.
+
+Until the handshake's first message has arrived, the daemon end accepts only frames of
+at most :data:`HANDSHAKE_FRAME_BYTES` (64 KiB; a ``Hello`` is under 300 bytes): a peer
+that has not said who it speaks to -- or that the daemon will refuse -- cannot make it
+buffer a large frame. Past ``Hello`` the link's ``max_frame_bytes`` applies.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import enum
 from typing import Final
 
 from jaild.errors import (
+    FrameTooLarge,
     LocalProtocolError,
     RemoteProtocolError,
     UnexpectedMessage,
@@ -212,15 +218,29 @@ _DIRECTIONS: dict[Role, tuple[Direction, Direction]] = {
 
 _HANDSHAKE = (Hello, Welcome, Harden, JailReady)
 
+HANDSHAKE_FRAME_BYTES: Final = 64 << 10
+"""The largest frame the daemon end takes before ``Hello`` (whose fields bound it to a few
+hundred bytes): until then the frame decoder never holds more than this (plus one read)."""
+
 
 class Connection:
     """One end of one link. See the module docstring."""
 
-    __slots__ = ("_decoder", "_eof", "_error", "_recv_dir", "_send_dir", "role", "state")
+    __slots__ = (
+        "_decoder",
+        "_eof",
+        "_error",
+        "_max_frame_bytes",
+        "_recv_dir",
+        "_send_dir",
+        "role",
+        "state",
+    )
 
     def __init__(self, role: Role, max_frame_bytes: int) -> None:
         self.role = role
         self.state = INITIAL_STATE[role]
+        self._max_frame_bytes = max_frame_bytes
         self._decoder = FrameDecoder(max_frame_bytes)
         self._recv_dir, self._send_dir = _DIRECTIONS[role]
         self._error: RemoteProtocolError | None = None
@@ -228,7 +248,15 @@ class Connection:
 
     @property
     def max_frame_bytes(self) -> int:
-        return self._decoder.max_frame_bytes
+        """The link's largest frame (after the handshake; see :data:`HANDSHAKE_FRAME_BYTES`)."""
+        return self._max_frame_bytes
+
+    @property
+    def receive_limit(self) -> int:
+        """The largest frame accepted now: tiny on the daemon end until ``Hello``."""
+        if self.role is Role.DAEMON and self.state is State.AWAIT_HELLO:
+            return min(self._max_frame_bytes, HANDSHAKE_FRAME_BYTES)
+        return self._max_frame_bytes
 
     @property
     def inside_frame(self) -> bool:
@@ -247,7 +275,7 @@ class Connection:
         if self._error is not None:
             raise self._error
         try:
-            payload = self._decoder.next_frame()
+            payload = self._next_frame()
             if payload is None:
                 if self._eof:
                     if self._decoder.buffered_bytes:
@@ -280,9 +308,21 @@ class Connection:
             raise LocalProtocolError(
                 f"{self.role.value} cannot send {msg.TYPE} in state {self.state.value}"
             )
-        data = encode_frame(encode(msg), self._decoder.max_frame_bytes)
+        data = encode_frame(encode(msg), self._max_frame_bytes)
         self.state = nxt
         return data
+
+    def _next_frame(self) -> bytes | None:
+        limit = self._decoder.max_frame_bytes = self.receive_limit
+        try:
+            return self._decoder.next_frame()
+        except FrameTooLarge as exc:
+            if limit < self._max_frame_bytes:  # still in the handshake
+                raise FrameTooLarge(
+                    f"{exc.message.split(';')[0]} before Hello; until the handshake a frame "
+                    f"may have at most {limit} bytes"
+                ) from None
+            raise
 
     def _advance(self, verb: str, msg: Message) -> None:
         nxt = TRANSITIONS.get((self.role, self.state), {}).get((verb, msg.TYPE))

@@ -76,15 +76,26 @@ def test_in_flight_cap() -> None:
     assert isinstance(b.admit(3, "free", ARGS), Admitted)
 
 
-def test_call_quota_counts_admitted_calls_only() -> None:
-    b = broker(tool_calls=2)
-    assert isinstance(b.admit(1, "nope", ARGS), Refused)  # refused: not counted
+def test_call_quota_counts_every_call_refused_ones_too() -> None:
+    b = broker(tool_calls=3)
+    assert isinstance(b.admit(1, "nope", ARGS), Refused)  # refused, and counted
     for call_id in (2, 3):
         assert isinstance(b.admit(call_id, "free", ARGS), Admitted)
         b.answer(call_id, True, b"\xc0", 0.0)
     verdict = b.admit(4, "free", ARGS)
     assert isinstance(verdict, Refused) and verdict.error_type == "quota_exceeded"
     assert "limits.tool_calls" in verdict.message
+
+
+def test_a_job_spinning_on_an_unknown_tool_uses_up_its_quota() -> None:
+    b = broker(tool_calls=5)
+    kinds = [b.admit(i, "nope", ARGS) for i in range(1, 9)]
+    assert [v.error_type for v in kinds if isinstance(v, Refused)] == (
+        ["unknown_tool"] * 5 + ["quota_exceeded"] * 3
+    )
+    assert b.calls_made == 8 and b.calls_logged == 8
+    # positive control: within the quota a known tool is still admitted
+    assert isinstance(broker(tool_calls=5).admit(1, "free", ARGS), Admitted)
 
 
 def test_traffic_quota_on_arguments_and_results() -> None:
