@@ -39,6 +39,7 @@ from typing import Any
 
 from jaild.daemon.cgroups import Cgroups, JobCgroup
 from jaild.daemon.launch.handle import JailHandle
+from jaild.daemon.launch.spawned import as_owner
 from jaild.daemon.machine import Exited, JobSpec, Reaped, Spawned, StartFailed, StreamClosed
 from jaild.errors import RemoteProtocolError, ZygoteError
 from jaild.policy.compile import (
@@ -203,7 +204,7 @@ class Zygote:
         )
         try:
             self._proc = subprocess.Popen(
-                [*self._launcher, *argv],
+                [*as_owner(self._launcher, self.uid), *argv],
                 stdin=zygote_end.fileno(),
                 stdout=log_w,
                 stderr=log_w,

@@ -8,14 +8,30 @@ are pipes. A pidfd says when nsjail exits (``wait4`` then gives its rusage, whic
 includes the jailed process nsjail reaped). The jail is over when nsjail has exited and
 its stdout, stderr, log and channel reached EOF -- so no output and no ``CodeFinished``
 is left unread.
+
+Who owns the jail's user namespace
+----------------------------------
+The kernel charges per-user counts (ucounts: inotify instances and watches, queued
+signals, POSIX message queue bytes, locked SysV shared memory, processes, namespaces)
+up the chain of user namespaces, to the *owner* of each: the euid of the process that
+created it. nsjail creates the jail's user namespace, so if nsjail ran as root, every
+jail's counts would land on host root's, and a jail could exhaust them (128 inotify
+instances, and root's own ``inotify_init1`` fails with EMFILE). So :func:`as_owner`
+starts nsjail as the host uid that is to own the namespace -- the job's own uid here, the
+zygote's own uid for a zygote -- with the daemon's capabilities kept as ambient ones
+(setpriv ``--reuid``, ``--ambient-caps``): nsjail can still map uids, make cgroups and
+mount, but what its jail consumes is charged to that uid, which nothing else uses.
+setpriv sets the parent-death signal after it changes credentials (a credential change
+clears it), so nsjail still dies with the daemon.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from jaild.daemon.launch.handle import JailHandle
 from jaild.daemon.machine import Exited, JobSpec, Spawned
@@ -44,7 +60,7 @@ class SpawnLauncher:
                 JobPlacement(handle.jail_id, uid, f"/proc/self/fd/{config_fd}", log_w),
             )
             handle.proc = subprocess.Popen(
-                [*env.launcher, *_accounting_prefix(handle), *argv],
+                [*as_owner(env.launcher, uid), *_accounting_prefix(handle), *argv],
                 stdin=jail_end.fileno(),
                 stdout=out_w,
                 stderr=err_w,
@@ -70,6 +86,44 @@ class SpawnLauncher:
         await handle.read_log(log_r)
         handle.open_channel(daemon_end)
         on_sent()
+
+
+@functools.cache
+def owner_caps() -> str:
+    """The daemon's permitted capabilities, as setpriv's ``--ambient-caps`` spells them
+    (``-all,+cap_0,...``): what nsjail keeps when it runs as a namespace owner's uid. Read
+    from the daemon itself, not a constant: setpriv refuses to raise a capability the
+    process lacks (a host's bounding set may lack CAP_SYS_RESOURCE).
+
+    Raises:
+        OSError: /proc/self/status cannot be read.
+    """
+    with open("/proc/self/status") as status:
+        line = next(ln for ln in status if ln.startswith("CapPrm:"))
+    permitted = int(line.split()[1], 16)
+    bits = [n for n in range(permitted.bit_length()) if permitted >> n & 1]
+    return ",".join(["-all", *(f"+cap_{n}" for n in bits)])
+
+
+def as_owner(launcher: Sequence[str], uid: int) -> list[str]:
+    """``launcher`` (``setpriv ... --``) made to start its program as host ``uid`` (real,
+    effective and saved uid and gid; no supplementary groups) with the daemon's
+    capabilities kept as ambient ones, so that the user namespace nsjail creates is owned
+    by ``uid`` and charges its per-user kernel counts there, not to root (see the module
+    docstring)."""
+    if not launcher or launcher[-1] != "--":
+        raise ValueError(f"not a setpriv launcher ending in '--': {list(launcher)}")
+    caps = owner_caps()
+    return [
+        *launcher[:-1],
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "--securebits=+no_setuid_fixup",  # keep the capabilities across the uid change
+        f"--inh-caps={caps}",
+        f"--ambient-caps={caps}",
+        "--",
+    ]
 
 
 def _accounting_prefix(handle: JailHandle) -> list[str]:
@@ -121,4 +175,4 @@ def watch_exit(
     handle.loop.add_reader(pidfd, on_exit)
 
 
-__all__ = ["SpawnLauncher", "watch_exit"]
+__all__ = ["SpawnLauncher", "as_owner", "owner_caps", "watch_exit"]
