@@ -13,8 +13,8 @@ listing every reason) at the first step that fails:
    sweep what a crashed daemon left;
 5. find nsjail and setpriv (which starts every nsjail as the host uid that is to own
    its jail's user namespace, with the daemon's capabilities as ambient ones, see
-   :func:`jaild.daemon.launch.spawned.as_owner`), become a child subreaper, stage the runtime, seal one
-   nsjail config per policy in a memfd, compile the seccomp programs;
+   :func:`jaild.daemon.launch.spawned.as_owner`), become a child subreaper, stage the
+   runtime, seal one nsjail config per policy in a memfd, compile the seccomp programs;
 6. start the zygotes (a policy whose zygote does not come up is not served), run
    the policies' self-tests (one that fails is not served), start the warm pools;
 7. serve the socket and tell systemd ``READY=1``.
