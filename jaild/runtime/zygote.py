@@ -7,7 +7,10 @@ costs ~30 ms of CPU. The zygote pays it once: the daemon starts it in an nsjail
 jail of its own -- the policy's read-only mounts, its own user, pid, mount, net,
 ipc, uts and cgroup namespaces -- but with its capabilities *kept* inside that
 user namespace, and a uid map holding the daemon's whole range of job uids
-(inside uid N = host uid N; inside 0 = the zygote's own host uid). It imports the
+(inside uid N = host uid N; inside 0 = the zygote's own host uid). That namespace is
+owned by the zygote's own host uid (nsjail runs as it), so what its jails hold of the
+kernel's per-user counts is charged to that uid, not to root; first thing, the zygote
+caps each uid's share inside it (:data:`USERNS_LIMITS`). It imports the
 runtime and the policy's ``preimport`` modules, then waits on its control socket
 (fd 0, SOCK_SEQPACKET) for ``SpawnJail`` messages (:mod:`jaild.protocol.zygote_link`).
 
