@@ -298,3 +298,24 @@ def test_a_zygote_jails_namespace_is_owned_by_the_zygotes_uid(quotas: DaemonHand
     assert seen["same_ns"]  # a zygote jail lives in its zygote's user namespace ...
     assert seen["owners"] == {seen["zygote_uid"]} == {seen["zygote_owner"]}  # ... its uid's
     assert inside == {"sys": False, "cgroupfs": False, "uid": job_uid}
+
+
+def test_work_directories_planted_in_tmp_do_not_stop_spawned_jails(quotas: DaemonHandle) -> None:
+    # nsjail, run as a job's uid, mounts on /tmp/nsjail.<uid>.root and .tmp: predictable names
+    # in a directory every local user may write. A file planted there stops nsjail (it mounts
+    # on whatever it finds) -- unless the daemon makes them itself first.
+    base = quotas.config.uid_base
+    planted = [Path(f"/tmp/nsjail.{base + slot}.{purpose}")
+               for slot in range(16) for purpose in ("root", "tmp")]
+    try:
+        for path in planted:
+            path.write_text("planted")
+        r = quotas.run("6 * 7", "uc-spawn")
+        assert r.status == "ok" and r.result == 42, (r.status, r.error, r.stderr)
+        # the job's own were made fresh, and removed when its nsjail exited
+        left = [p for p in planted if p.exists()]
+        assert len(left) == len(planted) - 2
+        assert all(p.read_text() == "planted" for p in left)
+    finally:
+        for path in planted:
+            path.unlink(missing_ok=True)

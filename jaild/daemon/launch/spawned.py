@@ -23,13 +23,23 @@ zygote's own uid for a zygote -- with the daemon's capabilities kept as ambient 
 mount, but what its jail consumes is charged to that uid, which nothing else uses.
 setpriv sets the parent-death signal after it changes credentials (a credential change
 clears it), so nsjail still dies with the daemon.
+
+nsjail's child, running as that uid without host capabilities, makes its mount work
+directories as ``/tmp/nsjail.<uid>.root`` and ``.tmp`` (it cannot write /run/user), and
+leaves them. Those names are predictable, in a directory every local user may write: so
+the daemon makes them itself first (:func:`claim_workdirs`: empty, the uid's own, whatever
+was planted there removed) and removes them when nsjail has exited
+(:func:`release_workdirs`), so that one uid's are not left behind per job uid.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import shutil
 import socket
+import stat
 import subprocess
 from collections.abc import Callable, Sequence
 
@@ -52,6 +62,7 @@ class SpawnLauncher:
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         log_r, log_w = os.pipe2(os.O_CLOEXEC)
         try:
+            claim_workdirs(uid)
             argv = job_argv(
                 env.nsjail,
                 spec.policy,
@@ -73,15 +84,21 @@ class SpawnLauncher:
             for fd in (out_r, err_r, log_r):
                 os.close(fd)
             daemon_end.close()
+            release_workdirs(uid)
             raise
         finally:
             for fd in (out_w, err_w, log_w):
                 os.close(fd)
             jail_end.close()
+
+        def ended(status: int, cpu_s: float) -> Exited:
+            release_workdirs(uid)
+            return Exited(returncode=os.waitstatus_to_exitcode(status), cpu_s=cpu_s)
+
         # stdout, stderr, nsjail's log and the channel: the job is over when nsjail has exited
         # and all four reached EOF (so no output and no CodeFinished is left unread)
         handle.feed(Spawned(forked=False, streams=4))
-        watch_exit(handle, handle.proc)
+        watch_exit(handle, handle.proc, ended)
         await handle.read_output(out_r, err_r)
         await handle.read_log(log_r)
         handle.open_channel(daemon_end)
@@ -124,6 +141,49 @@ def as_owner(launcher: Sequence[str], uid: int) -> list[str]:
         f"--ambient-caps={caps}",
         "--",
     ]
+
+
+def _workdirs(uid: int) -> tuple[str, ...]:
+    """Where nsjail, run as ``uid``, makes its mount work directories (see the module
+    docstring; its environment is empty, so no $TMPDIR)."""
+    return (f"/tmp/nsjail.{uid}.root", f"/tmp/nsjail.{uid}.tmp")
+
+
+def _remove(path: str) -> None:
+    """Remove whatever is at ``path`` (never following a link)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)  # with dir fds: safe against links planted inside
+    else:
+        os.unlink(path)
+
+
+def claim_workdirs(uid: int) -> None:
+    """Make nsjail's work directories for ``uid`` before it runs: empty, ``uid``'s own,
+    mode 0755 (nsjail then uses them as they are). In the sticky /tmp no one else can
+    replace them.
+
+    Raises:
+        OSError: they cannot be made.
+    """
+    for path in _workdirs(uid):
+        _remove(path)
+        os.mkdir(path, 0o700)
+        os.chown(path, uid, uid)
+        os.chmod(path, 0o755)
+
+
+def release_workdirs(uid: int) -> None:
+    """Remove nsjail's work directories for ``uid`` once it has exited (empty: nsjail
+    mounted on them only in its jail's mount namespace)."""
+    for path in _workdirs(uid):
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == uid:
+                os.rmdir(path)
 
 
 def _accounting_prefix(handle: JailHandle) -> list[str]:
@@ -175,4 +235,11 @@ def watch_exit(
     handle.loop.add_reader(pidfd, on_exit)
 
 
-__all__ = ["SpawnLauncher", "as_owner", "owner_caps", "watch_exit"]
+__all__ = [
+    "SpawnLauncher",
+    "as_owner",
+    "claim_workdirs",
+    "owner_caps",
+    "release_workdirs",
+    "watch_exit",
+]
