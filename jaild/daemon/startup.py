@@ -49,7 +49,7 @@ from jaild.daemon.config import DaemonConfig
 from jaild.daemon.job import JailedJob, JailEnvironment, JobSpec, ToolObserver
 from jaild.daemon.kernlog import KernelAuditLog
 from jaild.daemon.launch.forked import Zygote
-from jaild.daemon.launch.spawned import owner_caps
+from jaild.daemon.launch.spawned import owner_caps, sweep_workdirs
 from jaild.daemon.metrics import Metrics
 from jaild.daemon.placement import new_job_id
 from jaild.daemon.pool import JailPool
@@ -219,6 +219,7 @@ async def _start_jails(
             len(served.swept),
             " ".join(served.swept[:20]),
         )
+    sweep_workdirs(range(config.uid_base, config.uid_base + 65536))
     nsjail = locate_nsjail(config.nsjail)
     setpriv = shutil.which("setpriv")
     if setpriv is None:

@@ -449,6 +449,9 @@ def _limit_jails() -> dict[str, str]:
         # be none for the jails to inherit.
         if os.getgroups():
             raise SetupFailed(f"the zygote has supplementary groups {os.getgroups()}")
+        with open("/proc/self/uid_map") as uid_map:
+            if uid_map.read().split() == ["0", "0", "4294967295"]:
+                raise SetupFailed("the zygote is not in a user namespace of its own")
         limit_user_namespace(USERNS_LIMITS)
     except (OSError, SetupFailed) as exc:
         return {"per-jail kernel limits": safe_text(str(exc), MAX_FAILURE_CHARS)}

@@ -34,9 +34,10 @@ from typing import Any
 import pytest
 
 from jaild.client import Client
+from jaild.errors import ConnectionLost
 from jaild.policy.compile import JAIL_SIGPENDING, JOB_UIDS
 from jaild.runtime.zygote import USERNS_LIMITS
-from tests.conftest import DaemonHandle, guard, start_daemon
+from tests.conftest import DaemonHandle, guard, start_daemon, until, wait_listening
 
 NS_GET_OWNER_UID = 0xB704  # _IO(0xb7, 0x4), linux/nsfs.h
 CONTROL_UID = 3_999_999_017
@@ -319,3 +320,51 @@ def test_work_directories_planted_in_tmp_do_not_stop_spawned_jails(quotas: Daemo
     finally:
         for path in planted:
             path.unlink(missing_ok=True)
+
+
+def test_a_spawned_nsjail_run_as_the_job_uid_still_dies_with_the_daemon(
+        private_daemon: Callable[..., DaemonHandle]) -> None:
+    # setpriv changes credentials, which clears a parent-death signal: it must set it after.
+    d = private_daemon(POLICIES, with_repo_policies=False)
+    inside, release = threading.Event(), threading.Event()
+
+    def hold() -> bool:
+        inside.set()
+        return release.wait(guard(60))
+
+    try:
+        with Client(d.socket) as c:
+            job = c.submit("await tools.hold()", policy="uc-spawn", tools={"hold": hold})
+            assert inside.wait(guard(60))
+            jail = d.job_pids(job.job_id)[0]
+            uid = host_uid(jail)
+            nsjails = [int(p) for p in filter(str.isdigit, os.listdir("/proc"))
+                       if _is_nsjail_of(int(p), uid)]
+            assert nsjails  # control: nsjail runs, as the job's uid
+            d.proc.kill()
+            d.proc.wait(guard(10))
+            until(lambda: not any(Path(f"/proc/{p}").exists() for p in [*nsjails, jail]),
+                  "nsjail and its jail dying with the daemon", 30)
+            release.set()
+            with pytest.raises(ConnectionLost):
+                job.result(guard(60))
+    finally:
+        release.set()
+    # the next start (same socket, same uids) sweeps the work directories nsjail left
+    assert any(Path(f"/tmp/nsjail.{uid}.{p}").exists() for p in ("root", "tmp"))
+    restarted = subprocess.Popen(d.proc.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_listening(d.socket, restarted, d.log_path)
+        assert not any(Path(f"/tmp/nsjail.{uid}.{p}").exists() for p in ("root", "tmp"))
+        assert d.run("1 + 1", "uc-spawn").result == 2
+    finally:
+        restarted.terminate()
+        assert restarted.wait(guard(30)) == 0
+
+
+def _is_nsjail_of(pid: int, uid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return cmdline[0].endswith(b"nsjail") and host_uid(pid) == uid
+    except (OSError, StopIteration):
+        return False

@@ -186,6 +186,20 @@ def release_workdirs(uid: int) -> None:
                 os.rmdir(path)
 
 
+def sweep_workdirs(uids: range) -> list[str]:
+    """At start: remove the work directories a crashed daemon's nsjails left for ``uids``
+    (the daemon's block); the ones removed."""
+    swept = []
+    for name in os.listdir("/tmp"):
+        parts = name.split(".")
+        if (len(parts) == 3 and parts[0] == "nsjail" and parts[1].isdigit()
+                and parts[2] in ("root", "tmp") and int(parts[1]) in uids):
+            release_workdirs(int(parts[1]))
+            if not os.path.lexists(f"/tmp/{name}"):
+                swept.append(name)
+    return swept
+
+
 def _accounting_prefix(handle: JailHandle) -> list[str]:
     """cgroup v1: nsjail places the jail in the memory, pids and cpu hierarchies only;
     CPU time is counted in ``cpuacct``, so nsjail starts there (and the jail with it)."""
@@ -241,5 +255,6 @@ __all__ = [
     "claim_workdirs",
     "owner_caps",
     "release_workdirs",
+    "sweep_workdirs",
     "watch_exit",
 ]
