@@ -183,6 +183,7 @@ def _identity_checks(
         u != 0 and (expected_uid is None or u == expected_uid) for u in outside
     )
     caps = facts.get("capabilities")
+    owners = view.get("userns_owners") or []
     return [
         Check("uid inside", ids == [inside] * 4, f"uid/euid/gid/egid {ids}"),
         Check(
@@ -197,6 +198,15 @@ def _identity_checks(
             f"NoNewPrivs={facts.get('no_new_privs')}",
         ),
         Check("capabilities empty", caps == [], f"left: {caps or 'none'}"),
+        Check(
+            "user namespace not root's",
+            bool(owners) and all(u != 0 for u in owners) and (
+                policy.pool.mode == "zygote" or owners == [expected_uid]
+            ),
+            f"owned by host uids {owners}",
+            "nsjail must run as the job's (or its zygote's) uid: the jail's kernel quotas are "
+            "its owner's",
+        ),
         Check(
             "seccomp filter mode",
             facts.get("seccomp_mode") in (2, True) and st.get("Seccomp", "2") == "2",

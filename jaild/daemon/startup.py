@@ -11,8 +11,10 @@ listing every reason) at the first step that fails:
 3. start the metrics listener (a busy port refuses the start before any jail exists);
 4. prepare the cgroup subtree (v2: move the daemon into the cgroup it owns) and
    sweep what a crashed daemon left;
-5. find nsjail and setpriv, become a child subreaper, stage the runtime, seal one
-   nsjail config per policy in a memfd, compile the seccomp programs;
+5. find nsjail and setpriv (which starts every nsjail as the host uid that is to own
+   its jail's user namespace, with the daemon's capabilities as ambient ones, see
+   :func:`jaild.daemon.launch.spawned.as_owner`), become a child subreaper, stage the
+   runtime, seal one nsjail config per policy in a memfd, compile the seccomp programs;
 6. start the zygotes (a policy whose zygote does not come up is not served), run
    the policies' self-tests (one that fails is not served), start the warm pools;
 7. serve the socket and tell systemd ``READY=1``.
@@ -47,6 +49,7 @@ from jaild.daemon.config import DaemonConfig
 from jaild.daemon.job import JailedJob, JailEnvironment, JobSpec, ToolObserver
 from jaild.daemon.kernlog import KernelAuditLog
 from jaild.daemon.launch.forked import Zygote
+from jaild.daemon.launch.spawned import owner_caps, sweep_workdirs
 from jaild.daemon.metrics import Metrics
 from jaild.daemon.placement import new_job_id
 from jaild.daemon.pool import JailPool
@@ -217,6 +220,7 @@ async def _start_jails(
             len(served.swept),
             " ".join(served.swept[:20]),
         )
+    sweep_workdirs(range(config.uid_base, config.uid_base + 65536))
     nsjail = locate_nsjail(config.nsjail)
     setpriv = shutil.which("setpriv")
     if setpriv is None:
@@ -224,6 +228,7 @@ async def _start_jails(
             "setpriv (util-linux) is missing: jaild uses it to give every nsjail a "
             "parent-death signal, so no jail outlives the daemon. apt-get install util-linux"
         )
+    log.debug("nsjail runs as its namespace's owner uid with capabilities %s", owner_caps())
     become_child_subreaper()
     ensure_traversable(config.state_dir)
     interpreters = [

@@ -36,6 +36,15 @@ job's cgroup (set by the daemon on the job's parent cgroup, so OOM evidence
 survives nsjail's cleanup; nsjail's child cgroup gets a higher ceiling only so
 that it creates one), wall time by the daemon, CPU time / file size / open files
 by rlimits, output by the daemon's byte count.
+
+The kernel's per-user counts (queued signals, POSIX message queue bytes, locked
+shared memory) are charged to the jail's uid and to the owner of every user
+namespace above it; the daemon makes that owner a uid of the jail's own (see
+:mod:`jaild.daemon.launch.spawned`), but a zygote's jails all share the zygote's.
+So every jail gets small, fixed rlimits for them (:data:`JAIL_SIGPENDING`,
+:data:`JAIL_MSGQUEUE_BYTES`, :data:`JAIL_MEMLOCK_BYTES`): ``max_jobs`` jails at
+their limits fit in what one host uid may hold, and no jail of a zygote can take
+its siblings' share.
 """
 
 from __future__ import annotations
@@ -82,6 +91,17 @@ JAIL_ENVIRONMENT = (
     "MKL_NUM_THREADS=1",
 )
 """The jail's whole environment (nothing of the daemon's is kept)."""
+
+JAIL_SIGPENDING = 64
+"""RLIMIT_SIGPENDING of every jail: 512 jails hold 32,768 queued signals, under a host uid's
+own limit (RLIMIT_SIGPENDING, RAM / 256 KiB: 32,768 on an 8 GiB host). Kernel-generated
+signals (SIGCHLD, a timer's) are exempt; only ``sigqueue``-style signals are counted."""
+JAIL_MSGQUEUE_BYTES = 1024
+"""RLIMIT_MSGQUEUE of every jail: a small POSIX message queue (``mq_maxmsg`` x ``mq_msgsize``
+plus the kernel's overhead); 512 jails hold 512 KiB, under a host uid's 800 KiB default."""
+JAIL_MEMLOCK_BYTES = 16 * 1024
+"""RLIMIT_MEMLOCK of every jail (``mlock``, ``shmctl(SHM_LOCK)``): 512 jails hold 8 MiB, a
+host uid's default."""
 
 DEVICES = (("null", True), ("zero", False), ("urandom", False), ("random", False))
 """The device nodes bound into every jail, and whether each is writable."""
@@ -269,6 +289,9 @@ def _rlimits(limits: Limits) -> Rlimits:
         file_size_bytes=limits.file_size_mb * MIB,
         open_files=limits.open_files,
         core_bytes=0,
+        sigpending=JAIL_SIGPENDING,
+        msgqueue_bytes=JAIL_MSGQUEUE_BYTES,
+        memlock_bytes=JAIL_MEMLOCK_BYTES,
     )
 
 
@@ -417,6 +440,21 @@ def _render_rlimits(plan: JailPlan) -> list[str]:
     return [*lines, "rlimit_stack_type: SOFT"]
 
 
+def _render_kernel_quotas(plan: JailPlan) -> list[str]:
+    """The rlimits on what the kernel counts per user (see the module docstring). nsjail
+    cannot set RLIMIT_SIGPENDING: a spawned jail keeps nsjail's, and its queued signals are
+    charged to its own uid, which owns its user namespace and nothing else."""
+    rl = plan.jail.rlimits
+    if rl is None:
+        return []
+    return [
+        f"rlimit_memlock: {rl.memlock_bytes // 1024}",  # KiB
+        "rlimit_memlock_type: VALUE",
+        f"rlimit_msgqueue: {rl.msgqueue_bytes}",
+        "rlimit_msgqueue_type: VALUE",
+    ]
+
+
 def _render_namespaces(jail: JailSetup) -> list[str]:
     ns = set(jail.namespaces)
     clone = [("net", "net"), ("user", "user"), ("ns", "mount"), ("pid", "pid")]
@@ -446,6 +484,7 @@ def render_config(plan: JailPlan) -> str:
         *(render_mount(m) for m in plan.mounts),
         f"cgroup_mem_max: {plan.memory_max_bytes}",
         "cgroup_mem_swap_max: 0",
+        *_render_kernel_quotas(plan),
     ]
     if plan.cgroup_v2:
         lines.append("use_cgroupv2: true")

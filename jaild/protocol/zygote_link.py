@@ -120,6 +120,12 @@ class Rlimits(Struct):
     file_size_bytes: int = field(integer(0, 1 << 62))
     open_files: int = field(integer(0, 1 << 30))
     core_bytes: int = field(integer(0, 1 << 62), default=0)
+    sigpending: int = field(integer(0, 1 << 30), default=0)
+    """Signals queued to the jail's uid (RLIMIT_SIGPENDING)."""
+    msgqueue_bytes: int = field(integer(0, 1 << 40), default=0)
+    """POSIX message queue bytes of the jail's uid (RLIMIT_MSGQUEUE)."""
+    memlock_bytes: int = field(integer(0, 1 << 40), default=0)
+    """Locked memory, mlock(2) and SHM_LOCK (RLIMIT_MEMLOCK)."""
 
 
 @struct

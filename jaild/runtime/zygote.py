@@ -7,7 +7,10 @@ costs ~30 ms of CPU. The zygote pays it once: the daemon starts it in an nsjail
 jail of its own -- the policy's read-only mounts, its own user, pid, mount, net,
 ipc, uts and cgroup namespaces -- but with its capabilities *kept* inside that
 user namespace, and a uid map holding the daemon's whole range of job uids
-(inside uid N = host uid N; inside 0 = the zygote's own host uid). It imports the
+(inside uid N = host uid N; inside 0 = the zygote's own host uid). That namespace is
+owned by the zygote's own host uid (nsjail runs as it), so what its jails hold of the
+kernel's per-user counts is charged to that uid, not to root; first thing, the zygote
+caps each uid's share inside it (:data:`USERNS_LIMITS`). It imports the
 runtime and the policy's ``preimport`` modules, then waits on its control socket
 (fd 0, SOCK_SEQPACKET) for ``SpawnJail`` messages (:mod:`jaild.protocol.zygote_link`).
 
@@ -157,7 +160,8 @@ def _drop_to(uid: int) -> None:
     """Empty the bounding set while CAP_SETPCAP is still held, then become ``uid``:
     leaving uid 0 clears the effective, permitted and ambient sets."""
     empty_bounding_set()
-    os.setgroups([])
+    if os.getgroups():  # none: the zygote starts with none, and may not set them (see main)
+        os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
 
@@ -184,6 +188,9 @@ _RLIMITS = (
     (resource.RLIMIT_FSIZE, "file_size_bytes"),
     (resource.RLIMIT_NOFILE, "open_files"),
     (resource.RLIMIT_CORE, "core_bytes"),
+    (resource.RLIMIT_SIGPENDING, "sigpending"),
+    (resource.RLIMIT_MSGQUEUE, "msgqueue_bytes"),
+    (resource.RLIMIT_MEMLOCK, "memlock_bytes"),
 )
 
 
@@ -392,13 +399,72 @@ def _receive(control: socket.socket) -> tuple[bytes, list[int]]:
     return data, fds
 
 
+USERNS_LIMITS: dict[str, int] = {
+    "max_inotify_instances": 8,
+    "max_inotify_watches": 1024,
+    "max_fanotify_groups": 0,
+    "max_fanotify_marks": 0,
+    "max_user_namespaces": 0,
+}
+"""Per-uid limits inside the zygote's user namespace (``/proc/sys/user``), so per jail: each
+forked jail runs as a uid of its own in it. Above them, everything the zygote's jails make
+is charged together to the zygote's own host uid, the namespace's owner, and bounded by the
+host's per-user limits (128 inotify instances by default): these keep one jail from taking
+all of that. Namespaces other than user namespaces are left alone: the zygote (uid 0 here)
+makes several for each jail; jails themselves cannot (seccomp)."""
+
+
+def limit_user_namespace(limits: dict[str, int], aside: str = "/tmp/.sysctl") -> None:
+    """Write ``limits`` to this user namespace's ``/proc/sys/user`` and read them back. The
+    zygote's /proc is read-only, so a proc of its own is mounted aside for the writes.
+
+    Raises:
+        SetupFailed: a limit could not be set (no CAP_SYS_RESOURCE in the namespace).
+    """
+    os.mkdir(aside, 0o700)
+    try:
+        _mount("proc", aside, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        try:
+            for name, value in limits.items():
+                path = f"{aside}/sys/user/{name}"
+                with open(path, "w") as f:
+                    f.write(str(value))
+                with open(path) as f:
+                    if int(f.read()) != value:
+                        raise SetupFailed(f"{path} did not take {value}")
+        except OSError as exc:
+            raise SetupFailed(f"/proc/sys/user: {exc}") from None
+        finally:
+            _umount(aside)
+    finally:
+        os.rmdir(aside)
+
+
+def _limit_jails() -> dict[str, str]:
+    """What the jails inherit from the zygote's start-up, checked and set; what failed, as
+    the ``ZygoteReady`` message says it (the zygote then exits and its policy is not served)."""
+    try:
+        # The daemon starts us without supplementary groups, in a user namespace where
+        # setgroups(2) is denied (nsjail, run by a non-root owner, writes "deny"): there must
+        # be none for the jails to inherit.
+        if os.getgroups():
+            raise SetupFailed(f"the zygote has supplementary groups {os.getgroups()}")
+        with open("/proc/self/uid_map") as uid_map:
+            if uid_map.read().split() == ["0", "0", "4294967295"]:
+                raise SetupFailed("the zygote is not in a user namespace of its own")
+        limit_user_namespace(USERNS_LIMITS)
+    except (OSError, SetupFailed) as exc:
+        return {"per-jail kernel limits": safe_text(str(exc), MAX_FAILURE_CHARS)}
+    return {}
+
+
 def main(preimport: Sequence[str]) -> None:
     """The zygote's loop: fd 0 is the control socket (SOCK_SEQPACKET) to the daemon."""
     control = socket.socket(fileno=os.dup(0))
     devnull = os.open("/dev/null", os.O_RDWR)
     os.dup2(devnull, 0)
     os.close(devnull)
-    failed = _preimport(preimport)
+    failed = _limit_jails() or _preimport(preimport)
     # Every object so far is shared with the jails copy-on-write: keep the collector from
     # walking (and so writing to, and so copying) them in each jail.
     gc.freeze()

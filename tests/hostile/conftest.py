@@ -53,8 +53,17 @@ def _job_cgroup_name(d: DaemonHandle, pid: str) -> str:
     return ""
 
 
+def _standing_nsjail(d: DaemonHandle, pid: str, keep: set[str]) -> bool:
+    """Is ``pid`` the nsjail of a standing jail (a zygote's)? It runs as the zygote's uid (the
+    owner of the zygote's user namespace) outside any job cgroup, and its command line names
+    the standing jail's cgroup."""
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    return any(a.endswith(f"{d.config.subtree}/{name}") for a in args for name in keep)
+
+
 def jail_processes(d: DaemonHandle) -> list[int]:
-    """Processes running as a jail uid that are not a zygote or a waiting pooled jail."""
+    """Processes running as a jail uid (jails, and the nsjail that runs each as the owner of
+    its user namespace) that are not a zygote or a waiting pooled jail, or their nsjail."""
     out = []
     keep = standing(d)
     for entry in os.listdir("/proc"):
@@ -63,11 +72,11 @@ def jail_processes(d: DaemonHandle) -> list[int]:
                 uid_line = next(ln for ln in Path(f"/proc/{entry}/status").read_text().splitlines()
                                 if ln.startswith("Uid:"))
                 group = _job_cgroup_name(d, entry)
+                if d.config.uid_base <= int(uid_line.split()[1]) < d.config.uid_base + 65536 \
+                        and group not in keep and not _standing_nsjail(d, entry, keep):
+                    out.append(int(entry))
             except (OSError, StopIteration):
                 continue
-            if d.config.uid_base <= int(uid_line.split()[1]) < d.config.uid_base + 65536 \
-                    and group not in keep:
-                out.append(int(entry))
     return out
 
 

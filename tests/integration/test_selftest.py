@@ -90,14 +90,15 @@ def test_an_env_that_cannot_harden_is_refused_and_others_still_serve(
 
 def test_a_jail_without_a_user_namespace_is_caught_by_the_host_view(
         private_daemon: Callable[..., DaemonHandle], world_dir: Path) -> None:
-    # Without a user namespace the jail runs as the host's uid 65534, shared with every other
-    # jail and host service, instead of its own per-job uid: only the host can see that.
+    # Without a user namespace of its own the jail lives in the host's, which root owns: its
+    # kernel quotas are root's. Only the host can see whose namespace it is.
     fake = lying_nsjail(world_dir, "--disable_clone_newuser")
     d = private_daemon(args=("--nsjail", fake))
-    with pytest.raises(PolicyUnavailable, match=r"uid outside not 0: jailed processes run as host ids \[65534\]"):
+    with pytest.raises(PolicyUnavailable, match=r"user namespace not root's: owned by host uids \[0\]"):
         d.run("1", policy="spawn")
-    with pytest.raises(PolicyUnavailable, match="the zygote shares the daemon's user"):
-        d.run("1")  # a zygote policy: caught before any jail is forked
+    # a zygote policy: caught before any jail is forked (by the zygote itself, first thing)
+    with pytest.raises(PolicyUnavailable, match="the zygote is not in a user namespace of its own"):
+        d.run("1")
 
 
 def test_config_file_is_validated(tmp_path: Path) -> None:

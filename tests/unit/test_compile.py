@@ -16,6 +16,9 @@ import pytest
 
 from jaild.policy.compile import (
     JAIL_HOSTNAME,
+    JAIL_MEMLOCK_BYTES,
+    JAIL_MSGQUEUE_BYTES,
+    JAIL_SIGPENDING,
     JAIL_UID,
     JOB_UIDS,
     WORKDIR,
@@ -215,7 +218,8 @@ def test_plan_of_each_shipped_policy(name: str) -> None:
     assert plan.name == name and plan.seccomp == policy.seccomp_choice
     assert (jail.hostname, jail.cwd, jail.uid) == (JAIL_HOSTNAME, WORKDIR, JAIL_UID)
     assert plan.id_maps == (IdMap(JAIL_UID, JOB_UID, 1),)
-    assert jail.rlimits == Rlimits(lim.cpu_time_s, lim.file_size_mb << 20, lim.open_files, 0)
+    assert jail.rlimits == Rlimits(lim.cpu_time_s, lim.file_size_mb << 20, lim.open_files, 0,
+                                   JAIL_SIGPENDING, JAIL_MSGQUEUE_BYTES, JAIL_MEMLOCK_BYTES)
     assert plan.pids_max == lim.pids and not plan.keep_caps
     assert plan.memory_max_bytes == child_memory_ceiling_bytes(policy)
     assert set(jail.namespaces) >= {"user", "mount", "pid", "ipc", "uts", "cgroup"}

@@ -303,6 +303,9 @@ def test_the_zygote_applies_exactly_the_plan(name: str, proc: str, shm_mb: int,
         resource.RLIMIT_FSIZE: (lim.file_size_mb << 20,) * 2,
         resource.RLIMIT_NOFILE: (lim.open_files,) * 2,
         resource.RLIMIT_CORE: (0, 0),
+        resource.RLIMIT_SIGPENDING: (64, 64),
+        resource.RLIMIT_MSGQUEUE: (1024, 1024),
+        resource.RLIMIT_MEMLOCK: (16 * 1024,) * 2,
     }
     assert (made["hostname"], made["chdir"], made["become"]) == ("jail", "/tmp", JOB_UID)
     wanted = zygote.CLONE_NEWNS | zygote.CLONE_NEWIPC | zygote.CLONE_NEWUTS
@@ -355,6 +358,9 @@ def test_rlimits_units_are_in_their_names() -> None:
         file_size_bytes=policy.limits.file_size_mb * 1024 * 1024,
         open_files=policy.limits.open_files,
         core_bytes=0,
+        sigpending=64,
+        msgqueue_bytes=1024,
+        memlock_bytes=16 * 1024,
     )
 
 

@@ -39,6 +39,7 @@ from typing import Any
 
 from jaild.daemon.cgroups import Cgroups, JobCgroup
 from jaild.daemon.launch.handle import JailHandle
+from jaild.daemon.launch.spawned import as_owner, claim_workdirs, release_workdirs
 from jaild.daemon.machine import Exited, JobSpec, Reaped, Spawned, StartFailed, StreamClosed
 from jaild.errors import RemoteProtocolError, ZygoteError
 from jaild.policy.compile import (
@@ -202,8 +203,9 @@ class Zygote:
             self._uid_base,
         )
         try:
+            claim_workdirs(self.uid)
             self._proc = subprocess.Popen(
-                [*self._launcher, *argv],
+                [*as_owner(self._launcher, self.uid), *argv],
                 stdin=zygote_end.fileno(),
                 stdout=log_w,
                 stderr=log_w,
@@ -332,6 +334,7 @@ class Zygote:
                 proc.kill()
             with contextlib.suppress(ChildProcessError, subprocess.TimeoutExpired):
                 proc.wait(timeout=2)
+            release_workdirs(self.uid)
         if self._cgroup is not None:
             with contextlib.suppress(OSError):
                 self._cgroup.kill_all()

@@ -18,8 +18,10 @@ launcher's.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
+import fcntl
 import functools
 import logging
 import os
@@ -54,6 +56,25 @@ RELEASE_TIMEOUT_S = 10.0
 """A zygote that has not reported a jail's reap by then: its cgroup and uid are released."""
 LINGER_CHECK_S = 0.01
 """How often a spawned jail that outlived its nsjail is checked for (see ``await_leftovers``)."""
+
+
+NS_GET_OWNER_UID = 0xB704  # _IO(0xb7, 0x4), linux/nsfs.h
+
+
+def userns_owner(pid: int) -> int:
+    """The host uid that owns the user namespace of process ``pid``: whose per-user kernel
+    quotas the process's namespace is charged to (0 for the host's own namespace).
+
+    Raises:
+        OSError: the process is gone, or the kernel cannot say.
+    """
+    fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        buf = array.array("I", [0])
+        fcntl.ioctl(fd, NS_GET_OWNER_UID, buf, True)
+        return buf[0]
+    finally:
+        os.close(fd)
 
 
 class LaunchEnvironment(Protocol):
@@ -231,6 +252,7 @@ class JailHandle:
         if self.cgroup is None:
             return {}
         ids: set[int] = set()
+        owners: set[int] = set()
         for pid in self.cgroup.member_pids(jail_only=True):
             with (
                 contextlib.suppress(OSError, ValueError, IndexError),
@@ -239,7 +261,8 @@ class JailHandle:
                 for line in status:
                     if line.startswith(("Uid:", "Gid:")):
                         ids.update(int(x) for x in line.split()[1:])
-        return {"outside_ids": sorted(ids), **self.cgroup.limits()}
+                owners.add(userns_owner(pid))
+        return {"outside_ids": sorted(ids), "userns_owners": sorted(owners), **self.cgroup.limits()}
 
     def live_usage(self) -> dict[str, Any]:
         """What the jail uses right now (memory, CPU time, processes)."""
