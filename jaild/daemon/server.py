@@ -375,7 +375,7 @@ class Daemon:
         self.sessions = Sessions(self)
         self.audit = AuditLog()
         self.accounting = Accounting()
-        self.metrics = Metrics(config.metrics_address)
+        self.metrics = Metrics(config.metrics_address, tool_labels=config.metrics_tool_labels)
         self._stopping = False
         self._stopped = asyncio.Event()
 
