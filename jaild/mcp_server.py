@@ -497,6 +497,10 @@ class JaildMcpServer:
         import uvicorn
 
         shown = f"[{host}]" if ":" in host else host
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("serving MCP on %s:%d over plain HTTP: the bearer token crosses the "
+                        "network unencrypted; put a TLS proxy in front, or use loopback or "
+                        "--unix", host, port)
         app = self._app(host, token, f"http://{shown}:{port}")
         await _serve_uvicorn(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                             lifespan="on", access_log=False))
