@@ -52,6 +52,10 @@ EXIT_STATUS = {
 """A job's status -> the exit status of ``jaild run``. Errors met before or instead of a
 result (no daemon, a refusal, ...) exit as :data:`jaild.errors.EXIT_CODES` says."""
 
+EXIT_NOT_SAVED = 10
+"""``jaild run``: the job ended ok, but some of its files were not saved in --download-dir
+(an existing file without --overwrite, a dotfile without --dotfiles, something in the way)."""
+
 
 def _print_err(msg: str) -> None:
     print(f"jaild: {msg}", file=sys.stderr, flush=True)
@@ -153,18 +157,35 @@ def _uploads(specs: Sequence[str] | None) -> dict[str, Any]:
     return load_uploads(items) if items else {}
 
 
-def _save_downloads(result: Any, directory: str | None) -> None:
+def _save_downloads(result: Any, args: argparse.Namespace) -> bool:
+    """Save the job's downloads in ``--download-dir``: the files nothing protects; each
+    existing file (without ``--overwrite``) and each dotfile (without ``--dotfiles``) is
+    kept and named, with what to pass. Returns False when some file was not saved."""
+    directory = args.download_dir
     if not directory or not result.downloads:
-        return
+        return True
     from jaild.errors import UnsafePath
+    from jaild.transfer import refusals, save_files
 
+    files = result.downloads
+    saved = True
     try:
-        for path in result.save_files(directory):
-            _print_err(f"downloaded {path}")
-    except UnsafePath as exc:
+        existed = set(refusals(directory, files, dotfiles=True))
+        refused = refusals(directory, files, overwrite=args.overwrite, dotfiles=args.dotfiles)
+        for path, reason in refused.items():
+            _print_err(f"not downloaded: {path!r}: {reason}")
+        rest = {p: c for p, c in files.items() if p not in refused}
+        for local in save_files(directory, rest, overwrite=args.overwrite,
+                                dotfiles=args.dotfiles):
+            path = os.path.relpath(local, directory)
+            _print_err(f"{'replaced' if path in existed else 'downloaded'} {local}")
+        saved = not refused
+    except (UnsafePath, OSError) as exc:
         _print_err(f"download refused: {exc}")
+        saved = False
     for skipped in result.files_skipped:
         _print_err(f"not downloaded: {skipped.get('path')!r}: {skipped.get('reason')}")
+    return saved
 
 
 async def _run_somewhere(
@@ -208,7 +229,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _refused(exc)
     except KeyboardInterrupt:
         return 130
-    _save_downloads(result, args.download_dir)
+    saved = _save_downloads(result, args)
     if args.json:
         json.dump(result.to_dict(), sys.stdout, default=repr)
         sys.stdout.write("\n")
@@ -220,6 +241,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             if err.get("traceback"):
                 sys.stderr.write(err["traceback"])
             _print_err(f"job {result.job_id}: {result.status}: {err.get('message', '')}")
+    if result.ok and not saved:
+        return EXIT_NOT_SAVED  # the result is printed; the files it names are not all there
     return EXIT_STATUS.get(result.status, 1)
 
 
@@ -291,7 +314,7 @@ def cmd_session(args: argparse.Namespace) -> int:
                     _print_err(exc.message)
                     return EXIT_STATUS.get(session.closed or "", 1)
                 status = result.status
-                _save_downloads(result, args.download_dir)
+                _save_downloads(result, args)
                 if result.ok and result.result is not None:
                     print(repr(result.result), flush=True)
                 elif not result.ok:
@@ -661,7 +684,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--download-dir",
             metavar="DIR",
-            help="save the files the job created or changed here (never outside it)",
+            help="save the files the job created or changed here (never outside it); files "
+                 "already there are kept and named (see --overwrite)",
+        )
+        p.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="with --download-dir: replace files that are already there",
+        )
+        p.add_argument(
+            "--dotfiles",
+            action="store_true",
+            help="with --download-dir: also write dotfiles (a path with a name starting with "
+                 "'.'); existing ones need --overwrite too",
         )
 
     def daemon_args(p: argparse.ArgumentParser) -> None:

@@ -160,10 +160,16 @@ class JobResult:
     def ok(self) -> bool:
         return self.status == "ok"
 
-    def save_files(self, directory: str) -> list[str]:
+    def save_files(self, directory: str, *, overwrite: bool = False,
+                   dotfiles: bool = False) -> list[str]:
         """Write :attr:`downloads` below ``directory``; never outside it (names are checked
-        again here, and no symlink is followed). Returns the paths written."""
-        return save_files(directory, self.downloads)
+        again here, and no symlink is followed). Returns the paths written.
+
+        An existing file is not written over unless ``overwrite``; a dotfile (a path with
+        a component starting with ``.``) is not written unless ``dotfiles``. Raises
+        :class:`~jaild.errors.UnsafePath` naming the file and what to pass, before writing
+        anything (:func:`jaild.transfer.refusals` lists them all beforehand)."""
+        return save_files(directory, self.downloads, overwrite=overwrite, dotfiles=dotfiles)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -17,6 +17,29 @@ session (variables, imports and files persist); it is closed when the MCP sessio
 Over stdio the process serves exactly one MCP session; over streamable HTTP each
 ``Mcp-Session-Id`` gets its own. A request without an MCP session (stateless HTTP, the
 2026-07-28 per-request protocol over HTTP) runs in a fresh jail.
+
+Who may connect (theory of operation)
+-------------------------------------
+Whoever reaches this server runs code under its policy and calls the host tools with
+this process's credentials -- past the daemon socket's permissions and ``access.users``,
+which see only this process. So every transport but stdio (whose peer is the process that
+started us) has a gate:
+
+* ``--http HOST:PORT``: a bearer token, always. It is read from ``--token-file`` (a regular
+  file of this uid, mode 0600 or stricter: a file others may read or change is refused),
+  or generated (``secrets.token_urlsafe``) and written there with ``O_EXCL``, mode 0600,
+  when the file does not exist; without ``--token-file`` it is generated and printed once
+  on stderr. It is checked by the MCP SDK's own auth hooks: a :class:`BearerToken`
+  (the SDK's ``TokenVerifier``, constant-time compare) given to ``streamable_http_app``
+  with ``AuthSettings``, which installs the SDK's ``BearerAuthBackend`` and wraps ``/mcp``
+  in its ``RequireAuthMiddleware``: no or a wrong token gets ``401`` before any MCP message
+  is read.
+* ``--unix PATH``: streamable HTTP on a Unix socket, gated by the peer's credentials
+  (``SO_PEERCRED``) at accept, before a byte is read: a uid not in ``--allow-user``
+  (default: this process's own uid) gets ``403`` and the connection is closed. The socket
+  is made here (never uvicorn's 0666 ``uds=``): 0600 when only this uid is allowed, 0666
+  when other uids are (the kernel's peer credentials, not the file mode, are then the gate).
+  A ``--token-file`` adds the bearer check on top.
 """
 
 from __future__ import annotations
@@ -24,10 +47,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
+import hmac
 import json
 import logging
 import math
+import os
+import pwd
+import secrets
 import signal
+import socket
+import stat
+import struct
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -450,36 +481,234 @@ class JaildMcpServer:
         finally:
             await self._end_session("stdio")
 
-    async def serve_http(self, host: str, port: int) -> None:
-        """Serve streamable HTTP at ``http://host:port/mcp`` until SIGINT/SIGTERM."""
+    def _app(self, host: str, token: str | None, issuer: str) -> Any:
+        """The SDK's streamable HTTP app; behind the SDK's bearer auth when ``token``."""
+        server = self.build()
+        if token is None:
+            return server.streamable_http_app(host=host)
+        from mcp.server.auth.settings import AuthSettings
+
+        auth = AuthSettings(issuer_url=issuer, resource_server_url=None)  # type: ignore[arg-type]
+        return server.streamable_http_app(host=host, auth=auth, token_verifier=BearerToken(token))
+
+    async def serve_http(self, host: str, port: int, token: str) -> None:
+        """Serve streamable HTTP at ``http://host:port/mcp`` until SIGINT/SIGTERM; a request
+        without ``Authorization: Bearer <token>`` is refused (401)."""
         import uvicorn
 
-        class Uvicorn(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self) -> Iterator[None]:
-                # ours (below): uvicorn's would re-raise the signal after serving, killing
-                # the process before the sessions and the providers are closed
-                yield
-
-        app = self.build().streamable_http_app(host=host)
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                lifespan="on", access_log=False)
-        server = Uvicorn(config)
-
-        def stop() -> None:
-            server.should_exit = True
-
+        shown = f"[{host}]" if ":" in host else host
         if host not in ("127.0.0.1", "localhost", "::1"):
-            log.warning("serving MCP on %s:%d without authentication: whoever reaches it runs "
-                        "code and calls the host tools with their credentials", host, port)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop)
+            log.warning("serving MCP on %s:%d over plain HTTP: the bearer token crosses the "
+                        "network unencrypted; put a TLS proxy in front, or use loopback or "
+                        "--unix", host, port)
+        app = self._app(host, token, f"http://{shown}:{port}")
+        await _serve_uvicorn(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                            lifespan="on", access_log=False))
+
+    async def serve_unix(self, path: str, allowed_uids: frozenset[int],
+                         token: str | None = None) -> None:
+        """Serve streamable HTTP on the Unix socket ``path`` (endpoint ``/mcp``) to the
+        peers whose uid is in ``allowed_uids`` (others: 403 at accept), until SIGINT/SIGTERM.
+
+        Raises:
+            ConfigError: ``path`` is in use, or is not a socket, or cannot be bound.
+        """
+        import uvicorn
+
+        sock = bind_unix(path, others=bool(allowed_uids - {os.geteuid()}))
         try:
-            await server.serve()
+            # not a loopback name: the SDK's DNS-rebinding guard is for TCP ports a browser
+            # can reach; no browser reaches a Unix socket (clients send any Host)
+            app = self._app("unix", token, "http://localhost")
+            config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False,
+                                    http=peer_gate(allowed_uids))
+            await _serve_uvicorn(config, sock)
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
+            sock.close()
+            with contextlib.suppress(OSError):
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    os.unlink(path)
+
+
+async def _serve_uvicorn(config: Any, sock: socket.socket | None = None) -> None:
+    """Run uvicorn with ``config`` until SIGINT/SIGTERM (then return, so that the caller
+    closes the sessions and the providers)."""
+    import uvicorn
+
+    class Uvicorn(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # ours (below): uvicorn's would re-raise the signal after serving, killing
+            # the process before the sessions and the providers are closed
+            yield
+
+    server = Uvicorn(config)
+
+    def stop() -> None:
+        server.should_exit = True
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)
+    try:
+        await server.serve(sockets=[sock] if sock is not None else None)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+# --------------------------------------------------------------------------- who may connect
+
+
+MIN_TOKEN_CHARS = 16
+
+
+class BearerToken:
+    """The MCP SDK's ``TokenVerifier`` for one shared secret (compared in constant time).
+
+    Args:
+        token: the secret a client must send as ``Authorization: Bearer <token>``.
+    """
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    async def verify_token(self, token: str) -> Any:
+        """The SDK's ``AccessToken`` for the right token, else None (the SDK answers 401)."""
+        from mcp.server.auth.provider import AccessToken
+
+        if hmac.compare_digest(token.encode(), self._token):
+            return AccessToken(token=token, client_id="jaild-mcp", scopes=[])
+        return None
+
+
+def read_token(path: str) -> str:
+    """The bearer token in ``path``: a regular file of this uid that no one else may read
+    or change (mode 0600 or stricter), holding at least :data:`MIN_TOKEN_CHARS` characters.
+
+    Raises:
+        ConfigError: names the file and what is wrong with it, and how to fix it.
+        FileNotFoundError: no such file.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(path, "", "the token file is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise ConfigError(path, "", f"the token file is owned by uid {st.st_uid}, not by "
+                                        f"this server's uid {os.geteuid()}; use a file of yours")
+        if st.st_mode & 0o077:
+            raise ConfigError(path, "", f"the token file has mode {stat.S_IMODE(st.st_mode):04o}: "
+                                        "other users may read or change the token; "
+                                        f"run `chmod 600 {path}` (or remove it to have one made)")
+        token = os.read(fd, 4096).decode("utf-8", "replace").strip()
+    finally:
+        os.close(fd)
+    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() or not c.isprintable() for c in token):
+        raise ConfigError(path, "", f"the token must be one line of at least {MIN_TOKEN_CHARS} "
+                                    "printable characters without spaces")
+    return token
+
+
+def load_or_make_token(path: str) -> tuple[str, bool]:
+    """(the token in ``path``, False), or (a new token written there, mode 0600, True)
+    when ``path`` does not exist. Raises ConfigError (see :func:`read_token`)."""
+    try:
+        return read_token(path), False
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(path, "", "the token file is a symlink; name the file itself"
+                              ) from exc
+        raise ConfigError(path, "", f"cannot read the token file: {exc.strerror}") from exc
+    token = secrets.token_urlsafe(32)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+    except OSError as exc:
+        raise ConfigError(path, "", f"cannot make the token file: {exc.strerror}") from exc
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, token.encode() + b"\n")
+    finally:
+        os.close(fd)
+    return token, True
+
+
+def bind_unix(path: str, others: bool) -> socket.socket:
+    """A listening Unix socket at ``path``: mode 0600, or 0666 when ``others`` (uids other
+    than ours are allowed: the peer-credential check is then the gate). A stale socket
+    there (nothing listening) is replaced; anything else is refused.
+
+    Raises:
+        ConfigError: something listens there, it is not a socket, or it cannot be bound.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise ConfigError(path, "", "exists and is not a socket; name another path")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            if probe.connect_ex(path) == 0:
+                raise ConfigError(path, "", "a server already listens on this socket")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        sock.bind(path)
+        os.chmod(path, 0o666 if others else 0o600)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(path, "", f"cannot listen here: {exc.strerror}") from exc
+    finally:
+        os.umask(old_umask)
+    sock.setblocking(False)
+    return sock
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a connected Unix socket (``SO_PEERCRED``)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
+def peer_gate(allowed_uids: frozenset[int]) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol, refusing (403, then closing) a connection whose peer uid is
+    not in ``allowed_uids`` as it is accepted -- before a byte of it is read."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class PeerGate(H11Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)  # type: ignore[arg-type]
+            sock = transport.get_extra_info("socket")
+            try:
+                uid: int | None = peer_uid(sock) if sock is not None else None
+            except OSError:
+                uid = None
+            if uid is not None and uid in allowed_uids:
+                return
+            body = (f"uid {uid} may not use this MCP server; the allowed uids are "
+                    f"{sorted(allowed_uids)} (jaild mcp --allow-user)\n").encode()
+            log.warning("refused a connection from uid %s on the MCP socket", uid)
+            assert isinstance(transport, asyncio.WriteTransport)
+            transport.write(b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\n"
+                            b"Connection: close\r\nContent-Length: "
+                            + str(len(body)).encode() + b"\r\n\r\n" + body)
+            transport.close()
+
+    return PeerGate
+
+
+def user_uid(text: str) -> int:
+    """A uid from a user name or a number (``--allow-user``)."""
+    if text.isdigit():
+        return int(text)
+    try:
+        return pwd.getpwnam(text).pw_uid
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"no user {text!r} (give a name or a uid)") from None
 
 
 # --------------------------------------------------------------------------- CLI
@@ -547,8 +776,21 @@ def add_mcp_commands(sub: Any) -> None:
                    "policy's)")
     p.add_argument("--persistent", action="store_true",
                    help="run_python calls of one MCP session share one jaild session")
-    p.add_argument("--http", type=_host_port, metavar="HOST:PORT",
-                   help="serve streamable HTTP at http://HOST:PORT/mcp instead of stdio")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--http", type=_host_port, metavar="HOST:PORT",
+                       help="serve streamable HTTP at http://HOST:PORT/mcp instead of stdio; "
+                            "clients must send the bearer token (see --token-file)")
+    where.add_argument("--unix", metavar="PATH",
+                       help="serve streamable HTTP (endpoint /mcp) on the Unix socket PATH "
+                            "instead of stdio, to the uids of --allow-user only")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="the bearer token: read from FILE (yours, mode 0600), or generated "
+                        "into FILE if it does not exist. With --http and no --token-file a "
+                        "token is generated and printed on stderr. With --unix: optional, "
+                        "checked besides the peer's uid")
+    p.add_argument("--allow-user", action="append", type=user_uid, default=[],
+                   metavar="USER", help="with --unix: a user (name or uid) who may connect "
+                   "(repeatable; default: the user running jaild mcp)")
     p.add_argument("--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT_S,
                    help="seconds for each MCP server to start and list its tools")
     p.add_argument("--call-timeout", type=float, default=DEFAULT_CALL_TIMEOUT_S,
@@ -582,8 +824,34 @@ def cmd_mcp(args: argparse.Namespace) -> int:
         return 130
 
 
+def _token(args: argparse.Namespace) -> str | None:
+    """The bearer token the transport requires (None: stdio, or --unix without a file).
+    Raises ConfigError."""
+    if args.token_file is not None and args.http is None and args.unix is None:
+        raise ConfigError("--token-file", "", "is for --http or --unix")
+    if args.allow_user and args.unix is None:
+        raise ConfigError("--allow-user", "", "is for --unix")
+    if args.token_file is not None:
+        token, made = load_or_make_token(args.token_file)
+        if made:
+            _print_err(f"wrote a new bearer token to {args.token_file} (mode 0600); clients "
+                       "send it as 'Authorization: Bearer <token>'")
+        return token
+    if args.http is None:
+        return None
+    token = secrets.token_urlsafe(32)
+    _print_err(f"bearer token for this run: {token}\n(clients send 'Authorization: Bearer "
+               "<token>'; use --token-file FILE to keep it in a 0600 file instead)")
+    return token
+
+
 async def _serve(args: argparse.Namespace, providers: ToolProviders) -> int:
     socket_path = socket_from_env(args.socket)[0]
+    try:
+        token = _token(args)
+    except ConfigError as exc:
+        _print_err(str(exc))
+        return exit_code_for(exc)
     server = JaildMcpServer(socket_path, None, policy=args.policy, timeout_s=args.timeout,
                             persistent=args.persistent)
     try:
@@ -602,7 +870,7 @@ async def _serve(args: argparse.Namespace, providers: ToolProviders) -> int:
         server.tools = providers.host_tools()
         log.info("serving run_python with %d tools from %d MCP servers and %d modules",
                  len(server.tools), len(providers.connections), len(providers.modules))
-        if args.http is None:
+        if args.http is None and args.unix is None:
             if main is not None:  # SIGTERM: stop serving, close sessions and providers
                 loop.add_signal_handler(signal.SIGTERM, main.cancel)
             try:
@@ -613,8 +881,17 @@ async def _serve(args: argparse.Namespace, providers: ToolProviders) -> int:
                 main.uncancel()
             finally:
                 loop.remove_signal_handler(signal.SIGTERM)
+        elif args.unix is not None:
+            allowed = frozenset(args.allow_user or [os.geteuid()])
+            try:
+                await server.serve_unix(args.unix, allowed, token)
+            except ConfigError as exc:
+                _print_err(str(exc))
+                return exit_code_for(exc)
         else:
-            await server.serve_http(*args.http)
+            assert token is not None
+            host, port = args.http
+            await server.serve_http(host, port, token)
         return 0
     finally:
         await server.close()

@@ -7,6 +7,17 @@ them (:func:`jaild.runtime.files.validate_collected`); :func:`save_files` still
 treats every name as hostile and writes with the same discipline as the jail's
 uploads -- directory descriptors, ``O_NOFOLLOW`` at every component -- but, being in
 the client's own directory, it refuses a symlink it finds instead of removing it.
+
+What a download may replace: a job's output is written into a directory of the user's, so
+it must not silently replace what is there. By default an existing file is never written
+over (the file is created with ``O_EXCL``, so one that appears meanwhile is kept too);
+``overwrite=True`` (``--overwrite``) allows it. Dotfiles -- any path with a component that
+starts with ``.``, such as ``.bashrc``, ``.git/hooks/x``, ``.ssh/authorized_keys`` -- are
+configuration that shells, editors and tools run or trust; a job's output must never
+become one unasked, new or not, so they are written only with ``dotfiles=True``
+(``--dotfiles``), and written over only with ``overwrite=True`` as well.
+:func:`refusals` lists, before anything is written, which files would be refused and why,
+so that a caller (the CLI) may write the others and report those by name.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ from jaild.runtime.files import (
 )
 
 __all__ = ["WIDEST_LIMITS", "FileLimits", "UnsafePath", "UploadError", "Uploads",
-           "load_uploads", "save_files"]
+           "is_dotfile", "load_uploads", "refusals", "save_files"]
 
 WIDEST_LIMITS = FileLimits(
     max_files=1 << 16, max_bytes=sys.maxsize, max_depth=64, max_name_chars=255,
@@ -174,8 +185,53 @@ def _add_dir(local: str, jail_prefix: str, add: Callable[[str, bytes], None]) ->
                                          "explicitly)")
 
 
+def is_dotfile(path: str) -> bool:
+    """Whether a downloaded path has a component starting with ``.`` (hidden: a dotfile
+    or inside a dot-directory)."""
+    return any(name.startswith(".") for name in path.split("/"))
+
+
+def refusals(dest_dir: str, files: Mapping[str, bytes], *, overwrite: bool = False,
+             dotfiles: bool = False) -> dict[str, str]:
+    """The files :func:`save_files` would refuse to protect what is in ``dest_dir``.
+
+    Args:
+        dest_dir: the download directory (need not exist yet).
+        files: ``{relative path: contents}`` as the jail named them (checked names).
+        overwrite: existing files may be written over.
+        dotfiles: paths with a hidden component may be written.
+
+    Returns:
+        ``{path: reason}``: each existing file (unless ``overwrite``), each dotfile (unless
+        ``dotfiles``), the reason saying what to pass to allow it. Other problems (a
+        symlink or a directory in the way) are not listed: :func:`save_files` raises them.
+    """
+    existing = (_check_existing(dest_dir, files, raise_problems=False)
+                if os.path.isdir(dest_dir) else set())
+    return _refusals(dest_dir, files, existing, overwrite, dotfiles)
+
+
+def _refusals(dest_dir: str, files: Mapping[str, bytes], existing: set[str], overwrite: bool,
+              dotfiles: bool) -> dict[str, str]:
+    out: dict[str, str] = {}
+    dotfile = ("a dotfile (a name in it starts with '.'), which shells and tools read as "
+               "configuration")
+    for path in sorted(files):
+        kept = path in existing and not overwrite
+        if is_dotfile(path) and not dotfiles:
+            out[path] = (f"{dotfile}; it already exists in {dest_dir!r} and is kept; pass "
+                         "--dotfiles and --overwrite (dotfiles=True, overwrite=True) to "
+                         "replace it" if kept else
+                         f"{dotfile}; pass --dotfiles (dotfiles=True) to write it")
+        elif kept:
+            out[path] = (f"it already exists in {dest_dir!r} and is kept; pass --overwrite "
+                         "(overwrite=True) to replace it")
+    return out
+
+
 def save_files(dest_dir: str, files: Mapping[str, bytes],
-               limits: FileLimits | None = None) -> list[str]:
+               limits: FileLimits | None = None, *, overwrite: bool = False,
+               dotfiles: bool = False) -> list[str]:
     """Write downloaded files below ``dest_dir`` (made if missing).
 
     Every name is checked before anything is written: absolute paths, ``..``, empty
@@ -184,68 +240,90 @@ def save_files(dest_dir: str, files: Mapping[str, bytes],
     a non-directory where a directory must go, and a directory, FIFO, socket, device
     or hard-linked file where a file must go. Writing never follows a symlink either
     (directory descriptors, ``O_NOFOLLOW``), so a link planted while it writes cannot
-    lead outside ``dest_dir``. An existing regular file is overwritten.
+    lead outside ``dest_dir``. An existing regular file is refused unless ``overwrite``
+    (and a file is created ``O_EXCL``, so one appearing meanwhile is kept); a dotfile is
+    refused unless ``dotfiles`` (see the module docstring; :func:`refusals` lists both).
 
     Args:
         dest_dir: the client's directory (trusted: it may itself be a symlink).
         files: ``{relative path: contents}`` as the jail named them.
         limits: the limits to check the names, count and size against; by default
             :data:`WIDEST_LIMITS`.
+        overwrite: write over existing regular files.
+        dotfiles: write paths with a component starting with ``.``.
 
     Returns:
         The local paths written (``dest_dir`` joined with each relative path), sorted.
 
     Raises:
-        UnsafePath: names the path and the reason; before anything was written.
+        UnsafePath: names the path and the reason (for a file in the way or a dotfile,
+            what to pass to allow it); before anything was written.
     """
     limits = limits or WIDEST_LIMITS
     problem = check_file_set(files, limits)
     if problem is not None:
         raise UnsafePath(*problem)
     os.makedirs(dest_dir, exist_ok=True)
-    _check_existing(dest_dir, files)
-    written = write_tree(dest_dir, files, False, UnsafePath)
+    refused = _refusals(dest_dir, files, _check_existing(dest_dir, files), overwrite, dotfiles)
+    if refused:
+        path = min(refused)
+        raise UnsafePath(path, refused[path])
+    written = write_tree(dest_dir, files, False, UnsafePath, exclusive=not overwrite)
     return [os.path.join(dest_dir, path) for path in written]
 
 
-def _check_existing(dest_dir: str, files: Mapping[str, bytes]) -> None:
-    """Refuse, before writing anything, what is already in the way in ``dest_dir``.
-    Looks without following: ``lstat`` and ``O_NOFOLLOW`` opens by directory fd."""
+def _check_existing(dest_dir: str, files: Mapping[str, bytes],
+                    raise_problems: bool = True) -> set[str]:
+    """Refuse, before writing anything, what is already in the way in ``dest_dir``, and
+    return the paths where a regular file already is (that writing would replace).
+    Looks without following: ``lstat`` and ``O_NOFOLLOW`` opens by directory fd. Without
+    ``raise_problems`` a path with something else in the way is skipped, not raised."""
+    existing: set[str] = set()
     root_fd = os.open(dest_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for path in sorted(files):
-            *dirs, leaf = path.split("/")
-            fd = os.dup(root_fd)
             try:
-                for name in dirs:
-                    try:
-                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                    except FileNotFoundError:
-                        break  # made when written
-                    if not stat.S_ISDIR(st.st_mode):
-                        what = _kind(st.st_mode) if not stat.S_ISREG(st.st_mode) else "a file"
-                        raise UnsafePath(path, f"{name!r} in {dest_dir!r} is {what}, "
-                                               "not a directory")
-                    child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-                                    | os.O_CLOEXEC, dir_fd=fd)
-                    os.close(fd)
-                    fd = child
-                else:
-                    try:
-                        st = os.stat(leaf, dir_fd=fd, follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    if stat.S_ISDIR(st.st_mode):
-                        raise UnsafePath(path, "a directory is in the way")
-                    if not stat.S_ISREG(st.st_mode):
-                        raise UnsafePath(path, f"{_kind(st.st_mode)} is in the way")
-                    if st.st_nlink > 1:
-                        raise UnsafePath(path, "a hard-linked file is in the way; "
-                                               "writing would change its other names too")
-            except OSError as exc:
-                raise UnsafePath(path, f"cannot look at what is in the way: {exc.strerror}"
-                                 ) from exc
-            finally:
-                os.close(fd)
+                if _exists_at(root_fd, dest_dir, path):
+                    existing.add(path)
+            except UnsafePath:
+                if raise_problems:
+                    raise
     finally:
         os.close(root_fd)
+    return existing
+
+
+def _exists_at(root_fd: int, dest_dir: str, path: str) -> bool:
+    """Whether a regular file (of one link) is at ``path`` below ``root_fd``; UnsafePath
+    for anything else in the way."""
+    *dirs, leaf = path.split("/")
+    fd = os.dup(root_fd)
+    try:
+        for name in dirs:
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return False  # made when written
+            if not stat.S_ISDIR(st.st_mode):
+                what = _kind(st.st_mode) if not stat.S_ISREG(st.st_mode) else "a file"
+                raise UnsafePath(path, f"{name!r} in {dest_dir!r} is {what}, not a directory")
+            child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                            dir_fd=fd)
+            os.close(fd)
+            fd = child
+        try:
+            st = os.stat(leaf, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if stat.S_ISDIR(st.st_mode):
+            raise UnsafePath(path, "a directory is in the way")
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePath(path, f"{_kind(st.st_mode)} is in the way")
+        if st.st_nlink > 1:
+            raise UnsafePath(path, "a hard-linked file is in the way; "
+                                   "writing would change its other names too")
+        return True
+    except OSError as exc:
+        raise UnsafePath(path, f"cannot look at what is in the way: {exc.strerror}") from exc
+    finally:
+        os.close(fd)

@@ -83,6 +83,10 @@ class DaemonFile:
     metrics_address: str = setting(
         "", 'Serve Prometheus metrics over HTTP at "host:port" (e.g. "127.0.0.1:9464"); empty: off.'
     )
+    metrics_tool_labels: bool = setting(
+        False, "Label tool-call metrics with tool names (every client's, to whoever can scrape); "
+        "false: per policy and outcome only, as `jaild stats` shows non-root users."
+    )
 
 
 @dataclass(frozen=True)
@@ -214,6 +218,7 @@ class DaemonConfig:
     socket_group: str | None = None
     audit_log: str | None = None
     metrics_address: str | None = None  # "host:port" of the Prometheus endpoint; None: off
+    metrics_tool_labels: bool = False  # tool names as metric labels (every client's)
     allowed_users: tuple[str, ...] = ("*",)
     max_jobs: int = 512
     max_jobs_per_connection: int = 256
@@ -255,6 +260,7 @@ class DaemonConfig:
                 socket_group=d.socket_group or None,
                 audit_log=d.audit_log or None,
                 metrics_address=d.metrics_address or None,
+                metrics_tool_labels=d.metrics_tool_labels,
                 allowed_users=a.users,
                 **dataclasses.asdict(lim),
             )

@@ -33,6 +33,14 @@ later ones are counted as ``(other)``; a call of a tool the client did not offer
 as tool ``(unknown)`` (its name is untrusted and takes no slot); outcomes are bounded the
 same way (:data:`MAX_OUTCOMES_PER_POLICY`). Label values are cut to
 :data:`MAX_LABEL_CHARS`. Uids are never labels (the audit log and ``jaild stats`` have them).
+
+Who sees tool names: a tool's name is its owner's (the client that offered it), and ``jaild
+stats`` shows tool names to root only. Whoever reaches the endpoint sees what it exposes, so
+by default it exposes tool calls per policy and outcome only (``jaild_tool_calls{policy,
+outcome}``, ``jaild_tool_call_duration_seconds{policy}``); the per-tool series (label
+``tool``, same names) are kept in a second, private registry, which only :meth:`Metrics.
+summary` reads -- for root's ``jaild stats``. With ``daemon.metrics_tool_labels = true``
+(``tool_labels``) the per-tool series are exposed instead of the per-policy ones.
 """
 
 from __future__ import annotations
@@ -239,12 +247,16 @@ class Metrics:
 
     Args:
         address: ``"host:port"`` to serve ``/metrics`` on from :meth:`start`; None: no server.
+        tool_labels: expose tool calls per tool (label ``tool``); else per policy only (the
+            per-tool series are kept for :meth:`summary`). See the module docstring.
     """
 
-    def __init__(self, address: str | None = None) -> None:
+    def __init__(self, address: str | None = None, *, tool_labels: bool = False) -> None:
         self.address = address or None
+        self.tool_labels = tool_labels
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        per_tool = r if tool_labels else CollectorRegistry(auto_describe=True)
         self._jobs = Counter(
             "jaild_jobs", "Jobs finished, by policy and status.", ["policy", "status"], registry=r
         )
@@ -273,15 +285,31 @@ class Metrics:
             f"Host tool calls, by policy, tool and outcome (tool names past the first "
             f"{MAX_TOOLS_PER_POLICY} of a policy are {OTHER}).",
             ["policy", "tool", "outcome"],
-            registry=r,
+            registry=per_tool,
         )
         self._tool_latency = Histogram(
             "jaild_tool_call_duration_seconds",
             "Host tool call latency, by policy and tool.",
             ["policy", "tool"],
             buckets=LATENCY_BUCKETS_S,
-            registry=r,
+            registry=per_tool,
         )
+        self._policy_tool_calls: Counter | None = None
+        self._policy_tool_latency: Histogram | None = None
+        if not tool_labels:
+            self._policy_tool_calls = Counter(
+                "jaild_tool_calls",
+                "Host tool calls, by policy and outcome (per tool: daemon.metrics_tool_labels).",
+                ["policy", "outcome"],
+                registry=r,
+            )
+            self._policy_tool_latency = Histogram(
+                "jaild_tool_call_duration_seconds",
+                "Host tool call latency, by policy (per tool: daemon.metrics_tool_labels).",
+                ["policy"],
+                buckets=LATENCY_BUCKETS_S,
+                registry=r,
+            )
         self._refused = Counter(
             "jaild_refused_requests",
             "Requests and connections refused, by error code.",
@@ -368,6 +396,9 @@ class Metrics:
         outcome = self._outcome_label(policy, outcome)
         self._tool_calls.labels(policy, name, outcome).inc()
         self._tool_latency.labels(policy, name).observe(max(0.0, duration_s))
+        if self._policy_tool_calls is not None and self._policy_tool_latency is not None:
+            self._policy_tool_calls.labels(policy, outcome).inc()
+            self._policy_tool_latency.labels(policy).observe(max(0.0, duration_s))
 
     def sessions_open(self, count: int) -> None:
         """How many sessions are open now."""

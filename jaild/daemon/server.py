@@ -405,7 +405,7 @@ class Daemon:
         self.sessions = Sessions(self)
         self.audit = AuditLog()
         self.accounting = Accounting()
-        self.metrics = Metrics(config.metrics_address)
+        self.metrics = Metrics(config.metrics_address, tool_labels=config.metrics_tool_labels)
         self._lingering: Counter[int] = Counter()  # refused connections still open, by uid
         self._stopping = False
         self._stopped = asyncio.Event()

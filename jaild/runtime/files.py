@@ -279,10 +279,12 @@ def _open_dir_at(dir_fd: int, name: str, path: str, replace_links: bool,
 
 
 def _write_leaf(dir_fd: int, leaf: str, content: bytes, path: str, replace_links: bool,
-                error: ErrorFactory) -> None:
+                error: ErrorFactory, exclusive: bool = False) -> None:
     for _attempt in range(3):
         st = _lstat_at(dir_fd, leaf)
         if st is not None:
+            if exclusive and stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                raise error(path, "a file of that name appeared while writing; it is kept")
             if stat.S_ISDIR(st.st_mode):
                 raise error(path, "a directory is in the way")
             if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
@@ -291,11 +293,12 @@ def _write_leaf(dir_fd: int, leaf: str, content: bytes, path: str, replace_links
                     raise error(path, f"a {kind} is in the way; refusing to write through it")
                 os.unlink(leaf, dir_fd=dir_fd)  # never write through it: replace it
         try:
-            fd = os.open(leaf, _WRITE_FLAGS, 0o644, dir_fd=dir_fd)
+            fd = os.open(leaf, _WRITE_FLAGS | (os.O_EXCL if exclusive else 0), 0o644,
+                         dir_fd=dir_fd)
         except OSError as exc:
-            if exc.errno != errno.ELOOP:
+            if exc.errno not in (errno.ELOOP, errno.EEXIST):
                 raise
-            continue  # a symlink since the lstat: look again
+            continue  # a symlink or a file since the lstat: look again
         break
     else:
         raise error(path, f"{leaf!r} keeps changing")
@@ -313,7 +316,7 @@ def _write_leaf(dir_fd: int, leaf: str, content: bytes, path: str, replace_links
 
 
 def write_tree(root: str, files: Mapping[str, bytes], replace_links: bool,
-               error: ErrorFactory) -> list[str]:
+               error: ErrorFactory, exclusive: bool = False) -> list[str]:
     """Write ``files`` (already checked by :func:`check_file_set`) below ``root``.
 
     Every component is opened relative to its parent's descriptor with ``O_NOFOLLOW``.
@@ -322,7 +325,9 @@ def write_tree(root: str, files: Mapping[str, bytes], replace_links: bool,
     ``error(path, reason)`` is raised. A directory where the file must go, or a
     non-directory where a directory must go, always raises; so does an OS error
     (the reason says which). Files are 0o644, directories made here 0o755.
-    ``root`` itself is trusted (it may be a symlink). Returns the paths written.
+    ``root`` itself is trusted (it may be a symlink). With ``exclusive`` a file is only
+    ever created (``O_EXCL``), never written over: one found there raises. Returns the
+    paths written.
     """
     written: list[str] = []
     try:
@@ -338,7 +343,7 @@ def write_tree(root: str, files: Mapping[str, bytes], replace_links: bool,
                     child = _open_dir_at(fd, name, path, replace_links, error)
                     os.close(fd)
                     fd = child
-                _write_leaf(fd, leaf, files[path], path, replace_links, error)
+                _write_leaf(fd, leaf, files[path], path, replace_links, error, exclusive)
             except OSError as exc:
                 raise error(path, f"cannot write it: {exc.strerror}") from exc
             finally:

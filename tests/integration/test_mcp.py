@@ -333,13 +333,15 @@ def _free_port() -> int:
 def test_streamable_http(md: DaemonHandle, servers_json: Path, tmp_path: Path) -> None:
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared._httpx_utils import create_mcp_http_client
 
     port = _free_port()
     log_path = tmp_path / "http.log"
+    token_file = tmp_path / "token"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             _jaild_mcp(md.socket, "--tools", str(servers_json), "--persistent",
-                       "--http", f"127.0.0.1:{port}"),
+                       "--http", f"127.0.0.1:{port}", "--token-file", str(token_file)),
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
         )
     try:
@@ -352,8 +354,13 @@ def test_streamable_http(md: DaemonHandle, servers_json: Path, tmp_path: Path) -
             assert time.monotonic() < deadline, "jaild mcp --http did not listen"
             time.sleep(0.05)
 
+        token = token_file.read_text().strip()  # made (0600) by jaild mcp
+        assert token_file.stat().st_mode & 0o777 == 0o600
+
         async def one_session(code: list[str]) -> list[Any]:
-            async with streamable_http_client(f"http://127.0.0.1:{port}/mcp") as (r, w), \
+            http = create_mcp_http_client(headers={"Authorization": f"Bearer {token}"})
+            async with http, streamable_http_client(f"http://127.0.0.1:{port}/mcp",
+                                                    http_client=http) as (r, w), \
                     ClientSession(r, w) as session:
                 await session.initialize()
                 tools = (await session.list_tools()).tools

@@ -150,29 +150,67 @@ def test_jaild_stats_shows_the_metrics(md: tuple[DaemonHandle, Scraper]) -> None
     assert f"metrics: {scrape.url}" in text.stdout
 
 
-def test_tool_calls_are_counted_by_tool_and_outcome(md: tuple[DaemonHandle, Scraper]) -> None:
-    d, scrape = md
+SECRET_TOOL = "zq_quarterly_payroll_export"  # distinctive: found nowhere else in a scrape
 
+
+def _call_tools(d: DaemonHandle) -> None:
     def fail() -> None:
         raise KeyError("nope")
 
     with Client(d.socket) as c:
         r = c.run(
-            "await tools.add(a=1, b=2)\ntry:\n    await tools.fail()\nexcept Exception:\n    pass",
-            tools={"add": lambda a, b: a + b, "fail": fail},
+            f"await tools.{SECRET_TOOL}(a=1, b=2)\n"
+            "try:\n    await tools.fail()\nexcept Exception:\n    pass",
+            tools={SECRET_TOOL: lambda a, b: a + b, "fail": fail},
         )
     assert r.status == "ok", r.error
-    assert scrape.value("jaild_tool_calls_total", policy="default", tool="add", outcome="ok") == 1
+
+
+def test_tool_calls_are_counted_by_policy_without_tool_names(
+    md: tuple[DaemonHandle, Scraper]
+) -> None:
+    """By default the endpoint counts tool calls per policy and outcome, and names no tool:
+    whoever can scrape would otherwise learn every user's tool names, which ``jaild stats``
+    shows root only. Root's ``jaild stats`` still has them."""
+    d, scrape = md
+    before_ok = scrape.value("jaild_tool_calls_total", policy="default", outcome="ok")
+    _call_tools(d)
+    with urllib.request.urlopen(scrape.url, timeout=guard(10)) as response:
+        text = response.read().decode()
+    assert SECRET_TOOL not in text and 'tool="' not in text
+    assert scrape.value("jaild_tool_calls_total", policy="default", outcome="ok") == before_ok + 1
+    failed = {
+        dict(labels)["outcome"]: v for (name, labels), v in scrape.samples().items()
+        if name == "jaild_tool_calls_total" and dict(labels)["outcome"] != "ok"
+    }
+    assert sum(failed.values()) >= 1, failed
+    assert scrape.value("jaild_tool_call_duration_seconds_count", policy="default") >= 2
+    out = jaild_cli("stats", "--socket", d.socket)
+    assert "TOOL CALLS" in out.stdout and f" {SECRET_TOOL} " in out.stdout
+
+
+def test_tool_names_are_labels_when_configured(
+    private_daemon: Callable[..., DaemonHandle], tmp_path: Path
+) -> None:
+    """The control: with ``daemon.metrics_tool_labels = true`` the same calls are scraped
+    by tool and outcome, the tool's name a label."""
+    port = free_port()
+    config = write_config(tmp_path, f'[daemon]\nmetrics_address = "127.0.0.1:{port}"\n'
+                                    "metrics_tool_labels = true\n")
+    d = private_daemon({"default": (REPO_POLICIES / "default.toml").read_text()},
+                       with_repo_policies=False, args=("--config", config))
+    scrape = Scraper(port)
+    _call_tools(d)
+    assert scrape.value("jaild_tool_calls_total", policy="default", tool=SECRET_TOOL,
+                        outcome="ok") == 1
     failed = {
         dict(labels)["outcome"]: v for (name, labels), v in scrape.samples().items()
         if name == "jaild_tool_calls_total" and dict(labels).get("tool") == "fail"
     }
     assert sum(failed.values()) == 1 and "ok" not in failed, failed
     assert scrape.value(
-        "jaild_tool_call_duration_seconds_count", policy="default", tool="add"
+        "jaild_tool_call_duration_seconds_count", policy="default", tool=SECRET_TOOL
     ) == 1
-    out = jaild_cli("stats", "--socket", d.socket)
-    assert "TOOL CALLS" in out.stdout and " add " in out.stdout
 
 
 def test_a_port_in_use_stops_the_daemon_with_a_clear_message(

@@ -572,7 +572,7 @@ def test_save_files_writes_below_dest(tmp_path: Path) -> None:
     paths = save_files(str(dest), {"r.csv": b"1", "d/e/f.txt": b"2"}, LIMITS)
     assert paths == [str(dest / "d/e/f.txt"), str(dest / "r.csv")]
     assert (dest / "d" / "e" / "f.txt").read_bytes() == b"2"
-    save_files(str(dest), {"r.csv": b"again"})  # overwrites its own files
+    save_files(str(dest), {"r.csv": b"again"}, overwrite=True)  # asked to: overwrites
     assert (dest / "r.csv").read_bytes() == b"again"
 
 
@@ -612,7 +612,7 @@ def test_save_files_write_phase_never_follows_a_late_symlink(
 
     dest = tmp_path / "dest"
     dest.mkdir()
-    monkeypatch.setattr(jaild.transfer, "_check_existing", lambda *args: None)
+    monkeypatch.setattr(jaild.transfer, "_check_existing", lambda *args: set())
     os.symlink(outside, dest / "sub")
     os.symlink(outside / "planted", dest / "leaf")
     for files in ({"sub/x": b"evil"}, {"leaf": b"evil"}):

@@ -109,7 +109,7 @@ def test_refused_sessions_build_and_start_time() -> None:
 
 
 def test_tool_calls_by_policy_tool_and_outcome() -> None:
-    m = Metrics()
+    m = Metrics(tool_labels=True)
     m.tool_call("default", "fetch", "ok", 0.004)
     m.tool_call("default", "fetch", "ok", 0.006)
     m.tool_call("default", "fetch", "timeout", 2.0)
@@ -124,7 +124,7 @@ def test_tool_calls_by_policy_tool_and_outcome() -> None:
 
 
 def test_tool_names_and_outcomes_are_bounded_per_policy() -> None:
-    m = Metrics()
+    m = Metrics(tool_labels=True)
     for i in range(MAX_TOOLS_PER_POLICY + 10):
         m.tool_call("default", f"tool{i}", "ok", 0.001)
     m.tool_call("default", "tool0", "ok", 0.001)  # an early name keeps its label
@@ -150,6 +150,23 @@ def test_tool_names_and_outcomes_are_bounded_per_policy() -> None:
     # and one very long name is cut
     m.tool_call("third", "x" * 1000, "ok", 0.0)
     assert value(m, "jaild_tool_calls_total", policy="third", tool="x" * 64, outcome="ok") == 1
+
+
+def test_tool_names_are_not_exposed_by_default() -> None:
+    """By default the exposition has tool calls per policy and outcome only; the per-tool
+    counts stay in the summary (root's ``jaild stats``). Control: with tool labels on, the
+    same calls expose the name."""
+    for tool_labels in (False, True):
+        m = Metrics(tool_labels=tool_labels)
+        m.tool_call("default", "secret_tool_name", "ok", 0.004)
+        m.tool_call("default", "secret_tool_name", "denied", 0.0)
+        text = generate_latest(m.registry).decode()
+        assert ("secret_tool_name" in text) is tool_labels, text
+        assert m.summary()["tool_calls"] == {"default": {"secret_tool_name": {"denied": 1,
+                                                                              "ok": 1}}}
+        if not tool_labels:
+            assert value(m, "jaild_tool_calls_total", policy="default", outcome="ok") == 1
+            assert value(m, "jaild_tool_call_duration_seconds_count", policy="default") == 2
 
 
 def test_pools_are_read_at_collection() -> None:
