@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from jaild.errors import PolicyError
+from jaild.policy.schema import load_policy_text
 from jaild.policy.seccomp import (
     CLONE_NAMESPACE_FLAGS,
     CLONE_THREAD,
@@ -18,8 +20,6 @@ from jaild.policy.seccomp import (
     build_spec,
 )
 from jaild.policy.syscalls import FCNTL_COMMANDS, GROUPS, NEVER, PROFILES, SOFT_CLOSED
-from jaild.policy.schema import load_policy_text
-from jaild.errors import PolicyError
 from jaild.runtime.seccomp import bpf_program, explain, refuses, syscall_name, syscall_number
 
 POLICIES_DIR = Path(__file__).resolve().parents[2] / "policies"
