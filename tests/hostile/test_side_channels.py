@@ -320,3 +320,33 @@ def test_a_memfd_runs_a_binary_where_the_protection_is_off(hostile: DaemonHandle
 def test_memfd_create_is_refused(hostile: DaemonHandle, policy: str) -> None:
     r = hostile.run(MEMFD, policy=policy)
     assert (r.status, r.result) == ("ok", ["refused", errno.ENOSYS]), (r.status, r.error)
+
+
+# ---- what the closed calls must not break ------------------------------------------------
+
+WORKLOAD = (
+    "import io, multiprocessing, os, sqlite3, tempfile\n"
+    "import numpy as np, pandas as pd\n"
+    "rng = np.random.default_rng(7)\n"
+    "a = rng.random((200, 200))\n"
+    "eig = float(np.linalg.eigvalsh(a @ a.T).max() > 0)\n"
+    "df = pd.DataFrame({'k': rng.integers(0, 10, 5000), 'v': rng.random(5000)})\n"
+    "means = df.groupby('k').v.mean().sort_values()\n"
+    "back = pd.read_csv(io.StringIO(df.to_csv(index=False)))\n"
+    "with multiprocessing.Pool(2) as pool:\n"
+    "    squares = sum(pool.map(abs, range(-50, 50)))\n"
+    "path = os.path.join(tempfile.gettempdir(), 'db.sqlite')\n"  # file locks: F_SETLK, open
+    "with sqlite3.connect(path) as db:\n"
+    "    db.execute('create table t (v real)')\n"
+    "    db.executemany('insert into t values (?)', [(float(x),) for x in df.v[:100]])\n"
+    "    rows = db.execute('select count(*) from t').fetchone()[0]\n"
+    "[eig, len(means), len(back), squares, rows, os.sysconf('SC_PAGE_SIZE') > 0]"
+)
+
+
+def test_numpy_pandas_multiprocessing_and_sqlite_need_none_of_the_closed_calls(
+        hostile: DaemonHandle) -> None:
+    """The ``data`` policy's kind of job, under the ``kill`` action: a closed call that one of
+    these made would fail it (or, for a call outside the profile, kill it)."""
+    r = hostile.run(WORKLOAD, policy="data")
+    assert (r.status, r.result) == ("ok", [1.0, 10, 5000, 2500, 100, True]), (r.status, r.error)
