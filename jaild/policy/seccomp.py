@@ -23,14 +23,15 @@ by the in-jail runtime before any user code runs:
    ``io_uring_setup``, ...; see ``SOFT_DENY``) fail with EPERM/ENOSYS instead of
    killing the job, whatever the action. So do the side channels the profiles
    close but a policy may re-open (``sysinfo``, ``@inotify``, ``@file-locks``,
-   ``@memfd``; see ``SOFT_CLOSED``) while the policy leaves them closed.
+   ``@memfd``, ``@page-cache``; see ``SOFT_CLOSED``) while the policy leaves them
+   closed.
 
 2. **The deny filter** (default allow): ``ioctl`` TIOCSTI / TIOCLINUX, and the
-   ``fcntl`` commands a policy leaves closed (``F_NOTIFY``, ``F_GETLK``,
-   ``F_OFD_GETLK``; see ``FCNTL_COMMANDS``), with the command compared on its
-   low 32 bits, as the kernel reads it. It must be a separate filter:
-   libseccomp drops a conditional rule that sits beside an unconditional one
-   for the same syscall.
+   argument values a policy leaves closed (``fcntl`` ``F_NOTIFY``, ``F_GETLK``,
+   ``F_OFD_GETLK``; ``fadvise64`` ``POSIX_FADV_DONTNEED``; see
+   ``ARGUMENT_VALUES``), compared on their low 32 bits, as the kernel reads
+   them. It must be a separate filter: libseccomp drops a conditional rule that
+   sits beside an unconditional one for the same syscall.
 
 Nothing in :data:`~jaild.policy.syscalls.NEVER` can be allowed; trying is a
 policy error that says why.
@@ -45,8 +46,8 @@ from typing import Any
 
 from jaild.errors import SyscallNameError
 from jaild.policy.syscalls import (
+    ARGUMENT_VALUES,
     CONDITIONAL,
-    FCNTL_COMMANDS,
     GROUPS,
     NEVER,
     PROFILE_CONDITIONALS,
@@ -90,8 +91,8 @@ def expand(entries: Iterable[str]) -> set[str]:
 
 def check_name(name: str) -> None:
     """Raise SyscallNameError unless ``name`` is a syscall of this architecture (or an
-    ``fcntl`` command named like one, ``fcntl:F_GETLK``)."""
-    if name in CONDITIONAL or name in FCNTL_COMMANDS:
+    argument value named like one, ``fcntl:F_GETLK``)."""
+    if name in CONDITIONAL or name in ARGUMENT_VALUES:
         return
     if syscall_number(name) is None:
         raise SyscallNameError(f"unknown syscall {name!r} (not a syscall on this architecture)")
@@ -121,7 +122,7 @@ def build_spec(choice: SeccompChoice, *, network: bool) -> dict[str, Any]:
     rules: list[list[Any]] = [
         [name, "allow", []]
         for name in sorted(plain)
-        if name not in FCNTL_COMMANDS and syscall_number(name) is not None
+        if name not in ARGUMENT_VALUES and syscall_number(name) is not None
     ]
     if "clone" in conditional:
         if choice.profile == "strict":
@@ -134,7 +135,7 @@ def build_spec(choice: SeccompChoice, *, network: bool) -> dict[str, Any]:
         if syscall_number(name) is not None:
             rules.append([name, f"errno:{getattr(errno, code)}", []])
     for name, code in sorted(SOFT_CLOSED.items()):
-        if name not in plain and name not in FCNTL_COMMANDS and syscall_number(name) is not None:
+        if name not in plain and name not in ARGUMENT_VALUES and syscall_number(name) is not None:
             rules.append([name, f"errno:{getattr(errno, code)}", []])
     families = [AF_UNIX, AF_INET, AF_INET6] if network else [AF_UNIX]
     for name in ("socket", "socketpair"):
@@ -162,9 +163,8 @@ def _argument_denials(choice: SeccompChoice, plain: set[str], conditional: set[s
             ["ioctl", choice.action, [[1, "masked_eq", 0xFFFFFFFF, cmd]]]
             for cmd in (TIOCSTI, TIOCLINUX)
         )
-    if "fcntl" in plain:
-        for name, cmd in FCNTL_COMMANDS.items():
-            if name not in plain:
-                action = f"errno:{getattr(errno, SOFT_CLOSED[name])}"
-                deny.append(["fcntl", action, [[1, "masked_eq", 0xFFFFFFFF, cmd]]])
+    for name, (syscall, arg, value) in ARGUMENT_VALUES.items():
+        if syscall in plain and name not in plain:
+            action = f"errno:{getattr(errno, SOFT_CLOSED[name])}"
+            deny.append([syscall, action, [[arg, "masked_eq", 0xFFFFFFFF, value]]])
     return deny

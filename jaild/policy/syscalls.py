@@ -101,6 +101,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "@memfd": (
         "memfd_create",
     ),
+    "@page-cache": (
+        "fadvise64:POSIX_FADV_DONTNEED",
+    ),
 }
 """Named syscall groups. A policy may name groups (``@file-system``) or single syscalls."""
 
@@ -187,7 +190,8 @@ PROFILES: dict[str, tuple[str, ...]] = {
     ),
 }
 """Built-in allow-lists. ``strict`` has no process creation, no new sockets, no SysV IPC.
-Neither has ``sysinfo``, ``@inotify``, ``@file-locks`` or ``@memfd`` (see ``SOFT_CLOSED``)."""
+Neither has ``sysinfo``, ``@inotify``, ``@file-locks``, ``@memfd`` or ``@page-cache`` (see
+``SOFT_CLOSED``)."""
 
 PROFILE_CONDITIONALS: dict[str, frozenset[str]] = {
     "default": frozenset({'clone', 'clone3', 'ioctl', 'personality', 'socket', 'socketpair'}),
@@ -199,15 +203,16 @@ In ``strict``, ``clone`` is allowed for threads only (CLONE_THREAD required); ``
 is AF_UNIX only there, as there is no network.
 """
 
-FCNTL_COMMANDS: dict[str, int] = {
-    "fcntl:F_GETLK": 5,
-    "fcntl:F_OFD_GETLK": 36,
-    "fcntl:F_NOTIFY": 1026,
+ARGUMENT_VALUES: dict[str, tuple[str, int, int]] = {
+    "fcntl:F_GETLK": ("fcntl", 1, 5),
+    "fcntl:F_OFD_GETLK": ("fcntl", 1, 36),
+    "fcntl:F_NOTIFY": ("fcntl", 1, 1026),
+    "fadvise64:POSIX_FADV_DONTNEED": ("fadvise64", 3, 4),
 }
-"""``fcntl`` commands a policy allows or denies by name, as if they were syscalls (the filter
-compares ``fcntl``'s command argument). Every other command is allowed with ``fcntl``:
-``F_SETLK``/``F_OFD_SETLK`` stay open (SQLite locks its files with them)."""
-
+"""One value of one argument of a syscall, which a policy allows or denies by name as if it
+were a syscall: name -> (syscall, argument index, value; compared on the low 32 bits). Every
+other value is allowed with the syscall: ``F_SETLK``/``F_OFD_SETLK`` stay open (SQLite locks
+its files with them), and so does every other ``fadvise`` advice."""
 SOFT_CLOSED: dict[str, str] = {
     "sysinfo": "EPERM",
     "inotify_init": "ENOSYS",
@@ -219,13 +224,16 @@ SOFT_CLOSED: dict[str, str] = {
     "fcntl:F_GETLK": "EPERM",
     "fcntl:F_OFD_GETLK": "EPERM",
     "memfd_create": "ENOSYS",
+    "fadvise64:POSIX_FADV_DONTNEED": "EPERM",
 }
 """Closed in every built-in profile, and *failed* rather than killed when a policy leaves them
 closed, whatever its action: they are side channels between tenants (``sysinfo`` shows the
 host's task count, memory, load and uptime; inotify, dnotify, ``flock`` and lock queries see
-other jails' and the host's use of the shared read-only binds; a ``memfd`` runs a binary
-despite the ``noexec`` ``/tmp``), yet ordinary libraries call them and have a fallback:
-``filelock`` raises on ENOSYS from ``flock`` (it would spin on EPERM), gdbm falls back to
-``fcntl`` locks, libffi to other trampolines, glibc's ``sysconf`` to nothing (see
-:mod:`jaild.runtime.seccomp`). A policy re-opens them with ``seccomp.allow``."""
+other jails' and the host's use of the shared read-only binds; ``POSIX_FADV_DONTNEED`` drops
+the shared binds' pages from the host's page cache, the reset half of a page-cache channel;
+a ``memfd`` runs a binary despite the ``noexec`` ``/tmp``), yet ordinary libraries call
+them and have a fallback: ``filelock`` raises on ENOSYS from ``flock`` (it would spin on
+EPERM), gdbm falls back to ``fcntl`` locks, libffi to other trampolines, ``fadvise`` callers
+ignore its failure, glibc's ``sysconf`` gets nothing (see :mod:`jaild.runtime.seccomp`). A
+policy re-opens them with ``seccomp.allow``."""
 # fmt: on

@@ -5,7 +5,8 @@ directory watch it (inotify, dnotify), lock it (``flock``) or ask who has it loc
 (``F_GETLK``). So a jail could see a sibling's and the host's imports as they happened, two
 jails could signal each other through a lock, and a jail could block a host process's
 ``flock`` on a ``/usr`` file. ``sysinfo()`` showed the host's task count, memory, load and
-uptime; a ``memfd`` ran a binary despite the ``noexec`` ``/tmp``.
+uptime; ``POSIX_FADV_DONTNEED`` dropped the shared files' pages from the host's page cache;
+a ``memfd`` ran a binary despite the ``noexec`` ``/tmp``.
 
 Each probe runs in the shipped policies (``default``, ``strict``, and ``data``, which the test
 policy of that name stands for here: the same ``default`` profile), where it must be refused --
@@ -17,8 +18,10 @@ works, against a host process, so its failure in the shipped policies is the fil
 from __future__ import annotations
 
 import ast
+import ctypes
 import errno
 import fcntl
+import mmap
 import os
 import struct
 from collections.abc import Iterator
@@ -274,6 +277,73 @@ def test_lock_queries_see_the_hosts_lock_where_the_protection_is_off(
 def test_lock_queries_are_refused(hostile: DaemonHandle, policy: str, command: str) -> None:
     r = hostile.run(lock_query(command), policy=policy)
     assert (r.status, r.result) == ("ok", ["refused", errno.EPERM]), (r.status, r.error)
+
+
+# ---- page cache: dropping the shared files' pages ----------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]
+
+
+def host_resident_pages() -> int:
+    """A tool handler: how many pages of the shared file are in the host's page cache (root
+    sees the truth through mincore; the mapping is gone before it returns, so it pins none)."""
+    fd = os.open(WATCHED_FILE, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        vec = (ctypes.c_ubyte * ((size + 4095) // 4096))()
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value)
+        try:
+            assert _libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0
+        finally:
+            _libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec)
+
+
+def host_loads_shared_file() -> int:
+    """A tool handler: the host reads the shared file; its pages are then all cached."""
+    Path(WATCHED_FILE).read_bytes()
+    return host_resident_pages()
+
+
+EVICT = (
+    "import os\n"
+    "cached = tools.load()\n"
+    f"fd = os.open({WATCHED_FILE!r}, os.O_RDONLY)\n"
+    "os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # other advice stays open\n"
+    "try:\n"
+    "    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)\n"
+    "    mine = 'dropped'\n"
+    "except OSError as exc:\n"
+    "    mine = exc.errno\n"
+    "[cached, mine, tools.resident()]"
+)
+PAGE_TOOLS = {"load": host_loads_shared_file, "resident": host_resident_pages}
+
+
+def test_a_jail_drops_the_hosts_page_cache_where_the_protection_is_off(
+        hostile: DaemonHandle) -> None:
+    pages = host_loads_shared_file()
+    assert pages > 0
+    control = run_unjailed(  # a host process can drop them
+        f"import os\nfd = os.open({WATCHED_FILE!r}, os.O_RDONLY)\n"
+        "os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)")
+    assert control.returncode == 0, control.stderr
+    assert host_resident_pages() == 0
+    r = hostile.run(EVICT, policy=OPEN, tools=PAGE_TOOLS)
+    assert (r.status, r.result) == ("ok", [pages, "dropped", 0]), (r.status, r.error)
+
+
+@pytest.mark.parametrize("policy", SHIPPED)
+def test_a_jail_cannot_drop_the_hosts_page_cache(hostile: DaemonHandle, policy: str) -> None:
+    pages = host_loads_shared_file()
+    r = hostile.run(EVICT, policy=policy, tools=PAGE_TOOLS)
+    assert (r.status, r.result) == ("ok", [pages, errno.EPERM, pages]), (r.status, r.error)
 
 
 # ---- memfd: a binary run despite the noexec /tmp -----------------------------------------

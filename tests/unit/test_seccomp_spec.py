@@ -19,7 +19,7 @@ from jaild.policy.seccomp import (
     allowed_syscalls,
     build_spec,
 )
-from jaild.policy.syscalls import FCNTL_COMMANDS, GROUPS, NEVER, PROFILES, SOFT_CLOSED
+from jaild.policy.syscalls import ARGUMENT_VALUES, GROUPS, NEVER, PROFILES, SOFT_CLOSED
 from jaild.runtime.seccomp import bpf_program, explain, refuses, syscall_name, syscall_number
 
 POLICIES_DIR = Path(__file__).resolve().parents[2] / "policies"
@@ -44,7 +44,7 @@ def rules_of(spec: dict, syscall: str, filter_index: int = 0) -> list:  # type: 
 def test_every_group_member_is_a_real_syscall() -> None:
     for group, names in GROUPS.items():
         for name in names:
-            assert syscall_number(name) is not None or name in FCNTL_COMMANDS, f"{group}: {name}"
+            assert syscall_number(name) is not None or name in ARGUMENT_VALUES, f"{group}: {name}"
     for name in NEVER:
         assert syscall_number(name) is not None or name in ("_sysctl", "vm86", "vm86old", "nfsservctl", "uselib"), name
 
@@ -111,6 +111,16 @@ def test_side_channels_are_closed_softly_in_every_profile(choice: SeccompChoice)
     assert rules_of(spec, "fcntl", 1) == [
         ["fcntl", "errno:1", [[1, "masked_eq", 0xFFFFFFFF, cmd]]] for cmd in (5, 36, 1026)
     ]  # F_GETLK, F_OFD_GETLK, F_NOTIFY; F_SETLK & co. stay open
+    assert rules_of(spec, "fadvise64") == [["fadvise64", "allow", []]]
+    assert rules_of(spec, "fadvise64", 1) == [
+        ["fadvise64", "errno:1", [[3, "masked_eq", 0xFFFFFFFF, 4]]]  # POSIX_FADV_DONTNEED only
+    ]
+
+
+def test_page_cache_eviction_can_be_reopened() -> None:
+    spec = build_spec(SeccompChoice("default", "kill", ("@page-cache",), ()), network=False)
+    assert rules_of(spec, "fadvise64", 1) == []
+    assert len(rules_of(spec, "fcntl", 1)) == 3
 
 
 @pytest.mark.parametrize(("group", "names", "commands"), [
@@ -136,7 +146,7 @@ def test_sysinfo_can_be_reopened_by_name() -> None:
 def test_fcntl_commands_are_named_like_syscalls() -> None:
     spec = build_spec(SeccompChoice("default", "kill", ("fcntl:F_GETLK",), ()), network=False)
     assert [r[2][0][3] for r in rules_of(spec, "fcntl", 1)] == [36, 1026]
-    assert all(name in SOFT_CLOSED for name in FCNTL_COMMANDS)
+    assert all(name in SOFT_CLOSED for name in ARGUMENT_VALUES)
     with pytest.raises(SyscallNameError, match="unknown syscall 'fcntl:F_SETLK'"):
         allowed_syscalls(SeccompChoice("default", "kill", ("fcntl:F_SETLK",), ()))
     with pytest.raises(SyscallNameError, match="unknown syscall group '@inotfy'"):
@@ -223,7 +233,7 @@ def test_shipped_policies_leave_the_side_channels_closed_and_a_policy_can_open_t
 def test_the_readme_names_every_group_and_fcntl_command() -> None:
     readme = (POLICIES_DIR.parent / "README.md").read_text()
     paragraph = readme[readme.index("Syscall groups (") :].split("\n\n")[0]
-    for name in [*GROUPS, *FCNTL_COMMANDS, "sysinfo"]:
+    for name in [*GROUPS, *ARGUMENT_VALUES, "sysinfo"]:
         assert f"`{name}`" in paragraph, name
     checked = readme[readme.index("### System calls checked") :]
     for name in ["socketpair", "sysinfo", "flock", "memfd_create", "fcntl", "clone3", "prctl"]:
