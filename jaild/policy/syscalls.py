@@ -213,6 +213,7 @@ ARGUMENT_VALUES: dict[str, tuple[str, int, int]] = {
 were a syscall: name -> (syscall, argument index, value; compared on the low 32 bits). Every
 other value is allowed with the syscall: ``F_SETLK``/``F_OFD_SETLK`` stay open (SQLite locks
 its files with them), and so does every other ``fadvise`` advice."""
+
 SOFT_CLOSED: dict[str, str] = {
     "sysinfo": "EPERM",
     "inotify_init": "ENOSYS",
