@@ -14,18 +14,24 @@ by the in-jail runtime before any user code runs:
    * ``clone`` without namespace flags (``strict``: threads only);
    * ``clone3`` -> ENOSYS, always, so glibc falls back to ``clone``, whose
      flags a filter can see;
-   * ``socket`` for AF_UNIX, plus AF_INET/AF_INET6 when the policy allows a
-     network;
+   * ``socket`` and ``socketpair`` for AF_UNIX, plus AF_INET/AF_INET6 when the
+     policy allows a network (a ``socketpair`` of any other family creates its
+     sockets in the kernel before it fails);
    * ``personality`` for the harmless values only.
 
    A few never-allowed calls that libraries merely probe (``mbind``,
    ``io_uring_setup``, ...; see ``SOFT_DENY``) fail with EPERM/ENOSYS instead of
-   killing the job, whatever the action.
+   killing the job, whatever the action. So do the side channels the profiles
+   close but a policy may re-open (``sysinfo``, ``@inotify``, ``@file-locks``,
+   ``@memfd``, ``@page-cache``; see ``SOFT_CLOSED``) while the policy leaves them
+   closed.
 
-2. **The deny filter** (default allow): ``ioctl`` TIOCSTI / TIOCLINUX with the
-   command compared on its low 32 bits, as the kernel reads it. It must be a
-   separate filter: libseccomp drops a conditional rule that sits beside an
-   unconditional one for the same syscall.
+2. **The deny filter** (default allow): ``ioctl`` TIOCSTI / TIOCLINUX, and the
+   argument values a policy leaves closed (``fcntl`` ``F_NOTIFY``, ``F_GETLK``,
+   ``F_OFD_GETLK``; ``fadvise64`` ``POSIX_FADV_DONTNEED``; see
+   ``ARGUMENT_VALUES``), compared on their low 32 bits, as the kernel reads
+   them. It must be a separate filter: libseccomp drops a conditional rule that
+   sits beside an unconditional one for the same syscall.
 
 Nothing in :data:`~jaild.policy.syscalls.NEVER` can be allowed; trying is a
 policy error that says why.
@@ -40,11 +46,13 @@ from typing import Any
 
 from jaild.errors import SyscallNameError
 from jaild.policy.syscalls import (
+    ARGUMENT_VALUES,
     CONDITIONAL,
     GROUPS,
     NEVER,
     PROFILE_CONDITIONALS,
     PROFILES,
+    SOFT_CLOSED,
     SOFT_DENY,
 )
 from jaild.runtime.seccomp import syscall_number
@@ -82,8 +90,9 @@ def expand(entries: Iterable[str]) -> set[str]:
 
 
 def check_name(name: str) -> None:
-    """Raise SyscallNameError unless ``name`` is a syscall of this architecture."""
-    if name in CONDITIONAL:
+    """Raise SyscallNameError unless ``name`` is a syscall of this architecture (or an
+    argument value named like one, ``fcntl:F_GETLK``)."""
+    if name in CONDITIONAL or name in ARGUMENT_VALUES:
         return
     if syscall_number(name) is None:
         raise SyscallNameError(f"unknown syscall {name!r} (not a syscall on this architecture)")
@@ -111,7 +120,9 @@ def build_spec(choice: SeccompChoice, *, network: bool) -> dict[str, Any]:
     """The seccomp spec for the runtime's ``Harden`` message."""
     plain, conditional = allowed_syscalls(choice)
     rules: list[list[Any]] = [
-        [name, "allow", []] for name in sorted(plain) if syscall_number(name) is not None
+        [name, "allow", []]
+        for name in sorted(plain)
+        if name not in ARGUMENT_VALUES and syscall_number(name) is not None
     ]
     if "clone" in conditional:
         if choice.profile == "strict":
@@ -123,21 +134,37 @@ def build_spec(choice: SeccompChoice, *, network: bool) -> dict[str, Any]:
     for name, code in sorted(SOFT_DENY.items()):
         if syscall_number(name) is not None:
             rules.append([name, f"errno:{getattr(errno, code)}", []])
-    if "socket" in conditional:
-        families = [AF_UNIX, AF_INET, AF_INET6] if network else [AF_UNIX]
-        rules.extend(["socket", "allow", [[0, "eq", family, 0]]] for family in families)
+    for name, code in sorted(SOFT_CLOSED.items()):
+        if name not in plain and name not in ARGUMENT_VALUES and syscall_number(name) is not None:
+            rules.append([name, f"errno:{getattr(errno, code)}", []])
+    families = [AF_UNIX, AF_INET, AF_INET6] if network else [AF_UNIX]
+    for name in ("socket", "socketpair"):
+        if name in conditional:
+            rules.extend([name, "allow", [[0, "eq", family, 0]]] for family in families)
     if "personality" in conditional:
         rules.extend(["personality", "allow", [[0, "eq", value, 0]]] for value in PERSONALITY_SAFE)
-    filters: list[dict[str, Any]] = [{"default": choice.action, "rules": rules}]
     if "ioctl" in conditional:
         rules.append(["ioctl", "allow", []])
-        filters.append(
-            {
-                "default": "allow",
-                "rules": [
-                    ["ioctl", choice.action, [[1, "masked_eq", 0xFFFFFFFF, cmd]]]
-                    for cmd in (TIOCSTI, TIOCLINUX)
-                ],
-            }
-        )
+    filters: list[dict[str, Any]] = [{"default": choice.action, "rules": rules}]
+    deny = _argument_denials(choice, plain, conditional)
+    if deny:
+        filters.append({"default": "allow", "rules": deny})
     return {"filters": filters}
+
+
+def _argument_denials(choice: SeccompChoice, plain: set[str], conditional: set[str]) -> list[Any]:
+    """The second filter's rules: calls allowed in the first, refused for some arguments.
+
+    Commands are compared on their low 32 bits, as the kernel reads them (``unsigned int``).
+    """
+    deny: list[list[Any]] = []
+    if "ioctl" in conditional:
+        deny.extend(
+            ["ioctl", choice.action, [[1, "masked_eq", 0xFFFFFFFF, cmd]]]
+            for cmd in (TIOCSTI, TIOCLINUX)
+        )
+    for name, (syscall, arg, value) in ARGUMENT_VALUES.items():
+        if syscall in plain and name not in plain:
+            action = f"errno:{getattr(errno, SOFT_CLOSED[name])}"
+            deny.append([syscall, action, [[arg, "masked_eq", 0xFFFFFFFF, value]]])
+    return deny

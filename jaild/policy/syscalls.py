@@ -31,8 +31,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "@file-system": (
         "access", "chdir", "chmod", "creat", "faccessat", "faccessat2", "fallocate", "fchdir",
         "fchmod", "fchmodat", "fcntl", "fgetxattr", "flistxattr", "fstat", "fstatfs",
-        "ftruncate", "futimesat", "getcwd", "getdents", "getdents64", "getxattr",
-        "inotify_add_watch", "inotify_init", "inotify_init1", "inotify_rm_watch", "lgetxattr",
+        "ftruncate", "futimesat", "getcwd", "getdents", "getdents64", "getxattr", "lgetxattr",
         "link", "linkat", "listxattr", "llistxattr", "lstat", "mkdir", "mkdirat", "newfstatat",
         "open", "openat", "openat2", "readlink", "readlinkat", "rename", "renameat",
         "renameat2", "rmdir", "stat", "statfs", "statx", "symlink", "symlinkat", "truncate",
@@ -58,7 +57,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "timerfd_settime", "times",
     ),
     "@ipc-local": (
-        "pipe", "pipe2", "memfd_create",
+        "pipe", "pipe2",
     ),
     "@sysv-ipc": (
         "msgctl", "msgget", "msgrcv", "msgsnd", "semctl", "semget", "semop", "semtimedop",
@@ -84,16 +83,31 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "setpriority", "setrlimit",
     ),
     "@file-io-misc": (
-        "copy_file_range", "sendfile", "splice", "tee", "vmsplice", "fadvise64", "flock",
-        "umask", "readahead",
+        "copy_file_range", "sendfile", "splice", "tee", "vmsplice", "fadvise64", "umask",
+        "readahead",
     ),
     "@seccomp": (
         "seccomp",
     ),
+    # Closed in every shipped profile: side channels through the shared read-only binds
+    # (README, "Side channels"). A policy re-opens one with `seccomp.allow = ["@inotify"]`.
+    "@inotify": (
+        "inotify_add_watch", "inotify_init", "inotify_init1", "inotify_rm_watch",
+        "fcntl:F_NOTIFY",
+    ),
+    "@file-locks": (
+        "flock", "fcntl:F_GETLK", "fcntl:F_OFD_GETLK",
+    ),
+    "@memfd": (
+        "memfd_create",
+    ),
+    "@page-cache": (
+        "fadvise64:POSIX_FADV_DONTNEED",
+    ),
 }
 """Named syscall groups. A policy may name groups (``@file-system``) or single syscalls."""
 
-CONDITIONAL: tuple[str, ...] = ('clone', 'clone3', 'socket', 'ioctl', 'personality')
+CONDITIONAL: tuple[str, ...] = ('clone', 'clone3', 'socket', 'socketpair', 'ioctl', 'personality')
 """Allowed only with safe arguments; the rules are built in :mod:`jaild.policy.seccomp`."""
 
 _NEVER_BY_REASON: tuple[tuple[tuple[str, ...], str], ...] = (
@@ -165,24 +179,62 @@ PROFILES: dict[str, tuple[str, ...]] = {
     "default": (
         "@default", "@basic-io", "@file-system", "@memory", "@sync", "@signal", "@io-event",
         "@timer", "@ipc-local", "@sysv-ipc", "@network-io", "@process", "@threads",
-        "@resources", "@file-io-misc", "@seccomp", "getcpu", "sched_setaffinity", "sysinfo",
+        "@resources", "@file-io-misc", "@seccomp", "getcpu", "sched_setaffinity",
     ),
     "strict": (
         "@default", "@basic-io", "@file-system", "@memory", "@signal", "@io-event", "@timer",
-        "@threads", "@seccomp", "socketpair", "getsockname", "getpeername", "getsockopt",
-        "setsockopt", "recvfrom", "sendto", "recvmsg", "sendmsg", "sendfile", "copy_file_range",
-        "shutdown", "pipe2", "getrusage", "sysinfo", "getcpu", "umask", "prctl", "tgkill",
-        "capget", "fadvise64", "flock", "getpriority",
+        "@threads", "@seccomp", "getsockname", "getpeername", "getsockopt", "setsockopt",
+        "recvfrom", "sendto", "recvmsg", "sendmsg", "sendfile", "copy_file_range", "shutdown",
+        "pipe2", "getrusage", "getcpu", "umask", "prctl", "tgkill", "capget", "fadvise64",
+        "getpriority",
     ),
 }
-"""Built-in allow-lists. ``strict`` has no process creation, no new sockets, no SysV IPC."""
+"""Built-in allow-lists. ``strict`` has no process creation, no new sockets, no SysV IPC.
+Neither has ``sysinfo``, ``@inotify``, ``@file-locks``, ``@memfd`` or ``@page-cache`` (see
+``SOFT_CLOSED``)."""
 
 PROFILE_CONDITIONALS: dict[str, frozenset[str]] = {
-    "default": frozenset({'clone', 'clone3', 'ioctl', 'personality', 'socket'}),
-    "strict": frozenset({'clone', 'clone3', 'ioctl', 'personality'}),
+    "default": frozenset({'clone', 'clone3', 'ioctl', 'personality', 'socket', 'socketpair'}),
+    "strict": frozenset({'clone', 'clone3', 'ioctl', 'personality', 'socketpair'}),
 }
 """Which conditional syscalls each profile allows (with safe arguments only).
 
-In ``strict``, ``clone`` is allowed for threads only (CLONE_THREAD required).
+In ``strict``, ``clone`` is allowed for threads only (CLONE_THREAD required); ``socketpair``
+is AF_UNIX only there, as there is no network.
 """
+
+ARGUMENT_VALUES: dict[str, tuple[str, int, int]] = {
+    "fcntl:F_GETLK": ("fcntl", 1, 5),
+    "fcntl:F_OFD_GETLK": ("fcntl", 1, 36),
+    "fcntl:F_NOTIFY": ("fcntl", 1, 1026),
+    "fadvise64:POSIX_FADV_DONTNEED": ("fadvise64", 3, 4),
+}
+"""One value of one argument of a syscall, which a policy allows or denies by name as if it
+were a syscall: name -> (syscall, argument index, value; compared on the low 32 bits). Every
+other value is allowed with the syscall: ``F_SETLK``/``F_OFD_SETLK`` stay open (SQLite locks
+its files with them), and so does every other ``fadvise`` advice."""
+
+SOFT_CLOSED: dict[str, str] = {
+    "sysinfo": "EPERM",
+    "inotify_init": "ENOSYS",
+    "inotify_init1": "ENOSYS",
+    "inotify_add_watch": "ENOSYS",
+    "inotify_rm_watch": "ENOSYS",
+    "fcntl:F_NOTIFY": "EPERM",
+    "flock": "ENOSYS",
+    "fcntl:F_GETLK": "EPERM",
+    "fcntl:F_OFD_GETLK": "EPERM",
+    "memfd_create": "ENOSYS",
+    "fadvise64:POSIX_FADV_DONTNEED": "EPERM",
+}
+"""Closed in every built-in profile, and *failed* rather than killed when a policy leaves them
+closed, whatever its action: they are side channels between tenants (``sysinfo`` shows the
+host's task count, memory, load and uptime; inotify, dnotify, ``flock`` and lock queries see
+other jails' and the host's use of the shared read-only binds; ``POSIX_FADV_DONTNEED`` drops
+the shared binds' pages from the host's page cache, the reset half of a page-cache channel;
+a ``memfd`` runs a binary despite the ``noexec`` ``/tmp``), yet ordinary libraries call
+them and have a fallback: ``filelock`` raises on ENOSYS from ``flock`` (it would spin on
+EPERM), gdbm falls back to ``fcntl`` locks, libffi to other trampolines, ``fadvise`` callers
+ignore its failure, glibc's ``sysconf`` gets nothing (see :mod:`jaild.runtime.seccomp`). A
+policy re-opens them with ``seccomp.allow``."""
 # fmt: on

@@ -16,6 +16,12 @@ whatever the upper 32 bits say) can sit beside an allow-list.
 libseccomp adds the architecture check (a foreign or x32 syscall number kills
 the process), which nsjail's kafel does not.
 
+When a spec refuses ``sysinfo`` (every built-in profile does), :func:`load` also
+replaces ``os.sysconf`` with a wrapper that raises ``PermissionError`` for
+``SC_PHYS_PAGES`` and ``SC_AVPHYS_PAGES``: glibc answers those two from
+``sysinfo()`` without checking its return value, so they would otherwise be
+stack garbage. C code calling ``sysconf`` directly still gets the garbage.
+
 ``pyseccomp`` finds libseccomp with ``ctypes.util.find_library``, which shells
 out to ``ldconfig`` -- slow, and impossible in a minimal jail. The import below
 answers those two lookups with sonames directly.
@@ -25,9 +31,11 @@ from __future__ import annotations
 
 import ctypes.util
 import errno as errno_module
+import functools
 import hashlib
+import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaild.errors import SeccompSpecError
@@ -176,7 +184,44 @@ def load(spec: Mapping[str, Any]) -> str:
         programs = [_export(f) for f in built]
     for f in built:
         f.load()
+    if refuses(spec, "sysinfo"):
+        _sysconf_without_sysinfo()
     return digest(programs)
+
+
+def refuses(spec: Mapping[str, Any], name: str) -> bool:
+    """Whether any filter of ``spec`` refuses ``name`` whatever its arguments (a rule for it
+    whose action is not allow, or no rule and a default that is not allow)."""
+    for fspec in _filters(spec):
+        actions = [rule[1] for rule in fspec.get("rules", []) if rule and rule[0] == name]
+        if any(action != "allow" for action in actions):
+            return True
+        if not actions and fspec.get("default") != "allow":
+            return True
+    return False
+
+
+_SYSINFO_NAMES = ("SC_PHYS_PAGES", "SC_AVPHYS_PAGES")
+
+
+def _sysconf_without_sysinfo() -> None:
+    """Make ``os.sysconf`` refuse what glibc computes from ``sysinfo()`` (see the header)."""
+    original: Callable[[str | int], int] = os.sysconf
+    if getattr(original, "jaild_without_sysinfo", False):
+        return
+    refused = {os.sysconf_names[n] for n in _SYSINFO_NAMES if n in os.sysconf_names}
+
+    @functools.wraps(original)
+    def sysconf(name: str | int) -> int:
+        number = os.sysconf_names.get(name, -1) if isinstance(name, str) else name
+        if number in refused:
+            raise PermissionError(
+                errno_module.EPERM, "sysinfo() is denied in this jail (seccomp.allow re-opens it)"
+            )
+        return original(name)
+
+    sysconf.jaild_without_sysinfo = True  # type: ignore[attr-defined]
+    os.sysconf = sysconf
 
 
 def explain(spec: Mapping[str, Any]) -> str:

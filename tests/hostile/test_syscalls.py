@@ -58,6 +58,13 @@ DENIED = [
     ("socket", [16, 3, 0]),  # AF_NETLINK
     ("socket", [17, 3, 0]),  # AF_PACKET
     ("socket", [40, 1, 0]),  # AF_VSOCK
+    # socketpair makes both sockets in the kernel before the family says it cannot pair them
+    # (EOPNOTSUPP on the host): it is filtered like socket()
+    ("socketpair", [16, 3, 0, 0]),  # AF_NETLINK
+    ("socketpair", [17, 3, 0, 0]),  # AF_PACKET
+    ("socketpair", [40, 1, 0, 0]),  # AF_VSOCK
+    ("socketpair", [2, 1, 0, 0]),  # AF_INET, in a policy without a network
+    ("socketpair", [10, 1, 0, 0]),  # AF_INET6
     ("ioctl", [0, TIOCSTI, 0]),
     ("ioctl", [0, TIOCLINUX, 0]),
     ("ioctl", [0, (1 << 32) | TIOCSTI, 0]),  # upper bits set: the kernel still sees TIOCSTI
@@ -112,3 +119,39 @@ def test_probed_syscalls_fail_softly_under_kill_action(hostile: DaemonHandle, na
     r = hostile.run(probe(name, args))
     expected = errno.EPERM if name == "mbind" else errno.ENOSYS
     assert (r.status, r.result) == ("ok", [-1, expected])
+
+
+def socketpair_probe(family: int, kind: int) -> str:
+    return (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "sv = (ctypes.c_int * 2)()\n"
+        f"rc = libc.socketpair({family}, {kind}, 0, sv)\n"
+        "err = ctypes.get_errno() if rc else 0\n"
+        "if rc == 0:\n"
+        "    import os\n"
+        "    os.write(sv[0], b'ping')\n"
+        "    assert os.read(sv[1], 4) == b'ping'\n"
+        "print([rc, err])\n"
+        "[rc, err]"
+    )
+
+
+@pytest.mark.parametrize("policy", ["default", "strict", "data", "errno"])
+def test_unix_socketpairs_still_work(hostile: DaemonHandle, policy: str) -> None:
+    for kind in (1, 2, 5):  # SOCK_STREAM, SOCK_DGRAM, SOCK_SEQPACKET
+        r = hostile.run(socketpair_probe(1, kind), policy=policy)
+        assert (r.status, r.result) == ("ok", [0, 0]), (policy, kind, r.status, r.error)
+
+
+@pytest.mark.parametrize("family", [2, 10])  # AF_INET, AF_INET6
+def test_socketpair_families_follow_the_network_mode(hostile: DaemonHandle, family: int) -> None:
+    """Where a policy has a network (netprobe: loopback), inet socketpairs reach the kernel,
+    which answers as it does on the host: the filter follows socket()'s family rule."""
+    control = run_unjailed(socketpair_probe(family, 1))
+    assert control.returncode == 0, control.stderr
+    assert control.stdout.split() == ["[-1,", f"{errno.EOPNOTSUPP}]"]
+    r = hostile.run(socketpair_probe(family, 1), policy="netprobe")
+    assert (r.status, r.result) == ("ok", [-1, errno.EOPNOTSUPP]), (r.status, r.error)
+    r = hostile.run(socketpair_probe(family, 1), policy="errno")  # no network: refused
+    assert (r.status, r.result) == ("ok", [-1, errno.EPERM]), (r.status, r.error)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import pytest
 
+from jaild.errors import PolicyError
+from jaild.policy.schema import load_policy_text
 from jaild.policy.seccomp import (
     CLONE_NAMESPACE_FLAGS,
     CLONE_THREAD,
@@ -16,8 +19,10 @@ from jaild.policy.seccomp import (
     allowed_syscalls,
     build_spec,
 )
-from jaild.policy.syscalls import GROUPS, NEVER, PROFILES
-from jaild.runtime.seccomp import bpf_program, explain, syscall_name, syscall_number
+from jaild.policy.syscalls import ARGUMENT_VALUES, GROUPS, NEVER, PROFILES, SOFT_CLOSED
+from jaild.runtime.seccomp import bpf_program, explain, refuses, syscall_name, syscall_number
+
+POLICIES_DIR = Path(__file__).resolve().parents[2] / "policies"
 
 DEFAULT = SeccompChoice("default", "kill", (), ())
 STRICT = SeccompChoice("strict", "kill", (), ())
@@ -39,7 +44,7 @@ def rules_of(spec: dict, syscall: str, filter_index: int = 0) -> list:  # type: 
 def test_every_group_member_is_a_real_syscall() -> None:
     for group, names in GROUPS.items():
         for name in names:
-            assert syscall_number(name) is not None, f"{group}: {name}"
+            assert syscall_number(name) is not None or name in ARGUMENT_VALUES, f"{group}: {name}"
     for name in NEVER:
         assert syscall_number(name) is not None or name in ("_sysctl", "vm86", "vm86old", "nfsservctl", "uselib"), name
 
@@ -75,11 +80,85 @@ def test_strict_allows_threads_only() -> None:
         assert name not in allowed, name
 
 
-def test_socket_families_follow_the_network_mode() -> None:
-    no_net = [r[2][0][2] for r in rules_of(build_spec(DEFAULT, network=False), "socket")]
-    net = [r[2][0][2] for r in rules_of(build_spec(DEFAULT, network=True), "socket")]
+@pytest.mark.parametrize("syscall", ["socket", "socketpair"])
+def test_socket_families_follow_the_network_mode(syscall: str) -> None:
+    no_net = [r[2][0][2] for r in rules_of(build_spec(DEFAULT, network=False), syscall)]
+    net = [r[2][0][2] for r in rules_of(build_spec(DEFAULT, network=True), syscall)]
     assert no_net == [1]  # AF_UNIX only
     assert net == [1, 2, 10]  # + AF_INET, AF_INET6
+    assert all(r[1] == "allow" and len(r[2]) == 1 for r in rules_of(build_spec(DEFAULT, network=True), syscall))
+
+
+def test_strict_socketpair_is_af_unix_only_and_socket_absent() -> None:
+    spec = build_spec(STRICT, network=False)
+    assert rules_of(spec, "socketpair") == [["socketpair", "allow", [[0, "eq", 1, 0]]]]
+    assert rules_of(spec, "socket") == []
+    # @network-io on top of strict brings socketpair back filtered, never unconditionally
+    widened = build_spec(SeccompChoice("strict", "kill", ("@network-io",), ()), network=False)
+    assert rules_of(widened, "socketpair") == [["socketpair", "allow", [[0, "eq", 1, 0]]]]
+
+
+SIDE_CHANNEL_SYSCALLS = ["sysinfo", "flock", "memfd_create", "inotify_init", "inotify_init1",
+                         "inotify_add_watch", "inotify_rm_watch"]
+
+
+@pytest.mark.parametrize("choice", [DEFAULT, STRICT, SeccompChoice("default", "errno", (), ())])
+def test_side_channels_are_closed_softly_in_every_profile(choice: SeccompChoice) -> None:
+    spec = build_spec(choice, network=False)
+    for name in SIDE_CHANNEL_SYSCALLS:
+        assert [r[1] for r in rules_of(spec, name)] == [f"errno:{38 if name != 'sysinfo' else 1}"], name
+    assert rules_of(spec, "fcntl") == [["fcntl", "allow", []]]
+    assert rules_of(spec, "fcntl", 1) == [
+        ["fcntl", "errno:1", [[1, "masked_eq", 0xFFFFFFFF, cmd]]] for cmd in (5, 36, 1026)
+    ]  # F_GETLK, F_OFD_GETLK, F_NOTIFY; F_SETLK & co. stay open
+    assert rules_of(spec, "fadvise64") == [["fadvise64", "allow", []]]
+    assert rules_of(spec, "fadvise64", 1) == [
+        ["fadvise64", "errno:1", [[3, "masked_eq", 0xFFFFFFFF, 4]]]  # POSIX_FADV_DONTNEED only
+    ]
+
+
+def test_page_cache_eviction_can_be_reopened() -> None:
+    spec = build_spec(SeccompChoice("default", "kill", ("@page-cache",), ()), network=False)
+    assert rules_of(spec, "fadvise64", 1) == []
+    assert len(rules_of(spec, "fcntl", 1)) == 3
+
+
+@pytest.mark.parametrize(("group", "names", "commands"), [
+    ("@inotify", ["inotify_init", "inotify_init1", "inotify_add_watch", "inotify_rm_watch"], [1026]),
+    ("@file-locks", ["flock"], [5, 36]),
+    ("@memfd", ["memfd_create"], []),
+])
+def test_a_policy_can_reopen_each_side_channel_group(group: str, names: list[str],
+                                                     commands: list[int]) -> None:
+    spec = build_spec(SeccompChoice("strict", "kill", (group,), ()), network=False)
+    for name in names:
+        assert rules_of(spec, name) == [[name, "allow", []]], name
+    closed = [r[2][0][3] for r in rules_of(spec, "fcntl", 1)]
+    assert not set(commands) & set(closed)
+    assert set(closed) | set(commands) == {5, 36, 1026}
+
+
+def test_sysinfo_can_be_reopened_by_name() -> None:
+    spec = build_spec(SeccompChoice("default", "kill", ("sysinfo",), ()), network=False)
+    assert rules_of(spec, "sysinfo") == [["sysinfo", "allow", []]]
+
+
+def test_fcntl_commands_are_named_like_syscalls() -> None:
+    spec = build_spec(SeccompChoice("default", "kill", ("fcntl:F_GETLK",), ()), network=False)
+    assert [r[2][0][3] for r in rules_of(spec, "fcntl", 1)] == [36, 1026]
+    assert all(name in SOFT_CLOSED for name in ARGUMENT_VALUES)
+    with pytest.raises(SyscallNameError, match="unknown syscall 'fcntl:F_SETLK'"):
+        allowed_syscalls(SeccompChoice("default", "kill", ("fcntl:F_SETLK",), ()))
+    with pytest.raises(SyscallNameError, match="unknown syscall group '@inotfy'"):
+        allowed_syscalls(SeccompChoice("default", "kill", ("@inotfy",), ()))
+
+
+def test_side_channel_rules_compile_to_bpf() -> None:
+    """libseccomp accepts both the closed and the re-opened forms (a rule it refused would
+    fail every jail's hardening)."""
+    for choice in (DEFAULT, STRICT, SeccompChoice("default", "errno", (), ()),
+                   SeccompChoice("strict", "kill", ("sysinfo", "@inotify", "@file-locks", "@memfd"), ())):
+        assert len(bpf_program(build_spec(choice, network=True))) == 2
 
 
 def test_tiocsti_is_denied_on_the_low_32_bits_in_a_separate_filter() -> None:
@@ -87,7 +166,7 @@ def test_tiocsti_is_denied_on_the_low_32_bits_in_a_separate_filter() -> None:
     assert len(spec["filters"]) == 2
     deny = spec["filters"][1]
     assert deny["default"] == "allow"
-    assert deny["rules"] == [
+    assert rules_of(spec, "ioctl", 1) == [
         ["ioctl", "kill", [[1, "masked_eq", 0xFFFFFFFF, TIOCSTI]]],
         ["ioctl", "kill", [[1, "masked_eq", 0xFFFFFFFF, TIOCLINUX]]],
     ]
@@ -125,3 +204,37 @@ def test_explain_is_readable() -> None:
 def test_syscall_names_resolve_both_ways() -> None:
     assert syscall_name(syscall_number("unshare") or -1) == "unshare"
     assert syscall_number("not_a_syscall") is None
+
+
+@pytest.mark.parametrize(("allow", "message"), [
+    ("'@inotfy'", "p.toml: seccomp.allow: unknown syscall group '@inotfy'; known: ["),
+    ("'fcntl:F_SETLK'", "p.toml: seccomp.allow: unknown syscall 'fcntl:F_SETLK'"),
+    ("'@memfd', 3", "p.toml: seccomp.allow[1]: must be a string, got 3"),
+    ("'fcntl:F_NOTIFY', 'ptrace'", "p.toml: seccomp.allow: 'ptrace' can never be allowed"),
+])
+def test_a_bad_group_value_names_the_file_and_key(allow: str, message: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        load_policy_text(f"[seccomp]\nallow = [{allow}]\n", "/etc/jaild/policies/p.toml")
+    assert message in str(info.value)
+
+
+def test_shipped_policies_leave_the_side_channels_closed_and_a_policy_can_open_them() -> None:
+    for path in sorted(POLICIES_DIR.glob("*.toml")):
+        policy = load_policy_text(path.read_text(), str(path))
+        spec = build_spec(policy.seccomp_choice, network=policy.network.mode != "none")
+        for name in ["sysinfo", "flock", "memfd_create", "inotify_init1"]:
+            assert refuses(spec, name), (path.name, name)
+    opened = load_policy_text('[seccomp]\nallow = ["sysinfo", "@inotify", "@file-locks", "@memfd"]\n',
+                              "/etc/jaild/policies/open.toml")
+    spec = build_spec(opened.seccomp_choice, network=False)
+    assert not any(refuses(spec, n) for n in ["sysinfo", "flock", "memfd_create", "inotify_init1"])
+
+
+def test_the_readme_names_every_group_and_fcntl_command() -> None:
+    readme = (POLICIES_DIR.parent / "README.md").read_text()
+    paragraph = readme[readme.index("Syscall groups (") :].split("\n\n")[0]
+    for name in [*GROUPS, *ARGUMENT_VALUES, "sysinfo"]:
+        assert f"`{name}`" in paragraph, name
+    checked = readme[readme.index("### System calls checked") :]
+    for name in ["socketpair", "sysinfo", "flock", "memfd_create", "fcntl", "clone3", "prctl"]:
+        assert f"`{name}`" in checked, name
