@@ -45,6 +45,10 @@ def default_state_dir() -> str:
     return os.environ.get("JAILD_STATE_DIR", DEFAULT_STATE_DIR)
 
 
+def _zygote_scope(v: Any) -> str | None:
+    return None if v in ("uid", "policy") else f'must be "uid" or "policy", got {v!r}'
+
+
 def _absolute(v: Any) -> str | None:
     return None if v == "" or str(v).startswith("/") else f"must be an absolute path, got {v!r}"
 
@@ -70,6 +74,12 @@ class DaemonFile:
     audit_log: str = setting("", "Also append audit records here, as JSON lines.", _absolute)
     metrics_address: str = setting(
         "", 'Serve Prometheus metrics over HTTP at "host:port" (e.g. "127.0.0.1:9464"); empty: off.'
+    )
+    zygote_scope: str = setting(
+        "uid",
+        '"uid": a zygote per (policy, client uid), so no two users\' jails are forks of one '
+        'process; "policy": one per policy, shared by every uid (single-tenant hosts only).',
+        _zygote_scope,
     )
 
 
@@ -111,6 +121,15 @@ class LimitsFile:
     )
     shutdown_grace_s: float = setting(
         10.0, "How long shutdown waits for cancelled jobs.", between(0.1, 600)
+    )
+    max_zygotes: int = setting(
+        16,
+        "Zygotes running at once (daemon.zygote_scope = \"uid\": one per policy and client uid); "
+        "past it a uid's jobs are spawned.",
+        between(1, 4096),
+    )
+    zygote_idle_s: float = setting(
+        600.0, "A client uid's zygote with no job this long is stopped.", between(1, 86400)
     )
 
 
@@ -179,6 +198,9 @@ class DaemonConfig:
     kill_grace_s: float = 1.0
     shutdown_grace_s: float = 10.0
     probe_policies: bool = True
+    zygote_scope: str = "uid"
+    max_zygotes: int = 16
+    zygote_idle_s: float = 600.0
 
     @classmethod
     def from_sources(cls, file: str | None = None, **flags: Any) -> DaemonConfig:
@@ -204,6 +226,7 @@ class DaemonConfig:
                 socket_group=d.socket_group or None,
                 audit_log=d.audit_log or None,
                 metrics_address=d.metrics_address or None,
+                zygote_scope=d.zygote_scope,
                 allowed_users=a.users,
                 **dataclasses.asdict(lim),
             )

@@ -102,7 +102,8 @@ class Sessions:
         assert env is not None
         session_id = "ses-" + secrets.token_hex(8)
         spec = JobSpec(
-            session_id, terms.policy, terms.jail_limits, "", "<session>", terms.tools, keep=True
+            session_id, terms.policy, terms.jail_limits, "", "<session>", terms.tools, keep=True,
+            tenant=client.peer.uid,
         )
         jail = JailedJob(spec, env, None, None, jail_id=session_id)
         sess = JailSession(session_id, client, terms, jail)
