@@ -1,4 +1,6 @@
-"""Between tenants: no two client uids' jails are forks of one zygote (issue 14).
+"""Between jails forked from zygotes (issue 14): per-uid zygotes, and the shared user namespace.
+
+**Tenants.** No two client uids' jails are forks of one zygote.
 
 A zygote's jails are forks of it, so they share what no fork can renew: ``AT_RANDOM`` (the
 16 bytes glibc derives the stack canary and pointer guard from), the address-space layout
