@@ -158,6 +158,8 @@ class ZygoteSet:
         try:
             async with asyncio.TaskGroup() as work:
                 self._work = work
+                for key in list(self._starting):  # asked for before the work began
+                    work.create_task(self._start_one(key), name=f"zygote {key}")
                 if self.scope == "uid":
                     work.create_task(self._sweep())
                 await self._closing.wait()
@@ -185,11 +187,12 @@ class ZygoteSet:
         return None
 
     def _start_later(self, key: ZygoteKey) -> None:
-        work = self._work
-        if work is None or self._closing.is_set() or key in self._starting:
+        if self._closing.is_set() or key in self._starting:
             return
         self._starting.add(key)
-        work.create_task(self._start_one(key), name=f"zygote {key}")
+        if self._work is not None:
+            self._work.create_task(self._start_one(key), name=f"zygote {key}")
+        # else: :meth:`_run` starts it as soon as the background work begins
 
     async def _start_one(self, key: ZygoteKey) -> None:
         try:
