@@ -1,4 +1,4 @@
-"""The zygote: a per-policy template process that forks one fresh jail per job.
+"""The zygote: a per-(policy, client uid) template process that forks one fresh jail per job.
 
 Theory of operation
 -------------------
@@ -38,8 +38,12 @@ So a zygote jail shares nothing writable with the zygote or with other jails:
 memory is copy-on-write (the zygote holds no shared mappings), /tmp, /dev/shm
 and /proc are new mounts, SysV/POSIX IPC, abstract sockets and pids live in new
 namespaces, the cgroup is the job's own, the uid is the job's own. What it does
-share with its siblings is the zygote's address-space layout (ASLR is per exec,
-not per fork) and hash seed; the README's security model says so.
+share with its siblings is what no fork renews: the zygote's address-space layout
+(ASLR is per exec, not per fork), stack canary, pointer guard, ``AT_RANDOM`` and hash
+seed -- which is why the daemon gives each client uid zygotes of its own
+(:mod:`jaild.daemon.launch.zygotes`). What a fork *can* renew, it does: before the
+runtime starts, the jail reseeds the pre-imported modules' random generators from fresh
+entropy (:mod:`jaild.runtime.reseed`; the zygote surveys them once, at its first fork).
 
 The zygote reports each jail's end (``JailReaped``: wait status, CPU, peak RSS)
 on the control socket. It never reads what a jail writes and never runs user code.

@@ -1,4 +1,5 @@
-"""The daemon's side of a policy's zygote (see :mod:`jaild.runtime.zygote`).
+"""The daemon's side of a zygote (see :mod:`jaild.runtime.zygote`): one per policy and
+client uid, kept by :class:`jaild.daemon.launch.zygotes.ZygoteSet`.
 
 The zygote runs in an nsjail of its own, started by :meth:`Zygote.start`; the
 daemon talks to it over a SOCK_SEQPACKET socketpair (the zygote's fd 0), one
