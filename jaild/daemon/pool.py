@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 
 from jaild.daemon.job import JailedJob
+from jaild.daemon.launch.zygotes import ZygoteSet
 from jaild.policy.schema import ONE_SHOT_JAIL_LIMITS, Limits, Policy
 
 log = logging.getLogger("jaild.daemon.pool")
@@ -214,24 +215,21 @@ class JailPool:
 
 class TenantPools(JailPool):
     """The warm pool of a zygote-mode policy in ``uid`` scope: itself the pool of the
-    daemon's own uid (``own``), and one more pool per other client uid whose zygote is up.
+    daemon's own uid, and one more pool per other client uid whose zygote is up.
 
-    ``make(uid)`` makes a jail for ``uid`` (forked from that uid's zygote); ``zygote_up(uid)``
-    says whether that zygote is up. The zygote set calls :meth:`retire` (an ``on_retire``
-    hook) before it retires a uid's zygote.
+    ``make(uid)`` makes a jail for ``uid`` (forked from that uid's zygote); ``zygotes`` says
+    whose zygote is up, and hears of every jail a job takes (use that keeps the zygote).
+    It calls :meth:`retire` (an ``on_retire`` hook) before it retires a uid's zygote.
     """
 
     def __init__(
-        self,
-        policy: Policy,
-        make: Callable[[int], JailedJob],
-        own: int,
-        zygote_up: Callable[[int], bool],
+        self, policy: Policy, make: Callable[[int], JailedJob], zygotes: ZygoteSet
     ) -> None:
+        own = zygotes.own_uid
         super().__init__(policy, lambda: make(own))
         self._make_for = make
         self._own = own
-        self._zygote_up = zygote_up
+        self._zygotes = zygotes
         self._tenants: dict[int, JailPool] = {}
 
     @property
@@ -248,17 +246,20 @@ class TenantPools(JailPool):
         if tenant is None:
             return None
         if tenant == self._own:
-            return super().take(tenant)
-        pool = self._tenants.get(tenant)
-        if pool is not None:
-            return pool.take(tenant)
-        if not self._closing.is_set() and self._zygote_up(tenant):
+            jail = super().take(tenant)
+        elif tenant in self._tenants:
+            jail = self._tenants[tenant].take(tenant)
+        elif not self._closing.is_set() and self._zygotes.ready(self.policy.name, tenant):
             pool = self._tenants[tenant] = JailPool(
                 self.policy, functools.partial(self._make_for, tenant)
             )
             pool.start()
-            return pool.take(tenant)  # a miss, which makes it grow from min
-        return None
+            jail = pool.take(tenant)  # a miss, which makes it grow from min
+        else:
+            jail = None
+        if jail is not None:
+            self._zygotes.touch(self.policy.name, tenant)
+        return jail
 
     async def retire(self, policy: str, tenant: int) -> None:
         """``tenant``'s zygote of ``policy`` is retired: discard that uid's waiting jails.

@@ -343,9 +343,7 @@ def _start_pools(served: Served) -> None:
             return JailedJob(spec, env, None, None, jail_id=jail_id)
 
         if zygotes.scope == "uid" and name in zygotes.policies:  # a pool per client uid
-            pools = TenantPools(
-                policy, make, zygotes.own_uid, functools.partial(zygotes.ready, name)
-            )
+            pools = TenantPools(policy, make, zygotes)
             zygotes.on_retire(pools.retire)
             served.pools[name] = pools
         else:

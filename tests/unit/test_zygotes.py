@@ -164,7 +164,13 @@ def test_each_uid_takes_only_jails_of_its_own_pool(loop: VirtualTimeLoop) -> Non
             jail.uid = uid  # type: ignore[attr-defined]
             return jail
 
-        pools = TenantPools(POLICY, make, OWN, lambda uid: uid in up)
+        touched: list[int | None] = []
+        zygotes: Any = SimpleNamespace(
+            own_uid=OWN,
+            ready=lambda policy, uid: uid in up,
+            touch=lambda policy, uid: touched.append(uid),
+        )
+        pools = TenantPools(POLICY, make, zygotes)
         pools.start()
         await settle()
         assert made == [OWN] and pools.size == 1
@@ -178,6 +184,7 @@ def test_each_uid_takes_only_jails_of_its_own_pool(loop: VirtualTimeLoop) -> Non
         assert mine is not None and mine.uid == A  # type: ignore[attr-defined]
         root = pools.take(OWN)
         assert root is not None and root.uid == OWN  # type: ignore[attr-defined]
+        assert touched == [A, OWN]  # a pooled jail taken is use of its uid's zygote
         assert pools.take(B) is None  # B's zygote is not up: nothing of A's or root's
         await pools.retire(POLICY.name, A)  # A's zygote is retired: its pool goes
         up.discard(A)

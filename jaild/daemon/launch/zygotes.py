@@ -117,6 +117,13 @@ class ZygoteSet:
         """The keys of the zygotes there are now (running or starting)."""
         return list(self._zygotes)
 
+    def touch(self, policy: str, tenant: int | None) -> None:
+        """A job of ``tenant`` took a jail of ``policy`` its zygote made earlier (a pooled
+        one): that is use of the zygote, which keeps it from being retired."""
+        key = self.key(policy, tenant)
+        if key is not None and key in self._zygotes:
+            self._used[key] = time.monotonic()
+
     def on_retire(self, hook: RetireHook) -> None:
         """Run ``hook(policy, uid)`` before a uid's zygote is retired."""
         self._retire_hooks.append(hook)
