@@ -124,8 +124,8 @@ class LimitsFile:
     )
     max_zygotes: int = setting(
         16,
-        "Zygotes running at once (daemon.zygote_scope = \"uid\": one per policy and client uid); "
-        "past it a uid's jobs are spawned.",
+        "Zygotes of client uids running at once (daemon.zygote_scope = \"uid\"), besides the "
+        "daemon's own one per policy; past it a uid's jobs are spawned.",
         between(1, 4096),
     )
     zygote_idle_s: float = setting(

@@ -20,9 +20,9 @@ default) a zygote serves the jobs of **one** client uid, and of one policy:
   jobs are forked from them at once;
 * a zygote with no job for ``limits.zygote_idle_s`` is *retired*: the hooks registered
   with :meth:`on_retire` run first (the warm pools discard that uid's waiting jails), then
-  it is stopped once no jail of it is left. At most ``limits.max_zygotes`` run at once: a
-  new one first retires the least recently used idle one; if none can go, the job is
-  spawned and no zygote starts.
+  it is stopped once no jail of it is left. At most ``limits.max_zygotes`` zygotes of uids
+  other than the daemon's own run at once: a new one first retires the least recently used
+  idle one; if none can go, the job is spawned and no zygote starts.
 
 With ``daemon.zygote_scope = "policy"`` (single-tenant hosts) there is one zygote per
 policy, shared by every uid, started at start-up, never retired -- jaild's earlier shape.
@@ -203,14 +203,14 @@ class ZygoteSet:
 
     async def _start_one(self, key: ZygoteKey) -> None:
         try:
-            if key not in self._zygotes and len(self._zygotes) >= self.max_zygotes:
+            if key not in self._zygotes and self._tenant_count() >= self.max_zygotes:
                 await self._retire_least_used(key)
-                if len(self._zygotes) >= self.max_zygotes:
+                if self._tenant_count() >= self.max_zygotes:
                     log.info(
-                        "zygotes: %d running (limits.max_zygotes); %s's jobs of policy %s are "
-                        "spawned",
-                        len(self._zygotes),
-                        f"uid {key[1]}",
+                        "zygotes: %d of client uids running (limits.max_zygotes); the jobs "
+                        "of uid %s of policy %s are spawned",
+                        self._tenant_count(),
+                        key[1],
                         key[0],
                     )
                     return
@@ -233,9 +233,18 @@ class ZygoteSet:
                     continue
                 await self._retire(key)
 
+    def _tenant_count(self) -> int:
+        """Zygotes of client uids other than the daemon's own (those are started at start-up,
+        one per policy, and not counted against ``max_zygotes``)."""
+        return sum(1 for _, uid in self._zygotes if uid is not None and uid != self.own_uid)
+
     async def _retire_least_used(self, wanted: ZygoteKey) -> None:
         candidates = sorted(
-            (k for k in self._zygotes if k != wanted and k not in self._starting),
+            (
+                k
+                for k in self._zygotes
+                if k != wanted and k not in self._starting and k[1] != self.own_uid
+            ),
             key=lambda k: self._used.get(k, 0.0),
         )
         for key in candidates:
