@@ -126,7 +126,7 @@ class LimitsFile:
         16,
         "Zygotes of client uids running at once (daemon.zygote_scope = \"uid\"), besides the "
         "daemon's own one per policy; past it a uid's jobs are spawned.",
-        between(1, 4096),
+        between(1, 256),
     )
     zygote_idle_s: float = setting(
         600.0, "A client uid's zygote with no job this long is stopped.", between(1, 86400)

@@ -54,7 +54,7 @@ from jaild.daemon.placement import new_job_id
 from jaild.daemon.pool import JailPool, TenantPools
 from jaild.daemon.selftest import INSPECT_TOOL, Check, evaluate, host_paths_to_hide, probe_code
 from jaild.daemon.staging import ensure_traversable, locate_nsjail, stage_runtime
-from jaild.errors import CgroupError, PolicyError, StartupError
+from jaild.errors import CgroupError, PolicyError, StartupError, ZygoteError
 from jaild.policy.compile import JOB_UIDS, HostLayout, nsjail_config
 from jaild.policy.schema import Policy, host_checks, load_policy_dir, resolve_env
 from jaild.policy.seccomp import build_spec
@@ -65,6 +65,9 @@ from jaild.runtime.seccomp import bpf_program
 from jaild.runtime.seccomp import digest as seccomp_digest
 
 log = logging.getLogger("jaild")
+
+ZYGOTE_UIDS = 65536 - JOB_UIDS
+"""Host uids for zygotes in a daemon's block (see JOB_UIDS)."""
 
 Accept = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -286,9 +289,19 @@ async def _start_zygotes(
         served.config_fds.append(fd)
         fds[name] = (fd, index)
 
+    # Each zygote has a host uid of its own: the daemon's own zygotes the policy's index,
+    # client uids' zygotes the next free slot after those (the block's last 536 uids).
+    free_slots: list[int] = []
+    next_slot = [len(served.policies)]
+
     def make(policy: Policy, tenant: int | None) -> Zygote:
         fd, index = fds[policy.name]
         own = tenant is None or tenant == env.zygotes.own_uid
+        if not own:
+            index = free_slots.pop() if free_slots else next_slot[0]
+            if index >= ZYGOTE_UIDS:
+                raise ZygoteError(f"all {ZYGOTE_UIDS} zygote uids are in use")
+            next_slot[0] = max(next_slot[0], index + 1)
         return Zygote(
             policy,
             nsjail,
@@ -303,12 +316,18 @@ async def _start_zygotes(
             label=f"zygote-{policy.name}" if own else f"zygote-{policy.name}-u{tenant}",
         )
 
+    def release(zygote: Zygote) -> None:
+        slot = zygote.uid - config.uid_base - JOB_UIDS
+        if slot >= len(served.policies):
+            free_slots.append(slot)
+
     env.zygotes = ZygoteSet(
         make,
         scope=config.zygote_scope,
         max_zygotes=config.max_zygotes,
         idle_s=config.zygote_idle_s,
         own_uid=os.getuid(),
+        release=release,
     )
     names = sorted(fds)
     for name in names:

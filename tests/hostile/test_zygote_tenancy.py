@@ -131,6 +131,9 @@ def test_two_uids_jobs_share_no_zygote(tenancy_daemon: Callable[[str], DaemonHan
     # Each uid's zygote is its own, in a cgroup of its own.
     names = {p.name for p in d.job_root.glob("zygote-tenancy*")}
     assert {f"zygote-tenancy-u{UID_A}", f"zygote-tenancy-u{UID_B}"} <= names
+    # ... running as a host uid of its own (its kernel quotas are its own, too)
+    zygotes = ("tenancy", f"tenancy-u{UID_A}", f"tenancy-u{UID_B}")  # root's, A's, B's
+    assert len({_status(_zygote_of(d, z), "Uid")[0] for z in zygotes}) == 3
 
 
 def test_positive_control_one_zygote_per_policy_is_shared_by_uids(
@@ -241,8 +244,8 @@ def _status(pid: int, key: str) -> list[str]:
 
 
 def _zygote_of(d: DaemonHandle, policy: str) -> int:
-    """The host pid of the daemon's (own uid's) zygote of ``policy``: pid 1 one pid namespace
-    down (a jail it forked, still in its cgroup, is two down)."""
+    """The host pid of the daemon's zygote of ``policy`` (its own uid's; ``policy-uN``: uid
+    N's): pid 1 one pid namespace down (a jail it forked, still in its cgroup, is two down)."""
     for entry in os.listdir("/proc"):
         try:
             if (entry.isdigit() and f"/{d.config.subtree}/zygote-{policy}/"

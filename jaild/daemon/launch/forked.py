@@ -211,6 +211,7 @@ class Zygote:
             log_w,
             self.uid,
             self._uid_base,
+            cgroup=self.label,
         )
         try:
             self._proc = subprocess.Popen(

@@ -69,10 +69,12 @@ class ZygoteSet:
         max_zygotes: int = 16,
         idle_s: float = 600.0,
         own_uid: int = 0,
+        release: Callable[[Zygote], None] | None = None,
     ) -> None:
         if scope not in SCOPES:
             raise ValueError(f"zygote scope must be one of {SCOPES}, not {scope!r}")
         self._make = make
+        self._release = release  # hears of each zygote dropped (its host uid is free again)
         self.scope = scope
         self.max_zygotes = max_zygotes
         self.idle_s = idle_s
@@ -271,6 +273,8 @@ class ZygoteSet:
         self._used.pop(key, None)
         if zygote is not None:
             zygote.stop()
+            if self._release is not None:
+                self._release(zygote)
 
     async def _closed_within(self, seconds: float) -> bool:
         with contextlib.suppress(TimeoutError):
