@@ -22,7 +22,7 @@ default) a zygote serves the jobs of **one** client uid, and of one policy:
   with :meth:`on_retire` run first (the warm pools discard that uid's waiting jails), then
   it is stopped once no jail of it is left. At most ``limits.max_zygotes`` zygotes of uids
   other than the daemon's own run at once: a new one first retires the least recently used
-  idle one; if none can go, the job is spawned and no zygote starts.
+  one with no job running; if none can go, the job is spawned and no zygote starts.
 
 With ``daemon.zygote_scope = "policy"`` (single-tenant hosts) there is one zygote per
 policy, shared by every uid, started at start-up, never retired -- jaild's earlier shape.
