@@ -57,6 +57,10 @@ def host_memory_mb(meminfo: str = "/proc/meminfo") -> int:
     raise OSError(f"no MemTotal in {meminfo}")
 
 
+def _zygote_scope(v: Any) -> str | None:
+    return None if v in ("uid", "policy") else f'must be "uid" or "policy", got {v!r}'
+
+
 def _absolute(v: Any) -> str | None:
     return None if v == "" or str(v).startswith("/") else f"must be an absolute path, got {v!r}"
 
@@ -86,6 +90,12 @@ class DaemonFile:
     metrics_tool_labels: bool = setting(
         False, "Label tool-call metrics with tool names (every client's, to whoever can scrape); "
         "false: per policy and outcome only, as `jaild stats` shows non-root users."
+    )
+    zygote_scope: str = setting(
+        "uid",
+        '"uid": a zygote per (policy, client uid), so no two users\' jails are forks of one '
+        'process; "policy": one per policy, shared by every uid (single-tenant hosts only).',
+        _zygote_scope,
     )
 
 
@@ -153,6 +163,15 @@ class LimitsFile:
         "The most one uid's jails' memory limits may add up to (its jobs and sessions). "
         "0: derived, half of the memory ceiling.",
         between(0, 1 << 30),
+    )
+    max_zygotes: int = setting(
+        16,
+        "Zygotes of client uids running at once (daemon.zygote_scope = \"uid\"), besides the "
+        "daemon's own one per policy; past it a uid's jobs are spawned.",
+        between(1, 256),
+    )
+    zygote_idle_s: float = setting(
+        600.0, "A client uid's zygote with no job this long is stopped.", between(1, 86400)
     )
 
 
@@ -235,6 +254,9 @@ class DaemonConfig:
     max_memory_mb: int = 0
     max_memory_mb_per_uid: int = 0
     probe_policies: bool = True
+    zygote_scope: str = "uid"
+    max_zygotes: int = 16
+    zygote_idle_s: float = 600.0
 
     @classmethod
     def from_sources(cls, file: str | None = None, **flags: Any) -> DaemonConfig:
@@ -261,6 +283,7 @@ class DaemonConfig:
                 audit_log=d.audit_log or None,
                 metrics_address=d.metrics_address or None,
                 metrics_tool_labels=d.metrics_tool_labels,
+                zygote_scope=d.zygote_scope,
                 allowed_users=a.users,
                 **dataclasses.asdict(lim),
             )

@@ -48,6 +48,7 @@ from jaild.daemon.kernlog import KernelAuditLog
 from jaild.daemon.launch.forked import Zygote, ZygoteLauncher
 from jaild.daemon.launch.handle import JailHandle, Launcher
 from jaild.daemon.launch.spawned import SpawnLauncher
+from jaild.daemon.launch.zygotes import ZygoteSet
 from jaild.daemon.machine import (
     START_TIMEOUT_S,
     Action,
@@ -126,7 +127,7 @@ class JailEnvironment:
     uid_base: int
     launcher: tuple[str, ...] = ()  # e.g. setpriv --pdeathsig TERM --: nsjail dies with us
     kill_grace_s: float = 1.0
-    zygotes: dict[str, Zygote] = field(default_factory=dict)  # policies in zygote mode
+    zygotes: ZygoteSet = field(default_factory=ZygoteSet)  # by (policy, client uid)
     stand_in: Launcher | None = None
     """A launcher that makes every jail instead of nsjail or a zygote, with no cgroup: only
     :class:`jaild.testing.FakeLauncher`, which isolates nothing. The daemon never sets it."""
@@ -183,7 +184,8 @@ class JailEnvironment:
             handle.cgroup = self.cgroups.create_job(
                 handle.jail_id, limits.memory_mb, limits.pids, with_cpu=limits.cpu_cores > 0
             )
-            zygote = self.zygotes.get(spec.policy.name)
+            # the zygote of the job's uid, if it is up; else a fresh exec (see ZygoteSet)
+            zygote = self.zygotes.for_job(spec.policy, spec.tenant, pooled=pooled)
             launcher = SpawnLauncher() if zygote is None else ZygoteLauncher(zygote)
         await launcher.start(handle, spec, uid, pooled=pooled, on_sent=on_sent)
 
@@ -258,7 +260,7 @@ class JailedJob:
 
     @property
     def zygote(self) -> Zygote | None:
-        return self._env.zygotes.get(self.spec.policy.name)
+        return self._env.zygotes.get(self.spec.policy.name, self.spec.tenant)
 
     @property
     def alive(self) -> bool:

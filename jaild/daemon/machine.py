@@ -129,6 +129,7 @@ class JobSpec:
     download: tuple[str, ...] = ()  # patterns of files whose contents come back
     download_changed: bool = False  # ... and of every file the run created or changed
     keep: bool = False  # a session's jail: it outlives the run
+    tenant: int | None = None  # the client's uid: whose zygote may fork it (None: no one's)
 
 
 class Phase(enum.Enum):

@@ -85,7 +85,8 @@ class Pipeline:
         env = daemon.env
         assert env is not None
         placed = placement.place(
-            admitted, job_id, client.call_tool, client.output, env, daemon.pools, sess
+            admitted, job_id, client.call_tool, client.output, env, daemon.pools, sess,
+            tenant=client.peer.uid,
         )
         if sess is not None:
             daemon.sessions.run_started(sess, placed.job_id)
@@ -158,7 +159,7 @@ class Pipeline:
         tracked = set(self.daemon.registry.pids())
         env = self.daemon.env
         if env is not None:
-            tracked |= {z.pid for z in env.zygotes.values() if z.pid is not None}
+            tracked |= env.zygotes.pids()
         reaped = []
         for pid in _children() - tracked:
             with contextlib.suppress(ChildProcessError):

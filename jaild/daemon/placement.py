@@ -14,6 +14,10 @@ one-shot, fresh    made for it (a cold start: no pool, pool empty,  a new id
 session run        the session's jail, kept between runs            a new id
 =================  ===============================================  ==================
 
+Every run carries its client's uid (``JobSpec.tenant``): a forked jail comes from that
+uid's zygote and a pooled one from that uid's pool (:class:`jaild.daemon.pool.TenantPools`),
+so no two uids' jails are forks of one process (README, Security model).
+
 Whichever the jail, :meth:`Placed.run` ends in the same three values -- the
 record, the result, the downloaded files -- so the pipeline has one path from
 here to the record.
@@ -65,7 +69,7 @@ class Placed:
         return record, self.jail.result, self.jail.downloads
 
 
-def _spec(job: AdmittedJob, job_id: str, keep: bool = False) -> JobSpec:
+def _spec(job: AdmittedJob, job_id: str, tenant: int | None, keep: bool = False) -> JobSpec:
     return JobSpec(
         job_id=job_id,
         policy=job.policy,
@@ -77,6 +81,7 @@ def _spec(job: AdmittedJob, job_id: str, keep: bool = False) -> JobSpec:
         download=job.download,
         download_changed=job.download_changed,
         keep=keep,
+        tenant=tenant,
     )
 
 
@@ -88,19 +93,23 @@ def place(
     env: JailEnvironment,
     pools: Mapping[str, JailPool],
     session: JailSession | None = None,
+    tenant: int | None = None,
 ) -> Placed:
     """The jail for an admitted run (see the table above). A pooled jail is given its
-    code here, so its run starts before the client hears ``JobAccepted``."""
+    code here, so its run starts before the client hears ``JobAccepted``. ``tenant``: the
+    client's uid; a jail forked from a zygote is forked from that uid's (see
+    :class:`~jaild.daemon.launch.zygotes.ZygoteSet`), a pooled one taken from its pool."""
     if session is not None:
-        spec = _spec(job, job_id, keep=True)
+        spec = _spec(job, job_id, tenant, keep=True)
         return Placed(spec, session.jail, route_tool, output, session)
     pool = pools.get(job.policy.name)
-    pooled = pool.take() if pool is not None and poolable(job.policy, job.limits) else None
+    usable = pool is not None and poolable(job.policy, job.limits)
+    pooled = pool.take(tenant) if pool is not None and usable else None
     if pooled is not None:
-        spec = _spec(job, pooled.jail_id)  # made under the id of the job that takes it
+        spec = _spec(job, pooled.jail_id, tenant)  # made under the id of the job that takes it
         pooled.assign(spec, route_tool, output)  # its code is on its way now
         return Placed(spec, pooled, route_tool, output, pooled=True)
-    spec = _spec(job, job_id)
+    spec = _spec(job, job_id, tenant)
     return Placed(spec, JailedJob(spec, env, route_tool, output), route_tool, output)
 
 

@@ -16,6 +16,11 @@ jail that waited ``pool.idle_s`` without a job is recycled and lowers it by one.
 So a burst grows the pool, quiet shrinks it back to ``min``, and no jail is
 older than ``idle_s``.
 
+In ``daemon.zygote_scope = "uid"`` a zygote-mode policy's pool is a :class:`TenantPools`:
+one pool per client uid, each of jails forked from that uid's zygote. The daemon's own
+uid's pool is made at start (its zygote is too); another uid's is made when that uid's
+zygote is up (its first job found none), and discarded when the zygote is retired.
+
 Only jobs whose jail-level limits (memory, pids, CPU time and cores, file size,
 open files) are the policy's own can take a pooled jail: those limits were set
 when the jail was made. Other jobs get a jail made for them (a cold start).
@@ -27,11 +32,13 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
 
 from jaild.daemon.job import JailedJob
+from jaild.daemon.launch.zygotes import ZygoteSet
 from jaild.policy.schema import ONE_SHOT_JAIL_LIMITS, Limits, Policy
 
 log = logging.getLogger("jaild.daemon.pool")
@@ -78,6 +85,12 @@ class JailPool:
         """Jails ready now."""
         return len(self._ready)
 
+    @property
+    def held(self) -> int:
+        """Jails that exist for the pool now: ready, or being made (each holds its memory
+        limit against the daemon's ceiling before any job takes it)."""
+        return len(self._ready) + self._preparing
+
     def ready_ids(self) -> list[str]:
         """The ids of the ready jails (each the id its job will have)."""
         return [jail.jail_id for jail in self._ready]
@@ -103,8 +116,9 @@ class JailPool:
             self._work = None
             self._closing.set()
 
-    def take(self) -> JailedJob | None:
-        """A ready jail for a job, or None (the caller makes one; the pool grows)."""
+    def take(self, tenant: int | None = None) -> JailedJob | None:
+        """A ready jail for a job of uid ``tenant``, or None (the caller makes one; the pool
+        grows). This pool's jails are anyone's (a :class:`TenantPools` keeps them apart)."""
         while self._ready:
             jail = self._ready.popleft()
             if jail.alive:
@@ -205,4 +219,69 @@ class JailPool:
         await asyncio.gather(*(j.discard("the daemon is stopping") for j in ready))
 
 
-__all__ = ["JailPool", "PoolStats", "poolable"]
+class TenantPools(JailPool):
+    """The warm pool of a zygote-mode policy in ``uid`` scope: itself the pool of the
+    daemon's own uid, and one more pool per other client uid whose zygote is up.
+
+    ``make(uid)`` makes a jail for ``uid`` (forked from that uid's zygote); ``zygotes`` says
+    whose zygote is up, and hears of every jail a job takes (use that keeps the zygote).
+    It calls :meth:`retire` (an ``on_retire`` hook) before it retires a uid's zygote.
+    """
+
+    def __init__(
+        self, policy: Policy, make: Callable[[int], JailedJob], zygotes: ZygoteSet
+    ) -> None:
+        own = zygotes.own_uid
+        super().__init__(policy, lambda: make(own))
+        self._make_for = make
+        self._own = own
+        self._zygotes = zygotes
+        self._tenants: dict[int, JailPool] = {}
+
+    @property
+    def size(self) -> int:
+        """Jails ready now, for every uid."""
+        return super().size + sum(p.size for p in self._tenants.values())
+
+    @property
+    def held(self) -> int:
+        """Jails that exist for every uid's pool now."""
+        return super().held + sum(p.held for p in self._tenants.values())
+
+    def ready_ids(self) -> list[str]:
+        return super().ready_ids() + [i for p in self._tenants.values() for i in p.ready_ids()]
+
+    def take(self, tenant: int | None = None) -> JailedJob | None:
+        """A ready jail of ``tenant``'s own, or None (the caller makes one). The first
+        miss after the uid's zygote came up starts the uid's pool."""
+        if tenant is None:
+            return None
+        if tenant == self._own:
+            jail = super().take(tenant)
+        elif tenant in self._tenants:
+            jail = self._tenants[tenant].take(tenant)
+        elif not self._closing.is_set() and self._zygotes.ready(self.policy.name, tenant):
+            pool = self._tenants[tenant] = JailPool(
+                self.policy, functools.partial(self._make_for, tenant)
+            )
+            pool.start()
+            jail = pool.take(tenant)  # a miss, which makes it grow from min
+        else:
+            jail = None
+        if jail is not None:
+            self._zygotes.touch(self.policy.name, tenant)
+        return jail
+
+    async def retire(self, policy: str, tenant: int) -> None:
+        """``tenant``'s zygote of ``policy`` is retired: discard that uid's waiting jails.
+        The own uid's pool stays, and so, while it holds jails, does its zygote."""
+        pool = self._tenants.pop(tenant, None) if policy == self.policy.name else None
+        if pool is not None:
+            await pool.close()
+
+    async def close(self) -> None:
+        pools, self._tenants = list(self._tenants.values()), {}
+        await asyncio.gather(super().close(), *(p.close() for p in pools))
+
+
+__all__ = ["JailPool", "PoolStats", "TenantPools", "poolable"]

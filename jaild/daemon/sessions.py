@@ -91,9 +91,11 @@ def capacity(config: DaemonConfig) -> admission.Capacity:
 
 
 def pools_reserved_mb(pools: Mapping[str, JailPool]) -> int:
-    """The memory the warm pools may hold: each at its ``pool.max`` jails of the policy's
-    ``memory_mb`` (ready or being made; a jail taken by a job counts as that job's)."""
-    return sum(p.policy.pool.max * p.policy.limits.memory_mb for p in pools.values())
+    """The memory limits of the warm pools' jails: every jail a pool holds now (ready or
+    being made, for every uid's pool of a policy) at the policy's ``memory_mb``; a jail
+    taken by a job counts as that job's. A pool refilling after this check can pass the
+    sum by its refill; the subtree's own cgroup limit holds whatever happens."""
+    return sum(p.held * p.policy.limits.memory_mb for p in pools.values())
 
 
 def check_room(
@@ -146,7 +148,8 @@ class Sessions:
         assert env is not None
         session_id = "ses-" + secrets.token_hex(8)
         spec = JobSpec(
-            session_id, terms.policy, terms.jail_limits, "", "<session>", terms.tools, keep=True
+            session_id, terms.policy, terms.jail_limits, "", "<session>", terms.tools, keep=True,
+            tenant=client.peer.uid,
         )
         jail = JailedJob(spec, env, None, None, jail_id=session_id)
         sess = JailSession(session_id, client, terms, jail)

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import grp
 import logging
 import os
@@ -50,12 +51,13 @@ from jaild.daemon.job import JailedJob, JailEnvironment, JobSpec, ToolObserver
 from jaild.daemon.kernlog import KernelAuditLog
 from jaild.daemon.launch.forked import Zygote
 from jaild.daemon.launch.spawned import owner_caps, sweep_workdirs
+from jaild.daemon.launch.zygotes import ZygoteSet
 from jaild.daemon.metrics import Metrics
 from jaild.daemon.placement import new_job_id
-from jaild.daemon.pool import JailPool
+from jaild.daemon.pool import JailPool, TenantPools
 from jaild.daemon.selftest import INSPECT_TOOL, Check, evaluate, host_paths_to_hide, probe_code
 from jaild.daemon.staging import ensure_traversable, locate_nsjail, stage_runtime
-from jaild.errors import CgroupError, PolicyError, StartupError
+from jaild.errors import CgroupError, PolicyError, StartupError, ZygoteError
 from jaild.policy.compile import JOB_UIDS, HostLayout, nsjail_config
 from jaild.policy.schema import Policy, host_checks, load_policy_dir, resolve_env
 from jaild.policy.seccomp import build_spec
@@ -66,6 +68,9 @@ from jaild.runtime.seccomp import bpf_program
 from jaild.runtime.seccomp import digest as seccomp_digest
 
 log = logging.getLogger("jaild")
+
+ZYGOTE_UIDS = 65536 - JOB_UIDS
+"""Host uids for zygotes in a daemon's block (see JOB_UIDS)."""
 
 Accept = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -107,8 +112,7 @@ class Served:
 
     def stop_zygotes(self) -> None:
         if self.env is not None:
-            for zygote in self.env.zygotes.values():
-                zygote.stop()
+            self.env.zygotes.stop_all()
 
     def release(self, config: DaemonConfig) -> None:
         """At stop: remove our socket, and the cgroup subtree with whatever a job left
@@ -277,17 +281,34 @@ async def _start_jails(
 async def _start_zygotes(
     config: DaemonConfig, served: Served, host: HostLayout, nsjail: str
 ) -> None:
-    """Start the zygote of every served policy in zygote mode; a policy whose zygote
-    does not come up is not served (its jails could not be made)."""
+    """Start the daemon's own zygote of every served policy in zygote mode (the zygote
+    set starts each client uid's later, see jaild.daemon.launch.zygotes); a policy whose
+    zygote does not come up is not served (its jails could not be made)."""
     env = served.env
     assert env is not None
+    fds: dict[str, tuple[int, int]] = {}
     for index, (name, policy) in enumerate(sorted(served.policies.items())):
         if policy.pool.mode != "zygote" or name in served.unavailable:
             continue
         text = nsjail_config(policy, host, zygote=True, max_jobs=config.max_jobs)
         fd = _sealed_memfd(f"jaild-zygote-{name}", text)
         served.config_fds.append(fd)
-        env.zygotes[name] = Zygote(
+        fds[name] = (fd, index)
+
+    # Each zygote has a host uid of its own: the daemon's own zygotes the policy's index,
+    # client uids' zygotes the next free slot after those (the block's last 536 uids).
+    free_slots: list[int] = []
+    next_slot = [len(served.policies)]
+
+    def make(policy: Policy, tenant: int | None) -> Zygote:
+        fd, index = fds[policy.name]
+        own = tenant is None or tenant == env.zygotes.own_uid
+        if not own:
+            index = free_slots.pop() if free_slots else next_slot[0]
+            if index >= ZYGOTE_UIDS:
+                raise ZygoteError(f"all {ZYGOTE_UIDS} zygote uids are in use")
+            next_slot[0] = max(next_slot[0], index + 1)
+        return Zygote(
             policy,
             nsjail,
             host,
@@ -296,12 +317,29 @@ async def _start_zygotes(
             zygote_uid=config.uid_base + JOB_UIDS + index,
             uid_base=config.uid_base,
             launcher=env.launcher,
-            seccomp_spec=env.seccomp_specs[name],
+            seccomp_spec=env.seccomp_specs[policy.name],
             max_jobs=config.max_jobs,
+            label=f"zygote-{policy.name}" if own else f"zygote-{policy.name}-u{tenant}",
         )
-    names = list(env.zygotes)
+
+    def release(zygote: Zygote) -> None:
+        slot = zygote.uid - config.uid_base - JOB_UIDS
+        if slot >= len(served.policies):
+            free_slots.append(slot)
+
+    env.zygotes = ZygoteSet(
+        make,
+        scope=config.zygote_scope,
+        max_zygotes=config.max_zygotes,
+        idle_s=config.zygote_idle_s,
+        own_uid=os.getuid(),
+        release=release,
+    )
+    names = sorted(fds)
+    for name in names:
+        env.zygotes.serve(served.policies[name])
     results = await asyncio.gather(
-        *(env.zygotes[n].ensure_started() for n in names), return_exceptions=True
+        *(env.zygotes.start(n) for n in names), return_exceptions=True
     )
     for name, outcome in zip(names, results, strict=True):
         if isinstance(outcome, BaseException):
@@ -310,23 +348,31 @@ async def _start_zygotes(
                 Check("zygote", False, str(outcome), "see the zygote's log above")
             ]
             log.error("policy %s will not be served: %s", name, served.unavailable[name])
+            env.zygotes.policies.pop(name, None)
+    env.zygotes.run()
 
 
 def _start_pools(served: Served) -> None:
     env = served.env
     assert env is not None
+    zygotes = env.zygotes
     for name, policy in served.policies.items():
         # no warm jails for a policy no one may use (access.users = [])
         if policy.pool.max == 0 or name in served.unavailable or not policy.access.users:
             continue
 
-        def make(policy: Policy = policy) -> JailedJob:
+        def make(tenant: int | None, policy: Policy = policy) -> JailedJob:
             # named for the job that will take it: its cgroup cannot be renamed (v2)
             jail_id = new_job_id()
-            spec = JobSpec(jail_id, policy, policy.limits, "", "<pool>", ())
+            spec = JobSpec(jail_id, policy, policy.limits, "", "<pool>", (), tenant=tenant)
             return JailedJob(spec, env, None, None, jail_id=jail_id)
 
-        served.pools[name] = JailPool(policy, make)
+        if zygotes.scope == "uid" and name in zygotes.policies:  # a pool per client uid
+            pools = TenantPools(policy, make, zygotes)
+            zygotes.on_retire(pools.retire)
+            served.pools[name] = pools
+        else:
+            served.pools[name] = JailPool(policy, functools.partial(make, None))
         served.pools[name].start()
 
 
@@ -401,6 +447,7 @@ async def _probe(config: DaemonConfig, served: Served, policy: Policy) -> list[C
         code=probe_code(policy, hidden),
         filename="<self-test>",
         tools=(ToolSpec(name=INSPECT_TOOL, description="the job seen from the host"),),
+        tenant=served.env.zygotes.own_uid,  # the daemon's own job: in the daemon's zygote
     )
 
     def inspect(

@@ -568,10 +568,12 @@ def zygote_argv(
     log_fd: int,
     zygote_uid: int,
     uid_base: int,
+    cgroup: str = "",
 ) -> list[str]:
-    """nsjail's command line for the zygote of ``policy``."""
+    """nsjail's command line for a zygote of ``policy``, in the daemon's cgroup ``cgroup``
+    (default ``zygote-<policy>``; one per client uid: see jaild.daemon.launch.zygotes)."""
     plan = compile_zygote(policy, host, uids=(zygote_uid, uid_base))
-    rel = f"{host.cgroup.subtree}/zygote-{policy.name}"
+    rel = f"{host.cgroup.subtree}/{cgroup or 'zygote-' + policy.name}"
     return render_argv(plan, nsjail, config_path, log_fd, host.cgroup, rel)
 
 

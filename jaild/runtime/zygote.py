@@ -1,4 +1,4 @@
-"""The zygote: a per-policy template process that forks one fresh jail per job.
+"""The zygote: a per-(policy, client uid) template process that forks one fresh jail per job.
 
 Theory of operation
 -------------------
@@ -41,8 +41,12 @@ So a zygote jail shares nothing writable with the zygote or with other jails:
 memory is copy-on-write (the zygote holds no shared mappings), /tmp, /dev/shm
 and /proc are new mounts, SysV/POSIX IPC, abstract sockets and pids live in new
 namespaces, the cgroup is the job's own, the uid is the job's own. What it does
-share with its siblings is the zygote's address-space layout (ASLR is per exec,
-not per fork) and hash seed; the README's security model says so.
+share with its siblings is what no fork renews: the zygote's address-space layout
+(ASLR is per exec, not per fork), stack canary, pointer guard, ``AT_RANDOM`` and hash
+seed -- which is why the daemon gives each client uid zygotes of its own
+(:mod:`jaild.daemon.launch.zygotes`). What a fork *can* renew, it does: before the
+runtime starts, the jail reseeds the pre-imported modules' random generators from fresh
+entropy (:mod:`jaild.runtime.reseed`; the zygote surveys them once, at its first fork).
 
 The zygote reports each jail's end (``JailReaped``: wait status, CPU, peak RSS)
 on the control socket. It never reads what a jail writes and never runs user code.
@@ -82,6 +86,7 @@ from jaild.protocol.zygote_link import (
     decode_packet,
     encode,
 )
+from jaild.runtime import reseed
 from jaild.runtime.harden import die_with_parent, empty_bounding_set
 
 CLONE_NEWNS = 0x00020000
@@ -292,21 +297,27 @@ def _apply(steps: Sequence[Step]) -> None:
         APPLY[step.op](*step.args)
 
 
-def _jail(steps: Sequence[Step], warm_up: bool) -> None:
-    """The forked child, pid 1 of a new pid namespace: preamble, the plan, the runtime."""
+def _jail(steps: Sequence[Step], warm_up: bool, generators: Sequence[object]) -> None:
+    """The forked child, pid 1 of a new pid namespace: preamble, the plan, fresh random
+    state for the pre-imported modules' generators, the runtime."""
     chan = socket.socket(fileno=os.dup(0))
     chan.sendall(PREAMBLE)
     if chan.recv(1) != GO:
         raise SetupFailed("the daemon did not place the jail in its cgroup")
     chan.close()
     _apply(steps)
+    reseed.reseed(generators)  # before any user code (jaild.runtime.reseed)
     from jaild.runtime.main import main
 
     main(warm_up=warm_up)
 
 
 def _child_main(
-    steps: Sequence[Step], warm_up: bool, fds: Sequence[int], control: socket.socket
+    steps: Sequence[Step],
+    warm_up: bool,
+    fds: Sequence[int],
+    control: socket.socket,
+    generators: Sequence[object],
 ) -> None:
     try:
         # Die with the zygote. Its pid is outside our pid namespace (getppid() is 0), so
@@ -320,7 +331,7 @@ def _child_main(
         for target, fd in zip((0, 1, 2), fds, strict=True):
             os.dup2(fd, target)
         os.closerange(3, 65536)
-        _jail(steps, warm_up)
+        _jail(steps, warm_up, generators)
     except BaseException as exc:
         try:
             detail = exc if isinstance(exc, SetupFailed) else traceback.format_exc()
@@ -334,6 +345,17 @@ def _send(control: socket.socket, msg: Message) -> None:
     control.send(encode(msg))
 
 
+_SURVEYED: list[list[object]] = []
+
+
+def _generators() -> list[object]:
+    """The pre-imported modules' generators (:func:`jaild.runtime.reseed.survey`), found
+    once, at the first fork (the zygote imports nothing after its start-up)."""
+    if not _SURVEYED:
+        _SURVEYED.append(reseed.survey())
+    return _SURVEYED[0]
+
+
 def _spawn(
     control: socket.socket, req: SpawnJail, fds: list[int], own_pidns: int
 ) -> dict[int, int]:
@@ -345,6 +367,7 @@ def _spawn(
         if len(fds) != 3:
             raise SetupFailed(f"a jail needs its channel, stdout and stderr; got {len(fds)} fds")
         steps = jail_steps(req.jail)
+        generators = _generators()  # in the zygote, before the fork: once, then cached
         _check(_libc.setns(own_pidns, CLONE_NEWPID), "setns")
         _check(_libc.unshare(CLONE_NEWPID), "unshare")
         pid = os.fork()
@@ -352,7 +375,7 @@ def _spawn(
         _send(control, SpawnFailed(req.spawn_id, safe_text(f"fork: {exc}", MAX_FAILURE_CHARS)))
         return {}
     if pid == 0:
-        _child_main(steps, req.jail.warm_up, fds, control)
+        _child_main(steps, req.jail.warm_up, fds, control, generators)
     return {pid: req.spawn_id}
 
 

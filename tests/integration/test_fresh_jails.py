@@ -21,12 +21,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from jaild.client import Client
-from tests.conftest import DaemonHandle, guard
+from tests.conftest import STATE_DIR, DaemonHandle, guard, until
 
 pytestmark = pytest.mark.integration
 
@@ -210,3 +211,92 @@ def test_preimported_modules_are_loaded_before_the_job(client: Client, policy: s
     # default pre-imports statistics in its zygote; a spawned jail starts without it
     r = client.run("import sys\n'statistics' in sys.modules", policy=policy)
     assert (r.status, r.result) == ("ok", preimported), r.error
+
+
+# ------------------------------------------------------------------ random state, per jail
+
+# The data environment with numpy and pandas pre-imported by the zygote: forked on demand
+# (no pool), and from a warm pool of two (both jobs below take a pooled jail).
+DATA_POLICIES = {
+    "data-forked": '[python]\nenv = "data"\n[limits]\nmemory_mb = 512\n'
+                   '[pool]\nmode = "zygote"\nmin = 0\nmax = 0\npreimport = ["numpy", "pandas"]\n',
+    "data-pooled": '[python]\nenv = "data"\n[limits]\nmemory_mb = 512\n'
+                   '[pool]\nmode = "zygote"\nmin = 2\nmax = 2\npreimport = ["numpy", "pandas"]\n',
+}
+# What a job draws from the process-global generators: numpy's legacy RandomState (behind
+# numpy.random.rand), pandas' sample() (which uses it), and CPython's random.
+DRAW = (
+    "import sys\nforked = 'numpy' in sys.modules and 'pandas' in sys.modules\n"
+    "import numpy, pandas, random\n"
+    "frame = pandas.DataFrame({'a': range(10000)})\n"
+    "[forked, numpy.random.rand(4).tolist(), frame.sample(8).index.tolist(), random.random()]\n"
+)
+
+
+def _pool_ready(d: DaemonHandle, policy: str) -> dict[str, int]:
+    with d.client() as c:
+        return {p["name"]: p for p in c.policies()}[policy]["pool"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("policy", sorted(DATA_POLICIES))
+def test_two_jobs_forked_from_one_zygote_draw_different_random_numbers(
+        private_daemon: Callable[..., DaemonHandle], policy: str) -> None:
+    # Issue 14: the zygote imported numpy once, and every fork copied its generator, so two
+    # consecutive jobs printed the same numpy.random numbers and DataFrame.sample() rows.
+    d = private_daemon(DATA_POLICIES, with_repo_policies=False)
+    if policy == "data-pooled":
+        until(lambda: _pool_ready(d, policy)["ready"] >= 2, "the pool made two jails")
+    before = _pool_ready(d, policy)
+    first, second = d.run(DRAW, policy=policy), d.run(DRAW, policy=policy)
+    for r in (first, second):
+        assert (r.status, r.result[0]) == ("ok", True), (r.status, r.error, r.stderr)
+    if policy == "data-pooled":  # both from the pool, made before either job existed
+        assert _pool_ready(d, policy)["hits"] - before["hits"] == 2
+    _, numbers_a, rows_a, random_a = first.result
+    _, numbers_b, rows_b, random_b = second.result
+    assert numbers_a != numbers_b, "numpy.random repeated itself across jobs"
+    assert rows_a != rows_b, "DataFrame.sample() picked the same rows in both jobs"
+    assert random_a != random_b
+
+
+FORK_TWICE = r'''
+import json, os, random, sys, types
+import numpy, pandas
+sys.path.insert(0, {repo!r})
+from jaild.runtime import reseed
+holder = types.ModuleType("holder")  # a pre-imported module keeping a generator of its own
+holder.rng = random.Random(1234)
+sys.modules["holder"] = holder
+generators = reseed.survey() if {reseed!r} else []
+frame = pandas.DataFrame({{"a": range(10000)}})
+draws = []
+for _ in range(2):
+    r, w = os.pipe()
+    if os.fork() == 0:
+        reseed.reseed(generators)
+        os.write(w, json.dumps([numpy.random.rand(4).tolist(), frame.sample(8).index.tolist(),
+                                holder.rng.random()]).encode())
+        os._exit(0)
+    os.close(w)
+    draws.append(json.loads(os.read(r, 65536)))
+    os.wait()
+print(json.dumps(draws))
+'''
+
+
+@pytest.mark.parametrize("reseeded", [False, True])
+def test_positive_control_forks_of_a_host_process_repeat_its_random_numbers(
+        reseeded: bool) -> None:
+    # Two forks of a host process that imported numpy and pandas: without the reseed they
+    # draw the same numbers (what jobs did); with jaild.runtime.reseed, as a zygote's jails
+    # now do, they do not -- the module-level random.Random of a pre-imported module included.
+    python = os.path.join(STATE_DIR, "envs", "data", "bin", "python3")
+    repo = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([python, "-c", FORK_TWICE.format(repo=repo, reseed=reseeded)],
+                         capture_output=True, text=True, timeout=guard(60), check=False)
+    assert out.returncode == 0, out.stderr
+    a, b = json.loads(out.stdout)
+    if reseeded:
+        assert all(x != y for x, y in zip(a, b, strict=True)), (a, b)
+    else:
+        assert a == b

@@ -213,16 +213,18 @@ def test_what_a_uid_holds_counts_jobs_and_sessions_once_each() -> None:
     assert reg.held(1000) == admission.Held(jails=0, memory_mb=0)
 
 
-def test_warm_pools_are_reserved_at_their_maximum() -> None:
+def test_warm_pools_count_the_jails_they_hold() -> None:
     from jaild.daemon.sessions import pools_reserved_mb
 
     class Pool:
-        def __init__(self, text: str) -> None:
+        def __init__(self, text: str, held: int) -> None:
             self.policy = policy(text=text)
+            self.held = held
 
-    pools = {"a": Pool("[limits]\nmemory_mb = 256\n[pool]\nmin = 1\nmax = 3\n"),
-             "b": Pool("[limits]\nmemory_mb = 128\n[pool]\nmax = 0\n")}
-    assert pools_reserved_mb(pools) == 768  # type: ignore[arg-type]
+    # every jail a pool holds (ready or being made; with per-uid pools, every uid's)
+    pools = {"a": Pool("[limits]\nmemory_mb = 256\n[pool]\nmin = 1\nmax = 3\n", held=5),
+             "b": Pool("[limits]\nmemory_mb = 128\n[pool]\nmax = 0\n", held=0)}
+    assert pools_reserved_mb(pools) == 1280  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- policies

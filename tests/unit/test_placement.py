@@ -44,13 +44,15 @@ class FakePool:
     def __init__(self, *jails: FakeJail) -> None:
         self.jails = list(jails)
 
-    def take(self) -> FakeJail | None:
+    def take(self, tenant: int | None = None) -> FakeJail | None:
+        self.tenant = tenant
         return self.jails.pop(0) if self.jails else None
 
 
 def place(job: admission.AdmittedJob, pools: Any, session: Any = None) -> placement.Placed:
     nothing: Any = None
-    return placement.place(job, "job-new", nothing, nothing, nothing, pools, session)
+    return placement.place(job, "job-new", nothing, nothing, nothing, pools, session,
+                           tenant=PEER.uid)
 
 
 @pytest.fixture(autouse=True)
@@ -63,6 +65,7 @@ def test_a_pooled_jail_is_taken_under_its_own_id_and_gets_its_code() -> None:
     placed = place(admitted(), {"default": FakePool(warm)})
     assert warm.assigned is placed.spec and not placed.spec.keep
     assert placed.pooled and placed.jail is warm and placed.job_id == "job-warm"
+    assert placed.spec.tenant == PEER.uid  # the client's uid: whose zygote and pool
 
 
 def test_an_empty_pool_means_a_fresh_jail() -> None:

@@ -1,4 +1,5 @@
-"""The daemon's side of a policy's zygote (see :mod:`jaild.runtime.zygote`).
+"""The daemon's side of a zygote (see :mod:`jaild.runtime.zygote`): one per policy and
+client uid, kept by :class:`jaild.daemon.launch.zygotes.ZygoteSet`.
 
 The zygote runs in an nsjail of its own, started by :meth:`Zygote.start`; the
 daemon talks to it over a SOCK_SEQPACKET socketpair (the zygote's fd 0), one
@@ -130,8 +131,10 @@ class Zygote:
         launcher: tuple[str, ...],
         seccomp_spec: dict[str, Any],
         max_jobs: int,
+        label: str = "",
     ) -> None:
         self.policy = policy
+        self.label = label or f"zygote-{policy.name}"  # its cgroup's name
         self._nsjail = nsjail
         self._host = host
         self._cgroups = cgroups
@@ -154,6 +157,7 @@ class Zygote:
         self._starting: asyncio.Task[None] | None = None
         self._log = bytearray()
         self._failed_at = 0.0
+        self._stopped = False  # stop() is final: a start under way gives up
         self.python = ""
         self.host_pid: int | None = None  # the zygote process itself (from SO_PASSCRED)
 
@@ -167,6 +171,11 @@ class Zygote:
     @property
     def alive(self) -> bool:
         return self._control is not None and self._ready is not None and self._ready.done()
+
+    @property
+    def jails(self) -> int:
+        """Jails asked for and not yet reaped (running a job, waiting in a pool, queued)."""
+        return len(self._pending)
 
     async def ensure_started(self) -> None:
         if self.alive:
@@ -183,9 +192,11 @@ class Zygote:
         wait = self._failed_at + RESTART_BACKOFF_S - time.monotonic()
         if wait > 0:
             await asyncio.sleep(wait)
+        if self._stopped:
+            raise ZygoteError(f"the zygote of policy {self.policy.name!r} was stopped")
         loop = asyncio.get_running_loop()
         self._cgroup = self._cgroups.create_job(
-            f"zygote-{self.policy.name}",
+            self.label,
             zygote_memory_mb(self.policy, self._max_jobs),
             ZYGOTE_PIDS,
             with_cpu=False,
@@ -201,6 +212,7 @@ class Zygote:
             log_w,
             self.uid,
             self._uid_base,
+            cgroup=self.label,
         )
         try:
             claim_workdirs(self.uid)
@@ -342,6 +354,8 @@ class Zygote:
             self._cgroup = None
 
     def stop(self) -> None:
+        """Stop it for good (its jails die with it); a start under way gives up."""
+        self._stopped = True
         self._died("stopped")
 
     # -- jails
