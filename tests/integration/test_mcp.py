@@ -53,7 +53,10 @@ def servers_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _jaild_mcp(sock: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "jaild", "mcp", "--socket", sock, *args]
+    # the MCP servers' start is a liveness guard here (a Python process importing the SDK:
+    # over 30 s under TCG on a loaded host), so it scales like the others
+    return [sys.executable, "-m", "jaild", "mcp", "--socket", sock,
+            "--connect-timeout", str(guard(30)), *args]
 
 
 def _drive(
@@ -71,7 +74,7 @@ def _drive(
             async with stdio_client(params, errlog=errlog) as (read, write), \
                     ClientSession(read, write, elicitation_callback=elicit) as session:
                 await session.initialize()
-                return await asyncio.wait_for(body(session), timeout)
+                return await asyncio.wait_for(body(session), guard(timeout))
 
     try:
         return asyncio.run(main())
