@@ -373,6 +373,31 @@ def world_dir() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.fixture
+def reachable_daemon(world_dir: Path, tmp_path: Path) -> Iterator[Callable[[dict[str, str], str],
+                                                                         DaemonHandle]]:
+    """``make(policies, config)``: a daemon other uids may reach (its socket in a
+    world-searchable directory, ``socket_group = "nogroup"``) serving only ``policies``
+    (name -> TOML), with ``config`` (TOML text after the ``[daemon]`` section's first line:
+    more ``[daemon]`` keys, then any other sections). Each is stopped and swept at teardown."""
+    started: list[DaemonHandle] = []
+
+    def make(policies: dict[str, str], config: str = "") -> DaemonHandle:
+        path = tmp_path / f"jaild{len(started)}.toml"
+        path.write_text('[daemon]\nsocket_group = "nogroup"\n' + config)
+        where = world_dir / f"d{len(started)}"
+        handle = start_daemon(where, policies, with_repo_policies=False,
+                              args=("--config", str(path)))
+        os.chmod(where, 0o755)
+        started.append(handle)
+        return handle
+
+    yield make
+    for handle in started:
+        handle.stop()
+        sweep_cgroups(handle)
+
+
 @dataclass(frozen=True)
 class ForeignClient:
     """The client library as another uid can run it, wherever the checkout lives.

@@ -13,17 +13,14 @@ is also read from the host: the daemon's cgroup subtree carries it.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from jaild.client import Client, Job
 from jaild.errors import Busy
-from tests.conftest import DaemonHandle, ForeignClient, start_daemon, sweep_cgroups
+from tests.conftest import DaemonHandle, ForeignClient
 
 HOLD = "import time\ntime.sleep(600)\n"  # holds its jail until cancelled
 
@@ -49,27 +46,11 @@ OTHER = (
 
 
 @pytest.fixture
-def shared_daemon(tmp_path: Path) -> Iterator[Callable[[str], DaemonHandle]]:
+def shared_daemon(reachable_daemon: Callable[[dict[str, str], str], DaemonHandle]
+                  ) -> Callable[[str], DaemonHandle]:
     """A daemon with ``limits`` (TOML lines of ``[limits]``) that uid 65534 may reach,
     serving one policy, ``default``: jails of 128 MiB, no warm pool."""
-    started: list[DaemonHandle] = []
-
-    def make(limits: str) -> DaemonHandle:
-        world = Path(tempfile.mkdtemp(prefix="jaild-test-fair-", dir="/tmp"))
-        world.chmod(0o755)
-        config = tmp_path / f"jaild{len(started)}.toml"
-        config.write_text(f'[daemon]\nsocket_group = "nogroup"\n[limits]\n{limits}\n')
-        handle = start_daemon(world / "d", {"default": POLICY}, with_repo_policies=False,
-                              args=("--config", str(config)))
-        os.chmod(world / "d", 0o755)
-        started.append(handle)
-        return handle
-
-    yield make
-    for handle in started:
-        handle.stop()
-        sweep_cgroups(handle)
-        shutil.rmtree(Path(handle.socket).parent.parent, ignore_errors=True)
+    return lambda limits: reachable_daemon({"default": POLICY}, f"[limits]\n{limits}\n")
 
 
 def flood(c: Client, most: int) -> tuple[list[Job], Busy]:

@@ -18,9 +18,7 @@ The control uses a throwaway uid so that the suite never takes host root's own q
 
 from __future__ import annotations
 
-import array
 import errno
-import fcntl
 import json
 import os
 import resource
@@ -34,12 +32,12 @@ from typing import Any
 import pytest
 
 from jaild.client import Client
+from jaild.daemon.launch.handle import userns_owner
 from jaild.errors import ConnectionLost
 from jaild.policy.compile import JAIL_SIGPENDING, JOB_UIDS
 from jaild.runtime.zygote import USERNS_LIMITS
 from tests.conftest import DaemonHandle, guard, start_daemon, until, wait_listening
 
-NS_GET_OWNER_UID = 0xB704  # _IO(0xb7, 0x4), linux/nsfs.h
 CONTROL_UID = 3_999_999_017
 """The positive control's throwaway namespace owner: no account, no process, not a job uid."""
 PYTHON = os.path.realpath(sys.executable)
@@ -127,17 +125,6 @@ def host_check(kind: str, uid: int = 0) -> int:
     return int(out.stdout)
 
 
-def owner_of(pid: int) -> int:
-    """The host uid that owns the user namespace of process ``pid`` (NS_GET_OWNER_UID)."""
-    fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        buf = array.array("I", [0])
-        fcntl.ioctl(fd, NS_GET_OWNER_UID, buf, True)
-        return buf[0]
-    finally:
-        os.close(fd)
-
-
 def host_uid(pid: int) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(next(ln for ln in status.splitlines() if ln.startswith("Uid:")).split()[1])
@@ -206,7 +193,7 @@ def test_control_the_same_attack_starves_its_namespace_owner(kind: str) -> None:
         assert attacker.stdin is not None and attacker.stdout is not None
         try:
             facts = json.loads(attacker.stdout.readline())
-            assert owner_of(attacker.pid) == CONTROL_UID
+            assert userns_owner(attacker.pid) == CONTROL_UID
             assert facts["errno"] == REFUSED[kind] and facts["count"] > 0
             assert host_check(kind, CONTROL_UID) == REFUSED[kind]  # the owner is starved
             assert host_check(kind) == 0  # root is not its owner here
@@ -268,7 +255,7 @@ def test_a_spawned_jails_namespace_is_owned_by_its_job_uid(quotas: DaemonHandle)
         pids = quotas.job_pids(job_id)
         assert pids
         made = [p for p in quotas.cgroup_dir(job_id).iterdir() if p.is_dir()]
-        return {"owners": {owner_of(p) for p in pids}, "uids": {host_uid(p) for p in pids},
+        return {"owners": {userns_owner(p) for p in pids}, "uids": {host_uid(p) for p in pids},
                 "cgroup_owners": {p.stat().st_uid for p in made}}
 
     inside, seen = _while_running(quotas, JAIL_VIEW, "uc-spawn", look)
@@ -286,8 +273,8 @@ def test_a_zygote_jails_namespace_is_owned_by_the_zygotes_uid(quotas: DaemonHand
         pids = quotas.job_pids(job_id)
         assert pids
         zygote = _zygote_of(quotas, "uc-zygote")
-        return {"owners": {owner_of(p) for p in pids}, "uids": {host_uid(p) for p in pids},
-                "zygote_uid": host_uid(zygote), "zygote_owner": owner_of(zygote),
+        return {"owners": {userns_owner(p) for p in pids}, "uids": {host_uid(p) for p in pids},
+                "zygote_uid": host_uid(zygote), "zygote_owner": userns_owner(zygote),
                 "same_ns": {os.readlink(f"/proc/{p}/ns/user") for p in pids}
                 == {os.readlink(f"/proc/{zygote}/ns/user")}}
 

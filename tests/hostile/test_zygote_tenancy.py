@@ -31,7 +31,7 @@ import json
 import os
 import subprocess
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,8 +40,6 @@ from tests.conftest import (
     DaemonHandle,
     ForeignClient,
     guard,
-    start_daemon,
-    sweep_cgroups,
     until,
 )
 
@@ -84,25 +82,11 @@ print(json.dumps([first.result, forked]))
 
 
 @pytest.fixture
-def tenancy_daemon(world_dir: Path, tmp_path: Path) -> Iterator[Callable[[str], DaemonHandle]]:
+def tenancy_daemon(reachable_daemon: Callable[[dict[str, str], str], DaemonHandle]
+                   ) -> Callable[[str], DaemonHandle]:
     """A daemon uids 65534 and 65533 may reach, serving the ``tenancy`` policy, with the
     given extra config."""
-    started: list[DaemonHandle] = []
-
-    def make(extra: str) -> DaemonHandle:
-        config = tmp_path / f"jaild{len(started)}.toml"
-        config.write_text('[daemon]\nsocket_group = "nogroup"\n' + extra)
-        where = world_dir / f"d{len(started)}"
-        handle = start_daemon(where, {"tenancy": POLICY}, with_repo_policies=False,
-                              args=("--config", str(config)))
-        os.chmod(where, 0o755)
-        started.append(handle)
-        return handle
-
-    yield make
-    for handle in started:
-        handle.stop()
-        sweep_cgroups(handle)
+    return lambda extra: reachable_daemon({"tenancy": POLICY}, extra)
 
 
 def _tenant(client: ForeignClient, d: DaemonHandle, uid: int) -> tuple[list[object], list[list[object]]]:
