@@ -59,6 +59,11 @@ class PoolStats:
     failed: int = 0
     recycled: int = 0
 
+    def add(self, other: PoolStats) -> None:
+        """Count ``other``'s events in these too."""
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+
 
 class JailPool:
     """The warm pool of one policy.
@@ -90,6 +95,16 @@ class JailPool:
         """Jails that exist for the pool now: ready, or being made (each holds its memory
         limit against the daemon's ceiling before any job takes it)."""
         return len(self._ready) + self._preparing
+
+    @property
+    def total_target(self) -> int:
+        """Ready jails the pool aims to keep (for every uid's pool of a :class:`TenantPools`)."""
+        return self.target
+
+    def total_stats(self) -> PoolStats:
+        """The pool's counters (for a :class:`TenantPools`, every uid's pool's, retired ones
+        included, so they only grow)."""
+        return dataclasses.replace(self.stats)
 
     def ready_ids(self) -> list[str]:
         """The ids of the ready jails (each the id its job will have)."""
@@ -237,6 +252,8 @@ class TenantPools(JailPool):
         self._own = own
         self._zygotes = zygotes
         self._tenants: dict[int, JailPool] = {}
+        self._retired = PoolStats()  # the counters of uids' pools that were retired
+        self._retiring: list[JailPool] = []  # being closed
 
     @property
     def size(self) -> int:
@@ -247,6 +264,17 @@ class TenantPools(JailPool):
     def held(self) -> int:
         """Jails that exist for every uid's pool now."""
         return super().held + sum(p.held for p in self._tenants.values())
+
+    @property
+    def total_target(self) -> int:
+        return self.target + sum(p.target for p in self._tenants.values())
+
+    def total_stats(self) -> PoolStats:
+        stats = super().total_stats()
+        stats.add(self._retired)
+        for pool in [*self._tenants.values(), *self._retiring]:
+            stats.add(pool.stats)
+        return stats
 
     def ready_ids(self) -> list[str]:
         return super().ready_ids() + [i for p in self._tenants.values() for i in p.ready_ids()]
@@ -277,7 +305,12 @@ class TenantPools(JailPool):
         The own uid's pool stays, and so, while it holds jails, does its zygote."""
         pool = self._tenants.pop(tenant, None) if policy == self.policy.name else None
         if pool is not None:
-            await pool.close()
+            self._retiring.append(pool)  # still counted while it closes
+            try:
+                await pool.close()
+            finally:
+                self._retiring.remove(pool)
+                self._retired.add(pool.stats)
 
     async def close(self) -> None:
         pools, self._tenants = list(self._tenants.values()), {}

@@ -97,11 +97,11 @@ class Served:
             "mode": policy.pool.mode,
             "min": policy.pool.min,
             "max": policy.pool.max,
-            "target": pool.target if pool else 0,
+            "target": pool.total_target if pool else 0,
             "ready": pool.size if pool else 0,
         }
-        if pool is not None:
-            summary.update(dataclasses.asdict(pool.stats))
+        if pool is not None:  # every uid's pool of the policy, together
+            summary.update(dataclasses.asdict(pool.total_stats()))
             if jails:
                 summary["jails"] = pool.ready_ids()
         return summary

@@ -186,8 +186,14 @@ def test_each_uid_takes_only_jails_of_its_own_pool(loop: VirtualTimeLoop) -> Non
         assert root is not None and root.uid == OWN  # type: ignore[attr-defined]
         assert touched == [A, OWN]  # a pooled jail taken is use of its uid's zygote
         assert pools.take(B) is None  # B's zygote is not up: nothing of A's or root's
+        # jaild policies and the metrics count every uid's pool (root's alone: 1 hit)
+        totals = pools.total_stats()
+        assert (totals.hits, totals.made) == (2, 2) and pools.total_target == 2
+        assert pools.stats.hits == 1
         await pools.retire(POLICY.name, A)  # A's zygote is retired: its pool goes
         up.discard(A)
+        # ... and its counters stay counted (Prometheus counters never go down)
+        assert pools.total_stats().hits >= totals.hits and pools.total_target == 1
         assert pools.take(A) is None
         await pools.close()
 
