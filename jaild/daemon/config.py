@@ -131,6 +131,13 @@ class LimitsFile:
         "Largest frame a client may send once it has said Hello (64 KiB before).",
         between(1 << 16, 1 << 30),
     )
+    max_frame_bytes_per_uid: int = setting(
+        0,
+        "Bytes of unfinished frames the daemon buffers for one uid, on all its connections "
+        "together (at least `max_frame_bytes`); the connection that would pass it gets "
+        "frame_too_large. 0: derived, twice `max_frame_bytes`.",
+        between(0, 1 << 34),
+    )
     handshake_timeout_s: float = setting(
         10.0, "A new connection must say Hello within this.", between(0.1, 3600)
     )
@@ -205,6 +212,13 @@ def load_config_file(path: str) -> dict[str, Any]:
             f"must be less than limits.max_connections ({limits.max_connections}), so that "
             "no one uid can take every connection",
         )
+    if 0 < limits.max_frame_bytes_per_uid < limits.max_frame_bytes:
+        raise PolicyError(
+            path,
+            "limits.max_frame_bytes_per_uid",
+            f"must be at least limits.max_frame_bytes ({limits.max_frame_bytes}), so that one "
+            "frame of the largest size fits, or 0",
+        )
     return sections
 
 
@@ -245,6 +259,7 @@ class DaemonConfig:
     max_connections_per_uid: int = 128
     stream_buffer_bytes: int = 1 << 20
     max_frame_bytes: int = 80 << 20
+    max_frame_bytes_per_uid: int = 0
     handshake_timeout_s: float = 10.0
     frame_timeout_s: float = 30.0
     kill_grace_s: float = 1.0
@@ -304,6 +319,12 @@ class DaemonConfig:
         """``max_jobs_per_uid``, or derived: half of ``max_jobs`` (at least 1); never more
         than ``max_jobs``."""
         return min(self.max_jobs, self.max_jobs_per_uid or max(1, self.max_jobs // 2))
+
+    @property
+    def frame_bytes_per_uid(self) -> int:
+        """``max_frame_bytes_per_uid``, or derived: twice ``max_frame_bytes`` (so one frame of
+        the largest size always fits, plus the start of another)."""
+        return self.max_frame_bytes_per_uid or 2 * self.max_frame_bytes
 
     @property
     def memory_ceiling_mb(self) -> int:

@@ -35,7 +35,10 @@ the daemon is at ``limits.max_connections``, gets an ``Error`` frame
 registry, so it takes no connection slot from anyone. An admitted connection counts
 against its uid and the daemon from then on, Hello or not, and until ``Hello`` its
 frames may be at most 64 KiB (:data:`~jaild.protocol.connection.HANDSHAKE_FRAME_BYTES`):
-``max_frame_bytes`` is for clients that have said who they are. So that the refused
+``max_frame_bytes`` is for clients that have said who they are, and the unfinished
+frames of one uid's connections together may hold at most
+``limits.max_frame_bytes_per_uid`` of the daemon's memory (the connection that would
+pass it gets ``frame_too_large`` and is closed). So that the refused
 client reads the reason rather than a broken pipe, a refused connection lingers for
 at most :data:`REFUSED_LINGER_S` reading (and dropping) at most 64 KiB -- its Hello --
 and only while fewer than :data:`REFUSED_LINGER_MAX` refused connections (and
@@ -76,6 +79,7 @@ from jaild.daemon.selftest import Check
 from jaild.daemon.sessions import Sessions
 from jaild.errors import (
     ConnectionLost,
+    FrameTooLarge,
     InternalError,
     JaildError,
     ReadTimeout,
@@ -149,6 +153,7 @@ class ClientSession:
         self._tasks: asyncio.TaskGroup | None = None  # the connection's scope, while it serves
         self._paused: set[JailedJob] = set()  # jobs whose output waits for this client
         self._drainer: asyncio.Task[None] | None = None
+        self._frame_held = 0  # this connection's share of daemon.frame_bytes[uid]
         limit = daemon.config.stream_buffer_bytes
         writer.transport.set_write_buffer_limits(high=limit, low=limit // 2)
 
@@ -257,11 +262,32 @@ class ClientSession:
                 else:
                     data = await self.reader.read(1 << 16)
                 self.conn.receive_data(data)
+                self._count_buffered()
                 continue
             if event is CLOSED:
                 return None
             assert isinstance(event, Message)
+            self._count_buffered()
             return event
+
+    def _count_buffered(self) -> None:
+        """Keep the uid's total of unfinished frame bytes (every connection of it) up to
+        date; past ``max_frame_bytes_per_uid``, this connection ends ``frame_too_large``."""
+        now = self.conn.buffered_bytes
+        grew, self._frame_held = now - self._frame_held, now
+        if grew == 0:
+            return
+        uid = self.peer.uid
+        totals = self.daemon.frame_bytes
+        totals[uid] += grew
+        if not totals[uid]:
+            del totals[uid]
+        limit = self.daemon.config.frame_bytes_per_uid
+        if grew > 0 and totals[uid] > limit:
+            raise FrameTooLarge(
+                f"uid {uid} has {totals[uid]} bytes of unfinished frames on its connections, "
+                f"over its limit (limits.max_frame_bytes_per_uid {limit})"
+            )
 
     def _dispatch(self, msg: Message) -> None:
         daemon = self.daemon
@@ -378,6 +404,11 @@ class ClientSession:
             return
         self.closed = True
         daemon = self.daemon
+        if self._frame_held:  # what its unfinished frame held is free again
+            daemon.frame_bytes[self.peer.uid] -= self._frame_held
+            if not daemon.frame_bytes[self.peer.uid]:
+                del daemon.frame_bytes[self.peer.uid]
+            self._frame_held = 0
         daemon.registry.disconnect(self)
         for fut in self.pending_calls.values():
             if not fut.done():
@@ -407,6 +438,7 @@ class Daemon:
         self.accounting = Accounting()
         self.metrics = Metrics(config.metrics_address, tool_labels=config.metrics_tool_labels)
         self._lingering: Counter[int] = Counter()  # refused connections still open, by uid
+        self.frame_bytes: Counter[int] = Counter()  # unfinished frames' bytes, by uid
         self._stopping = False
         self._stopped = asyncio.Event()
 

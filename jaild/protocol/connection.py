@@ -259,6 +259,11 @@ class Connection:
         return self._max_frame_bytes
 
     @property
+    def buffered_bytes(self) -> int:
+        """Bytes received and not yet returned as messages (part of a frame, or more)."""
+        return self._decoder.buffered_bytes
+
+    @property
     def inside_frame(self) -> bool:
         """True while part of a frame is buffered (the peer owes us the rest)."""
         return self._decoder.buffered_bytes > 0

@@ -18,7 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,7 +26,9 @@ import pytest
 from jaild.client import Client
 from jaild.daemon.audit import REFUSALS_PER_WINDOW, REFUSED_CALLS_PER_JOB
 from jaild.errors import Busy
+from jaild.protocol import PROTOCOL_VERSION, Connection, Role
 from jaild.protocol.connection import HANDSHAKE_FRAME_BYTES
+from jaild.protocol.messages import Hello
 from jaild.testing import frames
 from tests.conftest import (
     REPO_POLICIES,
@@ -55,6 +57,7 @@ FLOODER = r"""
 import json, socket, struct, sys
 path, n, sent, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 huge, guard = int(sys.argv[5]), float(sys.argv[6])
+hello = bytes.fromhex(sys.argv[7]) if len(sys.argv) > 7 else b""  # a framed Hello, or none
 socks = []
 for _ in range(n):
     s = socket.socket(socket.AF_UNIX)
@@ -62,7 +65,7 @@ for _ in range(n):
     socks.append(s)
     if sent:
         try:
-            s.sendall(struct.pack(">I", huge))
+            s.sendall(hello + struct.pack(">I", huge))
             chunk = bytes(1 << 20)
             for _ in range(sent >> 20):
                 s.sendall(chunk)
@@ -86,15 +89,19 @@ sys.stdin.readline()
 """
 
 
+HELLO = Connection(Role.CLIENT, 1 << 20).send(Hello(protocol=PROTOCOL_VERSION, client="flood"))
+
+
 class Flood:
     """A flooder process running as ``uid``: see FLOODER."""
 
     def __init__(self, d: DaemonHandle, uid: int, n: int, sent: int = 0,
-                 mode: str = "read") -> None:
+                 mode: str = "read", hello: bool = False) -> None:
         python = getattr(sys, "_base_executable", "") or sys.executable
+        greeting = [HELLO.hex()] if hello else []
         self.proc = subprocess.Popen(
             [python, "-I", "-S", "-B", "-c", FLOODER, d.socket, str(n), str(sent), mode,
-             str(HUGE), str(guard(60))],
+             str(HUGE), str(guard(60)), *greeting],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, user=uid, group=NOGROUP,
             extra_groups=[], cwd="/", env={"PATH": "/usr/bin:/bin"},
         )
@@ -247,6 +254,61 @@ def test_huge_frames_before_hello_are_not_buffered(door: tuple[DaemonHandle, Pat
     # positive control: after Hello, frames past the handshake's cap are the client's right
     code = "x = 1\n" + "#" * (2 * HANDSHAKE_FRAME_BYTES) + "\nx + 1"
     assert d.run(code).result == 2
+
+
+def test_one_uids_unfinished_frames_after_hello_are_bounded(
+    reachable_daemon: Callable[[dict[str, str], str], DaemonHandle],
+) -> None:
+    """After Hello a frame may be 80 MiB, so an allowed uid's unfinished frames on its
+    connections (128 by default) could hold gigabytes of the daemon's memory; together
+    they may hold limits.max_frame_bytes_per_uid (here its least: one 80 MiB frame)."""
+    default = (REPO_POLICIES / "default.toml").read_text()
+    budget = 80 << 20
+    # frame_timeout_s ends the connections left under the budget, waiting for the rest of
+    # their frame, so the flooder reads every connection to its end; it must not end one
+    # before the flood is sent (a liveness guard)
+    d = reachable_daemon({"default": default}, f"[limits]\nmax_frame_bytes_per_uid = {budget}\n"
+                         f"frame_timeout_s = {guard(10)}\n")
+    settled(d)
+    before = vm_hwm(d.proc.pid)
+    flood = Flood(d, ALLOWED_UID, 8, sent=SENT, hello=True)  # 8 x 24 MiB after Hello
+    try:
+        grown, sent = vm_hwm(d.proc.pid) - before, 8 * SENT
+        answers = flood.answers()
+        assert d.run("6 * 7").result == 42  # and everyone else is served
+    finally:
+        flood.close()
+    # a memory bound with a wide margin: 192 MiB sent against a budget of 80 MiB
+    assert grown < budget + (32 << 20), \
+        f"the daemon's peak RSS grew by {grown >> 20} of {sent >> 20} MiB"
+    errors = [frames(data, "daemon->client")[-1] for data in answers]
+    codes = [e.code for e in errors]  # type: ignore[attr-defined]
+    assert set(codes) <= {"frame_too_large", "read_timeout"}, codes
+    assert codes.count("frame_too_large") >= 4, codes  # 192 MiB against 80
+    over = next(e for e in errors if e.code == "frame_too_large")  # type: ignore[attr-defined]
+    assert f"over its limit (limits.max_frame_bytes_per_uid {budget})" \
+        in over.message  # type: ignore[attr-defined]
+
+
+def test_unfinished_frames_within_the_budget_are_buffered(
+    reachable_daemon: Callable[[dict[str, str], str], DaemonHandle],
+) -> None:
+    """The positive control: the same flood within a larger budget is buffered whole, as a
+    large upload's frame must be."""
+    default = (REPO_POLICIES / "default.toml").read_text()
+    d = reachable_daemon({"default": default}, f"[limits]\nmax_frame_bytes_per_uid = {256 << 20}\n"
+                         f"frame_timeout_s = {guard(10)}\n")
+    settled(d)
+    before = vm_hwm(d.proc.pid)
+    flood = Flood(d, ALLOWED_UID, 8, sent=SENT, hello=True)
+    try:
+        until(lambda: vm_hwm(d.proc.pid) - before >= 8 * SENT - (8 << 20),
+              what="the daemon buffering the eight unfinished frames")
+        answers = flood.answers()
+    finally:
+        flood.close()
+    assert [frames(data, "daemon->client")[-1].code  # type: ignore[attr-defined]
+            for data in answers] == ["read_timeout"] * 8
 
 
 SPIN = (

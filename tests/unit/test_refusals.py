@@ -142,6 +142,18 @@ def test_one_uid_may_not_take_every_connection(tmp_path: Path) -> None:
     assert load_config_file(str(p))["limits"].max_connections_per_uid == 63  # control
 
 
+def test_a_uids_frame_budget_holds_one_frame_of_the_largest_size(tmp_path: Path) -> None:
+    p = tmp_path / "jaild.toml"
+    p.write_text("[limits]\nmax_frame_bytes = 1048576\nmax_frame_bytes_per_uid = 1048575\n")
+    with pytest.raises(PolicyError, match=r"limits.max_frame_bytes_per_uid: must be at least "
+                                          r"limits.max_frame_bytes \(1048576\)"):
+        load_config_file(str(p))
+    p.write_text("[limits]\nmax_frame_bytes = 1048576\nmax_frame_bytes_per_uid = 1048576\n")
+    assert load_config_file(str(p))["limits"].max_frame_bytes_per_uid == 1048576  # control
+    derived = DaemonConfig(max_frame_bytes=1 << 20)
+    assert derived.frame_bytes_per_uid == 2 << 20  # 0: twice the largest frame
+
+
 # ----------------------------------------------------------------------------- the door
 
 
