@@ -35,8 +35,10 @@ another); its *memory* is its ``memory_mb`` limit. A uid may hold at most
 ``max_jobs_per_uid`` jails and ``max_memory_mb_per_uid`` of memory -- by default half
 the daemon's -- so one uid flooding the daemon leaves the rest to everyone else. The
 daemon as a whole holds at most ``max_jobs`` jails, and the memory limits of its jails
-plus the warm pools (each reserved at its ``pool.max`` jails) stay within
-``max_memory_mb``, the limit of its cgroup subtree. A request past any of these is
+add up to at most ``max_memory_mb`` (the limit of its cgroup subtree, which bounds what
+they really use) times ``memory_overcommit`` (a limit is a ceiling, not a use). A warm
+pool's jail counts once a job takes it: until then it runs no user code and holds a few
+MiB, not its limit (the subtree's kernel limit covers that). A request past any of these is
 refused ``busy``, naming the limit; nothing waits in a queue.
 
 Whether a peer may use a policy (``access.users``) can name users and groups,
@@ -167,6 +169,7 @@ class Capacity:
     max_jobs_per_uid: int
     max_memory_mb: int
     max_memory_mb_per_uid: int
+    memory_overcommit: float = 1.0  # the limits may add up to this x max_memory_mb
 
 
 @dataclass(frozen=True)
@@ -185,7 +188,6 @@ class Load:
     daemon: Held  # everyone's jails
     uid: Held  # the requesting uid's
     on_connection: int | None = None  # jobs running on the connection (None: not limited)
-    reserved_mb: int = 0  # the warm pools' jails, counted at each pool's maximum size
 
 
 def _mib(mb: int) -> str:
@@ -195,7 +197,7 @@ def _mib(mb: int) -> str:
 def check_capacity(uid: int, load: Load, caps: Capacity, memory_mb: int) -> None:
     """Room for one more jail of ``memory_mb`` for ``uid``? The rules, first to fail:
     the connection's jobs, the uid's jails, the uid's memory, the daemon's jails, the
-    daemon's memory (jails' limits plus the warm pools' reservation). A uid at its share
+    daemon's memory (the jails' limits). A uid at its share
     is refused; the rest of the daemon stays for the other uids.
 
     Raises:
@@ -223,12 +225,16 @@ def check_capacity(uid: int, load: Load, caps: Capacity, memory_mb: int) -> None
             f"{load.daemon.jails} jobs and sessions open, the daemon's limit "
             f"(limits.max_jobs {caps.max_jobs}); retry later"
         )
-    total = load.daemon.memory_mb + load.reserved_mb + memory_mb
-    if total > caps.max_memory_mb:
+    total = load.daemon.memory_mb + memory_mb
+    admitted = int(caps.max_memory_mb * caps.memory_overcommit)
+    if total > admitted:
+        rule = f"limits.max_memory_mb {caps.max_memory_mb}"
+        if caps.memory_overcommit != 1:
+            rule += f" x limits.memory_overcommit {caps.memory_overcommit:g} = {admitted} MiB"
         raise Busy(
             f"jails' memory limits would reach {_mib(total)} ({load.daemon.memory_mb} MiB "
-            f"held, {load.reserved_mb} MiB of warm pools, {memory_mb} MiB for this one), over "
-            f"the daemon's ceiling (limits.max_memory_mb {caps.max_memory_mb}); retry later"
+            f"held + {memory_mb} MiB for this one), over what the daemon admits ({rule}); "
+            "retry later"
         )
 
 

@@ -160,15 +160,21 @@ class LimitsFile:
     max_memory_mb: int = setting(
         0,
         "Ceiling on all jails' memory together: the memory limit of the daemon's cgroup "
-        "subtree (jobs, sessions, warm jails, zygotes), and the most the memory limits of "
-        "jobs, sessions and warm pools may add up to. 0: derived, 3/4 of the host's "
+        "subtree (jobs, sessions, warm jails, zygotes). 0: derived, 3/4 of the host's "
         "MemTotal (/proc/meminfo).",
         between(0, 1 << 30),
+    )
+    memory_overcommit: float = setting(
+        4.0,
+        "The memory limits of jobs and sessions may add up to this many times "
+        "`max_memory_mb` (a limit is a ceiling, not a use: a trivial job uses ~10 MiB of its "
+        "256); 1: no overcommit, the limits' sum within the ceiling itself.",
+        between(1.0, 64.0),
     )
     max_memory_mb_per_uid: int = setting(
         0,
         "The most one uid's jails' memory limits may add up to (its jobs and sessions). "
-        "0: derived, half of the memory ceiling.",
+        "0: derived, half of what the daemon admits (`max_memory_mb` x `memory_overcommit`).",
         between(0, 1 << 30),
     )
     max_zygotes: int = setting(
@@ -267,6 +273,7 @@ class DaemonConfig:
     # fairness and the memory ceiling: 0 means derived (see the properties below)
     max_jobs_per_uid: int = 0
     max_memory_mb: int = 0
+    memory_overcommit: float = 4.0
     max_memory_mb_per_uid: int = 0
     probe_policies: bool = True
     zygote_scope: str = "uid"
@@ -332,10 +339,16 @@ class DaemonConfig:
         return self.max_memory_mb or max(1, host_memory_mb() * 3 // 4)
 
     @property
+    def memory_admitted_mb(self) -> int:
+        """How far the jails' memory limits may add up: the ceiling x ``memory_overcommit``."""
+        return int(self.memory_ceiling_mb * self.memory_overcommit)
+
+    @property
     def memory_mb_per_uid(self) -> int:
-        """``max_memory_mb_per_uid``, or derived: half of the ceiling; never more than it."""
-        ceiling = self.memory_ceiling_mb
-        return min(ceiling, self.max_memory_mb_per_uid or max(1, ceiling // 2))
+        """``max_memory_mb_per_uid``, or derived: half of what the daemon admits; never more
+        than that."""
+        admitted = self.memory_admitted_mb
+        return min(admitted, self.max_memory_mb_per_uid or max(1, admitted // 2))
 
     @property
     def envs_dir(self) -> str:

@@ -34,7 +34,6 @@ import asyncio
 import dataclasses
 import logging
 import secrets
-from collections.abc import Mapping
 from typing import Protocol
 
 from jaild.daemon import admission
@@ -87,15 +86,8 @@ def capacity(config: DaemonConfig) -> admission.Capacity:
         max_jobs_per_uid=config.jobs_per_uid,
         max_memory_mb=config.memory_ceiling_mb,
         max_memory_mb_per_uid=config.memory_mb_per_uid,
+        memory_overcommit=config.memory_overcommit,
     )
-
-
-def pools_reserved_mb(pools: Mapping[str, JailPool]) -> int:
-    """The memory limits of the warm pools' jails: every jail a pool holds now (ready or
-    being made, for every uid's pool of a policy) at the policy's ``memory_mb``; a jail
-    taken by a job counts as that job's. A pool refilling after this check can pass the
-    sum by its refill; the subtree's own cgroup limit holds whatever happens."""
-    return sum(p.held * p.policy.limits.memory_mb for p in pools.values())
 
 
 def check_room(
@@ -112,7 +104,6 @@ def check_room(
         daemon=registry.held(),
         uid=registry.held(uid),
         on_connection=on_connection,
-        reserved_mb=pools_reserved_mb(daemon.pools),
     )
     admission.check_capacity(uid, load, capacity(daemon.config), memory_mb)
 
@@ -246,4 +237,4 @@ class Sessions:
         self.daemon.metrics.sessions_open(registry.session_count())
 
 
-__all__ = ["JailSession", "Sessions", "capacity", "check_room", "pools_reserved_mb"]
+__all__ = ["JailSession", "Sessions", "capacity", "check_room"]

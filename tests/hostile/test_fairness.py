@@ -128,7 +128,7 @@ def test_positive_control_without_a_per_uid_share_the_flood_shuts_the_other_uid_
 def test_a_uid_flooding_memory_stops_at_its_share_and_another_uid_is_served(
         shared_daemon: Callable[[str], DaemonHandle], foreign_client: ForeignClient) -> None:
     # max_memory_mb_per_uid is not set: its derived default, half the ceiling, applies
-    d = shared_daemon("max_jobs = 64\nmax_memory_mb = 1024")
+    d = shared_daemon("max_jobs = 64\nmax_memory_mb = 1024\nmemory_overcommit = 1.0")
     assert subtree_memory_limit(d) == 1024 << 20  # the ceiling is the kernel's, on the subtree
     with Client(d.socket) as root:
         held, refusal = flood(root, 9)
@@ -146,7 +146,8 @@ def test_the_memory_ceiling_refuses_the_job_that_would_overcommit(
         shared_daemon: Callable[[str], DaemonHandle], foreign_client: ForeignClient) -> None:
     # positive control of the share above (the per-uid share is the whole ceiling), and the
     # ceiling itself: 8 jails of 128 MiB fill 1024 MiB, the ninth is refused, naming it
-    d = shared_daemon("max_jobs = 64\nmax_memory_mb = 1024\nmax_memory_mb_per_uid = 1024")
+    d = shared_daemon(
+        "max_jobs = 64\nmax_memory_mb = 1024\nmemory_overcommit = 1.0\nmax_memory_mb_per_uid = 1024")
     assert subtree_memory_limit(d) == 1024 << 20
     with Client(d.socket) as root:
         held, refusal = flood(root, 9)
@@ -155,8 +156,8 @@ def test_the_memory_ceiling_refuses_the_job_that_would_overcommit(
             assert "(limits.max_memory_mb_per_uid 1024)" in refusal.message
             assert other_uid_runs(d, foreign_client) == {
                 "refused": "busy",
-                "message": "jails' memory limits would reach 1.1 GiB (1024 MiB held, 0 MiB of "
-                           "warm pools, 128 MiB for this one), over the daemon's ceiling "
+                "message": "jails' memory limits would reach 1.1 GiB (1024 MiB held + 128 MiB "
+                           "for this one), over what the daemon admits "
                            "(limits.max_memory_mb 1024); retry later"}
             # under the ceiling the same job runs: one holder ends, and it is served
             release(held[:1])

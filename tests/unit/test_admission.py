@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from jaild.daemon import admission
 from jaild.daemon.admission import Catalog, SessionTerms
 from jaild.daemon.audit import Peer
+from jaild.daemon.config import DaemonConfig
 from jaild.errors import (
     BadRequest,
     Busy,
@@ -104,13 +106,12 @@ CAPS = admission.Capacity(max_jobs=8, max_jobs_per_connection=6, max_jobs_per_ui
 
 
 def load(daemon: tuple[int, int] = (0, 0), uid: tuple[int, int] = (0, 0),
-         on_connection: int | None = None, reserved_mb: int = 0) -> admission.Load:
-    return admission.Load(admission.Held(*daemon), admission.Held(*uid), on_connection,
-                          reserved_mb)
+         on_connection: int | None = None) -> admission.Load:
+    return admission.Load(admission.Held(*daemon), admission.Held(*uid), on_connection)
 
 
 def test_capacity_admits_within_every_limit() -> None:
-    admission.check_capacity(1000, load((7, 512), (3, 384), 5, reserved_mb=384), CAPS, 128)
+    admission.check_capacity(1000, load((7, 896), (3, 384), 5), CAPS, 128)
     admission.check_capacity(1000, load(), CAPS, 512)  # exactly the uid's share: allowed
 
 
@@ -143,15 +144,28 @@ def test_the_daemon_at_its_jail_limit_refuses_everyone() -> None:
             admission.check_capacity, 1001, load(daemon=(8, 512)), CAPS, 1)
 
 
-def test_the_memory_ceiling_counts_jails_and_warm_pools() -> None:
-    # 640 held by others + 256 of warm pools + 256 for this one > 1024: refused
-    refused(Busy, "jails' memory limits would reach 1.1 GiB (640 MiB held, 256 MiB of warm "
-            "pools, 256 MiB for this one), over the daemon's ceiling "
-            "(limits.max_memory_mb 1024); retry later",
-            admission.check_capacity, 1001, load((5, 640), reserved_mb=256), CAPS, 256)
-    admission.check_capacity(1001, load((5, 640), reserved_mb=256), CAPS, 128)  # exactly full
-    # without the warm pools' reservation it would fit: they are counted
-    admission.check_capacity(1001, load((5, 640)), CAPS, 256)
+def test_the_memory_ceiling_counts_every_jails_limit() -> None:
+    # 896 held by others + 256 for this one > 1024: refused
+    refused(Busy, "jails' memory limits would reach 1.1 GiB (896 MiB held + 256 MiB for this "
+            "one), over what the daemon admits (limits.max_memory_mb 1024); retry later",
+            admission.check_capacity, 1001, load((5, 896)), CAPS, 256)
+    admission.check_capacity(1001, load((5, 896)), CAPS, 128)  # exactly full
+
+
+def test_the_memory_limits_may_overcommit_the_ceiling_by_the_configured_factor() -> None:
+    twice = dataclasses.replace(CAPS, max_memory_mb_per_uid=2048, memory_overcommit=2.0)
+    admission.check_capacity(1001, load((5, 1792)), twice, 256)  # 2048 of 1024 x 2: fits
+    refused(Busy, "jails' memory limits would reach 2.0 GiB (1792 MiB held + 257 MiB for this "
+            "one), over what the daemon admits (limits.max_memory_mb 1024 x "
+            "limits.memory_overcommit 2 = 2048 MiB); retry later",
+            admission.check_capacity, 1001, load((5, 1792)), twice, 257)
+
+
+def test_the_derived_shares_follow_the_overcommit() -> None:
+    config = DaemonConfig(max_memory_mb=1000, memory_overcommit=4.0)
+    assert (config.memory_admitted_mb, config.memory_mb_per_uid) == (4000, 2000)
+    strict = DaemonConfig(max_memory_mb=1000, memory_overcommit=1.0)
+    assert (strict.memory_admitted_mb, strict.memory_mb_per_uid) == (1000, 500)
 
 
 def test_fairness_off_one_uid_takes_everything() -> None:
@@ -164,7 +178,7 @@ def test_fairness_off_one_uid_takes_everything() -> None:
 
 
 def test_derived_defaults_of_the_shares_and_the_ceiling(tmp_path: Any) -> None:
-    from jaild.daemon.config import DaemonConfig, host_memory_mb
+    from jaild.daemon.config import host_memory_mb
     from jaild.daemon.sessions import capacity
 
     meminfo = tmp_path / "meminfo"
@@ -174,15 +188,16 @@ def test_derived_defaults_of_the_shares_and_the_ceiling(tmp_path: Any) -> None:
     host = host_memory_mb()
     assert derived == admission.Capacity(
         max_jobs=512, max_jobs_per_connection=256, max_jobs_per_uid=256,
-        max_memory_mb=host * 3 // 4, max_memory_mb_per_uid=host * 3 // 4 // 2)
+        max_memory_mb=host * 3 // 4, max_memory_mb_per_uid=host * 3 // 4 * 4 // 2,
+        memory_overcommit=4.0)
     assert capacity(DaemonConfig(max_jobs=1)).max_jobs_per_uid == 1  # at least one
     given = capacity(DaemonConfig(max_jobs=8, max_jobs_per_uid=3, max_memory_mb=1000,
-                                  max_memory_mb_per_uid=300))
+                                  max_memory_mb_per_uid=300, memory_overcommit=1.0))
     assert given == admission.Capacity(8, 256, 3, 1000, 300)
-    # a share larger than the whole is the whole
+    # a share larger than what the daemon admits is all of it
     assert capacity(DaemonConfig(max_jobs=8, max_jobs_per_uid=20, max_memory_mb=1000,
-                                 max_memory_mb_per_uid=5000)) == admission.Capacity(
-        8, 256, 8, 1000, 1000)
+                                 max_memory_mb_per_uid=5000, memory_overcommit=1.0)) == \
+        admission.Capacity(8, 256, 8, 1000, 1000)
 
 
 def test_what_a_uid_holds_counts_jobs_and_sessions_once_each() -> None:
@@ -211,20 +226,6 @@ def test_what_a_uid_holds_counts_jobs_and_sessions_once_each() -> None:
     reg.remove_job("job-1")
     reg.remove_session(s1)
     assert reg.held(1000) == admission.Held(jails=0, memory_mb=0)
-
-
-def test_warm_pools_count_the_jails_they_hold() -> None:
-    from jaild.daemon.sessions import pools_reserved_mb
-
-    class Pool:
-        def __init__(self, text: str, held: int) -> None:
-            self.policy = policy(text=text)
-            self.held = held
-
-    # every jail a pool holds (ready or being made; with per-uid pools, every uid's)
-    pools = {"a": Pool("[limits]\nmemory_mb = 256\n[pool]\nmin = 1\nmax = 3\n", held=5),
-             "b": Pool("[limits]\nmemory_mb = 128\n[pool]\nmax = 0\n", held=0)}
-    assert pools_reserved_mb(pools) == 1280  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- policies
