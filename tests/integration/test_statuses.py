@@ -179,7 +179,7 @@ def test_daemon_shutdown_cancels_running_jobs(private_daemon: Callable[..., Daem
     t.start()
     assert seen.wait(guard(15))
     code = d.stop(sig)
-    t.join(15)
+    t.join(guard(15))
     assert code == 0
     assert results and results[0].status == "cancelled"
     assert results[0].error is not None and "shutting down" in results[0].error["message"]

@@ -259,6 +259,6 @@ def test_other_clients_are_served_while_one_stalls(ud: DaemonHandle) -> None:
         assert listed(ud, stalled[0]) and writes_blocked(ud, stalled[0]) and not box
     finally:
         release.set()
-        thread.join(120)
+        thread.join(guard(120))
     assert box and box[0][1].status == "ok"
     assert box[0][1].usage is not None and box[0][1].usage.stream_paused_s > 0
