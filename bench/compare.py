@@ -9,6 +9,9 @@ bench/results.json.
 3. tool-call round trips inside one job, against a plain msgpack echo over a Unix socket;
 4. memory: daemon idle, daemon with a pool, PSS per pooled jail, the zygote;
 5. 500 concurrent jobs sleeping 1 s: wall time, failures;
+6. wall-clock deadlines: how far past its limit a job is ended;
+7. fairness: another uid's warm-job latency while root holds its whole per-uid share,
+   idle, with sleeping jobs and with spinning ones;
 
 then a table of targets, met or not. A measurement that fails is reported as such; the
 rest of the run goes on.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import os
 import shlex
 import sys
 import tempfile
@@ -32,7 +36,8 @@ from typing import TypeVar
 
 import baselines
 import flames
-from jaildrun import PrivateDaemon, Variant
+from foreign import ForeignClient
+from jaildrun import FAIRNESS_CONFIG, PrivateDaemon, Variant, cores_used
 from measure import BenchError, Latency, flat_out_threads, timed
 from report import Report, Results, Settings, to_json
 
@@ -41,6 +46,14 @@ REPO = BENCH.parent
 DEFAULT_OUT = BENCH / "report.md"
 LEVELS = [1, 4, 16, 64]
 POOL_SIZE = 8
+FAIRNESS_SHARE = 8  # FAIRNESS_CONFIG's max_jobs = 16: each uid's derived share is half
+OTHER_UID = 65534
+FLOODS = {
+    "sleep_flood": "import time\ntime.sleep(600)",
+    "cpu_flood": "while True:\n    pass",
+}
+FAIRNESS = Variant("fairness", "jaild warm (zygote, pool 4-8), max_jobs 16, reachable by nogroup",
+                   "zygote", 4, 8, config=FAIRNESS_CONFIG, time_limit_s=900)
 
 T = TypeVar("T")
 
@@ -162,6 +175,37 @@ class Run:
         except Exception as exc:  # the daemon did not start: the other variants still run
             self.failed(f"{key}/start", exc)
 
+    def measure_fairness(self) -> None:
+        """uid 65534's warm-job latency on one daemon: idle, then while root holds its whole
+        share with sleeping jobs, then with spinning ones (each flood cancelled after)."""
+        s, r = self.settings, self.results
+        if os.geteuid() != 0:
+            r.skipped["fairness/idle"] = "needs root, to run the other uid's client"
+            return
+        print(f"== {FAIRNESS.label}", flush=True)
+        try:
+            with PrivateDaemon(FAIRNESS) as daemon, ForeignClient() as foreign:
+
+                def other_uid() -> Latency:
+                    return foreign.latency(daemon.socket, daemon.policy, s.fairness_runs,
+                                           s.warm_pause_s, uid=OTHER_UID)
+
+                def during(code: str) -> Latency:
+                    with daemon.flooded(code, s.fairness_share, settle_s=2.0) as ended:
+                        latency = other_uid()
+                    latency.note = f"uid 0's jobs used {cores_used(ended):.2f} cores"
+                    return latency
+
+                idle = self.attempt("fairness/idle", other_uid)
+                if idle is not None:
+                    r.fairness["idle"] = idle
+                for key, code in FLOODS.items():
+                    x = self.attempt(f"fairness/{key}", functools.partial(during, code))
+                    if x is not None:
+                        r.fairness[key] = x
+        except Exception as exc:
+            self.failed("fairness/start", exc)
+
     def profile(self, daemon: PrivateDaemon, pause_s: float) -> None:
         assert self.profile_dir is not None
         key = daemon.variant.key
@@ -205,6 +249,7 @@ def labels(vs: list[Variant]) -> dict[str, str]:
         "pyodide": "Pyodide in a fresh Node per job",
         "floor": "asyncio Unix-socket msgpack echo (floor)",
         "warm_blocking": "jaild warm, blocking `Client` (zygote, pool 4-8)",
+        "fairness": FAIRNESS.label,
     }
     return out | {v.key: v.label for v in vs}
 
@@ -225,6 +270,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sleep-jobs", type=int, help="concurrent sleeping jobs (500; quick 50)")
     p.add_argument("--deadline-runs", type=int,
                    help="jobs cut by a 0.5 s wall-clock limit (30; quick 5)")
+    p.add_argument("--fairness-runs", type=int,
+                   help="uid 65534's jobs per fairness phase (100; quick 10)")
     p.add_argument("--pyodide-dir", default=baselines.DEFAULT_PYODIDE_DIR,
                    help="directory holding node_modules/pyodide")
     p.add_argument("--profile", action="store_true",
@@ -258,6 +305,8 @@ def main(argv: list[str]) -> int:
         pool_size=POOL_SIZE,
         deadline_runs=pick(args.deadline_runs, 30, 5),
         deadline_limit_s=0.5,
+        fairness_runs=pick(args.fairness_runs, 100, 10),
+        fairness_share=FAIRNESS_SHARE,
     )
     out: Path = args.out or (
         Path(tempfile.mkdtemp(prefix="jaild-bench-")) / "report.md" if quick else DEFAULT_OUT
@@ -275,6 +324,7 @@ def main(argv: list[str]) -> int:
     run.measure_baselines(args.pyodide_dir)
     for variant in vs:
         run.measure_variant(variant)
+    run.measure_fairness()
     results.machine["load average at end"] = baselines.load_average()
 
     report = Report(results).render()

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -25,8 +27,8 @@ from baselines import CODE
 from measure import BenchError, Deadlines, Latency, SleepBurst, Throughput, ToolCalls, timed
 from procmem import MemorySnapshot, snapshot
 
-from jaild.client import AsyncClient, Client, JobResult
-from jaild.errors import JaildError
+from jaild.client import AsyncClient, Client, Job, JobResult
+from jaild.errors import Busy, JaildError
 from jaild.protocol import PROTOCOL_VERSION, encode, encode_frame
 from jaild.protocol.messages import Hello
 
@@ -61,6 +63,15 @@ started = time.perf_counter()
 await asyncio.gather(*(one(i) for i in range({calls})))
 {{"sequential": sequential, "windowed_s": time.perf_counter() - started}}
 """
+FAIRNESS_CONFIG = """\
+[daemon]
+socket_group = "nogroup"
+
+[limits]
+max_jobs = 16
+"""
+"""The fairness daemon: uid 65534 (group nogroup) may reach its socket; each uid's share
+is the derived default, half of ``max_jobs``."""
 HELLO = encode_frame(encode(Hello(protocol=PROTOCOL_VERSION, client="bench-wait")), 1 << 16)
 
 
@@ -73,10 +84,18 @@ class Variant:
     mode: str | None
     pool_min: int = 0
     pool_max: int = 0
+    config: str = DAEMON_CONFIG
+    """The daemon's config file (TOML)."""
+    time_limit_s: int = 0
+    """If set, the policy's ``wall_time_s`` and ``cpu_time_s``, in place of the shipped ones."""
 
     def policy(self) -> str:
         """The shipped default policy, its own ``[pool]`` section (if any) replaced."""
         text = POOL_SECTION.sub("", BASE_POLICY.read_text())
+        if self.time_limit_s:
+            text = re.sub(r"^(wall_time_s|cpu_time_s) = .*$",
+                          lambda m: f"{m.group(1)} = {self.time_limit_s}", text,
+                          flags=re.MULTILINE)
         if self.mode is None:
             return text
         pool = f'mode = "{self.mode}"\nmin = {self.pool_min}\nmax = {self.pool_max}\n'
@@ -110,7 +129,7 @@ class PrivateDaemon:
         policies.mkdir()
         (policies / f"{self.policy}.toml").write_text(self.variant.policy())
         config = self._tmp / "jaild.toml"
-        config.write_text(DAEMON_CONFIG)
+        config.write_text(self.variant.config)
         with self._log.open("wb") as log:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "jaild", "serve", "--socket", self.socket,
@@ -285,3 +304,39 @@ class PrivateDaemon:
             time.sleep(0.2)
         time.sleep(0.5)
         return snapshot(self.pid)
+
+    @contextmanager
+    def flooded(self, code: str, share: int, settle_s: float) -> Iterator[list[JobResult]]:
+        """Root submits jobs running ``code`` until the daemon refuses one ``busy``: that must
+        happen at ``share`` held (its per-uid share), else BenchError. The jobs are held,
+        ``settle_s`` given to start, for the ``with`` body; then cancelled and waited for. The
+        list yielded is empty in the body and holds the jobs' records after it."""
+        held: list[Job] = []
+        ended: list[JobResult] = []
+        with Client(self.socket) as c:
+            try:
+                for _ in range(share + 1):
+                    held.append(c.submit(code, self.policy))
+            except Busy as exc:
+                if len(held) != share:
+                    raise BenchError(f"refused at {len(held)} held, not {share}: {exc}") from exc
+            else:
+                raise BenchError(f"{share + 1} jobs of one uid were all accepted")
+            try:
+                time.sleep(settle_s)
+                for job in held:
+                    if job.done:
+                        raise BenchError(f"a flood job ended early: {job.result(1).status}")
+                yield ended
+            finally:
+                for job in held:
+                    job.cancel()
+                ended += [job.result(60) for job in held]
+
+
+def cores_used(records: list[JobResult]) -> float:
+    """The CPU the jobs used together, in cores: their CPU seconds over their mean wall time."""
+    cpu = sum(float(r.usage.get("cpu_user_s", 0)) + float(r.usage.get("cpu_system_s", 0))
+              for r in records)
+    wall = sum(float(r.usage.get("wall_s", 0)) for r in records) / max(1, len(records))
+    return cpu / wall if wall else 0.0

@@ -35,6 +35,8 @@ class Settings:
     pool_size: int
     deadline_runs: int
     deadline_limit_s: float
+    fairness_runs: int
+    fairness_share: int
 
 
 @dataclass
@@ -49,6 +51,8 @@ class Results:
     memory: dict[str, MemorySnapshot] = field(default_factory=dict)
     sleep: SleepBurst | None = None
     deadlines: Deadlines | None = None
+    fairness: dict[str, Latency] = field(default_factory=dict)
+    """Phase (``idle``, ``sleep_flood``, ``cpu_flood``) -> uid 65534's warm-job latency."""
     profiles: dict[str, flames.Flame] = field(default_factory=dict)
     profile_dir: str = ""
     errors: dict[str, str] = field(default_factory=dict)
@@ -144,7 +148,8 @@ class Report:
     def render(self) -> str:
         sections: list[Callable[[], list[str]]] = [
             self._intro, self._machine, self._targets, self._latency, self._throughput,
-            self._tool_calls, self._memory, self._sleep, self._deadlines, self._profile,
+            self._tool_calls, self._memory, self._sleep, self._deadlines, self._fairness,
+            self._profile,
             self._errors,
             self._method,
         ]
@@ -404,6 +409,60 @@ class Report:
             f"- overshoot: median {_ms(d.median_s)}, p99 {_ms(d.p99_s)}, "
             f"max {_ms(max(d.samples_s))}",
         ]
+
+    def _fairness(self) -> list[str]:
+        f, s = self.r.fairness, self.s
+        idle = f.get("idle")
+        phases = {
+            "idle": "idle: uid 0 runs nothing",
+            "sleep_flood": f"uid 0 holds its share, {s.fairness_share} jobs sleeping",
+            "cpu_flood": f"uid 0 holds its share, {s.fairness_share} jobs spinning "
+                         "(`while True: pass`)",
+        }
+        rows = []
+        for key, label in phases.items():
+            x = f.get(key)
+            if x is None:
+                rows.append([label, self._missing(f"fairness/{key}"), "", "", "", ""])
+                continue
+            rows.append([
+                label + (f" ({x.note})" if x.note else ""), _ms(x.median_s), _ms(x.p99_s),
+                str(len(x.samples_s)),
+                _ratio(x.median_s, idle.median_s if idle else None),
+                _ratio(x.p99_s, idle.p99_s if idle else None),
+            ])
+        lines = [
+            "## 7. Fairness between uids",
+            "",
+            f"One private daemon (`{self.r.labels['fairness']}`, `max_jobs = "
+            f"{2 * s.fairness_share}`, so each uid's share is {s.fairness_share}), its socket "
+            "reachable by group `nogroup`. uid 65534 runs trivial warm jobs one after another "
+            f"({s.warm_pause_s * 1e3:.0f} ms pause before each, 2 untimed first) with the client "
+            "library as that uid, in three phases of one run: uid 0 idle; uid 0 holding its "
+            "whole share with jobs that sleep; uid 0 holding it with jobs that spin on the CPU "
+            "(no `limits.cpu_cores`). Each flood is checked to stop at the share (the next job "
+            "is refused `busy`) and is cancelled after its phase; in brackets, the CPU uid 0's "
+            "jobs used together (their CPU seconds over their wall time, from their records).",
+            "",
+            *_table(["uid 65534's jobs while", "median", "p99", "runs", "x idle (median)",
+                     "x idle (p99)"], rows, "lrrrrr"),
+        ]
+        sleep, cpu = f.get("sleep_flood"), f.get("cpu_flood")
+        if idle and sleep and cpu:
+            lines += [
+                "",
+                f"Against idle, the sleeping flood put the other uid's median at "
+                f"{_ratio(sleep.median_s, idle.median_s)} and its p99 at "
+                f"{_ratio(sleep.p99_s, idle.p99_s)}: held jails take slots, which the share "
+                "bounds, and (in brackets) next to no CPU. The spinning flood put them at "
+                f"{_ratio(cpu.median_s, idle.median_s)} and {_ratio(cpu.p99_s, idle.p99_s)}, "
+                f"its jobs using the CPU in brackets of {self.r.machine.get('cores', '?')} "
+                "cores shared with everything else on the machine (the load average is under "
+                "Machine): the share bounds jails, not CPU "
+                "time, which the README's security model lists as not protected between "
+                "tenants (`limits.cpu_cores` caps one job).",
+            ]
+        return lines
 
     def _profile(self) -> list[str]:
         head = ["## Where the time goes", ""]
