@@ -30,10 +30,12 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path) -> None:
     report = out.read_text()
     for section in ("## Targets", "## 1. Job latency", "## 2. Fresh-jail jobs per second",
                     "## 3. Tool-call round trip", "## 4. Memory", "## 5. Concurrent sleeping jobs",
-                    "## 6. Wall-clock deadlines"):
+                    "## 6. Wall-clock deadlines", "## 7. Fairness between uids"):
         assert section in report
     results = json.loads(out.with_suffix(".json").read_text())
     assert results["errors"] == {}, results["errors"]
     for key in ("exec", "nsjail", "bwrap", "spawn", "cold", "warm", "warm_blocking"):
         assert results["latency"][key]["samples_s"], key
     assert len(results["deadlines"]["samples_s"]) == 3
+    for phase in ("idle", "sleep_flood", "cpu_flood"):  # another uid's jobs, under each
+        assert results["fairness"][phase]["samples_s"], phase
