@@ -14,27 +14,15 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 from types import TracebackType
 
 from measure import BenchError, Latency
 
+from jaild.testing import copy_modules
+
 MODULES = ("jaild.client", "jaild.errors")
-_STDLIB_PATHS = {
-    sysconfig.get_path(key, vars={"installed_base": sys.base_prefix, "base": sys.base_prefix,
-                                  "installed_platbase": sys.base_exec_prefix,
-                                  "platbase": sys.base_exec_prefix})
-    for key in ("stdlib", "platstdlib")
-}
-_LIST_MODULES = (
-    "import importlib, json, sys\n"
-    "for name in sys.argv[1:]:\n"
-    "    importlib.import_module(name)\n"
-    "print(json.dumps([(n, m.__file__, hasattr(m, '__path__')) for n, m in sys.modules.items()"
-    " if getattr(m, '__file__', None)]))\n"
-)
 LATENCY = """\
 import asyncio, json, sys, time
 from jaild.client import AsyncClient
@@ -80,19 +68,7 @@ class ForeignClient:
         shutil.rmtree(self.path, ignore_errors=True)
 
     def _copy(self) -> None:
-        listed = subprocess.run([sys.executable, "-c", _LIST_MODULES, *MODULES],
-                                capture_output=True, text=True, timeout=60, check=True)
-        for name, file, is_package in json.loads(listed.stdout):
-            if any(file.startswith(p + os.sep) for p in _STDLIB_PATHS):
-                continue
-            parts = name.split(".") if is_package else name.split(".")[:-1]
-            target = self.path.joinpath(*parts, os.path.basename(file))
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(file, target)
-        for root, _dirs, files in os.walk(self.path):
-            os.chmod(root, 0o755)
-            for name in files:
-                os.chmod(os.path.join(root, name), 0o644)
+        copy_modules(self.path, MODULES)
 
     def latency(self, socket: str, policy: str, runs: int, pause_s: float, *, uid: int,
                 warmup: int = 2, timeout_s: float = 600) -> Latency:

@@ -52,16 +52,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from jaild.client import MAX_FRAME as CLIENT_MAX_FRAME
@@ -583,12 +586,48 @@ def daemon_thread(
         served.stop()
 
 
+_STDLIB_PATHS = {
+    sysconfig.get_path(key, vars={"installed_base": sys.base_prefix, "base": sys.base_prefix,
+                                  "installed_platbase": sys.base_exec_prefix,
+                                  "platbase": sys.base_exec_prefix})
+    for key in ("stdlib", "platstdlib")
+}
+_LIST_MODULES = (
+    "import importlib, json, sys\n"
+    "for name in sys.argv[1:]:\n"
+    "    importlib.import_module(name)\n"
+    "print(json.dumps([(n, m.__file__, hasattr(m, '__path__')) for n, m in sys.modules.items()"
+    " if getattr(m, '__file__', None)]))\n"
+)
+
+
+def copy_modules(directory: Path, modules: tuple[str, ...], timeout_s: float = 60) -> None:
+    """Copy what importing ``modules`` loads from outside the standard library (and only
+    that) into ``directory``, world-readable, so that another uid can import them from
+    there -- with the base interpreter, ``-I -S`` -- wherever this checkout lives (a clone
+    under a 0700 home is out of other uids' reach)."""
+    listed = subprocess.run([sys.executable, "-c", _LIST_MODULES, *modules],
+                            capture_output=True, text=True, timeout=timeout_s, check=True)
+    for name, file, is_package in json.loads(listed.stdout):
+        if any(file.startswith(p + os.sep) for p in _STDLIB_PATHS):
+            continue
+        parts = name.split(".") if is_package else name.split(".")[:-1]
+        target = directory.joinpath(*parts, os.path.basename(file))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(file, target)
+    for root, _dirs, files in os.walk(directory):
+        os.chmod(root, 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
+
+
 __all__ = [
     "UNHARDENED",
     "ConnectionPair",
     "DaemonThread",
     "FakeDaemon",
     "FakeLauncher",
+    "copy_modules",
     "daemon_pair",
     "daemon_thread",
     "fake_daemon",

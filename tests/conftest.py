@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +44,7 @@ from jaild.protocol import (
     encode_frame,
 )
 from jaild.protocol.messages import Hello, Message, Welcome
+from jaild.testing import copy_modules
 
 REPO = Path(__file__).resolve().parent.parent
 REPO_POLICIES = REPO / "policies"
@@ -429,37 +429,10 @@ class ForeignClient:
         )
 
 
-_STDLIB_PATHS = {
-    sysconfig.get_path(key, vars={"installed_base": sys.base_prefix, "base": sys.base_prefix,
-                                  "installed_platbase": sys.base_exec_prefix,
-                                  "platbase": sys.base_exec_prefix})
-    for key in ("stdlib", "platstdlib")
-}
-_LIST_MODULES = (
-    "import importlib, json, sys\n"
-    "for name in sys.argv[1:]:\n"
-    "    importlib.import_module(name)\n"
-    "print(json.dumps([(n, m.__file__, hasattr(m, '__path__')) for n, m in sys.modules.items()"
-    " if getattr(m, '__file__', None)]))\n"
-)
-
-
 def copy_client(directory: Path, *modules: str) -> ForeignClient:
     """Copy what importing ``modules`` loads from outside the standard library (and only
     that) into ``directory``, world-readable; checked to import from the copy alone."""
-    listed = subprocess.run([sys.executable, "-c", _LIST_MODULES, *modules], capture_output=True,
-                            text=True, timeout=guard(60), check=True)
-    for name, file, is_package in json.loads(listed.stdout):
-        if any(file.startswith(p + os.sep) for p in _STDLIB_PATHS):
-            continue
-        parts = name.split(".") if is_package else name.split(".")[:-1]
-        target = directory.joinpath(*parts, os.path.basename(file))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(file, target)
-    for root, _dirs, files in os.walk(directory):
-        os.chmod(root, 0o755)
-        for name in files:
-            os.chmod(os.path.join(root, name), 0o644)
+    copy_modules(directory, modules, timeout_s=guard(60))
     base = getattr(sys, "_base_executable", "") or os.path.realpath(sys.executable)
     foreign = ForeignClient(python=base, path=str(directory))
     check = subprocess.run(foreign.argv("import " + ", ".join(modules)), capture_output=True,
