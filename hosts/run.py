@@ -61,6 +61,9 @@ SUITES = {
 }
 
 
+TCG_CPU = "max"
+
+
 def log(message: str) -> None:
     print(f"[hosts] {message}", file=sys.stderr, flush=True)
 
@@ -74,8 +77,9 @@ def kvm_usable() -> bool:
     return True
 
 
-def qemu_argv(img: image.Image, run: Path, *, accel: str, memory_mb: int, cpus: int) -> list[str]:
-    cpu = ["-cpu", "host"] if accel == "kvm" else ["-cpu", "max"]
+def qemu_argv(img: image.Image, run: Path, *, accel: str, memory_mb: int, cpus: int,
+              cpu_model: str | None = None) -> list[str]:
+    cpu = ["-cpu", cpu_model or ("host" if accel == "kvm" else TCG_CPU)]
     return [
         "qemu-system-x86_64",
         "-accel", accel, *cpu,
@@ -117,14 +121,16 @@ class Guest:
 
 
 def boot(
-    img: image.Image, run: Path, *, accel: str, memory_mb: int, cpus: int
+    img: image.Image, run: Path, *, accel: str, memory_mb: int, cpus: int,
+    cpu_model: str | None = None
 ) -> tuple[Guest, str]:
     """Boot the guest; with ``accel="auto"`` try KVM, and fall back to TCG if it hangs."""
     order = ["kvm", "tcg"] if accel == "auto" and kvm_usable() else [
         "tcg" if accel == "auto" else accel]
     for i, name in enumerate(order):
         (run / "console.log").unlink(missing_ok=True)
-        guest = Guest(qemu_argv(img, run, accel=name, memory_mb=memory_mb, cpus=cpus),
+        guest = Guest(qemu_argv(img, run, accel=name, memory_mb=memory_mb, cpus=cpus,
+                                cpu_model=cpu_model),
                       run / "console.log")
         if i == len(order) - 1:
             return guest, name
@@ -181,7 +187,7 @@ def run_guest(name: str, args: argparse.Namespace) -> bool:
     try:
         prepare_run(run, args)
         guest, accel = boot(args.image, run, accel=args.accel, memory_mb=args.memory_mb,
-                            cpus=args.cpus)
+                            cpus=args.cpus, cpu_model=args.cpu_model)
         (run / "share" / "accel").write_text(f"{accel}\n")
         log(f"{name}: booted with {accel} ({args.cpus} vCPUs, {args.memory_mb} MiB); "
             f"logs in {run / 'share'}, console {run / 'console.log'}")
@@ -258,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the steps to run, in their fixed order (default: all)")
     p.add_argument("--accel", choices=("auto", "kvm", "tcg"), default="auto")
     p.add_argument("--cpus", type=int, default=2)
+    p.add_argument("--cpu-model", help="QEMU's -cpu (default: host under KVM, %s under TCG)"
+                   % TCG_CPU.replace("%", "%%"))
     p.add_argument("--memory-mb", type=int, default=6144)
     p.add_argument("--timeout-min", type=float, default=80)
     p.add_argument("--out", default=str(REPO / "hosts" / "logs"))
