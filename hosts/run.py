@@ -269,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the steps to run, in their fixed order (default: all)")
     p.add_argument("--accel", choices=("auto", "kvm", "tcg"), default="auto")
     p.add_argument("--cpus", type=int, default=2)
-    p.add_argument("--cpu-model", help="QEMU's -cpu (default: host under KVM, %s under TCG)"
-                   % TCG_CPU.replace("%", "%%"))
+    p.add_argument("--cpu-model", help=f"QEMU's -cpu (default: host under KVM, {TCG_CPU} under "
+                   "TCG)")
     p.add_argument("--memory-mb", type=int, default=6144)
     p.add_argument("--timeout-min", type=float, default=80)
     p.add_argument("--out", default=str(REPO / "hosts" / "logs"))
