@@ -33,7 +33,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaild import __version__
+from jaild import __version__, loops
 from jaild.address import socket_from_env
 from jaild.daemon.config import DaemonConfig, default_policies_dir, default_state_dir
 from jaild.errors import EXIT_USAGE, JaildError, PolicyError, error_line, exit_code_for
@@ -97,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _print_err(f"invalid config: {exc.message}")
         return 1
     try:
-        asyncio.run(serve(config))
+        loops.run(serve(config), config.event_loop)
     except (StartupError, JaildError) as exc:
         _print_err(f"cannot start: {exc.message}")
         return 1
@@ -224,7 +224,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         _print_err(f"cannot upload: {exc}")
         return EXIT_USAGE
     try:
-        result = asyncio.run(_run_somewhere(args, code, filename, tools))
+        result = loops.run(_run_somewhere(args, code, filename, tools))
     except JaildError as exc:
         return _refused(exc)
     except KeyboardInterrupt:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaild import __version__
+from jaild import __version__, loops
 from jaild.address import socket_from_env
 from jaild.errors import (
     ConnectionLost,
@@ -820,8 +820,9 @@ class AsyncClient:
 class Client:
     """A blocking client: the same API as :class:`AsyncClient`, without ``await``.
 
-    Runs an :class:`AsyncClient` on a private event-loop thread. Output callbacks
-    are called from that thread; plain tool handlers from worker threads.
+    Runs an :class:`AsyncClient` on a private event-loop thread (``event_loop``: "auto" is
+    uvloop where installed, see :mod:`jaild.loops`). Output callbacks are called from that
+    thread; plain tool handlers from worker threads.
     """
 
     def __init__(
@@ -831,8 +832,9 @@ class Client:
         name: str = "",
         handler_threads: int = 64,
         approve: Approver | None = None,
+        event_loop: str = "auto",
     ) -> None:
-        self._loop = asyncio.new_event_loop()
+        self._loop = loops.new_event_loop(event_loop)
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="jaild-client", daemon=True
         )

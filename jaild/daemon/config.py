@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jaild import loops
 from jaild.address import DEFAULT_SOCKET as DEFAULT_SOCKET
 from jaild.address import socket_from_env as socket_from_env
 from jaild.errors import PolicyError
@@ -61,6 +62,11 @@ def _zygote_scope(v: Any) -> str | None:
     return None if v in ("uid", "policy") else f'must be "uid" or "policy", got {v!r}'
 
 
+def _event_loop(v: Any) -> str | None:
+    return None if v in loops.CHOICES else (
+        f"must be one of {', '.join(map(repr, loops.CHOICES))}, got {v!r}")
+
+
 def _absolute(v: Any) -> str | None:
     return None if v == "" or str(v).startswith("/") else f"must be an absolute path, got {v!r}"
 
@@ -96,6 +102,12 @@ class DaemonFile:
         '"uid": a zygote per (policy, client uid), so no two users\' jails are forks of one '
         'process; "policy": one per policy, shared by every uid (single-tenant hosts only).',
         _zygote_scope,
+    )
+    event_loop: str = setting(
+        "auto",
+        '"auto": uvloop where it is installed (a dependency on Linux), else the standard '
+        'asyncio loop; "uvloop" or "asyncio" to choose (README, "Performance").',
+        _event_loop,
     )
 
 
@@ -277,6 +289,7 @@ class DaemonConfig:
     max_memory_mb_per_uid: int = 0
     probe_policies: bool = True
     zygote_scope: str = "uid"
+    event_loop: str = "auto"
     max_zygotes: int = 16
     zygote_idle_s: float = 600.0
 
@@ -306,6 +319,7 @@ class DaemonConfig:
                 metrics_address=d.metrics_address or None,
                 metrics_tool_labels=d.metrics_tool_labels,
                 zygote_scope=d.zygote_scope,
+                event_loop=d.event_loop,
                 allowed_users=a.users,
                 **dataclasses.asdict(lim),
             )

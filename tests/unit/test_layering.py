@@ -80,7 +80,7 @@ IO_MODULES = frozenset({
 IO_BUILTINS = frozenset({"open", "print", "input", "breakpoint", "__import__"})
 STD_STREAMS = frozenset({"stdin", "stdout", "stderr", "__stdin__", "__stdout__", "__stderr__"})
 
-CLIENT = ("jaild.client", "jaild.transfer", "jaild.toolspec", "jaild.address")
+CLIENT = ("jaild.client", "jaild.transfer", "jaild.toolspec", "jaild.address", "jaild.loops")
 FRONT_ENDS = ("jaild.cli", "jaild.codemode", "jaild.mcp_server", "jaild.envs")
 
 RUNTIME_JAILD = ("jaild.errors", "jaild.protocol", "jaild.runtime")
@@ -89,6 +89,7 @@ RUNTIME_THIRD_PARTY = frozenset({"msgpack", "pyseccomp", "prctl"})
 WRAPPERS = {
     "prctl": ("jaild.runtime.harden", frozenset({"prctl", "_prctl"})),
     "pyseccomp": ("jaild.runtime.seccomp", frozenset({"pyseccomp", "seccomp"})),
+    "uvloop": ("jaild.loops", frozenset({"uvloop"})),
 }
 """Foreign package -> (the one module that may import it, the names it goes by)."""
 
