@@ -43,7 +43,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaild import __version__
+from jaild import __version__, loops
 from jaild.daemon import systemd
 from jaild.daemon.cgroups import Cgroups, detect
 from jaild.daemon.config import DaemonConfig
@@ -196,7 +196,7 @@ async def start(
     where = config.socket_path if served.socket_inode else f"{sock.getsockname()} (activated)"
     layout = cgroups.layout
     log.info(
-        "jaild %s serving %d policies (%s) on %s; nsjail %s; cgroup v%d subtree %s",
+        "jaild %s serving %d policies (%s) on %s; nsjail %s; cgroup v%d subtree %s; %s",
         __version__,
         len(served.policies),
         ", ".join(sorted(served.policies)),
@@ -204,6 +204,7 @@ async def start(
         served.env.nsjail if served.env else "?",
         layout.version,
         layout.subtree,
+        loops.name(asyncio.get_running_loop()),
     )
     systemd.notify(f"READY=1\nSTATUS=serving {len(served.policies)} policies")
 

@@ -223,3 +223,16 @@ def test_a_non_socket_at_the_socket_path_is_not_replaced(tmp_path: Path) -> None
     assert out.returncode == 1
     assert "exists and is not a socket" in out.stderr
     assert target.read_text() == "precious"
+
+
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_the_daemon_serves_jobs_and_tool_calls_on_either_event_loop(
+        private_daemon: Callable[..., DaemonHandle], tmp_path: Path, event_loop: str) -> None:
+    config = tmp_path / "jaild.toml"
+    config.write_text(f'[daemon]\nevent_loop = "{event_loop}"\n')
+    d = private_daemon(args=("--config", str(config)))
+    serving = [line for line in d.log().splitlines() if " serving " in line]
+    assert serving and serving[0].endswith(f"; {event_loop}"), serving
+    with Client(d.socket, event_loop="asyncio") as c:
+        r = c.run("[await tools.double(21), await tools.double(2)]", tools={"double": lambda x: 2 * x})
+    assert (r.status, r.result) == ("ok", [42, 4]), r.error

@@ -25,6 +25,8 @@ def write(tmp_path: Path, text: str) -> str:
         ("[limits]\nframe_timeout_s = 'x'", "limits.frame_timeout_s: must be a number, got 'x'"),
         ("[daemon]\nsocket = 'relative.sock'", "daemon.socket: must be an absolute path, got 'relative.sock'"),
         ("[daemon]\nsockett = '/x'", "daemon.sockett: unknown key; [daemon] accepts socket, socket_group"),
+        ("[daemon]\nevent_loop = 'trio'",
+         "daemon.event_loop: must be one of 'auto', 'uvloop', 'asyncio', got 'trio'"),
         ("[access]\nusers = 'root'", "access.users: must be a list, got str"),
         ("[extra]", "extra: unknown key; the config accepts daemon, access, limits"),
         ("[limits", "not valid TOML"),
