@@ -110,8 +110,10 @@ def _check(r: JobResult, expected: object) -> None:
 class PrivateDaemon:
     """``jaild serve`` on a private socket, serving one policy named after the variant."""
 
-    def __init__(self, variant: Variant) -> None:
+    def __init__(self, variant: Variant, entry: tuple[str, ...] = ("-m", "jaild")) -> None:
         self.variant = variant
+        self.entry = entry
+        """How Python starts the daemon (``bench/stages.py`` traces it)."""
         self.policy = variant.key
         self._tmp = Path(tempfile.mkdtemp(prefix=f"jaild-bench-{variant.key}-"))
         os.chmod(self._tmp, 0o755)  # the jailed uid must traverse to the runtime it binds
@@ -132,7 +134,7 @@ class PrivateDaemon:
         config.write_text(self.variant.config)
         with self._log.open("wb") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "jaild", "serve", "--socket", self.socket,
+                [sys.executable, *self.entry, "serve", "--socket", self.socket,
                  "--policies", str(policies), "--config", str(config), "--log-level", "warning"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
             )

@@ -486,20 +486,40 @@ def _preamble(handle: JailHandle, zygote: Zygote) -> None:
         return
     pid, uid, _gid = struct.unpack("3i", creds[0][:12])
     handle.loop.remove_reader(sock.fileno())
-    handle.preamble_sock = None
     if uid != zygote.uid:  # only a process of the zygote's may claim a jail
+        handle.preamble_sock = None
         sock.close()
         handle.feed(StartFailed(f"preamble from uid {uid}, not the zygote's"))
         handle.feed(StreamClosed())
         return
-    try:
-        handle.cgroup.adopt(pid)
+    # Moving a process between cgroups waits for an RCU grace period in the kernel
+    # (cgroup_threadgroup_rwsem): milliseconds, in a worker thread, not on the loop. Until
+    # it is done the jail still waits for GO and the handle still holds its preamble
+    # socket: a kill or a teardown meanwhile closes it (the jail exits at EOF), and the
+    # handle's release waits for the move (see JailHandle.adopting).
+    moved = handle.loop.run_in_executor(None, handle.cgroup.adopt, pid)
+    handle.adopting = moved
+    moved.add_done_callback(functools.partial(_adopted, handle, zygote, sock, pid))
+
+
+def _adopted(handle: JailHandle, zygote: Zygote, sock: socket.socket, pid: int,
+             moved: asyncio.Future[None]) -> None:
+    """The jail is in its job's cgroup (or could not be moved): GO, or its failure."""
+    handle.adopting = None
+    if handle.preamble_sock is not sock:  # killed or torn down while it moved
+        return
+    handle.preamble_sock = None
+    error = moved.exception()
+    if error is None:
         zygote.settled(handle.spawn_id)
         handle.jail_pid = pid
-        sock.send(GO)
-    except OSError as exc:
+        try:
+            sock.send(GO)
+        except OSError as exc:
+            error = exc
+    if error is not None:
         sock.close()
-        handle.feed(StartFailed(f"could not move the jail into its cgroup: {exc}"))
+        handle.feed(StartFailed(f"could not move the jail into its cgroup: {error}"))
         handle.feed(StreamClosed())
         return
     handle.open_channel(sock)

@@ -234,6 +234,7 @@ class JailHandle:
         self.reaped = False  # forked: the zygote reaped it
         self.spawn_id = 0  # forked: the zygote's id of the request
         self.preamble_sock: socket.socket | None = None  # forked: the channel, before it spoke
+        self.adopting: asyncio.Future[None] | None = None  # forked: moving into its cgroup
         self.channel: _Channel | None = None
         self.pipes: tuple[tuple[int, str], ...] = ()
         self.out_transports: list[asyncio.ReadTransport] = []
@@ -455,6 +456,9 @@ class JailHandle:
         )
 
     def release(self) -> None:
+        if self.adopting is not None:  # a move into the cgroup is under way: after it
+            self.adopting.add_done_callback(lambda _: self.release())
+            return
         if self.release_timer is not None:
             self.release_timer.cancel()
         if self.cgroup is not None:

@@ -1,0 +1,138 @@
+"""A forked jail's move into its job's cgroup runs in a worker thread (the kernel makes the
+write wait for an RCU grace period): what happens around it, without root or a kernel cgroup.
+
+The jail, here the test, sends the preamble byte with its credentials; the daemon moves its
+pid into the cgroup and answers GO. A kill while the move is under way must not send GO (the
+jail exits at EOF), and releasing the cgroup must wait for the move, or the cgroup would be
+removed before the jail lands in it (and outlive the job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+from typing import Any
+
+from jaild.daemon.launch import forked
+from jaild.daemon.launch.handle import JailHandle
+from jaild.daemon.machine import StartFailed, StreamClosed
+from jaild.runtime.zygote import GO, PREAMBLE
+
+
+class SlowCgroup:
+    """A cgroup whose ``adopt`` waits for the test (a grace period that takes its time)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.gate = threading.Event()
+        self.calls: list[str] = []
+        self.fail = fail
+
+    def adopt(self, pid: int) -> None:
+        self.calls.append("adopt started")
+        self.gate.wait(timeout=30)
+        self.calls.append(f"adopted {pid}")
+        if self.fail:
+            raise PermissionError("no")
+
+    def kill_all(self) -> int:
+        self.calls.append("kill_all")
+        return 0
+
+    def remove(self) -> None:
+        self.calls.append("remove")
+
+
+class FakeZygote:
+    def __init__(self) -> None:
+        self.uid = os.getuid()  # the preamble's sender: this process
+        self.settled_ids: list[int] = []
+
+    def settled(self, ident: int) -> None:
+        self.settled_ids.append(ident)
+
+
+class Env:
+    def release_uid(self, uid: int) -> None:
+        pass
+
+
+async def _started(cgroup: SlowCgroup
+                   ) -> tuple[JailHandle, socket.socket, list[Any], FakeZygote]:
+    events: list[Any] = []
+    handle = JailHandle(Env(), "job-1", events.append, 1 << 20)  # type: ignore[arg-type]
+    handle.cgroup = cgroup  # type: ignore[assignment]
+    handle.spawn_id = 7
+    daemon_end, jail_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    daemon_end.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    daemon_end.setblocking(False)
+    handle.preamble_sock = daemon_end
+    zy = FakeZygote()
+    jail_end.send(PREAMBLE)
+    forked._preamble(handle, zy)  # type: ignore[arg-type]
+    for _ in range(200):  # the worker thread has begun the move
+        if cgroup.calls:
+            break
+        await asyncio.sleep(0.005)
+    return handle, jail_end, events, zy
+
+
+async def _finish(cgroup: SlowCgroup, handle: JailHandle) -> None:
+    cgroup.gate.set()
+    for _ in range(400):
+        if handle.adopting is None:
+            return
+        await asyncio.sleep(0.005)
+
+
+def test_the_jail_gets_go_once_it_is_in_its_cgroup() -> None:
+    async def scenario() -> None:
+        cgroup = SlowCgroup()
+        handle, jail_end, _, zy = await _started(cgroup)
+        assert handle.adopting is not None and handle.preamble_sock is not None
+        assert cgroup.calls == ["adopt started"]  # the loop went on while the move waits
+        await _finish(cgroup, handle)
+        assert jail_end.recv(1) == GO
+        assert handle.jail_pid == os.getpid() and zy.settled_ids == [7]
+        assert handle.channel is not None
+        handle.teardown()
+        handle.release()
+        assert cgroup.calls[-2:] == ["kill_all", "remove"]
+        jail_end.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_kill_during_the_move_sends_no_go_and_release_waits_for_the_move() -> None:
+    async def scenario() -> None:
+        cgroup = SlowCgroup()
+        handle, jail_end, events, zy = await _started(cgroup)
+        handle.kill()  # the job is cancelled while the jail moves
+        assert handle.preamble_sock is None
+        assert [type(e) for e in events] == [StreamClosed]
+        handle.teardown()
+        handle.release()  # must not remove the cgroup while the jail may still land in it
+        assert "remove" not in cgroup.calls
+        await _finish(cgroup, handle)
+        # the teardown's kill finds nothing yet; the release's comes after the move
+        assert cgroup.calls[-3:] == [f"adopted {os.getpid()}", "kill_all", "remove"]
+        assert jail_end.recv(1) == b""  # EOF, no GO: the jail exits
+        assert handle.jail_pid is None and zy.settled_ids == []
+        jail_end.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_move_that_fails_ends_the_start_with_the_reason() -> None:
+    async def scenario() -> None:
+        cgroup = SlowCgroup(fail=True)
+        handle, jail_end, events, _ = await _started(cgroup)
+        await _finish(cgroup, handle)
+        failed = [e for e in events if isinstance(e, StartFailed)]
+        assert failed and "could not move the jail into its cgroup" in failed[0].detail
+        assert isinstance(events[-1], StreamClosed)
+        assert jail_end.recv(1) == b""
+        jail_end.close()
+
+    asyncio.run(scenario())
