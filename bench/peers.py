@@ -4,8 +4,9 @@
 - **pydantic-monty** (``pydantic_monty``): a Rust interpreter of a Python subset. Execution
   always happens in a pool of ``monty`` worker subprocesses (there is no in-process mode):
   warm = a pool started beforehand, one checkout (a fresh REPL session on the pool's worker)
-  per job; cold = a new pool, so a new worker process, per job. Its tool call is an
-  *external function*: sandboxed code calls a name the host serves (``external_lookup``).
+  per job; cold = a new pool, so a new worker process, per job (its shutdown untimed). Its
+  tool call is an *external function*: sandboxed code calls a name the host serves
+  (``external_lookup``).
 - **llm-sandbox** (``llm_sandbox``), ``bubblewrap`` and ``nsjail`` backends: each
   ``session.run`` writes the code into the session's private workspace and starts a new
   ``bwrap``/``nsjail`` + python; a session is a host temporary directory plus one ``/bin/true``
@@ -20,8 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import shlex
+import time
 from collections.abc import Callable, Iterator
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from baselines import CODE, JAIL_ENV, JAIL_PYTHON, PRINT_CODE, Job
@@ -34,6 +39,54 @@ LLM_SANDBOX = "llm-sandbox"
 PACKAGES = {MONTY: "pydantic_monty", LLM_SANDBOX: "llm_sandbox"}
 """Distribution -> the module it provides."""
 LLM_BACKENDS = ("bubblewrap", "nsjail")
+NAMESPACES = ("mnt", "net", "pid", "user", "ipc", "uts", "cgroup")
+
+NO_IN_PROCESS = (
+    "pydantic-monty has no in-process execution: its README (1.4 and 1.5) and `Monty`'s "
+    "docstring say "
+    "execution always happens in a pool of `monty` worker subprocesses (a crash-proof "
+    "interpreter is impossible against stack overflows and allocator aborts)"
+)
+NO_TOOL_CALLS = (
+    "llm-sandbox has no tool-call equivalent: nothing in the package lets sandboxed code call "
+    "a host function (stdin is /dev/null, the network is off by default, and its MCP server "
+    "runs the sandbox as a tool for an LLM, the other direction); sandboxed code can only "
+    "print to stdout/stderr and write files in its workspace"
+)
+ISOLATION = {
+    "monty": (
+        "language-level only: a Rust interpreter of a Python subset, not CPython: part of the "
+        "standard library (which imports fail is below; `os` has no `getpid`), and no C "
+        "extensions (`import numpy` is `ModuleNotFoundError`); files, clock, sleep and entropy "
+        "reach the host only through the pool's handlers (mounts, `os=`); memory, time, "
+        "recursion and host round trips limited by the interpreter, with a host-side kill as "
+        "backstop. Its worker process isolates crashes only: the host's uid, capabilities, "
+        "namespaces and cgroup, no seccomp, no `no_new_privs` (read from `/proc` below); warm "
+        "jobs run in turn in the same worker process, each in a new session"
+    ),
+    "llm_bwrap": (
+        "bwrap with `--unshare-all --unshare-user --disable-userns --cap-drop ALL --clearenv "
+        "--die-with-parent --new-session`: all namespaces new, the network one with only "
+        "loopback; read-only `/usr`, `/bin`, `/lib*`, two `/etc` files and the jail env; private "
+        "`/proc`, `/dev`; `/tmp` and the workspace bound from the session's host directory "
+        "(persist across a session's runs); a seccomp *deny*-list (EPERM for 31 calls such as "
+        "`ptrace`, mounts, `unshare`, `bpf`, `io_uring`; x32 range; the rest allowed); no cgroup, "
+        "rlimits only if configured (`prlimit`, off by default); as root, uid 0 inside maps to "
+        "root outside (without capabilities)"
+    ),
+    "llm_nsjail": (
+        "nsjail `--mode o --disable_rlimits --time_limit 0 --experimental_mnt new --iface_no_lo`: "
+        "nsjail's default namespaces (user, mount, pid, ipc, uts, net without loopback, cgroup), "
+        "capabilities dropped, `no_new_privs`; an empty tmpfs root with read-only `/usr`, `/bin`, "
+        "`/lib*`, two `/etc` files, the jail env and four `/dev` nodes, `/tmp` and the workspace "
+        "from the session's host directory, a 64 MiB `/dev/shm`; a Kafel seccomp deny-list "
+        "(the same 31 calls, then native calls 0-1023 allowed); no cgroup, nsjail's rlimits "
+        "off and no time limit (llm-sandbox keeps the deadline); as root, uid 0 inside maps "
+        "to root outside (nsjail warns so on stderr)"
+    ),
+}
+"""What each peer's rows isolate, from its source (argv) and docs; bench/compare.py adds
+what this run read from ``/proc`` (``monty_evidence``, ``llm_sandbox_evidence``)."""
 
 MONTY_CODE = f"{CODE}\nresult"
 """Monty returns the value of the snippet's last expression."""
@@ -101,16 +154,21 @@ def monty_warm(runs: int, warmup: int) -> Latency:
         return timed(lambda: _monty_job(pool), runs, warmup=warmup)
 
 
-def monty_cold() -> Job:
-    """A new pool per job: its ``monty`` worker process is spawned, runs the job, and is
-    stopped with the pool."""
+def monty_cold(runs: int, warmup: int) -> Latency:
+    """A new pool per job: its ``monty`` worker process is spawned and runs the job. Timed
+    from the call to the result, as jaild's jobs are; the pool's shutdown (stopping the
+    worker) comes after, untimed."""
     from pydantic_monty import Monty
 
-    def job() -> None:
-        with Monty(min_processes=1, max_processes=1) as pool:
+    samples = []
+    for i in range(warmup + runs):
+        with contextlib.ExitStack() as stack:
+            started = time.perf_counter()
+            pool = stack.enter_context(Monty(min_processes=1, max_processes=1))
             _monty_job(pool)
-
-    return job
+            if i >= warmup:
+                samples.append(time.perf_counter() - started)
+    return Latency(samples)
 
 
 async def _echo(value: int) -> int:
@@ -195,3 +253,117 @@ def llm_sandbox_argv(backend: str) -> list[str]:
         launch: Callable[[str, str], Any] = session._launch_command
         with launch(f"{JAIL_PYTHON} /sandbox/job.py", session.config.workdir) as (argv, _fds):
             return [str(a) for a in argv]
+
+
+# ---------------------------------------------------------------------------- evidence
+
+PROBE = f"""\
+import os
+print(open("/proc/self/status").read())
+print("NS", *(os.readlink(f"/proc/self/ns/{{n}}") for n in {NAMESPACES!r}))
+print("UIDMAP", *open("/proc/self/uid_map").read().split())
+"""
+"""Run in an llm-sandbox: its process's status, namespaces and uid map, read back."""
+
+
+def _status(text: str) -> dict[str, str]:
+    fields = (line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {k: v.split()[0] if v.split() else "" for k, v in fields}
+
+
+def _describe(status: dict[str, str], namespaces: dict[str, str], uid_map: str = "") -> str:
+    """One line: the process's uid, capabilities, filters, and which namespaces it shares
+    with this (the bench's) process."""
+    host = {n: os.readlink(f"/proc/self/ns/{n}") for n in NAMESPACES}
+    shared = [n for n in NAMESPACES if namespaces.get(n) == host[n]]
+    seccomp = {"0": "none", "1": "strict", "2": "filter"}.get(status.get("Seccomp", ""), "?")
+    fields = ", ".join([
+        f"uid {status.get('Uid', '?')}" + (f" (uid_map {uid_map})" if uid_map else ""),
+        f"CapEff {status.get('CapEff', '?')}",
+        f"NoNewPrivs {status.get('NoNewPrivs', '?')}",
+        f"Seccomp {seccomp}",
+    ])
+    return (f"{fields}; namespaces shared with the host: "
+            f"{', '.join(shared) if shared else 'none'}")
+
+
+def _monty_workers() -> list[int]:
+    """This process's children running the ``monty`` binary."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:]
+        if name == "monty" and int(rest.split()[1]) == os.getpid():
+            out.append(int(entry.name))
+    return out
+
+
+def monty_evidence() -> str:
+    """What the worker process running a job is, read from ``/proc`` while the job waits on
+    an external call (so inside a job, after any set-up the worker does)."""
+    from pydantic_monty import Monty
+
+    seen: list[str] = []
+
+    def inspect() -> int:
+        for pid in _monty_workers():
+            status = _status(Path(f"/proc/{pid}/status").read_text())
+            namespaces = {n: os.readlink(f"/proc/{pid}/ns/{n}") for n in NAMESPACES}
+            seen.append(f"worker pid {pid}: {_describe(status, namespaces)}")
+        return 2
+
+    with Monty(min_processes=1, max_processes=1) as pool, pool.checkout() as session:
+        value = session.feed_run("inspect()", external_lookup={"inspect": inspect})
+        failing = [m for m in MONTY_IMPORTS if not _imports(session, m)]
+    if value != 2 or not seen:
+        raise BenchError(f"no monty worker found among this process's children ({value!r})")
+    return (f"{'; '.join(seen)}; of {len(MONTY_IMPORTS)} modules tried, "
+            f"{len(failing)} do not import: {', '.join(failing) or 'none'}")
+
+
+MONTY_IMPORTS = (
+    "json", "re", "math", "collections", "itertools", "functools", "datetime", "pathlib",
+    "dataclasses", "typing", "asyncio", "random", "os", "sys", "time", "decimal", "csv",
+    "hashlib", "base64", "copy", "bisect", "string", "statistics", "fractions", "io", "struct",
+    "socket", "threading", "subprocess", "ctypes", "pickle", "heapq", "enum", "abc", "operator",
+    "textwrap", "uuid", "numpy",
+)
+"""Modules a job is likely to import: which of them monty has."""
+
+
+def _imports(session: Any, module: str) -> bool:
+    from pydantic_monty import MontyError
+
+    try:
+        session.feed_run(f"import {module}")
+    except MontyError:
+        return False
+    return True
+
+
+def llm_sandbox_evidence(backend: str) -> str:
+    """The argv ``backend`` builds for a job (shortened), and what the sandboxed process
+    reads of itself from ``/proc``."""
+    argv = llm_sandbox_argv(backend)
+    with _llm_session(backend) as session:
+        out = session.run(PROBE)
+    if out.exit_code != 0:
+        raise BenchError(f"llm-sandbox {backend} probe exited {out.exit_code}: "
+                         f"{(out.stderr or out.stdout).strip()[-500:]}")
+    lines = out.stdout.splitlines()
+    namespaces = next(line.split()[1:] for line in lines if line.startswith("NS "))
+    uid_map = next(" ".join(line.split()[1:]) for line in lines if line.startswith("UIDMAP"))
+    sandboxed = _describe(_status(out.stdout), dict(zip(NAMESPACES, namespaces, strict=True)),
+                          uid_map)
+    return f"argv `{shorten(argv)}`; in the sandbox: {sandboxed}"
+
+
+def shorten(argv: list[str], longest: int = 80) -> str:
+    """``argv`` as a shell line, each argument cut to ``longest`` characters (nsjail's
+    seccomp policy lists 1,000 syscall numbers)."""
+    return shlex.join(a if len(a) <= longest else f"{a[:longest]}…" for a in argv)
