@@ -128,6 +128,8 @@ def _ratio(value: float, base: float | None) -> str:
     if base is None or base == 0:
         return "-"
     r = value / base
+    if 0 < r < 0.01:  # in-process and monty rows against a process per job
+        return f"{r:.2g}x"
     return f"{r:,.0f}x" if r >= 100 else f"{r:.2f}x" if r < 10 else f"{r:.1f}x"
 
 
