@@ -36,16 +36,15 @@ from jaild.daemon.staging import locate_nsjail
 
 MONTY = "pydantic-monty"
 LLM_SANDBOX = "llm-sandbox"
-PACKAGES = {MONTY: "pydantic_monty", LLM_SANDBOX: "llm_sandbox"}
-"""Distribution -> the module it provides."""
+PACKAGES = (MONTY, LLM_SANDBOX)
+"""The peers' distributions (modules ``pydantic_monty``, ``llm_sandbox``)."""
 LLM_BACKENDS = ("bubblewrap", "nsjail")
 NAMESPACES = ("mnt", "net", "pid", "user", "ipc", "uts", "cgroup")
 
 NO_IN_PROCESS = (
     "pydantic-monty has no in-process execution: its README (1.4 and 1.5) and `Monty`'s "
-    "docstring say "
-    "execution always happens in a pool of `monty` worker subprocesses (a crash-proof "
-    "interpreter is impossible against stack overflows and allocator aborts)"
+    "docstring say execution always happens in a pool of `monty` worker subprocesses (no "
+    "monty process can be made crash-proof against stack overflows and allocator aborts)"
 )
 NO_TOOL_CALLS = (
     "llm-sandbox has no tool-call equivalent: nothing in the package lets sandboxed code call "
@@ -58,9 +57,9 @@ ISOLATION = {
         "language-level only: a Rust interpreter of a Python subset, not CPython: part of the "
         "standard library (which imports fail is below; `os` has no `getpid`), and no C "
         "extensions (`import numpy` is `ModuleNotFoundError`); files, clock, sleep and entropy "
-        "reach the host only through the pool's handlers (mounts, `os=`); memory, time, "
-        "recursion and host round trips limited by the interpreter, with a host-side kill as "
-        "backstop. Its worker process isolates crashes only: the host's uid, capabilities, "
+        "reach the host only through the pool's handlers (mounts, `os=`); heap, time and "
+        "recursion limited by the interpreter, host round trips by the pool, with a host-side "
+        "kill as backstop. Its worker process isolates crashes only: the host's uid, capabilities, "
         "namespaces and cgroup, no seccomp, no `no_new_privs` (read from `/proc` below); warm "
         "jobs run in turn in the same worker process, each in a new session"
     ),
