@@ -65,7 +65,8 @@ unit: setup
 integration: setup
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
-# `make bench`: jaild side by side with bare nsjail, bubblewrap and Pyodide, in one run;
+# `make bench`: jaild side by side with bare nsjail, bubblewrap, Pyodide, pydantic-monty and
+# llm-sandbox (bubblewrap and nsjail backends), in one run;
 # writes bench/report.md and bench/results.json (BENCH_ARGS= to skip the py-spy profile).
 # `make bench-smoke`: the same harness in about a minute, report in /tmp (keeps it working).
 BENCH_DIR ?= $(STATE_DIR)/bench
@@ -78,7 +79,8 @@ bench: setup bench-tools
 bench-smoke: setup
 	$(PY) bench/compare.py --quick --pyodide-dir $(BENCH_DIR)/pyodide --out /tmp/jaild-bench-smoke.md
 
-# Pyodide (npm) into $(BENCH_DIR)/pyodide, py-spy (pip) into the venv.
+# Pyodide (npm) into $(BENCH_DIR)/pyodide; py-spy and the peers llm-sandbox and pydantic-monty
+# (pip, pyproject's [bench] extra) into the venv when one is missing or older than it asks.
 bench-tools: $(STAMPS)/apt
 	@command -v node >/dev/null && command -v npm >/dev/null || { \
 	  export DEBIAN_FRONTEND=noninteractive; \
@@ -91,7 +93,7 @@ bench-tools: $(STAMPS)/apt
 	  npm install --prefix $(BENCH_DIR)/pyodide --no-audit --no-fund --loglevel=error \
 	    pyodide@$(PYODIDE_VERSION); \
 	fi
-	@test -x $(VENV)/bin/py-spy || $(PY) -m pip install --quiet -e '.[bench]'
+	@$(PY) bench/installed.py bench || $(PY) -m pip install --quiet -e '.[bench]'
 
 # Not part of `make test`: 5,000 sequential jobs and bursts of 200 concurrent ones,
 # zero lost results, flat daemon RSS and descriptor count.

@@ -3,10 +3,13 @@ bench/results.json.
 
 ``make bench`` runs this. Measured, all on this machine in this run:
 
-1. trivial-job latency: in-process exec, bare nsjail, bubblewrap, Pyodide in Node, and
-   jaild spawn / cold (zygote, no pool) / warm (zygote, pool of 4-8);
+1. trivial-job latency: in-process exec, bare nsjail, bubblewrap, Pyodide in Node, the peers
+   pydantic-monty (worker pool: warm, cold) and llm-sandbox (bubblewrap and nsjail backends:
+   a session per job, and jobs in one open session), and jaild spawn / cold (zygote, no
+   pool) / warm (zygote, pool of 4-8), with what each row isolates;
 2. fresh-jail jobs per second flat out with 1, 4, 16, 64 clients: jaild vs bare nsjail;
-3. tool-call round trips inside one job, against a plain msgpack echo over a Unix socket;
+3. tool-call round trips inside one job, against a plain msgpack echo over a Unix socket,
+   and pydantic-monty's external-function calls (llm-sandbox has no equivalent);
 4. memory: daemon idle, daemon with a pool, PSS per pooled jail, the zygote;
 5. 500 concurrent jobs sleeping 1 s: wall time, failures;
 6. wall-clock deadlines: how far past its limit a job is ended;
@@ -36,9 +39,10 @@ from typing import TypeVar
 
 import baselines
 import flames
+import peers
 from foreign import ForeignClient
 from jaildrun import FAIRNESS_CONFIG, PrivateDaemon, Variant, cores_used
-from measure import BenchError, Latency, flat_out_threads, timed
+from measure import BenchError, Latency, ToolCalls, flat_out_threads, timed
 from report import Report, Results, Settings, to_json
 
 BENCH = Path(__file__).resolve().parent
@@ -116,6 +120,46 @@ class Run:
                 )
                 if t is not None:
                     r.throughput.setdefault("nsjail", []).append(t)
+
+    def measure_peers(self) -> None:
+        """pydantic-monty and llm-sandbox: latency, monty's external calls, and what each
+        isolates as read in this run. A peer not installed is skipped in a quick run (the
+        smoke run needs no PyPI) and an error otherwise (``make bench`` installs it)."""
+        s, r = self.settings, self.results
+        r.skipped["monty_exec/latency"] = peers.NO_IN_PROCESS
+        r.skipped["llm/tool_calls"] = peers.NO_TOOL_CALLS
+        monty: dict[str, Callable[[], object]] = {
+            "monty_warm/latency": lambda: peers.monty_warm(s.runs, 2),
+            "monty_cold/latency": lambda: peers.monty_cold(s.runs, 2),
+            "monty/tool_calls": lambda: peers.monty_tool_calls(s.tool_calls, s.tool_window),
+            "monty/evidence": peers.monty_evidence,
+        }
+        llm: dict[str, Callable[[], object]] = {}
+        for backend, key in (("bubblewrap", "llm_bwrap"), ("nsjail", "llm_nsjail")):
+            job = functools.partial(peers.llm_sandbox_job, backend)
+            llm[f"{key}/latency"] = functools.partial(_time_job, job, s.runs, 2)
+            llm[f"{key}_session/latency"] = functools.partial(
+                peers.llm_sandbox_in_session, backend, s.runs, 2)
+            llm[f"{key}/evidence"] = functools.partial(peers.llm_sandbox_evidence, backend)
+        for distribution, measures in ((peers.MONTY, monty), (peers.LLM_SANDBOX, llm)):
+            why = peers.missing(distribution)
+            print(f"== {distribution}: {why or 'installed'}", flush=True)
+            for name, measure in measures.items():
+                if why and s.quick:
+                    r.skipped[name] = f"quick run, and {why}"
+                    continue
+                self._keep(name, self.attempt(name, functools.partial(_needs, why, measure)))
+
+    def _keep(self, name: str, value: object) -> None:
+        """File a peer's measurement ``KEY/KIND`` under its kind."""
+        key, kind = name.split("/")
+        r = self.results
+        if isinstance(value, Latency) and kind == "latency":
+            r.latency[key] = value
+        elif isinstance(value, ToolCalls):
+            r.tool_calls[key] = value
+        elif isinstance(value, str) and kind == "evidence":
+            r.evidence[key] = value
 
     def measure_variant(self, variant: Variant) -> None:
         """Start the variant's daemon, measure what applies to it, stop it."""
@@ -226,6 +270,13 @@ def _time_job(make: Callable[[], Callable[[], None]], runs: int, warmup: int) ->
     return timed(make(), runs, warmup=warmup)
 
 
+def _needs(missing: str | None, measure: Callable[[], T]) -> T:
+    """``measure()``, unless what it needs is ``missing``."""
+    if missing:
+        raise BenchError(missing)
+    return measure()
+
+
 def variants(pool_section: bool) -> list[Variant]:
     def mode(m: str) -> str | None:
         return m if pool_section else None
@@ -250,8 +301,45 @@ def labels(vs: list[Variant]) -> dict[str, str]:
         "floor": "asyncio Unix-socket msgpack echo (floor)",
         "warm_blocking": "jaild warm, blocking `Client` (zygote, pool 4-8)",
         "fairness": FAIRNESS.label,
+        "monty_exec": "pydantic-monty in-process",
+        "monty_warm": "pydantic-monty, warm worker pool (a checkout per job)",
+        "monty_cold": "pydantic-monty, cold (a new pool and worker per job, its shutdown "
+                      "untimed)",
+        "monty": "pydantic-monty external function, `AsyncMonty`",
+        "llm_bwrap": "llm-sandbox bubblewrap, a session per job (open, run, close)",
+        "llm_bwrap_session": "llm-sandbox bubblewrap, in an open session",
+        "llm_nsjail": "llm-sandbox nsjail, a session per job (open, run, close)",
+        "llm_nsjail_session": "llm-sandbox nsjail, in an open session",
+        "llm": "llm-sandbox (bubblewrap, nsjail)",
     }
     return out | {v.key: v.label for v in vs}
+
+
+JAILD_ISOLATION = (
+    "a fresh jail per job (pooled jails are made ahead, never reused): user, pid, mount, net "
+    "(no interfaces), ipc, uts and cgroup namespaces; an empty read-only root with the "
+    "policy's binds; a per-job uid outside, no capabilities, `no_new_privs`; a seccomp "
+    "allow-list; the job's own cgroup (memory, pids, optional CPU) and rlimits; a wall-clock "
+    "deadline (README, Security model)"
+)
+
+
+def isolation() -> dict[str, str]:
+    """What each kind of row isolates, keyed as its rows are (``llm_bwrap`` stands for its
+    ``_session`` row too, ``jaild`` for every jaild variant)."""
+    return {
+        "exec": "nothing: the code runs in the bench's own process",
+        "python": "nothing but a process boundary: root, the host's namespaces and files",
+        "nsjail": "user (uid 65534), pid, mount, net, ipc, uts and cgroup namespaces; read-only "
+                  "`/usr` and jail env, no `/proc`; no cgroups, no seccomp (`-Mo -Q`)",
+        "bwrap": "all namespaces (`--unshare-all`), uid 65534; read-only `/usr` and jail env, "
+                 "private `/proc`, `/dev`, `/tmp`; no cgroups, no seccomp",
+        "pyodide": "WebAssembly in a fresh Node process: no system calls of its own; what it "
+                   "reaches of the host is what Pyodide's JavaScript bridge gives; Node itself "
+                   "runs unconfined",
+        "jaild": JAILD_ISOLATION,
+        **peers.ISOLATION,
+    }
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -315,13 +403,15 @@ def main(argv: list[str]) -> int:
         BENCH / "results.json" if out.resolve() == DEFAULT_OUT else out.with_suffix(".json")
     )
     vs = variants(args.pool_section)
-    results = Results(baselines.machine(REPO, args.pyodide_dir), settings, labels(vs))
+    machine = baselines.machine(REPO, args.pyodide_dir) | peers.versions()
+    results = Results(machine, settings, labels(vs), isolation=isolation())
     profile_dir = None
     if args.profile:
         profile_dir = Path(tempfile.mkdtemp(prefix="jaild-bench-profile-"))
         results.profile_dir = str(profile_dir)
     run = Run(results, profile_dir)
     run.measure_baselines(args.pyodide_dir)
+    run.measure_peers()
     for variant in vs:
         run.measure_variant(variant)
     run.measure_fairness()

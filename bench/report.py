@@ -13,6 +13,21 @@ from measure import Deadlines, Latency, SleepBurst, Throughput, ToolCalls
 from procmem import MemorySnapshot
 
 MIB_KB = 1024
+PEER_LATENCY = ("monty_exec", "monty_warm", "monty_cold", "llm_bwrap", "llm_bwrap_session",
+                "llm_nsjail", "llm_nsjail_session")
+"""Section 1's rows for pydantic-monty and llm-sandbox (``monty_exec``: skipped, saying why)."""
+ISOLATION_ROWS = {
+    "exec": "in-process `exec`",
+    "python": "python subprocess",
+    "nsjail": "bare nsjail",
+    "bwrap": "bubblewrap",
+    "pyodide": "Pyodide",
+    "monty": "pydantic-monty (warm, cold, external calls)",
+    "llm_bwrap": "llm-sandbox bubblewrap (both rows)",
+    "llm_nsjail": "llm-sandbox nsjail (both rows)",
+    "jaild": "jaild (spawn, cold, warm)",
+}
+"""The isolation table's rows: kind (a key of ``Results.isolation``) -> the rows it covers."""
 
 
 @dataclass
@@ -55,6 +70,11 @@ class Results:
     """Phase (``idle``, ``sleep_flood``, ``cpu_flood``) -> uid 65534's warm-job latency."""
     profiles: dict[str, flames.Flame] = field(default_factory=dict)
     profile_dir: str = ""
+    isolation: dict[str, str] = field(default_factory=dict)
+    """Kind of row (``nsjail``, ``jaild``, ``monty``, ``llm_bwrap``, ...) -> what it isolates."""
+    evidence: dict[str, str] = field(default_factory=dict)
+    """Peer (``monty``, ``llm_bwrap``, ``llm_nsjail``) -> what this run read of its sandbox:
+    the argv it builds, the sandboxed process's uid, capabilities, filters, namespaces."""
     errors: dict[str, str] = field(default_factory=dict)
     """Measurement key (``pyodide/latency``, ``cold/start``, ...) -> why it failed."""
     skipped: dict[str, str] = field(default_factory=dict)
@@ -108,6 +128,8 @@ def _ratio(value: float, base: float | None) -> str:
     if base is None or base == 0:
         return "-"
     r = value / base
+    if 0 < r < 0.01:  # in-process and monty rows against a process per job
+        return f"{r:.2g}x"
     return f"{r:,.0f}x" if r >= 100 else f"{r:.2f}x" if r < 10 else f"{r:.1f}x"
 
 
@@ -246,8 +268,8 @@ class Report:
         lat = self.r.latency
         bases = {k: lat[k].median_s if k in lat else None for k in ("nsjail", "bwrap", "pyodide")}
         rows = []
-        for key in ("exec", "python", "nsjail", "bwrap", "pyodide", "spawn", "cold", "warm",
-                    "warm_blocking"):
+        for key in ("exec", "python", "nsjail", "bwrap", "pyodide", *PEER_LATENCY, "spawn",
+                    "cold", "warm", "warm_blocking"):
             label = self.r.labels[key]
             if key not in lat:
                 rows.append([label, self._missing(f"{key}/latency"), "", "", "", "", ""])
@@ -266,7 +288,32 @@ class Report:
             "",
             *_table(["what", "median", "p99", "runs", "x bare nsjail", "x bubblewrap",
                      "x Pyodide"], rows, "lrrrrrr"),
+            "",
+            "The peers: pydantic-monty runs the code (`result = 1 + 1` then `result`, its "
+            "last expression being the result) in a `monty` worker subprocess of its pool: warm "
+            "= one pool started beforehand, a checkout (a new session on the same worker) per "
+            "job; cold = a new pool, so a new worker process, per job. llm-sandbox starts a new "
+            "`bwrap` or `nsjail` and the jail environment's python for every `run`, reading "
+            "the result from stdout; a session per job adds the session's set-up (a host "
+            "temporary directory and one sandboxed `/bin/true`) and its removal; sessions "
+            "skip the per-session venv it makes by default (`skip_environment_setup`).",
+            "",
+            *self._isolation(),
         ]
+
+    def _isolation(self) -> list[str]:
+        iso = self.r.isolation
+        rows = [[label, iso[kind]] for kind, label in ISOLATION_ROWS.items() if kind in iso]
+        lines = ["### What each row isolates", "", *_table(["rows", "isolation"], rows, "ll")]
+        evidence = [f"- {ISOLATION_ROWS.get(k, k)}: {v}" for k, v in self.r.evidence.items()]
+        missing = [f"- {ISOLATION_ROWS.get(k, k)}: {self._missing(f'{k}/evidence')}"
+                   for k in ("monty", "llm_bwrap", "llm_nsjail") if k not in self.r.evidence]
+        if evidence or missing:
+            lines += ["", "Read in this run (the argv llm-sandbox builds, long arguments cut; "
+                      "each sandboxed process's `/proc/self/status` and namespaces, monty's "
+                      "worker's read from the host while a job waited on an external call):",
+                      "", *evidence, *missing]
+        return lines
 
     def _throughput(self) -> list[str]:
         base = {t.concurrency: t.jobs_per_s for t in self.r.throughput.get("nsjail", [])}
@@ -310,17 +357,19 @@ class Report:
 
     def _tool_calls(self) -> list[str]:
         floor = self.r.tool_calls.get("floor")
+        warm = self.r.tool_calls.get("warm")
         rows = []
-        for key in ("floor", "spawn", "cold", "warm"):
+        for key in ("floor", "monty", "llm", "spawn", "cold", "warm"):
             t = self.r.tool_calls.get(key)
             if t is None:
                 rows.append([self.r.labels[key], self._missing(f"{key}/tool_calls"),
-                             "", "", "", ""])
+                             "", "", "", "", ""])
                 continue
             rows.append([
                 self.r.labels[key], _us(t.median_s), _us(t.p99_s),
                 f"{t.sequential_per_s:,.0f}", f"{t.windowed_per_s:,.0f}",
                 _ratio(t.median_s, floor.median_s if floor else None),
+                _ratio(t.median_s, warm.median_s if warm else None),
             ])
         return [
             "## 3. Tool-call round trip",
@@ -330,11 +379,15 @@ class Report:
             "async handler → daemon → jail), then "
             f"{self.s.tool_calls:,} calls through `asyncio.gather` with at most "
             f"{self.s.tool_window} in flight. Floor: the same number of msgpack frames shaped "
-            "like a tool call, echoed by an asyncio server over a Unix socket in one process.",
+            "like a tool call, echoed by an asyncio server over a Unix socket in one process. "
+            "pydantic-monty: the same job in its subset, `await echo(i)` calling a coroutine "
+            "on `AsyncMonty`'s event loop (worker → pool → handler → pool → worker), timed "
+            "inside the sandbox; its `asyncio` has no `Semaphore`, so the windowed calls go as "
+            f"`gather`s of {self.s.tool_window}, one after another.",
             "",
             *_table(["what", "p50", "p99", "sequential calls/s",
-                     f"calls/s, {self.s.tool_window} in flight", "x floor (p50)"], rows,
-                    "lrrrrr"),
+                     f"calls/s, {self.s.tool_window} in flight", "x floor (p50)",
+                     "x jaild warm (p50)"], rows, "lrrrrrr"),
         ]
 
     def _memory(self) -> list[str]:
@@ -540,5 +593,11 @@ class Report:
             "cgroups, no seccomp (`-Mo -Q`). bubblewrap: `--unshare-all --die-with-parent "
             "--new-session`, uid 65534, read-only `/usr` and env, private `/proc`, `/dev`, "
             "`/tmp`.",
+            "- Peers (`[bench]` extra, versions under Machine): pydantic-monty and "
+            "llm-sandbox rows time the same number of jobs after 2 untimed ones, with no "
+            "pause; monty pools have one worker (`min_processes = max_processes = 1`). "
+            "llm-sandbox runs with its defaults (no network, its seccomp deny-list) plus the "
+            "jail environment read-only and its python, and jaild's nsjail binary. A peer "
+            "not installed is skipped in a quick run and an error in a full one.",
             "- The client (this script) runs on the same 2 cores as the daemon and its jails.",
         ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,8 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = out.read_text()
-    for section in ("## Targets", "## 1. Job latency", "## 2. Fresh-jail jobs per second",
+    for section in ("## Targets", "## 1. Job latency", "### What each row isolates",
+                    "## 2. Fresh-jail jobs per second",
                     "## 3. Tool-call round trip", "## 4. Memory", "## 5. Concurrent sleeping jobs",
                     "## 6. Wall-clock deadlines", "## 7. Fairness between uids"):
         assert section in report
@@ -39,3 +41,26 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path) -> None:
     assert len(results["deadlines"]["samples_s"]) == 3
     for phase in ("idle", "sleep_flood", "cpu_flood"):  # another uid's jobs, under each
         assert results["fairness"][phase]["samples_s"], phase
+
+    # The peers (the [bench] extra): measured when installed, else skipped as not installed.
+    # What they do not offer is said either way.
+    assert "no in-process execution" in results["skipped"]["monty_exec/latency"]
+    assert "no tool-call equivalent" in results["skipped"]["llm/tool_calls"]
+    peers = {
+        "pydantic-monty": (["monty_warm", "monty_cold"], ["monty"], ["monty"]),
+        "llm-sandbox": (["llm_bwrap", "llm_bwrap_session", "llm_nsjail", "llm_nsjail_session"],
+                        [], ["llm_bwrap", "llm_nsjail"]),
+    }
+    for distribution, (latency, tool_calls, evidence) in peers.items():
+        try:
+            metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            for key in latency:
+                assert "not installed" in results["skipped"][f"{key}/latency"], key
+            continue
+        for key in latency:
+            assert results["latency"][key]["samples_s"], key
+        for key in tool_calls:
+            assert results["tool_calls"][key]["sequential_s"], key
+        for key in evidence:
+            assert "namespaces shared with the host" in results["evidence"][key], key
