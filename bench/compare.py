@@ -40,8 +40,9 @@ from typing import TypeVar
 import baselines
 import flames
 import peers
+import stages
 from foreign import ForeignClient
-from jaildrun import FAIRNESS_CONFIG, PrivateDaemon, Variant, cores_used
+from jaildrun import FAIRNESS_CONFIG, JAILD_CODE, PrivateDaemon, Variant, cores_used
 from measure import BenchError, Latency, ToolCalls, flat_out_threads, timed
 from report import Report, Results, Settings, to_json
 
@@ -167,6 +168,9 @@ class Run:
         print(f"== {variant.label}", flush=True)
         try:
             with PrivateDaemon(variant) as daemon:
+                if key == "warm_asyncio":
+                    self.measure_loop(daemon)
+                    return
                 memory = self.attempt(
                     f"{key}/memory",
                     lambda: daemon.settled_snapshot(variant.pool_min, 3 if s.quick else 15),
@@ -218,6 +222,37 @@ class Run:
                     self.profile(daemon, pause)
         except Exception as exc:  # the daemon did not start: the other variants still run
             self.failed(f"{key}/start", exc)
+
+    def measure_loop(self, daemon: PrivateDaemon) -> None:
+        """The warm rows again with daemon and client on the standard asyncio loop: what
+        uvloop (the default where installed, ``jaild.loops``) changes, in the same run."""
+        s, r, key = self.settings, self.results, daemon.variant.key
+        pause = s.warm_pause_s
+        for name, blocking in ((key, False), (f"{key}_blocking", True)):
+            latency = self.attempt(
+                f"{name}/latency", functools.partial(daemon.latency, s.runs, pause,
+                                                     blocking=blocking))
+            if latency is not None:
+                latency.note = f"{pause * 1e3:.0f} ms between jobs"
+                r.latency[name] = latency
+        tools = self.attempt(
+            f"{key}/tool_calls", lambda: daemon.tool_calls(s.tool_calls, s.tool_window)
+        )
+        if tools is not None:
+            r.tool_calls[key] = tools
+
+    def measure_stages(self) -> None:
+        """Where a warm job's time goes: per-stage timestamps (``bench/stages.py``)."""
+        s, r = self.settings, self.results
+        variant = next(v for v in variants(s.pool_section) if v.key == "warm")
+        print("== stages of a warm job", flush=True)
+        split = self.attempt(
+            "warm/stages",
+            lambda: stages.measure(variant, JAILD_CODE, s.runs, s.warm_pause_s,
+                                   Path(tempfile.mkdtemp(prefix="jaild-bench-stages-"))),
+        )
+        if split is not None:
+            r.stages = split
 
     def measure_fairness(self) -> None:
         """uid 65534's warm-job latency on one daemon: idle, then while root holds its whole
@@ -286,6 +321,8 @@ def variants(pool_section: bool) -> list[Variant]:
         Variant("spawn", f"jaild spawn (full nsjail per job){today}", mode("spawn")),
         Variant("cold", f"jaild cold (zygote, pool 0){today}", mode("zygote")),
         Variant("warm", f"jaild warm (zygote, pool 4-8){today}", mode("zygote"), 4, 8),
+        Variant("warm_asyncio", f"jaild warm, daemon and client on the standard asyncio loop"
+                f"{today}", mode("zygote"), 4, 8, event_loop="asyncio"),
         Variant("pool", f"jaild pool of {POOL_SIZE} (memory only){today}", mode("zygote"),
                 POOL_SIZE, POOL_SIZE),
     ]
@@ -300,6 +337,7 @@ def labels(vs: list[Variant]) -> dict[str, str]:
         "pyodide": "Pyodide in a fresh Node per job",
         "floor": "asyncio Unix-socket msgpack echo (floor)",
         "warm_blocking": "jaild warm, blocking `Client` (zygote, pool 4-8)",
+        "warm_asyncio_blocking": "jaild warm, blocking `Client`, standard asyncio loop",
         "fairness": FAIRNESS.label,
         "monty_exec": "pydantic-monty in-process",
         "monty_warm": "pydantic-monty, warm worker pool (a checkout per job)",
@@ -387,7 +425,7 @@ def main(argv: list[str]) -> int:
         seconds_per_level=pick(args.seconds, 4.0, 1.0),
         levels=LEVELS,
         tool_calls=pick(args.tool_calls, 1000, 200),
-        tool_window=32,
+        tool_window=100,
         sleep_jobs=pick(args.sleep_jobs, 500, 50),
         sleep_clients=4,
         pool_size=POOL_SIZE,
@@ -414,6 +452,7 @@ def main(argv: list[str]) -> int:
     run.measure_peers()
     for variant in vs:
         run.measure_variant(variant)
+    run.measure_stages()
     run.measure_fairness()
     results.machine["load average at end"] = baselines.load_average()
 

@@ -27,6 +27,7 @@ from baselines import CODE
 from measure import BenchError, Deadlines, Latency, SleepBurst, Throughput, ToolCalls, timed
 from procmem import MemorySnapshot, snapshot
 
+from jaild import loops
 from jaild.client import AsyncClient, Client, Job, JobResult
 from jaild.errors import Busy, JaildError
 from jaild.protocol import PROTOCOL_VERSION, encode, encode_frame
@@ -88,6 +89,14 @@ class Variant:
     """The daemon's config file (TOML)."""
     time_limit_s: int = 0
     """If set, the policy's ``wall_time_s`` and ``cpu_time_s``, in place of the shipped ones."""
+    event_loop: str = "auto"
+    """The daemon's ``daemon.event_loop`` and the bench's client loop (:mod:`jaild.loops`)."""
+
+    def daemon_config(self) -> str:
+        """The daemon's config file, with the event loop if it is not the default."""
+        if self.event_loop == "auto":
+            return self.config
+        return f'[daemon]\nevent_loop = "{self.event_loop}"\n\n{self.config}'
 
     def policy(self) -> str:
         """The shipped default policy, its own ``[pool]`` section (if any) replaced."""
@@ -131,7 +140,7 @@ class PrivateDaemon:
         policies.mkdir()
         (policies / f"{self.policy}.toml").write_text(self.variant.policy())
         config = self._tmp / "jaild.toml"
-        config.write_text(self.variant.config)
+        config.write_text(self.variant.daemon_config())
         with self._log.open("wb") as log:
             self._proc = subprocess.Popen(
                 [sys.executable, *self.entry, "serve", "--socket", self.socket,
@@ -194,11 +203,11 @@ class PrivateDaemon:
         """Sequential jobs, call to result: with ``AsyncClient`` (what an agent loop uses),
         or with the blocking ``Client``, which adds a hop to its event-loop thread and back."""
         if blocking:
-            with Client(self.socket) as c:
+            with Client(self.socket, event_loop=self.variant.event_loop) as c:
                 return timed(
                     lambda: _check(c.run(JAILD_CODE, self.policy), 2), runs, pause_s=pause_s
                 )
-        return asyncio.run(self._latency(runs, pause_s))
+        return loops.run(self._latency(runs, pause_s), self.variant.event_loop)
 
     async def _latency(self, runs: int, pause_s: float, warmup: int = 2) -> Latency:
         samples = []
@@ -213,7 +222,7 @@ class PrivateDaemon:
         return Latency(samples)
 
     def throughput(self, concurrency: int, seconds: float) -> Throughput:
-        return asyncio.run(self._throughput(concurrency, seconds))
+        return loops.run(self._throughput(concurrency, seconds), self.variant.event_loop)
 
     async def _throughput(self, concurrency: int, seconds: float) -> Throughput:
         failures: list[str] = []
@@ -243,14 +252,14 @@ class PrivateDaemon:
             return value
 
         code = TOOL_CODE.format(calls=calls, window=window)
-        with Client(self.socket) as c:
+        with Client(self.socket, event_loop=self.variant.event_loop) as c:
             r = c.run(code, self.policy, tools={"echo": echo})
         if r.status != "ok" or not isinstance(r.result, dict):
             raise BenchError(f"tool-call job {r.status}: {r.error}")
         return ToolCalls(r.result["sequential"], calls, r.result["windowed_s"], window)
 
     def sleep_burst(self, jobs: int, clients: int) -> SleepBurst:
-        return asyncio.run(self._sleep_burst(jobs, clients))
+        return loops.run(self._sleep_burst(jobs, clients), self.variant.event_loop)
 
     async def _sleep_burst(self, jobs: int, clients: int) -> SleepBurst:
         connections = [AsyncClient(self.socket) for _ in range(clients)]

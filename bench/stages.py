@@ -10,15 +10,16 @@ such a daemon with the same notes taken in the client, and splits each job's tim
 stage              from -> to
 =================  ==============================================================
 client send        ``AsyncClient.run`` called -> the daemon has read ``RunJob``
-admit + place      ``RunJob`` read -> the pooled jail's ``RunCode`` written
-jail               ``RunCode`` written -> the jail's ``CodeFinished`` read (two
+admit + place      ``RunJob`` read -> the pooled jail's ``RunCode`` being written
+jail               ``RunCode`` being written -> the jail's ``CodeFinished`` read (two
                    hops, the jail's decode, run, files and reply)
-record             ``CodeFinished`` read -> ``JobFinished`` written
-to client          ``JobFinished`` written -> the client has decoded it
+record             ``CodeFinished`` read -> ``JobFinished`` being written
+to client          ``JobFinished`` being written -> the client has decoded it
 client return      decoded -> ``run`` returns to its caller
 =================  ==============================================================
 
-The wrappers cost well under a microsecond per note. Nothing here runs in ``make test``.
+A write is noted as it starts (the reader, in another process, may be done with it
+before the writer's ``send`` returns). The wrappers cost well under a microsecond per note. Nothing here runs in ``make test``.
 """
 
 from __future__ import annotations
@@ -84,9 +85,9 @@ def install_daemon_notes(notes: list[tuple[int, str, int]]) -> None:
             _note(notes, "jobfinished written")
 
     _wrap(pipeline.Pipeline, "submit", submit_before, submit_after)
-    _wrap(handle._Channel, "write", None, channel_write)
+    _wrap(handle._Channel, "write", channel_write)
     _wrap(handle._Channel, "_readable", channel_readable)
-    _wrap(server.ClientSession, "send", None, client_send)
+    _wrap(server.ClientSession, "send", client_send)
 
 
 def serve(argv: list[str]) -> int:

@@ -32,12 +32,20 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path) -> None:
     for section in ("## Targets", "## 1. Job latency", "### What each row isolates",
                     "## 2. Fresh-jail jobs per second",
                     "## 3. Tool-call round trip", "## 4. Memory", "## 5. Concurrent sleeping jobs",
-                    "## 6. Wall-clock deadlines", "## 7. Fairness between uids"):
+                    "## 6. Wall-clock deadlines", "## 7. Fairness between uids",
+                    "## 8. Where a warm job's time goes"):
         assert section in report
     results = json.loads(out.with_suffix(".json").read_text())
     assert results["errors"] == {}, results["errors"]
-    for key in ("exec", "nsjail", "bwrap", "spawn", "cold", "warm", "warm_blocking"):
+    for key in ("exec", "nsjail", "bwrap", "spawn", "cold", "warm", "warm_blocking",
+                "warm_asyncio", "warm_asyncio_blocking"):
         assert results["latency"][key]["samples_s"], key
+    for key in ("warm", "warm_asyncio"):  # uvloop (the default) and the standard loop
+        assert results["tool_calls"][key]["sequential_s"], key
+    stages = results["stages"]  # each of the 4 jobs split into the six stages
+    assert list(stages) == ["client send", "admit + place", "jail", "record", "to client",
+                            "client return"]
+    assert all(len(v) == 4 and min(v) >= 0 for v in stages.values()), stages
     assert len(results["deadlines"]["samples_s"]) == 3
     for phase in ("idle", "sleep_flood", "cpu_flood"):  # another uid's jobs, under each
         assert results["fairness"][phase]["samples_s"], phase
