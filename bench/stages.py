@@ -19,7 +19,8 @@ client return      decoded -> ``run`` returns to its caller
 =================  ==============================================================
 
 A write is noted as it starts (the reader, in another process, may be done with it
-before the writer's ``send`` returns). The wrappers cost well under a microsecond per note. Nothing here runs in ``make test``.
+before the writer's ``send`` returns). The wrappers cost well under a microsecond per note.
+Only the bench uses this (its smoke run in ``make test`` too); the daemon never imports it.
 """
 
 from __future__ import annotations
