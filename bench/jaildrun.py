@@ -44,7 +44,10 @@ DAEMON_CONFIG = """\
 [limits]
 max_jobs = 1024
 max_jobs_per_connection = 512
+memory_overcommit = 16
 """
+"""Room for section 5's burst: 500 jobs of the default policy's 256 MiB are 125 GiB of
+limits, all root's, whose share is half of ``max_memory_mb`` x ``memory_overcommit``."""
 TOOL_CODE = """\
 import asyncio, time
 
@@ -99,8 +102,12 @@ class Variant:
         return f'[daemon]\nevent_loop = "{self.event_loop}"\n\n{self.config}'
 
     def policy(self) -> str:
-        """The shipped default policy, its own ``[pool]`` section (if any) replaced."""
+        """The shipped default policy, its own ``[pool]`` section (if any) replaced, 128 tool
+        calls in flight."""
         text = POOL_SECTION.sub("", BASE_POLICY.read_text())
+        # section 3's windowed calls keep 100 in flight (the shipped default allows 64)
+        text = re.sub(r"^tool_calls_in_flight = .*$", "tool_calls_in_flight = 128", text,
+                      flags=re.MULTILINE)
         if self.time_limit_s:
             text = re.sub(r"^(wall_time_s|cpu_time_s) = .*$",
                           lambda m: f"{m.group(1)} = {self.time_limit_s}", text,

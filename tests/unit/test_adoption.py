@@ -13,12 +13,15 @@ import asyncio
 import os
 import socket
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from jaild.daemon.launch import forked
 from jaild.daemon.launch.handle import JailHandle
 from jaild.daemon.machine import StartFailed, StreamClosed
 from jaild.runtime.zygote import GO, PREAMBLE
+from tests.conftest import guard
 
 
 class SlowCgroup:
@@ -31,7 +34,7 @@ class SlowCgroup:
 
     def adopt(self, pid: int) -> None:
         self.calls.append("adopt started")
-        self.gate.wait(timeout=30)
+        self.gate.wait(timeout=guard(30))
         self.calls.append(f"adopted {pid}")
         if self.fail:
             raise PermissionError("no")
@@ -71,19 +74,26 @@ async def _started(cgroup: SlowCgroup
     zy = FakeZygote()
     jail_end.send(PREAMBLE)
     forked._preamble(handle, zy)  # type: ignore[arg-type]
-    for _ in range(200):  # the worker thread has begun the move
-        if cgroup.calls:
-            break
-        await asyncio.sleep(0.005)
+    await _until(lambda: bool(cgroup.calls), "the move's start in a worker thread")
     return handle, jail_end, events, zy
+
+
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    """Wait on the loop for ``condition()`` (a worker thread's doing); a liveness guard."""
+    deadline = time.monotonic() + guard(30)
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen"
+        await asyncio.sleep(0.005)
+
+
+async def _removed(cgroup: SlowCgroup) -> None:
+    """Until the release's worker thread removed the cgroup."""
+    await _until(lambda: "remove" in cgroup.calls, "the cgroup's removal")
 
 
 async def _finish(cgroup: SlowCgroup, handle: JailHandle) -> None:
     cgroup.gate.set()
-    for _ in range(400):
-        if handle.adopting is None:
-            return
-        await asyncio.sleep(0.005)
+    await _until(lambda: handle.adopting is None, "the move's end")
 
 
 def test_the_jail_gets_go_once_it_is_in_its_cgroup() -> None:
@@ -97,7 +107,8 @@ def test_the_jail_gets_go_once_it_is_in_its_cgroup() -> None:
         assert handle.jail_pid == os.getpid() and zy.settled_ids == [7]
         assert handle.channel is not None
         handle.teardown()
-        handle.release()
+        handle.release()  # the cgroup is removed in a worker thread
+        await _removed(cgroup)
         assert cgroup.calls[-2:] == ["kill_all", "remove"]
         jail_end.close()
 
@@ -115,6 +126,7 @@ def test_a_kill_during_the_move_sends_no_go_and_release_waits_for_the_move() -> 
         handle.release()  # must not remove the cgroup while the jail may still land in it
         assert "remove" not in cgroup.calls
         await _finish(cgroup, handle)
+        await _removed(cgroup)
         # the teardown's kill finds nothing yet; the release's comes after the move
         assert cgroup.calls[-3:] == [f"adopted {os.getpid()}", "kill_all", "remove"]
         assert jail_end.recv(1) == b""  # EOF, no GO: the jail exits

