@@ -168,7 +168,7 @@ class Run:
         print(f"== {variant.label}", flush=True)
         try:
             with PrivateDaemon(variant) as daemon:
-                if key == "warm_asyncio":
+                if key == "warm_uvloop":
                     self.measure_loop(daemon)
                     return
                 memory = self.attempt(
@@ -224,8 +224,8 @@ class Run:
             self.failed(f"{key}/start", exc)
 
     def measure_loop(self, daemon: PrivateDaemon) -> None:
-        """The warm rows again with daemon and client on the standard asyncio loop: what
-        uvloop (the default where installed, ``jaild.loops``) changes, in the same run."""
+        """The warm rows again with daemon and client on uvloop (``daemon.event_loop``,
+        ``jaild.loops``): what it changes against the standard loop, in the same run."""
         s, r, key = self.settings, self.results, daemon.variant.key
         pause = s.warm_pause_s
         for name, blocking in ((key, False), (f"{key}_blocking", True)):
@@ -321,8 +321,8 @@ def variants(pool_section: bool) -> list[Variant]:
         Variant("spawn", f"jaild spawn (full nsjail per job){today}", mode("spawn")),
         Variant("cold", f"jaild cold (zygote, pool 0){today}", mode("zygote")),
         Variant("warm", f"jaild warm (zygote, pool 4-8){today}", mode("zygote"), 4, 8),
-        Variant("warm_asyncio", f"jaild warm, daemon and client on the standard asyncio loop"
-                f"{today}", mode("zygote"), 4, 8, event_loop="asyncio"),
+        Variant("warm_uvloop", f"jaild warm, daemon and client on uvloop{today}",
+                mode("zygote"), 4, 8, event_loop="uvloop"),
         Variant("pool", f"jaild pool of {POOL_SIZE} (memory only){today}", mode("zygote"),
                 POOL_SIZE, POOL_SIZE),
     ]
@@ -337,7 +337,7 @@ def labels(vs: list[Variant]) -> dict[str, str]:
         "pyodide": "Pyodide in a fresh Node per job",
         "floor": "asyncio Unix-socket msgpack echo (floor)",
         "warm_blocking": "jaild warm, blocking `Client` (zygote, pool 4-8)",
-        "warm_asyncio_blocking": "jaild warm, blocking `Client`, standard asyncio loop",
+        "warm_uvloop_blocking": "jaild warm, blocking `Client`, daemon and client on uvloop",
         "fairness": FAIRNESS.label,
         "monty_exec": "pydantic-monty in-process",
         "monty_warm": "pydantic-monty, warm worker pool (a checkout per job)",

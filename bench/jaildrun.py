@@ -92,12 +92,12 @@ class Variant:
     """The daemon's config file (TOML)."""
     time_limit_s: int = 0
     """If set, the policy's ``wall_time_s`` and ``cpu_time_s``, in place of the shipped ones."""
-    event_loop: str = "auto"
+    event_loop: str = "asyncio"
     """The daemon's ``daemon.event_loop`` and the bench's client loop (:mod:`jaild.loops`)."""
 
     def daemon_config(self) -> str:
         """The daemon's config file, with the event loop if it is not the default."""
-        if self.event_loop == "auto":
+        if self.event_loop == "asyncio":  # the default
             return self.config
         return f'[daemon]\nevent_loop = "{self.event_loop}"\n\n{self.config}'
 

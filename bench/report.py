@@ -280,7 +280,7 @@ class Report:
         bases = {k: lat[k].median_s if k in lat else None for k in ("nsjail", "bwrap", "pyodide")}
         rows = []
         for key in ("exec", "python", "nsjail", "bwrap", "pyodide", *PEER_LATENCY, "spawn",
-                    "cold", "warm", "warm_blocking", "warm_asyncio", "warm_asyncio_blocking"):
+                    "cold", "warm", "warm_blocking", "warm_uvloop", "warm_uvloop_blocking"):
             label = self.r.labels[key]
             if key not in lat:
                 rows.append([label, self._missing(f"{key}/latency"), "", "", "", "", ""])
@@ -296,8 +296,8 @@ class Report:
             "Trivial code (`result = 1 + 1`), sequential jobs, from the call to the result in "
             "hand. Ratios are of medians. jaild rows use `AsyncClient`, except the blocking "
             "`Client` rows, whose calls hop to its event-loop thread and back. jaild's daemon "
-            "and client run on uvloop (the default where installed, `jaild.loops`); the "
-            "`asyncio` rows run both on the standard library's loop, in the same run.",
+            "and client run on the standard `asyncio` loop (the default); the uvloop rows run "
+            "both on uvloop (`daemon.event_loop`, `jaild.loops`), in the same run.",
             "",
             *_table(["what", "median", "p99", "runs", "x bare nsjail", "x bubblewrap",
                      "x Pyodide"], rows, "lrrrrrr"),
@@ -372,7 +372,7 @@ class Report:
         floor = self.r.tool_calls.get("floor")
         warm = self.r.tool_calls.get("warm")
         rows = []
-        for key in ("floor", "monty", "llm", "spawn", "cold", "warm", "warm_asyncio"):
+        for key in ("floor", "monty", "llm", "spawn", "cold", "warm", "warm_uvloop"):
             t = self.r.tool_calls.get(key)
             if t is None:
                 rows.append([self.r.labels[key], self._missing(f"{key}/tool_calls"),

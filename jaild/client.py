@@ -820,8 +820,8 @@ class AsyncClient:
 class Client:
     """A blocking client: the same API as :class:`AsyncClient`, without ``await``.
 
-    Runs an :class:`AsyncClient` on a private event-loop thread (``event_loop``: "auto" is
-    uvloop where installed, see :mod:`jaild.loops`). Output callbacks are called from that
+    Runs an :class:`AsyncClient` on a private event-loop thread (``event_loop``: "asyncio",
+    "uvloop" or "auto", see :mod:`jaild.loops`). Output callbacks are called from that
     thread; plain tool handlers from worker threads.
     """
 
@@ -832,7 +832,7 @@ class Client:
         name: str = "",
         handler_threads: int = 64,
         approve: Approver | None = None,
-        event_loop: str = "auto",
+        event_loop: str = loops.DEFAULT,
     ) -> None:
         self._loop = loops.new_event_loop(event_loop)
         self._thread = threading.Thread(

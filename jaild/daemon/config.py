@@ -104,9 +104,9 @@ class DaemonFile:
         _zygote_scope,
     )
     event_loop: str = setting(
-        "auto",
-        '"auto": uvloop where it is installed (a dependency on Linux), else the standard '
-        'asyncio loop; "uvloop" or "asyncio" to choose (README, "Performance").',
+        "asyncio",
+        '"asyncio": the standard loop; "uvloop" (pip install \'jaild[uvloop]\'); "auto": uvloop '
+        'where it is installed, else the standard loop (README, "Performance").',
         _event_loop,
     )
 
@@ -289,7 +289,7 @@ class DaemonConfig:
     max_memory_mb_per_uid: int = 0
     probe_policies: bool = True
     zygote_scope: str = "uid"
-    event_loop: str = "auto"
+    event_loop: str = "asyncio"
     max_zygotes: int = 16
     zygote_idle_s: float = 600.0
 

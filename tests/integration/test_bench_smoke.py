@@ -38,9 +38,9 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path) -> None:
     results = json.loads(out.with_suffix(".json").read_text())
     assert results["errors"] == {}, results["errors"]
     for key in ("exec", "nsjail", "bwrap", "spawn", "cold", "warm", "warm_blocking",
-                "warm_asyncio", "warm_asyncio_blocking"):
+                "warm_uvloop", "warm_uvloop_blocking"):
         assert results["latency"][key]["samples_s"], key
-    for key in ("warm", "warm_asyncio"):  # uvloop (the default) and the standard loop
+    for key in ("warm", "warm_uvloop"):  # the standard loop (the default) and uvloop
         assert results["tool_calls"][key]["sequential_s"], key
     stages = results["stages"]  # each of the 4 jobs split into the six stages
     assert list(stages) == ["client send", "admit + place", "jail", "record", "to client",

@@ -26,7 +26,7 @@ def write(tmp_path: Path, text: str) -> str:
         ("[daemon]\nsocket = 'relative.sock'", "daemon.socket: must be an absolute path, got 'relative.sock'"),
         ("[daemon]\nsockett = '/x'", "daemon.sockett: unknown key; [daemon] accepts socket, socket_group"),
         ("[daemon]\nevent_loop = 'trio'",
-         "daemon.event_loop: must be one of 'auto', 'uvloop', 'asyncio', got 'trio'"),
+         "daemon.event_loop: must be one of 'asyncio', 'uvloop', 'auto', got 'trio'"),
         ("[access]\nusers = 'root'", "access.users: must be a list, got str"),
         ("[extra]", "extra: unknown key; the config accepts daemon, access, limits"),
         ("[limits", "not valid TOML"),

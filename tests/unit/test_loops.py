@@ -15,8 +15,11 @@ async def _kind() -> str:
     return loops.name(asyncio.get_running_loop())
 
 
-def test_auto_is_uvloop_where_installed_and_each_choice_is_honoured() -> None:
-    assert loops.run(_kind()) == "uvloop"
+def test_the_standard_loop_is_the_default_and_each_choice_is_honoured() -> None:
+    # uvloop comes with the [test] extra (make setup), as with jaild[uvloop]
+    assert loops.DEFAULT == "asyncio"
+    assert loops.run(_kind()) == "asyncio"
+    assert loops.run(_kind(), "auto") == "uvloop"
     assert loops.run(_kind(), "uvloop") == "uvloop"
     assert loops.run(_kind(), "asyncio") == "asyncio"
     loop = loops.new_event_loop("asyncio")
@@ -36,7 +39,7 @@ def test_auto_falls_back_to_the_standard_loop_without_uvloop(
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_uvloop)
-    assert loops.run(_kind()) == "asyncio"
+    assert loops.run(_kind(), "auto") == "asyncio"
     with pytest.raises(ImportError):
         loops.factory("uvloop")
 
