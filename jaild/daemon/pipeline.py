@@ -48,6 +48,14 @@ class PipelineHost(SessionHost, Protocol):
 log = logging.getLogger("jaild")
 
 
+def _a_child_has_exited() -> bool:
+    """Whether any child of ours is a zombie (one ``waitid`` that reaps nothing)."""
+    try:
+        return os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # no children at all
+        return False
+
+
 def _children() -> set[int]:
     """Our direct children, from /proc (every thread's list)."""
     out: set[int] = set()
@@ -155,7 +163,13 @@ class Pipeline:
         The daemon is a child subreaper: when an nsjail dies before its jail (it was
         SIGKILLed after the grace period), the jail's processes are reparented here, get
         their parent-death SIGKILL and must be reaped by us.
+
+        It runs after every one-shot job, so it costs one ``waitid`` when no child has
+        exited (the common case): only then are /proc's child lists read. An orphan still
+        alive is reaped by a later call, as before.
         """
+        if not _a_child_has_exited():
+            return []
         tracked = set(self.daemon.registry.pids())
         env = self.daemon.env
         if env is not None:
