@@ -53,7 +53,7 @@ idle          Assign (c)                             running (StartRun, SendToJa
 idle          Cancel, ChannelBroken                  killing (Kill)
 running       CallTool                               running (RouteCall | SendToJail ToolFailed
                                                      + ObserveCall | Kill channel_error)
-running       ToolReplied/TimedOut                   running (ObserveCall, SendToJail answer)
+running       ToolReplied/TimedOut                   running (SendToJail answer, ObserveCall)
 running       CodeFinished                           reported (CodeEnded [, DrainOutput])
 running       wall timer, CPU, output limit, Cancel  killing (Kill)
 reported      Drained, session                       run-over (StopRunTimers, CollectEvidence)
@@ -537,12 +537,13 @@ class _CallDesk:
         return verdict.message
 
     def answered(self, answer: Answer | None, duration_s: float) -> list[Action]:
-        """A routed call's end (the broker's checked answer): observe it, tell the jail."""
+        """A routed call's end (the broker's checked answer): tell the jail, then observe
+        it (audit and metrics are not on the call's round trip)."""
         if answer is None:  # not in flight: withdrawn, or answered already
             return []
         value = answer.value if answer.ok else (answer.error_type, answer.message)
         observed = ObserveCall(answer.call_id, answer.name, answer.outcome, duration_s)
-        return [observed, *self.reply(answer.call_id, answer.ok, value)]
+        return [*self.reply(answer.call_id, answer.ok, value), observed]
 
     def reply(self, call_id: int, ok: bool, value: Any) -> list[Action]:
         if self._conn.state is not State.RUNNING:
