@@ -290,6 +290,17 @@ def test_syntax_and_internal_error_records() -> None:
         assert over_the_wire(record) == record
 
 
+def test_a_records_limits_are_its_jobs_own_and_each_record_has_its_own_map() -> None:
+    # the map is built once per distinct Limits value; each record still gets its own dict
+    lower = dataclasses.replace(POLICY.limits, wall_time_s=1.5, memory_mb=64)
+    first = build.limits_map(POLICY, POLICY.limits)
+    assert first == {**dataclasses.asdict(POLICY.limits), "network": "none", "tmp_mb": 64}
+    first["wall_time_s"] = 999
+    assert build.limits_map(POLICY, POLICY.limits)["wall_time_s"] == POLICY.limits.wall_time_s
+    other = build.limits_map(POLICY, lower)
+    assert (other["wall_time_s"], other["memory_mb"]) == (1.5, 64)
+
+
 @given(st.binary(max_size=200), st.binary(max_size=200),
        st.floats(0, 1e6), st.text(max_size=300), st.sampled_from(STATUSES))
 def test_any_run_builds_a_record_that_survives_the_wire(
