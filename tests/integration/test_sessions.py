@@ -212,6 +212,25 @@ def test_each_run_gets_its_own_cpu_time(sd: DaemonHandle) -> None:
         assert s.closed == "timeout"
 
 
+def test_each_run_gets_its_own_memory_peak_where_the_kernel_can_restart_it(
+    sd: DaemonHandle,
+) -> None:
+    # v1 restarts the peak for each run (a write to the counter the daemon keeps open); v2's
+    # memory.peak cannot be restarted, so a later run reports the jail's peak so far
+    with Client(sd.socket) as c, c.session("short") as s:
+        big = s.run("x = bytearray(80 << 20)\ndel x")
+        small = s.run("1")
+    assert big.status == small.status == "ok"
+    if not sd.measures("memory.peak"):
+        assert big.usage["memory_peak_bytes"] is None
+        return
+    assert big.usage["memory_peak_bytes"] >= 80 << 20
+    if sd.layout.version == 1:
+        assert small.usage["memory_peak_bytes"] < 40 << 20
+    else:
+        assert small.usage["memory_peak_bytes"] >= 80 << 20
+
+
 def test_memory_limit_covers_the_whole_session(sd: DaemonHandle) -> None:
     with Client(sd.socket) as c:
         s = c.session("short").open()  # 128 MB for the session

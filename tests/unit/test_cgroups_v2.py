@@ -155,3 +155,58 @@ def test_counters_an_older_kernel_lacks_are_absent_not_made_up(tmp_path: Path) -
     })
     assert job.oom_killed() is False
     assert job.peak_memory_bytes() is None and job.peak_pids() is None
+
+
+EVIDENCE = {
+    "memory.events": "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n",
+    "memory.peak": "1048576\n",
+    "pids.peak": "2\n",
+    "cpu.stat": "usage_usec 30\nuser_usec 20\nsystem_usec 10\n",
+}
+
+
+def test_kept_counters_are_read_through_their_open_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = _v2_job(tmp_path, EVIDENCE)
+    job.keep_counters_open()
+    assert sorted(os.path.basename(p) for p in job._kept) == sorted(EVIDENCE)
+
+    def no_open(path: str) -> str:
+        raise AssertionError(f"opened {path}")
+
+    monkeypatch.setattr(cgroups, "_read", no_open)
+    # the files change under the kept fds (same inode, as a kernel counter does)
+    for name, text in {
+        "memory.events": "low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n",
+        "memory.peak": "104857600\n", "pids.peak": "7\n",
+        "cpu.stat": "usage_usec 1500000\nuser_usec 1000000\nsystem_usec 500000\n",
+    }.items():
+        with open(tmp_path / name, "r+") as f:
+            f.write(text)
+    assert job.oom_killed() is True
+    assert job.peak_memory_bytes() == 100 << 20 and job.peak_pids() == 7
+    assert job.cpu_times() == (1.0, 0.5)
+
+
+def test_once_removed_the_kept_fds_are_closed_and_reads_open_their_file(tmp_path: Path) -> None:
+    job = _v2_job(tmp_path, EVIDENCE)
+    job.keep_counters_open()
+    fds = list(job._kept.values())
+    job.dirs = []  # nothing to rmdir here: only the fds
+    job.remove()
+    assert job._kept == {}
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    assert job.peak_pids() == 2  # positive control: still readable, by opening the file
+
+
+def test_with_fds_short_no_counter_is_kept_and_reads_still_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = _v2_job(tmp_path, EVIDENCE)
+    monkeypatch.setattr(cgroups.resource, "getrlimit", lambda _: (8, 8))  # half: 4, all used
+    job.keep_counters_open()
+    assert job._kept == {}
+    assert job.peak_memory_bytes() == 1 << 20 and job.cpu_times() == (20e-6, 10e-6)
