@@ -661,7 +661,10 @@ def effective_limits(policy: Policy, requested: Mapping[str, float]) -> Limits:
     """The policy's limits tightened by a job's request. Looser requests are refused.
 
     Raises ValueError with a message naming the limit, the request and the policy's value.
+    A job that asks for nothing gets the policy's own ``Limits``, checked when it loaded.
     """
+    if not requested:
+        return policy.limits
     known = {f.name: f for f in dataclasses.fields(Limits)}
     changes: dict[str, Any] = {}
     for name, value in requested.items():

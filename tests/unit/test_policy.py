@@ -154,6 +154,9 @@ def test_jobs_may_only_tighten_limits() -> None:
         effective_limits(p, {"memory_mb": 1})  # type: ignore[arg-type]
     # a policy without a CPU cap accepts any cap
     assert effective_limits(p, {"cpu_cores": 0.5}).cpu_cores == 0.5  # type: ignore[arg-type]
+    # asking for nothing is the policy's own limits (checked when it loaded), not a copy
+    assert effective_limits(p, {}) is p.limits
+    assert effective_limits(p, {"memory_mb": 256}) == p.limits  # type: ignore[arg-type]
 
 
 def test_access_rules() -> None:
