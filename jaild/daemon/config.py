@@ -67,6 +67,11 @@ def _event_loop(v: Any) -> str | None:
         f"must be one of {', '.join(map(repr, loops.CHOICES))}, got {v!r}")
 
 
+def _slice(v: Any) -> str | None:
+    return None if v == 0 or 100 <= v <= 100_000 else (
+        f"must be 0 (the kernel's default) or between 100 and 100000, got {v!r}")
+
+
 def _absolute(v: Any) -> str | None:
     return None if v == "" or str(v).startswith("/") else f"must be an absolute path, got {v!r}"
 
@@ -108,6 +113,13 @@ class DaemonFile:
         '"asyncio": the standard loop; "uvloop" (pip install \'jaild[uvloop]\'); "auto": uvloop '
         'where it is installed, else the standard loop (README, "Performance").',
         _event_loop,
+    )
+    sched_slice_us: int = setting(
+        100,
+        "The scheduler slice the daemon's event-loop thread asks for (Linux 6.12+), so the "
+        "processes it wakes do not preempt it mid-job; its threads, zygotes and jails keep the "
+        "kernel's default. 0: the kernel's default (README, \"Performance\").",
+        _slice,
     )
 
 
@@ -290,6 +302,7 @@ class DaemonConfig:
     probe_policies: bool = True
     zygote_scope: str = "uid"
     event_loop: str = "asyncio"
+    sched_slice_us: int = 100
     max_zygotes: int = 16
     zygote_idle_s: float = 600.0
 
@@ -320,6 +333,7 @@ class DaemonConfig:
                 metrics_tool_labels=d.metrics_tool_labels,
                 zygote_scope=d.zygote_scope,
                 event_loop=d.event_loop,
+                sched_slice_us=d.sched_slice_us,
                 allowed_users=a.users,
                 **dataclasses.asdict(lim),
             )

@@ -66,7 +66,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from jaild import __version__
-from jaild.daemon import admission, startup, systemd
+from jaild.daemon import admission, sched, startup, systemd
 from jaild.daemon.accounting import Accounting
 from jaild.daemon.audit import AuditLog, Peer
 from jaild.daemon.config import DaemonConfig
@@ -680,6 +680,7 @@ async def serve(config: DaemonConfig) -> None:
     """
     import signal
 
+    log.info("scheduling: %s", sched.request_slice(config.sched_slice_us))
     daemon = Daemon(config)
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()

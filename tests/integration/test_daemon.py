@@ -236,3 +236,48 @@ def test_the_daemon_serves_jobs_and_tool_calls_on_either_event_loop(
     with Client(d.socket, event_loop="asyncio") as c:
         r = c.run("[await tools.double(21), await tools.double(2)]", tools={"double": lambda x: 2 * x})
     assert (r.status, r.result) == ("ok", [42, 4]), r.error
+
+
+def _slices() -> tuple[int, int]:
+    """A fresh process's slice before and after it asks for 100 us: the kernel's default, and
+    whether the kernel keeps a per-task slice (6.12+; before, both read 0)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "from jaild.daemon import sched\n"
+         "before = sched.slice_ns()\nsched.request_slice(100)\nprint(before, sched.slice_ns())"],
+        capture_output=True, text=True, check=True, timeout=guard(30),
+    )
+    before, after = map(int, probe.stdout.split())
+    return before, after
+
+
+def test_the_daemon_asks_for_a_short_slice_and_its_jails_keep_the_kernels_default(
+        private_daemon: Callable[..., DaemonHandle], tmp_path: Path) -> None:
+    from jaild.daemon import sched
+
+    d = private_daemon()  # the default: daemon.sched_slice_us = 100
+    said = [line for line in d.log().splitlines() if "scheduling: " in line]
+    default, asked = _slices()
+    if asked != 100_000:  # before 6.12 the request does nothing, and the daemon says so
+        assert said and said[0].endswith("(this kernel has no per-task slices; 6.12 does)"), said
+        assert sched.slice_ns(d.proc.pid) == default
+        return
+    assert default != 100_000
+    assert said and said[0].endswith("scheduling: a 100 us slice"), said
+    assert sched.slice_ns(d.proc.pid) == 100_000  # positive control: the daemon has it
+    with Client(d.socket) as c:
+        seen = threading.Event()
+        job = c.submit("import time\nprint('up', flush=True)\ntime.sleep(600)",
+                       on_stdout=lambda _: seen.set())
+        assert seen.wait(guard(60))
+        pids = d.job_pids(job.job_id)
+        assert pids
+        # the jail (forked from a zygote the daemon spawned) has the kernel's default
+        assert {p: sched.slice_ns(p) for p in pids} == dict.fromkeys(pids, default)
+        job.cancel()
+        assert job.result(guard(60)).status == "cancelled"
+    # and 0 leaves the kernel's default for the daemon too
+    config = tmp_path / "jaild.toml"
+    config.write_text("[daemon]\nsched_slice_us = 0\n")
+    off = private_daemon(args=("--config", str(config)))
+    assert "scheduling: the kernel's default slice" in off.log()
+    assert sched.slice_ns(off.proc.pid) == default

@@ -27,6 +27,8 @@ def write(tmp_path: Path, text: str) -> str:
         ("[daemon]\nsockett = '/x'", "daemon.sockett: unknown key; [daemon] accepts socket, socket_group"),
         ("[daemon]\nevent_loop = 'trio'",
          "daemon.event_loop: must be one of 'asyncio', 'uvloop', 'auto', got 'trio'"),
+        ("[daemon]\nsched_slice_us = 50",
+         "daemon.sched_slice_us: must be 0 (the kernel's default) or between 100 and 100000, got 50"),
         ("[access]\nusers = 'root'", "access.users: must be a list, got str"),
         ("[extra]", "extra: unknown key; the config accepts daemon, access, limits"),
         ("[limits", "not valid TOML"),
