@@ -20,7 +20,7 @@ import pytest
 
 from jaild.client import Client, Job
 from jaild.errors import Busy
-from tests.conftest import DaemonHandle, ForeignClient
+from tests.conftest import DaemonHandle, ForeignClient, guard
 
 HOLD = "import time\ntime.sleep(600)\n"  # holds its jail until cancelled
 
@@ -74,7 +74,7 @@ def release(held: list[Job]) -> None:
     for job in held:
         job.cancel()
     for job in held:
-        assert job.result(60).status == "cancelled"
+        assert job.result(guard(60)).status == "cancelled"
 
 
 def subtree_memory_limit(d: DaemonHandle) -> int:

@@ -128,7 +128,7 @@ def test_a_client_cannot_touch_another_clients_job(daemon: DaemonHandle) -> None
         )
         assert [f.get("code") for f in frames if f["type"] == "Error"] == ["unknown_job"] * 2
         release.set()
-        r = job.result(20)
+        r = job.result(guard(20))
     assert (r.status, r.result) == ("ok", True)
 
 

@@ -211,7 +211,7 @@ def test_connection_limits(tuned: Callable[..., DaemonHandle]) -> None:
             a.run("1")
         assert b.run("1 + 1").result == 2  # another connection is not affected
         gate.set()
-        assert job.result(20).status == "ok"
+        assert job.result(guard(20)).status == "ok"
     finally:
         a.close()
         b.close()
@@ -296,7 +296,7 @@ def test_an_nsjail_that_ignores_sigterm_is_killed(private_daemon: Callable[..., 
         assert seen.wait(guard(60))
         assert d.job_pids(job.job_id)
         job.cancel()
-        r = job.result(120)
+        r = job.result(guard(120))
         assert r.status == "cancelled"
         # the daemon escalated (its log says so, before the record) ...
         assert f"job {job.job_id}: nsjail ignored SIGTERM; killing it" in d.log()
@@ -347,7 +347,7 @@ def test_a_dead_zygote_fails_its_running_jobs_and_is_started_again(
                        on_stdout=lambda t: seen.set())
         assert seen.wait(guard(20))
         os.kill(_zygote_pid(d, "tiny"), signal.SIGKILL)
-        r = job.result(20)
+        r = job.result(guard(20))
         # the jail died with its zygote (parent-death signal) and nothing reported its end
         assert r.status == "internal_error", (r.status, r.error)
         assert d.job_pids(r.job_id) == []

@@ -130,7 +130,7 @@ def test_job_b_sees_nothing_of_job_a(daemon: DaemonHandle, policy: str) -> None:
             b = b_client.run(SEE.format(tmp="/tmp") + BUDGET, policy=policy)
         finally:
             release.set()
-        a = job_a.result(60)  # type: ignore[attr-defined]
+        a = job_a.result(guard(60))  # type: ignore[attr-defined]
     assert a.status == "ok", (a.status, a.error, a.stderr)
     assert b.status == "ok", (b.status, b.error, b.stderr)
     seen = b.result

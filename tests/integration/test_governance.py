@@ -262,4 +262,4 @@ def test_approval_from_another_thread_does_not_block_other_jobs(gd: DaemonHandle
         assert c.run("'meanwhile'").result == "meanwhile"
         assert answered == []  # served while the approval was still pending
         gate.set()
-        assert waiting.result(60).result == "acted"
+        assert waiting.result(guard(60)).result == "acted"

@@ -159,7 +159,7 @@ def test_forged_finish_ends_a_zygote_jail_at_once(daemon: DaemonHandle, client: 
     # The evidence is the record, not a stopwatch: "ok" with the forged result is the claim's
     # (any other end -- the deadline, the sleep's -- would not be "ok" and "forged").
     job = client.submit(FORGE, timeout=30)
-    r = job.result(60)
+    r = job.result(guard(60))
     assert (r.status, r.result) == ("ok", "forged")
     # killed then, not at its 30 s deadline nor after its sleep: gone well before either
     deadline = time.monotonic() + guard(20)  # a liveness guard, well short of the deadline

@@ -271,7 +271,7 @@ def test_ps_lists_and_kill_ends_jobs_and_sessions(sd: DaemonHandle) -> None:
         assert rows[job.job_id]["uid"] == os.getuid() and rows[s.id]["memory_bytes"] > 0
         # another connection of the same uid may kill them
         assert other.kill(job.job_id) == "job"
-        r = job.result(20)
+        r = job.result(guard(20))
         assert r.status == "cancelled" and "jaild kill" in r.error["message"]
         assert other.kill(s.id or "") == "session"
         until(lambda: s.closed is not None, "the session's end")
