@@ -62,10 +62,15 @@ def wait_for(predicate: object, timeout: float, what: str) -> None:
 
 
 def procs_below(directory: Path) -> list[int]:
+    """Processes in ``directory``'s cgroup tree. The daemon makes and removes job cgroups
+    meanwhile (its pool refills), so a directory may go between listing and reading it:
+    ``os.walk`` skips what vanished (``Path.rglob`` raised FileNotFoundError here)."""
     pids = []
-    for f in directory.rglob("cgroup.procs"):
+    for root, _dirs, files in os.walk(directory):
+        if "cgroup.procs" not in files:
+            continue
         try:
-            pids += [int(p) for p in f.read_text().split()]
+            pids += [int(p) for p in Path(root, "cgroup.procs").read_text().split()]
         except OSError:
             continue
     return pids
