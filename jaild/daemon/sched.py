@@ -10,7 +10,8 @@ slept usually has. Measured on the bench's 2-vCPU machine, the daemon's write of
 woke took the daemon's CPU mid-job.
 
 Since 6.12 a fair-class task may ask for a shorter *slice* (``sched_setattr`` with
-``sched_runtime``, 0.1-100 ms; the default is 3 ms or so). A shorter slice gives earlier
+``sched_runtime``, 0.1-100 ms; the default grows with the CPU count: 1.4 ms on the
+bench's 2 vCPUs). A shorter slice gives earlier
 deadlines: the daemon's short bursts of work between two waits finish before whoever it
 woke runs, and it does not get more CPU than its weight gives it. The daemon asks for
 ``daemon.sched_slice_us`` (100 µs; 0 leaves the kernel's default) for its event-loop thread,
