@@ -7,7 +7,12 @@ refused, a tool call ended, the number of open sessions changed). Each hook upda
 prometheus-client metrics in a registry of this instance's own -- never the process-wide
 default one, so several instances (unit tests) never share or clash. Pool sizes are not
 pushed: the ``pools`` callable given to :meth:`Metrics.start` is read when the registry is
-collected (a scrape, or :meth:`Metrics.summary`).
+collected (a scrape, or :meth:`Metrics.summary`). Tool calls are the one hook on a hot path
+(a job may make thousands, each a round trip the jail waits for): :meth:`Metrics.tool_call`
+only notes a call, and the noted calls are counted in batches of :data:`TOOL_CALL_BATCH`,
+and before anyone reads a registry (its first collector flushes them), so what a scrape or
+``jaild stats`` shows is never behind. In a batch, each call's labelled series come from a
+cache (labelling a series takes longer than counting in it).
 
 When ``daemon.metrics_address`` is set, :meth:`Metrics.start` binds that TCP address at
 once (a bad or busy address raises :class:`MetricsAddressError` there, so the daemon
@@ -79,6 +84,8 @@ MAX_LABEL_CHARS = 64
 OTHER = "(other)"  # parentheses: no tool name (a Python identifier) can collide
 UNKNOWN_TOOL = "(unknown)"
 QUANTILES = (0.5, 0.95, 0.99)
+TOOL_CALL_BATCH = 256  # tool calls noted before the series are updated (Metrics.tool_call)
+_SERIES_CACHED = 4096  # (policy, tool, outcome) -> labelled children, then start afresh
 
 MAX_REQUEST_HEAD_BYTES = 16384
 REQUEST_TIMEOUT_S = 10.0
@@ -172,6 +179,21 @@ class _BoundedLabel:
         return OTHER
 
 
+class _NotedCalls(Collector):
+    """Registered first: a collection of the registry flushes the tool calls noted so far
+    (:meth:`Metrics.tool_call`) into their series before they are read. Exposes nothing."""
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        self._flush = flush
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        self._flush()
+        return iter(())
+
+
 class _PoolCollector(Collector):
     """Pool gauges and counters, read from the daemon's pool summaries at collection."""
 
@@ -257,6 +279,11 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         per_tool = r if tool_labels else CollectorRegistry(auto_describe=True)
+        self._pending_calls: list[tuple[str, str, str, float]] = []
+        self._series: dict[tuple[str, str, str], tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
+        for registry in {id(r): r, id(per_tool): per_tool}.values():
+            # first in each registry: whoever collects it reads the calls noted so far
+            registry.register(_NotedCalls(self.flush_tool_calls))
         self._jobs = Counter(
             "jaild_jobs", "Jobs finished, by policy and status.", ["policy", "status"], registry=r
         )
@@ -391,14 +418,48 @@ class Metrics:
         self._refused.labels(code[:MAX_LABEL_CHARS]).inc()
 
     def tool_call(self, policy: str, tool: str, outcome: str, duration_s: float) -> None:
-        """A tool call ended: ``outcome`` is ok, error, invalid_arguments, denied, timeout, ..."""
-        name = UNKNOWN_TOOL if outcome == "unknown_tool" else self._tool_label(policy, tool)
-        outcome = self._outcome_label(policy, outcome)
-        self._tool_calls.labels(policy, name, outcome).inc()
-        self._tool_latency.labels(policy, name).observe(max(0.0, duration_s))
+        """A tool call ended: ``outcome`` is ok, error, invalid_arguments, denied, timeout, ...
+
+        Only noted here (a tool call's round trip is the hot path): the series are updated
+        in batches of :data:`TOOL_CALL_BATCH`, at every job's end, and before any reading
+        (:meth:`summary`, a scrape) -- see :meth:`flush_tool_calls`."""
+        pending = self._pending_calls
+        pending.append((policy, tool, outcome, duration_s))
+        if len(pending) >= TOOL_CALL_BATCH:
+            self.flush_tool_calls()
+
+    def flush_tool_calls(self) -> None:
+        """Count the tool calls noted since the last flush."""
+        pending, self._pending_calls = self._pending_calls, []
+        for policy, tool, outcome, duration_s in pending:
+            calls, latency = self._call_series(policy, tool, outcome)
+            for counter in calls:
+                counter.inc()
+            for histogram in latency:
+                histogram.observe(max(0.0, duration_s))
+
+    def _call_series(
+        self, policy: str, tool: str, outcome: str
+    ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """The labelled children a call of ``tool`` ending ``outcome`` counts in: its
+        labels are bounded once per distinct call (see the module docstring)."""
+        if outcome == "unknown_tool":  # a name the jail made up: it takes no slot
+            tool = UNKNOWN_TOOL
+        key = (policy, tool, outcome)
+        series = self._series.get(key)
+        if series is not None:
+            return series
+        name = tool if tool == UNKNOWN_TOOL else self._tool_label(policy, tool)
+        label = self._outcome_label(policy, outcome)
+        calls: tuple[Any, ...] = (self._tool_calls.labels(policy, name, label),)
+        latency: tuple[Any, ...] = (self._tool_latency.labels(policy, name),)
         if self._policy_tool_calls is not None and self._policy_tool_latency is not None:
-            self._policy_tool_calls.labels(policy, outcome).inc()
-            self._policy_tool_latency.labels(policy).observe(max(0.0, duration_s))
+            calls += (self._policy_tool_calls.labels(policy, label),)
+            latency += (self._policy_tool_latency.labels(policy),)
+        if len(self._series) >= _SERIES_CACHED:
+            self._series.clear()
+        self._series[key] = series = (calls, latency)
+        return series
 
     def sessions_open(self, count: int) -> None:
         """How many sessions are open now."""
@@ -418,6 +479,7 @@ class Metrics:
             ``sessions_open``; ``pools`` {policy: {ready, target}}; ``started`` (Unix time);
             ``endpoint`` ("http://host:port/metrics" or None).
         """
+        self.flush_tool_calls()
         samples = list(self._samples())
         jobs: dict[str, dict[str, int]] = {}
         cpu: dict[str, dict[str, float]] = {}
@@ -640,6 +702,7 @@ def _sorted(d: dict[str, Any]) -> dict[str, Any]:
 __all__ = [
     "LATENCY_BUCKETS_S",
     "MAX_TOOLS_PER_POLICY",
+    "TOOL_CALL_BATCH",
     "Metrics",
     "MetricsAddressError",
     "parse_address",

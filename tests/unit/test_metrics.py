@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaild.daemon.metrics import (
     MAX_OUTCOMES_PER_POLICY,
     MAX_TOOLS_PER_POLICY,
+    TOOL_CALL_BATCH,
     Metrics,
     MetricsAddressError,
     _quantile,
@@ -150,6 +151,30 @@ def test_tool_names_and_outcomes_are_bounded_per_policy() -> None:
     # and one very long name is cut
     m.tool_call("third", "x" * 1000, "ok", 0.0)
     assert value(m, "jaild_tool_calls_total", policy="third", tool="x" * 64, outcome="ok") == 1
+
+
+def test_noted_tool_calls_are_counted_in_batches_and_before_every_read() -> None:
+    """A call is only noted on its round trip; the series catch up every TOOL_CALL_BATCH
+    calls, and whoever reads the registry (a scrape) or the summary sees every call noted."""
+    m = Metrics(tool_labels=True)
+    for _ in range(TOOL_CALL_BATCH - 1):
+        m.tool_call("default", "fetch", "ok", 0.001)
+    assert len(m._pending_calls) == TOOL_CALL_BATCH - 1  # not yet counted
+    m.tool_call("default", "fetch", "ok", 0.001)
+    assert m._pending_calls == []  # the batch is full: counted
+    m.tool_call("default", "fetch", "ok", 0.001)
+    text = generate_latest(m.registry).decode()  # a scrape reads the noted call too
+    assert f'jaild_tool_calls_total{{outcome="ok",policy="default",tool="fetch"}} ' \
+        f"{float(TOOL_CALL_BATCH + 1)}" in text
+    m.tool_call("default", "fetch", "timeout", 2.0)
+    assert m.summary()["tool_calls"]["default"]["fetch"] == {"ok": TOOL_CALL_BATCH + 1,
+                                                               "timeout": 1}
+    # names the jail made up share one cached series: memory stays bounded
+    for i in range(3 * TOOL_CALL_BATCH):
+        m.tool_call("default", f"made_up_{i}", "unknown_tool", 0.0)
+    assert value(m, "jaild_tool_calls_total", policy="default", tool="(unknown)",
+                 outcome="unknown_tool") == 3 * TOOL_CALL_BATCH
+    assert len(m._series) == 3
 
 
 def test_tool_names_are_not_exposed_by_default() -> None:
