@@ -496,7 +496,9 @@ class AsyncClient:
         approve: Approver | None = None,
         _session: str | None = None,
     ) -> AsyncJob:
-        """Start ``code`` in a fresh jail; return once the daemon accepted it.
+        """Start ``code`` in a fresh jail; return once the daemon accepted it (the daemon
+        says so with the job's first output, tool call or end, and within about 10 ms of a
+        job that is still running).
 
         Args:
             code: Python source; may use top-level ``await`` and the ``tools`` global.

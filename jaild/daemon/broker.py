@@ -34,6 +34,11 @@ Every refused or answered call is one entry of the call log (the record's
 ``tool_calls``), up to :data:`MAX_CALL_RECORDS`; further calls are only counted
 (``tool_calls_omitted``). A call withdrawn because its job ended is not logged.
 
+Schemas are compiled once each. Those a tool's signature makes (an object of named,
+simply typed properties) also get a plain-Python check (:func:`quick_check`, ~1 µs
+against jsonschema's ~10): it passes only calls jsonschema passes, and leaves every
+other call -- and every error message -- to jsonschema.
+
 The broker does no IO and keeps no clock: durations are given to it.
 :class:`Broker` has three verbs: :meth:`Broker.admit` a call, :meth:`Broker.answer`
 it (or :meth:`Broker.withdraw` it), and :meth:`Broker.new_run` for a session's next
@@ -114,23 +119,90 @@ class Answer:
 # --------------------------------------------------------------------------- schemas
 
 
+_MISSING = object()
+_SIMPLE_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: type(v) is str,
+    "integer": lambda v: type(v) is int,  # not bool; an integral float is left to jsonschema
+    "number": lambda v: type(v) is int or type(v) is float,
+    "boolean": lambda v: type(v) is bool,
+    "null": lambda v: v is None,
+    "array": lambda v: type(v) is list,
+    "object": lambda v: type(v) is dict,
+}
+_ANNOTATIONS = frozenset({"description", "title", "default", "examples"})
+_QUICK_KEYS = _ANNOTATIONS | {"type", "properties", "required", "additionalProperties"}
+
+
+def quick_check(schema: dict[str, Any]) -> Callable[[dict[str, Any]], bool] | None:
+    """A plain-Python check of the schemas tool signatures make -- an object of named
+    properties, each of one simple type or any, some required, others maybe forbidden --
+    or None for any other schema.
+
+    It is only ever a shortcut: True where jsonschema would find the arguments valid
+    (nothing it does not check stricter, e.g. ``1.0`` is not an integer here), False
+    where it cannot tell -- and then jsonschema decides, and words the error."""
+    if not schema.keys() <= _QUICK_KEYS or schema.get("type") != "object":
+        return None
+    properties = schema.get("properties", {})
+    required = schema.get("required", [])
+    extra = schema.get("additionalProperties", True)
+    if type(properties) is not dict or type(required) is not list or type(extra) is not bool:
+        return None
+    if not all(type(name) is str for name in required):
+        return None
+    tests: dict[str, Callable[[Any], bool] | None] = {}
+    for name, sub in properties.items():
+        if type(sub) is not dict or not sub.keys() <= _ANNOTATIONS | {"type"}:
+            return None
+        kind = sub.get("type")
+        if kind is None:
+            tests[name] = None  # any value
+        elif type(kind) is str and kind in _SIMPLE_TYPES:
+            tests[name] = _SIMPLE_TYPES[kind]
+        else:
+            return None
+    needed = tuple(required)
+
+    def check(instance: dict[str, Any]) -> bool:
+        for name in needed:
+            if name not in instance:
+                return False
+        for name, value in instance.items():
+            test = tests.get(name, _MISSING)
+            if test is _MISSING:
+                if not extra:
+                    return False
+            elif test is not None and not test(value):  # type: ignore[operator]
+                return False
+        return True
+
+    return check
+
+
 class Validators:
     """Compiled JSON-schema validators, one per distinct schema (clients send the same
-    schemas again and again, so they are compiled once)."""
+    schemas again and again, so they are compiled once): jsonschema's, and for the
+    schemas tool signatures make, a plain-Python shortcut (:func:`quick_check`) that
+    answers a valid call without it."""
 
     def __init__(self) -> None:
         self._by_text: dict[str, Any] = {}
+        self._quick: dict[str, Callable[[dict[str, Any]], bool] | None] = {}
         self._keys: dict[int, tuple[dict[str, Any], str]] = {}
 
-    def validator(self, schema: dict[str, Any]) -> Any:
-        """The validator of ``schema``. Raises jsonschema's SchemaError if it is not one."""
+    def _key(self, schema: dict[str, Any]) -> str:
         key = self._keys.get(id(schema))
         if key is None or key[0] is not schema:
             key = (schema, json.dumps(schema, sort_keys=True, default=repr))
             if len(self._keys) > _CACHE_MAX:
                 self._keys.clear()
             self._keys[id(schema)] = key
-        validator = self._by_text.get(key[1])
+        return key[1]
+
+    def validator(self, schema: dict[str, Any]) -> Any:
+        """The validator of ``schema``. Raises jsonschema's SchemaError if it is not one."""
+        text = self._key(schema)
+        validator = self._by_text.get(text)
         if validator is None:
             from jsonschema import validators
 
@@ -139,8 +211,17 @@ class Validators:
             validator = cls(schema)
             if len(self._by_text) > _CACHE_MAX:
                 self._by_text.clear()
-            self._by_text[key[1]] = validator
+            self._by_text[text] = validator
         return validator
+
+    def quick(self, schema: dict[str, Any]) -> Callable[[dict[str, Any]], bool] | None:
+        """:func:`quick_check` of ``schema``, made once per distinct schema."""
+        text = self._key(schema)
+        if text not in self._quick:
+            if len(self._quick) > _CACHE_MAX:
+                self._quick.clear()
+            self._quick[text] = quick_check(schema)
+        return self._quick[text]
 
     def check_arguments(
         self, schema: dict[str, Any], tool: str, packed: bytes
@@ -174,6 +255,9 @@ class Validators:
             if key in instance:
                 return ("invalid_arguments", f"{tool}: argument {key!r} given twice")
             instance[key] = value
+        quick = self.quick(schema)
+        if quick is not None and quick(instance):
+            return None
         return schema_error(tool, self.validator(schema), instance)
 
 
@@ -363,5 +447,6 @@ __all__ = [
     "Refused",
     "Validators",
     "Violation",
+    "quick_check",
     "schema_error",
 ]

@@ -16,9 +16,10 @@ Every run, one-shot or in a session, goes the same way::
 2. Code that does not compile gets its record at once: ``JobAccepted`` then
    ``JobFinished`` with status ``syntax_error``, and no jail.
 3. *Placement* (:mod:`jaild.daemon.placement`) picks the jail.
-4. The job is registered (:mod:`jaild.daemon.registry`), ``JobAccepted`` is sent, and
-   :meth:`Pipeline.run_to_record` runs in the owning connection's task group. It
-   always ends in exactly one record: a failure inside jaild becomes an
+4. The job is registered (:mod:`jaild.daemon.registry`), ``JobAccepted`` is due (the
+   connection holds it briefly to write it with the job's next message, usually its end:
+   ``ClientSession.accept``), and :meth:`Pipeline.run_to_record` runs in the owning
+   connection's task group. It always ends in exactly one record: a failure inside jaild becomes an
    ``internal_error`` record (and ends a session), never silence. The record is
    audited and accounted before the client can see it.
 """
@@ -34,7 +35,7 @@ from jaild.daemon import admission, placement
 from jaild.daemon.records import internal_error_record, syntax_error_record, with_session
 from jaild.daemon.registry import ClientSession, LiveJob
 from jaild.daemon.sessions import SessionHost, Sessions, check_room
-from jaild.protocol.messages import JobAccepted, JobFinished, RunJob
+from jaild.protocol.messages import JobFinished, RunJob
 from jaild.protocol.records import JobRecord
 
 
@@ -99,8 +100,8 @@ class Pipeline:
         if sess is not None:
             daemon.sessions.run_started(sess, placed.job_id)
         # Accepted after a pooled jail got its code (it starts a write earlier); still before
-        # anything about the job can reach the client, which only happens on a later callback.
-        client.send(JobAccepted(ref=req.ref, job_id=placed.job_id))
+        # anything about the job can reach the client (held: it goes out with the first).
+        client.accept(req.ref, placed.job_id)
         memory_mb = 0 if sess is not None else admitted.limits.memory_mb  # a session holds its own
         registry.add_job(LiveJob(placed.job_id, placed.jail, client, sess, memory_mb=memory_mb))
         client.start(self.run_to_record(client, placed))
@@ -145,8 +146,8 @@ class Pipeline:
         if req.session_id is not None:
             record = with_session(record, req.session_id, None, None)
         self.audit(client, record)  # audited before the client can see the result
-        client.send(JobAccepted(ref=req.ref, job_id=job_id))
-        client.send(JobFinished(job_id=job_id, record=record))
+        client.accept(req.ref, job_id)
+        client.send(JobFinished(job_id=job_id, record=record))  # in one write
 
     def audit(
         self, client: ClientSession, record: JobRecord, uploaded: int = 0, downloaded: int = 0

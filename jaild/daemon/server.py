@@ -100,6 +100,7 @@ from jaild.protocol.messages import (
     Error,
     GetStats,
     Hello,
+    JobAccepted,
     JobList,
     JobOutput,
     Kill,
@@ -119,6 +120,11 @@ log = logging.getLogger("jaild")
 
 SO_PEERGROUPS = 59
 WRITE_BUFFER_HIGH = 8 << 20
+
+ACCEPT_HOLD_S = 0.01
+"""How long a job's ``JobAccepted`` may wait to go out in one write with the job's next
+message to the client -- for a warm job, its ``JobFinished``: the client is woken once
+per job instead of twice. A job still running then is announced on its own."""
 
 REFUSED_LINGER_S = 1.0
 """How long a refused connection stays open to read its client's Hello (then closed)."""
@@ -154,6 +160,8 @@ class ClientSession:
         self._paused: set[JailedJob] = set()  # jobs whose output waits for this client
         self._drainer: asyncio.Task[None] | None = None
         self._frame_held = 0  # this connection's share of daemon.frame_bytes[uid]
+        # job id -> its JobAccepted's bytes, not yet written, and the timer that writes them
+        self._held: dict[str, tuple[bytes, asyncio.TimerHandle]] = {}
         limit = daemon.config.stream_buffer_bytes
         writer.transport.set_write_buffer_limits(high=limit, low=limit // 2)
 
@@ -162,9 +170,33 @@ class ClientSession:
         return str(self.peer)
 
     def send(self, msg: Message) -> None:
+        """Write ``msg`` -- after its job's ``JobAccepted``, in the same write, if that is
+        still held (:meth:`accept`)."""
         if self.closed or self.writer.is_closing():
             return
-        self.writer.write(self.conn.send(msg))
+        data = self.conn.send(msg)
+        if self._held:
+            job_id = getattr(msg, "job_id", None)
+            held = self._held.pop(job_id, None) if job_id is not None else None
+            if held is not None:
+                held[1].cancel()
+                data = held[0] + data
+        self.writer.write(data)
+
+    def accept(self, ref: int, job_id: str) -> None:
+        """Tell the client its job ``job_id`` (of request ``ref``) runs: the ``JobAccepted``
+        goes out with the job's next message, or after :data:`ACCEPT_HOLD_S`, whichever
+        comes first. Nothing about the job can reach the client before it."""
+        if self.closed or self.writer.is_closing():
+            return
+        data = self.conn.send(JobAccepted(ref=ref, job_id=job_id))
+        timer = asyncio.get_running_loop().call_later(ACCEPT_HOLD_S, self._announce, job_id)
+        self._held[job_id] = (data, timer)
+
+    def _announce(self, job_id: str) -> None:
+        held = self._held.pop(job_id, None)
+        if held is not None and not self.closed and not self.writer.is_closing():
+            self.writer.write(held[0])
 
     async def shut(self) -> None:
         """The daemon stops: what is buffered goes out (for a second at most), then close."""
@@ -421,6 +453,9 @@ class ClientSession:
         for job in self._paused:
             job.resume_output()
         self._paused.clear()
+        for _, timer in self._held.values():
+            timer.cancel()
+        self._held.clear()
         with contextlib.suppress(Exception):
             self.writer.close()
 

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from jaild.client import Client
-from tests.conftest import DaemonHandle, guard
+from jaild.protocol.messages import CancelJob, JobAccepted, JobFinished, RunJob
+from tests.conftest import DaemonHandle, RawClient, guard
 
 pytestmark = pytest.mark.integration
 
@@ -283,3 +284,27 @@ def test_unencodable_text_in_an_error_is_escaped(client: Client) -> None:
     assert r.error is not None and r.error["message"] == "bad \\udc80 surrogate"
     r = client.run("{'k': 'lone \\udc80'}")
     assert (r.status, r.result) == ("ok", "{'k': 'lone \\udc80'}")
+
+
+def test_a_long_job_is_announced_while_it_runs_and_a_short_one_in_one_write(
+    daemon: DaemonHandle,
+) -> None:
+    """``JobAccepted`` waits for the job's next message at most ACCEPT_HOLD_S: a job that
+    runs on is announced while it runs (its id cancels it), and a job that ends at once
+    (here: code that does not compile: no jail runs it) comes as ``JobAccepted`` and
+    ``JobFinished`` in one write."""
+    with RawClient(daemon.socket) as raw:
+        raw.send(RunJob(ref=1, code="import time\ntime.sleep(600)", policy="default"))
+        accepted = raw.next()  # only the hold's timer can send it: the job sleeps
+        assert isinstance(accepted, JobAccepted) and accepted.ref == 1, accepted
+        raw.send(CancelJob(job_id=accepted.job_id))
+        finished = raw.next()
+        assert isinstance(finished, JobFinished), finished
+        assert (finished.job_id, finished.record.status) == (accepted.job_id, "cancelled")
+
+        raw.send(RunJob(ref=2, code="def (", policy="default"))
+        raw.conn.receive_data(raw.sock.recv(1 << 16))  # one recv: both were in one write
+        first, second = raw.conn.next_event(), raw.conn.next_event()
+        assert isinstance(first, JobAccepted) and first.ref == 2, first
+        assert isinstance(second, JobFinished) and second.job_id == first.job_id, second
+        assert second.record.error is not None and second.record.error.type == "SyntaxError"

@@ -6,6 +6,8 @@ import dataclasses
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaild.daemon.broker import (
     MAX_CALL_RECORDS,
@@ -15,10 +17,12 @@ from jaild.daemon.broker import (
     Refused,
     Validators,
     Violation,
+    quick_check,
 )
 from jaild.policy.schema import Limits
 from jaild.protocol import pack
 from jaild.protocol.messages import ToolSpec
+from jaild.toolspec import tool_from_function
 
 SCHEMA = {
     "type": "object",
@@ -206,3 +210,102 @@ def test_validators_are_compiled_once_per_schema() -> None:
 
     with pytest.raises(SchemaError):
         cache.validator({"type": 12})
+
+
+# -- the plain-Python shortcut for signature schemas, against jsonschema itself
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=3)
+    | st.binary(max_size=2),
+    lambda inner: st.lists(inner, max_size=2) | st.dictionaries(st.text(max_size=2), inner,
+                                                                 max_size=2),
+    max_leaves=4,
+)
+_NAMES = st.sampled_from(["a", "b", "c"])
+_PROPERTY = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(
+            ["string", "integer", "number", "boolean", "null", "array", "object"]
+        ),
+        "description": st.text(max_size=3),
+        "default": st.integers(),
+    },
+)
+_SIGNATURE_SCHEMA = st.fixed_dictionaries(
+    {"type": st.just("object"), "properties": st.dictionaries(_NAMES, _PROPERTY, max_size=3)},
+    optional={
+        "required": st.lists(_NAMES, max_size=3, unique=True),
+        "additionalProperties": st.booleans(),
+        "title": st.text(max_size=3),
+    },
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(schema=_SIGNATURE_SCHEMA, instance=st.dictionaries(st.sampled_from(["a", "b", "c", "d"]),
+                                                         _JSON, max_size=4))
+def test_the_shortcut_passes_only_what_jsonschema_passes(
+    schema: dict[str, Any], instance: dict[str, Any]
+) -> None:
+    """Every schema a tool signature makes gets the shortcut; whatever it lets through,
+    jsonschema lets through too (where it says no, jsonschema decides)."""
+    from jsonschema import validators
+
+    check = quick_check(schema)
+    assert check is not None
+    if check(instance):
+        assert validators.validator_for(schema)(schema).is_valid(instance), (schema, instance)
+
+
+@settings(max_examples=200, deadline=None)
+@given(instance=st.dictionaries(st.sampled_from(["value", "other"]), _JSON, max_size=2))
+def test_the_shortcut_says_yes_to_most_valid_calls(instance: dict[str, Any]) -> None:
+    """Positive control: the shortcut is not a shortcut that never fires -- it answers
+    every call jsonschema passes here, except an integral float given as an integer."""
+    from jsonschema import validators
+
+    schema = tool_from_function(_echo).parameters
+    check = quick_check(schema)
+    assert check is not None
+    valid = validators.validator_for(schema)(schema).is_valid(instance)
+    if valid and type(instance.get("value")) is not float:
+        assert check(instance)
+    if not valid:
+        assert not check(instance)
+
+
+def _echo(value: int) -> int:
+    return value
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        SCHEMA,  # "minimum": a keyword the shortcut does not know
+        {"type": "object", "properties": {"x": {"type": ["string", "null"]}}},
+        {"type": "object", "properties": {"x": {"anyOf": [{"type": "string"}]}}},
+        {"type": "object", "properties": {"x": {"type": "array", "items": {"type": "string"}}}},
+        {"type": "object", "additionalProperties": {"type": "string"}},
+        {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object"},
+        {"type": "object", "patternProperties": {"^x": {"type": "string"}}},
+    ],
+)
+def test_other_schemas_are_left_to_jsonschema(schema: dict[str, Any]) -> None:
+    assert quick_check(schema) is None
+
+
+def test_the_shortcut_does_not_change_what_the_broker_answers() -> None:
+    tools = (ToolSpec(name="echo", parameters=tool_from_function(_echo).parameters),)
+    b = Broker(tools, Limits())
+    assert isinstance(b.admit(1, "echo", pack([[1], {}])), Admitted)
+    for args, why in [
+        (pack([["x"], {}]), "argument 'value': 'x' is not of type 'integer'"),
+        (pack([[], {}]), "'value' is a required property"),
+        (pack([[1], {"extra": 2}]), "Additional properties are not allowed ('extra' was"),
+        (pack([[True], {}]), "argument 'value': True is not of type 'integer'"),
+    ]:
+        verdict = b.admit(2, "echo", args)
+        assert isinstance(verdict, Refused) and verdict.error_type == "invalid_arguments"
+        assert why in verdict.message, verdict.message
+    assert isinstance(b.admit(3, "echo", pack([[1.0], {}])), Admitted)  # jsonschema's call
