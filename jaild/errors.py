@@ -232,6 +232,21 @@ class SyscallNameError(ValueError):
     """An entry of allow/deny is not a known syscall or group, or may never be allowed."""
 
 
+class EgressRuleError(ValueError):
+    """An egress allow-list entry (or a target) that is not a host name or address literal,
+    with why (``jaild.policy.egress``)."""
+
+
+class EgressRefusal(Exception):
+    """(Inside the egress gateway.) A request the gateway answers itself: an HTTP
+    ``status``, a ``kind`` for the job's usage and the audit, and a message a model can
+    act on."""
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+
 class UploadError(ValueError):
     """An upload was refused: ``path`` (the jail path, or ``""``) and ``reason``."""
 

@@ -60,6 +60,7 @@ PURE_MODULES = (
     "jaild.protocol.records",
     "jaild.protocol.zygote_link",
     "jaild.policy.compile",
+    "jaild.policy.egress",
     "jaild.daemon.machine",
     "jaild.daemon.broker",
     "jaild.daemon.classify",
