@@ -646,6 +646,17 @@ def cmd_policy_explain(args: argparse.Namespace) -> int:
         print(f"# nsjail command line (per job)\n{' '.join(argv)}\n")
         config_text = nsjail_config(policy, host)
         print(f"# nsjail config (per policy, passed as a sealed memfd)\n{config_text}")
+    if policy.network.mode == "egress":
+        e = policy.egress
+        print("# egress: the jail has loopback only; HTTP(S) through the daemon's gateway "
+              "(HTTP_PROXY=http://127.0.0.1:3128)")
+        print(f"allow: {', '.join(e.allow)}\nports without their own: "
+              f"{', '.join(map(str, e.ports))}\ndeny_private: {str(e.deny_private).lower()}"
+              f"\nper run: {e.max_requests} requests, {e.max_bytes} bytes")
+        for inj in e.inject:
+            print(f"inject: {inj.header} for {inj.host} (HTTPS intercepted), value from "
+                  f"{inj.value_env}")
+        print()
     spec = build_spec(policy.seccomp_choice, network=policy.network.mode != "none")
     print("# seccomp filters loaded by the in-jail runtime (libseccomp pseudo-code)")
     print(explain(spec))

@@ -41,6 +41,12 @@ from jaild.protocol.records import JobRecord
 
 log = logging.getLogger("jaild.daemon.audit")
 
+EGRESS_FIELDS = (
+    "policy", "method", "host", "port", "status", "bytes_out", "bytes_in", "intercepted",
+    "refused", "error",
+)
+"""What an ``egress`` record holds of a request's summary (nothing else can reach it)."""
+
 
 def _show(v: Any) -> str:
     if isinstance(v, str) and v and all(c.isalnum() or c in "-_.:/@" for c in v):
@@ -171,6 +177,19 @@ class AuditLog:
                 "tool": tool,
                 "outcome": outcome,
                 "duration_s": round(duration_s, 6),
+            },
+        )
+
+    def egress(self, peer: Peer | None, job_id: str, summary: dict[str, Any]) -> None:
+        """One request (or tunnel) through a job's egress gateway: host, port, method,
+        status, bytes each way, why refused -- never a header or a header's value (a
+        run's records past its quota are only counted, in its record)."""
+        self._emit(
+            "egress",
+            {
+                "job": job_id,
+                "uid": peer.uid if peer else None,
+                **{k: summary[k] for k in EGRESS_FIELDS if k in summary},
             },
         )
 

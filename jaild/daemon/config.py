@@ -114,6 +114,18 @@ class DaemonFile:
         'where it is installed, else the standard loop (README, "Performance").',
         _event_loop,
     )
+    egress_secrets: str = setting(
+        "",
+        "File of NAME=value lines for [[egress.inject]] value_env (mode 0600, the daemon's "
+        "user's); names not in it are read from the daemon's environment.",
+        _absolute,
+    )
+    egress_upstream_ca: str = setting(
+        "",
+        "CA bundle the egress gateway checks hosts it intercepts against; empty: the "
+        "host's trust store.",
+        _absolute,
+    )
     sched_slice_us: int = setting(
         100,
         "The scheduler slice the daemon's event-loop thread asks for (Linux 6.12+), so the "
@@ -303,6 +315,8 @@ class DaemonConfig:
     zygote_scope: str = "uid"
     event_loop: str = "asyncio"
     sched_slice_us: int = 100
+    egress_secrets: str | None = None  # NAME=value file for [[egress.inject]] (mode 0600)
+    egress_upstream_ca: str | None = None  # the gateway's trust for intercepted hosts
     max_zygotes: int = 16
     zygote_idle_s: float = 600.0
 
@@ -334,6 +348,8 @@ class DaemonConfig:
                 zygote_scope=d.zygote_scope,
                 event_loop=d.event_loop,
                 sched_slice_us=d.sched_slice_us,
+                egress_secrets=d.egress_secrets or None,
+                egress_upstream_ca=d.egress_upstream_ca or None,
                 allowed_users=a.users,
                 **dataclasses.asdict(lim),
             )

@@ -18,6 +18,7 @@ subject alternative name) and kept in memory, at most :data:`LEAVES_CACHED` of t
 from __future__ import annotations
 
 import datetime
+import fcntl
 import ipaddress
 import os
 import ssl
@@ -55,8 +56,14 @@ class EgressCA:
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.directory, 0o700)
         key_path, cert_path = self.directory / "ca.key", self.directory / "ca.pem"
-        if not key_path.exists():
-            self._create(key_path, cert_path)
+        # two daemons sharing a state directory make one CA: the first, under the lock
+        lock = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not key_path.exists():
+                self._create(key_path, cert_path)
+        finally:
+            os.close(lock)
         loaded = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
         if not isinstance(loaded, ec.EllipticCurvePrivateKey):
             raise ValueError(f"{key_path}: not the EC key jaild makes")
@@ -92,12 +99,13 @@ class EgressCA:
             )
             .sign(key, hashes.SHA256())
         )
+        # the certificate first: a key on disk means a complete CA
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        os.chmod(cert_path, 0o644)
         _write_private(key_path, key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
         ))
-        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        os.chmod(cert_path, 0o644)
 
     def server_context(self, host: str) -> ssl.SSLContext:
         """A server-side TLS context presenting a certificate for ``host`` (made once)."""

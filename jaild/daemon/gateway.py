@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import ipaddress
 import logging
 import os
@@ -62,6 +63,10 @@ HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
     b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade",
 })
+
+_SUMMARY: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("egress_summary")
+"""The summary of the connection a task serves (its tasks share it): bytes are counted there
+too, per request, for the audit."""
 
 Resolver = Callable[[str, int], Awaitable[list[Address]]]
 Connector = Callable[
@@ -260,7 +265,8 @@ class EgressDoor:
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection from the jail: one request, or one tunnel."""
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
-        summary: dict[str, Any] = {"policy": self.policy}
+        summary: dict[str, Any] = {"policy": self.policy, "bytes_out": 0, "bytes_in": 0}
+        _SUMMARY.set(summary)
         try:
             request = await self._head(conn, reader)
             summary["method"] = request.method.decode("ascii", "replace")
@@ -569,10 +575,15 @@ class EgressDoor:
     def _count(self, n: int, out: bool) -> None:
         """``n`` bytes passed, jail -> host (``out``) or back; past the job's ``max_bytes``
         the connection is cut."""
+        summary = _SUMMARY.get(None)
         if out:
             self.usage.bytes_out += n
+            if summary is not None:
+                summary["bytes_out"] += n
         else:
             self.usage.bytes_in += n
+            if summary is not None:
+                summary["bytes_in"] += n
         if self.usage.bytes > self.quota.max_bytes:
             raise _Refusal(
                 403, "quota",

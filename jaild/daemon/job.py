@@ -35,6 +35,7 @@ import asyncio
 import functools
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ from jaild.daemon.admission import file_limits
 from jaild.daemon.broker import Admitted, Validators
 from jaild.daemon.cgroups import Cgroups
 from jaild.daemon.classify import STATUSES, Evidence, classify, parse_termination
+from jaild.daemon.egress import EgressService
+from jaild.daemon.gateway import EgressDoor
 from jaild.daemon.kernlog import KernelAuditLog
 from jaild.daemon.launch.forked import Zygote, ZygoteLauncher
 from jaild.daemon.launch.handle import JailHandle, Launcher
@@ -79,6 +82,7 @@ from jaild.daemon.machine import (
     Release,
     RouteCall,
     SendToJail,
+    StartFailed,
     StartJail,
     StartRun,
     StopRunTimers,
@@ -132,6 +136,8 @@ class JailEnvironment:
     """A launcher that makes every jail instead of nsjail or a zygote, with no cgroup: only
     :class:`jaild.testing.FakeLauncher`, which isolates nothing. The daemon never sets it."""
     on_tool_call: ToolObserver = lambda *_: None
+    egress: EgressService | None = None
+    """The egress gateway's side of ``network.mode = "egress"`` (None: no policy uses it)."""
     _free_slots: list[int] = field(default_factory=list)
     _next_slot: int = 0
     _hardens: dict[str, Harden] = field(default_factory=dict)
@@ -235,6 +241,10 @@ class JailedJob:
         self._settled = asyncio.Event()  # it was hardened (Ready), or it is gone
         self._outcome_wait: asyncio.Future[Outcome] = self._loop.create_future()
         self.ready_at: float | None = None
+        # network.mode = "egress": the jail's door (made once it is hardened, before any
+        # job code), served by a door of each run's own
+        self._egress_listener: socket.socket | None = None
+        self._egress_run: tuple[EgressDoor, asyncio.Task[None]] | None = None
 
     # -- public
 
@@ -410,9 +420,11 @@ class JailedJob:
     def _perform_jail(self, action: Action) -> None:
         if isinstance(action, Ready):
             self.ready_at = time.monotonic()
+            self._open_egress()
             self._settled.set()
         elif isinstance(action, StartRun):
             self._run.run_started()
+            self._serve_egress()
         elif isinstance(action, ArmRunTimers):
             self._arm_run_timers(action)
         elif isinstance(action, StopRunTimers):
@@ -437,6 +449,7 @@ class JailedJob:
         elif isinstance(action, CloseChannel):
             self._handle.close_channel()
         elif isinstance(action, JailEnded):
+            self._close_egress()
             self._done.set()
             self._settled.set()
         elif isinstance(action, Teardown):
@@ -474,9 +487,50 @@ class JailedJob:
             self._loop.call_later(max(0.05, left / cores), self._watch_cpu)
         )
 
+    def _open_egress(self) -> None:
+        """An egress policy's jail, hardened: its door, on its own loopback (before any of a
+        job's code runs in it). A jail whose door cannot be made does not serve."""
+        egress = self._env.egress
+        if egress is None or self.spec.policy.network.mode != "egress":
+            return
+        pid = self._handle.jail_process()
+        try:
+            if pid is None:
+                raise OSError("the jail's process is not known")
+            self._egress_listener = egress.listener(pid)
+        except OSError as exc:
+            log.error("jail %s: cannot open its egress door: %s", self.jail_id, exc)
+            self._feed(StartFailed(f"cannot open the jail's egress door: {exc}"))
+
+    def _serve_egress(self) -> None:
+        """A run starts: a door of its own (quotas and usage per run) serves the jail."""
+        egress, listener = self._env.egress, self._egress_listener
+        if egress is None or listener is None:
+            return
+        door = egress.door(self.spec.policy, self.spec.job_id)
+        task = self._loop.create_task(door.serve(listener), name=f"egress-{self.spec.job_id}")
+        task.add_done_callback(_egress_ended)
+        self._egress_run = (door, task)
+
+    def _end_egress_run(self) -> dict[str, Any] | None:
+        """The run is over: its door stops (its connections are cut); its usage."""
+        run, self._egress_run = self._egress_run, None
+        if run is None:
+            return None
+        door, task = run
+        task.cancel()
+        return door.usage.to_wire()
+
+    def _close_egress(self) -> None:
+        self._end_egress_run()
+        listener, self._egress_listener = self._egress_listener, None
+        if listener is not None:
+            listener.close()
+
     def _emit(self, action: EmitRecord) -> None:
         """The job's (or run's) record, for whoever awaits it."""
-        record = self._run.record(self.spec, action.status, action.error, action.tally)
+        egress = self._end_egress_run()
+        record = self._run.record(self.spec, action.status, action.error, action.tally, egress)
         outcome = (record, self._run.result, self._run.downloads)
         if not action.final:  # a session's jail waits for its next run
             self._output = None
@@ -484,6 +538,12 @@ class JailedJob:
             self._run.reset()
         if not self._outcome_wait.done():
             self._outcome_wait.set_result(outcome)
+
+
+def _egress_ended(task: asyncio.Task[None]) -> None:
+    """A run's door stopped: cancelled at the run's end, or failed (a jaild bug: logged)."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("egress door %s failed", task.get_name(), exc_info=exc)
 
 
 # --------------------------------------------------------------------------- tool calls

@@ -343,6 +343,19 @@ class Metrics:
             ["code"],
             registry=r,
         )
+        self._egress_requests = Counter(
+            "jaild_egress_requests",
+            "Requests and tunnels through egress gateways, by policy and outcome (ok, error, "
+            "or why refused: not_allowed, private_address, quota, ...).",
+            ["policy", "outcome"],
+            registry=r,
+        )
+        self._egress_bytes = Counter(
+            "jaild_egress_bytes",
+            "Bytes through egress gateways, by policy and direction (out: towards hosts).",
+            ["policy", "direction"],
+            registry=r,
+        )
         self._sessions = Gauge("jaild_sessions_open", "Sessions open now.", registry=r)
         self._start_time = Gauge(
             "jaild_start_time_seconds", "When the daemon started (Unix time).", registry=r
@@ -460,6 +473,15 @@ class Metrics:
             self._series.clear()
         self._series[key] = series = (calls, latency)
         return series
+
+    def egress(self, policy: str, summary: dict[str, Any]) -> None:
+        """A request through an egress gateway ended (its summary, as audited)."""
+        outcome = summary.get("refused") or ("error" if "error" in summary else "ok")
+        self._egress_requests.labels(policy, outcome).inc()
+        for direction in ("out", "in"):
+            n = summary.get(f"bytes_{direction}", 0)
+            if n:
+                self._egress_bytes.labels(policy, direction).inc(n)
 
     def sessions_open(self, count: int) -> None:
         """How many sessions are open now."""

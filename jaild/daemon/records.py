@@ -24,6 +24,8 @@ from jaild.policy.schema import Limits, Policy
 from jaild.protocol.messages import MAX_MESSAGE_CHARS, safe_text
 from jaild.protocol.records import (
     MAX_CALL_RECORDS,
+    MAX_EGRESS_HOSTS,
+    EgressRecord,
     FileEntry,
     JobError,
     JobRecord,
@@ -164,6 +166,7 @@ def job_record(
     usage: Usage,
     files: Iterable[Mapping[str, Any]] = (),
     files_skipped: Iterable[Mapping[str, Any]] = (),
+    egress: Mapping[str, Any] | None = None,
 ) -> JobRecord:
     """The record of a run that reached its jail.
 
@@ -188,6 +191,18 @@ def job_record(
         files_skipped=tuple(SkippedFile(path=s["path"], reason=s["reason"]) for s in files_skipped),
         tool_calls_omitted=omitted,
         session=None,
+        egress=egress_record(egress) if egress is not None else None,
+    )
+
+
+def egress_record(usage: Mapping[str, Any]) -> EgressRecord:
+    """A run's egress usage (``EgressUsage.to_wire()`` of its door) as its record's part."""
+    return EgressRecord(
+        requests=usage["requests"],
+        bytes_out=usage["bytes_out"],
+        bytes_in=usage["bytes_in"],
+        hosts=tuple(sorted(usage["hosts"])[:MAX_EGRESS_HOSTS]),
+        refused=dict(usage["refused"]),
     )
 
 

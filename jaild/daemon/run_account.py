@@ -111,9 +111,15 @@ class RunAccount:
     # -- the record
 
     def record(
-        self, spec: JobSpec, status: str, error: dict[str, Any] | None, tally: Tally
+        self,
+        spec: JobSpec,
+        status: str,
+        error: dict[str, Any] | None,
+        tally: Tally,
+        egress: dict[str, Any] | None = None,
     ) -> JobRecord:
-        """The run's record. Only an ``ok`` run keeps its result and files."""
+        """The run's record (``egress``: its door's usage, for an egress policy). Only an
+        ``ok`` run keeps its result and files."""
         if status != "ok":
             self.result = None
             self.downloads = {}
@@ -131,6 +137,7 @@ class RunAccount:
             usage=self._usage(tally),
             files=self._files,
             files_skipped=self._files_skipped,
+            egress=egress,
         )
 
     def _usage(self, tally: Tally) -> Usage:

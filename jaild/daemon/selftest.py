@@ -261,7 +261,7 @@ def _network_checks(policy: Policy, facts: dict[str, Any]) -> list[Check]:
                 "no network interfaces", ok, detail, "the jail must get its own network namespace"
             )
         ]
-    if mode == "loopback":
+    if mode in ("loopback", "egress"):  # egress: out only through the daemon's gateway
         route = facts.get("route_out")
         return [
             Check("only loopback", ifaces in (["lo"], None), f"interfaces {ifaces}"),

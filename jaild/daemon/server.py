@@ -513,7 +513,8 @@ class Daemon:
         """
         self.audit = AuditLog(self.config.audit_log)
         await startup.start(
-            self.config, self.served, self.metrics, self._tool_called, self._accept, only_policies
+            self.config, self.served, self.metrics, self._tool_called, self._accept,
+            only_policies, on_egress=self._egress_request,
         )
 
     async def serve_forever(self) -> None:
@@ -699,6 +700,11 @@ class Daemon:
         live = self.registry.job(job_id)
         self.audit.tool_call(live.owner.peer if live else None, job_id, tool, outcome, duration_s)
         self.metrics.tool_call(policy, tool, outcome, duration_s)
+
+    def _egress_request(self, job_id: str, policy: str, summary: dict[str, Any]) -> None:
+        live = self.registry.job(job_id)
+        self.audit.egress(live.owner.peer if live else None, job_id, summary)
+        self.metrics.egress(policy, summary)
 
     def refused(self, peer: Peer, code: str, message: str, **extra: Any) -> bool:
         """A connection or request was refused: counted, and audited -- rate-limited per

@@ -47,6 +47,8 @@ from jaild import __version__, loops
 from jaild.daemon import systemd
 from jaild.daemon.cgroups import Cgroups, detect
 from jaild.daemon.config import DaemonConfig
+from jaild.daemon.egress import EgressService, certifi_bundles
+from jaild.daemon.egress import Observer as EgressObserver
 from jaild.daemon.job import JailedJob, JailEnvironment, JobSpec, ToolObserver
 from jaild.daemon.kernlog import KernelAuditLog
 from jaild.daemon.launch.forked import Zygote
@@ -153,6 +155,7 @@ async def start(
     on_tool_call: ToolObserver,
     accept: Accept,
     only_policies: set[str] | None = None,
+    on_egress: EgressObserver = lambda *_: None,
 ) -> None:
     """Steps 1-7 of the module docstring; ``only_policies``: a private daemon's.
 
@@ -179,7 +182,7 @@ async def start(
                 cgroups.subtree_dirs()[0],
             )
         try:
-            await _start_jails(config, served, cgroups, on_tool_call, only_policies)
+            await _start_jails(config, served, cgroups, on_tool_call, only_policies, on_egress)
             served.server = await asyncio.start_unix_server(accept, sock=sock, limit=1 << 16)
         except BaseException:
             # We hold the socket, so the subtree is ours: a failed start leaves none of it.
@@ -215,6 +218,7 @@ async def _start_jails(
     cgroups: Cgroups,
     on_tool_call: ToolObserver,
     only_policies: set[str] | None,
+    on_egress: EgressObserver,
 ) -> None:
     """Steps 4-6: the environment every jail shares, then zygotes, self-tests, pools."""
     served.swept = cgroups.sweep()
@@ -241,7 +245,17 @@ async def _start_jails(
         for p in served.policies.values()
     ]
     runtime_dir = await asyncio.to_thread(stage_runtime, config.state_dir, interpreters)
-    host = HostLayout(runtime_dir=runtime_dir, envs_dir=config.envs_dir, cgroup=cgroups.layout)
+    egress = await asyncio.to_thread(
+        EgressService.prepare, served.policies, config.state_dir, on_egress,
+        secrets_file=config.egress_secrets, upstream_ca=config.egress_upstream_ca,
+    )
+    host = HostLayout(
+        runtime_dir=runtime_dir,
+        envs_dir=config.envs_dir,
+        cgroup=cgroups.layout,
+        egress_trust=egress.trust_path if egress is not None else "",
+        certifi=certifi_bundles(served.policies, config.envs_dir) if egress is not None else (),
+    )
     config_fds = {}
     specs = {}
     for name, policy in served.policies.items():
@@ -261,6 +275,7 @@ async def _start_jails(
         uid_base=config.uid_base,
         launcher=(setpriv, "--pdeathsig", "TERM", "--"),
         kill_grace_s=config.kill_grace_s,
+        egress=egress,
     )
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with contextlib.suppress(ValueError, OSError):

@@ -92,6 +92,27 @@ JAIL_ENVIRONMENT = (
 )
 """The jail's whole environment (nothing of the daemon's is kept)."""
 
+EGRESS_PORT = 3128
+"""Where a ``network.mode = "egress"`` jail finds its proxy: ``127.0.0.1:3128`` on its own
+loopback (each jail has its own network namespace, so every jail's is its own)."""
+JAIL_TRUST = f"{JAIL_ROOT}/egress-trust.pem"
+"""The CA bundle an egress jail trusts: the host's CAs and the daemon's interception CA."""
+_PROXY = f"http://127.0.0.1:{EGRESS_PORT}"
+EGRESS_ENVIRONMENT = (
+    *(f"{name}={_PROXY}" for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")),
+    *(f"{name}={_PROXY}" for name in ("http_proxy", "https_proxy", "all_proxy")),
+    *(f"{name}={JAIL_TRUST}" for name in (
+        "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT")),
+)
+"""Added for ``network.mode = "egress"``: urllib, requests, httpx, aiohttp (``trust_env``),
+pip and curl find the proxy and the trust bundle with no change to the code."""
+
+
+def jail_environment(network: Network) -> tuple[str, ...]:
+    """The environment of the policy's jails."""
+    return (*JAIL_ENVIRONMENT, *EGRESS_ENVIRONMENT) if network.mode == "egress" else (
+        JAIL_ENVIRONMENT)
+
 JAIL_SIGPENDING = 64
 """RLIMIT_SIGPENDING of every jail: 512 jails hold 32,768 queued signals, under a host uid's
 own limit (RLIMIT_SIGPENDING, RAM / 256 KiB: 32,768 on an 8 GiB host). Kernel-generated
@@ -133,6 +154,11 @@ class HostLayout:
     runtime_dir: str
     envs_dir: str
     cgroup: CgroupLayout
+    egress_trust: str = ""
+    """The host file an egress jail trusts (:data:`JAIL_TRUST`); "" when no policy egresses."""
+    certifi: tuple[tuple[str, str], ...] = ()
+    """(env directory, its certifi ``cacert.pem``) for the envs of egress policies: that
+    file is covered by :attr:`egress_trust` in their jails, for code that asks certifi."""
 
 
 @dataclass(frozen=True)
@@ -249,8 +275,17 @@ def _frame(policy: Policy, host: HostLayout) -> tuple[Mount, ...]:
         mounts += [
             Mount(f"/{d}", "symlink", source=f"usr/{d}") for d in ("bin", "lib", "lib64", "sbin")
         ]
-    mounts.append(_bind(resolve_env(policy, host.envs_dir), JAIL_ENV))
+    env = resolve_env(policy, host.envs_dir)
+    mounts.append(_bind(env, JAIL_ENV))
     mounts.append(_bind(host.runtime_dir, JAIL_RUNTIME))
+    if policy.network.mode == "egress":
+        trust = host.egress_trust or "<egress-trust.pem>"
+        mounts.append(_bind(trust, JAIL_TRUST))
+        mounts += [
+            _bind(trust, JAIL_ENV + cacert[len(env):])
+            for where, cacert in host.certifi
+            if where == env and cacert.startswith(env + "/")
+        ]
     return tuple(mounts)
 
 
@@ -308,7 +343,7 @@ def _jail_setup(policy: Policy, job: JobFacts | None, *, forked: bool) -> JailSe
         namespaces=_namespaces(policy.network, user=not forked),
         mounts=_fresh_mounts(policy.filesystem, full_proc=False),
         rlimits=_rlimits(policy.limits if job is None else job.limits),
-        loopback=policy.network.mode == "loopback",
+        loopback=policy.network.mode in ("loopback", "egress"),
         detach=_detach(policy.filesystem) if forked else (),
         warm_up=job is not None and job.pooled,
     )
@@ -343,7 +378,7 @@ def compile_policy(
         jail=_jail_setup(policy, job, forked=forked),
         frame=_frame(policy, host),
         devices=_devices(),
-        env=JAIL_ENVIRONMENT,
+        env=jail_environment(policy.network),
         id_maps=(IdMap(JAIL_UID, job.uid),) if job is not None and not forked else (),
         keep_caps=False,
         memory_max_bytes=child_memory_ceiling_bytes(policy),
@@ -375,14 +410,14 @@ def compile_zygote(
         namespaces=_namespaces(policy.network, user=True),
         mounts=_fresh_mounts(policy.filesystem, full_proc=True),
         rlimits=None,
-        loopback=policy.network.mode == "loopback",
+        loopback=policy.network.mode in ("loopback", "egress"),
     )
     return JailPlan(
         name=policy.name,
         jail=jail,
         frame=_frame(policy, host),
         devices=_devices(),
-        env=JAIL_ENVIRONMENT,
+        env=jail_environment(policy.network),
         id_maps=maps,
         keep_caps=True,
         memory_max_bytes=zygote_memory_mb(policy, max_jobs) << 20,

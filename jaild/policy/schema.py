@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import grp
 import os
 import pwd
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaild.errors import PolicyError, SyscallNameError
+from jaild.errors import EgressRuleError, PolicyError, SyscallNameError
+from jaild.policy.egress import DEFAULT_PORTS, EgressRules, Rule, parse_host
 from jaild.policy.seccomp import ACTIONS, SeccompChoice, allowed_syscalls
 from jaild.policy.syscalls import PROFILES
 from jaild.protocol.messages import MAX_CODE_CHARS, MAX_PAYLOAD_BYTES, POLICY_NAME
@@ -170,9 +172,84 @@ class Network:
     mode: str = setting(
         "none",
         '"none": private netns, no interfaces; "loopback": lo up, AF_INET allowed; '
-        '"host": host network (unsafe).',
-        choice("none", "loopback", "host"),
+        '"host": host network (unsafe); "egress": lo only, and HTTP(S) to the names of '
+        "[egress] through the daemon's gateway.",
+        choice("none", "loopback", "host", "egress"),
     )
+
+
+@dataclass(frozen=True)
+class Injection:
+    """One ``[[egress.inject]]`` table: a header the gateway adds to requests for ``host``."""
+
+    host: str
+    header: str
+    value_env: str
+
+
+HEADER_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+NOT_INJECTABLE = frozenset({
+    "host", "content-length", "transfer-encoding", "connection", "keep-alive", "te",
+    "trailer", "upgrade", "proxy-authorization", "proxy-authenticate", "proxy-connection",
+    "expect",
+})
+"""Headers that frame or route a request (or are the proxy's own): never injected."""
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
+
+
+def _egress_allow(entries: tuple[str, ...]) -> str | None:
+    for i, entry in enumerate(entries):
+        try:
+            Rule.parse(entry)
+        except EgressRuleError as exc:
+            return f"entry {i}: {exc}"
+    return None
+
+
+def _ports(ports: tuple[int, ...]) -> str | None:
+    bad = [p for p in ports if not 1 <= p <= 65535]
+    if bad:
+        return f"ports must be from 1 to 65535, got {bad[0]}"
+    return None if ports else "must list at least one port"
+
+
+@dataclass(frozen=True)
+class Egress:
+    """``[egress]`` -- with ``network.mode = "egress"``: what a job may reach by name, through
+    the daemon's HTTP(S) gateway (the jail itself has only loopback)."""
+
+    allow: tuple[str, ...] = setting(
+        (),
+        'Names a job may reach: "api.github.com", "*.example.com" (names below it), '
+        '"pypi.org:443" (that port only), or an address literal.',
+        _egress_allow,
+    )
+    ports: tuple[int, ...] = setting(
+        DEFAULT_PORTS, "Ports an allow entry without its own port may reach.", _ports
+    )
+    deny_private: bool = setting(
+        True,
+        "Refuse every address that is not public unicast (loopback, RFC 1918, link-local "
+        "and the metadata service, ULA, ...), checked after resolution.",
+    )
+    max_requests: int = setting(
+        200, "Requests (and CONNECT tunnels) per job, refused ones included.", between(0, 1 << 24)
+    )
+    max_bytes: int = setting(
+        100 << 20, "Bytes per job through the gateway, both directions.", between(0, 1 << 42)
+    )
+    inject: tuple[Injection, ...] = setting(
+        (),
+        "[[egress.inject]] tables {host, header, value_env}: a header the gateway adds for "
+        "host (HTTPS intercepted with the daemon's CA); the value comes from the daemon's "
+        "secrets file or environment and never enters the jail.",
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def egress_rules(egress: Egress) -> EgressRules:
+    """``egress`` as the gateway's rules (validated when the policy loaded)."""
+    return EgressRules.parse(egress.allow, egress.ports, egress.deny_private)
 
 
 @dataclass(frozen=True)
@@ -294,6 +371,7 @@ SECTIONS: dict[str, type] = {
     "limits": Limits,
     "filesystem": Filesystem,
     "network": Network,
+    "egress": Egress,
     "seccomp": Seccomp,
     "python": Python,
     "access": Access,
@@ -311,6 +389,7 @@ class Policy:
     limits: Limits
     filesystem: Filesystem
     network: Network
+    egress: Egress
     seccomp: Seccomp
     python: Python
     access: Access
@@ -330,6 +409,7 @@ class Policy:
             "description": self.description,
             "limits": dataclasses.asdict(self.limits),
             "network": self.network.mode,
+            **({"egress": list(self.egress.allow)} if self.network.mode == "egress" else {}),
             "seccomp": {"profile": self.seccomp.profile, "action": self.seccomp.action},
             "env": self.python.env,
         }
@@ -432,6 +512,13 @@ def load_section(path: str, section: str, cls: type, data: Any) -> Any:
                 raise PolicyError(path, key, f"must be a list, got {type(raw).__name__}")
             if item_tp is Bind:
                 values[name] = tuple(_bind(path, f"{key}[{i}]", v) for i, v in enumerate(raw))
+            elif item_tp is Injection:
+                values[name] = tuple(_injection(path, f"{key}[{i}]", v) for i, v in enumerate(raw))
+            elif item_tp is int:
+                for i, item in enumerate(raw):
+                    if type(item) is not int:
+                        raise PolicyError(path, f"{key}[{i}]", f"must be an integer, got {item!r}")
+                values[name] = tuple(raw)
             else:
                 for i, item in enumerate(raw):
                     if type(item) is not str:
@@ -471,6 +558,55 @@ def _bind(path: str, key: str, raw: Any) -> Bind:
     return Bind(src, dst)
 
 
+def _injection(path: str, key: str, raw: Any) -> Injection:
+    fields = ("host", "header", "value_env")
+    if not isinstance(raw, dict):
+        raise PolicyError(path, key, "must be a table {host, header, value_env}")
+    for name in raw:
+        if name not in fields:
+            raise PolicyError(path, f"{key}.{name}", f"unknown key; accepts {', '.join(fields)}")
+    for name in fields:
+        if type(raw.get(name)) is not str:
+            raise PolicyError(path, f"{key}.{name}", f"must be a string, got {raw.get(name)!r}")
+    host, header, env = raw["host"].strip(), raw["header"], raw["value_env"]
+    try:
+        parsed = parse_host(host)
+    except EgressRuleError as exc:
+        raise PolicyError(path, f"{key}.host", str(exc)) from None
+    if not HEADER_TOKEN.match(header):
+        raise PolicyError(path, f"{key}.header", f"{header!r} is not an HTTP header name")
+    if header.lower() in NOT_INJECTABLE:
+        raise PolicyError(path, f"{key}.header", f"{header} frames or routes a request; "
+                          "it cannot be injected")
+    if not ENV_NAME.match(env):
+        raise PolicyError(path, f"{key}.value_env", f"{env!r} is not a variable name")
+    return Injection(str(parsed), header, env)
+
+
+def _check_egress(policy: Policy, data: Mapping[str, Any]) -> None:
+    """``[egress]`` belongs to ``network.mode = "egress"``, which needs something to reach;
+    each injection's host is on the allow-list, once per header."""
+    egress, path = policy.egress, policy.path
+    if policy.network.mode != "egress":
+        if "egress" in data:
+            raise PolicyError(path, "egress", 'needs network.mode = "egress"')
+        return
+    if not egress.allow:
+        raise PolicyError(path, "egress.allow", 'is empty: network.mode = "egress" would '
+                          'reach nothing (use mode = "none")')
+    rules = egress_rules(egress)
+    seen: set[tuple[str, str]] = set()
+    for i, inj in enumerate(egress.inject):
+        key = f"egress.inject[{i}]"
+        host = parse_host(inj.host)
+        if not any(r.names(host) for r in rules.allow):
+            raise PolicyError(path, f"{key}.host", f"{inj.host} is not on egress.allow")
+        if (inj.host, inj.header.lower()) in seen:
+            raise PolicyError(path, f"{key}.header", f"{inj.header} is injected for "
+                              f"{inj.host} twice")
+        seen.add((inj.host, inj.header.lower()))
+
+
 def load_policy_text(text: str, path: str) -> Policy:
     """Parse and validate one policy. ``path`` names it in errors and gives its name."""
     stem = Path(path).name.removesuffix(".toml")
@@ -493,6 +629,7 @@ def load_policy_text(text: str, path: str) -> Policy:
         name: load_section(path, name, cls, data.get(name, {})) for name, cls in SECTIONS.items()
     }
     policy = Policy(name=stem, path=path, description=description, **sections)
+    _check_egress(policy, data)
     _check_seccomp(policy)
     _check_python(policy)
     if policy.pool.min > policy.pool.max:
@@ -640,6 +777,10 @@ def reference_markdown() -> str:
                 default = f.default_factory()  # type: ignore[operator]
             if isinstance(default, tuple):
                 default = [b.src if isinstance(b, Bind) else b for b in default]
+            if section == "egress" and f.name == "inject":
+                section_key = "[[egress.inject]]"
+                lines.append(f"| `{section_key}` | list | `[]` | {f.metadata['doc']} |")
+                continue
             shown = toml_value(default)
             lines.append(f"| `{section}.{f.name}` | {tname} | `{shown}` | {f.metadata['doc']} |")
     return "\n".join(lines) + "\n"

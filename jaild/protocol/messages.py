@@ -57,7 +57,7 @@ from jaild.protocol.fields import (
 )
 from jaild.protocol.records import DaemonStats, JobEntry, JobRecord, PolicyEntry, SessionInfo
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 MAX_CODE_CHARS = 1 << 20
 MAX_DESCRIPTION_CHARS = 8192

@@ -212,6 +212,26 @@ class Usage(Report):
     stream_dropped_bytes: int = field(_count)
 
 
+MAX_EGRESS_HOSTS = 256
+"""Hosts listed in a record's ``egress`` (the first, in name order)."""
+
+
+@struct
+class EgressRecord(Report):
+    """What a run's egress through the daemon's gateway used (``network.mode = "egress"``)."""
+
+    requests: int = field(_count)
+    """Requests and tunnels the gateway read, refused ones included, up to the quota."""
+    bytes_out: int = field(_count)
+    """Bytes from the jail towards hosts (heads and bodies, or a tunnel's bytes)."""
+    bytes_in: int = field(_count)
+    hosts: tuple[str, ...] = field(list_of(string(255, min_len=1), MAX_EGRESS_HOSTS))
+    """The hosts it reached (connected to)."""
+    refused: dict[str, int] = field(map_of(_short, _count, 32))
+    """Refusals by kind: ``not_allowed``, ``private_address``, ``quota``, ``bad_request``,
+    ``slow_request``, ``head_too_large``, ``misdirected``, ``unresolved``, ``unreachable``."""
+
+
 @struct
 class FileEntry(Report):
     """A regular file the run created or changed in its working directory."""
@@ -244,7 +264,7 @@ class SessionRun(Report):
 class JobRecord(Report):
     """A job's result record (``JobFinished.record``; PROTOCOL.md section 10)."""
 
-    SPARSE = frozenset({"session"})
+    SPARSE = frozenset({"session", "egress"})
     SPARSE_EMPTY = frozenset({"tool_calls_omitted", "files_skipped"})
 
     job_id: str = field(_job_id)
@@ -270,6 +290,8 @@ class JobRecord(Report):
     """Calls beyond the :data:`MAX_CALL_RECORDS` listed."""
     session: SessionRun | None = field(optional(nested(SessionRun)))
     """Set for a session's runs only."""
+    egress: EgressRecord | None = field(optional(nested(EgressRecord)), default=None)
+    """Set for the runs of ``network.mode = "egress"`` policies only."""
 
     def __post_init__(self) -> None:
         Struct.__post_init__(self)
@@ -430,6 +452,7 @@ RECORDS: tuple[type[Report], ...] = (
     JobError,
     ToolCallEntry,
     Usage,
+    EgressRecord,
     FileEntry,
     SkippedFile,
     SessionRun,
@@ -445,9 +468,11 @@ RECORDS: tuple[type[Report], ...] = (
 
 __all__ = [
     "MAX_CALL_RECORDS",
+    "MAX_EGRESS_HOSTS",
     "RECORDS",
     "STATUSES",
     "DaemonStats",
+    "EgressRecord",
     "FileEntry",
     "JobEntry",
     "JobError",

@@ -206,7 +206,7 @@ def job_plans(policy: Policy) -> dict[str, JailPlan]:
 
 
 def test_every_policy_is_shipped_with_a_plan() -> None:
-    assert SHIPPED == ["data", "default", "strict"]
+    assert SHIPPED == ["data", "default", "strict", "web"]
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -224,7 +224,7 @@ def test_plan_of_each_shipped_policy(name: str) -> None:
     assert plan.memory_max_bytes == child_memory_ceiling_bytes(policy)
     assert set(jail.namespaces) >= {"user", "mount", "pid", "ipc", "uts", "cgroup"}
     assert ("net" in jail.namespaces) == (policy.network.mode != "host")
-    assert jail.loopback == (policy.network.mode == "loopback")
+    assert jail.loopback == (policy.network.mode in ("loopback", "egress"))
     # the root is an empty read-only tmpfs; every bind is read-only, nosuid, nodev
     root = plan.mounts[0]
     assert (root.target, root.kind, root.writable) == ("/", "tmpfs", False)

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from jaild.daemon.gateway import MAX_HEAD_BYTES, EgressDoor, EgressQuota, connect, listen_in
 from jaild.policy.egress import Address, EgressRules
 from tests.conftest import guard
+from tests.tls import test_ca
 
 # --------------------------------------------------------------------------- upstreams
 
@@ -404,51 +405,13 @@ def test_a_listener_made_in_the_jails_namespace_is_its_only_way_out() -> None:
 # --------------------------------------------------------------------------- TLS, untouched
 
 
-def _test_ca(tmp: Any) -> tuple[str, str, str]:
-    """A CA and a server certificate for "tls.test", as PEM files: (ca, cert, key)."""
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(name("jaild test CA")).issuer_name(name(
-        "jaild test CA")).public_key(ca_key.public_key()).serial_number(1)
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder().subject_name(name("tls.test")).issuer_name(ca.subject)
-            .public_key(key.public_key()).serial_number(2)
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("tls.test")]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    paths = (tmp / "ca.pem", tmp / "cert.pem", tmp / "key.pem")
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return tuple(map(str, paths))  # type: ignore[return-value]
-
-
 def test_tls_goes_through_untouched_and_the_client_checks_the_chain(tmp_path: Any) -> None:
     """HTTPS through CONNECT: the gateway never sees inside. With the CA that signed the
     server's certificate the client gets its answer; with the default trust store it
     refuses the same server -- the chain is checked end to end, by the client."""
     import ssl
 
-    ca, cert, key = _test_ca(tmp_path)
+    ca, cert, key = test_ca(tmp_path)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
     seen: list[dict[str, Any]] = []
@@ -525,7 +488,7 @@ class _Quiet(_Echo):
 def https_upstream(tmp: Any) -> Iterator[tuple[int, list[dict[str, Any]], str]]:
     import ssl
 
-    ca, cert, key = _test_ca(tmp)
+    ca, cert, key = test_ca(tmp)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
     seen: list[dict[str, Any]] = []

@@ -58,7 +58,7 @@ def test_defaults_for_an_empty_policy() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("colour = 1", "/etc/jaild/policies/p.toml: colour: unknown key; a policy accepts access, description, files, filesystem, limits, network, pool, python, seccomp, session"),
+        ("colour = 1", "/etc/jaild/policies/p.toml: colour: unknown key; a policy accepts access, description, egress, files, filesystem, limits, network, pool, python, seccomp, session"),
         ("[limits]\nmemroy_mb = 1", "p.toml: limits.memroy_mb: unknown key; [limits] accepts wall_time_s, cpu_time_s, memory_mb"),
         ("[limits]\nmemory_mb = '256'", "p.toml: limits.memory_mb: must be an integer, got '256'"),
         ("[limits]\nmemory_mb = 256.5", "p.toml: limits.memory_mb: must be an integer, got 256.5"),
@@ -66,7 +66,7 @@ def test_defaults_for_an_empty_policy() -> None:
         ("[limits]\nmemory_mb = 8", "p.toml: limits.memory_mb: must be between 16 and 1048576, got 8"),
         ("[limits]\nwall_time_s = 0", "p.toml: limits.wall_time_s: must be between 0.01 and 86400, got 0.0"),
         ("limits = 5", "p.toml: limits: must be a table, got int"),
-        ("[network]\nmode = 'internet'", "p.toml: network.mode: must be one of none, loopback, host; got 'internet'"),
+        ("[network]\nmode = 'internet'", "p.toml: network.mode: must be one of none, loopback, host, egress; got 'internet'"),
         ("[filesystem]\nproc = 'some'", "p.toml: filesystem.proc: must be one of pid-only, full, none"),
         ("[filesystem]\nbinds = ['usr']", "p.toml: filesystem.binds[0].src: must be an absolute path, got 'usr'"),
         ("[filesystem]\nbinds = ['/usr/../etc']", "p.toml: filesystem.binds[0].src: must be a normalised path"),

@@ -248,6 +248,23 @@ class JailHandle:
         proc = self.proc
         return proc.pid if proc is not None and proc.returncode is None else None
 
+    def jail_process(self) -> int | None:
+        """The host pid of the jail's first process (in the jail's namespaces): a zygote's
+        fork, or nsjail's child."""
+        if self.jail_pid is not None:
+            return self.jail_pid
+        pid = self.pid
+        if pid is None:
+            return None
+        children: list[int] = []
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError), open(
+                    f"/proc/{pid}/task/{task}/children", encoding="ascii"
+                ) as f:
+                    children += [int(c) for c in f.read().split()]
+        return children[0] if len(children) == 1 else None
+
     def host_view(self) -> dict[str, Any]:
         """The jail seen from the host: its processes' ids, its cgroup's limits."""
         if self.cgroup is None:
