@@ -377,3 +377,18 @@ def test_no_address_listens_nowhere() -> None:
     m.start(dict)  # no event loop needed either
     assert m.listening is None and m.summary()["endpoint"] is None
     m.stop()
+
+
+def test_egress_requests_and_bytes_by_policy_and_outcome() -> None:
+    m = Metrics()
+    m.egress("web", {"policy": "web", "method": "GET", "status": 200, "bytes_out": 100,
+                     "bytes_in": 900})
+    m.egress("web", {"policy": "web", "status": 403, "refused": "not_allowed", "bytes_out": 0,
+                     "bytes_in": 0})
+    m.egress("web", {"policy": "web", "error": "connection lost", "bytes_out": 5,
+                     "bytes_in": 0})
+    assert value(m, "jaild_egress_requests_total", policy="web", outcome="ok") == 1
+    assert value(m, "jaild_egress_requests_total", policy="web", outcome="not_allowed") == 1
+    assert value(m, "jaild_egress_requests_total", policy="web", outcome="error") == 1
+    assert value(m, "jaild_egress_bytes_total", policy="web", direction="out") == 105
+    assert value(m, "jaild_egress_bytes_total", policy="web", direction="in") == 900

@@ -194,3 +194,24 @@ def test_the_service_has_a_memory_ceiling_that_leaves_the_host_some() -> None:
     assert ceiling.endswith("%") and 50 <= int(ceiling[:-1]) < 100
     # an OOM kill under the ceiling is a job's end, not the service's
     assert unit[("Service", "OOMPolicy")] == ["continue"]
+
+
+def test_an_egress_record_holds_the_summary_fields_and_nothing_else(tmp_path: Path) -> None:
+    """Whatever a summary carries, the audit writes only the named fields (never a header
+    or its value)."""
+    import json
+
+    from jaild.daemon.audit import EGRESS_FIELDS, AuditLog, Peer
+
+    path = tmp_path / "audit.jsonl"
+    audit = AuditLog(str(path))
+    audit.egress(Peer(1, 1000, 1000), "job-1", {
+        "policy": "web", "method": "GET", "host": "api.github.com", "port": 443, "status": 200,
+        "bytes_out": 10, "bytes_in": 20, "intercepted": True,
+        "authorization": "Bearer secret", "headers": {"x": "y"},
+    })
+    audit.close()
+    record = json.loads(path.read_text())
+    assert record["event"] == "egress" and record["job"] == "job-1" and record["uid"] == 1000
+    assert set(record) - {"ts", "event", "job", "uid"} <= set(EGRESS_FIELDS)
+    assert "secret" not in path.read_text()
