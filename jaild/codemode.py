@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaild.client import Approver, AsyncClient, AsyncSession, JobResult
 from jaild.errors import SessionClosed
-from jaild.toolspec import HostTool, normalize_tools
+from jaild.toolspec import HostTool, describe_network, normalize_tools
 
 if TYPE_CHECKING:
     from langchain_core.tools import BaseTool
@@ -137,12 +137,16 @@ def _discovery_line(tools: Mapping[str, HostTool]) -> str:
     return "; ".join(helpers)
 
 
-def build_system_prompt(tools: Mapping[str, HostTool], instructions: str = "") -> str:
+def build_system_prompt(
+    tools: Mapping[str, HostTool], instructions: str = "", network: str = ""
+) -> str:
     """The system message: the jail's conventions, then every tool with its schema.
 
     Args:
         tools: the host tools (``normalize_tools`` output).
         instructions: extra text appended at the end (house rules, output format, ...).
+        network: the policy's network in words (:func:`jaild.toolspec.describe_network`);
+            empty: the usual "normally no network".
 
     Returns:
         The prompt text.
@@ -152,6 +156,7 @@ def build_system_prompt(tools: Mapping[str, HostTool], instructions: str = "") -
         "sandbox: normally no network, a throwaway working directory, the standard library "
         "(other packages only if the sandbox has them). It reaches the outside world through "
         "the host tools listed below.",
+        *([f"Network: {network}"] if network else []),
         "",
         "Rules:",
         "- Reply with the complete program in a single ```python code block.",
@@ -535,6 +540,7 @@ class _Executor:
     def __init__(self, cm: CodeMode, client: AsyncClient, use_session: bool) -> None:
         self._cm = cm
         self._client = client
+        self.client = client
         self._use_session = use_session
         self._session: AsyncSession | None = None
         self._turns = asyncio.Lock()  # a session runs one job at a time
@@ -638,6 +644,7 @@ class CodeMode:
         self.base_url = base_url
         self.api_key = api_key
         self.policy = policy
+        self.network = ""  # the policy's network in words, read from the daemon at first use
         self.max_retries = max_retries
         self.socket = socket
         self.timeout = timeout
@@ -657,7 +664,7 @@ class CodeMode:
 
     @property
     def system_prompt(self) -> str:
-        return build_system_prompt(self.tools, self.instructions)
+        return build_system_prompt(self.tools, self.instructions, self.network)
 
     async def __aenter__(self) -> CodeMode:
         """Keep one daemon connection (and, with ``session=True``, one session) until exit."""
@@ -703,6 +710,14 @@ class CodeMode:
                 if own:
                     await client.close()
 
+    async def _learn_network(self, client: AsyncClient) -> None:
+        """The policy's network, in words, for the prompt (once per CodeMode)."""
+        if self.network:
+            return
+        for entry in await client.policies():
+            if entry["name"] == self.policy:
+                self.network = describe_network(entry["network"], entry.get("egress", ()))
+
     @contextlib.asynccontextmanager
     async def _model(self) -> AsyncIterator[AsyncOpenAI]:
         if self._llm is not None:
@@ -732,13 +747,14 @@ class CodeMode:
             JaildError: the daemon refused the job (unknown policy, ...) or is not there.
         """
         started = time.perf_counter()
-        messages: list[ChatCompletionMessageParam] = [
-            {"role": "system", "content": self.system_prompt},
-            {"role": "user", "content": task},
-        ]
         attempts: list[Attempt] = []
         last_job: JobResult | None = None
         async with self._model() as llm, self._executor() as executor:
+            await self._learn_network(executor.client)
+            messages: list[ChatCompletionMessageParam] = [
+                {"role": "system", "content": self.system_prompt},
+                {"role": "user", "content": task},
+            ]
             for number in range(1, self.max_retries + 2):
                 asked = time.perf_counter()
                 response = await llm.chat.completions.create(
@@ -805,6 +821,8 @@ class CodeMode:
             "returned as `result`, print() output as `stdout`; a failure returns `status` "
             "and `error` with the traceback."
         )
+        if self.network:  # known once the policy was read (a solve, or set by the caller)
+            text += f" Network: {self.network}"
         if self.tools:
             text += (" The program can call these host tools with "
                      "`await tools.NAME(arg=value)`:\n" + describe_tools_briefly(self.tools))

@@ -81,7 +81,7 @@ from jaild.providers import (
     ToolProviders,
     one_line,
 )
-from jaild.toolspec import HostTool
+from jaild.toolspec import HostTool, describe_network
 
 log = logging.getLogger("jaild.mcp")
 
@@ -140,8 +140,11 @@ def _signature(tool: HostTool) -> str:
     return f"{tool.name}({', '.join(names)})"
 
 
-def describe_run_python(tools: dict[str, HostTool], persistent: bool) -> str:
-    """The ``run_python`` description: how to write code for jaild, and every tool."""
+def describe_run_python(
+    tools: dict[str, HostTool], persistent: bool, network: str = ""
+) -> str:
+    """The ``run_python`` description: how to write code for jaild, its network (the
+    policy's, in words: :func:`jaild.toolspec.describe_network`), and every tool."""
     lines = [
         "Run Python code in an isolated jail (jaild) and return its result record. Write "
         "code instead of many separate tool calls: call the host tools below from Python, "
@@ -159,8 +162,8 @@ def describe_run_python(tools: dict[str, HostTool], persistent: bool) -> str:
         "- Discover tools from the code: `await tools.discover()` lists names and "
         "descriptions, `await tools.schema(\"name\")` gives a tool's argument schema, "
         "`await tools.search(\"keyword\")` finds tools; `help(tools.<name>)` too.",
-        "- The jail is isolated (under the default policy: no network, no host files); "
-        "the tools are its way out.",
+        f"- The jail is isolated (no host files). {network or 'The jail has no network.'} "
+        "The tools are its way out.",
         (
             "- Variables, functions, imports and files persist between run_python calls of "
             "this conversation (one jail); a call that hits a limit ends it and the next "
@@ -322,10 +325,15 @@ class JaildMcpServer:
         self._client: AsyncClient | None = None
         self._connecting = asyncio.Lock()
         self._sessions: dict[Any, _McpSession] = {}
+        self.network = ""  # the policy's network, in words (read from the daemon at connect)
 
     async def connect(self) -> None:
-        """Connect to the daemon. Raises DaemonUnavailable / JaildError."""
-        await self._jaild()
+        """Connect to the daemon and learn the policy's network (what ``run_python``'s
+        description says of it). Raises DaemonUnavailable / JaildError."""
+        client = await self._jaild()
+        for entry in await client.policies():
+            if entry["name"] == self.policy:
+                self.network = describe_network(entry["network"], entry.get("egress", ()))
 
     async def _jaild(self) -> AsyncClient:
         async with self._connecting:
@@ -361,7 +369,7 @@ class JaildMcpServer:
 
         from jaild import __version__
 
-        description = describe_run_python(self.tools, self.persistent)
+        description = describe_run_python(self.tools, self.persistent, self.network)
         tool = types.Tool(
             name=TOOL,
             title="Run Python in a jail",

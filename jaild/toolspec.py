@@ -212,3 +212,23 @@ def load_tools_file(path: str) -> dict[str, HostTool]:
         if not attr.startswith("_") and inspect.isfunction(obj) and obj.__module__ == module_name
     ]
     return normalize_tools(functions)
+
+
+def describe_network(mode: str, egress: Iterable[str] = ()) -> str:
+    """What a policy's network is, in words a model acts on (the MCP ``run_python``
+    description, the code-mode prompt). ``mode`` and ``egress`` are a ``PolicyEntry``'s."""
+    if mode == "egress":
+        hosts = ", ".join(
+            f"{h} (any name below {h[2:]})" if h.startswith("*.") else h for h in egress
+        )
+        return (
+            f"The jail can make HTTP(S) requests to these hosts only: {hosts}. urllib, "
+            "requests, httpx and pip already use the proxy that enforces this (do not set "
+            "proxies or turn off certificate checks). Any other host is refused with HTTP 403 "
+            "and the reason; there is no other network access."
+        )
+    if mode == "loopback":
+        return "The jail has no network but its own loopback (127.0.0.1)."
+    if mode == "host":
+        return "The jail shares the host's network."
+    return "The jail has no network."

@@ -409,7 +409,7 @@ class Policy:
             "description": self.description,
             "limits": dataclasses.asdict(self.limits),
             "network": self.network.mode,
-            **({"egress": list(self.egress.allow)} if self.network.mode == "egress" else {}),
+            "egress": list(self.egress.allow) if self.network.mode == "egress" else [],
             "seccomp": {"profile": self.seccomp.profile, "action": self.seccomp.action},
             "env": self.python.env,
         }

@@ -391,6 +391,9 @@ class PolicyEntry(Report):
     """The operator's text (a policy file bounds it not; the frame does)."""
     limits: dict[str, float | str] = field(_limits)
     network: str = field(_short)
+    egress: tuple[str, ...] = field(list_of(string(512, min_len=1), 1024))
+    """``network.mode = "egress"``: the names its jobs may reach (``egress.allow``); else
+    empty."""
     seccomp: dict[str, str] = field(map_of(_short, string(64), 8))
     """``profile`` and ``action``."""
     env: str = field(string(MAX_PATH_CHARS))

@@ -160,6 +160,7 @@ def test_a_failing_first_attempt_is_fed_back_and_the_retry_succeeds(
     system, task = chat.requests[0]["messages"]
     assert system["role"] == "system" and "### add" in system["content"]
     assert "Call: await tools.lookup(key: str)" in system["content"]
+    assert "Network: The jail has no network." in system["content"]  # the default policy's
     assert task == {"role": "user", "content": "Add 2 and 3, then double it"}
     second = chat.requests[1]["messages"]
     assert [m["role"] for m in second] == ["system", "user", "assistant", "user"]
@@ -421,3 +422,19 @@ def test_approvals_reach_the_codemode_callback(daemon: DaemonHandle) -> None:
     # without a callback, a tool that needs approval is denied
     job = asyncio.run(CodeMode(tools=[wipe], socket=daemon.socket).run_code(code))
     assert job.result == ["denied", "denied"]
+
+
+def test_the_prompt_names_the_hosts_an_egress_policy_may_reach(
+        chat: ChatServer, daemon: DaemonHandle) -> None:
+    """Under the shipped ``web`` policy the model is told which hosts it may reach and how."""
+    chat.reply(py("1 + 1"))
+    cm = make(chat, daemon, policy="web")
+    r = asyncio.run(cm.run("Two"))
+    assert r.success and r.result == 2, r.to_dict()
+    system = chat.requests[0]["messages"][0]["content"]
+    assert ("Network: The jail can make HTTP(S) requests to these hosts only: pypi.org, "
+            "files.pythonhosted.org, api.github.com, *.githubusercontent.com (any name below "
+            "githubusercontent.com).") in system
+    assert "Any other host is refused with HTTP 403" in system
+    assert "Network: The jail can make HTTP(S) requests" in cm.tool_description()
+

@@ -111,10 +111,24 @@ def test_run_python_is_listed_with_the_servers_tools(
     assert "- demo.search_repositories(query, limit=…): Search code repositories by keyword." in d
     assert "returns name and stars" not in d.lower()  # one line only
     assert "demo.whoami" in d and "demo.fail" in d
+    assert "The jail has no network." in d  # the default policy's
     for hint in ("await tools.<server>.<tool>(", 'tools["<name>"]', "await tools.discover()",
                  'tools.schema("name")', 'tools.search("keyword")', "final expression", "print"):
         assert hint in d, hint
     assert SECRET not in d
+
+
+def test_run_python_names_the_hosts_an_egress_policy_may_reach(
+    md: DaemonHandle, tmp_path: Path
+) -> None:
+    async def body(session: Any) -> Any:
+        return (await session.list_tools()).tools[0].description
+
+    d = _drive(_jaild_mcp(md.socket, "--policy", "web"), tmp_path / "log", body)
+    assert ("The jail can make HTTP(S) requests to these hosts only: pypi.org, "
+            "files.pythonhosted.org, api.github.com, *.githubusercontent.com (any name below "
+            "githubusercontent.com).") in d
+    assert "The jail has no network." not in d
 
 
 def test_jailed_code_calls_the_mcp_servers_tools(

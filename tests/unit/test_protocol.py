@@ -135,7 +135,7 @@ OK_RECORD = {**RECORD, "status": "ok", "error": None, "usage": None, "files": []
              "tool_calls": []}
 POOL = {"mode": "spawn", "min": 0, "max": 4, "target": 1, "ready": 1}
 POLICY = {
-    "name": "default", "description": "", "limits": {"memory_mb": 256}, "network": "none",
+    "name": "default", "description": "", "limits": {"memory_mb": 256}, "network": "none", "egress": [],
     "seccomp": {"profile": "default", "action": "kill"}, "env": "default", "available": True,
     "problems": "", "pool": POOL,
 }

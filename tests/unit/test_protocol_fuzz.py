@@ -80,6 +80,7 @@ from jaild.protocol.records import (
     FileEntry,
     JobEntry,
     JobError,
+    EgressRecord,
     JobRecord,
     PolicyEntry,
     PoolInfo,
@@ -215,6 +216,9 @@ job_record = st.fixed_dictionaries(dict(
     tool_calls_omitted=count,
     session=opt() | st.builds(SessionRun, id=session_id, run=opt() | count,
                               closed=opt() | text(1, 64)),
+    egress=opt() | st.builds(EgressRecord, requests=count, bytes_out=count, bytes_in=count,
+                             hosts=st.lists(text(1, 64), max_size=3).map(tuple),
+                             refused=st.dictionaries(text(1, 64), count, max_size=3)),
 )).map(lambda kw: JobRecord(**{**kw, "error": None if kw["status"] == "ok" else kw["error"]}))
 session_info = st.builds(SessionInfo, policy=policy_name, idle_s=seconds,
                          max_lifetime_s=seconds, limits=record_limits)
@@ -233,7 +237,7 @@ job_entry = st.builds(
 )
 policy_entry = st.builds(
     PolicyEntry, name=policy_name, description=text(), limits=record_limits,
-    network=text(1, 64), seccomp=st.dictionaries(text(1, 64), text(max_size=64), max_size=2),
+    network=text(1, 64), egress=st.lists(text(1, 64), max_size=3).map(tuple), seccomp=st.dictionaries(text(1, 64), text(max_size=64), max_size=2),
     env=text(max_size=64), available=st.booleans(), problems=text(), pool=pool_info,
 )
 usage_totals = st.builds(

@@ -158,7 +158,7 @@ def test_the_daemon_to_client_reports_are_typed_and_checked() -> None:
     assert no_cpu.to_dict()["cpu_s"] is None  # a cgroup without CPU accounting
     pool = PoolInfo(mode="spawn", min=0, max=2, target=0, ready=0)
     policy = PolicyEntry(name="default", description="", limits={"memory_mb": 256},
-                         network="none", seccomp={"profile": "default", "action": "kill"},
+                         network="none", egress=(), seccomp={"profile": "default", "action": "kill"},
                          env="default", available=True, problems="", pool=pool)
     listed = decode(encode(PolicyList(ref=2, policies=(policy,))), "daemon->client")
     assert isinstance(listed, PolicyList) and listed.policies == (policy,)
