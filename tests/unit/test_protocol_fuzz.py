@@ -77,10 +77,10 @@ from jaild.protocol.messages import (
 from jaild.protocol.records import (
     STATUSES,
     DaemonStats,
+    EgressRecord,
     FileEntry,
     JobEntry,
     JobError,
-    EgressRecord,
     JobRecord,
     PolicyEntry,
     PoolInfo,
