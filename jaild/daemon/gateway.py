@@ -57,6 +57,7 @@ from jaild.policy.egress import Address, EgressRules, parse_host
 log = logging.getLogger("jaild")
 
 MAX_HEAD_BYTES = 16384
+MAX_REASON_CHARS = 1024
 MAX_CONNECTIONS = 32  # a job's connections through its door at once
 CHUNK = 65536
 HOP_BY_HOP = frozenset({
@@ -608,6 +609,7 @@ class EgressDoor:
         with contextlib.suppress(h11.ProtocolError, ConnectionError, OSError):
             writer.write(conn.send(h11.Response(
                 status_code=refusal.status,
+                reason=_reason_phrase(refusal.message),
                 headers=[(b"content-type", b"text/plain; charset=utf-8"),
                          (b"content-length", str(len(body)).encode()),
                          (b"connection", b"close")],
@@ -615,6 +617,14 @@ class EgressDoor:
             writer.write(conn.send(h11.Data(data=body)) or b"")
             writer.write(conn.send(h11.EndOfMessage()) or b"")
             await writer.drain()
+
+
+def _reason_phrase(message: str) -> bytes:
+    """The refusal as the status line's reason phrase too: a client that drops the body of
+    a refused ``CONNECT`` (urllib, requests, httpx do) still shows why ("Tunnel connection
+    failed: 403 egress to ..."). Printable ASCII, at most :data:`MAX_REASON_CHARS`."""
+    text = "".join(c if " " <= c <= "~" else "?" for c in message)
+    return text[:MAX_REASON_CHARS].encode("ascii")
 
 
 async def _next_event(conn: h11.Connection, reader: asyncio.StreamReader) -> Any:
