@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,20 @@ from tests.conftest import STATE_DIR, DaemonHandle, guard, until
 
 pytestmark = pytest.mark.integration
 
-POLICIES = ["default", "pooled", "spawn"]
+POLICIES = ["default", "pooled", "spawn", "web"]
+NETWORKED = {"web"}  # AF_INET allowed (egress): A also listens on its loopback
+
+LEAVE_NET = r'''
+listener = socket.create_server(("127.0.0.1", {port}))
+'''
+
+SEE_NET = r'''
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=5).close()
+    seen["loopback listener"] = True
+except OSError:
+    seen["loopback listener"] = False
+'''
 
 # Leaves a trace of every kind; {tmp} is /tmp in a jail, a scratch directory on the host.
 LEAVE = r'''
@@ -113,8 +127,9 @@ def _hold_a(client: Client, policy: str) -> tuple[threading.Event, threading.Eve
         up.set()
         return release.wait(guard(60))
 
+    net = LEAVE_NET.format(port=47000) if policy in NETWORKED else ""
     job = client.submit(
-        LEAVE.format(tmp="/tmp") + "await tools.hold()\n"
+        LEAVE.format(tmp="/tmp") + net + "await tools.hold()\n"
         "[os.getuid(), os.readlink('/proc/self/ns/pid'), open('/proc/1/stat').read().split()[21]]",
         policy=policy, tools={"hold": hold},
     )
@@ -127,7 +142,8 @@ def test_job_b_sees_nothing_of_job_a(daemon: DaemonHandle, policy: str) -> None:
         up, release, job_a = _hold_a(a_client, policy)
         try:
             assert up.wait(guard(30)), "job A did not reach its tool call"
-            b = b_client.run(SEE.format(tmp="/tmp") + BUDGET, policy=policy)
+            net = SEE_NET.format(port=47000) if policy in NETWORKED else ""
+            b = b_client.run(SEE.format(tmp="/tmp") + net + BUDGET, policy=policy)
         finally:
             release.set()
         a = job_a.result(guard(60))  # type: ignore[attr-defined]
@@ -141,21 +157,26 @@ def test_job_b_sees_nothing_of_job_a(daemon: DaemonHandle, policy: str) -> None:
         assert uid != a.result[0], "A and B ran as the same uid"
     assert seen == dict.fromkeys(seen, False), f"B saw traces of A: {seen}"
     assert set(seen) == {"tmp file", "/dev/shm file", "sysv shm", "abstract socket",
-                         "module state", "other processes", "forks refused"}
+                         "module state", "other processes", "forks refused",
+                         *(["loopback listener"] if policy in NETWORKED else [])}
 
 
 def test_positive_control_two_host_processes_see_each_other() -> None:
     # The same probes, as two plain processes on the host: B sees everything A left.
     tmp = tempfile.mkdtemp()
+    with socket.socket() as free:  # a port no one holds (the jails' 47000 is their own)
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
     leave = (LEAVE.format(tmp=tmp).replace("hog = bytearray(100", "hog = bytearray(1")
-             .replace("range(20)", "range(0)"))
+             .replace("range(20)", "range(0)")) + LEAVE_NET.format(port=port)
     with subprocess.Popen(
         [sys.executable, "-c", leave + "print('up', flush=True)\nimport time\ntime.sleep(60)"],
         stdout=subprocess.PIPE, text=True, start_new_session=True,  # A and its child: one group
     ) as a:
         try:
             assert a.stdout is not None and a.stdout.readline().strip() == "up"
-            see = SEE.format(tmp=tmp) + "import json as j\nprint(j.dumps(seen))"
+            see = (SEE.format(tmp=tmp) + SEE_NET.format(port=port)
+                   + "import json as j\nprint(j.dumps(seen))")
             out = subprocess.run([sys.executable, "-c", see], capture_output=True, text=True,
                                  timeout=guard(30), check=True).stdout
             seen = json.loads(out)
@@ -165,7 +186,8 @@ def test_positive_control_two_host_processes_see_each_other() -> None:
             Path("/dev/shm/a-was-here").unlink(missing_ok=True)
     # the module-state probe is the only one two fresh host interpreters cannot share
     assert seen == {"tmp file": True, "/dev/shm file": True, "sysv shm": True,
-                    "abstract socket": True, "module state": False, "other processes": True}
+                    "abstract socket": True, "module state": False, "other processes": True,
+                    "loopback listener": True}
 
 
 def test_a_pooled_jail_serves_one_job_only(daemon: DaemonHandle) -> None:
