@@ -245,6 +245,7 @@ class JailedJob:
         # job code), served by a door of each run's own
         self._egress_listener: socket.socket | None = None
         self._egress_run: tuple[EgressDoor, asyncio.Task[None]] | None = None
+        self._egress_stopping: asyncio.Task[None] | None = None  # the last run's door
 
     # -- public
 
@@ -519,13 +520,21 @@ class JailedJob:
             return None
         door, task = run
         task.cancel()
+        self._egress_stopping = task
         return door.usage.to_wire()
 
     def _close_egress(self) -> None:
+        """The jail is gone: its listener is closed once no door waits on it (closing a
+        descriptor the loop still watches could take a reused number's registration)."""
         self._end_egress_run()
         listener, self._egress_listener = self._egress_listener, None
-        if listener is not None:
+        if listener is None:
+            return
+        stopping = self._egress_stopping
+        if stopping is None or stopping.done():
             listener.close()
+        else:
+            stopping.add_done_callback(lambda _: listener.close())
 
     def _emit(self, action: EmitRecord) -> None:
         """The job's (or run's) record, for whoever awaits it."""
