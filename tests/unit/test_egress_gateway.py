@@ -234,7 +234,11 @@ def test_a_denied_host_gets_a_reason_a_model_can_act_on() -> None:
             "egress to evil.test:80 is not allowed by policy 'web': evil.test is not on the "
             "allow-list; allowed: api.test\n")
         reply = d.raw(b"CONNECT api.test:22 HTTP/1.1\r\nHost: api.test\r\n\r\n")
-        assert reply.startswith(b"HTTP/1.1 403") and b"port 22 of api.test is not allowed" in reply
+        # the reason is the status line's too: clients drop a refused CONNECT's body
+        status_line = reply.split(b"\r\n", 1)[0]
+        assert status_line == (b"HTTP/1.1 403 egress to api.test:22 is not allowed by policy "
+                               b"'web': port 22 of api.test is not allowed (its ports: 80, 443);"
+                               b" allowed: api.test"), status_line
     assert asked == []  # refused before any name was resolved
     assert d.door.usage.refused == {"not_allowed": 2}
 
@@ -582,3 +586,10 @@ def test_any_bytes_get_an_answer_or_a_close_and_the_door_keeps_serving(data: byt
         assert all(x.endswith((":80", ":443")) for x in dialled)  # only what is allowed
         reply = d.raw(b"CONNECT evil.test:443 HTTP/1.1\r\nHost: evil.test\r\n\r\n")
         assert reply.startswith(b"HTTP/1.1 403")  # still serving, still refusing
+
+
+def test_a_reason_phrase_is_one_line_of_printable_ascii() -> None:
+    from jaild.daemon.gateway import MAX_REASON_CHARS, _reason_phrase
+
+    assert _reason_phrase("a\r\nb\x00c\u00e9d") == b"a??b?c?d"
+    assert len(_reason_phrase("x" * 5000)) == MAX_REASON_CHARS
