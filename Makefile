@@ -18,7 +18,7 @@ APT_PACKAGES := python3 python3-venv python3-dev gcc libcap-dev libseccomp2 syst
 STAMPS := .stamps
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo test unit integration lint bench bench-smoke bench-tools soak install uninstall jail-env clean distclean test-hosts
+.PHONY: all setup demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install uninstall jail-env clean distclean test-hosts
 
 all: setup
 
@@ -94,6 +94,14 @@ bench-tools: $(STAMPS)/apt
 	    pyodide@$(PYODIDE_VERSION); \
 	fi
 	@$(PY) bench/installed.py bench || $(PY) -m pip install --quiet -e '.[bench]'
+
+# The egress gateway against mitmproxy (bench/egress.py); mitmproxy into a venv of its own
+# (it pins versions of cryptography, h11 and msgpack that jaild's venv does not have).
+bench-egress: setup
+	@test -x $(BENCH_DIR)/mitmproxy/bin/mitmdump || { \
+	  $(PYTHON) -m venv $(BENCH_DIR)/mitmproxy && \
+	  $(BENCH_DIR)/mitmproxy/bin/pip install --quiet 'mitmproxy>=11'; }
+	$(PY) bench/egress.py --mitmdump $(BENCH_DIR)/mitmproxy/bin/mitmdump $(BENCH_EGRESS_ARGS)
 
 # Not part of `make test`: 5,000 sequential jobs and bursts of 200 concurrent ones,
 # zero lost results, flat daemon RSS and descriptor count.
