@@ -15,6 +15,7 @@ import io
 import json
 import os
 import secrets
+import socket
 import ssl
 import threading
 import zipfile
@@ -26,7 +27,14 @@ from typing import Any
 import pytest
 
 from jaild.client import Client
-from tests.conftest import DaemonHandle, guard, run_unjailed, start_daemon, sweep_cgroups
+from tests.conftest import (
+    DaemonHandle,
+    guard,
+    run_unjailed,
+    start_daemon,
+    sweep_cgroups,
+    until,
+)
 from tests.tls import test_ca
 
 pytestmark = pytest.mark.integration
@@ -533,3 +541,70 @@ b = open("/opt/jaild/egress-trust.pem").read()
 """)
     count, certifi_covered, key_visible = r.result
     assert count > 1 and certifi_covered and not key_visible
+
+
+def test_a_local_user_cannot_read_the_ca_key_and_no_door_is_on_the_host(
+    gateway: DaemonHandle,
+) -> None:
+    """A local user who is not root reads the trust bundle (public) but not the CA's key (root
+    reading it is the positive control). The doors are in the jails' namespaces: none of the
+    daemon's sockets listens on TCP in the host's (while a jail of an egress policy is up)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import STATE_DIR
+
+    base = Path(STATE_DIR) / "egress"
+    probe = f"""
+out = []
+for path in ("{base}/trust.pem", "{base}/ca/ca.key"):
+    try:
+        open(path, "rb").read(1)
+        out.append("read")
+    except OSError as e:
+        out.append(type(e).__name__)
+print(",".join(out))
+"""
+
+    def as_user(uid: int) -> str:
+        def drop() -> None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+
+        r = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True,
+                           timeout=guard(30), preexec_fn=drop if uid else None, check=True)
+        return r.stdout.strip()
+
+    assert as_user(65534) == "read,PermissionError"
+    assert as_user(0) == "read,read"  # the positive control
+
+    with socket.create_server(("127.0.0.1", 0)):  # the probe's positive control
+        assert tcp_listeners_in_host_namespace(os.getpid())
+    with Client(gateway.socket) as client:
+        job = client.submit("import time; time.sleep(600)", "web")
+        try:
+            until(lambda: any(j["id"] == job.job_id and j["state"] == "running"
+                              for j in client.jobs()), "the job runs")
+            assert not tcp_listeners_in_host_namespace(gateway.proc.pid)
+        finally:
+            job.cancel()
+
+
+def tcp_listeners_in_host_namespace(pid: int) -> set[str]:
+    """The sockets of process ``pid`` that listen on TCP in this (the host's) namespace."""
+    held = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            held.add(target[8:-1])
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                listening.add(fields[9])
+    return held & listening
