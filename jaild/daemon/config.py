@@ -87,7 +87,12 @@ class DaemonFile:
     socket_group: str = setting(
         "", "Group that may connect (socket 0660, directory 0750); empty: root only."
     )
-    policies_dir: str = setting(SYSTEM_POLICIES, "Directory of policy files.", _absolute)
+    policies_dir: str = setting(
+        "",
+        f"Directory of policy files; empty: {SYSTEM_POLICIES} if it exists, else the source "
+        "checkout's policies/ (as with no config file).",
+        _absolute,
+    )
     state_dir: str = setting(
         DEFAULT_STATE_DIR, "Jail environments and the staged runtime.", _absolute
     )
@@ -338,7 +343,7 @@ class DaemonConfig:
             d, a, lim = sections["daemon"], sections["access"], sections["limits"]
             values.update(
                 socket_path=d.socket,
-                policies_dir=d.policies_dir,
+                policies_dir=d.policies_dir or default_policies_dir(),  # unset: as without a file
                 state_dir=d.state_dir,
                 nsjail=d.nsjail or None,
                 socket_group=d.socket_group or None,

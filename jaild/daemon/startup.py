@@ -165,6 +165,11 @@ async def start(
     try:
         served.policies = load_policies(config)
     except PolicyError as exc:
+        if exc.key == "" and exc.path == str(config.policies_dir):  # the directory itself
+            raise StartupError(
+                f"cannot load policies: {exc.message} (set daemon.policies_dir in the config "
+                "file, --policies or JAILD_POLICIES)"
+            ) from None
         raise StartupError(f"invalid policy: {exc.message}") from None
     sock = listening_socket(config, served)
     try:

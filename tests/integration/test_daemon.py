@@ -175,6 +175,20 @@ def test_daemon_refuses_to_start_on_an_invalid_policy(tmp_path: Path) -> None:
     assert not os.path.exists(d.socket)
 
 
+def test_a_missing_policy_directory_is_named_as_what_it_is(tmp_path: Path) -> None:
+    """Not "invalid policy": the directory is missing, and the message says how to name one."""
+    missing = tmp_path / "no-policies"
+    r = subprocess.run(
+        [sys.executable, "-m", "jaild", "serve", "--socket", str(tmp_path / "s.sock"),
+         "--policies", str(missing)], capture_output=True, text=True, timeout=guard(60),
+        check=False,
+    )
+    assert r.returncode == 1
+    assert (f"cannot load policies: {missing}: policy directory does not exist (set "
+            "daemon.policies_dir in the config file, --policies or JAILD_POLICIES)") in r.stderr
+    assert "invalid policy" not in r.stderr
+
+
 def test_daemon_refuses_a_policy_whose_env_is_missing(tmp_path: Path) -> None:
     d = start_daemon(tmp_path, {"noenv": '[python]\nenv = "does-not-exist"\n'}, wait=False)
     assert d.proc.wait(guard(60)) == 1

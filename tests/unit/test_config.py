@@ -6,7 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from jaild.daemon.config import DaemonConfig, config_reference_markdown, load_config_file
+from jaild.daemon.config import (
+    DaemonConfig,
+    config_reference_markdown,
+    default_policies_dir,
+    load_config_file,
+)
 from jaild.errors import PolicyError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,3 +81,19 @@ def test_readme_config_reference_is_generated() -> None:
     assert config_reference_markdown() in (REPO / "README.md").read_text(), (
         "run: python scripts/update_readme_reference.py"
     )
+
+
+def test_a_config_file_that_leaves_policies_dir_unset_keeps_its_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defaults compose: a file setting only another key does not move the policy directory
+    away from where it is without a file (/etc/jaild/policies if it exists, else the
+    checkout's)."""
+    monkeypatch.delenv("JAILD_POLICIES", raising=False)
+    path = tmp_path / "jaild.toml"
+    path.write_text('[daemon]\nmetrics_address = "127.0.0.1:9464"\n')
+    with_file = DaemonConfig.from_sources(str(path))
+    assert with_file.metrics_address == "127.0.0.1:9464"
+    assert with_file.policies_dir == default_policies_dir()
+    path.write_text('[daemon]\npolicies_dir = "/srv/policies"\n')
+    assert DaemonConfig.from_sources(str(path)).policies_dir == "/srv/policies"
