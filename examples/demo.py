@@ -63,6 +63,22 @@ def wait_for_socket(path: str, proc: subprocess.Popen[bytes], timeout_s: float =
     sys.exit("demo: jaild did not start listening in time")
 
 
+class Prefixed:
+    """Prints a stream's chunks with ``prefix`` at the start of every line (a chunk may end
+    mid-line, or hold several lines)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.at_line_start = True
+
+    def __call__(self, text: str) -> None:
+        out = []
+        for line in text.splitlines(keepends=True):
+            out.append((self.prefix if self.at_line_start else "") + line)
+            self.at_line_start = line.endswith("\n")
+        print("".join(out), end="", flush=True)
+
+
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="jaild-demo-") as tmp:
         sock = os.path.join(tmp, "jaild.sock")
@@ -77,7 +93,7 @@ def main() -> int:
                     policy="default",
                     tools={"price": price, "stock": stock},
                     timeout=10,
-                    on_stdout=lambda text: print(f"   jail| {text}", end=""),
+                    on_stdout=Prefixed("   jail| "),
                 )
             print("== result record")
             print(json.dumps(result.to_dict(), indent=2))
