@@ -697,6 +697,8 @@ class Daemon:
     def _tool_called(
         self, job_id: str, policy: str, tool: str, outcome: str, duration_s: float
     ) -> None:
+        if job_id.startswith(startup.PROBE_JOB_PREFIX):  # the daemon's own self-test:
+            return  # not a user's call (its result is logged as the policy's self-test)
         live = self.registry.job(job_id)
         self.audit.tool_call(live.owner.peer if live else None, job_id, tool, outcome, duration_s)
         self.metrics.tool_call(policy, tool, outcome, duration_s)

@@ -438,6 +438,11 @@ def listening_socket(config: DaemonConfig, served: Served) -> socket.socket:
     return sock
 
 
+PROBE_JOB_PREFIX = "probe-"
+"""The job ids of the daemon's own self-test jobs (never a client's: theirs are ``job-…``);
+their tool calls are not users' activity (no audit record, no metrics)."""
+
+
 async def probe_policies(config: DaemonConfig, served: Served) -> None:
     """Run the self-test of every policy; a policy that fails it is not served."""
     names = sorted(n for n in served.policies if n not in served.unavailable)
@@ -462,7 +467,7 @@ async def _probe(config: DaemonConfig, served: Served, policy: Policy) -> list[C
     assert served.env is not None
     hidden = host_paths_to_hide(policy, config.socket_path, config.state_dir, config.policies_dir)
     spec = JobSpec(
-        job_id="probe-" + secrets.token_hex(8),
+        job_id=PROBE_JOB_PREFIX + secrets.token_hex(8),
         policy=policy,
         limits=dataclasses.replace(policy.limits, wall_time_s=min(policy.limits.wall_time_s, 20)),
         code=probe_code(policy, hidden),

@@ -266,3 +266,25 @@ def test_without_the_setting_the_daemon_listens_on_no_port(
     assert _socket_inodes(md[0].proc.pid) & _listening_inodes()
     with Client(d.socket) as c:
         assert c.stats()["metrics"]["endpoint"] is None
+
+
+def test_the_daemons_own_self_tests_are_not_user_activity(tmp_path: Path) -> None:
+    """Every policy's self-test calls the daemon's inspection tool at start; those calls are
+    neither counted in the metrics ``jaild stats`` shows nor audited as a user's (a user's
+    call right after is both: the control)."""
+    audit = tmp_path / "audit.jsonl"
+    config = write_config(tmp_path, f'[daemon]\naudit_log = "{audit}"\n')
+    d = start_daemon(tmp_path / "d", args=("--config", config))
+    try:
+        assert "passed its self-test" in d.log()
+        with d.client() as c:
+            assert c.stats()["metrics"]["tool_calls"] == {}
+            r = c.run("await tools.ping()", tools={"ping": lambda: "pong"})
+            assert r.status == "ok", r.error
+            assert c.stats()["metrics"]["tool_calls"] == {"default": {"ping": {"ok": 1}}}
+        records = [json.loads(line) for line in audit.read_text().splitlines()]
+        calls = [r for r in records if r["event"] == "tool_call"]
+        assert [(c["tool"], c["uid"]) for c in calls] == [("ping", os.getuid())], calls
+    finally:
+        assert d.stop() == 0, d.log()[-3000:]
+        sweep_cgroups(d)
