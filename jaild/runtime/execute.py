@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import inspect
 import linecache
+import os
 import traceback
 from dataclasses import dataclass
 from types import CodeType, TracebackType
@@ -48,6 +49,28 @@ def _user_frames(tb: TracebackType | None, filename: str) -> TracebackType | Non
     return start if start is not None else tb
 
 
+_JAILD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+"""The jaild package the runtime runs from (``/opt/jaild/runtime/jaild/`` in a jail)."""
+
+
+def _without_jaild_frames(shown: traceback.TracebackException) -> None:
+    """Drop the runtime's own frames (the tools proxy raising ``ToolError``, ...) from a
+    traceback and from the exceptions chained to it: the user sees their code and the
+    libraries it called, not jaild's internals. A traceback of jaild's frames only (a fault
+    of the runtime itself) is left whole."""
+    seen: set[int] = set()
+    todo: list[traceback.TracebackException | None] = [shown]
+    while todo:
+        te = todo.pop()
+        if te is None or id(te) in seen:
+            continue
+        seen.add(id(te))
+        kept = [f for f in te.stack if not (f.filename or "").startswith(_JAILD_DIR)]
+        if kept:
+            te.stack = traceback.StackSummary.from_list(kept)
+        todo += [te.__cause__, te.__context__, *(getattr(te, "exceptions", None) or [])]
+
+
 def _last_user_line(tb: TracebackType | None, filename: str) -> int | None:
     line = None
     while tb is not None:
@@ -69,7 +92,9 @@ def describe(exc: BaseException, filename: str) -> ErrorInfo:
         )
     tb = _user_frames(exc.__traceback__, filename)
     try:
-        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        shown = traceback.TracebackException(type(exc), exc, tb, compact=True)
+        _without_jaild_frames(shown)
+        text = "".join(shown.format())
     except Exception:
         text = f"{type(exc).__name__}: <traceback unavailable>"
     try:

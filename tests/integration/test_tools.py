@@ -113,10 +113,14 @@ def test_uncaught_tool_error_fails_the_job(client: Client) -> None:
     def broken() -> None:
         raise RuntimeError("nope")
 
-    r = client.run("await tools.broken()", tools={"broken": broken})
+    r = client.run("x = 1\nawait tools.broken()", tools={"broken": broken})
     assert r.status == "error"
     assert r.error is not None and r.error["type"] == "ToolError"
     assert "host-secret" not in (r.error["traceback"] or "")
+    # the user's frames only: their line, none of the runtime's (the tools proxy) below it
+    tb = r.error["traceback"]
+    assert 'line 2, in <module>' in tb and "await tools.broken()" in tb, tb
+    assert "/opt/jaild" not in tb and "jaild/runtime" not in tb, tb
 
 
 def test_unknown_tool_lists_the_available_ones(client: Client) -> None:

@@ -100,3 +100,19 @@ def test_pack_result_fallbacks() -> None:
 def test_long_messages_are_clipped() -> None:
     out = execute("raise ValueError('x' * 200000)")
     assert out.error is not None and len(out.error.message) <= 65536
+
+
+def test_a_traceback_holds_no_frame_of_jaild_itself() -> None:
+    """A call into the runtime that raises (here the tools proxy, as ``await
+    tools.missing()`` does in a jail) shows the user's line, not the runtime's frames --
+    also in an exception chained to it."""
+    from jaild.runtime.tools import Tools
+
+    tools = Tools((), channel=None, payload_limit=1024)  # type: ignore[arg-type]  # no tool
+    glb = {"__name__": "__main__", "__builtins__": builtins, "tools": tools}
+    out = run("def f():\n    tools.missing\ntry:\n    f()\nexcept Exception as e:\n"
+              "    raise RuntimeError('again') from e\n", "<job>", glb, 1 << 20)
+    assert out.error is not None and out.error.type == "RuntimeError"
+    text = out.error.traceback
+    assert "tools.missing" in text and "raise RuntimeError('again') from e" in text, text
+    assert "jaild/runtime" not in text and "tools.py" not in text, text
