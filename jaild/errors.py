@@ -171,6 +171,19 @@ class PolicyError(JaildError):
         self.reason = reason
         where = f"{path}: {key}" if key else path
         super().__init__(f"{where}: {reason}")
+        self.errors: list[PolicyError] = [self]
+        """Every problem of the file (see :meth:`every`); this one alone otherwise."""
+
+    @classmethod
+    def every(cls, errors: list[PolicyError]) -> PolicyError:
+        """All of a file's problems as one error: the first's path, key and reason, and a
+        message of one ``file: key: reason`` line per problem."""
+        first = errors[0]
+        combined = cls(first.path, first.key, first.reason)
+        combined.errors = list(errors)
+        combined.message = "\n".join(e.message for e in errors)
+        combined.args = (combined.message,)
+        return combined
 
 
 class DaemonUnavailable(JaildError):

@@ -489,52 +489,69 @@ def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
     return False, value
 
 
-def load_section(path: str, section: str, cls: type, data: Any) -> Any:
+def load_section(
+    path: str, section: str, cls: type, data: Any, errors: list[PolicyError] | None = None
+) -> Any:
+    """``[section]`` of a file as ``cls``. Raises the first PolicyError; with ``errors``,
+    appends every one there instead and leaves each bad key at its default."""
+    found = [] if errors is None else errors
+    before = len(found)
+    values = _section_values(path, section, cls, data, found)
+    if errors is None and len(found) > before:
+        raise found[before]
+    return cls(**values)
+
+
+def _section_values(
+    path: str, section: str, cls: type, data: Any, errors: list[PolicyError]
+) -> dict[str, Any]:
     if not isinstance(data, dict):
-        raise PolicyError(path, section, f"must be a table, got {type(data).__name__}")
+        errors.append(PolicyError(path, section, f"must be a table, got {type(data).__name__}"))
+        return {}
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in known:
-            raise PolicyError(
+            errors.append(PolicyError(
                 path, f"{section}.{key}", f"unknown key; [{section}] accepts {', '.join(known)}"
-            )
+            ))
     values: dict[str, Any] = {}
     for name, f in known.items():
         if name not in data:
             continue
         key = f"{section}.{name}"
-        raw = data[name]
-        tp = hints[name]
-        if typing.get_origin(tp) is tuple:
-            (item_tp, _) = typing.get_args(tp)
-            if not isinstance(raw, list):
-                raise PolicyError(path, key, f"must be a list, got {type(raw).__name__}")
-            if item_tp is Bind:
-                values[name] = tuple(_bind(path, f"{key}[{i}]", v) for i, v in enumerate(raw))
-            elif item_tp is Injection:
-                values[name] = tuple(_injection(path, f"{key}[{i}]", v) for i, v in enumerate(raw))
-            elif item_tp is int:
-                for i, item in enumerate(raw):
-                    if type(item) is not int:
-                        raise PolicyError(path, f"{key}[{i}]", f"must be an integer, got {item!r}")
-                values[name] = tuple(raw)
-            else:
-                for i, item in enumerate(raw):
-                    if type(item) is not str:
-                        raise PolicyError(path, f"{key}[{i}]", f"must be a string, got {item!r}")
-                values[name] = tuple(raw)
-        else:
-            ok, value = _coerce(tp, raw)
-            if not ok:
-                raise PolicyError(path, key, f"must be {_type_name(tp)}, got {raw!r}")
-            values[name] = value
-        check = f.metadata.get("check")
-        if check is not None:
-            reason = check(values[name])
+        try:
+            value = _value(path, key, hints[name], data[name])
+            check = f.metadata.get("check")
+            reason = check(value) if check is not None else None
             if reason:
                 raise PolicyError(path, key, reason)
-    return cls(**values)
+        except PolicyError as exc:
+            errors.append(exc)
+            continue
+        values[name] = value
+    return values
+
+
+def _value(path: str, key: str, tp: Any, raw: Any) -> Any:
+    """One key's value, typed (PolicyError if it is not of its type)."""
+    if typing.get_origin(tp) is tuple:
+        (item_tp, _) = typing.get_args(tp)
+        if not isinstance(raw, list):
+            raise PolicyError(path, key, f"must be a list, got {type(raw).__name__}")
+        if item_tp is Bind:
+            return tuple(_bind(path, f"{key}[{i}]", v) for i, v in enumerate(raw))
+        if item_tp is Injection:
+            return tuple(_injection(path, f"{key}[{i}]", v) for i, v in enumerate(raw))
+        want, name = (int, "an integer") if item_tp is int else (str, "a string")
+        for i, item in enumerate(raw):
+            if type(item) is not want:
+                raise PolicyError(path, f"{key}[{i}]", f"must be {name}, got {item!r}")
+        return tuple(raw)
+    ok, value = _coerce(tp, raw)
+    if not ok:
+        raise PolicyError(path, key, f"must be {_type_name(tp)}, got {raw!r}")
+    return value
 
 
 def _bind(path: str, key: str, raw: Any) -> Bind:
@@ -608,7 +625,12 @@ def _check_egress(policy: Policy, data: Mapping[str, Any]) -> None:
 
 
 def load_policy_text(text: str, path: str) -> Policy:
-    """Parse and validate one policy. ``path`` names it in errors and gives its name."""
+    """Parse and validate one policy. ``path`` names it in errors and gives its name.
+
+    Raises:
+        PolicyError: every problem of the file at once (``errors``; its message has one
+            ``file: key: reason`` line each).
+    """
     stem = Path(path).name.removesuffix(".toml")
     if not re.fullmatch(POLICY_NAME, stem):
         raise PolicyError(path, "", f"policy name {stem!r} must match {POLICY_NAME}")
@@ -616,32 +638,43 @@ def load_policy_text(text: str, path: str) -> Policy:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise PolicyError(path, "", f"not valid TOML: {exc}") from None
+    errors: list[PolicyError] = []
     allowed = {"description", *SECTIONS}
     for key in data:
         if key not in allowed:
-            raise PolicyError(
+            errors.append(PolicyError(
                 path, key, f"unknown key; a policy accepts {', '.join(sorted(allowed))}"
-            )
+            ))
     description = data.get("description", "")
     if not isinstance(description, str):
-        raise PolicyError(path, "description", f"must be a string, got {description!r}")
+        errors.append(PolicyError(path, "description", f"must be a string, got {description!r}"))
+        description = ""
     sections = {
-        name: load_section(path, name, cls, data.get(name, {})) for name, cls in SECTIONS.items()
+        name: load_section(path, name, cls, data.get(name, {}), errors)
+        for name, cls in SECTIONS.items()
     }
     policy = Policy(name=stem, path=path, description=description, **sections)
-    _check_egress(policy, data)
-    _check_seccomp(policy)
-    _check_python(policy)
-    if policy.pool.min > policy.pool.max:
-        raise PolicyError(
-            path, "pool.min", f"{policy.pool.min} is more than pool.max ({policy.pool.max})"
-        )
-    if policy.pool.mode == "spawn" and policy.pool.preimport:
-        raise PolicyError(path, "pool.preimport", 'needs mode = "zygote"')
+    for check in (_check_egress, _check_seccomp, _check_python, _check_pool):
+        try:
+            check(policy, data)
+        except PolicyError as exc:
+            errors.append(exc)
+    if errors:
+        raise PolicyError.every(errors)
     return policy
 
 
-def _check_seccomp(policy: Policy) -> None:
+def _check_pool(policy: Policy, data: Mapping[str, Any]) -> None:
+    if policy.pool.min > policy.pool.max:
+        raise PolicyError(
+            policy.path, "pool.min",
+            f"{policy.pool.min} is more than pool.max ({policy.pool.max})",
+        )
+    if policy.pool.mode == "spawn" and policy.pool.preimport:
+        raise PolicyError(policy.path, "pool.preimport", 'needs mode = "zygote"')
+
+
+def _check_seccomp(policy: Policy, data: Mapping[str, Any]) -> None:
     try:
         allowed_syscalls(policy.seccomp_choice)
     except SyscallNameError as exc:
@@ -653,7 +686,7 @@ def _check_seccomp(policy: Policy) -> None:
         raise PolicyError(policy.path, key, text) from None
 
 
-def _check_python(policy: Policy) -> None:
+def _check_python(policy: Policy, data: Mapping[str, Any]) -> None:
     env = policy.python.env
     if env.startswith("/"):
         if os.path.normpath(env) != env:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from jaild.policy.schema import (
     load_policy_text,
     reference_markdown,
 )
-from tests.conftest import world_tempdir
+from tests.conftest import REPO, world_tempdir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -173,3 +175,37 @@ def test_access_rules() -> None:
 def test_readme_policy_reference_is_generated_from_the_schema() -> None:
     readme = (REPO / "README.md").read_text()
     assert reference_markdown() in readme, "run: jaild policy reference, and paste it into README.md"
+
+
+FIVE_MISTAKES = """
+colour = 1
+[limits]
+memory_mb = 8
+pids = "many"
+[network]
+mode = "internet"
+[pool]
+min = 9
+max = 2
+"""
+
+
+def test_every_mistake_of_a_file_is_reported_at_once(tmp_path: Path) -> None:
+    """Like ruff or mypy: one run names every problem (file, key path, reason)."""
+    with pytest.raises(PolicyError) as info:
+        load_policy_text(FIVE_MISTAKES, "/p/five.toml")
+    assert [(e.key, e.reason.split(";")[0].split(",")[0]) for e in info.value.errors] == [
+        ("colour", "unknown key"),
+        ("limits.memory_mb", "must be between 16 and 1048576"),
+        ("limits.pids", "must be an integer"),
+        ("network.mode", "must be one of none"),
+        ("pool.min", "9 is more than pool.max (2)"),
+    ]
+    assert info.value.message.count("\n") == 4
+    path = tmp_path / "five.toml"
+    path.write_text(FIVE_MISTAKES)
+    out = subprocess.run([sys.executable, "-m", "jaild", "policy", "check", "--offline",
+                          str(path)], capture_output=True, text=True, check=False, cwd=REPO)
+    assert out.returncode == 1
+    assert [line.split(": ")[1] for line in out.stderr.splitlines()] == [
+        "colour", "limits.memory_mb", "limits.pids", "network.mode", "pool.min"]
