@@ -20,7 +20,7 @@ from jaild.policy.schema import (
     load_policy_text,
     reference_markdown,
 )
-from tests.conftest import REPO, world_tempdir
+from tests.conftest import world_tempdir
 
 REPO = Path(__file__).resolve().parents[2]
 
