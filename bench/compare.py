@@ -51,6 +51,11 @@ REPO = BENCH.parent
 DEFAULT_OUT = BENCH / "report.md"
 LEVELS = [1, 4, 16, 64]
 POOL_SIZE = 8
+POOL_FILL_GUARD_S = 180.0
+"""How long the memory measurement waits for a variant's pool to fill: a liveness guard
+only (it goes on as soon as the pool is full). Fixed at 3 s in quick runs before, which a
+slow host -- the bench smoke test in a TCG guest, seconds per pooled jail -- could miss,
+failing the run with "no pooled jail processes found"."""
 FAIRNESS_SHARE = 8  # FAIRNESS_CONFIG's max_jobs = 16: each uid's derived share is half
 OTHER_UID = 65534
 FLOODS = {
@@ -173,7 +178,9 @@ class Run:
                     return
                 memory = self.attempt(
                     f"{key}/memory",
-                    lambda: daemon.settled_snapshot(variant.pool_min, 3 if s.quick else 15),
+                    # a liveness guard, not a setting: it returns once the pool is full (a slow
+                    # host -- the smoke run under TCG -- takes seconds per pooled jail)
+                    lambda: daemon.settled_snapshot(variant.pool_min, POOL_FILL_GUARD_S),
                 )
                 if memory is not None:
                     r.memory[key] = memory
