@@ -572,7 +572,9 @@ print(",".join(out))
             os.setgid(uid)
             os.setuid(uid)
 
-        r = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True,
+        # the base interpreter: the venv may sit in a 0700 home the other uid cannot enter
+        python = getattr(sys, "_base_executable", "") or sys.executable
+        r = subprocess.run([python, "-I", "-S", "-c", probe], capture_output=True, text=True,
                            timeout=guard(30), preexec_fn=drop if uid else None, check=True)
         return r.stdout.strip()
 
