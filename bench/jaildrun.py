@@ -169,7 +169,7 @@ class PrivateDaemon:
     def log_tail(self, chars: int = 1500) -> str:
         return self._log.read_text(errors="replace")[-chars:].strip()
 
-    def _wait_serving(self, timeout_s: float = 120) -> None:
+    def _wait_serving(self, timeout_s: float = 600) -> None:
         """Until the daemon answers Hello (it accepts connections earlier, during its
         self-tests), then check that it serves the policy."""
         assert self._proc is not None
@@ -349,7 +349,7 @@ class PrivateDaemon:
             finally:
                 for job in held:
                     job.cancel()
-                ended += [job.result(60) for job in held]
+                ended += [job.result(300) for job in held]  # a liveness guard (slow hosts)
 
 
 def cores_used(records: list[JobResult]) -> float:
