@@ -180,6 +180,36 @@ def read_results(share: Path) -> list[tuple[str, str, str]]:
     return rows
 
 
+JUNIT = {"test": "junit.xml", "service": "junit-service.xml"}
+EXCERPT_LINES = 40
+
+
+def failure_excerpt(share: Path, step: str) -> list[str]:
+    """What a failed step's logs say, for the harness's own output (CI keeps only that): the
+    failed tests of its JUnit file, then the last lines of its log."""
+    lines: list[str] = []
+    junit = share / JUNIT.get(step, "")
+    if step in JUNIT and junit.is_file():
+        import xml.etree.ElementTree as ET
+
+        try:
+            for case in ET.parse(junit).getroot().iter("testcase"):
+                bad = case.find("failure")
+                if bad is None:
+                    bad = case.find("error")
+                if bad is not None:
+                    why = (bad.get("message") or "").splitlines()[:1]
+                    lines.append(f"FAILED {case.get('classname')}::{case.get('name')}"
+                                 + (f": {why[0][:300]}" if why else ""))
+        except (ET.ParseError, OSError) as exc:
+            lines.append(f"(cannot read {junit.name}: {exc})")
+    log_file = share / f"{step}.log"
+    if log_file.is_file():
+        tail = log_file.read_text(errors="replace").splitlines()[-EXCERPT_LINES:]
+        lines += [f"{step}.log: {line}" for line in tail]
+    return lines
+
+
 def run_guest(name: str, args: argparse.Namespace) -> bool:
     guest_recipe = image.GUESTS[name]
     args.image = image.build(guest_recipe, force=args.rebuild)
@@ -227,6 +257,9 @@ def run_guest(name: str, args: argparse.Namespace) -> bool:
             log(f"{name}: TIMEOUT after {args.timeout_min} min (raise --timeout-min)")
         elif not done:
             log(f"{name}: the guest stopped before its steps finished (see console.log)")
+        for step in failed:  # CI shows this output only: name what failed, here
+            for line in failure_excerpt(run / "share", step):
+                log(f"{name}: {line}")
         summary = "PASS" if done and not failed and not timed_out else "FAIL"
         log(f"{name}: {summary} in {total:.0f} s with {accel}"
             + (f"; failed: {' '.join(failed)}" if failed else ""))
