@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import ssl
 import stat
 from collections.abc import Callable, Mapping
@@ -39,7 +40,7 @@ from jaild.daemon.egress_ca import EgressCA
 from jaild.daemon.gateway import EgressDoor, EgressQuota, listen_in
 from jaild.errors import StartupError
 from jaild.policy.compile import EGRESS_PORT
-from jaild.policy.schema import Policy, egress_rules
+from jaild.policy.schema import Policy, egress_rules, resolve_env
 
 log = logging.getLogger("jaild")
 
@@ -95,8 +96,6 @@ def read_secrets(path: str) -> dict[str, str]:
 
 def certifi_bundles(policies: Mapping[str, Policy], envs_dir: str) -> tuple[tuple[str, str], ...]:
     """(env, its certifi cacert.pem) for the envs of egress policies (see HostLayout)."""
-    from jaild.policy.schema import resolve_env
-
     found = []
     for policy in policies.values():
         if policy.network.mode != "egress":
@@ -162,7 +161,7 @@ class EgressService:
             raise StartupError(f"daemon.egress_upstream_ca: {upstream_ca}: {exc}") from None
         return cls(str(trust), ca, upstream, observe, injections)
 
-    def listener(self, pid: int) -> Any:
+    def listener(self, pid: int) -> socket.socket:
         """The jail's door: a listener on its own loopback (the jail of process ``pid``).
         Refused if ``pid`` shares the daemon's network namespace: a door there would be
         every local user's."""
