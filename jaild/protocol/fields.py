@@ -10,6 +10,7 @@ receive boundary in :mod:`jaild.protocol.messages` converts that into a
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar, dataclass_transform
@@ -52,6 +53,20 @@ def describe(check: Check, limit: str | None) -> Check:
     PROTOCOL.md's field-limit table states and a test compares."""
     setattr(check, "limit", limit)  # noqa: B010 -- a function attribute, not a typo
     return check
+
+
+def wire_form(check: Check, form: str) -> Check:
+    """Tag a check with the form its values take on the wire when they are not sent as they
+    are (:meth:`Struct.to_wire` converts only the fields so tagged): ``struct`` (a nested
+    :class:`Struct`), ``list`` (a tuple, sent as a list; its items structs or not)."""
+    setattr(check, "wire", form)  # noqa: B010 -- a function attribute, not a typo
+    return check
+
+
+def wire_of(check: Check) -> str | None:
+    """The form :func:`wire_form` gave ``check`` (None: its values go as they are)."""
+    form: str | None = getattr(check, "wire", None)
+    return form
 
 
 def limit_of(check: Check) -> str | None:
@@ -146,6 +161,9 @@ def optional(inner: Check) -> Check:
     def check(path: str, v: Any) -> Any:
         return None if v is None else inner(path, v)
 
+    form = wire_of(inner)
+    if form is not None:
+        wire_form(check, form)
     return describe(check, limit_of(inner))
 
 
@@ -160,6 +178,7 @@ def list_of(inner: Check, max_items: int) -> Check:
         return tuple(inner(f"{path}[{i}]", item) for i, item in enumerate(v))
 
     each = limit_of(inner)
+    wire_form(check, "list")
     return describe(
         check, f"at most {show_number(max_items)} items" + (f"; each {each}" if each else "")
     )
@@ -174,6 +193,8 @@ def map_of(key: Check, value: Check, max_items: int) -> Check:
         return {key(f"{path}.<key>", k): value(f"{path}.{k}", item) for k, item in v.items()}
 
     keys, values = limit_of(key), limit_of(value)
+    if wire_of(value) == "struct":
+        wire_form(check, "map")
     return describe(
         check,
         f"at most {show_number(max_items)} entries"
@@ -245,6 +266,11 @@ class Struct:
     _checks: ClassVar[tuple[tuple[str, Check], ...]] = ()
     _required: ClassVar[frozenset[str]] = frozenset()
     _names: ClassVar[frozenset[str]] = frozenset()
+    _order: ClassVar[tuple[str, ...]] = ()  # the field names, in order
+    # (instance) -> every field's value, in order; an attrgetter (not a descriptor) or a
+    # staticmethod, so ``self._values(self)`` calls it with the instance
+    _values: ClassVar[Any] = staticmethod(lambda _: ())
+    _converted: ClassVar[tuple[tuple[str, str], ...]] = ()  # (name, wire form) to convert
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -255,6 +281,18 @@ class Struct:
         fs = dataclasses.fields(cls)  # type: ignore[arg-type]
         cls._checks = tuple((f.name, f.metadata["check"]) for f in fs)
         cls._names = frozenset(f.name for f in fs)
+        cls._order = tuple(f.name for f in fs)
+        # every field's value in one C call (attrgetter of one name returns it bare)
+        if len(cls._order) > 1:
+            cls._values = operator.attrgetter(*cls._order)
+        elif cls._order:
+            one = operator.attrgetter(cls._order[0])
+            cls._values = staticmethod(lambda o: (one(o),))
+        cls._converted = tuple(
+            (f.name, form)
+            for f in fs
+            if (form := wire_of(f.metadata["check"])) is not None
+        )
         cls._required = frozenset(
             f.name
             for f in fs
@@ -262,23 +300,24 @@ class Struct:
         )
 
     def __post_init__(self) -> None:
-        for name, check in self._checks:
-            value = getattr(self, name)
+        for (name, check), value in zip(self._checks, self._values(self), strict=True):
             checked = check(name, value)
             if checked is not value:
                 object.__setattr__(self, name, checked)
 
     def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name, _ in self._checks:
-            value = getattr(self, name)
-            if isinstance(value, Struct):
-                value = value.to_wire()
-            elif type(value) is tuple:
-                value = [v.to_wire() if isinstance(v, Struct) else v for v in value]
-            elif type(value) is dict and value and isinstance(next(iter(value.values())), Struct):
-                value = {k: v.to_wire() for k, v in value.items()}
-            out[name] = value
+        """The wire form: a map of every field; nested structs as maps, tuples as lists."""
+        out = dict(zip(self._order, self._values(self), strict=True))
+        for name, form in self._converted:
+            value = out[name]
+            if value is None:
+                continue
+            if form == "struct":
+                out[name] = value.to_wire()
+            elif form == "list":
+                out[name] = [v.to_wire() if isinstance(v, Struct) else v for v in value]
+            else:  # a map of structs
+                out[name] = {k: v.to_wire() for k, v in value.items()}
         return out
 
     @classmethod
@@ -309,6 +348,7 @@ def nested(cls: type[S]) -> Check:
         except TypeError as exc:
             raise _fail(path, str(exc)) from None
 
+    wire_form(check, "struct")
     return describe(check, None)
 
 

@@ -47,7 +47,6 @@ from jaild.protocol.fields import (
     MAX_NAME_CHARS,
     MAX_REF,
     SESSION_ID,
-    Check,
     Struct,
     any_map,
     boolean,
@@ -111,9 +110,34 @@ def _limit_value(path: str, v: Any) -> Any:
 
 
 describe(_limit_value, f"{limit_of(_limit_number)}, or a string of {limit_of(_limit_text)}")
-_limits: Check = map_of(_short, _limit_value, 64)
-"""The effective limits: the policy's ``[limits]`` names (declared once, in the policy
-schema, so not repeated here as fields), plus ``network`` and ``tmp_mb``."""
+_limits_checked = map_of(_short, _limit_value, 64)
+_LIMIT_MAX = 1 << 53
+
+
+def _limits(path: str, v: Any) -> Any:
+    """The effective limits: the policy's ``[limits]`` names (declared once, in the policy
+    schema, so not repeated here as fields), plus ``network`` and ``tmp_mb``.
+
+    ``map_of(_short, _limit_value, 64)``, with its common case -- ASCII names, numbers in
+    range, short ASCII text -- checked in one pass: a record holds some twenty limits and
+    every record is checked twice (built by the daemon, read by the client). Anything else
+    goes through the full check, which accepts or refuses it with the precise reason."""
+    if type(v) is dict and len(v) <= 64:
+        for k, x in v.items():
+            if type(k) is not str or not 0 < len(k) <= 64 or not k.isascii():
+                break
+            t = type(x)
+            if t is str:
+                if len(x) > 64 or not x.isascii():
+                    break
+            elif (t is not int and t is not float) or not 0 <= x <= _LIMIT_MAX:
+                break
+        else:
+            return v
+    return _limits_checked(path, v)
+
+
+describe(_limits, limit_of(_limits_checked))
 
 
 class Report(Struct):
