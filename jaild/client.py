@@ -410,9 +410,9 @@ class AsyncClient:
         self._approve = approve
         self._name = name or f"jaild-py/{__version__}"
         self._conn = Connection(Role.CLIENT, MAX_FRAME)
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task[None] | None = None
+        self._transport: asyncio.Transport | None = None
+        self._link: _Link | None = None
+        self._welcome: asyncio.Future[Message | None] | None = None  # during the handshake
         self._refs = itertools.count(1)
         self._accepting: dict[int, tuple[asyncio.Future[str], _Job]] = {}
         self._requests: dict[int, asyncio.Future[Any]] = {}
@@ -421,7 +421,6 @@ class AsyncClient:
         self._broken: JaildError | None = None
         self._handler_threads = handler_threads
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._send_lock = asyncio.Lock()
 
     async def __aenter__(self) -> AsyncClient:
         await self.connect()
@@ -432,28 +431,32 @@ class AsyncClient:
 
     async def connect(self) -> None:
         """Connect and handshake. Raises DaemonUnavailable if nobody answers."""
-        self._reader, self._writer = await self._open_streams()
+        loop = asyncio.get_running_loop()
+        self._welcome = loop.create_future()
+        self._transport, self._link = await self._open_transport(lambda: _Link(self))
         try:
-            self._writer.write(self._conn.send(Hello(protocol=PROTOCOL_VERSION, client=self._name)))
-            try:
-                welcome = await self._read_message()
-            except (ConnectionError, RemoteProtocolError) as exc:
-                raise ConnectionLost(f"the handshake with the daemon failed: {exc}") from None
+            hello = Hello(protocol=PROTOCOL_VERSION, client=self._name)
+            self._transport.write(self._conn.send(hello))
+            welcome = await self._welcome
             if isinstance(welcome, Error):
                 raise error_from_wire(welcome.code, welcome.message)
             if not isinstance(welcome, Welcome):
                 raise ConnectionLost("the daemon closed the connection during the handshake")
         except BaseException:
-            self._writer.close()
-            with contextlib.suppress(Exception):
-                await self._writer.wait_closed()
+            self._transport.close()
+            await self._link.closed()
             raise
-        self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
+        finally:
+            self._welcome = None
 
-    async def _open_streams(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _open_transport(
+        self, link: Callable[[], _Link]
+    ) -> tuple[asyncio.Transport, _Link]:
         """The connection to the daemon (:mod:`jaild.testing` connects over a socketpair)."""
         try:
-            return await asyncio.open_unix_connection(self.socket_path, limit=1 << 16)
+            return await asyncio.get_running_loop().create_unix_connection(
+                link, self.socket_path
+            )
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise DaemonUnavailable(
                 f"no jaild daemon at {self.socket_path} ({exc.strerror}); start one with "
@@ -466,15 +469,11 @@ class AsyncClient:
             ) from None
 
     async def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            with contextlib.suppress(Exception):
-                await self._writer.wait_closed()
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader_task
         self._fail_all(ConnectionLost("the client was closed"))
+        if self._transport is not None:
+            self._transport.close()
+            assert self._link is not None
+            await self._link.closed()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -637,36 +636,38 @@ class AsyncClient:
     async def _send(self, msg: Message) -> None:
         if self._broken is not None:
             raise self._broken
-        if self._writer is None:
+        if self._transport is None or self._link is None:
             raise ConnectionLost("not connected; call connect() or use 'async with'")
-        self._writer.write(self._conn.send(msg))
-        async with self._send_lock:
-            await self._writer.drain()
+        self._transport.write(self._conn.send(msg))
+        await self._link.drain()  # returns at once unless the daemon is not reading
 
-    async def _read_message(self) -> Message | None:
-        assert self._reader is not None
-        while True:
-            event = self._conn.next_event()
-            if event is NEED_DATA:
-                self._conn.receive_data(await self._reader.read(1 << 16))
-                continue
-            if event is CLOSED:
-                return None
-            assert isinstance(event, Message)
-            return event
-
-    async def _read_loop(self) -> None:
+    def _received(self, data: bytes) -> None:
+        """Bytes from the daemon (b"": it closed the connection): every message in them is
+        handled now, in the loop iteration that read them."""
         try:
+            self._conn.receive_data(data)
             while True:
-                msg = await self._read_message()
-                if msg is None:
-                    self._fail_all(ConnectionLost("the daemon closed the connection"))
+                event = self._conn.next_event()
+                if event is NEED_DATA:
                     return
-                self._handle(msg)
+                if event is CLOSED:
+                    self._ended(ConnectionLost("the daemon closed the connection"))
+                    return
+                assert isinstance(event, Message)
+                if self._welcome is not None and not self._welcome.done():
+                    self._welcome.set_result(event)  # Welcome, or the Error that refuses us
+                else:
+                    self._handle(event)
         except RemoteProtocolError as exc:
-            self._fail_all(ConnectionLost(f"the daemon sent invalid data: {exc.message}"))
-        except (ConnectionError, OSError) as exc:
-            self._fail_all(ConnectionLost(f"connection to the daemon lost: {exc}"))
+            self._ended(ConnectionLost(f"the daemon sent invalid data: {exc.message}"))
+            if self._transport is not None:
+                self._transport.close()
+
+    def _ended(self, exc: JaildError) -> None:
+        """The connection is over: whatever waits on it fails with ``exc``."""
+        if self._welcome is not None and not self._welcome.done():
+            self._welcome.set_exception(exc)
+        self._fail_all(exc)
 
     def _fail_all(self, exc: JaildError) -> None:
         self._broken = self._broken or exc
@@ -817,6 +818,56 @@ class AsyncClient:
             )
         with contextlib.suppress(JaildError, ConnectionError, OSError):
             await self._send(reply)
+
+
+
+class _Link(asyncio.Protocol):
+    """An :class:`AsyncClient`'s connection, as asyncio's protocol: what the daemon sends is
+    handed to the client as it is read; writes wait only while the daemon is not reading."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+        self._paused = False
+        self._drainers: list[asyncio.Future[None]] = []
+        self._lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        self._client._received(data)
+
+    def eof_received(self) -> bool:
+        self._client._received(b"")
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        why = f"connection to the daemon lost: {exc}" if exc else "the connection was closed"
+        self._client._ended(ConnectionLost(why))
+        self._paused = False
+        self._wake()
+        if not self._lost.done():
+            self._lost.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake()
+
+    async def drain(self) -> None:
+        """Until the transport's buffer is below its low-water mark."""
+        if self._paused:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._drainers.append(waiter)
+            await waiter
+
+    async def closed(self) -> None:
+        await asyncio.shield(self._lost)
+
+    def _wake(self) -> None:
+        waiters, self._drainers = self._drainers, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 class Client:

@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from jaild.client import MAX_FRAME as CLIENT_MAX_FRAME
-from jaild.client import Approver, AsyncClient
+from jaild.client import Approver, AsyncClient, _Link
 from jaild.daemon.cgroups import Cgroups
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.job import JailEnvironment
@@ -407,11 +407,10 @@ class FakeDaemon:
 
     async def _serve(self, sock: socket.socket) -> None:
         try:
-            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 16)
+            await asyncio.get_running_loop().create_unix_connection(self.daemon.protocol, sock=sock)
         except BaseException:
             sock.close()
             raise
-        await self.daemon._accept(reader, writer)
 
     async def _close(self) -> None:
         for client in self._clients:
@@ -426,8 +425,8 @@ class _PairedClient(AsyncClient):
         super().__init__("<jaild.testing socketpair>", **kwargs)
         self._sock = sock
 
-    async def _open_streams(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        return await asyncio.open_unix_connection(sock=self._sock, limit=1 << 16)
+    async def _open_transport(self, link: Callable[[], _Link]) -> tuple[asyncio.Transport, _Link]:
+        return await asyncio.get_running_loop().create_unix_connection(link, sock=self._sock)
 
 
 @contextlib.asynccontextmanager
@@ -471,7 +470,8 @@ async def fake_daemon(
 
     holder = asyncio.get_running_loop().create_task(hold(), name="jaild.testing connections")
     try:
-        fake = FakeDaemon(daemon, await group)
+        daemon.connections = await group  # the daemon's connections run in it too
+        fake = FakeDaemon(daemon, daemon.connections)
         try:
             yield fake
         finally:
@@ -554,8 +554,8 @@ class DaemonThread:
         self._stop = (asyncio.get_running_loop(), stop)
         async with fake_daemon(self._policies, config=self._config) as fake:
             daemon = fake.daemon
-            daemon.served.server = await asyncio.start_unix_server(
-                daemon._accept, path=self.socket_path, limit=1 << 16
+            daemon.served.server = await asyncio.get_running_loop().create_unix_server(
+                daemon.protocol, path=self.socket_path
             )
             self._serving.set()
             await stop.wait()

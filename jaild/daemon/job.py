@@ -103,10 +103,65 @@ from jaild.protocol.records import JobRecord
 
 log = logging.getLogger("jaild")
 
-ToolRouter = Callable[[str, int, str, bytes, bool], "asyncio.Future[tuple[bool, Any]]"]
-"""(job_id, call_id, tool name, packed args, needs approval) -> a future of (True, packed
-value) or (False, (type, message)); it may fail with ConnectionLost. The router sends the
-call at once; cancelling the future withdraws it."""
+Reply = tuple[bool, Any] | None
+"""A tool call's reply: (True, packed value), (False, (error type, message)), or None: the
+client is gone (its connection was lost before it answered)."""
+
+
+class CallReply:
+    """The reply to one routed tool call, handed to whoever listens the moment the router
+    resolves it -- in the loop iteration that read it, not on the next one as a future's
+    callbacks are. The router resolves it at most once; the job withdraws it when it no
+    longer waits (a timeout, the job's end), which tells the router (``on_withdraw``)."""
+
+    __slots__ = ("_listener", "_on_withdraw", "_reply", "_settled")
+
+    def __init__(self, on_withdraw: Callable[[], Any] | None = None) -> None:
+        self._on_withdraw = on_withdraw
+        self._listener: Callable[[Reply], None] | None = None
+        self._reply: Reply = None
+        self._settled = False
+
+    def done(self) -> bool:
+        return self._settled
+
+    def resolve(self, ok: bool, value: Any) -> None:
+        """The client answered: (True, packed value) or (False, (type, message))."""
+        self._settle((ok, value))
+
+    def lost(self) -> None:
+        """The client is gone before answering."""
+        self._settle(None)
+
+    def listen(self, listener: Callable[[Reply], None]) -> None:
+        """Call ``listener`` with the reply when it comes (on the next loop iteration if it
+        is here already: never inside the caller)."""
+        if self._settled:
+            asyncio.get_running_loop().call_soon(listener, self._reply)
+        else:
+            self._listener = listener
+
+    def withdraw(self) -> None:
+        """No one waits for the reply any more."""
+        if not self._settled:
+            self._settled = True
+            self._listener = None
+            if self._on_withdraw is not None:
+                self._on_withdraw()
+
+    def _settle(self, reply: Reply) -> None:
+        if self._settled:
+            return
+        self._settled, self._reply = True, reply
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener(reply)
+
+
+ToolRouter = Callable[[str, int, str, bytes, bool], CallReply]
+"""(job_id, call_id, tool name, packed args, needs approval) -> the call's :class:`CallReply`;
+it may raise ConnectionLost. The router sends the call at once; withdrawing the reply
+withdraws the call."""
 ToolObserver = Callable[[str, str, str, str, float], None]
 """(job_id, policy, tool, outcome, duration_s): every tool call, as it ends (audit, metrics).
 ``outcome`` is ``ok`` or the error type (``invalid_arguments``, ``denied``, ``timeout``,
@@ -238,6 +293,7 @@ class JailedJob:
         self._run = RunAccount(self._handle)  # what the run measures besides the tally
         self._run_timers: list[asyncio.TimerHandle] = []
         self._done = asyncio.Event()  # the jail is gone (JailEnded)
+        self._on_done: list[Callable[[], None]] = []  # called soon after _done is set
         self._settled = asyncio.Event()  # it was hardened (Ready), or it is gone
         self._outcome_wait: asyncio.Future[Outcome] = self._loop.create_future()
         self.ready_at: float | None = None
@@ -356,6 +412,13 @@ class JailedJob:
     async def finished(self) -> None:
         await self._done.wait()
 
+    def when_finished(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (soon, never inside the caller) once the jail is gone."""
+        if self._done.is_set():
+            self._loop.call_soon(callback)
+        else:
+            self._on_done.append(callback)
+
     async def discard(self, reason: str) -> None:
         """End a jail that will not run a job (an idle pooled jail, a shutdown)."""
         self._feed(Cancel(reason))
@@ -399,68 +462,81 @@ class JailedJob:
             self._perform(action)
 
     def _perform(self, action: Action) -> None:
-        if isinstance(action, SendToJail):
-            self._handle.write(action.data)
-        elif isinstance(action, ForwardOutput):
-            if self._output is not None:
-                self._output(self.spec.job_id, action.stream, action.data)
-        elif isinstance(action, RouteCall):
-            self._calls_out.route(action.call)
-        elif isinstance(action, WithdrawCall):
-            self._calls_out.withdraw(action.call_id)
-        elif isinstance(action, ObserveCall):
-            self._env.on_tool_call(
-                self.spec.job_id, self.spec.policy.name, action.name, action.outcome,
-                action.duration_s,
-            )
-        elif isinstance(action, EmitRecord):
-            self._emit(action)
-        else:
-            self._perform_jail(action)
+        _PERFORM[type(action)](self, action)  # one dict lookup, not a chain of isinstance
 
-    def _perform_jail(self, action: Action) -> None:
-        if isinstance(action, Ready):
-            self.ready_at = time.monotonic()
-            self._open_egress()
-            self._settled.set()
-        elif isinstance(action, StartRun):
-            self._run.run_started()
-            self._serve_egress()
-        elif isinstance(action, ArmRunTimers):
-            self._arm_run_timers(action)
-        elif isinstance(action, StopRunTimers):
-            for timer in self._run_timers:
-                timer.cancel()
-            self._run_timers.clear()
-        elif isinstance(action, CodeEnded):
-            self._run.code_ended(action.report, self.spec.policy)
-        elif isinstance(action, DrainOutput):
-            self._handle.drain()  # what the code printed is in the pipes
-            self._feed(Drained())
-        elif isinstance(action, CollectEvidence):
-            self._feed(self._handle.evidence(action.sigsys_pid))
-        else:
-            self._perform_end(action)
+    # One method per action (the table _PERFORM, after the class, maps each type to one).
 
-    def _perform_end(self, action: Action) -> None:
-        if isinstance(action, Kill):
-            self._handle.kill()
-        elif isinstance(action, AwaitLeftovers):
-            self._handle.await_leftovers()
-        elif isinstance(action, CloseChannel):
-            self._handle.close_channel()
-        elif isinstance(action, JailEnded):
-            self._close_egress()
-            self._done.set()
-            self._settled.set()
-        elif isinstance(action, Teardown):
-            self._handle.teardown()
-        elif isinstance(action, ArmReleaseTimer):
-            self._handle.arm_release_timer()
-        elif isinstance(action, Release):
-            self._handle.release()
-        else:  # StartJail: _launch does it
-            assert isinstance(action, StartJail), action
+    def _send_to_jail(self, action: SendToJail) -> None:
+        self._handle.write(action.data)
+
+    def _forward_output(self, action: ForwardOutput) -> None:
+        if self._output is not None:
+            self._output(self.spec.job_id, action.stream, action.data)
+
+    def _route_call(self, action: RouteCall) -> None:
+        self._calls_out.route(action.call)
+
+    def _withdraw_call(self, action: WithdrawCall) -> None:
+        self._calls_out.withdraw(action.call_id)
+
+    def _observe_call(self, action: ObserveCall) -> None:
+        self._env.on_tool_call(
+            self.spec.job_id, self.spec.policy.name, action.name, action.outcome,
+            action.duration_s,
+        )
+
+    def _ready(self, _: Ready) -> None:
+        self.ready_at = time.monotonic()
+        self._open_egress()
+        self._settled.set()
+
+    def _start_run(self, _: StartRun) -> None:
+        self._run.run_started()
+        self._serve_egress()
+
+    def _stop_run_timers(self, _: StopRunTimers) -> None:
+        for timer in self._run_timers:
+            timer.cancel()
+        self._run_timers.clear()
+
+    def _code_ended(self, action: CodeEnded) -> None:
+        self._run.code_ended(action.report, self.spec.policy)
+
+    def _drain_output(self, _: DrainOutput) -> None:
+        self._handle.drain()  # what the code printed is in the pipes
+        self._feed(Drained())
+
+    def _collect_evidence(self, action: CollectEvidence) -> None:
+        self._feed(self._handle.evidence(action.sigsys_pid))
+
+    def _kill(self, _: Kill) -> None:
+        self._handle.kill()
+
+    def _await_leftovers(self, _: AwaitLeftovers) -> None:
+        self._handle.await_leftovers()
+
+    def _close_channel(self, _: CloseChannel) -> None:
+        self._handle.close_channel()
+
+    def _jail_ended(self, _: JailEnded) -> None:
+        self._close_egress()
+        self._done.set()
+        self._settled.set()
+        callbacks, self._on_done = self._on_done, []
+        for callback in callbacks:
+            self._loop.call_soon(callback)
+
+    def _teardown(self, _: Teardown) -> None:
+        self._handle.teardown()
+
+    def _arm_release_timer(self, _: ArmReleaseTimer) -> None:
+        self._handle.arm_release_timer()
+
+    def _release(self, _: Release) -> None:
+        self._handle.release()
+
+    def _start_jail(self, _: StartJail) -> None:
+        """Nothing: :meth:`_launch` starts the jail."""
 
     def _arm_run_timers(self, action: ArmRunTimers) -> None:
         """The run's code is on its way: its wall-clock limit counts from here."""
@@ -549,6 +625,32 @@ class JailedJob:
             self._outcome_wait.set_result(outcome)
 
 
+_PERFORM: dict[type[Any], Callable[[JailedJob, Any], None]] = {
+    SendToJail: JailedJob._send_to_jail,
+    ForwardOutput: JailedJob._forward_output,
+    RouteCall: JailedJob._route_call,
+    WithdrawCall: JailedJob._withdraw_call,
+    ObserveCall: JailedJob._observe_call,
+    EmitRecord: JailedJob._emit,
+    Ready: JailedJob._ready,
+    StartRun: JailedJob._start_run,
+    ArmRunTimers: JailedJob._arm_run_timers,
+    StopRunTimers: JailedJob._stop_run_timers,
+    CodeEnded: JailedJob._code_ended,
+    DrainOutput: JailedJob._drain_output,
+    CollectEvidence: JailedJob._collect_evidence,
+    Kill: JailedJob._kill,
+    AwaitLeftovers: JailedJob._await_leftovers,
+    CloseChannel: JailedJob._close_channel,
+    JailEnded: JailedJob._jail_ended,
+    Teardown: JailedJob._teardown,
+    ArmReleaseTimer: JailedJob._arm_release_timer,
+    Release: JailedJob._release,
+    StartJail: JailedJob._start_jail,
+}
+"""What :meth:`JailedJob._perform` does for each action of the machine."""
+
+
 def _egress_ended(task: asyncio.Task[None]) -> None:
     """A run's door stopped: cancelled at the run's end, or failed (a jaild bug: logged)."""
     if not task.cancelled() and (exc := task.exception()) is not None:
@@ -559,16 +661,17 @@ def _egress_ended(task: asyncio.Task[None]) -> None:
 
 
 class _Calls:
-    """The routed tool calls of one jail: each a future of the client's reply, with its
-    timeout. Replies, timeouts and losses are fed to the job's machine."""
+    """The routed tool calls of one jail: each a :class:`CallReply` with its timeout.
+    Replies, timeouts and losses are fed to the job's machine."""
 
     def __init__(self, job: JailedJob) -> None:
         self._job = job
-        self._in_flight: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
+        self._in_flight: dict[int, tuple[CallReply, asyncio.TimerHandle]] = {}
 
     def route(self, call: Admitted) -> None:
-        """Hand the call to the router now; its reply is fed from a done callback (no task
-        per call: a round trip is a few loop iterations shorter)."""
+        """Hand the call to the router now; its reply is fed to the machine as soon as the
+        client's answer is read (no task, no future: a round trip is loop iterations
+        shorter)."""
         job = self._job
         assert job._route_tool is not None  # calls arrive only after RunCode
         # the clock starts before the call can reach the client, so the handler's whole time
@@ -582,41 +685,36 @@ class _Calls:
             job._feed(ToolLost(call.call_id))
             return
         timer = job._loop.call_later(call.timeout_s, self._timed_out, call, started)
-        reply.add_done_callback(functools.partial(self._done, call, started, timer))
-        if not reply.done():
-            self._in_flight[call.call_id] = reply
+        self._in_flight[call.call_id] = (reply, timer)
+        reply.listen(functools.partial(self._done, call, started))
 
     def withdraw(self, call_id: int) -> None:
-        reply = self._in_flight.pop(call_id, None)
-        if reply is not None:
-            reply.cancel()
+        entry = self._in_flight.pop(call_id, None)
+        if entry is not None:
+            entry[1].cancel()
+            entry[0].withdraw()
 
     def _timed_out(self, call: Admitted, started: float) -> None:
-        reply = self._in_flight.pop(call.call_id, None)
-        if reply is not None and not reply.done():
+        entry = self._in_flight.pop(call.call_id, None)
+        if entry is not None:
+            entry[0].withdraw()
             self._job._feed(ToolTimedOut(call.call_id, time.monotonic() - started))
-            reply.cancel()
 
-    def _done(
-        self,
-        call: Admitted,
-        started: float,
-        timer: asyncio.TimerHandle,
-        reply: asyncio.Future[tuple[bool, Any]],
-    ) -> None:
-        timer.cancel()
-        if reply.cancelled():  # withdrawn, or timed out: the machine knows
+    def _done(self, call: Admitted, started: float, reply: Reply) -> None:
+        entry = self._in_flight.pop(call.call_id, None)
+        if entry is None:  # withdrawn, or timed out: the machine knows
             return
-        self._in_flight.pop(call.call_id, None)
-        if isinstance(reply.exception(), ConnectionLost):
+        entry[1].cancel()
+        if reply is None:
             self._job._feed(ToolLost(call.call_id))
             return
-        ok, value = reply.result()
+        ok, value = reply
         self._job._feed(ToolReplied(call.call_id, ok, value, time.monotonic() - started))
 
 
 __all__ = [
     "STATUSES",
+    "CallReply",
     "ErrorInfo",
     "Evidence",
     "JailEnvironment",

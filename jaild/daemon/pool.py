@@ -139,7 +139,7 @@ class JailPool:
             if jail.alive:
                 self.stats.hits += 1
                 if self._work is not None and not self._closing.is_set():
-                    self._work.create_task(self._refill_after(jail))
+                    self._refill_after(jail)
                 return jail
             jail.cleanup()
         self.stats.misses += 1
@@ -148,13 +148,17 @@ class JailPool:
         self._refill()
         return None
 
-    async def _refill_after(self, jail: JailedJob) -> None:
+    def _refill_after(self, jail: JailedJob) -> None:
         """Make the replacement once the taken jail's job is over (or REFILL_WAIT_S has
-        passed): making a jail costs CPU the job would otherwise wait for."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(REFILL_WAIT_S):
-                await jail.finished()
-        self._refill()
+        passed): making a jail costs CPU the job would otherwise wait for. (Callbacks, not a
+        task: this is on every warm job's path; a second call of _refill does nothing.)"""
+        timer = asyncio.get_running_loop().call_later(REFILL_WAIT_S, self._refill)
+
+        def finished() -> None:
+            timer.cancel()
+            self._refill()
+
+        jail.when_finished(finished)
 
     def _refill(self) -> None:
         work = self._work

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from jaild.daemon import admission
 from jaild.daemon.audit import Peer
-from jaild.daemon.job import JailedJob
+from jaild.daemon.job import CallReply, JailedJob
 from jaild.daemon.records import with_session
 from jaild.errors import Busy, JaildError, SessionClosed
 from jaild.policy.schema import Limits, Policy
@@ -69,7 +69,7 @@ class ClientSession(Protocol):
 
     def call_tool(
         self, job_id: str, call_id: int, name: str, args: bytes, approval: bool = False
-    ) -> asyncio.Future[tuple[bool, Any]]: ...
+    ) -> CallReply: ...
 
     async def shut(self) -> None: ...
 

@@ -57,10 +57,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import struct
 import time
+import typing
 from collections import Counter
 from collections.abc import Coroutine
 from typing import Any
@@ -70,7 +72,7 @@ from jaild.daemon import admission, sched, startup, systemd
 from jaild.daemon.accounting import Accounting
 from jaild.daemon.audit import AuditLog, Peer
 from jaild.daemon.config import DaemonConfig
-from jaild.daemon.job import JailedJob, JailEnvironment
+from jaild.daemon.job import CallReply, JailedJob, JailEnvironment
 from jaild.daemon.metrics import Metrics
 from jaild.daemon.pipeline import Pipeline
 from jaild.daemon.pool import JailPool
@@ -99,7 +101,6 @@ from jaild.protocol.messages import (
     CloseSession,
     Error,
     GetStats,
-    Hello,
     JobAccepted,
     JobList,
     JobOutput,
@@ -143,164 +144,164 @@ def _peer_credentials(sock: socket.socket) -> tuple[int, int, int, tuple[int, ..
     return pid, uid, gid, groups
 
 
-class ClientSession:
-    """One client connection."""
+class ClientSession(asyncio.Protocol):
+    """One client connection: an asyncio protocol over the sans-IO :class:`Connection`.
 
-    def __init__(
-        self, daemon: Daemon, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    Frames are decoded and dispatched as they arrive, in the loop iteration that read
+    them (no reader task between the socket and the dispatch: a request costs no extra
+    trip round the loop). The connection's work -- its jobs' runs, its sessions' jails,
+    the drain of its paused output -- runs in its task group (:meth:`serve`), which ends
+    once the conversation is over and that work is done.
+
+    Its life: accepted (:meth:`connection_made`: peer credentials, then the daemon admits
+    or refuses it) -> converse (``Hello`` within ``handshake_timeout_s``; a frame, once
+    started, must keep coming within ``frame_timeout_s``) -> closed (:meth:`close`: its
+    calls fail, its jobs are cancelled, its sessions closed; what is buffered is sent,
+    for a second at most). While its replies back up past :data:`WRITE_BUFFER_HIGH` (the
+    client does not read them), its requests are not read either.
+    """
+
+    peer: Peer
+
+    def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
-        self.reader = reader
-        self.writer = writer
         self.conn = Connection(Role.DAEMON, daemon.config.max_frame_bytes)
-        self.peer = Peer(*_peer_credentials(writer.get_extra_info("socket")))
-        self.pending_calls: dict[tuple[str, int], asyncio.Future[tuple[bool, Any]]] = {}
+        self.transport: asyncio.Transport | None = None
+        self.pending_calls: dict[tuple[str, int], CallReply] = {}
         self.closed = False
         self._tasks: asyncio.TaskGroup | None = None  # the connection's scope, while it serves
+        self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._paused: set[JailedJob] = set()  # jobs whose output waits for this client
         self._drainer: asyncio.Task[None] | None = None
         self._frame_held = 0  # this connection's share of daemon.frame_bytes[uid]
         # job id -> its JobAccepted's bytes, not yet written, and the timer that writes them
         self._held: dict[str, tuple[bytes, asyncio.TimerHandle]] = {}
-        limit = daemon.config.stream_buffer_bytes
-        writer.transport.set_write_buffer_limits(high=limit, low=limit // 2)
+        self._greeted = False  # Hello received, Welcome sent
+        self._linger: int | None = None  # refused: bytes of its Hello still read and dropped
+        self._handshake_timer: asyncio.TimerHandle | None = None
+        self._frame_timer: asyncio.TimerHandle | None = None
+        self._write_paused = False  # the transport's buffer is over its high-water mark
+        self._reading_paused = False  # ... and past WRITE_BUFFER_HIGH: requests wait
+        self._drain_waiters: list[asyncio.Future[None]] = []
 
     @property
     def who(self) -> str:
         return str(self.peer)
 
-    def send(self, msg: Message) -> None:
-        """Write ``msg`` -- after its job's ``JobAccepted``, in the same write, if that is
-        still held (:meth:`accept`)."""
-        if self.closed or self.writer.is_closing():
+    # ------------------------------------------------------------------ asyncio's calls
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # a stream transport (uvloop's is one without being an asyncio.Transport)
+        self.transport = typing.cast(asyncio.Transport, transport)
+        try:
+            self.peer = Peer(*_peer_credentials(transport.get_extra_info("socket")))
+            limit = self.daemon.config.stream_buffer_bytes
+            self.transport.set_write_buffer_limits(high=limit, low=limit // 2)
+        except OSError:
+            self.closed = True
+            self.transport.abort()
+            self._end()
             return
-        data = self.conn.send(msg)
-        if self._held:
-            job_id = getattr(msg, "job_id", None)
-            held = self._held.pop(job_id, None) if job_id is not None else None
-            if held is not None:
-                held[1].cancel()
-                data = held[0] + data
-        self.writer.write(data)
+        self.daemon.connected(self)
 
-    def accept(self, ref: int, job_id: str) -> None:
-        """Tell the client its job ``job_id`` (of request ``ref``) runs: the ``JobAccepted``
-        goes out with the job's next message, or after :data:`ACCEPT_HOLD_S`, whichever
-        comes first. Nothing about the job can reach the client before it."""
-        if self.closed or self.writer.is_closing():
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
             return
-        data = self.conn.send(JobAccepted(ref=ref, job_id=job_id))
-        timer = asyncio.get_running_loop().call_later(ACCEPT_HOLD_S, self._announce, job_id)
-        self._held[job_id] = (data, timer)
+        if self._linger is not None:  # refused: its Hello is read and dropped
+            self._linger -= len(data)
+            if self._linger <= 0:
+                self.close()
+            return
+        self._received(data)
 
-    def _announce(self, job_id: str) -> None:
-        held = self._held.pop(job_id, None)
-        if held is not None and not self.closed and not self.writer.is_closing():
-            self.writer.write(held[0])
-
-    async def shut(self) -> None:
-        """The daemon stops: what is buffered goes out (for a second at most), then close."""
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.writer.drain(), timeout=1.0)
+    def eof_received(self) -> bool:
+        if not self.closed and self._linger is None:
+            self._received(b"")
         self.close()
+        return False
 
-    def send_error(
-        self, err: JaildError, ref: int | None = None, job_id: str | None = None
-    ) -> None:
-        with contextlib.suppress(JaildError):
-            self.send(Error(code=err.code, message=err.message[:65536], ref=ref, job_id=job_id))
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.close()
+        self._write_paused = False
+        self._wake_drainers()
 
-    def start(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        """Run ``work`` in this connection's task group: the connection waits for it."""
-        if self._tasks is None:
-            work.close()
-            raise RuntimeError("the connection is not serving")
-        return self._tasks.create_task(work)
+    def pause_writing(self) -> None:
+        self._write_paused = True
 
-    async def serve(self) -> None:
-        """The connection's whole life: converse, then end its work and wait for it."""
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake_drainers()
+        if self._reading_paused and not self.closed:
+            self._reading_paused = False
+            assert self.transport is not None
+            self.transport.resume_reading()
+            self._process()  # what was read before the pause
+
+    # ------------------------------------------------------------------ reading
+
+    def _received(self, data: bytes) -> None:
         try:
-            async with asyncio.TaskGroup() as tasks:
-                self._tasks = tasks
-                try:
-                    await self._converse()
-                finally:
-                    self.close()
-        finally:
-            self._tasks = None
-
-    async def _converse(self) -> None:
-        cfg = self.daemon.config
-        try:
-            try:
-                async with asyncio.timeout(cfg.handshake_timeout_s):
-                    hello = await self._next_message()
-            except TimeoutError:
-                raise ReadTimeout(
-                    f"no Hello within {cfg.handshake_timeout_s:g} s of connecting"
-                ) from None
-            if not isinstance(hello, Hello):
-                return
-            self.send(Welcome(protocol=PROTOCOL_VERSION, daemon=f"jaild/{__version__}"))
-            while True:
-                msg = await self._next_message()
-                if msg is None:
-                    return
-                self._dispatch(msg)
-                if self.writer.transport.get_write_buffer_size() > WRITE_BUFFER_HIGH:
-                    await self.writer.drain()
+            self.conn.receive_data(data)
+            self._count_buffered()
         except RemoteProtocolError as exc:
-            if self.daemon.refused(self.peer, exc.code, exc.message):
-                log.warning("client %s sent bad input: %s", self.who, exc.message)
-            self.send_error(exc)
-            await self._flush()
-        except (ConnectionError, OSError):
-            pass
+            self._protocol_error(exc)
+            return
+        self._process()
+
+    def _process(self) -> None:
+        """Dispatch every complete message read so far (unless the client's replies are
+        backed up); a frame left unfinished must be completed in time."""
+        try:
+            while not self.closed and not self._reading_paused:
+                event = self.conn.next_event()
+                if event is NEED_DATA:
+                    self._watch_frame()
+                    return
+                if event is CLOSED:
+                    self.close()
+                    return
+                assert isinstance(event, Message)
+                self._count_buffered()
+                if not self._greeted:  # the link's state lets only Hello through first
+                    self._greeted = True
+                    if self._handshake_timer is not None:
+                        self._handshake_timer.cancel()
+                    self.send(Welcome(protocol=PROTOCOL_VERSION, daemon=f"jaild/{__version__}"))
+                    continue
+                self._dispatch(event)
+                if self._write_paused and self._buffered() > WRITE_BUFFER_HIGH:
+                    self._reading_paused = True
+                    if self.transport is not None:
+                        self.transport.pause_reading()
+        except RemoteProtocolError as exc:
+            self._protocol_error(exc)
         except Exception:  # a jaild bug: this connection ends, its jobs end as usual
             log.exception("connection of %s failed inside jaild", self.who)
+            self.close()
 
-    async def refuse(self, refusal: JaildError, linger: bool) -> None:
-        """Refused at the door: the Error, then (``linger``) read and drop the client's
-        Hello -- at most 64 KiB, for at most REFUSED_LINGER_S -- so that it can read the
-        reason instead of a broken pipe; then close."""
-        self.send_error(refusal)
-        await self._flush()
-        if linger:
-            left = HANDSHAKE_FRAME_BYTES
-            with contextlib.suppress(TimeoutError, ConnectionError, OSError):
-                async with asyncio.timeout(REFUSED_LINGER_S):
-                    while left > 0 and (data := await self.reader.read(left)):
-                        left -= len(data)
+    def _watch_frame(self) -> None:
+        """A frame begun must be finished within ``frame_timeout_s`` of its last bytes."""
+        if self._frame_timer is not None:
+            self._frame_timer.cancel()
+            self._frame_timer = None
+        if self.conn.inside_frame:  # the client owes us the rest: not forever
+            timeout = self.daemon.config.frame_timeout_s
+            self._frame_timer = asyncio.get_running_loop().call_later(
+                timeout,
+                self._timed_out,
+                f"a frame was started but not finished within {timeout:g} s",
+            )
+
+    def _timed_out(self, message: str) -> None:
+        if not self.closed:
+            self._protocol_error(ReadTimeout(message))
+
+    def _protocol_error(self, exc: RemoteProtocolError) -> None:
+        """The client broke the protocol: it is told why, then the connection ends."""
+        if self.daemon.refused(self.peer, exc.code, exc.message):
+            log.warning("client %s sent bad input: %s", self.who, exc.message)
+        self.send_error(exc)
         self.close()
-
-    async def _flush(self) -> None:
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(1.0):
-                await self.writer.drain()
-
-    async def _next_message(self) -> Message | None:
-        while True:
-            event = self.conn.next_event()
-            if event is NEED_DATA:
-                if self.conn.inside_frame:  # the client owes us the rest: not forever
-                    timeout = self.daemon.config.frame_timeout_s
-                    try:
-                        async with asyncio.timeout(timeout):
-                            data = await self.reader.read(1 << 16)
-                    except TimeoutError:
-                        raise ReadTimeout(
-                            f"a frame was started but not finished within {timeout:g} s"
-                        ) from None
-                else:
-                    data = await self.reader.read(1 << 16)
-                self.conn.receive_data(data)
-                self._count_buffered()
-                continue
-            if event is CLOSED:
-                return None
-            assert isinstance(event, Message)
-            self._count_buffered()
-            return event
 
     def _count_buffered(self) -> None:
         """Keep the uid's total of unfinished frame bytes (every connection of it) up to
@@ -320,6 +321,161 @@ class ClientSession:
                 f"uid {uid} has {totals[uid]} bytes of unfinished frames on its connections, "
                 f"over its limit (limits.max_frame_bytes_per_uid {limit})"
             )
+
+    # ------------------------------------------------------------------ writing
+
+    def send(self, msg: Message) -> None:
+        """Write ``msg`` -- after its job's ``JobAccepted``, in the same write, if that is
+        still held (:meth:`accept`)."""
+        transport = self.transport
+        if self.closed or transport is None or transport.is_closing():
+            return
+        data = self.conn.send(msg)
+        if self._held:
+            job_id = getattr(msg, "job_id", None)
+            held = self._held.pop(job_id, None) if job_id is not None else None
+            if held is not None:
+                held[1].cancel()
+                data = held[0] + data
+        transport.write(data)
+
+    def accept(self, ref: int, job_id: str) -> None:
+        """Tell the client its job ``job_id`` (of request ``ref``) runs: the ``JobAccepted``
+        goes out with the job's next message, or after :data:`ACCEPT_HOLD_S`, whichever
+        comes first. Nothing about the job can reach the client before it."""
+        if self.closed or self.transport is None or self.transport.is_closing():
+            return
+        data = self.conn.send(JobAccepted(ref=ref, job_id=job_id))
+        timer = asyncio.get_running_loop().call_later(ACCEPT_HOLD_S, self._announce, job_id)
+        self._held[job_id] = (data, timer)
+
+    def _announce(self, job_id: str) -> None:
+        held = self._held.pop(job_id, None)
+        transport = self.transport
+        if held is not None and not self.closed and transport and not transport.is_closing():
+            transport.write(held[0])
+
+    def send_error(
+        self, err: JaildError, ref: int | None = None, job_id: str | None = None
+    ) -> None:
+        with contextlib.suppress(JaildError):
+            self.send(Error(code=err.code, message=err.message[:65536], ref=ref, job_id=job_id))
+
+    def _buffered(self) -> int:
+        transport = self.transport
+        if self.closed or transport is None or transport.is_closing():
+            return 0
+        return transport.get_write_buffer_size()
+
+    async def _drain(self) -> None:
+        """Until the transport's buffer is below its low-water mark (or the connection is
+        gone)."""
+        if not self._write_paused or self.transport is None or self.transport.is_closing():
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._drain_waiters.append(waiter)
+        await waiter
+
+    def _wake_drainers(self) -> None:
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``work`` in this connection's task group: the connection waits for it."""
+        if self._tasks is None:
+            work.close()
+            raise RuntimeError("the connection is not serving")
+        return self._tasks.create_task(work)
+
+    def converse(self) -> None:
+        """Admitted: the conversation begins (``Hello`` is due within
+        ``handshake_timeout_s``)."""
+        timeout = self.daemon.config.handshake_timeout_s
+        self._handshake_timer = asyncio.get_running_loop().call_later(
+            timeout, self._timed_out, f"no Hello within {timeout:g} s of connecting"
+        )
+
+    async def serve(self) -> None:
+        """The connection's whole life: until the conversation is over, then until its
+        work has ended."""
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
+                try:
+                    await self._ended
+                finally:
+                    self.close()
+        finally:
+            self._tasks = None
+
+    async def finished(self) -> None:
+        """Until the conversation is over (not its work: :meth:`serve` waits for that)."""
+        await asyncio.shield(self._ended)
+
+    def refuse(self, refusal: JaildError, linger: bool) -> None:
+        """Refused at the door: the Error, then (``linger``) read and drop the client's
+        Hello -- at most 64 KiB, for at most REFUSED_LINGER_S -- so that it can read the
+        reason instead of a broken pipe; then close."""
+        self.send_error(refusal)
+        if not linger:
+            self.close()
+            return
+        self._linger = HANDSHAKE_FRAME_BYTES
+        timer = asyncio.get_running_loop().call_later(REFUSED_LINGER_S, self.close)
+        self._ended.add_done_callback(lambda _: timer.cancel())
+
+    async def shut(self) -> None:
+        """The daemon stops: what is buffered goes out (for a second at most), then close."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._drain(), timeout=1.0)
+        self.close()
+
+    def close(self) -> None:
+        """End the conversation: fail its pending tool calls, cancel its jobs, close its
+        sessions, close the socket (what is buffered still goes out, for a second at
+        most). Idempotent; :meth:`serve` then waits for that work."""
+        if self.closed:
+            return
+        self.closed = True
+        daemon = self.daemon
+        for timer in (self._handshake_timer, self._frame_timer):
+            if timer is not None:
+                timer.cancel()
+        if self._frame_held:  # what its unfinished frame held is free again
+            daemon.frame_bytes[self.peer.uid] -= self._frame_held
+            if not daemon.frame_bytes[self.peer.uid]:
+                del daemon.frame_bytes[self.peer.uid]
+            self._frame_held = 0
+        daemon.registry.disconnect(self)
+        calls, self.pending_calls = self.pending_calls, {}
+        for reply in calls.values():
+            reply.lost()
+        for live in daemon.registry.jobs(owner=self):
+            live.jail.cancel("the client disconnected")
+        for sess in daemon.registry.sessions(owner=self):
+            daemon.close_session(sess, "disconnected", "the client disconnected")
+        for job in self._paused:
+            job.resume_output()
+        self._paused.clear()
+        for _, timer in self._held.values():
+            timer.cancel()
+        self._held.clear()
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.close()  # flushes what is buffered, then closes
+            if transport.get_write_buffer_size():
+                asyncio.get_running_loop().call_later(1.0, transport.abort)
+        self._end()
+
+    def _end(self) -> None:
+        if not self._ended.done():
+            self._ended.set_result(None)
+
+    # ------------------------------------------------------------------ requests
 
     def _dispatch(self, msg: Message) -> None:
         daemon = self.daemon
@@ -372,34 +528,33 @@ class ClientSession:
             self.send(PolicyList(ref=msg.ref, policies=policies))
 
     def _tool_replied(self, msg: ClientToolReturned | ClientToolFailed) -> None:
-        fut = self.pending_calls.pop((msg.job_id, msg.call_id), None)
-        if fut is None:
+        reply = self.pending_calls.pop((msg.job_id, msg.call_id), None)
+        if reply is None:
             if self.daemon.registry.job(msg.job_id, owner=self) is None:
                 self.send_error(
                     UnknownJob(f"no job {msg.job_id} of this connection"), job_id=msg.job_id
                 )
             return  # a late answer for a call that already ended: harmless
-        if not fut.done():
-            if isinstance(msg, ClientToolReturned):
-                fut.set_result((True, msg.value))
-            else:
-                fut.set_result((False, (msg.error_type, msg.message)))
+        if isinstance(msg, ClientToolReturned):
+            reply.resolve(True, msg.value)
+        else:
+            reply.resolve(False, (msg.error_type, msg.message))
 
     def call_tool(
         self, job_id: str, call_id: int, name: str, args: bytes, approval: bool = False
-    ) -> asyncio.Future[tuple[bool, Any]]:
-        """Send a tool call to this client; the future gets its reply (a ToolRouter).
-        ``approval``: the client must ask its approval callback before the handler."""
+    ) -> CallReply:
+        """Send a tool call to this client; its reply resolves the :class:`CallReply` as
+        soon as it is read (a ToolRouter). ``approval``: the client must ask its approval
+        callback before the handler."""
         if self.closed:
             raise ConnectionLost("the client is gone")
-        fut: asyncio.Future[tuple[bool, Any]] = asyncio.get_running_loop().create_future()
         key = (job_id, call_id)
-        self.pending_calls[key] = fut
-        fut.add_done_callback(lambda _: self.pending_calls.pop(key, None))
+        reply = CallReply(functools.partial(self.pending_calls.pop, key, None))
+        self.pending_calls[key] = reply
         self.send(
             ClientCallTool(job_id=job_id, call_id=call_id, name=name, args=args, approval=approval)
         )
-        return fut
+        return reply
 
     def output(self, job_id: str, stream: str, data: bytes) -> None:
         """Stream a job's output -- within the connection's buffer (``stream_buffer_bytes``).
@@ -417,47 +572,13 @@ class ClientSession:
                 self._drainer = self.start(self._drain_paused())
         self.send(JobOutput(job_id=job_id, stream=stream, data=data))
 
-    def _buffered(self) -> int:
-        if self.closed or self.writer.is_closing():
-            return 0
-        return int(self.writer.transport.get_write_buffer_size())
-
     async def _drain_paused(self) -> None:
         with contextlib.suppress(Exception):
-            await self.writer.drain()  # until the buffer is below half of stream_buffer_bytes
+            await self._drain()  # until the buffer is below half of stream_buffer_bytes
         paused, self._paused = self._paused, set()
         for job in paused:
             job.resume_output()
 
-    def close(self) -> None:
-        """End the conversation: fail its pending tool calls, cancel its jobs, close its
-        sessions, close the socket. Idempotent; :meth:`serve` then waits for that work."""
-        if self.closed:
-            return
-        self.closed = True
-        daemon = self.daemon
-        if self._frame_held:  # what its unfinished frame held is free again
-            daemon.frame_bytes[self.peer.uid] -= self._frame_held
-            if not daemon.frame_bytes[self.peer.uid]:
-                del daemon.frame_bytes[self.peer.uid]
-            self._frame_held = 0
-        daemon.registry.disconnect(self)
-        for fut in self.pending_calls.values():
-            if not fut.done():
-                fut.set_exception(ConnectionLost("the client disconnected"))
-        self.pending_calls.clear()
-        for live in daemon.registry.jobs(owner=self):
-            live.jail.cancel("the client disconnected")
-        for sess in daemon.registry.sessions(owner=self):
-            daemon.close_session(sess, "disconnected", "the client disconnected")
-        for job in self._paused:
-            job.resume_output()
-        self._paused.clear()
-        for _, timer in self._held.values():
-            timer.cancel()
-        self._held.clear()
-        with contextlib.suppress(Exception):
-            self.writer.close()
 
 
 class Daemon:
@@ -476,6 +597,11 @@ class Daemon:
         self.frame_bytes: Counter[int] = Counter()  # unfinished frames' bytes, by uid
         self._stopping = False
         self._stopped = asyncio.Event()
+        # The connections' scope (a task group held by its own task; jaild.testing lends
+        # one of its own): each connection's serve() runs in it.
+        self.connections: asyncio.TaskGroup | None = None
+        self._holder: asyncio.Task[None] | None = None
+        self._stopped_accepting = asyncio.Event()
 
     # What start-up made (see :class:`~jaild.daemon.startup.Served`).
 
@@ -512,27 +638,34 @@ class Daemon:
             StartupError: why not (see :mod:`jaild.daemon.startup`).
         """
         self.audit = AuditLog(self.config.audit_log)
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = loop.create_future()
+        self._holder = loop.create_task(self._hold_connections(ready), name="jaild connections")
+        await ready
         await startup.start(
-            self.config, self.served, self.metrics, self._tool_called, self._accept,
+            self.config, self.served, self.metrics, self._tool_called, self.protocol,
             only_policies, on_egress=self._egress_request,
         )
 
     async def serve_forever(self) -> None:
         await self._stopped.wait()
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._stopping:
-            writer.close()
-            return
-        try:
-            session = ClientSession(self, reader, writer)
-        except OSError:
-            writer.close()
+    def protocol(self) -> ClientSession:
+        """A new connection's protocol (the listening socket's protocol factory)."""
+        return ClientSession(self)
+
+    def connected(self, session: ClientSession) -> None:
+        """A connection was accepted and its peer is known: admit it and let it converse,
+        or refuse it (before it has sent a byte)."""
+        scope = self.connections
+        if self._stopping or scope is None:
+            session.close()
             return
         refusal = self.admit(session)
         if refusal is None:
             self.registry.connect(session)  # it counts from now on, Hello or not
-            await session.serve()
+            session.converse()
+            scope.create_task(self._serve(session))
             return
         uid = session.peer.uid
         if self.refused(session.peer, refusal.code, refusal.message):
@@ -541,13 +674,33 @@ class Daemon:
             self._lingering.total() < REFUSED_LINGER_MAX
             and self._lingering[uid] < REFUSED_LINGER_PER_UID
         )
-        self._lingering[uid] += linger
+        session.refuse(refusal, linger)
+        if linger:
+            self._lingering[uid] += 1
+            scope.create_task(self._lingered(session, uid))
+
+    async def _serve(self, session: ClientSession) -> None:
+        """One connection's life. A failure inside jaild ends that connection only."""
         try:
-            await session.refuse(refusal, linger)
+            await session.serve()
+        except Exception:
+            log.exception("connection of %s failed inside jaild", session.who)
+
+    async def _lingered(self, session: ClientSession, uid: int) -> None:
+        try:
+            await session.finished()
         finally:
-            self._lingering[uid] -= linger
+            self._lingering[uid] -= 1
             if not self._lingering[uid]:
                 del self._lingering[uid]
+
+    async def _hold_connections(self, ready: asyncio.Future[None]) -> None:
+        """The connections' scope: every connection's task runs in it, until :meth:`stop`."""
+        async with asyncio.TaskGroup() as tasks:
+            self.connections = tasks
+            ready.set_result(None)
+            await self._stopped_accepting.wait()
+        self.connections = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting, end every job and session (their clients get their records
@@ -571,6 +724,14 @@ class Daemon:
         self.served.stop_zygotes()
         for session in list(self.registry.connections):
             await session.shut()
+        self._stopped_accepting.set()
+        if self._holder is not None:  # each connection's work ends with its jobs
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.shutdown_grace_s):
+                    await asyncio.shield(self._holder)
+            self._holder.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._holder
         self.audit.close()
         self.metrics.stop()
         await self.metrics.wait_closed()

@@ -39,7 +39,7 @@ import secrets
 import shutil
 import socket
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +49,7 @@ from jaild.daemon.cgroups import Cgroups, detect
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.egress import EgressService, certifi_bundles
 from jaild.daemon.egress import Observer as EgressObserver
-from jaild.daemon.job import JailedJob, JailEnvironment, JobSpec, ToolObserver
+from jaild.daemon.job import CallReply, JailedJob, JailEnvironment, JobSpec, ToolObserver
 from jaild.daemon.kernlog import KernelAuditLog
 from jaild.daemon.launch.forked import Zygote
 from jaild.daemon.launch.spawned import owner_caps, sweep_workdirs
@@ -74,7 +74,8 @@ log = logging.getLogger("jaild")
 ZYGOTE_UIDS = 65536 - JOB_UIDS
 """Host uids for zygotes in a daemon's block (see JOB_UIDS)."""
 
-Accept = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+ProtocolFactory = Callable[[], asyncio.Protocol]
+"""A new client connection's protocol (the daemon's :class:`~jaild.daemon.server.ClientSession`)."""
 
 
 @dataclass
@@ -153,7 +154,7 @@ async def start(
     served: Served,
     metrics: Metrics,
     on_tool_call: ToolObserver,
-    accept: Accept,
+    protocol: ProtocolFactory,
     only_policies: set[str] | None = None,
     on_egress: EgressObserver = lambda *_: None,
 ) -> None:
@@ -188,7 +189,7 @@ async def start(
             )
         try:
             await _start_jails(config, served, cgroups, on_tool_call, only_policies, on_egress)
-            served.server = await asyncio.start_unix_server(accept, sock=sock, limit=1 << 16)
+            served.server = await asyncio.get_running_loop().create_unix_server(protocol, sock=sock)
         except BaseException:
             # We hold the socket, so the subtree is ours: a failed start leaves none of it.
             pools, served.pools = list(served.pools.values()), {}
@@ -476,11 +477,9 @@ async def _probe(config: DaemonConfig, served: Served, policy: Policy) -> list[C
         tenant=served.env.zygotes.own_uid,  # the daemon's own job: in the daemon's zygote
     )
 
-    def inspect(
-        job_id: str, call_id: int, name: str, args: bytes, approval: bool
-    ) -> asyncio.Future[tuple[bool, Any]]:
-        reply: asyncio.Future[tuple[bool, Any]] = asyncio.get_running_loop().create_future()
-        reply.set_result((True, pack(job.host_view())))
+    def inspect(job_id: str, call_id: int, name: str, args: bytes, approval: bool) -> CallReply:
+        reply = CallReply()
+        reply.resolve(True, pack(job.host_view()))
         return reply
 
     job = JailedJob(spec, served.env, inspect, lambda *_: None)

@@ -45,18 +45,22 @@ class _Registry:
 
 async def _session() -> tuple[ClientSession, list[bytes], socket.socket]:
     ours, theirs = socket.socketpair()
-    reader, writer = await asyncio.open_connection(sock=ours)
-    daemon = SimpleNamespace(config=DaemonConfig(), registry=_Registry(), frame_bytes={})
-    session = ClientSession(daemon, reader, writer)  # type: ignore[arg-type]
+    daemon = SimpleNamespace(
+        config=DaemonConfig(), registry=_Registry(), frame_bytes={}, connected=lambda _: None
+    )
+    session = ClientSession(daemon)  # type: ignore[arg-type]
+    transport, _ = await asyncio.get_running_loop().create_unix_connection(
+        lambda: session, sock=ours
+    )
     session.conn.state = State.READY  # past the handshake, as on a served connection
     writes: list[bytes] = []
-    real = writer.write
+    real = transport.write
 
     def write(data: Any) -> None:
         writes.append(bytes(data))
         real(data)
 
-    writer.write = write  # type: ignore[method-assign]
+    transport.write = write  # type: ignore[method-assign]
     return session, writes, theirs
 
 

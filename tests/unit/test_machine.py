@@ -10,6 +10,7 @@ output, EOFs, exits, timers, replies, cancels -- is fed by the test, or by hypot
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any
 
 import pytest
@@ -603,3 +604,11 @@ def test_invariants_hold_for_any_event_order(
     sim.feed(Reaped())
     assert sim.released and sim.m.phase is Phase.RELEASED
     assert not sim.open_calls
+
+
+def test_the_driver_performs_every_action_the_machine_can_return() -> None:
+    """JailedJob._perform looks each action up by its type: the table must hold every one."""
+    from jaild.daemon.job import _PERFORM
+    from jaild.daemon.machine import Action
+
+    assert set(_PERFORM) == set(typing.get_args(Action))

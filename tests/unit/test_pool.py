@@ -51,6 +51,20 @@ def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[VirtualTimeLoop]:
     virtual.close()
 
 
+class _Done(asyncio.Event):
+    """A jail's end, as JailedJob has it: an event, and callbacks called soon after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.callbacks: list[Any] = []
+
+    def set(self) -> None:
+        super().set()
+        callbacks, self.callbacks = self.callbacks, []
+        for callback in callbacks:
+            asyncio.get_running_loop().call_soon(callback)
+
+
 class FakeJail:
     """What the pool uses of a JailedJob."""
 
@@ -61,7 +75,7 @@ class FakeJail:
         self.ok = ok
         self.ready_at: float | None = None
         self.discarded = ""
-        self.done = asyncio.Event()
+        self.done = _Done()
 
     @property
     def alive(self) -> bool:
@@ -75,6 +89,12 @@ class FakeJail:
 
     async def finished(self) -> None:
         await self.done.wait()
+
+    def when_finished(self, callback: Any) -> None:
+        if self.done.is_set():
+            asyncio.get_running_loop().call_soon(callback)
+        else:
+            self.done.callbacks.append(callback)
 
     async def discard(self, reason: str) -> None:
         self.discarded = reason

@@ -22,7 +22,7 @@ import pytest
 
 from jaild.client import AsyncClient, Client
 from jaild.daemon.config import DaemonConfig
-from jaild.daemon.job import JailedJob
+from jaild.daemon.job import CallReply, JailedJob
 from jaild.daemon.machine import JobSpec
 from jaild.errors import (
     BadRequest,
@@ -145,8 +145,8 @@ def test_a_jailed_job_drives_the_fake_launcher_as_a_jail() -> None:
 
     def route(job_id: str, call_id: int, name: str, args: bytes, approval: bool) -> Any:
         calls.append((name, unpack(args)))
-        reply: asyncio.Future[tuple[bool, Any]] = asyncio.get_running_loop().create_future()
-        reply.set_result((True, pack(40)))
+        reply = CallReply()
+        reply.resolve(True, pack(40))  # answered before the job listens: it still gets it
         return reply
 
     async def main() -> None:

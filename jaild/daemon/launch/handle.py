@@ -145,6 +145,7 @@ class _Channel:
         self._on_overflow = on_overflow
         self._max_buffered = max_buffered
         self._out = bytearray()
+        self._writing = False  # a writer is registered: the jail has not read all we sent
         self._can_write = True
         self.closed = False
         sock.setblocking(False)
@@ -176,6 +177,7 @@ class _Channel:
             if sent == len(data):
                 return
             self._loop.add_writer(self._fd, self._writable)
+            self._writing = True
             data = data[sent:]
         self._out += data
         if len(self._out) > self._max_buffered:
@@ -193,13 +195,15 @@ class _Channel:
         del self._out[:sent]
         if not self._out:
             self._loop.remove_writer(self._fd)
+            self._writing = False
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         self._loop.remove_reader(self._fd)
-        self._loop.remove_writer(self._fd)
+        if self._writing:
+            self._loop.remove_writer(self._fd)
         self._sock.close()
         self._on_closed()
 
