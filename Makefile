@@ -34,7 +34,10 @@ $(STAMPS)/apt: Makefile
 	fi
 	@touch $@
 
-$(STAMPS)/venv: $(STAMPS)/apt pyproject.toml
+# The editable install is a .pth line naming this checkout (pyproject.toml: package-dir), so
+# a script beside the clone imports the package, not the clone's directory; a change of
+# either file reinstalls.
+$(STAMPS)/venv: $(STAMPS)/apt pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test,lint,langchain]'
