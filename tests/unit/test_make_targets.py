@@ -1,10 +1,12 @@
-"""The Makefile's system-facing targets, run against a scratch tree (issue 17, item 1).
+"""The Makefile's system-facing targets, run against a scratch tree (issue 17, items 1 and 9).
 
-``make bin-link`` (part of ``make setup``: ``jaild`` on root's PATH) and ``make distclean``
-are run for real, by ``make``, in a copy of this checkout's Makefile, policies and units
-("the checkout"), with the system paths (``OPT_DIR``, ``BIN_DIR``) pointed below a temporary
+``make bin-link`` (part of ``make setup``: ``jaild`` on root's PATH), ``make install``,
+``make uninstall [PURGE=1]`` and ``make distclean`` are run for real, by ``make``, in a copy
+of this checkout's Makefile, policies and units ("the checkout"), with every system path
+(``OPT_DIR``, ``ETC_DIR``, ``UNIT_DIR``, ``BIN_DIR``, ``STATE_DIR``) pointed below a temporary
 root. ``-o .stamps/venv`` and ``-o setup`` keep make from building a venv; the checkout's
-``.venv/bin/jaild`` is a stand-in script.
+``.venv/bin/jaild`` and the installed venv's ``python``, ``pip`` and ``jaild`` are stand-in
+scripts. systemctl is never run: the unit directory is not the system's.
 """
 
 from __future__ import annotations
@@ -33,11 +35,28 @@ class Tree:
         return self.root / "opt" / "jaild"
 
     @property
+    def etc(self) -> Path:
+        return self.root / "etc" / "jaild"
+
+    @property
+    def policies(self) -> Path:
+        return self.etc / "policies"
+
+    @property
+    def units(self) -> Path:
+        return self.root / "etc" / "systemd" / "system"
+
+    @property
     def link(self) -> Path:
         return self.root / "usr" / "local" / "bin" / "jaild"
 
+    @property
+    def state(self) -> Path:
+        return self.root / "var" / "lib" / "jaild"
+
     def variables(self) -> list[str]:
-        return [f"OPT_DIR={self.opt}", f"BIN_DIR={self.link.parent}"]
+        return [f"OPT_DIR={self.opt}", f"ETC_DIR={self.etc}", f"UNIT_DIR={self.units}",
+                f"BIN_DIR={self.link.parent}", f"STATE_DIR={self.state}"]
 
 
 def executable(path: Path, text: str = STAND_IN) -> Path:
@@ -64,6 +83,7 @@ def dev_jaild(co: Path) -> str:
 @pytest.fixture
 def tree(tmp_path: Path) -> Tree:
     t = Tree(tmp_path / "root")
+    t.units.mkdir(parents=True)
     t.link.parent.mkdir(parents=True)
     return t
 
@@ -154,3 +174,79 @@ def test_distclean_removes_this_checkouts_link_only(co: Path, tree: Tree,
     make(other, tree, "bin-link")
     make(checkout(tmp_path / "clone-c"), tree, "distclean")
     assert os.readlink(tree.link) == dev_jaild(other)
+
+
+# -- install and uninstall ------------------------------------------------------------------
+
+def shipped() -> list[str]:
+    return sorted(p.name for p in (REPO / "policies").glob("*.toml"))
+
+
+def install(co: Path, tree: Tree) -> None:
+    for name in ("python", "pip", "jaild"):
+        executable(tree.opt / "venv" / "bin" / name)
+    make(co, tree, "install")
+
+
+def test_uninstall_where_nothing_was_installed(co: Path, tree: Tree) -> None:
+    out = make(co, tree, "uninstall")
+    assert "jaild was not installed" in out
+
+
+def test_install_then_uninstall_leaves_nothing(co: Path, tree: Tree) -> None:
+    install(co, tree)
+    assert os.readlink(tree.link) == str(tree.opt / "venv" / "bin" / "jaild")
+    assert sorted(p.name for p in tree.policies.iterdir()) == shipped()
+    assert (tree.units / "jaild.service").exists() and (tree.units / "jaild.socket").exists()
+    wants = tree.units / "sockets.target.wants"
+    wants.mkdir()
+    (wants / "jaild.socket").symlink_to("../jaild.socket")  # as `systemctl enable` does
+
+    out = make(co, tree, "uninstall")
+    for gone in (tree.opt, tree.etc, tree.link, tree.units / "jaild.service",
+                 tree.units / "jaild.socket", wants / "jaild.socket"):
+        assert not gone.exists() and not gone.is_symlink(), (gone, out)
+    assert "kept" not in out, out
+
+
+def test_uninstall_keeps_the_operators_policies_and_config(co: Path, tree: Tree) -> None:
+    install(co, tree)
+    changed = tree.policies / shipped()[0]
+    changed.write_text(changed.read_text() + "# the operator's change\n")
+    (tree.policies / "mine.toml").write_text("[limits]\nwall_time_s = 5\n")
+    (tree.etc / "jaild.toml").write_text("[daemon]\n")
+    (tree.state / "envs").mkdir(parents=True)
+
+    out = make(co, tree, "uninstall")
+    assert sorted(p.name for p in tree.policies.iterdir()) == sorted([changed.name, "mine.toml"])
+    assert (tree.etc / "jaild.toml").exists() and (tree.state / "envs").exists()
+    assert not tree.opt.exists() and not tree.link.is_symlink()
+    kept = " ".join(sorted([changed.name, "mine.toml"]))
+    assert f"kept in {tree.policies}, changed or added since install: {kept}" in out
+    assert f"kept in {tree.etc}: jaild.toml policies" not in out
+    assert f"kept in {tree.etc}: jaild.toml" in out
+    assert f"kept {tree.state}" in out and "PURGE=1" in out
+
+    out = make(co, tree, "uninstall", "PURGE=1")
+    assert not tree.etc.exists() and not tree.state.exists(), out
+    assert "jaild was not installed" in make(co, tree, "uninstall")
+
+
+def test_a_shipped_policy_is_unchanged_by_its_install_time_digest(co: Path, tree: Tree) -> None:
+    """A policy the checkout has changed since the install is still removed as shipped:
+    the install recorded the digest of what it wrote."""
+    install(co, tree)
+    name = shipped()[0]
+    (co / "policies" / name).write_text("# a later version of the shipped policy\n")
+    make(co, tree, "uninstall")
+    assert not tree.etc.exists()
+
+
+def test_install_keeps_a_policy_already_there(co: Path, tree: Tree) -> None:
+    tree.policies.mkdir(parents=True)
+    name = shipped()[0]
+    (tree.policies / name).write_text("# the operator's own\n")
+    install(co, tree)
+    assert (tree.policies / name).read_text() == "# the operator's own\n"
+    make(co, tree, "uninstall")
+    assert [p.name for p in tree.policies.iterdir()] == [name]
