@@ -30,8 +30,9 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TextIO
 
 from jaild import __version__, loops
 from jaild.address import socket_from_env
@@ -188,18 +189,27 @@ def _save_downloads(result: Any, args: argparse.Namespace) -> bool:
     return saved
 
 
-async def _run_somewhere(
-    args: argparse.Namespace, code: str, filename: str, tools: dict[str, Any]
-) -> Any:
-    """Run in the daemon at the named or default socket, else in a private daemon."""
+@contextlib.asynccontextmanager
+async def _somewhere(args: argparse.Namespace, what: str) -> AsyncIterator[str]:
+    """The socket of the daemon at the named or default socket, else of a private daemon
+    started for this command (``jaild run``, ``jaild session``; ``what`` it runs, for the
+    note on stderr) and stopped on leaving."""
     from jaild.daemon.private import daemon_socket
 
     def announce(path: str) -> None:
-        _print_err(f"no daemon at {path}; running this job in a private daemon")
+        _print_err(f"no daemon at {path}; running this {what} in a private daemon")
 
     async with daemon_socket(
         args.socket, lambda: _daemon_config(args, None), args.policy, announce
     ) as socket_path:
+        yield socket_path
+
+
+async def _run_somewhere(
+    args: argparse.Namespace, code: str, filename: str, tools: dict[str, Any]
+) -> Any:
+    """Run in the daemon at the named or default socket, else in a private daemon."""
+    async with _somewhere(args, "job") as socket_path:
         return await _run_job(args, socket_path, code, filename, tools)
 
 
@@ -251,11 +261,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_session(args: argparse.Namespace) -> int:
     """A REPL on a session: each complete statement (a blank line ends a block) runs in
-    the same jail, seeing what earlier ones defined. Reads stdin, interactive or piped."""
-    import codeop
-
-    from jaild.client import Client
-    from jaild.errors import SessionClosed
+    the same jail, seeing what earlier ones defined. Reads stdin, interactive or piped.
+    The session is in the daemon at the named or default socket, else in a private daemon
+    (as ``jaild run``)."""
     from jaild.toolspec import load_tools_file
 
     tools = {}
@@ -270,68 +278,110 @@ def cmd_session(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         _print_err(f"cannot upload: {exc}")
         return EXIT_USAGE
-    compiler = codeop.CommandCompiler()
-    compiler.compiler.flags |= ast_flags()
-    interactive = sys.stdin.isatty()
-    socket_path, _ = socket_from_env(args.socket)
-    status = "ok"
     try:
-        with Client(socket_path, name=f"jaild-cli/{__version__}") as client, client.session(
-            args.policy, tools
-        ) as session:
-            _print_err(f"session {session.id} (policy {args.policy}); end with Ctrl-D")
-            if uploads:
-                session.upload(uploads)
-            lines: list[str] = []
-            while True:
-                if interactive:
-                    sys.stderr.write("... " if lines else ">>> ")
-                    sys.stderr.flush()
-                line = sys.stdin.readline()
-                if line:
-                    lines.append(line.rstrip("\n"))
-                source = "\n".join(lines)
-                try:
-                    complete = compiler(source + "\n", "<session>", "exec") if line else True
-                except (SyntaxError, ValueError, OverflowError):
-                    complete = True  # let the daemon report it, with its line number
-                if not complete or not source.strip():
-                    if not line:
-                        break
-                    if not source.strip():
-                        lines.clear()
-                    continue
-                lines.clear()
-                try:
-                    result = session.run(
-                        source,
-                        timeout=args.timeout,
-                        on_stdout=_writer(sys.stdout),
-                        on_stderr=_writer(sys.stderr),
-                        download=bool(args.download_dir),
-                    )
-                except SessionClosed as exc:
-                    _print_err(exc.message)
-                    return EXIT_STATUS.get(session.closed or "", 1)
-                status = result.status
-                _save_downloads(result, args)
-                if result.ok and result.result is not None:
-                    print(repr(result.result), flush=True)
-                elif not result.ok:
-                    err = result.error or {}
-                    if err.get("traceback"):
-                        sys.stderr.write(err["traceback"])
-                    _print_err(f"{result.status}: {err.get('message', '')}")
-                if session.closed is not None:
-                    _print_err(f"the session ended ({session.closed}): {session.close_message}")
-                    return EXIT_STATUS.get(result.status, 1)
-                if not line:
-                    break
+        return loops.run(_session_repl(args, tools, uploads))
     except JaildError as exc:
         return _refused(exc)
     except KeyboardInterrupt:
         return 130
+
+
+async def _session_repl(
+    args: argparse.Namespace, tools: dict[str, Any], uploads: dict[str, bytes]
+) -> int:
+    import codeop
+
+    from jaild.client import AsyncClient
+    from jaild.errors import SessionClosed
+
+    compiler = codeop.CommandCompiler()
+    compiler.compiler.flags |= ast_flags()
+    interactive = sys.stdin.isatty()
+    status = "ok"
+    async with (
+        _somewhere(args, "session") as socket_path,
+        AsyncClient(socket_path, name=f"jaild-cli/{__version__}") as client,
+        client.session(args.policy, tools) as session,
+    ):
+        _print_err(f"session {session.id} (policy {args.policy}); end with Ctrl-D")
+        if uploads:
+            await session.upload(uploads)
+        lines: list[str] = []
+        while True:
+            if interactive:
+                sys.stderr.write("... " if lines else ">>> ")
+                sys.stderr.flush()
+            line = await _readline(sys.stdin)
+            if line:
+                lines.append(line.rstrip("\n"))
+            source = "\n".join(lines)
+            try:
+                complete = compiler(source + "\n", "<session>", "exec") if line else True
+            except (SyntaxError, ValueError, OverflowError):
+                complete = True  # let the daemon report it, with its line number
+            if not complete or not source.strip():
+                if not line:
+                    break
+                if not source.strip():
+                    lines.clear()
+                continue
+            lines.clear()
+            try:
+                result = await session.run(
+                    source,
+                    timeout=args.timeout,
+                    on_stdout=_writer(sys.stdout),
+                    on_stderr=_writer(sys.stderr),
+                    download=bool(args.download_dir),
+                )
+            except SessionClosed as exc:
+                _print_err(exc.message)
+                return EXIT_STATUS.get(session.closed or "", 1)
+            status = result.status
+            _save_downloads(result, args)
+            if result.ok and result.result is not None:
+                print(repr(result.result), flush=True)
+            elif not result.ok:
+                err = result.error or {}
+                if err.get("traceback"):
+                    sys.stderr.write(err["traceback"])
+                _print_err(f"{result.status}: {err.get('message', '')}")
+            if session.closed is not None:
+                _print_err(f"the session ended ({session.closed}): {session.close_message}")
+                return EXIT_STATUS.get(result.status, 1)
+            if not line:
+                break
     return 0 if status in ("ok", "error") else EXIT_STATUS.get(status, 1)
+
+
+async def _readline(stream: TextIO) -> str:
+    """``stream.readline()`` on a thread of its own, so that the event loop goes on
+    serving -- the session's connection and a private daemon's jails -- while the REPL
+    waits for input. Not the loop's executor: the loop joins its threads when it closes,
+    and a read still waiting for a line (Ctrl-C at the prompt) would hold the exit up; a
+    daemon thread is left behind instead, its line unread."""
+    loop = asyncio.get_running_loop()
+    line: asyncio.Future[str] = loop.create_future()
+
+    def settle(text: str, exc: Exception | None) -> None:
+        if line.done():  # the REPL stopped waiting (Ctrl-C)
+            return
+        if exc is not None:
+            line.set_exception(exc)
+        else:
+            line.set_result(text)
+
+    def read() -> None:
+        text, failure = "", None
+        try:
+            text = stream.readline()
+        except Exception as exc:  # handed to the waiting task (an undecodable byte, ...)
+            failure = exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, text, failure)
+
+    threading.Thread(target=read, name="jaild-stdin", daemon=True).start()
+    return await line
 
 
 def ast_flags() -> int:
@@ -743,6 +793,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("session", help="a REPL whose statements share one jail")
     socket_arg(p)
+    daemon_args(p)
     p.add_argument("--policy", default="default")
     p.add_argument("--tools", help="a Python file whose public functions become tools")
     p.add_argument("--timeout", type=float, help="wall-clock seconds per run")

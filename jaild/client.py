@@ -34,7 +34,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from jaild import __version__, loops
@@ -81,7 +81,7 @@ from jaild.protocol.messages import (
 )
 from jaild.protocol.records import JobRecord
 from jaild.toolspec import HostTool, normalize_tools
-from jaild.transfer import load_uploads, save_files
+from jaild.transfer import Uploads, load_uploads, save_files
 
 log = logging.getLogger("jaild.client")
 
@@ -237,6 +237,25 @@ Approver = Callable[[str, list[Any], dict[str, Any]], Any]
 deny it (plain or async). Asked for tools marked ``approval`` (by the client or the policy)."""
 
 
+@dataclass(frozen=True)
+class _RunOptions:
+    """The per-run keywords of every ``run`` and ``submit`` (both clients, both kinds of
+    session), gathered once where a caller passes them: the public methods spell them out
+    (for ``help()`` and IDEs) and hand them on as one value, and :meth:`AsyncClient._submit`
+    alone turns them into a ``RunJob``. The fields, their types and defaults are those
+    methods' keyword-only parameters (``tests/unit/test_client_api.py`` holds each to them).
+    """
+
+    timeout: float | None = None
+    limits: Mapping[str, float] | None = None
+    on_stdout: OutputCallback | None = None
+    on_stderr: OutputCallback | None = None
+    filename: str = "<job>"
+    files: Uploads | None = None
+    download: Iterable[str] | bool = ()
+    approve: Approver | None = None
+
+
 @dataclass
 class _Job:
     tools: dict[str, HostTool]
@@ -348,10 +367,115 @@ class AsyncSession:
             raise SessionClosedError("the session is not open; use 'async with' or open()")
         return self.id
 
-    async def run(self, code: str, **kwargs: Any) -> JobResult:
-        """Run ``code`` in the session's jail: same keywords as :meth:`AsyncClient.run`
-        except ``policy`` and ``tools`` (the session's)."""
-        job = await self.submit(code, **kwargs)
+    async def run(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        limits: Mapping[str, float] | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        filename: str = "<job>",
+        files: Uploads | None = None,
+        download: Iterable[str] | bool = (),
+        approve: Approver | None = None,
+    ) -> JobResult:
+        """Run ``code`` in the session's jail and return its result record. The session's
+        policy and tools apply; a run that hits a limit ends the session.
+
+        Args:
+            code: Python source; sees what earlier runs defined; may use top-level
+                ``await`` and the ``tools`` global.
+            timeout: wall-clock seconds (shorthand for ``limits={"wall_time_s": ...}``).
+            limits: this run's limits (``wall_time_s``, ``cpu_time_s``, ``output_bytes``,
+                tool limits); each may only be stricter than the policy's. Memory and pids
+                are the session's, set when it opened.
+            on_stdout: called with the run's stdout text as the run produces it.
+            on_stderr: called with the run's stderr text as the run produces it.
+            filename: the code's file name in tracebacks.
+            files: uploads into the jail's working directory before the code runs:
+                ``{"path/in/jail": bytes or a local path}``, or local paths (a directory
+                goes in recursively).
+            download: patterns (``fnmatch``, ``*`` crosses ``/``) of files in the working
+                directory whose contents come back in ``result.downloads``; ``True``: every
+                file the run created or changed.
+            approve: the approval callback for this run's tools marked ``approval``
+                (default: the session's, else the client's); without one such calls are
+                denied.
+
+        Returns:
+            The run's :class:`JobResult`; ``result.session`` says which run of which
+            session, and ``closed`` if this run ended it. A run that fails is *not* an
+            exception: look at ``result.status``.
+
+        Raises:
+            SessionClosed: the session is not open, or it ended before this run.
+            JaildError: the daemon refused the run (looser limits, a change to the
+                session's memory or pids, a run already in progress: ``Busy``, ...), or
+                the connection failed.
+            UploadError: a file in ``files`` cannot be uploaded (nothing was sent).
+        """
+        options = _RunOptions(
+            timeout=timeout, limits=limits, on_stdout=on_stdout, on_stderr=on_stderr,
+            filename=filename, files=files, download=download, approve=approve,
+        )
+        return await self._run(code, options)
+
+    async def submit(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        limits: Mapping[str, float] | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        filename: str = "<job>",
+        files: Uploads | None = None,
+        download: Iterable[str] | bool = (),
+        approve: Approver | None = None,
+    ) -> AsyncJob:
+        """Start a run in the session's jail; return once the daemon accepted it. Unlike
+        :meth:`run`, this does not mark the session closed when the run ends it (the
+        daemon's ``SessionClosed`` does, a moment later).
+
+        Args:
+            code: Python source; sees what earlier runs defined; may use top-level
+                ``await`` and the ``tools`` global.
+            timeout: wall-clock seconds (shorthand for ``limits={"wall_time_s": ...}``).
+            limits: this run's limits (``wall_time_s``, ``cpu_time_s``, ``output_bytes``,
+                tool limits); each may only be stricter than the policy's. Memory and pids
+                are the session's, set when it opened.
+            on_stdout: called with the run's stdout text as the run produces it.
+            on_stderr: called with the run's stderr text as the run produces it.
+            filename: the code's file name in tracebacks.
+            files: uploads into the jail's working directory before the code runs:
+                ``{"path/in/jail": bytes or a local path}``, or local paths (a directory
+                goes in recursively).
+            download: patterns (``fnmatch``, ``*`` crosses ``/``) of files in the working
+                directory whose contents come back in ``result.downloads``; ``True``: every
+                file the run created or changed.
+            approve: the approval callback for this run's tools marked ``approval``
+                (default: the session's, else the client's); without one such calls are
+                denied.
+
+        Returns:
+            An :class:`AsyncJob`: its ``job_id``, ``await job.result()``, ``await job.cancel()``.
+
+        Raises:
+            SessionClosed: the session is not open, or it ended before this run.
+            JaildError: the daemon refused the run (looser limits, a change to the
+                session's memory or pids, a run already in progress: ``Busy``, ...), or
+                the connection failed.
+            UploadError: a file in ``files`` cannot be uploaded (nothing was sent).
+        """
+        options = _RunOptions(
+            timeout=timeout, limits=limits, on_stdout=on_stdout, on_stderr=on_stderr,
+            filename=filename, files=files, download=download, approve=approve,
+        )
+        return await self._submit(code, options)
+
+    async def _run(self, code: str, options: _RunOptions) -> JobResult:
+        job = await self._submit(code, options)
         result = await job.result()
         ended = (result.session or {}).get("closed")
         if ended:  # its SessionClosed follows; the session is over already
@@ -361,21 +485,21 @@ class AsyncSession:
             self._client._sessions.pop(self.id or "", None)
         return result
 
-    async def submit(self, code: str, **kwargs: Any) -> AsyncJob:
+    async def _submit(self, code: str, options: _RunOptions) -> AsyncJob:
         session_id = self._check_open()
-        if self.approve is not None:
-            kwargs.setdefault("approve", self.approve)
-        return await self._client.submit(
-            code, self.policy, self._tools, _session=session_id, **kwargs
-        )
+        if options.approve is None and self.approve is not None:
+            options = replace(options, approve=self.approve)
+        return await self._client._submit(code, self.policy, self._tools, options, session_id)
 
-    async def upload(self, files: Any) -> JobResult:
-        """Put files into the working directory (a run of no code)."""
-        return await self.run("", files=files)
+    async def upload(self, files: Uploads) -> JobResult:
+        """Put files into the working directory (a run of no code); ``files`` as
+        :meth:`run` takes them."""
+        return await self._run("", _RunOptions(files=files))
 
     async def download(self, *patterns: str) -> dict[str, bytes]:
-        """The contents of files in the working directory matching ``patterns``."""
-        result = await self.run("", download=patterns or ("*",))
+        """The contents of files in the working directory matching ``patterns``
+        (``fnmatch``, ``*`` crosses ``/``; none: every file)."""
+        result = await self._run("", _RunOptions(download=patterns or ("*",)))
         return result.downloads
 
     async def close(self) -> None:
@@ -490,10 +614,9 @@ class AsyncClient:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         filename: str = "<job>",
-        files: Any = None,
+        files: Uploads | None = None,
         download: Iterable[str] | bool = (),
         approve: Approver | None = None,
-        _session: str | None = None,
     ) -> AsyncJob:
         """Start ``code`` in a fresh jail; return once the daemon accepted it (the daemon
         says so with the job's first output, tool call or end, and within about 10 ms of a
@@ -504,34 +627,123 @@ class AsyncClient:
             policy: the policy to run under.
             tools: host tools, as ``{"name": fn}`` or ``[fn, ...]`` (plain or async functions).
             timeout: wall-clock seconds (shorthand for ``limits={"wall_time_s": ...}``).
-            limits: per-job limits; each may only be stricter than the policy's.
-            on_stdout / on_stderr: called with text as the job produces it.
+            limits: per-job limits (``{"memory_mb": 64, "pids": 8}``); each may only be
+                stricter than the policy's.
+            on_stdout: called with the job's stdout text as the job produces it.
+            on_stderr: called with the job's stderr text as the job produces it.
+            filename: the code's file name in tracebacks.
             files: uploads into the jail's working directory before the code runs:
                 ``{"path/in/jail": bytes or a local path}``, or local paths (a directory
                 goes in recursively).
-            approve: the approval callback for this job's tools marked ``approval`` (default:
-                the client's); without one such calls are denied.
             download: patterns (``fnmatch``, ``*`` crosses ``/``) of files in the working
                 directory whose contents come back in ``result.downloads``; ``True``: every
                 file the run created or changed.
+            approve: the approval callback for this job's tools marked ``approval`` (default:
+                the client's); without one such calls are denied.
 
         Returns:
             An :class:`AsyncJob`: its ``job_id``, ``await job.result()``, ``await job.cancel()``.
 
         Raises:
-            JaildError: the daemon refused the job (unknown policy, looser limits, ...),
-                or the connection failed.
+            JaildError: the daemon refused the job (``UnknownPolicy``, ``PolicyUnavailable``,
+                ``BadRequest`` for looser limits, ``PermissionDenied``, ``Busy``, ...), or
+                the connection failed (``ConnectionLost``).
+            TypeError, ValueError: a tool that is not callable, a bad or repeated tool
+                name, or a file in ``files`` that cannot be uploaded (``UploadError``);
+                nothing was sent.
         """
+        options = _RunOptions(
+            timeout=timeout, limits=limits, on_stdout=on_stdout, on_stderr=on_stderr,
+            filename=filename, files=files, download=download, approve=approve,
+        )
+        return await self._submit(code, policy, tools, options)
+
+    async def run(
+        self,
+        code: str,
+        policy: str = "default",
+        tools: Mapping[str, Any] | Iterable[Any] | None = None,
+        *,
+        timeout: float | None = None,
+        limits: Mapping[str, float] | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        filename: str = "<job>",
+        files: Uploads | None = None,
+        download: Iterable[str] | bool = (),
+        approve: Approver | None = None,
+    ) -> JobResult:
+        """Run ``code`` in a fresh jail and return its result record (:meth:`submit`, then
+        :meth:`AsyncJob.result`). If the awaiting task is cancelled, the job is cancelled too.
+
+        Args:
+            code: Python source; may use top-level ``await`` and the ``tools`` global.
+            policy: the policy to run under.
+            tools: host tools, as ``{"name": fn}`` or ``[fn, ...]`` (plain or async functions).
+            timeout: wall-clock seconds (shorthand for ``limits={"wall_time_s": ...}``).
+            limits: per-job limits (``{"memory_mb": 64, "pids": 8}``); each may only be
+                stricter than the policy's.
+            on_stdout: called with the job's stdout text as the job produces it.
+            on_stderr: called with the job's stderr text as the job produces it.
+            filename: the code's file name in tracebacks.
+            files: uploads into the jail's working directory before the code runs:
+                ``{"path/in/jail": bytes or a local path}``, or local paths (a directory
+                goes in recursively).
+            download: patterns (``fnmatch``, ``*`` crosses ``/``) of files in the working
+                directory whose contents come back in ``result.downloads``; ``True``: every
+                file the run created or changed.
+            approve: the approval callback for this job's tools marked ``approval`` (default:
+                the client's); without one such calls are denied.
+
+        Returns:
+            The job's :class:`JobResult`. A job that runs and fails is *not* an exception:
+            look at ``result.status``.
+
+        Raises:
+            JaildError: the daemon refused the job (``UnknownPolicy``, ``PolicyUnavailable``,
+                ``BadRequest`` for looser limits, ``PermissionDenied``, ``Busy``, ...), or
+                the connection failed (``ConnectionLost``).
+            TypeError, ValueError: a tool that is not callable, a bad or repeated tool
+                name, or a file in ``files`` that cannot be uploaded (``UploadError``);
+                nothing was sent.
+        """
+        options = _RunOptions(
+            timeout=timeout, limits=limits, on_stdout=on_stdout, on_stderr=on_stderr,
+            filename=filename, files=files, download=download, approve=approve,
+        )
+        return await self._run(code, policy, tools, options)
+
+    async def _run(
+        self,
+        code: str,
+        policy: str,
+        tools: Mapping[str, Any] | Iterable[Any] | None,
+        options: _RunOptions,
+    ) -> JobResult:
+        job = await self._submit(code, policy, tools, options)
+        return await job.result()
+
+    async def _submit(
+        self,
+        code: str,
+        policy: str,
+        tools: Mapping[str, Any] | Iterable[Any] | None,
+        options: _RunOptions,
+        session_id: str | None = None,
+    ) -> AsyncJob:
+        """Send the ``RunJob`` (the one place one is built) and wait for ``JobAccepted``."""
         host_tools = normalize_tools(tools)
-        uploads = load_uploads(files) if files else {}
+        uploads = load_uploads(options.files) if options.files else {}
+        download = options.download
         patterns = () if isinstance(download, bool) else tuple(download)
-        wanted = dict(limits or {})
-        if timeout is not None:
-            wanted["wall_time_s"] = float(timeout)
+        wanted = dict(options.limits or {})
+        if options.timeout is not None:
+            wanted["wall_time_s"] = float(options.timeout)
         ref = next(self._refs)
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[str] = loop.create_future()
-        job = _Job(host_tools, on_stdout, on_stderr, loop.create_future(), approve or self._approve)
+        job = _Job(host_tools, options.on_stdout, options.on_stderr, loop.create_future(),
+                   options.approve or self._approve)
         self._accepting[ref] = (accepted, job)
         msg = RunJob(
             ref=ref,
@@ -539,8 +751,8 @@ class AsyncClient:
             policy=policy,
             tools=tuple(t.spec() for t in host_tools.values()),
             limits=wanted,
-            filename=filename,
-            session_id=_session,
+            filename=options.filename,
+            session_id=session_id,
             files=uploads,
             download=patterns,
             download_changed=download is True,
@@ -551,21 +763,6 @@ class AsyncClient:
         finally:
             self._accepting.pop(ref, None)
         return AsyncJob(self, job_id, job)
-
-    async def run(
-        self,
-        code: str,
-        policy: str = "default",
-        tools: Mapping[str, Any] | Iterable[Any] | None = None,
-        **kwargs: Any,
-    ) -> JobResult:
-        """Run ``code`` and return its result record (:meth:`submit` + :meth:`AsyncJob.result`).
-
-        A job that runs and fails is *not* an exception: look at ``result.status``.
-        If the awaiting task is cancelled, the job is cancelled too.
-        """
-        job = await self.submit(code, policy, tools, **kwargs)
-        return await job.result()
 
     async def _request(self, make: Callable[[int], Message]) -> Any:
         """Send ``make(ref)`` and wait for the answer to ``ref``."""
@@ -613,8 +810,29 @@ class AsyncClient:
         """A session: one jail kept for many runs that share variables, functions and imports.
 
         ``async with client.session(...) as s: await s.run("x = 1"); await s.run("x + 1")``.
-        ``idle_s`` / ``max_lifetime_s`` may only tighten the policy's ``[session]`` values;
-        ``limits`` are the per-run limits (memory and pids apply to the whole session)."""
+        Nothing is sent until the session is opened (``async with`` or ``open()``).
+
+        Args:
+            policy: the policy the session's jail runs under.
+            tools: host tools for every run, as ``{"name": fn}`` or ``[fn, ...]`` (plain or
+                async functions).
+            limits: the limits of each run (``wall_time_s``, ``cpu_time_s``, ...), and
+                ``memory_mb`` / ``pids`` for the whole session; each may only be stricter
+                than the policy's.
+            idle_s: end the session after this many seconds without a run; may only
+                tighten the policy's ``[session] idle_s``.
+            max_lifetime_s: end the session this many seconds after it opened; may only
+                tighten the policy's ``[session] max_lifetime_s``.
+            approve: the approval callback for the runs' tools marked ``approval``
+                (default: the client's); without one such calls are denied.
+
+        Returns:
+            An :class:`AsyncSession`, not yet open.
+
+        Raises:
+            TypeError, ValueError: a tool that is not callable, or a bad or repeated tool
+                name.
+        """
         session = AsyncSession(
             self, policy, normalize_tools(tools), dict(limits or {}), idle_s, max_lifetime_s
         )
@@ -918,20 +1136,109 @@ class Client:
         code: str,
         policy: str = "default",
         tools: Mapping[str, Any] | Iterable[Any] | None = None,
-        **kwargs: Any,
+        *,
+        timeout: float | None = None,
+        limits: Mapping[str, float] | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        filename: str = "<job>",
+        files: Uploads | None = None,
+        download: Iterable[str] | bool = (),
+        approve: Approver | None = None,
     ) -> JobResult:
-        """See :meth:`AsyncClient.run`."""
-        return self._call(self._client.run(code, policy, tools, **kwargs))  # type: ignore[no-any-return]
+        """Run ``code`` in a fresh jail and return its result record (:meth:`submit`, then
+        :meth:`Job.result`). A ``KeyboardInterrupt`` while waiting cancels the job.
+
+        Args:
+            code: Python source; may use top-level ``await`` and the ``tools`` global.
+            policy: the policy to run under.
+            tools: host tools, as ``{"name": fn}`` or ``[fn, ...]`` (plain or async functions).
+            timeout: wall-clock seconds (shorthand for ``limits={"wall_time_s": ...}``).
+            limits: per-job limits (``{"memory_mb": 64, "pids": 8}``); each may only be
+                stricter than the policy's.
+            on_stdout: called with the job's stdout text as the job produces it.
+            on_stderr: called with the job's stderr text as the job produces it.
+            filename: the code's file name in tracebacks.
+            files: uploads into the jail's working directory before the code runs:
+                ``{"path/in/jail": bytes or a local path}``, or local paths (a directory
+                goes in recursively).
+            download: patterns (``fnmatch``, ``*`` crosses ``/``) of files in the working
+                directory whose contents come back in ``result.downloads``; ``True``: every
+                file the run created or changed.
+            approve: the approval callback for this job's tools marked ``approval`` (default:
+                the client's); without one such calls are denied.
+
+        Returns:
+            The job's :class:`JobResult`. A job that runs and fails is *not* an exception:
+            look at ``result.status``.
+
+        Raises:
+            JaildError: the daemon refused the job (``UnknownPolicy``, ``PolicyUnavailable``,
+                ``BadRequest`` for looser limits, ``PermissionDenied``, ``Busy``, ...), or
+                the connection failed (``ConnectionLost``).
+            TypeError, ValueError: a tool that is not callable, a bad or repeated tool
+                name, or a file in ``files`` that cannot be uploaded (``UploadError``);
+                nothing was sent.
+        """
+        options = _RunOptions(
+            timeout=timeout, limits=limits, on_stdout=on_stdout, on_stderr=on_stderr,
+            filename=filename, files=files, download=download, approve=approve,
+        )
+        return self._call(self._client._run(code, policy, tools, options))  # type: ignore[no-any-return]
 
     def submit(
         self,
         code: str,
         policy: str = "default",
         tools: Mapping[str, Any] | Iterable[Any] | None = None,
-        **kwargs: Any,
+        *,
+        timeout: float | None = None,
+        limits: Mapping[str, float] | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        filename: str = "<job>",
+        files: Uploads | None = None,
+        download: Iterable[str] | bool = (),
+        approve: Approver | None = None,
     ) -> Job:
-        """Start a job without waiting for it; see :meth:`AsyncClient.submit`."""
-        return Job(self, self._call(self._client.submit(code, policy, tools, **kwargs)))
+        """Start ``code`` in a fresh jail without waiting for it; return once the daemon
+        accepted it (see :meth:`AsyncClient.submit`).
+
+        Args:
+            code: Python source; may use top-level ``await`` and the ``tools`` global.
+            policy: the policy to run under.
+            tools: host tools, as ``{"name": fn}`` or ``[fn, ...]`` (plain or async functions).
+            timeout: wall-clock seconds (shorthand for ``limits={"wall_time_s": ...}``).
+            limits: per-job limits (``{"memory_mb": 64, "pids": 8}``); each may only be
+                stricter than the policy's.
+            on_stdout: called with the job's stdout text as the job produces it.
+            on_stderr: called with the job's stderr text as the job produces it.
+            filename: the code's file name in tracebacks.
+            files: uploads into the jail's working directory before the code runs:
+                ``{"path/in/jail": bytes or a local path}``, or local paths (a directory
+                goes in recursively).
+            download: patterns (``fnmatch``, ``*`` crosses ``/``) of files in the working
+                directory whose contents come back in ``result.downloads``; ``True``: every
+                file the run created or changed.
+            approve: the approval callback for this job's tools marked ``approval`` (default:
+                the client's); without one such calls are denied.
+
+        Returns:
+            A :class:`Job`: its ``job_id``, ``job.result(timeout=...)``, ``job.cancel()``.
+
+        Raises:
+            JaildError: the daemon refused the job (``UnknownPolicy``, ``PolicyUnavailable``,
+                ``BadRequest`` for looser limits, ``PermissionDenied``, ``Busy``, ...), or
+                the connection failed (``ConnectionLost``).
+            TypeError, ValueError: a tool that is not callable, a bad or repeated tool
+                name, or a file in ``files`` that cannot be uploaded (``UploadError``);
+                nothing was sent.
+        """
+        options = _RunOptions(
+            timeout=timeout, limits=limits, on_stdout=on_stdout, on_stderr=on_stderr,
+            filename=filename, files=files, download=download, approve=approve,
+        )
+        return Job(self, self._call(self._client._submit(code, policy, tools, options)))
 
     def policies(self) -> list[dict[str, Any]]:
         return self._call(self._client.policies())  # type: ignore[no-any-return]
@@ -948,9 +1255,49 @@ class Client:
         """See :meth:`AsyncClient.stats`."""
         return self._call(self._client.stats())  # type: ignore[no-any-return]
 
-    def session(self, policy: str = "default", tools: Any = None, **kwargs: Any) -> Session:
-        """See :meth:`AsyncClient.session`; ``with client.session(...) as s: s.run(...)``."""
-        return Session(self, self._client.session(policy, tools, **kwargs))
+    def session(
+        self,
+        policy: str = "default",
+        tools: Mapping[str, Any] | Iterable[Any] | None = None,
+        *,
+        limits: Mapping[str, float] | None = None,
+        idle_s: float | None = None,
+        max_lifetime_s: float | None = None,
+        approve: Approver | None = None,
+    ) -> Session:
+        """A session: one jail kept for many runs that share variables, functions and imports.
+
+        ``with client.session(...) as s: s.run("x = 1"); s.run("x + 1")``.
+        Nothing is sent until the session is opened (``with`` or ``open()``).
+
+        Args:
+            policy: the policy the session's jail runs under.
+            tools: host tools for every run, as ``{"name": fn}`` or ``[fn, ...]`` (plain or
+                async functions).
+            limits: the limits of each run (``wall_time_s``, ``cpu_time_s``, ...), and
+                ``memory_mb`` / ``pids`` for the whole session; each may only be stricter
+                than the policy's.
+            idle_s: end the session after this many seconds without a run; may only
+                tighten the policy's ``[session] idle_s``.
+            max_lifetime_s: end the session this many seconds after it opened; may only
+                tighten the policy's ``[session] max_lifetime_s``.
+            approve: the approval callback for the runs' tools marked ``approval``
+                (default: the client's); without one such calls are denied.
+
+        Returns:
+            A :class:`Session`, not yet open.
+
+        Raises:
+            TypeError, ValueError: a tool that is not callable, or a bad or repeated tool
+                name.
+        """
+        return Session(
+            self,
+            self._client.session(
+                policy, tools, limits=limits, idle_s=idle_s, max_lifetime_s=max_lifetime_s,
+                approve=approve,
+            ),
+        )
 
     def cancel(self, job_id: str) -> None:
         self._call(self._client.cancel(job_id))
@@ -1030,13 +1377,68 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def run(self, code: str, **kwargs: Any) -> JobResult:
-        return self._client._call(self._session.run(code, **kwargs))  # type: ignore[no-any-return]
+    def run(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        limits: Mapping[str, float] | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        filename: str = "<job>",
+        files: Uploads | None = None,
+        download: Iterable[str] | bool = (),
+        approve: Approver | None = None,
+    ) -> JobResult:
+        """Run ``code`` in the session's jail and return its result record. The session's
+        policy and tools apply; a run that hits a limit ends the session.
 
-    def upload(self, files: Any) -> JobResult:
+        Args:
+            code: Python source; sees what earlier runs defined; may use top-level
+                ``await`` and the ``tools`` global.
+            timeout: wall-clock seconds (shorthand for ``limits={"wall_time_s": ...}``).
+            limits: this run's limits (``wall_time_s``, ``cpu_time_s``, ``output_bytes``,
+                tool limits); each may only be stricter than the policy's. Memory and pids
+                are the session's, set when it opened.
+            on_stdout: called with the run's stdout text as the run produces it.
+            on_stderr: called with the run's stderr text as the run produces it.
+            filename: the code's file name in tracebacks.
+            files: uploads into the jail's working directory before the code runs:
+                ``{"path/in/jail": bytes or a local path}``, or local paths (a directory
+                goes in recursively).
+            download: patterns (``fnmatch``, ``*`` crosses ``/``) of files in the working
+                directory whose contents come back in ``result.downloads``; ``True``: every
+                file the run created or changed.
+            approve: the approval callback for this run's tools marked ``approval``
+                (default: the session's, else the client's); without one such calls are
+                denied.
+
+        Returns:
+            The run's :class:`JobResult`; ``result.session`` says which run of which
+            session, and ``closed`` if this run ended it. A run that fails is *not* an
+            exception: look at ``result.status``.
+
+        Raises:
+            SessionClosed: the session is not open, or it ended before this run.
+            JaildError: the daemon refused the run (looser limits, a change to the
+                session's memory or pids, a run already in progress: ``Busy``, ...), or
+                the connection failed.
+            UploadError: a file in ``files`` cannot be uploaded (nothing was sent).
+        """
+        options = _RunOptions(
+            timeout=timeout, limits=limits, on_stdout=on_stdout, on_stderr=on_stderr,
+            filename=filename, files=files, download=download, approve=approve,
+        )
+        return self._client._call(self._session._run(code, options))  # type: ignore[no-any-return]
+
+    def upload(self, files: Uploads) -> JobResult:
+        """Put files into the working directory (a run of no code); ``files`` as
+        :meth:`run` takes them."""
         return self._client._call(self._session.upload(files))  # type: ignore[no-any-return]
 
     def download(self, *patterns: str) -> dict[str, bytes]:
+        """The contents of files in the working directory matching ``patterns``
+        (``fnmatch``, ``*`` crosses ``/``; none: every file)."""
         return self._client._call(self._session.download(*patterns))  # type: ignore[no-any-return]
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """A private daemon: one started inside a command, for that command only.
 
-``jaild run``, ``jaild codemode`` and ``jaild doctor`` need a daemon even on a host
-where none runs. Each starts one here, in this process, with the same rules:
+``jaild run``, ``jaild session``, ``jaild codemode`` and ``jaild doctor`` need a daemon
+even on a host where none runs. Each starts one here, in this process, with the same rules:
 
 * its socket is in a fresh private directory (mode 0700, removed afterwards), so no
   other user can reach it and it never takes the system daemon's socket;

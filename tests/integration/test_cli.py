@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from jaild.daemon.config import DaemonConfig
-from tests.conftest import REPO, DaemonHandle, guard
+from tests.conftest import REPO, DaemonHandle, _descendants, guard, proc_stat, until
 
 pytestmark = pytest.mark.integration
 
@@ -170,24 +172,113 @@ def test_a_private_daemon_serves_no_metrics_whatever_the_config_says(tmp_path: P
     assert json.loads(out.stdout)["result"] == "private"
 
 
-def test_a_private_daemon_that_cannot_start_means_no_daemon(tmp_path: Path) -> None:
+ONE_SHOT = {"run": ("-c", "1"), "session": ()}
+"""The commands that start a private daemon when none runs, and what they need to run 1."""
+WHAT = {"run": "job", "session": "session"}
+
+
+@pytest.mark.parametrize("command", ONE_SHOT)
+def test_a_private_daemon_that_cannot_start_means_no_daemon(tmp_path: Path, command: str) -> None:
     assert not os.path.exists("/run/jaild/jaild.sock"), "a system daemon runs here; test needs none"
     empty = tmp_path / "policies"
     empty.mkdir()
-    out = jaild("run", "--policies", str(empty), "-c", "1", env={})
+    out = jaild(command, "--policies", str(empty), *ONE_SHOT[command], stdin="1\n", env={})
     assert out.returncode == 69, out.stderr
-    assert "running this job in a private daemon" in out.stderr
+    assert f"running this {WHAT[command]} in a private daemon" in out.stderr
     assert "no jaild daemon at /run/jaild/jaild.sock, and a private one could not start: " in (
         out.stderr)
 
 
-def test_a_named_socket_that_does_not_answer_is_an_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ONE_SHOT)
+def test_a_named_socket_that_does_not_answer_is_an_error(tmp_path: Path, command: str) -> None:
     missing = str(tmp_path / "nobody.sock")
-    out = jaild("run", "--socket", missing, "-c", "1")
+    out = jaild(command, "--socket", missing, *ONE_SHOT[command], stdin="1\n")
     assert out.returncode == 69
     assert f"no jaild daemon at {missing}" in out.stderr
-    out = jaild("run", "-c", "1", env={"JAILD_SOCKET": missing})
+    assert "private daemon" not in out.stderr
+    out = jaild(command, *ONE_SHOT[command], stdin="1\n", env={"JAILD_SOCKET": missing})
     assert out.returncode == 69
+    assert f"no jaild daemon at {missing}" in out.stderr
+
+
+def listening_socket(pid: int) -> str:
+    """The path of the Unix socket process ``pid`` listens on: its private daemon's."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    # Num RefCount Protocol Flags Type St Inode Path; flag 0x10000: listening
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) == 8 and fields[6] in inodes and int(fields[3], 16) & 0x10000:
+            return fields[7]
+    raise AssertionError(f"process {pid} listens on no Unix socket")
+
+
+def alive(pid: int, started: str) -> bool:
+    """Is the process ``pid`` that started at ``started`` (clock ticks after boot) still
+    running (not a zombie, and not a new process under a reused pid)?"""
+    try:
+        stat = proc_stat(pid)
+    except (OSError, IndexError):
+        return False
+    return stat[19] == started and stat[0] not in ("Z", "X")
+
+
+def test_session_without_a_daemon_runs_in_a_private_one_that_ends_with_it() -> None:
+    """As jaild run: no socket named, nothing at the default path -> a private daemon for
+    this command. While the REPL runs, the private daemon's jails and cgroups are there
+    (the control); once stdin has ended and the REPL exited, none of them is left."""
+    assert not os.path.exists("/run/jaild/jaild.sock"), "a system daemon runs here; test needs none"
+    with subprocess.Popen(
+        [sys.executable, "-m", "jaild", "session"], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={k: v for k, v in os.environ.items() if k != "JAILD_SOCKET"},
+    ) as proc:
+        hang = threading.Timer(guard(120), proc.kill)  # a liveness guard on the reads below
+        hang.start()
+        try:
+            assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+            proc.stdin.write("x = 6\ndef f(y):\n    return x * y\n\nprint(f(7), flush=True)\n")
+            proc.stdin.flush()
+            first = proc.stdout.readline()  # the session has run its first statements
+            notes = [proc.stderr.readline()]
+            while notes[-1] and not notes[-1].startswith("jaild: session "):  # "": it exited
+                notes.append(proc.stderr.readline())
+            assert first == "42\n", (first, notes, proc.stderr.read())
+            assert ("jaild: no daemon at /run/jaild/jaild.sock; running this session in a private "
+                    "daemon\n") in notes, notes
+            session_id = notes[-1].split()[2]  # "jaild: session ses-... (policy default); ..."
+            assert session_id.startswith("ses-"), notes
+
+            # the control: the private daemon runs the session's jail as the CLI's descendant,
+            # in a cgroup of the private daemon's subtree
+            private = DaemonHandle(listening_socket(proc.pid), str(REPO / "policies"),
+                                   proc, "")  # type: ignore[arg-type]
+            assert "jaild-private-" in private.socket
+            processes = {pid: proc_stat(pid)[19] for pid in _descendants(proc.pid)}
+            jailed = private.job_pids(session_id)
+            assert jailed and set(jailed) <= set(processes), (jailed, processes)
+            assert private.cgroup_dir(session_id).is_dir()
+            assert any(os.path.isdir(d) for d in private.subtree_dirs)
+
+            proc.stdin.write("print(f(2))\nimport os\nos.getpid() == 1\n")
+            proc.stdin.close()  # the end of the REPL's input
+            rest, err = proc.stdout.read(), proc.stderr.read()
+            proc.wait(guard(60))
+        finally:
+            hang.cancel()
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, err
+    assert rest == "12\nTrue\n", (rest, err)  # the same session: f and x are still defined
+    until(lambda: not any(alive(pid, started) for pid, started in processes.items()),
+          "the private daemon's processes ending", timeout=10)
+    until(lambda: not any(os.path.exists(d) for d in private.subtree_dirs),
+          "the private daemon's cgroups going", timeout=10)
+    assert not os.path.exists(os.path.dirname(private.socket))  # its private directory too
 
 
 def test_refused_job_exit_code(daemon: DaemonHandle) -> None:
