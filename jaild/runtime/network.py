@@ -17,8 +17,8 @@ audited event and it cannot be removed) that, for
   connections, requests), and
 * the name service (``socket.getaddrinfo``, ``gethostbyname``, ``gethostbyname_ex``,
   ``gethostbyaddr``, ``getnameinfo``) -- a lookup needs the network that is not there, and
-  glibc's resolver would otherwise make its sockets out of the hook's sight (and, sorting
-  several answers, a netlink socket the filter kills),
+  glibc's resolver would otherwise make its AF_INET socket out of the hook's sight (refused
+  by the filter: the lookup would fail as a ``gaierror`` that names no policy, uncounted),
 
 counts the attempt and raises ``PermissionError(EACCES, ...)`` naming the call, the policy,
 and how to get network access (the daemon's words, ``Harden.network.explanation``). The call
