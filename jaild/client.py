@@ -124,6 +124,10 @@ class JobResult:
     session: dict[str, Any] | None = None
     """For a session's run: the session ``id``, the ``run`` number, and ``closed`` (the
     reason) if this run ended the session."""
+    network_refused: int | None = None
+    """Network attempts the policy refused with ``PermissionError`` (a policy without a
+    network), as the jail's runtime counted them: the jail's own word. None when it did not
+    report."""
     _record: JobRecord | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -150,6 +154,7 @@ class JobResult:
                     "files_skipped": self.files_skipped,
                     "tool_calls_omitted": self.tool_calls_omitted,
                     "session": self.session,
+                    "network_refused": self.network_refused,
                 }
             )
             object.__setattr__(self, "_record", typed)
@@ -188,6 +193,7 @@ class JobResult:
             "files": self.files,
             **({"files_skipped": self.files_skipped} if self.files_skipped else {}),
             **({"session": self.session} if self.session else {}),
+            **({"network_refused": self.network_refused} if self.network_refused else {}),
         }
 
     @classmethod
@@ -227,6 +233,7 @@ class JobResult:
             files_skipped=view.get("files_skipped", []),
             downloads=dict(files or {}),
             session=view.get("session"),
+            network_refused=typed.network_refused,
         )
         object.__setattr__(out, "_record", typed)
         return out

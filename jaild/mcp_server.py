@@ -246,6 +246,9 @@ def summarize(record: dict[str, Any], note: str = "") -> str:
     session = record.get("session")
     if isinstance(session, dict) and session.get("run"):
         facts.append(f"session run {session['run']}")
+    refused = int(record.get("network_refused") or 0)
+    if refused:
+        facts.append(f"{refused} network attempt{'s' if refused != 1 else ''} refused")
     parts = [f"status: {record['status']}" + (f" ({', '.join(facts)})" if facts else "")]
     if note:
         parts.append(f"note: {note}")

@@ -23,7 +23,9 @@ The three parts:
   (:func:`jaild.runtime.main.main`) in a subprocess with its channel on a socketpair, so
   a :class:`~jaild.daemon.job.JailedJob` drives it exactly as it drives a jail. The one
   step it leaves out is hardening (no capabilities dropped, no seccomp filter): its
-  ``JailReady`` reports the digest :data:`UNHARDENED`, which the fake daemon expects.
+  ``JailReady`` reports the digest :data:`UNHARDENED`, which the fake daemon expects. The
+  runtime's own refusal of network attempts under a policy without a network
+  (:mod:`jaild.runtime.network`) is there, as in a jail; the filter behind it is not.
 * **A daemon in memory** -- :func:`fake_daemon` runs the real daemon core (the server
   shell, admission, the pipeline, placement, sessions, the registry, the job machine and
   its broker) with the fake launcher; :meth:`FakeDaemon.connect` gives an

@@ -231,4 +231,7 @@ def describe_network(mode: str, egress: Iterable[str] = ()) -> str:
         return "The jail has no network but its own loopback (127.0.0.1)."
     if mode == "host":
         return "The jail shares the host's network."
-    return "The jail has no network."
+    return (
+        "The jail has no network: opening an internet socket or looking up a name raises "
+        "PermissionError, and the program goes on."
+    )

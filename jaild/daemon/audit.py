@@ -143,6 +143,7 @@ class AuditLog:
                     else {}
                 ),
                 **({"session": record.session.id} if record.session else {}),
+                **({"network_refused": record.network_refused} if record.network_refused else {}),
                 "reason": f"{error.type}: {error.message[:200]}" if error else "",
             },
         )

@@ -34,6 +34,9 @@ runs well ahead of the precise one rusage reports: under ``stress-ng --cpu 2`` o
 processes were killed at 65 % of a 1 s limit and 80 % of a 2 s one (rusage), where an idle
 host kills them within a tick of it."""
 
+SOCKET_SYSCALLS = ("socket", "socketpair")
+"""Killed only for their address family (:mod:`jaild.policy.seccomp`): the message says so."""
+
 _EXITED = re.compile(r"pid=(\d+) \(\[STANDALONE MODE\]\) exited with status: (\d+)")
 _SIGNALED = re.compile(r"pid=(\d+) \(\[STANDALONE MODE\]\) terminated with signal: (\w+) \((\d+)\)")
 _LAUNCH_FAILED = ("Couldn't launch the child process", "Launching child process failed")
@@ -140,6 +143,12 @@ def classify(ev: Evidence) -> tuple[str, dict[str, Any] | None]:
         )
     if signame == "SIGSYS":
         what = f"syscall {ev.syscall}" if ev.syscall else "a syscall the policy does not allow"
+        if ev.syscall in SOCKET_SYSCALLS:
+            what += (
+                ": a socket of an address family the policy does not allow (AF_NETLINK, "
+                "AF_PACKET, AF_VSOCK, ...; a network's AF_INET and AF_INET6 are never killed: "
+                "without a network they fail with PermissionError)"
+            )
         return "policy_violation", _err(
             "PolicyViolation",
             f"the seccomp filter killed the process for {what}",

@@ -97,6 +97,7 @@ from jaild.daemon.run_account import RunAccount
 from jaild.errors import ConnectionLost
 from jaild.policy.compile import JOB_UIDS, HostLayout
 from jaild.policy.schema import Policy
+from jaild.policy.seccomp import network_refusal
 from jaild.protocol import PROTOCOL_VERSION
 from jaild.protocol.messages import ErrorInfo, Harden
 from jaild.protocol.records import JobRecord
@@ -205,6 +206,7 @@ class JailEnvironment:
                 protocol=PROTOCOL_VERSION,
                 seccomp=self.seccomp_specs[policy.name],
                 file_limits=file_limits(policy).to_wire(),
+                network=network_refusal(policy.name, policy.network.mode),
             )
             self._hardens[policy.name] = msg
         return msg

@@ -167,12 +167,14 @@ def job_record(
     files: Iterable[Mapping[str, Any]] = (),
     files_skipped: Iterable[Mapping[str, Any]] = (),
     egress: Mapping[str, Any] | None = None,
+    network_refused: int | None = None,
 ) -> JobRecord:
     """The record of a run that reached its jail.
 
     ``tool_calls`` beyond :data:`MAX_CALL_RECORDS` are counted in ``tool_calls_omitted``;
     ``files`` and ``files_skipped`` are the daemon's checked listing
-    (:func:`jaild.runtime.files.validate_collected`).
+    (:func:`jaild.runtime.files.validate_collected`); ``network_refused`` is the runtime's
+    count (``CodeFinished.network_refused``), None when it did not report.
     """
     calls = [c if isinstance(c, ToolCallEntry) else tool_call(**c) for c in tool_calls]
     omitted = tool_calls_omitted + max(0, len(calls) - MAX_CALL_RECORDS)
@@ -192,6 +194,7 @@ def job_record(
         tool_calls_omitted=omitted,
         session=None,
         egress=egress_record(egress) if egress is not None else None,
+        network_refused=network_refused,
     )
 
 

@@ -47,6 +47,7 @@ class RunAccount:
         self.downloads: dict[str, bytes] = {}
         self._files: list[dict[str, Any]] = []
         self._files_skipped: list[dict[str, Any]] = []
+        self._network_refused: int | None = None
 
     # -- the run's steps, as the driver performs the machine's actions
 
@@ -62,8 +63,10 @@ class RunAccount:
         self._code_started = time.monotonic()
 
     def code_ended(self, report: CodeFinished, policy: Policy) -> None:
-        """The runtime's report: the code's time ends; its result and files are taken."""
+        """The runtime's report: the code's time ends; its result, files and count of
+        refused network attempts are taken."""
         self.result = report.result
+        self._network_refused = report.network_refused
         self._code_ended = time.monotonic()
         cgroup = self._handle.cgroup
         if cgroup is not None:
@@ -138,6 +141,7 @@ class RunAccount:
             files=self._files,
             files_skipped=self._files_skipped,
             egress=egress,
+            network_refused=self._network_refused,
         )
 
     def _usage(self, tally: Tally) -> Usage:

@@ -171,9 +171,10 @@ class Network:
 
     mode: str = setting(
         "none",
-        '"none": private netns, no interfaces; "loopback": lo up, AF_INET allowed; '
-        '"host": host network (unsafe); "egress": lo only, and HTTP(S) to the names of '
-        "[egress] through the daemon's gateway.",
+        '"none": private netns, no interfaces, and AF_INET/AF_INET6 sockets and name lookups '
+        "fail with PermissionError (EACCES) naming the policy, not a kill; "
+        '"loopback": lo up, AF_INET allowed; "host": host network (unsafe); "egress": lo '
+        "only, and HTTP(S) to the names of [egress] through the daemon's gateway.",
         choice("none", "loopback", "host", "egress"),
     )
 
@@ -263,7 +264,8 @@ class Seccomp:
     )
     action: str = setting(
         "kill",
-        'On a disallowed syscall: "kill" (status policy_violation) or "errno" (EPERM).',
+        'On a disallowed syscall: "kill" (status policy_violation) or "errno" (EPERM). '
+        'A network attempt under network.mode = "none" is never a kill (EACCES).',
         choice(*ACTIONS),
     )
     allow: tuple[str, ...] = setting((), "Extra syscalls or @groups to allow.")

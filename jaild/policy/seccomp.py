@@ -16,7 +16,13 @@ by the in-jail runtime before any user code runs:
      flags a filter can see;
    * ``socket`` and ``socketpair`` for AF_UNIX, plus AF_INET/AF_INET6 when the
      policy allows a network (a ``socketpair`` of any other family creates its
-     sockets in the kernel before it fails);
+     sockets in the kernel before it fails). Without a network, AF_INET/AF_INET6
+     fail with EACCES whatever the action and profile (``NETWORK_FAMILIES``): agent
+     code tries the network and catches the error, and a refusal here reaches no
+     kernel code, so killing the job would protect nothing and lose its work. Every
+     other family (netlink, packet, alg, vsock, ...: kernel attack surface) gets
+     the policy's action. :func:`network_refusal` is what the runtime is told, to
+     explain and count the refusals (:mod:`jaild.runtime.network`);
    * ``personality`` for the harmless values only.
 
    A few never-allowed calls that libraries merely probe (``mbind``,
@@ -49,12 +55,15 @@ from jaild.policy.syscalls import (
     ARGUMENT_VALUES,
     CONDITIONAL,
     GROUPS,
+    NETWORK_FAMILIES,
+    NETWORK_REFUSED,
     NEVER,
     PROFILE_CONDITIONALS,
     PROFILES,
     SOFT_CLOSED,
     SOFT_DENY,
 )
+from jaild.protocol.messages import NetworkRefusal
 from jaild.runtime.seccomp import syscall_number
 
 CLONE_NAMESPACE_FLAGS = 0x7E020000  # NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
@@ -138,9 +147,14 @@ def build_spec(choice: SeccompChoice, *, network: bool) -> dict[str, Any]:
         if name not in plain and name not in ARGUMENT_VALUES and syscall_number(name) is not None:
             rules.append([name, f"errno:{getattr(errno, code)}", []])
     families = [AF_UNIX, AF_INET, AF_INET6] if network else [AF_UNIX]
+    refused = f"errno:{getattr(errno, NETWORK_REFUSED)}"
     for name in ("socket", "socketpair"):
         if name in conditional:
             rules.extend([name, "allow", [[0, "eq", family, 0]]] for family in families)
+        if not network:
+            rules.extend(
+                [name, refused, [[0, "eq", family, 0]]] for family in NETWORK_FAMILIES.values()
+            )
     if "personality" in conditional:
         rules.extend(["personality", "allow", [[0, "eq", value, 0]]] for value in PERSONALITY_SAFE)
     if "ioctl" in conditional:
@@ -150,6 +164,23 @@ def build_spec(choice: SeccompChoice, *, network: bool) -> dict[str, Any]:
     if deny:
         filters.append({"default": "allow", "rules": deny})
     return {"filters": filters}
+
+
+def network_refusal(policy_name: str, network_mode: str) -> NetworkRefusal | None:
+    """What the runtime of a policy's jails refuses softly and how it says so (``Harden``'s
+    ``network``), or None when the policy has a network (nothing is refused softly)."""
+    if network_mode != "none":
+        return None
+    return NetworkRefusal(
+        families=tuple(NETWORK_FAMILIES.values()),
+        explanation=(
+            f"policy {policy_name!r} has no network (network.mode = \"none\"); nothing was "
+            "sent. For network access, use a policy with network.mode = \"egress\" and the "
+            "host in its [egress] allow list (HTTP(S) by name through jaild's gateway; "
+            "`jaild policies` shows what each policy reaches), or a host tool that fetches "
+            "for you."
+        ),
+    )
 
 
 def _argument_denials(choice: SeccompChoice, plain: set[str], conditional: set[str]) -> list[Any]:

@@ -214,6 +214,20 @@ were a syscall: name -> (syscall, argument index, value; compared on the low 32 
 other value is allowed with the syscall: ``F_SETLK``/``F_OFD_SETLK`` stay open (SQLite locks
 its files with them), and so does every other ``fadvise`` advice."""
 
+NETWORK_FAMILIES: dict[str, int] = {"AF_INET": 2, "AF_INET6": 10}
+"""The address families of a network. A policy without one (``network.mode = "none"``)
+*refuses* ``socket`` and ``socketpair`` of these with ``NETWORK_REFUSED``, whatever its action
+and profile, instead of killing the job: agent code wraps a fetch in ``try``/``except`` and
+goes on, and the filter answers before the kernel looks at the call, so no socket is made
+and no kernel code runs for it. Every other family a policy does not allow (AF_NETLINK,
+AF_PACKET, AF_ALG, AF_VSOCK, ...: kernel attack surface, never needed for a network) gets
+the policy's action. The in-jail runtime explains and counts the refusals of the job's own
+interpreter (:mod:`jaild.runtime.network`)."""
+
+NETWORK_REFUSED = "EACCES"
+"""The errno of a refused network family: Python raises ``PermissionError`` ("Permission
+denied"), which a policy's ``errno`` action (EPERM) does not give, so the two read apart."""
+
 SOFT_CLOSED: dict[str, str] = {
     "sysinfo": "EPERM",
     "inotify_init": "ENOSYS",

@@ -57,7 +57,7 @@ from jaild.protocol.fields import (
 )
 from jaild.protocol.records import DaemonStats, JobEntry, JobRecord, PolicyEntry, SessionInfo
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 MAX_CODE_CHARS = 1 << 20
 MAX_DESCRIPTION_CHARS = 8192
@@ -117,6 +117,18 @@ class ErrorInfo(Struct):
     message: str = field(string(MAX_MESSAGE_CHARS))
     traceback: str = field(string(MAX_MESSAGE_CHARS), default="")
     lineno: int | None = field(optional(integer(0, 1 << 31)), default=None)
+
+
+@struct
+class NetworkRefusal(Struct):
+    """What a jail without a network refuses softly, and the words its runtime gives for it
+    (``Harden.network``; see :mod:`jaild.runtime.network`)."""
+
+    families: tuple[int, ...] = field(list_of(integer(0, 1 << 16), 16))
+    """The socket address families the seccomp filter refuses with EACCES (AF_INET and
+    AF_INET6); name lookups are refused with them."""
+    explanation: str = field(string(MAX_MESSAGE_CHARS, min_len=1))
+    """Why, and how to get network access: the end of every refusal's message."""
 
 
 _limits = map_of(string(64, min_len=1), number(0, 1 << 53), 32)
@@ -329,6 +341,9 @@ class Harden(Message):
         map_of(string(64, min_len=1), integer(0, 1 << 40), 16), default_factory=dict
     )
     """The policy's ``[files]`` limits, for every run of this jail."""
+    network: NetworkRefusal | None = field(optional(nested(NetworkRefusal)), default=None)
+    """Set when the policy has no network: the runtime refuses network attempts of the job's
+    interpreter with a ``PermissionError`` that says why, and counts them."""
 
 
 @struct
@@ -391,6 +406,9 @@ class CodeFinished(Message):
     """What the runtime collected from the working directory (nil: nothing to report);
     hostile until the daemon's :func:`jaild.runtime.files.validate_collected` has looked at
     it."""
+    network_refused: int = field(_ref, default=0)
+    """Network attempts of this run that the runtime refused (``Harden.network``): the jail's
+    own count."""
 
 
 # --------------------------------------------------------------------------- tables

@@ -289,7 +289,7 @@ class JobRecord(Report):
     """A job's result record (``JobFinished.record``; PROTOCOL.md section 10)."""
 
     SPARSE = frozenset({"session", "egress"})
-    SPARSE_EMPTY = frozenset({"tool_calls_omitted", "files_skipped"})
+    SPARSE_EMPTY = frozenset({"tool_calls_omitted", "files_skipped", "network_refused"})
 
     job_id: str = field(_job_id)
     policy: str = field(_policy_name)
@@ -316,6 +316,11 @@ class JobRecord(Report):
     """Set for a session's runs only."""
     egress: EgressRecord | None = field(optional(nested(EgressRecord)), default=None)
     """Set for the runs of ``network.mode = "egress"`` policies only."""
+    network_refused: int | None = field(optional(_count), default=None)
+    """Network attempts of the run that its policy refused softly (``network.mode = "none"``:
+    sockets of AF_INET/AF_INET6, name lookups), as the jail's runtime counted them in the
+    job's interpreter -- the jail's own word (``CodeFinished.network_refused``). Nil when the
+    runtime did not report (the run was stopped before its code ended, or never ran)."""
 
     def __post_init__(self) -> None:
         Struct.__post_init__(self)

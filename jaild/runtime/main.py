@@ -6,7 +6,8 @@ Sequence (the jail link's states, see :mod:`jaild.protocol.connection`):
    /dev/null on fd 0, so user code can neither read frames from stdin nor pass
    the channel to a subprocess.
 2. Receive ``Harden``; lock down (:func:`jaild.runtime.harden.harden`). On any
-   failure, report it on stderr and exit non-zero: no user code runs.
+   failure, report it on stderr and exit non-zero: no user code runs. A policy without
+   a network has the job's network attempts refused in words (:mod:`jaild.runtime.network`).
 3. Send ``JailReady``; receive ``RunCode``.
 4. Write the uploaded files into the working directory, note what is there, run the
    code with ``tools`` in its namespace, list what the run created or changed (and
@@ -107,6 +108,10 @@ def main(warm_up: bool = False) -> None:
         sys.stderr.write(f"jaild runtime: refusing to run user code: {exc}\n")
         sys.stderr.flush()
         os._exit(EXIT_HARDENING_FAILED)
+    from jaild.runtime import network
+
+    if first.network is not None:
+        network.install(first.network)
     channel.send(JailReady(protocol=PROTOCOL_VERSION, python=platform.python_version(),
                            seccomp_digest=seccomp_digest))
     from jaild.runtime import execute
@@ -142,6 +147,7 @@ def main(warm_up: bool = False) -> None:
                 "_schema": tools._schema,
                 "_search": tools._search,
             }
+        network.take_refused()  # not this run's: the warm-up's, a session's leftover threads'
         try:
             if run.files:
                 files.write_uploads(workdir, run.files, limits)
@@ -174,7 +180,11 @@ def main(warm_up: bool = False) -> None:
             pass
         channel.send(
             CodeFinished(
-                ok=outcome.ok, result=outcome.result, error=outcome.error, files=collected
+                ok=outcome.ok,
+                result=outcome.result,
+                error=outcome.error,
+                files=collected,
+                network_refused=network.take_refused(),
             )
         )
         if not run.keep:

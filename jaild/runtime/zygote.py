@@ -120,6 +120,7 @@ _RUNTIME_MODULES = (
     "jaild.runtime.execute",
     "jaild.runtime.tools",
     "jaild.runtime.files",
+    "jaild.runtime.network",
 )
 
 

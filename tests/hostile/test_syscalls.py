@@ -5,6 +5,12 @@ and prints the return value and errno. Positive control: the same probe, run on 
 outside any jail, reaches the kernel and comes back (an errno from the kernel, or
 success) -- so the kill inside the jail is the filter's doing. Under a ``kill`` policy
 the job ends ``policy_violation``; under an ``errno`` policy the call fails with EPERM.
+
+A network attempt without a network is the exception (issue 17, item 5): ``socket`` and
+``socketpair`` of AF_INET/AF_INET6 fail with EACCES before the kernel sees them, under every
+action and profile, and the job goes on; the families that are kernel attack surface still
+kill, with or without a network. The control for those is a policy with a network
+(``netprobe``), where the same probe reaches the kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +26,20 @@ pytestmark = pytest.mark.integration
 
 CLONE_NEWUSER, CLONE_FS = 0x10000000, 0x00000200
 TIOCSTI, TIOCLINUX = 0x5412, 0x541C
+
+# socket families that are kernel attack surface, not a network: never allowed
+DANGEROUS_FAMILIES = [
+    ("socket", [16, 3, 0]),  # AF_NETLINK (NETLINK_ROUTE)
+    ("socket", [17, 3, 0]),  # AF_PACKET
+    ("socket", [38, 5, 0]),  # AF_ALG
+    ("socket", [40, 1, 0]),  # AF_VSOCK
+    # socketpair makes both sockets in the kernel before the family says it cannot pair them
+    # (EOPNOTSUPP on the host): it is filtered like socket()
+    ("socketpair", [16, 3, 0, 0]),  # AF_NETLINK
+    ("socketpair", [17, 3, 0, 0]),  # AF_PACKET
+    ("socketpair", [38, 5, 0, 0]),  # AF_ALG
+    ("socketpair", [40, 1, 0, 0]),  # AF_VSOCK
+]
 
 # name, arguments (all harmless: NULL pointers, bad descriptors, invalid flags)
 DENIED = [
@@ -55,16 +75,7 @@ DENIED = [
     ("move_mount", [-1, 0, -1, 0, 0]),
     ("mknod", [0, 0, 0]),
     ("personality", [0x0400000]),  # READ_IMPLIES_EXEC
-    ("socket", [16, 3, 0]),  # AF_NETLINK
-    ("socket", [17, 3, 0]),  # AF_PACKET
-    ("socket", [40, 1, 0]),  # AF_VSOCK
-    # socketpair makes both sockets in the kernel before the family says it cannot pair them
-    # (EOPNOTSUPP on the host): it is filtered like socket()
-    ("socketpair", [16, 3, 0, 0]),  # AF_NETLINK
-    ("socketpair", [17, 3, 0, 0]),  # AF_PACKET
-    ("socketpair", [40, 1, 0, 0]),  # AF_VSOCK
-    ("socketpair", [2, 1, 0, 0]),  # AF_INET, in a policy without a network
-    ("socketpair", [10, 1, 0, 0]),  # AF_INET6
+    *DANGEROUS_FAMILIES,
     ("ioctl", [0, TIOCSTI, 0]),
     ("ioctl", [0, TIOCLINUX, 0]),
     ("ioctl", [0, (1 << 32) | TIOCSTI, 0]),  # upper bits set: the kernel still sees TIOCSTI
@@ -97,7 +108,53 @@ def test_denied_syscall_kills_the_job(hostile: DaemonHandle, name: str, args: li
     assert r.status == "policy_violation", (r.status, r.error, r.stdout)
     assert r.error is not None and r.error["signal"] == "SIGSYS"
     assert r.error["syscall"] in (name, None)  # named when the kernel's audit record got through
+    if r.error["syscall"] in ("socket", "socketpair"):
+        assert "a socket of an address family the policy does not allow" in r.error["message"]
     hostile.assert_serving()
+
+
+@pytest.mark.parametrize(("name", "args"), DANGEROUS_FAMILIES,
+                         ids=[f"{n}-{a[0]}" for n, a in DANGEROUS_FAMILIES])
+def test_dangerous_socket_families_kill_even_where_the_policy_has_a_network(
+        hostile: DaemonHandle, name: str, args: list[int]) -> None:
+    """Netlink, packet, alg and vsock sockets are kernel attack surface, not a network: a
+    policy with a network (netprobe, loopback) kills them as the default policy does."""
+    control = run_unjailed(probe(name, args))
+    assert control.returncode == 0, control.stderr
+    assert len(control.stdout.split()) == 2
+    r = hostile.run(probe(name, args), policy="netprobe")
+    assert r.status == "policy_violation", (r.status, r.error, r.stdout)
+    assert r.error is not None and r.error["syscall"] in (name, None)
+
+
+INET = [
+    ("socket", [2, 1, 0]),  # AF_INET, SOCK_STREAM
+    ("socket", [10, 2, 0]),  # AF_INET6, SOCK_DGRAM
+    ("socketpair", [2, 1, 0, 0]),
+    ("socketpair", [10, 1, 0, 0]),
+]
+
+
+@pytest.mark.parametrize(("name", "args"), INET, ids=[f"{n}-{a[0]}" for n, a in INET])
+def test_inet_without_a_network_is_refused_by_the_filter_not_killed(
+        hostile: DaemonHandle, name: str, args: list[int]) -> None:
+    """The raw syscall, out of the runtime's sight (no audit hook sees ctypes): the filter
+    alone answers EACCES, before the kernel -- under the kill action, the errno action
+    (whose own answer is EPERM) and the strict profile (which has no socket() at all). The
+    runtime counts nothing it did not see. Controls: on the host, and under a policy with a
+    network, the same probe reaches the kernel (a descriptor; for socketpair, whose vector
+    is NULL here, the kernel's EFAULT)."""
+    on_host = run_unjailed(probe(name, args))
+    assert on_host.returncode == 0, on_host.stderr
+    kernel = [int(v) for v in on_host.stdout.split()]
+    assert kernel[0] >= 0 if name == "socket" else kernel == [-1, errno.EFAULT], kernel
+    r = hostile.run(probe(name, args), policy="netprobe")
+    assert r.status == "ok", (r.status, r.error)
+    assert (r.result[0] >= 0) if name == "socket" else r.result == kernel, r.result
+    for policy in ("default", "strict", "errno", "data"):
+        r = hostile.run(probe(name, args), policy=policy)
+        assert (r.status, r.result) == ("ok", [-1, errno.EACCES]), (policy, r.status, r.error)
+        assert r.network_refused == 0, policy
 
 
 @pytest.mark.parametrize(("name", "args"), DENIED, ids=IDS)
@@ -154,4 +211,4 @@ def test_socketpair_families_follow_the_network_mode(hostile: DaemonHandle, fami
     r = hostile.run(socketpair_probe(family, 1), policy="netprobe")
     assert (r.status, r.result) == ("ok", [-1, errno.EOPNOTSUPP]), (r.status, r.error)
     r = hostile.run(socketpair_probe(family, 1), policy="errno")  # no network: refused
-    assert (r.status, r.result) == ("ok", [-1, errno.EPERM]), (r.status, r.error)
+    assert (r.status, r.result) == ("ok", [-1, errno.EACCES]), (r.status, r.error)

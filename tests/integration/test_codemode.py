@@ -160,7 +160,7 @@ def test_a_failing_first_attempt_is_fed_back_and_the_retry_succeeds(
     system, task = chat.requests[0]["messages"]
     assert system["role"] == "system" and "### add" in system["content"]
     assert "Call: await tools.lookup(key: str)" in system["content"]
-    assert "Network: The jail has no network." in system["content"]  # the default policy's
+    assert "Network: The jail has no network: " in system["content"]  # the default policy's
     assert task == {"role": "user", "content": "Add 2 and 3, then double it"}
     second = chat.requests[1]["messages"]
     assert [m["role"] for m in second] == ["system", "user", "assistant", "user"]

@@ -285,8 +285,9 @@ out
     assert r.result == ["ECONNREFUSED", "ENETUNREACH", "EPERM"], r.result
     host = run_unjailed(probe)
     assert host.returncode == 0 and "['connected'" in host.stdout, host.stdout + host.stderr
-    nonet = gateway.run(probe, "nonet")  # mode "none": AF_INET itself is refused (errno)
-    assert nonet.status == "ok" and nonet.result == ["EPERM"] * 3, nonet.result
+    nonet = gateway.run(probe, "nonet")  # mode "none": AF_INET itself is refused (EACCES)
+    assert nonet.status == "ok" and nonet.result == ["EACCES"] * 3, nonet.result
+    assert nonet.network_refused == 3
 
 
 def test_a_name_that_resolves_to_a_private_address_is_refused(

@@ -29,7 +29,9 @@ def test_no_inet_sockets_under_the_default_policy(daemon: DaemonHandle) -> None:
     control = run_unjailed(INET_PROBE + "\nprint('made')")
     assert control.returncode == 0 and "made" in control.stdout
     r = daemon.run(INET_PROBE)
-    assert r.status == "policy_violation"
+    assert r.status == "error" and r.result is None  # refused, not made (nor a kill)
+    assert r.error is not None and r.error["type"] == "PermissionError"
+    assert r.network_refused == 1
     daemon.assert_serving()
 
 

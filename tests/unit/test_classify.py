@@ -82,3 +82,16 @@ def test_details() -> None:
     assert err is not None and "mount('/srv'" in err["message"]
     _, err = classify(ev(log=EXITED_0, claim=ERR_CLAIM))
     assert err == {"type": "ValueError", "message": "m", "traceback": "tb", "lineno": 3}
+
+
+@pytest.mark.parametrize("syscall", ["socket", "socketpair"])
+def test_a_socket_kill_says_it_was_the_address_family(syscall: str) -> None:
+    """socket() and socketpair() are killed for their family only (a network's families are
+    refused, never killed): the record says so, as the kernel's audit record cannot."""
+    status, err = classify(ev(log=SIGSYS, syscall=syscall))
+    assert status == "policy_violation" and err is not None and err["syscall"] == syscall
+    assert f"syscall {syscall}: a socket of an address family the policy does not allow" in (
+        err["message"])
+    assert "PermissionError" in err["message"]
+    _, err = classify(ev(log=SIGSYS, syscall="unshare"))
+    assert err is not None and "address family" not in err["message"]

@@ -75,6 +75,7 @@ from jaild.protocol.messages import (
     ListJobs,
     ListPolicies,
     Message,
+    NetworkRefusal,
     OpenSession,
     PolicyList,
     RunCode,
@@ -221,6 +222,10 @@ SAMPLES: dict[str, list[Message]] = {
             seccomp={"default": "kill",
                      "rules": [["read", "allow", []], ["clone", "allow", [[0, 1]]]]},
         ),
+        Harden(
+            protocol=PROTOCOL_VERSION, seccomp={},
+            network=NetworkRefusal(families=(2, 10), explanation="policy 'p' has no network"),
+        ),
         RunCode(code="1 + 1", filename="<job>", tools=(), tool_payload_bytes=0, result_bytes=0),
         RunCode(
             code="x",
@@ -249,6 +254,7 @@ SAMPLES: dict[str, list[Message]] = {
                             traceback="Traceback ...", lineno=1),
         ),
         CodeFinished(ok=False, error=ErrorInfo(type="E", message="")),
+        CodeFinished(ok=True, network_refused=MAX_REF),
         CodeFinished(
             ok=True,
             files={"files": [{"path": "o.txt", "size": 1, "sha256": "0" * 64}],
@@ -1080,6 +1086,10 @@ BAD_CONSTRUCTIONS: list[tuple[str, type[Any], dict[str, Any]]] = [
     ("runcode-filename-empty", RunCode, {**_CODE, "filename": ""}),
     ("call-tool-name-empty", JailCallTool, {"call_id": 1, "name": "", "args": b""}),
     ("code-finished-ok-int", CodeFinished, {"ok": 1}),
+    ("code-finished-network-refused-negative", CodeFinished, {"ok": True, "network_refused": -1}),
+    ("harden-network-not-a-refusal", Harden, {"protocol": 1, "seccomp": {}, "network": "none"}),
+    ("network-refusal-no-explanation", NetworkRefusal, {"families": [2], "explanation": ""}),
+    ("network-refusal-family-str", NetworkRefusal, {"families": ["AF_INET"], "explanation": "x"}),
     ("code-finished-error-str", CodeFinished, {"ok": False, "error": "boom"}),
     ("tool-spec-name-pattern", ToolSpec, {"name": "has space"}),
     ("tool-spec-parameters-bytes", ToolSpec, {"name": "t", "parameters": b"{}"}),

@@ -80,10 +80,12 @@ def test_a_record_round_trips_through_the_wire_unchanged() -> None:
         run_record(status="timeout", error=build.job_error("Timeout", "too slow",
                                                            limit="wall_time_s"),
                    files=[{"path": "out/a.txt", "size": 2, "sha256": "a" * 64}],
-                   files_skipped=[{"path": "fifo", "reason": "not a regular file"}]),
+                   files_skipped=[{"path": "fifo", "reason": "not a regular file"}],
+                   network_refused=2),
         "ses-0123abcd", 2, "timeout",
     )
     assert over_the_wire(record) == record
+    assert over_the_wire(record).network_refused == 2
     assert over_the_wire(record).usage == USAGE  # typed all the way down
     assert over_the_wire(record).session.closed == "timeout"  # type: ignore[union-attr]
 
@@ -121,6 +123,8 @@ def test_there_is_no_status_outside_the_closed_set() -> None:
     ("files", ({"path": "a", "size": -1, "sha256": "0" * 64},)),
     ("tool_calls_omitted", -1),
     ("session", {"id": "ses-1", "run": 1}),
+    ("network_refused", -1),
+    ("network_refused", "3"),
 ])
 def test_a_malformed_field_cannot_be_built_nor_received(field: str, value: Any) -> None:
     good = run_record().to_wire()
@@ -311,3 +315,15 @@ def test_any_run_builds_a_record_that_survives_the_wire(
                         error=error)
     assert over_the_wire(record) == record
     assert JobResult.from_wire(record, None).to_dict()["status"] == status
+
+
+def test_the_client_result_shows_refused_network_attempts_only_when_there_were_some() -> None:
+    caught = JobResult.from_wire(run_record(network_refused=2), msgpack.packb(1))
+    assert caught.network_refused == 2 and caught.to_dict()["network_refused"] == 2
+    assert caught.record.network_refused == 2
+    by_hand = dataclasses.replace(caught)  # the typed record rebuilt from the fields
+    assert by_hand.record.network_refused == 2
+    for quiet in (run_record(network_refused=0), run_record()):
+        result = JobResult.from_wire(quiet, msgpack.packb(1))
+        assert "network_refused" not in result.to_dict()
+        assert "network_refused" not in quiet.to_dict()

@@ -326,8 +326,12 @@ def code_limits() -> dict[tuple[str, str], str]:
     owners: list[tuple[str, type[Struct]]] = [
         (cls.TYPE, cls) for table in MESSAGES.values() for cls in table.values()
     ]
-    owners += [(cls.__name__, cls) for cls in (messages_module.ToolSpec,
-                                               messages_module.ErrorInfo, *RECORDS)]
+    structures = [
+        obj for obj in vars(messages_module).values()
+        if isinstance(obj, type) and issubclass(obj, Struct)
+        and not issubclass(obj, Message) and obj.__module__ == messages_module.__name__
+    ]
+    owners += [(cls.__name__, cls) for cls in (*structures, *RECORDS)]
     out: dict[tuple[str, str], str] = {}
     for owner, cls in owners:
         for name, check in cls._checks:

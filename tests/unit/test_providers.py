@@ -358,3 +358,6 @@ def test_records_are_made_json_safe_and_summarized() -> None:
     long = summarize({"status": "ok", "result": "x" * 20000, "stdout": "", "stderr": "",
                       "error": None, "tool_calls": []})
     assert len(long) < 9000 and "more characters of the result in the structured result" in long
+    caught = summarize({"status": "ok", "result": 1, "stdout": "", "stderr": "", "error": None,
+                        "tool_calls": [], "duration_s": 0.5, "network_refused": 2})
+    assert caught.splitlines()[0] == "status: ok (0.50 s, 2 network attempts refused)"

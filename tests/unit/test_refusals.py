@@ -112,8 +112,10 @@ def test_refused_tool_calls_are_summarised_at_the_jobs_end(tmp_path: Path) -> No
     record = SimpleNamespace(job_id="job-1", status="ok", policy="default", duration_s=1.0,
                              error=None, usage=None, session=None,
                              tool_calls=[SimpleNamespace(name="nope")] * 100,
-                             tool_calls_omitted=935)
+                             tool_calls_omitted=935, network_refused=None)
     audit.job(PEER, cast(JobRecord, record))
+    refused = SimpleNamespace(**{**vars(record), "job_id": "job-3", "network_refused": 2})
+    audit.job(PEER, cast(JobRecord, refused))
     audit.close()
     got = records(path)
     calls = [r for r in got if r["event"] == "tool_call" and r["job"] == "job-1"]
@@ -126,6 +128,8 @@ def test_refused_tool_calls_are_summarised_at_the_jobs_end(tmp_path: Path) -> No
     assert summary[0]["suppressed"] == 1005 - REFUSED_CALLS_PER_JOB
     job = next(r for r in got if r["event"] == "job")
     assert job["tool_calls"] == 1035
+    assert "network_refused" not in job  # nil or 0: not written
+    assert next(r for r in got if r.get("job") == "job-3")["network_refused"] == 2
     assert got.index(summary[0]) < got.index(job)  # the summary comes before the job's record
 
 

@@ -127,3 +127,21 @@ def test_only_an_ok_run_keeps_its_result_and_a_reset_forgets_the_run(clock: Cloc
     assert record.usage is not None
     assert record.usage.wall_s == 0.0 and record.usage.stream_dropped_bytes == 0
     assert record.usage.cpu_user_s is None  # no run started since the reset
+
+
+def test_the_runtimes_count_of_refused_network_attempts_is_in_the_record(clock: Clock) -> None:
+    """The count comes with the runtime's report (the jail's own word); a run that never
+    reported has none (nil, not 0), and a reset forgets it."""
+    run = RunAccount(FakeHandle(None))  # type: ignore[arg-type]
+    run.code_sent()
+    run.code_ended(CodeFinished(ok=True, result=b"\x01", network_refused=3), POLICY)
+    record = run.record(SPEC, "ok", None, Tally())
+    assert record.network_refused == 3 and record.to_dict()["network_refused"] == 3
+    run.reset()
+    run.code_sent()
+    record = run.record(SPEC, "timeout", {"type": "Timeout", "message": "m"}, Tally())
+    assert record.network_refused is None and "network_refused" not in record.to_dict()
+    run.reset()
+    run.code_ended(CodeFinished(ok=True, result=b"\x01"), POLICY)
+    record = run.record(SPEC, "ok", None, Tally())
+    assert record.network_refused == 0 and "network_refused" not in record.to_dict()

@@ -18,8 +18,16 @@ from jaild.policy.seccomp import (
     SyscallNameError,
     allowed_syscalls,
     build_spec,
+    network_refusal,
 )
-from jaild.policy.syscalls import ARGUMENT_VALUES, GROUPS, NEVER, PROFILES, SOFT_CLOSED
+from jaild.policy.syscalls import (
+    ARGUMENT_VALUES,
+    GROUPS,
+    NETWORK_FAMILIES,
+    NEVER,
+    PROFILES,
+    SOFT_CLOSED,
+)
 from jaild.runtime.seccomp import bpf_program, explain, refuses, syscall_name, syscall_number
 
 POLICIES_DIR = Path(__file__).resolve().parents[2] / "policies"
@@ -75,27 +83,76 @@ def test_strict_allows_threads_only() -> None:
     assert rules_of(spec, "clone") == [
         ["clone", "allow", [[0, "masked_eq", CLONE_NAMESPACE_FLAGS | CLONE_THREAD, CLONE_THREAD]]]
     ]
-    allowed = {r[0] for r in spec["filters"][0]["rules"]}
+    allowed = {r[0] for r in spec["filters"][0]["rules"] if r[1] == "allow"}
     for name in ("execve", "fork", "vfork", "socket", "shmget"):
         assert name not in allowed, name
+    refused = {r[0] for r in spec["filters"][0]["rules"] if r[1] != "allow"}
+    assert not refused & {"execve", "fork", "vfork", "shmget"}  # the action decides: kill
+
+
+def families(spec: dict, syscall: str) -> list[tuple[int, str]]:  # type: ignore[type-arg]
+    """(family, action) of each rule for ``syscall``; each rule has one condition, on arg 0."""
+    rules = rules_of(spec, syscall)
+    assert all(len(r[2]) == 1 and r[2][0][:2] == [0, "eq"] for r in rules), rules
+    return [(r[2][0][2], r[1]) for r in rules]
+
+
+EACCES = "errno:13"
 
 
 @pytest.mark.parametrize("syscall", ["socket", "socketpair"])
 def test_socket_families_follow_the_network_mode(syscall: str) -> None:
-    no_net = [r[2][0][2] for r in rules_of(build_spec(DEFAULT, network=False), syscall)]
-    net = [r[2][0][2] for r in rules_of(build_spec(DEFAULT, network=True), syscall)]
-    assert no_net == [1]  # AF_UNIX only
-    assert net == [1, 2, 10]  # + AF_INET, AF_INET6
-    assert all(r[1] == "allow" and len(r[2]) == 1 for r in rules_of(build_spec(DEFAULT, network=True), syscall))
+    """With a network: AF_UNIX, AF_INET, AF_INET6. Without: AF_UNIX, and the network's
+    families refused with EACCES (no kill); any other family gets the policy's action."""
+    assert families(build_spec(DEFAULT, network=True), syscall) == [
+        (1, "allow"), (2, "allow"), (10, "allow")]
+    assert families(build_spec(DEFAULT, network=False), syscall) == [
+        (1, "allow"), (2, EACCES), (10, EACCES)]
+    assert build_spec(DEFAULT, network=False)["filters"][0]["default"] == "kill"
+
+
+@pytest.mark.parametrize("choice", [DEFAULT, STRICT, SeccompChoice("default", "errno", (), ()),
+                                    SeccompChoice("default", "kill", (), ("socket",))])
+def test_without_a_network_inet_is_refused_softly_whatever_the_action_and_profile(
+        choice: SeccompChoice) -> None:
+    """A network attempt never kills: not under strict (which has no socket() at all), not
+    when a policy removes socket(), and under the errno action with EACCES, not its EPERM."""
+    spec = build_spec(choice, network=False)
+    for syscall in ("socket", "socketpair"):
+        soft = [(f, a) for f, a in families(spec, syscall) if a != "allow"]
+        assert soft == [(2, EACCES), (10, EACCES)], (choice, syscall)
+    assert list(NETWORK_FAMILIES.values()) == [2, 10]
+
+
+@pytest.mark.parametrize("choice", [DEFAULT, STRICT])
+def test_the_dangerous_families_are_never_allowed_nor_soft(choice: SeccompChoice) -> None:
+    """AF_NETLINK, AF_PACKET, AF_ALG, AF_VSOCK, ... have no rule at all: the default action
+    (kill) takes them, with or without a network."""
+    for network in (False, True):
+        spec = build_spec(choice, network=network)
+        for syscall in ("socket", "socketpair"):
+            assert {f for f, _ in families(spec, syscall)} <= {1, 2, 10}
+        assert spec["filters"][0]["default"] == "kill"
 
 
 def test_strict_socketpair_is_af_unix_only_and_socket_absent() -> None:
     spec = build_spec(STRICT, network=False)
-    assert rules_of(spec, "socketpair") == [["socketpair", "allow", [[0, "eq", 1, 0]]]]
-    assert rules_of(spec, "socket") == []
+    assert families(spec, "socketpair") == [(1, "allow"), (2, EACCES), (10, EACCES)]
+    assert families(spec, "socket") == [(2, EACCES), (10, EACCES)]  # no AF_UNIX socket()
     # @network-io on top of strict brings socketpair back filtered, never unconditionally
     widened = build_spec(SeccompChoice("strict", "kill", ("@network-io",), ()), network=False)
-    assert rules_of(widened, "socketpair") == [["socketpair", "allow", [[0, "eq", 1, 0]]]]
+    assert families(widened, "socketpair") == [(1, "allow"), (2, EACCES), (10, EACCES)]
+
+
+def test_network_refusal_names_the_policy_and_the_way_to_the_network() -> None:
+    refusal = network_refusal("default", "none")
+    assert refusal is not None
+    assert refusal.families == (2, 10)
+    text = refusal.explanation
+    assert "policy 'default' has no network (network.mode = \"none\")" in text
+    assert 'network.mode = "egress"' in text and "[egress] allow" in text
+    for mode in ("loopback", "host", "egress"):
+        assert network_refusal("web", mode) is None  # nothing to refuse softly
 
 
 SIDE_CHANNEL_SYSCALLS = ["sysinfo", "flock", "memfd_create", "inotify_init", "inotify_init1",
@@ -158,7 +215,8 @@ def test_side_channel_rules_compile_to_bpf() -> None:
     fail every jail's hardening)."""
     for choice in (DEFAULT, STRICT, SeccompChoice("default", "errno", (), ()),
                    SeccompChoice("strict", "kill", ("sysinfo", "@inotify", "@file-locks", "@memfd"), ())):
-        assert len(bpf_program(build_spec(choice, network=True))) == 2
+        for network in (True, False):  # without one: the refused inet families' rules too
+            assert len(bpf_program(build_spec(choice, network=network))) == 2
 
 
 def test_tiocsti_is_denied_on_the_low_32_bits_in_a_separate_filter() -> None:

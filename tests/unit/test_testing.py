@@ -195,6 +195,30 @@ def test_a_jobs_record() -> None:
     run(test)
 
 
+def test_a_network_attempt_without_a_network_is_refused_and_counted() -> None:
+    """The whole path without root: the Harden frame tells the runtime the policy has no
+    network, its audit hook refuses the attempt in words, the job goes on, and the count
+    reaches the record. (No seccomp filter here: tests/integration/test_network_refusal.py
+    and tests/hostile have the jail's. A policy with a network refuses nothing.)"""
+    code = ("import urllib.request\ntry:\n    urllib.request.urlopen('http://example.com/')\n"
+            "except OSError as e:\n    caught = str(e)\n{'caught': caught, 'work': 6 * 7}")
+
+    async def test(client: AsyncClient) -> None:
+        r = await client.run(code)
+        assert r.status == "ok", r.error
+        assert r.result["work"] == 42
+        caught = r.result["caught"]
+        assert "network access refused in this jail (getaddrinfo('example.com', 80))" in caught
+        assert "policy 'default' has no network" in caught
+        assert r.network_refused == 1 and r.record.network_refused == 1
+        looped = await client.run("import socket\nsocket.socket(socket.AF_INET).close()\n1",
+                                  policy="looped")
+        assert looped.status == "ok", looped.error  # loopback: the hook is not installed
+        assert looped.network_refused == 0
+
+    run(test, {"default": POLICY, "looped": '[network]\nmode = "loopback"\n'})
+
+
 def test_a_tool_call_is_routed_to_its_host_handler() -> None:
     seen: list[tuple[str, int]] = []
 
