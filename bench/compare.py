@@ -39,6 +39,7 @@ from typing import TypeVar
 
 import baselines
 import flames
+import floors
 import peers
 import stages
 from foreign import ForeignClient
@@ -127,6 +128,18 @@ class Run:
                 if t is not None:
                     r.throughput.setdefault("nsjail", []).append(t)
 
+    def measure_floors(self) -> None:
+        """This machine's floors (``bench/floors.py``): a hop between processes on one CPU
+        and across two, a warm job's hops with nothing in them, and what idling between
+        jobs costs the next piece of Python."""
+        s, r = self.settings, self.results
+        print("== this machine's floors", flush=True)
+        for key in floors.FLOORS:
+            x = self.attempt(f"floors/{key}",
+                             functools.partial(floors.measure, key, s.runs, s.warm_pause_s))
+            if x is not None:
+                r.floors[key] = x
+
     def measure_peers(self) -> None:
         """pydantic-monty and llm-sandbox: latency, monty's external calls, and what each
         isolates as read in this run. A peer not installed is skipped in a quick run (the
@@ -175,6 +188,9 @@ class Run:
             with PrivateDaemon(variant) as daemon:
                 if key == "warm_uvloop":
                     self.measure_loop(daemon)
+                    return
+                if key == "warm_pinned":
+                    self.measure_pinned(daemon)
                     return
                 memory = self.attempt(
                     f"{key}/memory",
@@ -245,6 +261,24 @@ class Run:
         tools = self.attempt(
             f"{key}/tool_calls", lambda: daemon.tool_calls(s.tool_calls, s.tool_window)
         )
+        if tools is not None:
+            r.tool_calls[key] = tools
+
+    def measure_pinned(self, daemon: PrivateDaemon) -> None:
+        """The warm rows with the daemon, its zygote, its jails and the client all on one
+        CPU: whether keeping the hops off the other CPU (no cross-CPU wake-ups) pays, against
+        losing that CPU for everything else (the pool's refills, other jobs)."""
+        s, r, key = self.settings, self.results, daemon.variant.key
+        assert daemon.variant.cpus is not None
+        with floors.on_cpus(daemon.variant.cpus):
+            latency = self.attempt(f"{key}/latency",
+                                   functools.partial(daemon.latency, s.runs, s.warm_pause_s))
+            if latency is not None:
+                latency.note = f"{s.warm_pause_s * 1e3:.0f} ms between jobs"
+                r.latency[key] = latency
+            tools = self.attempt(
+                f"{key}/tool_calls", lambda: daemon.tool_calls(s.tool_calls, s.tool_window)
+            )
         if tools is not None:
             r.tool_calls[key] = tools
 
@@ -330,6 +364,8 @@ def variants(pool_section: bool) -> list[Variant]:
         Variant("warm", f"jaild warm (zygote, pool 4-8){today}", mode("zygote"), 4, 8),
         Variant("warm_uvloop", f"jaild warm, daemon and client on uvloop{today}",
                 mode("zygote"), 4, 8, event_loop="uvloop"),
+        Variant("warm_pinned", f"jaild warm, daemon, jails and client on one CPU{today}",
+                mode("zygote"), 4, 8, cpus=str(min(os.sched_getaffinity(0)))),
         Variant("pool", f"jaild pool of {POOL_SIZE} (memory only){today}", mode("zygote"),
                 POOL_SIZE, POOL_SIZE),
     ]
@@ -455,6 +491,7 @@ def main(argv: list[str]) -> int:
         profile_dir = Path(tempfile.mkdtemp(prefix="jaild-bench-profile-"))
         results.profile_dir = str(profile_dir)
     run = Run(results, profile_dir)
+    run.measure_floors()
     run.measure_baselines(args.pyodide_dir)
     run.measure_peers()
     for variant in vs:

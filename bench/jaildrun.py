@@ -94,6 +94,8 @@ class Variant:
     """If set, the policy's ``wall_time_s`` and ``cpu_time_s``, in place of the shipped ones."""
     event_loop: str = "asyncio"
     """The daemon's ``daemon.event_loop`` and the bench's client loop (:mod:`jaild.loops`)."""
+    cpus: str | None = None
+    """If set, the daemon (and so its zygotes and jails) runs on these CPUs (``taskset -c``)."""
 
     def daemon_config(self) -> str:
         """The daemon's config file, with the event loop if it is not the default."""
@@ -149,8 +151,9 @@ class PrivateDaemon:
         config = self._tmp / "jaild.toml"
         config.write_text(self.variant.daemon_config())
         with self._log.open("wb") as log:
+            pinned = ["taskset", "-c", self.variant.cpus] if self.variant.cpus else []
             self._proc = subprocess.Popen(
-                [sys.executable, *self.entry, "serve", "--socket", self.socket,
+                [*pinned, sys.executable, *self.entry, "serve", "--socket", self.socket,
                  "--policies", str(policies), "--config", str(config), "--log-level", "warning"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
             )

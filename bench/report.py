@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import flames
+from floors import FLOORS
 from measure import Deadlines, Latency, SleepBurst, Throughput, ToolCalls, percentile
 from procmem import MemorySnapshot
 
@@ -68,6 +69,8 @@ class Results:
     sleep: SleepBurst | None = None
     deadlines: Deadlines | None = None
     fairness: dict[str, Latency] = field(default_factory=dict)
+    floors: dict[str, Latency] = field(default_factory=dict)
+    """This machine's floors (``bench/floors.py``), by key of ``floors.FLOORS``."""
     stages: dict[str, list[float]] = field(default_factory=dict)
     """A warm job's stages (``bench/stages.py``): each job's seconds per stage."""
     """Phase (``idle``, ``sleep_flood``, ``cpu_flood``) -> uid 65534's warm-job latency."""
@@ -172,7 +175,8 @@ class Report:
 
     def render(self) -> str:
         sections: list[Callable[[], list[str]]] = [
-            self._intro, self._machine, self._targets, self._latency, self._throughput,
+            self._intro, self._machine, self._floors, self._targets, self._latency,
+            self._throughput,
             self._tool_calls, self._memory, self._sleep, self._deadlines, self._fairness,
             self._stages, self._profile,
             self._errors,
@@ -205,6 +209,33 @@ class Report:
     def _machine(self) -> list[str]:
         rows = [[k, v] for k, v in self.r.machine.items()]
         return ["## Machine", "", *_table(["", ""], rows, "ll")]
+
+    def _floors(self) -> list[str]:
+        f = self.r.floors
+        rows = []
+        for key, label in FLOORS.items():
+            x = f.get(key)
+            if x is None:
+                rows.append([label, self._missing(f"floors/{key}"), "", ""])
+                continue
+            rows.append([label + (f" ({x.note})" if x.note else ""), _us(x.median_s),
+                         _us(x.p99_s), str(len(x.samples_s))])
+        lines = ["## This machine's floors", "",
+                 "What any design with jaild's hops pays on this machine before doing anything "
+                 "of its own (`bench/floors.py`; nothing of jaild runs in the first four rows).",
+                 "", *_table(["what", "p50", "p99", "runs"], rows, "lrrr")]
+        same, apart = f.get("pingpong_same"), f.get("pingpong_apart")
+        hot, idle = f.get("decode_hot"), f.get("decode_idle")
+        notes = []
+        if same and apart:
+            notes.append(f"- A wake-up across CPUs costs {_ratio(apart.median_s, same.median_s)} "
+                         "a round trip on one CPU: a tool call (four hops) pays it four times "
+                         "when the processes sit on different CPUs.")
+        if hot and idle:
+            notes.append(f"- After {self.s.warm_pause_s * 1e3:.0f} ms idle, the same Python "
+                         f"runs {_ratio(idle.median_s, hot.median_s)} slower: every paced warm "
+                         "job pays that on all the code it runs, in three processes.")
+        return lines + (["", *notes] if notes else [])
 
     def _target(
         self, name: str, value: float | None, met: Callable[[float], bool],
@@ -280,7 +311,8 @@ class Report:
         bases = {k: lat[k].median_s if k in lat else None for k in ("nsjail", "bwrap", "pyodide")}
         rows = []
         for key in ("exec", "python", "nsjail", "bwrap", "pyodide", *PEER_LATENCY, "spawn",
-                    "cold", "warm", "warm_blocking", "warm_uvloop", "warm_uvloop_blocking"):
+                    "cold", "warm", "warm_blocking", "warm_uvloop", "warm_uvloop_blocking",
+                    "warm_pinned"):
             label = self.r.labels[key]
             if key not in lat:
                 rows.append([label, self._missing(f"{key}/latency"), "", "", "", "", ""])
@@ -297,7 +329,9 @@ class Report:
             "hand. Ratios are of medians. jaild rows use `AsyncClient`, except the blocking "
             "`Client` rows, whose calls hop to its event-loop thread and back. jaild's daemon "
             "and client run on the standard `asyncio` loop (the default); the uvloop rows run "
-            "both on uvloop (`daemon.event_loop`, `jaild.loops`), in the same run.",
+            "both on uvloop (`daemon.event_loop`, `jaild.loops`), in the same run; the "
+            "one-CPU row runs the daemon (and so its zygote and jails) and the client on the "
+            "first CPU only (`taskset`, `sched_setaffinity`).",
             "",
             *_table(["what", "median", "p99", "runs", "x bare nsjail", "x bubblewrap",
                      "x Pyodide"], rows, "lrrrrrr"),
@@ -372,7 +406,8 @@ class Report:
         floor = self.r.tool_calls.get("floor")
         warm = self.r.tool_calls.get("warm")
         rows = []
-        for key in ("floor", "monty", "llm", "spawn", "cold", "warm", "warm_uvloop"):
+        for key in ("floor", "monty", "llm", "spawn", "cold", "warm", "warm_uvloop",
+                    "warm_pinned"):
             t = self.r.tool_calls.get(key)
             if t is None:
                 rows.append([self.r.labels[key], self._missing(f"{key}/tool_calls"),

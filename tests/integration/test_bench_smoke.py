@@ -29,7 +29,7 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = out.read_text()
-    for section in ("## Targets", "## 1. Job latency", "### What each row isolates",
+    for section in ("## This machine's floors", "## Targets", "## 1. Job latency", "### What each row isolates",
                     "## 2. Fresh-jail jobs per second",
                     "## 3. Tool-call round trip", "## 4. Memory", "## 5. Concurrent sleeping jobs",
                     "## 6. Wall-clock deadlines", "## 7. Fairness between uids",
@@ -38,10 +38,14 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path) -> None:
     results = json.loads(out.with_suffix(".json").read_text())
     assert results["errors"] == {}, results["errors"]
     for key in ("exec", "nsjail", "bwrap", "spawn", "cold", "warm", "warm_blocking",
-                "warm_uvloop", "warm_uvloop_blocking"):
+                "warm_uvloop", "warm_uvloop_blocking", "warm_pinned"):
         assert results["latency"][key]["samples_s"], key
-    for key in ("warm", "warm_uvloop"):  # the standard loop (the default) and uvloop
+    # the standard loop (the default), uvloop, and everything on one CPU
+    for key in ("warm", "warm_uvloop", "warm_pinned"):
         assert results["tool_calls"][key]["sequential_s"], key
+    for key in ("pingpong_same", "pingpong_apart", "pingpong_paced", "shape", "decode_hot",
+                "decode_idle"):  # this machine's floors
+        assert len(results["floors"][key]["samples_s"]) == 4, key
     stages = results["stages"]  # each of the 4 jobs split into the six stages
     assert list(stages) == ["client send", "admit + place", "jail", "record", "to client",
                             "client return"]
