@@ -6,7 +6,10 @@ measurement of every alternative could be made and the report says so.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from importlib import metadata
@@ -21,12 +24,25 @@ pytestmark = pytest.mark.integration
 
 def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path) -> None:
     out = tmp_path / "report.md"
-    run = subprocess.run(
+    # its own process group: a harness that hangs is stopped with the daemons it started
+    # (SIGTERM first: a daemon removes its cgroups as it stops), not left running
+    proc = subprocess.Popen(
         [sys.executable, str(REPO / "bench" / "compare.py"), "--quick", "--runs", "4",
          "--seconds", "0.3", "--tool-calls", "50", "--sleep-jobs", "20", "--deadline-runs", "3",
          "--out", str(out)],
-        capture_output=True, text=True, timeout=guard(600), check=False,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
+    try:
+        stdout, stderr = proc.communicate(timeout=guard(600))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.communicate(timeout=60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    run = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = out.read_text()
     for section in ("## This machine's floors", "## Targets", "## 1. Job latency", "### What each row isolates",
