@@ -13,10 +13,8 @@ Every run, one-shot or in a session, goes the same way::
    A session run first needs its session, open and idle (:mod:`jaild.daemon.sessions`);
    a one-shot job needs room: the connection's jobs, its uid's share of jails and
    memory, the daemon's jails and memory ceiling (``sessions.check_room``).
-2. Code that does not compile gets its record at once: ``JobAccepted`` then
-   ``JobFinished`` with status ``syntax_error``, and no jail.
-3. *Placement* (:mod:`jaild.daemon.placement`) picks the jail.
-4. The job is registered (:mod:`jaild.daemon.registry`), ``JobAccepted`` is due (the
+2. *Placement* (:mod:`jaild.daemon.placement`) picks the jail.
+3. The job is registered (:mod:`jaild.daemon.registry`), ``JobAccepted`` is due (the
    connection holds it briefly to write it with the job's next message, usually its end:
    ``ClientSession.accept``), and :meth:`Pipeline.run_to_record` runs in the owning
    connection's task group. It always ends in exactly one record: a failure inside jaild becomes an
@@ -32,7 +30,7 @@ import os
 from typing import Protocol
 
 from jaild.daemon import admission, placement
-from jaild.daemon.records import internal_error_record, syntax_error_record, with_session
+from jaild.daemon.records import internal_error_record
 from jaild.daemon.registry import ClientSession, LiveJob
 from jaild.daemon.sessions import SessionHost, Sessions, check_room
 from jaild.protocol.messages import JobFinished, RunJob
@@ -88,9 +86,6 @@ class Pipeline:
             sess = daemon.sessions.runnable(client, req.session_id)
             admitted = admission.admit_session_run(sess.terms, sess.id, req)
         job_id = placement.new_job_id()
-        if admitted.syntax_error is not None:
-            self._syntax_error(client, req, job_id, admitted)
-            return
         env = daemon.env
         assert env is not None
         placed = placement.place(
@@ -134,20 +129,6 @@ class Pipeline:
                 self.reap_orphans()
         if sess is not None:
             self.daemon.sessions.after_run(sess, job_id, record)
-
-    def _syntax_error(
-        self, client: ClientSession, req: RunJob, job_id: str, admitted: admission.AdmittedJob
-    ) -> None:
-        """Code that does not compile gets its record at once (no jail)."""
-        assert admitted.syntax_error is not None
-        record = syntax_error_record(
-            job_id, admitted.policy, admitted.limits, admitted.syntax_error
-        )
-        if req.session_id is not None:
-            record = with_session(record, req.session_id, None, None)
-        self.audit(client, record)  # audited before the client can see the result
-        client.accept(req.ref, job_id)
-        client.send(JobFinished(job_id=job_id, record=record))  # in one write
 
     def audit(
         self, client: ClientSession, record: JobRecord, uploaded: int = 0, downloaded: int = 0

@@ -1,8 +1,8 @@
 """The one place the daemon builds result records. Pure: explicit values in, structs out.
 
 Every :class:`~jaild.protocol.records.JobRecord` the daemon sends is made here -- a run's
-(:func:`job_record`), one that never reached a jail (:func:`syntax_error_record`), one that
-failed inside jaild (:func:`internal_error_record`) -- from values its caller measured.
+(:func:`job_record`) or one that failed inside jaild (:func:`internal_error_record`) --
+from values its caller measured.
 Nothing here does IO or reads a clock: the job reads its cgroup and its timers and passes
 the numbers in, so every rule of the record's shape (rounding, what a field holds when
 nothing ran, how long a message may be) is here once, and testable without root.
@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import traceback
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from jaild.policy.schema import Limits, Policy
-from jaild.protocol.messages import MAX_MESSAGE_CHARS, safe_text
+from jaild.protocol.messages import safe_text
 from jaild.protocol.records import (
     MAX_CALL_RECORDS,
     MAX_EGRESS_HOSTS,
@@ -238,21 +237,6 @@ def internal_error_record(
     return _not_run(job_id, policy, limits, "internal_error", error)
 
 
-def syntax_error_record(
-    job_id: str, policy: Policy, limits: Limits, exc: BaseException
-) -> JobRecord:
-    """The record of a job whose code does not compile (no jail is started)."""
-    lineno = getattr(exc, "lineno", None)
-    message = getattr(exc, "msg", None) or str(exc)
-    error = job_error(
-        type(exc).__name__,
-        str(message)[:MAX_MESSAGE_CHARS],
-        traceback="".join(traceback.format_exception_only(type(exc), exc)),
-        lineno=lineno if isinstance(lineno, int) and lineno >= 0 else None,
-    )
-    return _not_run(job_id, policy, limits, "error", error)
-
-
 def with_session(
     record: JobRecord, session_id: str, run: int | None, closed: str | None
 ) -> JobRecord:
@@ -268,7 +252,6 @@ __all__ = [
     "job_record",
     "limits_map",
     "run_usage",
-    "syntax_error_record",
     "tool_call",
     "with_session",
 ]

@@ -78,13 +78,19 @@ def test_exception_is_error_with_user_traceback(client: Client) -> None:
     assert "/opt/jaild/runtime" not in tb and "execute.py" not in tb  # no runtime frames
 
 
-def test_syntax_error_is_reported_before_any_jail_starts(daemon: DaemonHandle, client: Client) -> None:
+def test_a_syntax_error_is_reported_by_the_jail(daemon: DaemonHandle, client: Client) -> None:
+    """The daemon never compiles job code: the jail does, and reports what does not compile
+    as the job's error, with the line -- a tenant's largest code is no work for the daemon."""
     r = client.run("x = 1\ndef broken(:\n    pass")
     assert r.status == "error"
     assert r.error is not None and r.error["type"] == "SyntaxError"
-    assert r.error["lineno"] == 2
-    assert r.duration_s == 0.0
-    assert f"job={r.job_id}" in daemon.log()  # audited, but no jail: nothing else ran
+    assert r.error["lineno"] == 2 and "def broken(:" in r.error["traceback"]
+    assert r.usage["cpu_user_s"] is not None  # a jail ran it: its cgroup's account is there
+    assert f"job={r.job_id}" in daemon.log()  # audited
+    big = "x = 1\n" * 40000 + "def broken(:\n"  # 240 KiB: compiled in the jail, not here
+    r = client.run(big)
+    assert r.status == "error" and r.error is not None and r.error["type"] == "SyntaxError"
+    assert r.error["lineno"] == 40001
 
 
 def test_break_outside_loop_is_a_syntax_error_too(client: Client) -> None:

@@ -230,7 +230,7 @@ def test_the_client_result_keeps_its_dicts_and_offers_the_typed_record() -> None
 
 
 def test_a_record_without_usage_shows_an_empty_usage_map() -> None:
-    never_ran = build.syntax_error_record(JOB, POLICY, POLICY.limits, SyntaxError("x"))
+    never_ran = build.internal_error_record(JOB, POLICY, POLICY.limits, RuntimeError("x"))
     assert JobResult.from_wire(never_ran, None).usage == {}
     assert JobResult.from_wire(never_ran.to_wire(), None).record == never_ran
 
@@ -277,18 +277,11 @@ def test_text_from_elsewhere_is_made_to_fit() -> None:
     assert over_the_wire(record) == record
 
 
-def test_syntax_and_internal_error_records() -> None:
-    try:
-        compile("def f(:\n", "<job>", "exec")
-    except SyntaxError as exc:
-        syntax = build.syntax_error_record(JOB, POLICY, POLICY.limits, exc)
-    assert syntax.status == "error" and syntax.usage is None and syntax.tool_calls == ()
-    assert syntax.error is not None and syntax.error.type == "SyntaxError"
-    assert syntax.error.lineno == 1 and "SyntaxError" in syntax.error.traceback
+def test_internal_error_records() -> None:
     internal = build.internal_error_record(JOB, POLICY, POLICY.limits, RuntimeError("y" * 9000))
     assert internal.status == "internal_error" and internal.error is not None
     assert internal.error.type == "InternalError" and len(internal.error.message) == 4096
-    for record in (syntax, internal):
+    for record in (internal,):
         assert record.limits == build.limits_map(POLICY, POLICY.limits)
         assert record.limits["network"] == "none" and record.limits["tmp_mb"] == 64
         assert over_the_wire(record) == record
