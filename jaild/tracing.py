@@ -80,6 +80,10 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Span, Tracer
+    from opentelemetry.trace import TracerProvider as AnyTracerProvider
+else:
+    AnyTracerProvider = object
+    """Any tracer provider of the OpenTelemetry API (for annotations only)."""
 
 T = TypeVar("T")
 AttributeValue = str | bool | int | float
@@ -537,20 +541,25 @@ class SpanNote:
 
 @contextlib.contextmanager
 def span(
-    name: str, attributes: Attributes | None = None, *, client: bool = False,
+    name: str,
+    attributes: Attributes | None = None,
+    *,
+    client: bool = False,
     tracer: str = "jaild",
+    provider: AnyTracerProvider | None = None,
 ) -> Iterator[SpanNote]:
-    """A span around the block, current inside it, from the global tracer provider (the
-    application's; a no-op one unless it set one up, or :func:`exporting` did). An
-    exception leaving the block is recorded on it. ``client``: a call to another service
-    (kind CLIENT). Without OpenTelemetry installed, nothing."""
+    """A span around the block, current inside it, from ``provider`` -- by default the
+    global tracer provider (the application's; a no-op one unless it set one up, or
+    :func:`exporting` did). An exception leaving the block is recorded on it. ``client``:
+    a call to another service (kind CLIENT); ``tracer``: the instrumentation scope's name.
+    Without OpenTelemetry installed, nothing."""
     try:
         from opentelemetry import trace
     except ImportError:
         yield SpanNote(None)
         return
     kind = trace.SpanKind.CLIENT if client else trace.SpanKind.INTERNAL
-    with trace.get_tracer(tracer, __version__).start_as_current_span(
+    with trace.get_tracer(tracer, __version__, tracer_provider=provider).start_as_current_span(
         name, kind=kind, attributes=attributes
     ) as current:
         yield SpanNote(current)
@@ -582,6 +591,7 @@ __all__ = [
     "LIMIT_STATUSES",
     "MAX_TOOL_SPANS",
     "OFF",
+    "AnyTracerProvider",
     "JobTrace",
     "SessionTrace",
     "SpanNote",

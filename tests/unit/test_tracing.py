@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import msgpack
@@ -36,6 +37,7 @@ from opentelemetry.trace import (
 import jaild
 from jaild import tracing
 from jaild.client import AsyncClient, Client
+from jaild.codemode import CodeMode
 from jaild.daemon import records
 from jaild.errors import LocalProtocolError, TracingError, UnknownPolicy
 from jaild.protocol import PROTOCOL_VERSION, encode_frame
@@ -51,6 +53,7 @@ from jaild.protocol.messages import (
 from jaild.testing import daemon_thread, fake_daemon, frame, frames, load_policies
 from jaild.tracing import MAX_TOOL_SPANS, Tracing, current_traceparent, requested_exporters
 from tests.conftest import guard
+from tests.otlp import Receiver, daemon_environment
 
 POLICY = """
 [limits]
@@ -361,6 +364,50 @@ def test_without_opentelemetry_loaded_nothing_imports_it() -> None:
     assert json.loads(out.stdout) == []
 
 
+def test_a_code_mode_task_is_one_trace_of_model_calls_and_jobs() -> None:
+    """The loop's spans (through the provider it is given) and the daemon's spans for its
+    jobs share one trace: each job is a child of its attempt."""
+    replies = ["```python\n1 / 0\n```", f"```python\nawait tools.lookup(key={SECRET!r})\n```"]
+
+    class Completions:
+        async def create(self, model: str, messages: Any, **_: Any) -> Any:
+            message = SimpleNamespace(content=replies.pop(0))
+            return SimpleNamespace(
+                choices=[SimpleNamespace(message=message)], model=model,
+                usage=SimpleNamespace(prompt_tokens=10, completion_tokens=5, total_tokens=15))
+
+    llm: Any = SimpleNamespace(chat=SimpleNamespace(completions=Completions()))
+    loop_provider, loop_exporter = provider()
+
+    async def test() -> None:
+        async with traced() as (client, exporter):
+            cm = CodeMode(tools={"lookup": lookup}, model="scripted", client=client, llm=llm,
+                          max_retries=2, tracer_provider=loop_provider)
+            result = await cm.run(f"use the key {SECRET}")
+            assert result.success and len(result.attempts) == 2
+        loop, daemon = Spans(loop_exporter.get_finished_spans()), Spans(
+            exporter.get_finished_spans())
+        task = loop.one("codemode.task")
+        assert task.parent is None
+        attempts = loop.children(task)
+        assert [s.name for s in attempts] == ["codemode.attempt", "codemode.attempt"]
+        assert [(a.attributes or {})["jaild.codemode.status"] for a in attempts] == ["error", "ok"]
+        jobs = daemon.named("jaild.job")
+        assert len(jobs) == 2
+        for attempt, job in zip(attempts, jobs, strict=True):
+            (chat,) = loop.children(attempt)
+            assert chat.name == "chat scripted" and chat.kind is SpanKind.CLIENT
+            assert (chat.attributes or {})["gen_ai.usage.input_tokens"] == 10
+            assert job.parent is not None and job.parent.span_id == attempt.context.span_id
+        traces = {s.context.trace_id for s in loop.all + daemon.all}
+        assert traces == {task.context.trace_id}
+        assert (task.attributes or {})["jaild.codemode.attempts"] == 2
+        text = " ".join(attribute_values(loop.all + daemon.all))
+        assert SECRET not in text and "1 / 0" not in text
+
+    run(test)
+
+
 # ----------------------------------------------------------------------------- untrusted input
 
 BAD_TRACEPARENTS = [
@@ -482,6 +529,36 @@ def test_the_daemon_tracer_from_the_environment(environ: pytest.MonkeyPatch) -> 
         assert named._provider.resource.attributes["service.name"] == "sandbox"  # type: ignore[union-attr]
     finally:
         named.shutdown()
+
+
+def test_the_otlp_exporter_delivers_to_a_receiver(environ: pytest.MonkeyPatch) -> None:
+    """The environment's exporter, end to end: OTLP/HTTP protobuf to a receiver on loopback
+    (the daemon core in memory; ``tests/integration/test_tracing.py`` does it with the real
+    daemon and real jails)."""
+    receiver = Receiver().start()
+    try:
+        for name, value in daemon_environment(receiver).items():
+            environ.setenv(name, value)
+        on = Tracing.from_env()
+
+        async def test() -> str:
+            async with asyncio.timeout(guard(60)), fake_daemon(tracing=on) as fake:
+                client = await fake.connect()
+                return (await client.run("6 * 7")).job_id
+
+        job_id = asyncio.run(test())
+        on.shutdown()  # flushes what is queued
+        spans = receiver.wait_for(lambda s: any(x.name == "jaild.job" for x in s),
+                                  "the job's spans", guard(30))
+    finally:
+        receiver.stop()
+    assert receiver.errors == [] and {p for p, _ in receiver.posts} == {"/v1/traces"}
+    assert {t for _, t in receiver.posts} == {"application/x-protobuf"}
+    job = next(s for s in spans if s.name == "jaild.job")
+    assert job.service == "jaild" and job.kind == "server"
+    assert job.attributes["jaild.job.id"] == job_id and job.attributes["jaild.status"] == "ok"
+    assert sorted(s.name for s in spans if s.parent_id == job.span_id) == [
+        "jaild.admission", "jaild.jail_acquire", "jaild.record", "jaild.run"]
 
 
 @pytest.mark.parametrize(("variables", "why"), [
