@@ -94,6 +94,8 @@ class Variant:
     """If set, the policy's ``wall_time_s`` and ``cpu_time_s``, in place of the shipped ones."""
     event_loop: str = "asyncio"
     """The daemon's ``daemon.event_loop`` and the bench's client loop (:mod:`jaild.loops`)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """More of the daemon's environment (``OTEL_*``: the traced variant)."""
 
     def daemon_config(self) -> str:
         """The daemon's config file, with the event loop if it is not the default."""
@@ -153,6 +155,7 @@ class PrivateDaemon:
                 [sys.executable, *self.entry, "serve", "--socket", self.socket,
                  "--policies", str(policies), "--config", str(config), "--log-level", "warning"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                env={**os.environ, **dict(self.variant.env)},
             )
         try:
             self._wait_serving()

@@ -38,10 +38,15 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path) -> None:
     results = json.loads(out.with_suffix(".json").read_text())
     assert results["errors"] == {}, results["errors"]
     for key in ("exec", "nsjail", "bwrap", "spawn", "cold", "warm", "warm_blocking",
-                "warm_uvloop", "warm_uvloop_blocking"):
+                "warm_uvloop", "warm_uvloop_blocking", "warm_traced"):
         assert results["latency"][key]["samples_s"], key
-    for key in ("warm", "warm_uvloop"):  # the standard loop (the default) and uvloop
+    for key in ("warm", "warm_uvloop", "warm_traced"):  # the default loop, uvloop, traced
         assert results["tool_calls"][key]["sequential_s"], key
+    # the traced rows measured tracing: every job's spans reached the sink (4 + 2 warm-up
+    # jobs and the tool-call job; its 2 x 50 calls each a span)
+    assert results["tracing"]["jaild.job"] >= 7, results["tracing"]
+    assert results["tracing"]["jaild.tool_call"] >= 100, results["tracing"]
+    assert "Tracing on (`OTEL_TRACES_EXPORTER=otlp`" in report
     stages = results["stages"]  # each of the 4 jobs split into the six stages
     assert list(stages) == ["client send", "admit + place", "jail", "record", "to client",
                             "client return"]
