@@ -531,7 +531,7 @@ class SpanNote:
             self._span.set_attributes(attributes)
 
     def fail(self, error_type: str) -> None:
-        """The operation failed (``error.type``; status ERROR)."""
+        """The operation failed (``error.type``; status ERROR, described by the type only)."""
         if self._span is not None:
             from opentelemetry.trace import StatusCode
 
@@ -550,9 +550,11 @@ def span(
 ) -> Iterator[SpanNote]:
     """A span around the block, current inside it, from ``provider`` -- by default the
     global tracer provider (the application's; a no-op one unless it set one up, or
-    :func:`exporting` did). An exception leaving the block is recorded on it. ``client``:
-    a call to another service (kind CLIENT); ``tracer``: the instrumentation scope's name.
-    Without OpenTelemetry installed, nothing."""
+    :func:`exporting` did). An exception leaving the block marks it failed with its type
+    (``error.type``) and nothing else: an exception's message (a model API's error, say)
+    may quote what a span must not hold. ``client``: a call to another service (kind
+    CLIENT); ``tracer``: the instrumentation scope's name. Without OpenTelemetry installed,
+    nothing."""
     try:
         from opentelemetry import trace
     except ImportError:
@@ -560,9 +562,15 @@ def span(
         return
     kind = trace.SpanKind.CLIENT if client else trace.SpanKind.INTERNAL
     with trace.get_tracer(tracer, __version__, tracer_provider=provider).start_as_current_span(
-        name, kind=kind, attributes=attributes
+        name, kind=kind, attributes=attributes, record_exception=False,
+        set_status_on_exception=False,
     ) as current:
-        yield SpanNote(current)
+        note = SpanNote(current)
+        try:
+            yield note
+        except BaseException as exc:
+            note.fail(type(exc).__qualname__)
+            raise
 
 
 @contextlib.contextmanager

@@ -408,6 +408,34 @@ def test_a_code_mode_task_is_one_trace_of_model_calls_and_jobs() -> None:
     run(test)
 
 
+def test_a_failed_model_call_is_an_error_span_without_its_message() -> None:
+    """An API's error message may quote a request header (a key): the span keeps the type."""
+
+    class Completions:
+        async def create(self, model: str, messages: Any, **_: Any) -> Any:
+            raise PermissionError(f"bad key {SECRET}")
+
+    llm: Any = SimpleNamespace(chat=SimpleNamespace(completions=Completions()))
+    loop_provider, loop_exporter = provider()
+
+    async def test() -> None:
+        async with traced() as (client, _):
+            cm = CodeMode(model="scripted", client=client, llm=llm,
+                          tracer_provider=loop_provider)
+            with pytest.raises(PermissionError):
+                await cm.run("anything")
+
+    run(test)
+    spans = Spans(loop_exporter.get_finished_spans())
+    assert [s.name for s in spans.all] == ["chat scripted", "codemode.attempt", "codemode.task"]
+    for span in spans.all:
+        assert span.status.status_code is StatusCode.ERROR
+        assert (span.attributes or {})["error.type"] == "PermissionError"
+        assert span.events == ()  # no exception event: its message is not kept
+    assert SECRET not in " ".join([*attribute_values(spans.all),
+                                   *(str(s.status.description) for s in spans.all)])
+
+
 # ----------------------------------------------------------------------------- untrusted input
 
 BAD_TRACEPARENTS = [
