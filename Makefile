@@ -56,7 +56,7 @@ $(STAMPS)/apt: Makefile
 $(STAMPS)/venv: $(STAMPS)/apt pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,lint,langchain]'
+	$(PY) -m pip install --quiet -e '.[test,lint,langchain,otel]'
 	@touch $@
 
 # `jaild` on root's PATH: $(BIN_DIR)/jaild -> this checkout's $(VENV)/bin/jaild, made where

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import os
 import shlex
@@ -45,6 +46,7 @@ import stages
 from foreign import ForeignClient
 from jaildrun import FAIRNESS_CONFIG, JAILD_CODE, PrivateDaemon, Variant, cores_used
 from measure import BenchError, Latency, ToolCalls, flat_out_threads, timed
+from otlp_sink import OtlpSink
 from report import Report, Results, Settings, to_json
 
 BENCH = Path(__file__).resolve().parent
@@ -63,6 +65,7 @@ FLOODS = {
     "sleep_flood": "import time\ntime.sleep(600)",
     "cpu_flood": "while True:\n    pass",
 }
+TRACED_LABEL = "jaild warm, tracing on (OTLP/HTTP to a sink on loopback)"
 FAIRNESS = Variant("fairness", "jaild warm (zygote, pool 4-8), max_jobs 16, reachable by nogroup",
                    "zygote", 4, 8, config=FAIRNESS_CONFIG, time_limit_s=900)
 
@@ -246,6 +249,45 @@ class Run:
         except Exception as exc:  # the daemon did not start: the other variants still run
             self.failed(f"{key}/start", exc)
 
+    def measure_traced(self, warm: Variant) -> None:
+        """The warm rows again with tracing on: the daemon exports its spans (OTLP/HTTP,
+        the SDK's batching as it comes) to a sink on loopback in this process, which keeps
+        the bytes and answers at once; what tracing costs, against the warm rows of the same
+        run. Then the sink's spans are counted: they must be there (else the rows measured
+        nothing)."""
+        s, r = self.settings, self.results
+        with OtlpSink() as sink:
+            variant = dataclasses.replace(
+                warm, key="warm_traced", label=TRACED_LABEL, env=tuple(sink.environment().items()))
+            print(f"== {variant.label}", flush=True)
+            try:
+                with PrivateDaemon(variant) as daemon:
+                    pause = s.warm_pause_s
+                    latency = self.attempt("warm_traced/latency",
+                                           lambda: daemon.latency(s.runs, pause))
+                    if latency is not None:
+                        latency.note = f"{pause * 1e3:.0f} ms between jobs"
+                        r.latency["warm_traced"] = latency
+                    tools = self.attempt("warm_traced/tool_calls",
+                                         lambda: daemon.tool_calls(s.tool_calls, s.tool_window))
+                    if tools is not None:
+                        r.tool_calls["warm_traced"] = tools
+            except Exception as exc:
+                self.failed("warm_traced/start", exc)
+                return
+            # stopped: the spans still queued went out at its stop
+            spans = self.attempt("warm_traced/spans", sink.spans)
+        if spans is None:
+            return
+        r.tracing = {"export_requests": len(sink.bodies),
+                     "exported_bytes": sum(map(len, sink.bodies)), **spans}
+        jobs = spans.get("jaild.job", 0)
+        expected = (s.runs + 2 if "warm_traced" in r.latency else 0) + (
+            1 if "warm_traced" in r.tool_calls else 0)  # the latency rows' warm-up included
+        if jobs < expected:
+            self.failed("warm_traced/spans", BenchError(
+                f"the sink got {jobs} job spans for {expected} jobs: tracing was not on"))
+
     def measure_loop(self, daemon: PrivateDaemon) -> None:
         """The warm rows again with daemon and client on uvloop (``daemon.event_loop``,
         ``jaild.loops``): what it changes against the standard loop, in the same run."""
@@ -381,6 +423,7 @@ def labels(vs: list[Variant]) -> dict[str, str]:
         "floor": "asyncio Unix-socket msgpack echo (floor)",
         "warm_blocking": "jaild warm, blocking `Client` (zygote, pool 4-8)",
         "warm_uvloop_blocking": "jaild warm, blocking `Client`, daemon and client on uvloop",
+        "warm_traced": TRACED_LABEL,
         "fairness": FAIRNESS.label,
         "monty_exec": "pydantic-monty in-process",
         "monty_warm": "pydantic-monty, warm worker pool (a checkout per job)",
@@ -496,6 +539,8 @@ def main(argv: list[str]) -> int:
     run.measure_peers()
     for variant in vs:
         run.measure_variant(variant)
+        if variant.key == "warm":  # the same daemon with tracing on, next
+            run.measure_traced(variant)
     run.measure_stages()
     run.measure_fairness()
     results.machine["load average at end"] = baselines.load_average()

@@ -96,6 +96,8 @@ class Variant:
     """The daemon's ``daemon.event_loop`` and the bench's client loop (:mod:`jaild.loops`)."""
     cpus: str | None = None
     """If set, the daemon (and so its zygotes and jails) runs on these CPUs (``taskset -c``)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """More of the daemon's environment (``OTEL_*``: the traced variant)."""
 
     def daemon_config(self) -> str:
         """The daemon's config file, with the event loop if it is not the default."""
@@ -156,6 +158,7 @@ class PrivateDaemon:
                 [*pinned, sys.executable, *self.entry, "serve", "--socket", self.socket,
                  "--policies", str(policies), "--config", str(config), "--log-level", "warning"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                env={**os.environ, **dict(self.variant.env)},
             )
         try:
             self._wait_serving()

@@ -81,6 +81,9 @@ class Results:
     evidence: dict[str, str] = field(default_factory=dict)
     """Peer (``monty``, ``llm_bwrap``, ``llm_nsjail``) -> what this run read of its sandbox:
     the argv it builds, the sandboxed process's uid, capabilities, filters, namespaces."""
+    tracing: dict[str, int] = field(default_factory=dict)
+    """The traced warm variant's export: ``export_requests``, ``exported_bytes``, and span
+    name -> spans the sink got."""
     errors: dict[str, str] = field(default_factory=dict)
     """Measurement key (``pyodide/latency``, ``cold/start``, ...) -> why it failed."""
     skipped: dict[str, str] = field(default_factory=dict)
@@ -312,7 +315,7 @@ class Report:
         rows = []
         for key in ("exec", "python", "nsjail", "bwrap", "pyodide", *PEER_LATENCY, "spawn",
                     "cold", "warm", "warm_blocking", "warm_uvloop", "warm_uvloop_blocking",
-                    "warm_pinned"):
+                    "warm_traced", "warm_pinned"):
             label = self.r.labels[key]
             if key not in lat:
                 rows.append([label, self._missing(f"{key}/latency"), "", "", "", "", ""])
@@ -336,6 +339,7 @@ class Report:
             *_table(["what", "median", "p99", "runs", "x bare nsjail", "x bubblewrap",
                      "x Pyodide"], rows, "lrrrrrr"),
             "",
+            *self._tracing(),
             "The peers: pydantic-monty runs the code (`result = 1 + 1` then `result`, its "
             "last expression being the result) in a `monty` worker subprocess of its pool: warm "
             "= one pool started beforehand, a checkout (a new session on the same worker) per "
@@ -347,6 +351,31 @@ class Report:
             "",
             *self._isolation(),
         ]
+
+    def _tracing(self) -> list[str]:
+        """What tracing costs a warm job: the traced rows against the warm ones."""
+        lat, calls = self.r.latency, self.r.tool_calls
+        if "warm_traced" not in lat or "warm" not in lat:
+            return [f"Tracing on: {self._missing('warm_traced/latency')}.", ""]
+        on, off = lat["warm_traced"], lat["warm"]
+        text = (
+            f"Tracing on (`OTEL_TRACES_EXPORTER=otlp`, the SDK's batching as it comes, to an "
+            f"OTLP/HTTP sink on loopback in the bench's process): a warm job's median "
+            f"{_ms(on.median_s)}, {_ratio(on.median_s, off.median_s)} of the warm row's, p99 "
+            f"{_ratio(on.p99_s, off.p99_s)}"
+        )
+        if "warm_traced" in calls and "warm" in calls:
+            text += (f"; a tool call's round trip (p50, section 3) "
+                     f"{_ratio(calls['warm_traced'].median_s, calls['warm'].median_s)} (a call "
+                     "notes its end; its span is made with the job's, after the record is sent)")
+        t = self.r.tracing
+        if t:
+            text += (f". The sink got {t.get('jaild.job', 0):,} job spans and "
+                     f"{t.get('jaild.tool_call', 0):,} tool-call spans in "
+                     f"{t.get('export_requests', 0):,} requests "
+                     f"({t.get('exported_bytes', 0) / 1024:,.0f} KiB)")
+        return [text + ". Tracing off (the default), the job's path only tests whether it is "
+                "on (README, \"Tracing\").", ""]
 
     def _isolation(self) -> list[str]:
         iso = self.r.isolation
@@ -407,7 +436,7 @@ class Report:
         warm = self.r.tool_calls.get("warm")
         rows = []
         for key in ("floor", "monty", "llm", "spawn", "cold", "warm", "warm_uvloop",
-                    "warm_pinned"):
+                    "warm_traced", "warm_pinned"):
             t = self.r.tool_calls.get(key)
             if t is None:
                 rows.append([self.r.labels[key], self._missing(f"{key}/tool_calls"),

@@ -20,6 +20,11 @@ answered concurrently.
 
 Both clients share one core: :class:`Client` runs an :class:`AsyncClient` on a
 private event-loop thread.
+
+A job or session started where an OpenTelemetry span is current carries that span's
+context to the daemon (``RunJob.traceparent``, :func:`jaild.tracing.current_traceparent`;
+the blocking client hands the calling thread's context to its own): a daemon that traces
+makes the job's spans part of the caller's trace (README, "Tracing").
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from jaild import __version__, loops
+from jaild import __version__, loops, tracing
 from jaild.address import socket_from_env
 from jaild.errors import (
     ConnectionLost,
@@ -349,6 +354,7 @@ class AsyncSession:
                 limits=self._limits,
                 idle_s=self._idle_s,
                 max_lifetime_s=self._max_lifetime_s,
+                traceparent=tracing.current_traceparent(),
             )
         )
         self.id = answer.session_id
@@ -763,6 +769,7 @@ class AsyncClient:
             files=uploads,
             download=patterns,
             download_changed=download is True,
+            traceparent=tracing.current_traceparent(),  # the caller's span, if it has one
         )
         try:
             await self._send(msg)
@@ -1131,6 +1138,11 @@ class Client:
         return self._client.socket_path
 
     def _call(self, coro: Any) -> Any:
+        """Run ``coro`` on the client's thread and wait for it -- in the caller's trace
+        context, if it has one, so that a job sent by it joins the caller's trace."""
+        context = tracing.caller_context()
+        if context is not None:
+            coro = tracing.within(context, coro)
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return fut.result()

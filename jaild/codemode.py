@@ -38,6 +38,13 @@ fresh jails come from the warm pool). ``session=True`` runs the attempts of one 
 in one jaild session instead, so a retry can build on what earlier attempts defined;
 inside ``async with cm:`` the session lasts until the block ends, across runs, code runs
 and tool calls (codemode-lite's persistent namespace).
+
+Traces (:mod:`jaild.tracing`; README, "Tracing"). Where OpenTelemetry is set up (the
+application's tracer provider; ``jaild codemode`` sets one up when ``OTEL_TRACES_EXPORTER``
+asks), :meth:`CodeMode.run` is one trace: a ``codemode.task`` span, a ``codemode.attempt``
+span per attempt, in it a ``chat <model>`` span for the model's answer (GenAI semantic
+conventions: model, token counts; never the prompt, the reply or the code) and the jail
+job, whose spans the daemon makes as children of the attempt (``RunJob.traceparent``).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from jaild import tracing
 from jaild.client import Approver, AsyncClient, AsyncSession, JobResult
 from jaild.errors import SessionClosed
 from jaild.toolspec import HostTool, describe_network, normalize_tools
@@ -79,6 +87,11 @@ STDERR_TAIL_CHARS = 2000
 STDOUT_TAIL_CHARS = 1000
 TOOL_OUTPUT_CHARS = 20_000
 """How much stdout/stderr the exported tool gives the model (each)."""
+TRACER = "jaild.codemode"
+"""The instrumentation scope of the loop's spans (:func:`jaild.tracing.span`)."""
+GEN_AI_MODEL = "gen_ai.request.model"
+GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 _DISCOVERY = {
     "discover": "`await tools.discover()` lists every tool with its description",
     "schema": '`await tools.schema("NAME")` returns one tool\'s JSON schema',
@@ -614,6 +627,8 @@ class CodeMode:
         on_attempt: called with each :class:`Attempt` as it ends (progress, logging).
         approve: the approval callback for tools that need approval (see
             :class:`jaild.client.AsyncClient`); without one such calls are denied.
+        tracer_provider: the OpenTelemetry tracer provider of the loop's spans (see the
+            module docstring); default: the global one.
     """
 
     def __init__(
@@ -636,6 +651,7 @@ class CodeMode:
         tool_name: str = DEFAULT_TOOL_NAME,
         on_attempt: Callable[[Attempt], Any] | None = None,
         approve: Approver | None = None,
+        tracer_provider: tracing.AnyTracerProvider | None = None,
     ) -> None:
         if max_retries < 0:
             raise ValueError(f"max_retries must be 0 or more, got {max_retries}")
@@ -655,6 +671,7 @@ class CodeMode:
         self.tool_name = tool_name
         self.on_attempt = on_attempt
         self.approve = approve
+        self.tracer_provider = tracer_provider
         self.metrics = CodeModeMetrics()
         self._client = client
         self._llm = llm
@@ -749,52 +766,91 @@ class CodeMode:
         started = time.perf_counter()
         attempts: list[Attempt] = []
         last_job: JobResult | None = None
-        async with self._model() as llm, self._executor() as executor:
-            await self._learn_network(executor.client)
-            messages: list[ChatCompletionMessageParam] = [
-                {"role": "system", "content": self.system_prompt},
-                {"role": "user", "content": task},
-            ]
-            for number in range(1, self.max_retries + 2):
+        with tracing.span("codemode.task", {
+            "jaild.policy": self.policy, GEN_AI_MODEL: self.model,
+            "jaild.codemode.max_retries": self.max_retries,
+        }, tracer=TRACER, provider=self.tracer_provider) as task_span:
+            async with self._model() as llm, self._executor() as executor:
+                await self._learn_network(executor.client)
+                messages: list[ChatCompletionMessageParam] = [
+                    {"role": "system", "content": self.system_prompt},
+                    {"role": "user", "content": task},
+                ]
+                for number in range(1, self.max_retries + 2):
+                    attempt = await self._attempt(number, llm, executor, messages)
+                    if attempt.job is not None:
+                        last_job = attempt.job
+                    attempts.append(attempt)
+                    if self.on_attempt is not None:
+                        self.on_attempt(attempt)
+                    if attempt.ok or attempt.status in NOT_RETRIED:
+                        break
+                    if number <= self.max_retries:
+                        messages.append({"role": "assistant", "content": attempt.reply})
+                        messages.append({"role": "user", "content": feedback_message(
+                            attempt, self.max_retries + 1 - number)})
+            result = CodeModeResult(
+                success=attempts[-1].ok,
+                job=last_job,
+                code=attempts[-1].code,
+                attempts=attempts,
+                metrics=_run_metrics(attempts, time.perf_counter() - started),
+                task=task,
+            )
+            task_span.set({"jaild.codemode.success": result.success,
+                           "jaild.codemode.attempts": len(attempts),
+                           GEN_AI_INPUT_TOKENS: result.metrics.tokens.prompt_tokens,
+                           GEN_AI_OUTPUT_TOKENS: result.metrics.tokens.completion_tokens})
+        self.metrics.record_run(result)
+        return result
+
+    async def _attempt(
+        self,
+        number: int,
+        llm: AsyncOpenAI,
+        executor: _Executor,
+        messages: list[ChatCompletionMessageParam],
+    ) -> Attempt:
+        """One attempt: ask the model (a ``chat`` span), then run its code in jaild (the
+        job's spans, made by the daemon, join this attempt's span through its traceparent).
+        What the spans say: sizes, tokens, statuses and error types, never the prompt, the
+        reply or the code."""
+        provider = self.tracer_provider
+        with tracing.span("codemode.attempt", {"jaild.codemode.attempt": number},
+                          tracer=TRACER, provider=provider) as attempt_span:
+            with tracing.span(f"chat {self.model}", {
+                "gen_ai.operation.name": "chat", GEN_AI_MODEL: self.model,
+                "gen_ai.provider.name": "openai",
+            }, client=True, tracer=TRACER, provider=provider) as chat_span:
                 asked = time.perf_counter()
                 response = await llm.chat.completions.create(
                     model=self.model, messages=messages, **self.completion_kwargs
                 )
                 llm_s = time.perf_counter() - asked
-                reply = (response.choices[0].message.content or "") if response.choices else ""
                 tokens = TokenUsage.from_api(response.usage)
-                code = extract_code(reply)
-                attempt = Attempt(number, code, "", None, llm_s=llm_s, tokens=tokens,
-                                  reply=reply)
-                syntax = check_syntax(code) if code else None
-                if not code:
-                    attempt.status = "no_code"
-                    attempt.error = {"type": "NoCode", "message": "the reply contained no code"}
-                elif syntax is not None:
-                    attempt.status, attempt.error = "syntax_error", syntax
-                else:
-                    job, attempt.execution_s = await executor.run(code)
-                    attempt.job = last_job = job
-                    attempt.status, attempt.error = job.status, job.error
-                attempts.append(attempt)
-                if self.on_attempt is not None:
-                    self.on_attempt(attempt)
-                if attempt.ok or attempt.status in NOT_RETRIED:
-                    break
-                if number <= self.max_retries:
-                    messages.append({"role": "assistant", "content": reply})
-                    messages.append({"role": "user", "content": feedback_message(
-                        attempt, self.max_retries + 1 - number)})
-        result = CodeModeResult(
-            success=attempts[-1].ok,
-            job=last_job,
-            code=attempts[-1].code,
-            attempts=attempts,
-            metrics=_run_metrics(attempts, time.perf_counter() - started),
-            task=task,
-        )
-        self.metrics.record_run(result)
-        return result
+                chat_span.set({
+                    "gen_ai.response.model": str(response.model or self.model),
+                    GEN_AI_INPUT_TOKENS: tokens.prompt_tokens,
+                    GEN_AI_OUTPUT_TOKENS: tokens.completion_tokens,
+                })
+            reply = (response.choices[0].message.content or "") if response.choices else ""
+            code = extract_code(reply)
+            attempt = Attempt(number, code, "", None, llm_s=llm_s, tokens=tokens, reply=reply)
+            syntax = check_syntax(code) if code else None
+            if not code:
+                attempt.status = "no_code"
+                attempt.error = {"type": "NoCode", "message": "the reply contained no code"}
+            elif syntax is not None:
+                attempt.status, attempt.error = "syntax_error", syntax
+            else:
+                job, attempt.execution_s = await executor.run(code)
+                attempt.job = job
+                attempt.status, attempt.error = job.status, job.error
+            attempt_span.set({"jaild.codemode.status": attempt.status,
+                              "jaild.codemode.code_chars": len(code)})
+            if attempt.error is not None:
+                attempt_span.set({"jaild.error.type": str(attempt.error.get("type", ""))})
+            return attempt
 
     async def run_code(self, code: str) -> JobResult:
         """Run ``code`` (written by you or a model) in jaild with this instance's tools,
@@ -965,7 +1021,7 @@ def cmd_codemode(args: argparse.Namespace) -> int:
     (:data:`jaild.errors.EXIT_CODES`)."""
     from openai import OpenAIError
 
-    from jaild.errors import EXIT_USAGE, JaildError, error_line, exit_code_for
+    from jaild.errors import EXIT_USAGE, JaildError, TracingError, error_line, exit_code_for
     from jaild.toolspec import load_tools_file
 
     tools: dict[str, HostTool] = {}
@@ -996,7 +1052,11 @@ def cmd_codemode(args: argparse.Namespace) -> int:
                   policy=args.policy, max_retries=args.max_retries, timeout=args.timeout,
                   session=args.session, on_attempt=progress)
     try:
-        result = asyncio.run(_cli_run(cm, args.task, args.socket))
+        with tracing.exporting("jaild-codemode"):  # when OTEL_TRACES_EXPORTER asks
+            result = asyncio.run(_cli_run(cm, args.task, args.socket))
+    except TracingError as exc:
+        _err(exc.message)
+        return exit_code_for(exc)
     except JaildError as exc:
         _err(error_line(exc))
         return exit_code_for(exc)

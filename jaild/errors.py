@@ -221,6 +221,13 @@ class MetricsAddressError(StartupError):
     """
 
 
+class TracingError(StartupError):
+    """The ``OTEL_*`` environment asks for traces that cannot be exported: the OpenTelemetry
+    SDK is not installed (``pip install 'jaild[otel]'``), an exporter is unknown, or an OTLP
+    protocol other than ``http/protobuf`` is named. Raised at start-up: the daemon refuses to
+    start, ``jaild codemode`` and ``jaild mcp`` to run (README, "Tracing")."""
+
+
 class CgroupError(RuntimeError):
     """The host's cgroups cannot be used as configured (the message says how to fix it)."""
 

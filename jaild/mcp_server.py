@@ -18,6 +18,12 @@ Over stdio the process serves exactly one MCP session; over streamable HTTP each
 ``Mcp-Session-Id`` gets its own. A request without an MCP session (stateless HTTP, the
 2026-07-28 per-request protocol over HTTP) runs in a fresh jail.
 
+Traces: the MCP SDK makes a span of every request (its OpenTelemetry middleware) in the
+trace context the MCP client put in the request's ``_meta``; ``run_python``'s job is sent
+from inside that span, so the daemon's spans for the job join the MCP client's trace
+(:mod:`jaild.tracing`). ``jaild mcp`` exports its own spans when ``OTEL_TRACES_EXPORTER``
+asks (never ``console`` over stdio, whose stdout is the MCP channel).
+
 Who may connect (theory of operation)
 -------------------------------------
 Whoever reaches this server runs code under its policy and calls the host tools with
@@ -64,13 +70,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaild import tracing
 from jaild.address import socket_from_env
 from jaild.client import Approver, AsyncClient, AsyncSession, JobResult
 from jaild.errors import (
+    EXIT_USAGE,
     ConfigError,
     ConnectionLost,
     JaildError,
     ProviderError,
+    TracingError,
     error_line,
     exit_code_for,
 )
@@ -829,8 +838,17 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         _print_err(str(exc))
         return exit_code_for(exc)
+    if (args.http is None and args.unix is None
+            and "console" in tracing.requested_exporters(os.environ)):
+        _print_err("OTEL_TRACES_EXPORTER=console writes spans to stdout, which is this "
+                   "server's MCP channel over stdio: export with otlp, or serve --http/--unix")
+        return EXIT_USAGE
     try:
-        return asyncio.run(_serve(args, providers))
+        with tracing.exporting("jaild-mcp"):  # when OTEL_TRACES_EXPORTER asks
+            return asyncio.run(_serve(args, providers))
+    except TracingError as exc:
+        _print_err(exc.message)
+        return exit_code_for(exc)
     except KeyboardInterrupt:
         return 130
 

@@ -105,6 +105,7 @@ from jaild.protocol.messages import (
     encode,
 )
 from jaild.runtime.main import JAIL_MAX_FRAME
+from jaild.tracing import OFF, Tracing
 
 UNHARDENED = "none: jaild.testing's fake jail loads no seccomp filter"
 """The seccomp digest a fake jail reports, and the only one the fake daemon accepts."""
@@ -437,6 +438,7 @@ async def fake_daemon(
     *,
     config: DaemonConfig | None = None,
     launcher: FakeLauncher | None = None,
+    tracing: Tracing = OFF,
 ) -> AsyncIterator[FakeDaemon]:
     """Run the real daemon core with :class:`FakeLauncher` jails, in this event loop.
 
@@ -446,6 +448,9 @@ async def fake_daemon(
             the test's interpreter.
         config: the daemon's settings (limits, timeouts); its paths are not used.
         launcher: the jails' launcher (default: a :class:`FakeLauncher`).
+        tracing: the daemon's tracing: off by default (the ``OTEL_*`` environment is not
+            read); ``jaild.tracing.Tracing(provider)`` traces its jobs to ``provider``
+            (an SDK ``TracerProvider``, e.g. with an in-memory exporter).
 
     Yields:
         A :class:`FakeDaemon`; it is stopped (its jobs cancelled, its sessions closed,
@@ -457,6 +462,7 @@ async def fake_daemon(
     loaded = load_policies(policies)
     config = config or DaemonConfig(socket_path="<jaild.testing>", probe_policies=False)
     daemon = Daemon(config)
+    daemon.tracing = tracing
     daemon.served = _Served(policies=loaded)
     daemon.pipeline = _Pipeline(daemon)
     daemon.served.env = fake_environment(loaded, launcher, config.kill_grace_s)
@@ -489,6 +495,7 @@ async def daemon_pair(
     *,
     config: DaemonConfig | None = None,
     approve: Approver | None = None,
+    tracing: Tracing = OFF,
 ) -> AsyncIterator[AsyncClient]:
     """An :class:`~jaild.client.AsyncClient` connected to a :func:`fake_daemon`.
 
@@ -500,7 +507,7 @@ async def daemon_pair(
 
     Args: as :func:`fake_daemon`; ``approve``: the client's approval callback.
     """
-    async with fake_daemon(policies, config=config) as fake:
+    async with fake_daemon(policies, config=config, tracing=tracing) as fake:
         yield await fake.connect(approve=approve)
 
 
@@ -510,10 +517,14 @@ class DaemonThread:
     :func:`daemon_thread`."""
 
     def __init__(
-        self, policies: Mapping[str, PolicySource] | None, config: DaemonConfig | None
+        self,
+        policies: Mapping[str, PolicySource] | None,
+        config: DaemonConfig | None,
+        tracing: Tracing = OFF,
     ) -> None:
         self._policies = load_policies(policies)  # a bad one raises here, not on the thread
         self._config = config
+        self._tracing = tracing
         self._directory = tempfile.mkdtemp(prefix="jaild-testing-")
         self.socket_path = os.path.join(self._directory, "jaild.sock")
         self._serving = threading.Event()  # set once it serves, or failed to start
@@ -554,7 +565,7 @@ class DaemonThread:
     async def _serve(self) -> None:
         stop = asyncio.Event()
         self._stop = (asyncio.get_running_loop(), stop)
-        async with fake_daemon(self._policies, config=self._config) as fake:
+        async with fake_daemon(self._policies, config=self._config, tracing=self._tracing) as fake:
             daemon = fake.daemon
             daemon.served.server = await asyncio.get_running_loop().create_unix_server(
                 daemon.protocol, path=self.socket_path
@@ -565,7 +576,10 @@ class DaemonThread:
 
 @contextlib.contextmanager
 def daemon_thread(
-    policies: Mapping[str, PolicySource] | None = None, *, config: DaemonConfig | None = None
+    policies: Mapping[str, PolicySource] | None = None,
+    *,
+    config: DaemonConfig | None = None,
+    tracing: Tracing = OFF,
 ) -> Iterator[DaemonThread]:
     """A :func:`fake_daemon` on a thread of its own, serving a Unix socket in a private
     temporary directory -- for the blocking :class:`~jaild.client.Client`, or for code
@@ -580,7 +594,7 @@ def daemon_thread(
         PolicyError: a policy that does not load.
         RuntimeError: the daemon did not start.
     """
-    served = DaemonThread(policies, config)
+    served = DaemonThread(policies, config, tracing)
     served.start()
     try:
         yield served

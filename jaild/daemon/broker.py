@@ -109,6 +109,10 @@ class Answer:
     value: bytes = b""
     error_type: str = ""
     message: str = ""
+    args_bytes: int = 0
+    """The size of the call's packed arguments (for the observers: traces)."""
+    result_bytes: int = 0
+    """The size of the packed value returned (0 unless ``ok``)."""
 
     @property
     def outcome(self) -> str:
@@ -301,7 +305,7 @@ class Broker:
         validators: Validators | None = None,
     ) -> None:
         self._validators = validators if validators is not None else Validators()
-        self.in_flight: dict[int, str] = {}  # call id -> tool name
+        self.in_flight: dict[int, tuple[str, int]] = {}  # call id -> (tool name, args' bytes)
         self.set_job(tools, limits, approval_required)
         self.new_run()
 
@@ -342,8 +346,9 @@ class Broker:
         if refusal is not None:
             self._log(name, 0.0, refusal[0])
             return Refused(call_id, name, *refusal)
-        self.tool_bytes += len(args)
-        self.in_flight[call_id] = name
+        size = len(args)
+        self.tool_bytes += size
+        self.in_flight[call_id] = (name, size)
         return Admitted(call_id, name, args, name in self._approval, self.timeout_s(name))
 
     def timeout_s(self, name: str) -> float:
@@ -387,19 +392,21 @@ class Broker:
         """The client's reply to an admitted call -- ``(True, packed value)`` or ``(False,
         (error type, message))``, a timeout being ``(False, ("timeout", ...))`` -- checked
         and logged. None if the call is not in flight (already answered or withdrawn)."""
-        name = self.in_flight.pop(call_id, None)
-        if name is None:
+        entry = self.in_flight.pop(call_id, None)
+        if entry is None:
             return None
+        name, args_bytes = entry
         self.tool_time_s += duration_s
         limits = self.limits
-        if ok and len(value) > limits.tool_payload_bytes:
+        size = len(value) if ok else 0
+        if size > limits.tool_payload_bytes:
             ok, value = False, (
                 "payload_too_large",
-                f"the result of {name} is {len(value)} bytes packed; "
+                f"the result of {name} is {size} bytes packed; "
                 f"the policy allows {limits.tool_payload_bytes}",
             )
         elif ok:
-            self.tool_bytes += len(value)
+            self.tool_bytes += size
             if self.tool_bytes > limits.tool_bytes:
                 ok, value = False, (
                     "quota_exceeded",
@@ -408,10 +415,13 @@ class Broker:
                 )
         if ok:
             self._log(name, duration_s, None)
-            return Answer(call_id, name, True, value=bytes(value))
+            return Answer(call_id, name, True, value=bytes(value), args_bytes=args_bytes,
+                          result_bytes=size)
         error_type, message = str(value[0]), str(value[1])
         self._log(name, duration_s, error_type)
-        return Answer(call_id, name, False, error_type=error_type, message=message)
+        return Answer(
+            call_id, name, False, error_type=error_type, message=message, args_bytes=args_bytes
+        )
 
     def withdraw(self, call_id: int) -> bool:
         """The job ended with the call in flight: forget it (not logged). True if it was."""
@@ -419,9 +429,10 @@ class Broker:
 
     def timed_out(self, call_id: int, duration_s: float) -> Answer | None:
         """The call's timeout fired before its reply: it fails with ``timeout``."""
-        name = self.in_flight.get(call_id)
-        if name is None:
+        entry = self.in_flight.get(call_id)
+        if entry is None:
             return None
+        name = entry[0]
         why = f"{name} did not answer within {self.timeout_s(name):g} s"
         return self.answer(call_id, False, ("timeout", why), duration_s)
 

@@ -102,6 +102,7 @@ from jaild.policy.seccomp import network_refusal
 from jaild.protocol import PROTOCOL_VERSION
 from jaild.protocol.messages import ErrorInfo, Harden
 from jaild.protocol.records import JobRecord
+from jaild.tracing import JobTrace
 
 log = logging.getLogger("jaild")
 
@@ -298,12 +299,14 @@ class JailedJob:
         output: OutputSink | None,
         *,
         jail_id: str | None = None,
+        trace: JobTrace | None = None,
     ) -> None:
         self.spec = spec
         self.jail_id = jail_id or spec.job_id
         self._env = env
         self._route_tool = route_tool
         self._output = output
+        self._trace = trace  # the job's trace (None: tracing is off, or no job yet)
         self._loop = asyncio.get_running_loop()
         self._machine = JobMachine(
             spec,
@@ -366,19 +369,28 @@ class JailedJob:
     def cancel(self, reason: str = "the job was cancelled") -> None:
         self._feed(Cancel(reason))
 
-    def assign(self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink) -> None:
+    def assign(
+        self,
+        spec: JobSpec,
+        route_tool: ToolRouter,
+        output: OutputSink,
+        trace: JobTrace | None = None,
+    ) -> None:
         """Give a prepared jail its job (same policy; the jail's limits already apply)."""
         assert self._route_tool is None and spec.policy is self.spec.policy
         # The job's cgroup is named after the job, as ever: a pooled jail is made under the
         # id its job will have (cgroup v2 cannot rename a cgroup), see JailPool.
         assert spec.job_id == self.jail_id, (spec.job_id, self.jail_id)
-        self._take_job(spec, route_tool, output)
+        self._take_job(spec, route_tool, output, trace)
         self._feed(Assign(spec))  # its code is sent now if the jail is ready
 
-    def _take_job(self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink) -> None:
+    def _take_job(
+        self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink, trace: JobTrace | None
+    ) -> None:
         self.spec = spec
         self._route_tool = route_tool
         self._output = output
+        self._trace = trace
         self._run.job_started = time.monotonic()
 
     async def prepare(self) -> bool:
@@ -397,14 +409,18 @@ class JailedJob:
             self._loop.call_soon(self.cleanup)
 
     async def run_next(
-        self, spec: JobSpec, route_tool: ToolRouter, output: OutputSink
+        self,
+        spec: JobSpec,
+        route_tool: ToolRouter,
+        output: OutputSink,
+        trace: JobTrace | None = None,
     ) -> Outcome:
         """A session's jail (prepared with ``keep``): run one more job in it, in the same
         namespace. The jail outlives the run unless the run hit a limit (then :attr:`alive`
         is False and the record says why). Returns the record, the packed result and the
         downloaded files."""
         assert self._machine.keep and spec.policy is self.spec.policy
-        self._take_job(spec, route_tool, output)
+        self._take_job(spec, route_tool, output, trace)
         self._outcome_wait = self._loop.create_future()
         self._feed(Assign(spec))
         return await self._outcome_wait
@@ -508,6 +524,9 @@ class JailedJob:
             self.spec.job_id, self.spec.policy.name, action.name, action.outcome,
             action.duration_s,
         )
+        if self._trace is not None:
+            self._trace.tool_call(action.name, action.outcome, action.duration_s,
+                                  action.args_bytes, action.result_bytes)
 
     def _ready(self, _: Ready) -> None:
         self.ready_at = time.monotonic()
@@ -534,6 +553,8 @@ class JailedJob:
         self._feed(self._handle.evidence(action.sigsys_pid))
 
     def _kill(self, _: Kill) -> None:
+        if self._trace is not None:
+            self._trace.killed()
         self._handle.kill()
 
     def _await_leftovers(self, _: AwaitLeftovers) -> None:
@@ -638,6 +659,9 @@ class JailedJob:
 
     def _emit(self, action: EmitRecord) -> None:
         """The job's (or run's) record, for whoever awaits it."""
+        trace, self._trace = self._trace, None
+        if trace is not None:
+            trace.emitted(self._run.code_sent_at, self._run.code_ended_at)
         egress = self._end_egress_run()
         record = self._run.record(self.spec, action.status, action.error, action.tally, egress)
         outcome = (record, self._run.result, self._run.downloads)

@@ -383,6 +383,8 @@ class ObserveCall:
     name: str
     outcome: str
     duration_s: float
+    args_bytes: int = 0  # the packed arguments' size
+    result_bytes: int = 0  # the packed result's size (0 unless it returned)
 
 
 @dataclass(frozen=True, slots=True)
@@ -532,7 +534,7 @@ class _CallDesk:
         if isinstance(verdict, Refused):
             return [
                 *self.reply(call.call_id, False, (verdict.error_type, verdict.message)),
-                ObserveCall(None, call.name, verdict.error_type, 0.0),
+                ObserveCall(None, call.name, verdict.error_type, 0.0, len(call.args)),
             ]
         return verdict.message
 
@@ -542,7 +544,8 @@ class _CallDesk:
         if answer is None:  # not in flight: withdrawn, or answered already
             return []
         value = answer.value if answer.ok else (answer.error_type, answer.message)
-        observed = ObserveCall(answer.call_id, answer.name, answer.outcome, duration_s)
+        observed = ObserveCall(answer.call_id, answer.name, answer.outcome, duration_s,
+                               answer.args_bytes, answer.result_bytes)
         return [*self.reply(answer.call_id, answer.ok, value), observed]
 
     def reply(self, call_id: int, ok: bool, value: Any) -> list[Action]:

@@ -19,7 +19,8 @@ Every run, one-shot or in a session, goes the same way::
    ``ClientSession.accept``), and :meth:`Pipeline.run_to_record` runs in the owning
    connection's task group. It always ends in exactly one record: a failure inside jaild becomes an
    ``internal_error`` record (and ends a session), never silence. The record is
-   audited and accounted before the client can see it.
+   audited and accounted before the client can see it; when tracing is on
+   (:mod:`jaild.tracing`), the job's spans are made once it is sent.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from jaild.daemon import admission, placement
 from jaild.daemon.records import internal_error_record
 from jaild.daemon.registry import ClientSession, LiveJob
 from jaild.daemon.sessions import SessionHost, Sessions, check_room
+from jaild.errors import JaildError
 from jaild.protocol.messages import JobFinished, RunJob
 from jaild.protocol.records import JobRecord
 
@@ -76,21 +78,30 @@ class Pipeline:
         as Error."""
         daemon = self.daemon
         registry = daemon.registry
+        tracing = daemon.tracing  # off: trace stays None, and each hook below is one test
+        trace = tracing.job(req.traceparent, client.peer.uid) if tracing.on else None
         sess = None
-        if req.session_id is None:
-            admitted = admission.admit_job(daemon.catalog(), client.peer, req)
-            check_room(
-                daemon, client.peer.uid, admitted.limits.memory_mb, registry.job_count(client)
-            )
-        else:
-            sess = daemon.sessions.runnable(client, req.session_id)
-            admitted = admission.admit_session_run(sess.terms, sess.id, req)
+        try:
+            if req.session_id is None:
+                admitted = admission.admit_job(daemon.catalog(), client.peer, req)
+                check_room(
+                    daemon, client.peer.uid, admitted.limits.memory_mb, registry.job_count(client)
+                )
+            else:
+                sess = daemon.sessions.runnable(client, req.session_id)
+                admitted = admission.admit_session_run(sess.terms, sess.id, req)
+        except JaildError as refusal:
+            if trace is not None:
+                trace.refused(refusal.code, req.policy)
+            raise
+        if trace is not None:
+            trace.admitted()
         job_id = placement.new_job_id()
         env = daemon.env
         assert env is not None
         placed = placement.place(
             admitted, job_id, client.call_tool, client.output, env, daemon.pools, sess,
-            tenant=client.peer.uid,
+            tenant=client.peer.uid, trace=trace,
         )
         if sess is not None:
             daemon.sessions.run_started(sess, placed.job_id)
@@ -121,6 +132,8 @@ class Pipeline:
             # audited before the client can see the result
             self.audit(client, record, uploaded=len(spec.files), downloaded=len(downloads))
             client.send(JobFinished(job_id=job_id, record=record, result=result, files=downloads))
+            if placed.trace is not None:  # its spans, once the record is out
+                placed.trace.finish(record, placed.mode)
         finally:
             self.daemon.registry.remove_job(job_id)
             if sess is not None:

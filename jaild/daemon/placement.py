@@ -34,6 +34,7 @@ from jaild.daemon.admission import AdmittedJob
 from jaild.daemon.job import JailedJob, JailEnvironment, JobSpec, OutputSink, ToolRouter
 from jaild.daemon.pool import JailPool, poolable
 from jaild.protocol.records import JobRecord
+from jaild.tracing import JobTrace
 
 if TYPE_CHECKING:
     from jaild.daemon.registry import JailSession
@@ -56,15 +57,21 @@ class Placed:
     output: OutputSink
     session: JailSession | None = None
     pooled: bool = False
+    trace: JobTrace | None = None
 
     @property
     def job_id(self) -> str:
         return self.spec.job_id
 
+    @property
+    def mode(self) -> str:
+        """How the run got its jail: ``session``, ``pooled`` or ``fresh`` (its trace says)."""
+        return "session" if self.session is not None else "pooled" if self.pooled else "fresh"
+
     async def run(self) -> RunOutcome:
         """Run the code to its record (in a session's jail: this run only)."""
         if self.session is not None:
-            return await self.jail.run_next(self.spec, self.route_tool, self.output)
+            return await self.jail.run_next(self.spec, self.route_tool, self.output, self.trace)
         record = await self.jail.run()
         return record, self.jail.result, self.jail.downloads
 
@@ -94,23 +101,26 @@ def place(
     pools: Mapping[str, JailPool],
     session: JailSession | None = None,
     tenant: int | None = None,
+    trace: JobTrace | None = None,
 ) -> Placed:
     """The jail for an admitted run (see the table above). A pooled jail is given its
     code here, so its run starts before the client hears ``JobAccepted``. ``tenant``: the
     client's uid; a jail forked from a zygote is forked from that uid's (see
-    :class:`~jaild.daemon.launch.zygotes.ZygoteSet`), a pooled one taken from its pool."""
+    :class:`~jaild.daemon.launch.zygotes.ZygoteSet`), a pooled one taken from its pool.
+    ``trace``: the job's trace (None: tracing is off), which its jail feeds."""
     if session is not None:
         spec = _spec(job, job_id, tenant, keep=True)
-        return Placed(spec, session.jail, route_tool, output, session)
+        return Placed(spec, session.jail, route_tool, output, session, trace=trace)
     pool = pools.get(job.policy.name)
     usable = pool is not None and poolable(job.policy, job.limits)
     pooled = pool.take(tenant) if pool is not None and usable else None
     if pooled is not None:
         spec = _spec(job, pooled.jail_id, tenant)  # made under the id of the job that takes it
-        pooled.assign(spec, route_tool, output)  # its code is on its way now
-        return Placed(spec, pooled, route_tool, output, pooled=True)
+        pooled.assign(spec, route_tool, output, trace)  # its code is on its way now
+        return Placed(spec, pooled, route_tool, output, pooled=True, trace=trace)
     spec = _spec(job, job_id, tenant)
-    return Placed(spec, JailedJob(spec, env, route_tool, output), route_tool, output)
+    jail = JailedJob(spec, env, route_tool, output, trace=trace)
+    return Placed(spec, jail, route_tool, output, trace=trace)
 
 
 __all__ = ["Placed", "RunOutcome", "new_job_id", "place"]

@@ -49,6 +49,16 @@ class RunAccount:
         self._files_skipped: list[dict[str, Any]] = []
         self._network_refused: int | None = None
 
+    @property
+    def code_sent_at(self) -> float | None:
+        """When the run's ``RunCode`` went (monotonic seconds), or None: not yet."""
+        return self._code_started
+
+    @property
+    def code_ended_at(self) -> float | None:
+        """When the runtime reported the code's end (monotonic seconds), or None: not (yet)."""
+        return self._code_ended
+
     # -- the run's steps, as the driver performs the machine's actions
 
     def run_started(self) -> None:

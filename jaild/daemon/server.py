@@ -116,6 +116,7 @@ from jaild.protocol.messages import (
     Welcome,
 )
 from jaild.protocol.records import DaemonStats, JobEntry, PolicyEntry
+from jaild.tracing import OFF, Tracing
 
 log = logging.getLogger("jaild")
 
@@ -126,6 +127,9 @@ ACCEPT_HOLD_S = 0.01
 """How long a job's ``JobAccepted`` may wait to go out in one write with the job's next
 message to the client -- for a warm job, its ``JobFinished``: the client is woken once
 per job instead of twice. A job still running then is announced on its own."""
+
+TRACES_FLUSH_S = 5.0
+"""How long a stopping daemon waits for its queued spans to be exported (tracing on)."""
 
 REFUSED_LINGER_S = 1.0
 """How long a refused connection stays open to read its client's Hello (then closed)."""
@@ -593,6 +597,7 @@ class Daemon:
         self.audit = AuditLog()
         self.accounting = Accounting()
         self.metrics = Metrics(config.metrics_address, tool_labels=config.metrics_tool_labels)
+        self.tracing: Tracing = OFF  # on at start() if the OTEL_* environment asks for traces
         self._lingering: Counter[int] = Counter()  # refused connections still open, by uid
         self.frame_bytes: Counter[int] = Counter()  # unfinished frames' bytes, by uid
         self._stopping = False
@@ -638,6 +643,7 @@ class Daemon:
             StartupError: why not (see :mod:`jaild.daemon.startup`).
         """
         self.audit = AuditLog(self.config.audit_log)
+        self.tracing = Tracing.from_env()  # TracingError (a StartupError) if it cannot be
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[None] = loop.create_future()
         self._holder = loop.create_task(self._hold_connections(ready), name="jaild connections")
@@ -735,6 +741,10 @@ class Daemon:
         self.audit.close()
         self.metrics.stop()
         await self.metrics.wait_closed()
+        tracing, self.tracing = self.tracing, OFF
+        if tracing.on:  # the spans queued go to the collector (in a thread: it may be slow)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.to_thread(tracing.shutdown), TRACES_FLUSH_S)
         await asyncio.sleep(0)  # let the cleanups of the jobs just ended run
         # Only ours (we held the socket): whatever a job left is killed and removed, so the
         # subtree goes too -- nothing of a stopped daemon stays behind.

@@ -44,10 +44,11 @@ from jaild.daemon.job import JailedJob, JailEnvironment, JobSpec
 from jaild.daemon.metrics import Metrics
 from jaild.daemon.pool import JailPool
 from jaild.daemon.registry import ClientSession, JailSession, Registry
-from jaild.errors import InternalError, UnknownSession
+from jaild.errors import InternalError, JaildError, UnknownSession
 from jaild.protocol.messages import OpenSession, SessionOpened
 from jaild.protocol.messages import SessionClosed as SessionClosedMsg
 from jaild.protocol.records import JobRecord, SessionInfo
+from jaild.tracing import SessionTrace, Tracing
 
 
 class SessionHost(Protocol):
@@ -74,6 +75,9 @@ class SessionHost(Protocol):
 
     @property
     def pools(self) -> dict[str, JailPool]: ...
+
+    @property
+    def tracing(self) -> Tracing: ...
 
     def catalog(self) -> admission.Catalog: ...
 
@@ -132,9 +136,18 @@ class Sessions:
         is ready (or Error if it cannot be made). Raises the refusal the client gets."""
         daemon = self.daemon
         registry = daemon.registry
+        tracing = daemon.tracing
+        trace = (
+            tracing.session(req.traceparent, client.peer.uid, req.policy) if tracing.on else None
+        )
         mine = registry.session_count(client.peer.uid)
-        terms = admission.admit_session(daemon.catalog(), client.peer, req, mine)
-        check_room(daemon, client.peer.uid, terms.jail_limits.memory_mb)
+        try:
+            terms = admission.admit_session(daemon.catalog(), client.peer, req, mine)
+            check_room(daemon, client.peer.uid, terms.jail_limits.memory_mb)
+        except JaildError as refusal:
+            if trace is not None:
+                trace.ended(None, refusal.code)
+            raise
         env = daemon.env
         assert env is not None
         session_id = "ses-" + secrets.token_hex(8)
@@ -146,9 +159,9 @@ class Sessions:
         sess = JailSession(session_id, client, terms, jail)
         registry.add_session(sess)
         daemon.metrics.sessions_open(registry.session_count())
-        client.start(self._open(sess, req.ref))
+        client.start(self._open(sess, req.ref, trace))
 
-    async def _open(self, sess: JailSession, ref: int) -> None:
+    async def _open(self, sess: JailSession, ref: int, trace: SessionTrace | None) -> None:
         client = sess.owner
         ready = await sess.jail.prepare()
         if not ready or sess.closed is not None:
@@ -160,6 +173,8 @@ class Sessions:
             self._forget(sess)
             sess.jail.cleanup()
             client.send_error(InternalError(f"the session's jail did not start: {detail}"), ref=ref)
+            if trace is not None:
+                trace.ended(sess.id, InternalError.code)
             return
         loop = asyncio.get_running_loop()
         sess.life_timer = loop.call_later(
@@ -186,6 +201,8 @@ class Sessions:
                 ),
             )
         )
+        if trace is not None:
+            trace.ended(sess.id)
 
     async def _watch(self, sess: JailSession) -> None:
         """A session's jail that dies between runs (its code left a thread that broke the

@@ -38,6 +38,7 @@ from jaild.protocol.fields import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
 from jaild.protocol.fields import MAX_NAME_CHARS as MAX_NAME_CHARS
 from jaild.protocol.fields import MAX_REF as MAX_REF
 from jaild.protocol.fields import SESSION_ID as SESSION_ID
+from jaild.protocol.fields import TRACEPARENT as TRACEPARENT
 from jaild.protocol.fields import (
     Struct,
     any_map,
@@ -74,6 +75,9 @@ _call_id = integer(0, MAX_REF)
 _text = string(MAX_MESSAGE_CHARS)
 _payload = binary(MAX_PAYLOAD_BYTES)
 _session_id = string(64, min_len=5, pattern=SESSION_ID)
+_traceparent = string(55, min_len=55, pattern=TRACEPARENT)
+"""The caller's trace context (W3C ``traceparent``): the daemon's spans for the request join
+that trace. Untrusted: it names a parent, it reads nothing (README, "Tracing")."""
 _path = string(4096, min_len=1)
 _files = map_of(_path, _payload, 1 << 16)
 """Files for the jail's working directory: relative path -> contents (checked by the daemon
@@ -163,6 +167,7 @@ class RunJob(Message):
     files: dict[str, bytes] = field(_files, default_factory=dict)
     download: tuple[str, ...] = field(_patterns, default=())
     download_changed: bool = field(boolean(), default=False)
+    traceparent: str | None = field(optional(_traceparent), default=None)
 
 
 @struct
@@ -176,6 +181,7 @@ class OpenSession(Message):
     limits: dict[str, float] = field(_limits, default_factory=dict)
     idle_s: float | None = field(optional(number(0.001, 1 << 31)), default=None)
     max_lifetime_s: float | None = field(optional(number(0.001, 1 << 31)), default=None)
+    traceparent: str | None = field(optional(_traceparent), default=None)
 
 
 @struct

@@ -54,14 +54,19 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path) -> None:
     results = json.loads(out.with_suffix(".json").read_text())
     assert results["errors"] == {}, results["errors"]
     for key in ("exec", "nsjail", "bwrap", "spawn", "cold", "warm", "warm_blocking",
-                "warm_uvloop", "warm_uvloop_blocking", "warm_pinned"):
+                "warm_uvloop", "warm_uvloop_blocking", "warm_traced", "warm_pinned"):
         assert results["latency"][key]["samples_s"], key
-    # the standard loop (the default), uvloop, and everything on one CPU
-    for key in ("warm", "warm_uvloop", "warm_pinned"):
+    # the default loop, uvloop, traced, and everything on one CPU
+    for key in ("warm", "warm_uvloop", "warm_traced", "warm_pinned"):
         assert results["tool_calls"][key]["sequential_s"], key
     for key in ("pingpong_same", "pingpong_apart", "pingpong_paced", "shape", "decode_hot",
                 "decode_idle"):  # this machine's floors
         assert len(results["floors"][key]["samples_s"]) == 4, key
+    # the traced rows measured tracing: every job's spans reached the sink (4 + 2 warm-up
+    # jobs and the tool-call job; its 2 x 50 calls each a span)
+    assert results["tracing"]["jaild.job"] >= 7, results["tracing"]
+    assert results["tracing"]["jaild.tool_call"] >= 100, results["tracing"]
+    assert "Tracing on (`OTEL_TRACES_EXPORTER=otlp`" in report
     stages = results["stages"]  # each of the 4 jobs split into the six stages
     assert list(stages) == ["client send", "admit + place", "jail", "record", "to client",
                             "client return"]

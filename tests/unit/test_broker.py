@@ -47,7 +47,8 @@ def test_admitted_call_carries_approval_and_timeout() -> None:
     assert b.admit(1, "free", ARGS) == Admitted(1, "free", ARGS, True, 2.0)
     assert b.admit(2, "quick", ARGS) == Admitted(2, "quick", ARGS, False, 0.5)
     assert b.admit(3, "asks", ARGS) == Admitted(3, "asks", ARGS, True, 2.0)
-    assert b.in_flight == {1: "free", 2: "quick", 3: "asks"}
+    n = len(ARGS)
+    assert b.in_flight == {1: ("free", n), 2: ("quick", n), 3: ("asks", n)}
     assert b.calls_made == 3 and b.tool_bytes == 3 * len(ARGS)
     assert b.entries == []  # logged when answered
 
@@ -123,6 +124,7 @@ def test_payload_limit_on_results() -> None:
         False,
         error_type="payload_too_large",
         message="the result of free is 65 bytes packed; the policy allows 64",
+        args_bytes=len(ARGS),
     )
     assert b.entries == [
         {"name": "free", "duration_s": 0.25, "ok": False, "error_type": "payload_too_large"}
@@ -156,10 +158,11 @@ def test_answers_and_log() -> None:
     b.admit(2, "free", ARGS)
     b.admit(3, "nope", ARGS)
     assert b.answer(2, False, ("ValueError", "bad"), 0.5) == Answer(
-        2, "free", False, error_type="ValueError", message="bad"
+        2, "free", False, error_type="ValueError", message="bad", args_bytes=len(ARGS)
     )
     ok = b.answer(1, True, b"\x01", 1.25)
-    assert ok == Answer(1, "free", True, value=b"\x01") and ok.outcome == "ok"
+    assert ok == Answer(1, "free", True, value=b"\x01", args_bytes=len(ARGS), result_bytes=1)
+    assert ok.outcome == "ok"
     assert b.answer(1, True, b"\x01", 1.0) is None  # answered once only
     assert b.entries == [
         {"name": "nope", "duration_s": 0.0, "ok": False, "error_type": "unknown_tool"},

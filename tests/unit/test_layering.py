@@ -11,7 +11,9 @@ The rules (issue 13, "Done when"):
    of the rest only the standard library, msgpack, pyseccomp and prctl.
 4. The client (:data:`CLIENT`) imports no daemon code and no front end.
 5. The pure modules (:data:`PURE_MODULES`, those of them that exist) do no IO.
-6. ``prctl`` and ``pyseccomp`` are each imported by exactly one module, their wrapper.
+6. ``prctl``, ``pyseccomp``, ``uvloop`` and ``opentelemetry`` are each imported by exactly
+   one module, their wrapper (``opentelemetry``: ``jaild.tracing``, so that jaild runs
+   without the ``[otel]`` extra).
 7. No two modules import each other (as ``jaild.cli`` and ``jaild.codemode`` did), the
    package's lazy public API in ``jaild/__init__.py`` excepted.
 8. ``jaild.testing`` (the fake launcher and daemon) is imported by no module of the
@@ -81,7 +83,8 @@ IO_MODULES = frozenset({
 IO_BUILTINS = frozenset({"open", "print", "input", "breakpoint", "__import__"})
 STD_STREAMS = frozenset({"stdin", "stdout", "stderr", "__stdin__", "__stdout__", "__stderr__"})
 
-CLIENT = ("jaild.client", "jaild.transfer", "jaild.toolspec", "jaild.address", "jaild.loops")
+CLIENT = ("jaild.client", "jaild.transfer", "jaild.toolspec", "jaild.address", "jaild.loops",
+          "jaild.tracing")
 FRONT_ENDS = ("jaild.cli", "jaild.codemode", "jaild.mcp_server", "jaild.envs")
 
 RUNTIME_JAILD = ("jaild.errors", "jaild.protocol", "jaild.runtime")
@@ -91,6 +94,7 @@ WRAPPERS = {
     "prctl": ("jaild.runtime.harden", frozenset({"prctl", "_prctl"})),
     "pyseccomp": ("jaild.runtime.seccomp", frozenset({"pyseccomp", "seccomp"})),
     "uvloop": ("jaild.loops", frozenset({"uvloop"})),
+    "opentelemetry": ("jaild.tracing", frozenset({"opentelemetry"})),
 }
 """Foreign package -> (the one module that may import it, the names it goes by)."""
 
@@ -336,6 +340,9 @@ BREAKERS = [
     ("wrappers", "jaild.runtime.evil", "def f():\n    import prctl\n"),
     ("wrappers", "jaild.daemon.evil", "from seccomp import SyscallFilter\n"),
     ("wrappers", "jaild.runtime.harden", "x = 1\n"),  # the wrapper no longer wraps it
+    ("wrappers", "jaild.daemon.evil", "def f():\n    from opentelemetry.trace import get_tracer\n"),
+    ("runtime", "jaild.runtime.evil", "def f():\n    import opentelemetry.trace\n"),
+    ("client", "jaild.tracing", "from jaild.daemon.job import JailedJob\n"),
     ("mutual", "jaild.codemode", "def f():\n    from jaild.cli import main\n"),
     ("testing", "jaild.daemon.job", "from jaild.testing import FakeLauncher\n"),
     ("testing", "jaild.client", "def f():\n    import jaild.testing\n"),

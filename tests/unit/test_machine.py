@@ -228,7 +228,7 @@ def test_one_shot_spawned_job() -> None:
     out = sim.feed(ToolReplied(1, True, b"\x01", 0.25))
     # the jail gets its answer first: audit and metrics are not on the round trip
     assert sim.kinds(out) == ["SendToJail", "ObserveCall"]
-    assert out[-1] == ObserveCall(1, "echo", "ok", 0.25)
+    assert out[-1] == ObserveCall(1, "echo", "ok", 0.25, args_bytes=len(ARGS), result_bytes=1)
     assert sim.replies[-1] == JailToolReturned(call_id=1, value=b"\x01")
     assert sim.kinds(sim.feed(Output("stdout", b"hi\n"))) == ["ForwardOutput"]
     assert sim.kinds(sim.frame(CodeFinished(ok=True, result=b"\x02"))) == ["CodeEnded"]
@@ -333,7 +333,7 @@ def test_tool_timeout_and_lost_client() -> None:
     sim.frame(JailCallTool(call_id=2, name="echo", args=ARGS))
     out = sim.feed(ToolTimedOut(1, 0.5))
     assert sim.kinds(out) == ["SendToJail", "ObserveCall"]
-    assert out[-1] == ObserveCall(1, "slow", "timeout", 0.5)
+    assert out[-1] == ObserveCall(1, "slow", "timeout", 0.5, args_bytes=len(ARGS))
     assert sim.replies[-1] == JailToolFailed(
         call_id=1, error_type="timeout", message="slow did not answer within 0.5 s"
     )

@@ -24,19 +24,21 @@ def admitted(**limits: float) -> admission.AdmittedJob:
 
 class FakeJail:
     def __init__(self, spec: Any = None, env: Any = None, route: Any = None, out: Any = None,
-                 jail_id: str = "") -> None:
+                 jail_id: str = "", trace: Any = None) -> None:
         self.spec, self.jail_id = spec, jail_id or (spec.job_id if spec else "")
         self.assigned: Any = None
+        self.trace = trace
         self.result: bytes | None = b"r"
         self.downloads: dict[str, bytes] = {"f": b"x"}
 
-    def assign(self, spec: Any, route: Any, out: Any) -> None:
-        self.assigned = spec
+    def assign(self, spec: Any, route: Any, out: Any, trace: Any = None) -> None:
+        self.assigned, self.trace = spec, trace
 
     async def run(self) -> dict[str, Any]:
         return {"job_id": self.spec.job_id}
 
-    async def run_next(self, spec: Any, route: Any, out: Any) -> Any:
+    async def run_next(self, spec: Any, route: Any, out: Any, trace: Any = None) -> Any:
+        self.trace = trace
         return {"job_id": spec.job_id}, None, {}
 
 
@@ -94,3 +96,24 @@ def test_every_placement_runs_to_record_result_and_files() -> None:
     assert asyncio.run(one_shot.run()) == ({"job_id": "job-new"}, b"r", {"f": b"x"})
     session = place(admitted(), {}, SimpleNamespace(jail=FakeJail(jail_id="ses-1")))
     assert asyncio.run(session.run()) == ({"job_id": "job-new"}, None, {})
+
+
+def test_the_jobs_trace_reaches_its_jail_in_every_placement() -> None:
+    trace: Any = object()  # a JobTrace, as the pipeline makes one when tracing is on
+    nothing: Any = None
+
+    def traced(pools: Any, session: Any = None) -> placement.Placed:
+        return placement.place(admitted(), "job-new", nothing, nothing, nothing, pools, session,
+                               tenant=PEER.uid, trace=trace)
+
+    warm: Any = FakeJail(jail_id="job-warm")
+    pooled = traced({"default": FakePool(warm)})
+    assert (pooled.mode, pooled.trace, warm.trace) == ("pooled", trace, trace)
+    fresh = traced({})
+    assert (fresh.mode, fresh.trace) == ("fresh", trace) and fresh.jail.trace is trace  # type: ignore[attr-defined]
+    jail: Any = FakeJail(jail_id="ses-1")
+    in_session = traced({}, SimpleNamespace(jail=jail))
+    assert in_session.mode == "session"
+    asyncio.run(in_session.run())
+    assert jail.trace is trace
+    assert place(admitted(), {}).trace is None  # tracing off
