@@ -34,13 +34,15 @@ import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jaild.daemon.egress_ca import EgressCA
 from jaild.daemon.gateway import EgressDoor, EgressQuota, listen_in
 from jaild.errors import StartupError
 from jaild.policy.compile import EGRESS_PORT
 from jaild.policy.schema import Policy, egress_rules, resolve_env
+
+if TYPE_CHECKING:
+    from jaild.daemon.egress_ca import EgressCA
 
 log = logging.getLogger("jaild")
 
@@ -153,6 +155,9 @@ class EgressService:
         base = Path(state_dir) / "egress"
         base.mkdir(parents=True, exist_ok=True)
         os.chmod(base, 0o755)
+        # imported here: cryptography is ~9 MiB of a daemon's memory that serves no egress
+        from jaild.daemon.egress_ca import EgressCA
+
         ca = EgressCA(base / "ca")  # always: daemons sharing a state dir write one bundle
         trust = _write_trust(base / "trust.pem", ca)
         try:

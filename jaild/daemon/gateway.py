@@ -45,14 +45,16 @@ import ssl
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import h11
 
-from jaild.daemon.egress_ca import EgressCA
 from jaild.errors import EgressRefusal as _Refusal
 from jaild.policy.egress import Address, EgressRules, parse_host
+
+if TYPE_CHECKING:
+    from jaild.daemon.egress_ca import EgressCA
 
 log = logging.getLogger("jaild")
 
