@@ -292,13 +292,14 @@ def test_unencodable_text_in_an_error_is_escaped(client: Client) -> None:
     assert (r.status, r.result) == ("ok", "{'k': 'lone \\udc80'}")
 
 
-def test_a_long_job_is_announced_while_it_runs_and_a_short_one_in_one_write(
+def test_a_long_job_is_announced_while_it_runs_and_a_short_one_before_its_end(
     daemon: DaemonHandle,
 ) -> None:
     """``JobAccepted`` waits for the job's next message at most ACCEPT_HOLD_S: a job that
-    runs on is announced while it runs (its id cancels it), and a job that ends at once
-    (here: code that does not compile: no jail runs it) comes as ``JobAccepted`` and
-    ``JobFinished`` in one write."""
+    runs on is announced while it runs (its id cancels it), and a job that ends at once is
+    announced before its end. Whether the two share one write depends on how soon the
+    jail answers (within the hold or not): tests/unit/test_accept_hold.py pins that down
+    with a clock this test does not control."""
     with RawClient(daemon.socket) as raw:
         raw.send(RunJob(ref=1, code="import time\ntime.sleep(600)", policy="default"))
         accepted = raw.next()  # only the hold's timer can send it: the job sleeps
@@ -309,8 +310,7 @@ def test_a_long_job_is_announced_while_it_runs_and_a_short_one_in_one_write(
         assert (finished.job_id, finished.record.status) == (accepted.job_id, "cancelled")
 
         raw.send(RunJob(ref=2, code="def (", policy="default"))
-        raw.conn.receive_data(raw.sock.recv(1 << 16))  # one recv: both were in one write
-        first, second = raw.conn.next_event(), raw.conn.next_event()
+        first, second = raw.next(), raw.next()
         assert isinstance(first, JobAccepted) and first.ref == 2, first
         assert isinstance(second, JobFinished) and second.job_id == first.job_id, second
         assert second.record.error is not None and second.record.error.type == "SyntaxError"
