@@ -174,9 +174,11 @@ class ClientSession(asyncio.Protocol):
         self.pending_calls: dict[tuple[str, int], CallReply] = {}
         self.closed = False
         self._tasks: asyncio.TaskGroup | None = None  # the connection's scope, while it serves
+        # work started before serve() began (see start); None once it has
+        self._early: list[Coroutine[Any, Any, None]] | None = []
         self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._paused: set[JailedJob] = set()  # jobs whose output waits for this client
-        self._drainer: asyncio.Task[None] | None = None
+        self._draining = False  # _drain_paused is on its way
         self._frame_held = 0  # this connection's share of daemon.frame_bytes[uid]
         # job id -> its JobAccepted's bytes, not yet written, and the timer that writes them
         self._held: dict[str, tuple[bytes, asyncio.TimerHandle]] = {}
@@ -388,12 +390,18 @@ class ClientSession(asyncio.Protocol):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        """Run ``work`` in this connection's task group: the connection waits for it."""
-        if self._tasks is None:
+    def start(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in this connection's task group: the connection waits for it.
+        Work started before :meth:`serve` has begun (a loop such as uvloop may deliver the
+        first bytes before the task running :meth:`serve` has taken its first step) waits
+        for it, and is then started in the group."""
+        if self._tasks is not None:
+            self._tasks.create_task(work)
+        elif self._early is not None:
+            self._early.append(work)
+        else:
             work.close()
             raise RuntimeError("the connection is not serving")
-        return self._tasks.create_task(work)
 
     def converse(self) -> None:
         """Admitted: the conversation begins (``Hello`` is due within
@@ -406,9 +414,12 @@ class ClientSession(asyncio.Protocol):
     async def serve(self) -> None:
         """The connection's whole life: until the conversation is over, then until its
         work has ended."""
+        early, self._early = self._early or [], None
         try:
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
+                for work in early:
+                    tasks.create_task(work)
                 try:
                     await self._ended
                 finally:
@@ -572,13 +583,15 @@ class ClientSession(asyncio.Protocol):
                 return
             job.pause_output()
             self._paused.add(job)
-            if self._drainer is None or self._drainer.done():
-                self._drainer = self.start(self._drain_paused())
+            if not self._draining:
+                self._draining = True
+                self.start(self._drain_paused())
         self.send(JobOutput(job_id=job_id, stream=stream, data=data))
 
     async def _drain_paused(self) -> None:
         with contextlib.suppress(Exception):
             await self._drain()  # until the buffer is below half of stream_buffer_bytes
+        self._draining = False
         paused, self._paused = self._paused, set()
         for job in paused:
             job.resume_output()

@@ -8,7 +8,18 @@ import time
 import pytest
 
 from jaild.client import Client
-from jaild.protocol.messages import CancelJob, JobAccepted, JobFinished, RunJob
+from jaild.protocol import PROTOCOL_VERSION
+from jaild.protocol.framing import encode_frame
+from jaild.protocol.messages import (
+    CancelJob,
+    Hello,
+    JobAccepted,
+    JobFinished,
+    RunJob,
+    Welcome,
+    encode,
+    unpack,
+)
 from tests.conftest import DaemonHandle, RawClient, guard
 
 pytestmark = pytest.mark.integration
@@ -290,6 +301,26 @@ def test_unencodable_text_in_an_error_is_escaped(client: Client) -> None:
     assert r.error is not None and r.error["message"] == "bad \\udc80 surrogate"
     r = client.run("{'k': 'lone \\udc80'}")
     assert (r.status, r.result) == ("ok", "{'k': 'lone \\udc80'}")
+
+
+def test_a_job_sent_with_hello_in_one_write_runs(daemon: DaemonHandle) -> None:
+    """Hello and RunJob in the connection's first write: the daemon may read both before
+    the connection's own task has begun (uvloop does; tests/unit/test_connection_scope.py).
+    Each job runs and is answered; before the fix the connection failed inside jaild and
+    the job's pooled jail outlived it."""
+    for attempt in range(20):
+        raw = RawClient(daemon.socket)
+        with raw.sock:
+            raw.sock.connect(raw.socket_path)
+            hello = raw.conn.send(Hello(protocol=PROTOCOL_VERSION))
+            run = encode_frame(encode(RunJob(ref=1, code="6 * 7", policy="default")), 1 << 20)
+            raw.sock.sendall(hello + run)
+            assert isinstance(raw.next(), Welcome), attempt
+            accepted, finished = raw.next(), raw.next()
+            assert isinstance(accepted, JobAccepted) and accepted.ref == 1, (attempt, accepted)
+            assert isinstance(finished, JobFinished), (attempt, finished)
+            assert finished.record.status == "ok", (attempt, finished.record.error)
+            assert finished.result is not None and unpack(finished.result) == 42, attempt
 
 
 def test_a_long_job_is_announced_while_it_runs_and_a_short_one_before_its_end(
