@@ -425,6 +425,10 @@ class JailedJob:
         self._feed(Assign(spec))
         return await self._outcome_wait
 
+    def outcome(self) -> tuple[str, dict[str, Any] | None]:
+        """How the jail ended, or stands: ``(status, error)``."""
+        return self._machine.outcome()
+
     async def ended(self) -> tuple[str, dict[str, Any] | None]:
         """Wait for the jail to end; its status and error (a session's jail between runs)."""
         await self._done.wait()

@@ -185,10 +185,13 @@ class JailPool:
             if not ready:
                 self.stats.failed += 1
                 self._consecutive_failures += 1
+                status, error = jail.outcome()
                 log.warning(
-                    "pool %s: a jail failed to start (%d in a row)",
+                    "pool %s: a jail failed to start (%d in a row): %s%s",
                     self.policy.name,
                     self._consecutive_failures,
+                    status,
+                    f" ({error.get('type')}: {error.get('message')})" if error else "",
                 )
                 if self._consecutive_failures < 3:
                     asyncio.get_running_loop().call_later(1.0, self._refill)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -303,13 +305,19 @@ def test_unencodable_text_in_an_error_is_escaped(client: Client) -> None:
     assert (r.status, r.result) == ("ok", "{'k': 'lone \\udc80'}")
 
 
-def test_a_job_sent_with_hello_in_one_write_runs(daemon: DaemonHandle) -> None:
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_a_job_sent_with_hello_in_one_write_runs(
+    private_daemon: Callable[..., DaemonHandle], tmp_path: Path, event_loop: str
+) -> None:
     """Hello and RunJob in the connection's first write: the daemon may read both before
     the connection's own task has begun (uvloop does; tests/unit/test_connection_scope.py).
-    Each job runs and is answered; before the fix the connection failed inside jaild and
-    the job's pooled jail outlived it."""
+    Each job runs and is answered; before the fix, under uvloop, the connection failed
+    inside jaild and the job's pooled jail outlived it."""
+    config = tmp_path / "jaild.toml"
+    config.write_text(f'[daemon]\nevent_loop = "{event_loop}"\n')
+    d = private_daemon({}, with_repo_policies=True, args=("--config", str(config)))
     for attempt in range(20):
-        raw = RawClient(daemon.socket)
+        raw = RawClient(d.socket)
         with raw.sock:
             raw.sock.connect(raw.socket_path)
             hello = raw.conn.send(Hello(protocol=PROTOCOL_VERSION))

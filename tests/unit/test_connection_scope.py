@@ -64,8 +64,8 @@ def test_work_started_before_serve_begins_runs_in_its_scope_and_is_waited_for() 
 def test_which_comes_first_a_waiting_first_write_or_a_task_made_in_connection_made(
     loop: str, tmp_path: Path
 ) -> None:
-    """The module's premise, on a listening socket as the daemon's: under uvloop (jaild's
-    default loop) the bytes come first; under asyncio's own loop, the task (a control)."""
+    """The module's premise, on a listening socket as the daemon's: under uvloop (a daemon's
+    choice: daemon.event_loop) the bytes come first; under asyncio's own loop, the task (a control)."""
     run = asyncio.run if loop == "asyncio" else pytest.importorskip("uvloop").run
 
     async def main() -> list[str]:
