@@ -87,6 +87,9 @@ class FakeJail:
             self.ready_at = asyncio.get_running_loop().time()
         return self.ok
 
+    def outcome(self) -> tuple[str, dict[str, Any] | None]:
+        return ("ok", None) if self.ok else ("error", {"type": "JailError", "message": "no"})
+
     async def finished(self) -> None:
         await self.done.wait()
 
@@ -153,7 +156,9 @@ def test_misses_grow_the_pool_up_to_max_and_idle_jails_shrink_it_to_min(loop: Vi
     loop.run_until_complete(scenario())
 
 
-def test_a_pool_whose_jails_fail_stops_retrying_after_three_in_a_row(loop: VirtualTimeLoop) -> None:
+def test_a_pool_whose_jails_fail_stops_retrying_after_three_in_a_row(
+    loop: VirtualTimeLoop, caplog: pytest.LogCaptureFixture
+) -> None:
     async def scenario() -> None:
         FakeJail.made = 0
         pool = pool_of("[pool]\nmin = 2\nmax = 2\n", lambda: FakeJail(ok=False))
@@ -167,6 +172,8 @@ def test_a_pool_whose_jails_fail_stops_retrying_after_three_in_a_row(loop: Virtu
         await pool.close()
 
     loop.run_until_complete(scenario())
+    failed = [r.getMessage() for r in caplog.records if "failed to start" in r.getMessage()]
+    assert failed and failed[0].endswith("(1 in a row): error (JailError: no)"), failed
 
 
 def test_close_discards_the_waiting_jails(loop: VirtualTimeLoop) -> None:
