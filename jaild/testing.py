@@ -278,7 +278,7 @@ class FakeLauncher:
         # all three reached EOF (no output and no CodeFinished is left unread)
         handle.feed(Spawned(forked=False, streams=3))
         _watch_exit(handle, handle.proc, workdir)
-        await handle.read_output(out_r, err_r)
+        handle.read_output(out_r, err_r)
         handle.open_channel(daemon_end)
         on_sent()
 

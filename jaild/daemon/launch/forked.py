@@ -461,7 +461,7 @@ class ZygoteLauncher:
             raise
         # stdout, stderr and the channel; the zygote reports the end
         handle.feed(Spawned(forked=True, streams=3))
-        await handle.read_output(out_r, err_r)
+        handle.read_output(out_r, err_r)
         daemon_end.setblocking(False)
         handle.preamble_sock = daemon_end
         handle.loop.add_reader(daemon_end.fileno(), _preamble, handle, zygote)

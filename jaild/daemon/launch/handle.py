@@ -104,19 +104,70 @@ class Launcher(Protocol):
         there). Raises OSError or RuntimeError if the jail cannot be started."""
 
 
-class _PipeReader(asyncio.Protocol):
-    def __init__(self, on_data: Callable[[bytes], None], on_eof: Callable[[], None]) -> None:
+class _Pipe:
+    """The daemon's end of one of a jail's pipes (stdout, stderr, nsjail's log), read on
+    the event loop until EOF, then closed -- here, once: the descriptor is this object's
+    alone. (``loop.connect_read_pipe`` over a file object closed it twice under uvloop --
+    libuv's close, then the file object's -- and a worker thread's file opened in between
+    took the number and lost its descriptor.) While paused (a slow client), not read.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        fd: int,
+        on_data: Callable[[bytes], None],
+        on_closed: Callable[[], None],
+    ) -> None:
+        self._loop = loop
+        self.fd = fd
         self._on_data = on_data
-        self._on_eof = on_eof
+        self._on_closed = on_closed
+        self.closed = False
+        self._paused = False
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, self._readable)
 
-    def data_received(self, data: bytes) -> None:
-        self._on_data(data)
+    def _readable(self) -> None:
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            self._on_data(data)
+        else:
+            self.close()
 
-    def eof_received(self) -> bool:
-        return False
+    def read_now(self) -> list[bytes]:
+        """What the pipe holds now (not its EOF: the reader sees that and closes)."""
+        chunks: list[bytes] = []
+        if self.closed:
+            return chunks
+        with contextlib.suppress(OSError):
+            while data := os.read(self.fd, 1 << 16):
+                chunks.append(data)
+        return chunks
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._on_eof()
+    def pause(self) -> None:
+        if not self.closed and not self._paused:
+            self._paused = True
+            self._loop.remove_reader(self.fd)
+
+    def resume(self) -> None:
+        if not self.closed and self._paused:
+            self._paused = False
+            self._loop.add_reader(self.fd, self._readable)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not self._paused:
+            self._loop.remove_reader(self.fd)
+        os.close(self.fd)
+        self._on_closed()
 
 
 class _Channel:
@@ -240,8 +291,7 @@ class JailHandle:
         self.preamble_sock: socket.socket | None = None  # forked: the channel, before it spoke
         self.adopting: asyncio.Future[None] | None = None  # forked: moving into its cgroup
         self.channel: _Channel | None = None
-        self.pipes: tuple[tuple[int, str], ...] = ()
-        self.out_transports: list[asyncio.ReadTransport] = []
+        self.pipes: tuple[tuple[_Pipe, str], ...] = ()  # stdout and stderr
         self.timers: list[asyncio.TimerHandle] = []
         self.release_timer: asyncio.TimerHandle | None = None
         self.linger_since: float | None = None  # a spawned jail outlived its nsjail since
@@ -312,23 +362,17 @@ class JailHandle:
 
     # -- streams
 
-    async def read_output(self, out_r: int, err_r: int) -> None:
-        self.pipes = ((out_r, "stdout"), (err_r, "stderr"))
-        for fd, sink in self.pipes:
-            transport, _ = await self.loop.connect_read_pipe(
-                functools.partial(
-                    _PipeReader, functools.partial(self._output_data, sink), self.stream_closed
-                ),
-                os.fdopen(fd, "rb", buffering=0),
-            )
-            self.out_transports.append(transport)
-
-    async def read_log(self, log_r: int) -> None:
-        """nsjail's log, on its private descriptor."""
-        await self.loop.connect_read_pipe(
-            functools.partial(_PipeReader, self._log_data, self.stream_closed),
-            os.fdopen(log_r, "rb", buffering=0),
+    def read_output(self, out_r: int, err_r: int) -> None:
+        """The jail's stdout and stderr (this handle closes the descriptors)."""
+        self.pipes = tuple(
+            (_Pipe(self.loop, fd, functools.partial(self._output_data, sink), self.stream_closed),
+             sink)
+            for fd, sink in ((out_r, "stdout"), (err_r, "stderr"))
         )
+
+    def read_log(self, log_r: int) -> None:
+        """nsjail's log, on its private descriptor (this handle closes it)."""
+        _Pipe(self.loop, log_r, self._log_data, self.stream_closed)
 
     def open_channel(self, sock: socket.socket) -> None:
         self.channel = _Channel(
@@ -366,19 +410,16 @@ class JailHandle:
     def drain(self) -> None:
         """Feed what the output pipes hold now (the code's output before its report)."""
         for pipe, stream in self.pipes:
-            with contextlib.suppress(OSError):
-                while data := os.read(pipe, 1 << 16):
-                    self.feed(Output(stream, data))
+            for data in pipe.read_now():
+                self.feed(Output(stream, data))
 
     def pause_output(self) -> None:
-        for transport in self.out_transports:
-            with contextlib.suppress(Exception):
-                transport.pause_reading()
+        for pipe, _ in self.pipes:
+            pipe.pause()
 
     def resume_output(self) -> None:
-        for transport in self.out_transports:
-            with contextlib.suppress(Exception):
-                transport.resume_reading()
+        for pipe, _ in self.pipes:
+            pipe.resume()
 
     def close_preamble(self) -> None:
         sock, self.preamble_sock = self.preamble_sock, None

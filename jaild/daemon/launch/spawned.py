@@ -99,8 +99,8 @@ class SpawnLauncher:
         # and all four reached EOF (so no output and no CodeFinished is left unread)
         handle.feed(Spawned(forked=False, streams=4))
         watch_exit(handle, handle.proc, ended)
-        await handle.read_output(out_r, err_r)
-        await handle.read_log(log_r)
+        handle.read_output(out_r, err_r)
+        handle.read_log(log_r)
         handle.open_channel(daemon_end)
         on_sent()
 
