@@ -112,7 +112,7 @@ def test_control_uvloop_connect_read_pipe_closes_the_descriptor_twice() -> None:
                 lost.set_result(None)
 
         _Witness.victim = None
-        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+        _transport, _ = await asyncio.get_running_loop().connect_read_pipe(
             Reader, _Witness(r, "rb", closefd=True)
         )
         os.close(w)  # EOF: the transport closes
