@@ -113,9 +113,9 @@ def test_a_job_that_closes_its_output_early_drains_nothing_of_another_uids_job(
         finally:
             looked.set()
             release.set()
-        r = hostile.result(guard(60))
-    if neighbour is not None:
-        neighbour.kill()
-        neighbour.communicate(timeout=guard(30))
+            r = hostile.result(guard(60))
+            if neighbour is not None:
+                neighbour.kill()
+                neighbour.communicate(timeout=guard(30))
     assert (r.status, r.result) == ("ok", "done"), (r.status, r.error)
     assert (r.stdout, r.stderr) == ("", ""), (r.stdout[:200], r.stderr[:200])
