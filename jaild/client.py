@@ -133,6 +133,9 @@ class JobResult:
     """Network attempts the policy refused with ``PermissionError`` (a policy without a
     network), as the jail's runtime counted them: the jail's own word. None when it did not
     report."""
+    egress: dict[str, Any] | None = None
+    """An egress policy's traffic: requests, bytes in and out, hosts, refusals (README,
+    "Egress by name"). None for a policy without egress."""
     _record: JobRecord | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -160,6 +163,7 @@ class JobResult:
                     "tool_calls_omitted": self.tool_calls_omitted,
                     "session": self.session,
                     "network_refused": self.network_refused,
+                    "egress": self.egress,
                 }
             )
             object.__setattr__(self, "_record", typed)
@@ -199,6 +203,7 @@ class JobResult:
             **({"files_skipped": self.files_skipped} if self.files_skipped else {}),
             **({"session": self.session} if self.session else {}),
             **({"network_refused": self.network_refused} if self.network_refused else {}),
+            **({"egress": self.egress} if self.egress is not None else {}),
         }
 
     @classmethod
@@ -239,6 +244,7 @@ class JobResult:
             downloads=dict(files or {}),
             session=view.get("session"),
             network_refused=typed.network_refused,
+            egress=view.get("egress"),
         )
         object.__setattr__(out, "_record", typed)
         return out

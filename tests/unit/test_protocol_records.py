@@ -31,6 +31,7 @@ from jaild.protocol.records import (
     RECORDS,
     STATUSES,
     DaemonStats,
+    EgressRecord,
     JobEntry,
     JobError,
     JobRecord,
@@ -227,6 +228,20 @@ def test_the_client_result_keeps_its_dicts_and_offers_the_typed_record() -> None
     # a result made by hand (a test double) has the typed record too
     by_hand = dataclasses.replace(result)
     assert by_hand.record == record
+
+
+def test_an_egress_records_traffic_is_in_the_client_result_and_its_json() -> None:
+    egress = EgressRecord(requests=3, bytes_out=120, bytes_in=4096, hosts=("pypi.org",),
+                          refused={"not_allowed": 1})
+    record = dataclasses.replace(run_record(), egress=egress)
+    result = JobResult.from_wire(record.to_wire(), None)
+    assert result.egress == egress.to_dict()
+    view = result.to_dict()  # what `jaild run --json` prints
+    assert view["egress"] == {"requests": 3, "bytes_out": 120, "bytes_in": 4096,
+                              "hosts": ["pypi.org"], "refused": {"not_allowed": 1}}
+    assert json.loads(json.dumps(view)) == view
+    assert dataclasses.replace(result).record == record  # a copy re-checks its fields
+    assert "egress" not in JobResult.from_wire(run_record(), None).to_dict()
 
 
 def test_a_record_without_usage_shows_an_empty_usage_map() -> None:
