@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import uvloop  # the test extra's: jaild's other loop
 
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.server import ClientSession
@@ -66,7 +67,7 @@ def test_which_comes_first_a_waiting_first_write_or_a_task_made_in_connection_ma
 ) -> None:
     """The module's premise, on a listening socket as the daemon's: under uvloop (a daemon's
     choice: daemon.event_loop) the bytes come first; under asyncio's own loop, the task (a control)."""
-    run = asyncio.run if loop == "asyncio" else pytest.importorskip("uvloop").run
+    run = asyncio.run if loop == "asyncio" else uvloop.run
 
     async def main() -> list[str]:
         order: list[str] = []

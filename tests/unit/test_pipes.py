@@ -14,12 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import uvloop  # the test extra's: jaild's other loop
 
 from jaild.daemon.launch.handle import _Pipe
 
-LOOPS: dict[str, Callable[[Any], Any]] = {"asyncio": asyncio.run}
-uvloop = pytest.importorskip("uvloop")
-LOOPS["uvloop"] = uvloop.run
+LOOPS: dict[str, Callable[[Any], Any]] = {"asyncio": asyncio.run, "uvloop": uvloop.run}
 
 
 def _open_in_between() -> int:
