@@ -578,8 +578,9 @@ class AsyncClient:
         self._welcome = loop.create_future()
         self._transport, self._link = await self._open_transport(lambda: _Link(self))
         try:
-            hello = Hello(protocol=PROTOCOL_VERSION, client=self._name)
-            self._transport.write(self._conn.send(hello))
+            if not self._welcome.done():  # else refused at the door before our Hello (uvloop
+                hello = Hello(protocol=PROTOCOL_VERSION, client=self._name)  # reads at once)
+                self._transport.write(self._conn.send(hello))
             welcome = await self._welcome
             if isinstance(welcome, Error):
                 raise error_from_wire(welcome.code, welcome.message)

@@ -97,7 +97,11 @@ SEND, RECV = "send", "recv"
 # (role, state) -> {(verb, message type): next state}. Absent = illegal.
 TRANSITIONS: dict[tuple[Role, State], dict[tuple[str, str], State]] = {
     # ---- client link, client end
-    (Role.CLIENT, State.SEND_HELLO): {(SEND, "Hello"): State.AWAIT_WELCOME},
+    (Role.CLIENT, State.SEND_HELLO): {
+        (SEND, "Hello"): State.AWAIT_WELCOME,
+        # a refusal at the door, decided on accepting: it may arrive before Hello is sent
+        (RECV, "Error"): State.CLOSED,
+    },
     (Role.CLIENT, State.AWAIT_WELCOME): {
         (RECV, "Welcome"): State.READY,
         (RECV, "Error"): State.CLOSED,
