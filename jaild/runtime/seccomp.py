@@ -168,6 +168,7 @@ def prepare(spec: Mapping[str, Any]) -> None:
     exporting ~3 ms of libseccomp work that every jail it forks would otherwise repeat)."""
     global _prepared
     _prepared = (spec, [_export(_build(f)) for f in _filters(spec)])
+    _seccomp_call()
 
 
 class _SockFprog(ctypes.Structure):
@@ -179,17 +180,23 @@ class _SockFprog(ctypes.Structure):
 _SECCOMP_SET_MODE_FILTER = 1
 
 
+@functools.cache
+def _seccomp_call() -> tuple[Any, int | None]:
+    """libc's ``syscall`` and the native number of ``seccomp``: looked up once (in the
+    zygote, by :func:`prepare`; its forks inherit them)."""
+    return ctypes.CDLL(None, use_errno=True).syscall, syscall_number("seccomp")
+
+
 def _install(program: bytes) -> None:
     """``seccomp(SECCOMP_SET_MODE_FILTER, 0, program)``: what libseccomp's load does once it
     has generated the program (no_new_privs is set first by the caller), without
     generating it again. Raises OSError."""
-    number = syscall_number("seccomp")
+    syscall, number = _seccomp_call()
     if number is None or len(program) % 8 or not 0 < len(program) // 8 <= 0xFFFF:
         raise OSError(errno_module.EINVAL, "cannot load this seccomp program")
     buffer = ctypes.create_string_buffer(program, len(program))
     fprog = _SockFprog(len(program) // 8, ctypes.addressof(buffer))
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(number, _SECCOMP_SET_MODE_FILTER, 0, ctypes.byref(fprog)) != 0:
+    if syscall(number, _SECCOMP_SET_MODE_FILTER, 0, ctypes.byref(fprog)) != 0:
         code = ctypes.get_errno()
         raise OSError(code, f"seccomp(SECCOMP_SET_MODE_FILTER): {os.strerror(code)}")
 
