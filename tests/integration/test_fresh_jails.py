@@ -7,8 +7,10 @@ memory and processes in its cgroup. Job B, started while A is held, must see non
 and must have its own budgets. Each probe has a positive control: the same two programs run
 on the host as two plain processes, where B does see what A left.
 
-Run for ``default`` (a jail forked on demand from the zygote), ``pooled`` (a jail taken from
-the warm pool, prepared before either job existed) and ``spawn`` (a full nsjail per job).
+Run for ``default`` and ``web`` (jails forked on demand from the zygote: the test first waits
+until the zygote serves, since a job that finds none ready is spawned), ``pooled`` (a jail
+taken from the warm pool, prepared before either job existed) and ``spawn`` (a full nsjail
+per job). A and B must differ in uid *on the host* (the user namespace's map), in every path.
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ pytestmark = pytest.mark.integration
 
 POLICIES = ["default", "pooled", "spawn", "web"]
 NETWORKED = {"web"}  # AF_INET allowed (egress): A also listens on its loopback
+FORKED = {"default", "web"}  # zygote policies: A and B are forked from the zygote
+
+# [uid inside, uid on the host (from the user namespace's map), pid namespace, start of pid 1]
+IDENTITY = ("[os.getuid(), *[int(o) + os.getuid() - int(i) for i, o, n in "
+            "(line.split() for line in open('/proc/self/uid_map')) "
+            "if int(i) <= os.getuid() < int(i) + int(n)], "
+            "os.readlink('/proc/self/ns/pid'), open('/proc/1/stat').read().split()[21]]")
+
 
 LEAVE_NET = r'''
 listener = socket.create_server(("127.0.0.1", {port}))
@@ -115,9 +125,20 @@ for pid in kids:
 maps = open("/proc/self/maps").read().splitlines()
 # shared *writable* mappings would be memory another process could write to
 seen["shared writable mappings"] = [m for m in maps if m.split()[1][1] == "w" and m.split()[1][3] == "s"]
-seen["identity"] = [os.getuid(), os.readlink("/proc/self/ns/pid"), open("/proc/1/stat").read().split()[21]]
-seen
 '''
+
+
+def wait_for_zygote(client: Client, policy: str) -> None:
+    """Wait until ``policy``'s jobs of this client are forked from its zygote. A job that
+    finds no ready zygote (none yet, or retired after ``limits.zygote_idle_s``) is spawned
+    as a full nsjail while the zygote starts; a forked jail's uid map is the identity (its
+    uid inside is its uid on the host), a spawned one's maps 65534."""
+    def forked() -> bool:
+        r = client.run(f"import os\ni = {IDENTITY}\ni[0] == i[1]", policy=policy)
+        assert r.status == "ok", (r.status, r.error)
+        return bool(r.result)
+
+    until(forked, f"a job of {policy} forked from its zygote")
 
 
 def _hold_a(client: Client, policy: str) -> tuple[threading.Event, threading.Event, object]:
@@ -129,8 +150,7 @@ def _hold_a(client: Client, policy: str) -> tuple[threading.Event, threading.Eve
 
     net = LEAVE_NET.format(port=47000) if policy in NETWORKED else ""
     job = client.submit(
-        LEAVE.format(tmp="/tmp") + net + "await tools.hold()\n"
-        "[os.getuid(), os.readlink('/proc/self/ns/pid'), open('/proc/1/stat').read().split()[21]]",
+        LEAVE.format(tmp="/tmp") + net + "await tools.hold()\n" + IDENTITY,
         policy=policy, tools={"hold": hold},
     )
     return up, release, job
@@ -139,11 +159,14 @@ def _hold_a(client: Client, policy: str) -> tuple[threading.Event, threading.Eve
 @pytest.mark.parametrize("policy", POLICIES)
 def test_job_b_sees_nothing_of_job_a(daemon: DaemonHandle, policy: str) -> None:
     with Client(daemon.socket) as a_client, Client(daemon.socket) as b_client:
+        if policy in FORKED:
+            wait_for_zygote(a_client, policy)
         up, release, job_a = _hold_a(a_client, policy)
         try:
             assert up.wait(guard(30)), "job A did not reach its tool call"
             net = SEE_NET.format(port=47000) if policy in NETWORKED else ""
-            b = b_client.run(SEE.format(tmp="/tmp") + net + BUDGET, policy=policy)
+            b = b_client.run(SEE.format(tmp="/tmp") + net + BUDGET
+                             + f"seen['identity'] = {IDENTITY}\nseen", policy=policy)
         finally:
             release.set()
         a = job_a.result(guard(60))  # type: ignore[attr-defined]
@@ -151,10 +174,12 @@ def test_job_b_sees_nothing_of_job_a(daemon: DaemonHandle, policy: str) -> None:
     assert b.status == "ok", (b.status, b.error, b.stderr)
     seen = b.result
     assert seen.pop("shared writable mappings") == []
-    uid, *jail = seen.pop("identity")
-    assert jail != a.result[1:], "A and B ran in the same jail"
-    if policy != "spawn":  # spawned jails are all 65534 inside (distinct outside: test_isolation)
-        assert uid != a.result[0], "A and B ran as the same uid"
+    b_inside, b_host, *b_jail = seen.pop("identity")
+    a_inside, a_host, *a_jail = a.result
+    assert b_jail != a_jail, "A and B ran in the same jail"
+    assert b_host != a_host, "A and B ran as the same uid"
+    if policy in FORKED:  # the path under test: forked from the zygote, not spawned
+        assert (a_inside, b_inside) == (a_host, b_host), (a.result, b.result)
     assert seen == dict.fromkeys(seen, False), f"B saw traces of A: {seen}"
     assert set(seen) == {"tmp file", "/dev/shm file", "sysv shm", "abstract socket",
                          "module state", "other processes", "forks refused",
@@ -231,6 +256,8 @@ def test_limits_count_from_the_jobs_start_not_the_jails(private_daemon: object) 
 def test_preimported_modules_are_loaded_before_the_job(client: Client, policy: str,
                                                        preimported: bool) -> None:
     # default pre-imports statistics in its zygote; a spawned jail starts without it
+    if policy == "default":
+        wait_for_zygote(client, policy)
     r = client.run("import sys\n'statistics' in sys.modules", policy=policy)
     assert (r.status, r.result) == ("ok", preimported), r.error
 
