@@ -185,6 +185,27 @@ def until(condition: Callable[[], object], what: str, timeout: float = 60) -> No
         time.sleep(0.02)
 
 
+# In a jail: its uid on the host, from its user namespace's map (an expression; needs os)
+HOST_UID = ("[int(o) + os.getuid() - int(i) for i, o, n in "
+            "(line.split() for line in open('/proc/self/uid_map')) "
+            "if int(i) <= os.getuid() < int(i) + int(n)][0]")
+
+
+def wait_for_zygote(client: Client, policy: str) -> None:
+    """Wait until ``policy``'s jobs of this client are forked from its zygote. A job that
+    finds no ready zygote (none yet, or one retired after ``limits.zygote_idle_s``) is
+    spawned as a full nsjail while the zygote starts. A forked jail's uid inside is its uid
+    on the host (the zygote's map is the identity for jail uids); a spawned jail is 65534
+    inside."""
+
+    def forked() -> bool:
+        r = client.run(f"import os\nos.getuid() == {HOST_UID}", policy=policy)
+        assert r.status == "ok", (r.status, r.error)
+        return bool(r.result)
+
+    until(forked, f"a job of policy {policy} forked from its zygote")
+
+
 def wait_listening(path: str, proc: subprocess.Popen[bytes], log_path: str,
                    timeout: float = 60) -> None:
     """Wait until the daemon *serves*: it answers Hello (the socket accepts connections

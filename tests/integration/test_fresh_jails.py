@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from jaild.client import Client
-from tests.conftest import STATE_DIR, DaemonHandle, guard, until
+from tests.conftest import HOST_UID, STATE_DIR, DaemonHandle, guard, until, wait_for_zygote
 
 pytestmark = pytest.mark.integration
 
@@ -39,9 +39,7 @@ NETWORKED = {"web"}  # AF_INET allowed (egress): A also listens on its loopback
 FORKED = {"default", "web"}  # zygote policies: A and B are forked from the zygote
 
 # [uid inside, uid on the host (from the user namespace's map), pid namespace, start of pid 1]
-IDENTITY = ("[os.getuid(), *[int(o) + os.getuid() - int(i) for i, o, n in "
-            "(line.split() for line in open('/proc/self/uid_map')) "
-            "if int(i) <= os.getuid() < int(i) + int(n)], "
+IDENTITY = (f"[os.getuid(), {HOST_UID}, "
             "os.readlink('/proc/self/ns/pid'), open('/proc/1/stat').read().split()[21]]")
 
 
@@ -126,19 +124,6 @@ maps = open("/proc/self/maps").read().splitlines()
 # shared *writable* mappings would be memory another process could write to
 seen["shared writable mappings"] = [m for m in maps if m.split()[1][1] == "w" and m.split()[1][3] == "s"]
 '''
-
-
-def wait_for_zygote(client: Client, policy: str) -> None:
-    """Wait until ``policy``'s jobs of this client are forked from its zygote. A job that
-    finds no ready zygote (none yet, or retired after ``limits.zygote_idle_s``) is spawned
-    as a full nsjail while the zygote starts; a forked jail's uid map is the identity (its
-    uid inside is its uid on the host), a spawned one's maps 65534."""
-    def forked() -> bool:
-        r = client.run(f"import os\ni = {IDENTITY}\ni[0] == i[1]", policy=policy)
-        assert r.status == "ok", (r.status, r.error)
-        return bool(r.result)
-
-    until(forked, f"a job of {policy} forked from its zygote")
 
 
 def _hold_a(client: Client, policy: str) -> tuple[threading.Event, threading.Event, object]:

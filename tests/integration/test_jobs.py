@@ -22,7 +22,7 @@ from jaild.protocol.messages import (
     encode,
     unpack,
 )
-from tests.conftest import DaemonHandle, RawClient, guard
+from tests.conftest import DaemonHandle, RawClient, guard, wait_for_zygote
 
 pytestmark = pytest.mark.integration
 
@@ -178,6 +178,7 @@ def test_forged_finish_ends_a_zygote_jail_at_once(daemon: DaemonHandle, client: 
     # chose its own result (which it could have returned anyway) and cannot run on.
     # The evidence is the record, not a stopwatch: "ok" with the forged result is the claim's
     # (any other end -- the deadline, the sleep's -- would not be "ok" and "forged").
+    wait_for_zygote(client, "default")
     job = client.submit(FORGE, timeout=30)
     r = job.result(guard(60))
     assert (r.status, r.result) == ("ok", "forged")
