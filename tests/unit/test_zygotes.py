@@ -127,6 +127,24 @@ def test_an_idle_uids_zygote_is_retired_once_no_jail_of_it_runs(loop: VirtualTim
     loop.run_until_complete(scenario())
 
 
+def test_the_daemons_own_zygote_is_never_retired_when_idle(loop: VirtualTimeLoop) -> None:
+    # A policy without a warm pool: no jail of the own zygote waits, and no job comes. A
+    # client uid's zygote as idle is retired (the control); the daemon's own stays.
+    async def scenario() -> None:
+        zygotes, made = zygote_set(idle_s=10)
+        await zygotes.start(POLICY.name)
+        zygotes.run()
+        zygotes.for_job(POLICY, A, pooled=False)
+        await asyncio.sleep(60)
+        own, a = made
+        assert a.stopped and zygotes.get(POLICY.name, A) is None
+        assert not own.stopped and zygotes.for_job(POLICY, OWN, pooled=False) is own
+        zygotes.stop_all()
+        await zygotes.close()
+
+    loop.run_until_complete(scenario())
+
+
 def test_at_max_zygotes_the_least_used_idle_one_goes_or_the_job_is_spawned(
         loop: VirtualTimeLoop) -> None:
     async def scenario() -> None:

@@ -18,7 +18,9 @@ default) a zygote serves the jobs of **one** client uid, and of one policy:
 * the daemon's own uid (root) gets its zygotes at start-up (:meth:`ZygoteSet.start`): they
   prove each policy's zygote comes up, the policies' self-tests run in them, and root's
   jobs are forked from them at once;
-* a zygote with no job for ``limits.zygote_idle_s`` is *retired*: the hooks registered
+* a client uid's zygote with no job for ``limits.zygote_idle_s`` is *retired* (the
+  daemon's own are not: they stay as start-up made them, so root's jobs and the
+  self-tests keep forking at once, whether or not a warm pool holds them): the hooks registered
   with :meth:`on_retire` run first (the warm pools discard that uid's waiting jails), then
   it is stopped once no jail of it is left. At most ``limits.max_zygotes`` zygotes of uids
   other than the daemon's own run at once: a new one first retires the least recently used
@@ -231,8 +233,9 @@ class ZygoteSet:
         while not await self._closed_within(period):
             now = time.monotonic()
             for key in list(self._zygotes):
-                if key in self._starting or now - self._used.get(key, now) < self.idle_s:
-                    continue
+                if (key in self._starting or key[1] == self.own_uid
+                        or now - self._used.get(key, now) < self.idle_s):
+                    continue  # the daemon's own zygotes (start-up's) stay
                 await self._retire(key)
 
     def _tenant_count(self) -> int:
