@@ -104,7 +104,41 @@ class Launcher(Protocol):
         there). Raises OSError or RuntimeError if the jail cannot be started."""
 
 
-class _Pipe:
+class _Reader:
+    """A non-blocking descriptor of the daemon's, read on the event loop until EOF (or a
+    read error), which :meth:`close` handles -- once."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        fd: int,
+        on_data: Callable[[bytes], None],
+        on_closed: Callable[[], None],
+    ) -> None:
+        self._loop = loop
+        self.fd = fd
+        self._on_data = on_data
+        self._on_closed = on_closed
+        self.closed = False
+        loop.add_reader(fd, self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self.fd, 1 << 16)  # a socket's too: read(2) is recv(2) with no flags
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            self._on_data(data)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class _Pipe(_Reader):
     """The daemon's end of one of a jail's pipes (stdout, stderr, nsjail's log), read on
     the event loop until EOF, then closed -- here, once: the descriptor is this object's
     alone. (``loop.connect_read_pipe`` over a file object closed it twice under uvloop --
@@ -119,26 +153,9 @@ class _Pipe:
         on_data: Callable[[bytes], None],
         on_closed: Callable[[], None],
     ) -> None:
-        self._loop = loop
-        self.fd = fd
-        self._on_data = on_data
-        self._on_closed = on_closed
-        self.closed = False
         self._paused = False
         os.set_blocking(fd, False)
-        loop.add_reader(fd, self._readable)
-
-    def _readable(self) -> None:
-        try:
-            data = os.read(self.fd, 1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if data:
-            self._on_data(data)
-        else:
-            self.close()
+        super().__init__(loop, fd, on_data, on_closed)
 
     def read_now(self) -> list[bytes]:
         """What the pipe holds now (not its EOF: the reader sees that and closes)."""
@@ -170,7 +187,7 @@ class _Pipe:
         self._on_closed()
 
 
-class _Channel:
+class _Channel(_Reader):
     """The daemon's end of a jail's socketpair, driven by the event loop.
 
     Not an asyncio transport on purpose: a transport tears the connection down on the
@@ -188,31 +205,14 @@ class _Channel:
         on_overflow: Callable[[], None],
         max_buffered: int,
     ) -> None:
-        self._loop = loop
         self._sock = sock
-        self._fd = sock.fileno()
-        self._on_data = on_data
-        self._on_closed = on_closed
         self._on_overflow = on_overflow
         self._max_buffered = max_buffered
         self._out = bytearray()
         self._writing = False  # a writer is registered: the jail has not read all we sent
         self._can_write = True
-        self.closed = False
         sock.setblocking(False)
-        loop.add_reader(self._fd, self._readable)
-
-    def _readable(self) -> None:
-        try:
-            data = self._sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if data:
-            self._on_data(data)
-        else:
-            self.close()
+        super().__init__(loop, sock.fileno(), on_data, on_closed)
 
     def write(self, data: bytes) -> None:
         if self.closed or not self._can_write:
@@ -227,7 +227,7 @@ class _Channel:
                 return
             if sent == len(data):
                 return
-            self._loop.add_writer(self._fd, self._writable)
+            self._loop.add_writer(self.fd, self._writable)
             self._writing = True
             data = data[sent:]
         self._out += data
@@ -245,19 +245,18 @@ class _Channel:
             sent = 0
         del self._out[:sent]
         if not self._out:
-            self._loop.remove_writer(self._fd)
+            self._loop.remove_writer(self.fd)
             self._writing = False
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        self._loop.remove_reader(self._fd)
+        self._loop.remove_reader(self.fd)
         if self._writing:
-            self._loop.remove_writer(self._fd)
+            self._loop.remove_writer(self.fd)
         self._sock.close()
         self._on_closed()
-
 
 
 class JailHandle:
