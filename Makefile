@@ -18,6 +18,9 @@ STATE_DIR ?= /var/lib/jaild
 JAIL_ENVS := $(STATE_DIR)/envs
 JAIL_ENV := $(JAIL_ENVS)/default
 APT_PACKAGES := python3 python3-venv python3-dev gcc libcap-dev libseccomp2 systemd bubblewrap
+# The extras `make setup` installs into the venv (the real-host harness's provisioned images
+# read this and APT_PACKAGES with `make print-VAR`: hosts/image.py).
+VENV_EXTRAS := test,lint,langchain,otel
 STAMPS := .stamps
 PYTEST_ARGS ?=
 
@@ -34,9 +37,13 @@ POLICY_MANIFEST := $(OPT_DIR)/shipped-policies.sha256
 DEV_JAILD := $(abspath $(VENV))/bin/jaild
 PURGE ?=
 
-.PHONY: all setup bin-link demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install install-policies uninstall jail-env clean distclean test-hosts
+.PHONY: all print-% setup bin-link demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install install-policies uninstall jail-env clean distclean test-hosts
 
 all: setup
+
+# `make -s print-VAR` prints a variable's value (hosts/image.py reads APT_PACKAGES and VENV_EXTRAS).
+print-%:
+	@echo '$($*)'
 
 setup: $(STAMPS)/venv jail-env bin-link
 
@@ -56,7 +63,7 @@ $(STAMPS)/apt: Makefile
 $(STAMPS)/venv: $(STAMPS)/apt pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,lint,langchain,otel]'
+	$(PY) -m pip install --quiet -e '.[$(VENV_EXTRAS)]'
 	@touch $@
 
 # `jaild` on root's PATH: $(BIN_DIR)/jaild -> this checkout's $(VENV)/bin/jaild, made where
