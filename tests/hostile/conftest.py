@@ -158,10 +158,23 @@ def pools_full(d: DaemonHandle) -> None:
     raise AssertionError(f"the warm pools did not refill: {pools}")
 
 
+def refusals_policy(tiny: str) -> str:
+    """``tiny`` with room in time: for tests of what the kernel refuses (pids, files, /tmp's
+    bytes and inodes, descriptors), where time is not under test. On tiny's 5 s wall and 2 s
+    of CPU, making 2,048 files until ENOSPC ran out of CPU first in an emulated guest."""
+    limits = tomllib.loads(tiny)["limits"]
+    assert {"wall_time_s", "cpu_time_s"} <= set(limits), "tiny.toml lost a time limit"
+    text = re.sub(r"(?m)^wall_time_s = .*$", "wall_time_s = 120", tiny)
+    text = re.sub(r"(?m)^cpu_time_s = .*$", "cpu_time_s = 120", text)
+    return text.replace('description = "Test policy: tiny limits"',
+                        'description = "Test policy: tiny limits but time"')
+
+
 @pytest.fixture(scope="package")
 def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
     policies = {src.stem: fixed_pool(src.read_text())
                 for src in [*REPO_POLICIES.glob("*.toml"), *TEST_POLICIES.glob("*.toml")]}
+    policies["refusals"] = refusals_policy(policies["tiny"])
     d = start_daemon(tmp_path_factory.mktemp("hostile"), policies)
     d.assert_serving()  # warm: everything the daemon opens lazily is open now
     pools_full(d)
