@@ -37,7 +37,7 @@ POLICY_MANIFEST := $(OPT_DIR)/shipped-policies.sha256
 DEV_JAILD := $(abspath $(VENV))/bin/jaild
 PURGE ?=
 
-.PHONY: all print-% setup bin-link demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install install-policies uninstall jail-env clean distclean test-hosts
+.PHONY: all print-% setup bin-link demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install install-policies uninstall jail-env clean distclean test-hosts hosts-packages
 
 all: setup
 
@@ -159,18 +159,23 @@ soak: setup
 # `make test-hosts`: jaild on real hosts -- a Debian 12 guest (systemd 252, kernel 6.1, cgroup
 # v2) under QEMU, booted from a cached debootstrap image, running the README's two commands,
 # `make install`, the socket-activated service and the systemd checks in hosts/checks; see
-# hosts/run.py. HOSTS_ARGS="--suite jails" runs only the suites that start jails in the guest.
+# hosts/run.py. HOSTS_ARGS="--profile ci" is CI's bounded run (an offline guest from a
+# provisioned image, the landing suite); "--suite jails" runs only the suites that start jails.
 HOSTS_PACKAGES := qemu-system-x86 qemu-utils debootstrap e2fsprogs
 HOSTS_ARGS ?=
 
-test-hosts:
+test-hosts: hosts-packages
+	$(PYTHON) hosts/run.py $(HOSTS_ARGS)
+
+# What the harness needs on the host (.ci/run installs them before it builds the guest's image
+# beside `make test`: two apt-gets at once would fight over dpkg's lock).
+hosts-packages:
 	@missing=$$(for p in $(HOSTS_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "apt: installing $$missing"; \
 	  export DEBIAN_FRONTEND=noninteractive; \
 	  apt-get install -y --no-install-recommends $$missing || { apt-get update && apt-get install -y --no-install-recommends $$missing; }; \
 	fi
-	$(PYTHON) hosts/run.py $(HOSTS_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check jaild tests examples bench hosts

@@ -14,16 +14,37 @@ What a base image holds, besides Debian: a static network config for QEMU's user
 for pip (HTTPS to the registries goes through a proxy only that bundle trusts), a 9p mount of
 the run's directory at ``/mnt/hosts``, and ``jaild-hosts.service``, which runs
 ``/mnt/hosts/guest.sh`` once the network is up and powers the guest off when it ends.
+
+A *provisioned* image (:class:`Provision`, CI's profile) also carries what a checkout's ``make
+setup`` would download and build, made natively in a chroot of the root file system before
+``mkfs`` -- under QEMU's emulation the same work takes 2-3x longer than the rest of a guest run:
+
+* the checkout's apt packages (the Makefile's ``APT_PACKAGES``), installed by debootstrap;
+* a wheelhouse, ``/var/cache/jaild-wheels``: a wheel of every Python package the checkout's
+  venv (``VENV_EXTRAS``), ``make install`` and its jail environments install, python-prctl's
+  built against the guest's own libcap and Python;
+* the jail environments, ``/var/lib/jaild/envs/NAME`` for each ``envs/NAME.txt``, built by the
+  checkout's own ``jaild env build`` from that wheelhouse with no index (which proves the
+  wheelhouse complete), so the guest's ``make setup`` finds each up to date.
+
+Its cache key adds the files those come from (the Makefile, ``pyproject.toml``, ``envs/*.txt``,
+the env builder ``jaild/envs.py``) at the commit under test, so a change to any rebuilds it. A
+guest booted from it runs offline: pip with ``PIP_NO_INDEX`` and the wheelhouse
+(``hosts/guest/steps.sh``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +117,61 @@ GUESTS = {
 BAKED_FILES = {"jaild-hosts.service"}
 
 
+WHEELHOUSE = "/var/cache/jaild-wheels"  # in the guest
+PROVISION_FILES = ("Makefile", "pyproject.toml", "jaild/envs.py")  # and envs/*.txt
+
+
+@dataclass(frozen=True)
+class Provision:
+    """What a provisioned image carries, read from a commit of the checkout (module doc)."""
+
+    repo: Path
+    commit: str
+    apt_packages: tuple[str, ...]
+    venv_extras: str
+    env_names: tuple[str, ...]
+    digest: str  # of the files the environments come from, at ``commit``
+
+    @classmethod
+    def of_commit(cls, repo: Path, commit: str) -> Provision:
+        def show(path: str) -> bytes:
+            return subprocess.run(["git", "-C", str(repo), "show", f"{commit}:{path}"],
+                                  check=True, capture_output=True).stdout
+
+        envs = subprocess.run(["git", "-C", str(repo), "ls-tree", "--name-only", commit,
+                               "envs/"], check=True, capture_output=True, text=True).stdout
+        env_files = sorted(f for f in envs.split() if f.endswith(".txt"))
+        h = hashlib.sha256()
+        for f in (*PROVISION_FILES, *env_files):
+            h.update(f.encode() + b"\0" + show(f) + b"\0")
+        with _tree(repo, commit) as tree:
+            printed = subprocess.run(
+                ["make", "-s", "--no-print-directory", "-C", str(tree), "print-APT_PACKAGES",
+                 "print-VENV_EXTRAS"], check=True, capture_output=True, text=True
+            ).stdout.splitlines()
+        if len(printed) != 2 or not printed[0].split():
+            raise RuntimeError(f"the Makefile at {commit[:12]} does not print APT_PACKAGES and "
+                               f"VENV_EXTRAS (make print-VAR): {printed!r}")
+        return cls(repo=repo, commit=commit, apt_packages=tuple(printed[0].split()),
+                   venv_extras=printed[1].strip(),
+                   env_names=tuple(Path(f).stem for f in env_files),
+                   digest=h.hexdigest())
+
+
+@contextlib.contextmanager
+def _tree(repo: Path, commit: str, into: Path | None = None) -> Iterator[Path]:
+    """The files of ``commit`` (``git archive``) in ``into``, or in a temporary directory
+    removed on the way out."""
+    with contextlib.ExitStack() as stack:
+        path = into or Path(stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="jaild-hosts-src-")))
+        path.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(repo), "archive", commit], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(path)], input=archive, check=True)
+        yield path
+
+
 @dataclass(frozen=True)
 class Image:
     """A built base image: the disk and the kernel to boot it with."""
@@ -123,13 +199,37 @@ def _log(message: str) -> None:
     print(f"[hosts] {message}", file=sys.stderr, flush=True)
 
 
-def _run(argv: list[str], log: Path) -> None:
+class Overdue(RuntimeError):
+    """A build step ran past the deadline it was given (the harness's whole-run timeout)."""
+
+
+def _call(argv: list[str], log: Path, deadline: float | None, what: str,
+          env: dict[str, str] | None = None) -> None:
+    """Run ``argv`` with its output appended to ``log``; fail naming the log, or, past
+    ``deadline`` (monotonic), kill it and raise :class:`Overdue` naming ``what``."""
+    timeout = None if deadline is None else max(1.0, deadline - time.monotonic())
     with log.open("ab") as out:
         out.write(("$ " + " ".join(argv) + "\n").encode())
         out.flush()
-        proc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{argv[0]} failed with exit {proc.returncode}; see {log}")
+        # its own process group: debootstrap, dpkg and pip start children, and all go
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            status = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise Overdue(f"{what} was still running at the deadline; see {log}") from None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if status != 0:  # CI keeps only the harness's output: the log's end goes in the message
+        tail = log.read_text(errors="replace").splitlines()[-20:]
+        raise RuntimeError(f"{what} failed with exit {status}; the end of {log}:\n"
+                           + "\n".join(f"    {line}" for line in tail))
+
+
+def _run(argv: list[str], log: Path, deadline: float | None = None) -> None:
+    _call(argv, log, deadline, argv[0])
 
 
 def _configure(root: Path, guest: Guest) -> None:
@@ -183,37 +283,100 @@ def _configure(root: Path, guest: Guest) -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _install_kernel(root: Path, guest: Guest, log: Path) -> None:
-    """The kernel of another Debian release, installed into the root file system."""
-    (root / "etc/apt/sources.list.d/kernel.list").write_text(
-        f"deb {MIRROR} {guest.kernel_suite} main\n"
-    )
+@contextlib.contextmanager
+def _chroot(root: Path, log: Path, deadline: float | None = None
+            ) -> Iterator[Callable[..., None]]:
+    """``root`` ready for commands run natively in it: /proc, /sys and /dev mounted, the host's
+    resolver for the network; yields ``run(argv, env=...)``, which fails naming the log.
+    Undone on the way out, the guest's own resolver put back."""
+    resolv = root / "etc/resolv.conf"
+    guest_resolv = resolv.read_bytes() if resolv.exists() else None
     mounts = []
     try:
         for fs, where in (("proc", "proc"), ("sysfs", "sys"), ("devtmpfs", "dev")):
             subprocess.run(["mount", "-t", fs, fs, str(root / where)], check=True)
             mounts.append(root / where)
-        env = {"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
-        for argv in (["apt-get", "update", "-q"],
-                     ["apt-get", "install", "-y", "-q", "--no-install-recommends", "-t",
-                      guest.kernel_suite, guest.kernel]):
-            with log.open("ab") as out:
-                done = subprocess.run(["chroot", str(root), *argv], stdout=out,
-                                      stderr=subprocess.STDOUT, env=env, check=False)
-            if done.returncode != 0:
-                raise RuntimeError(f"installing {guest.kernel} from {guest.kernel_suite} "
-                                   f"failed; see {log}")
+        resolv.unlink(missing_ok=True)
+        shutil.copyfile("/etc/resolv.conf", resolv)
+        base = {"DEBIAN_FRONTEND": "noninteractive", "HOME": "/root", "LANG": "C.UTF-8",
+                "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+
+        def run(argv: list[str], env: dict[str, str] | None = None) -> None:
+            _call(["chroot", str(root), *argv], log, deadline,
+                  f"{' '.join(argv[:4])} (in the guest's chroot)", env={**base, **(env or {})})
+
+        yield run
     finally:
         for where in reversed(mounts):
             subprocess.run(["umount", "-l", str(where)], check=False)
+        resolv.unlink(missing_ok=True)
+        if guest_resolv is not None:
+            resolv.write_bytes(guest_resolv)
+
+
+def _install_kernel(root: Path, guest: Guest, log: Path, deadline: float | None) -> None:
+    """The kernel of another Debian release, installed into the root file system."""
+    (root / "etc/apt/sources.list.d/kernel.list").write_text(
+        f"deb {MIRROR} {guest.kernel_suite} main\n"
+    )
+    with _chroot(root, log, deadline) as run:
+        run(["apt-get", "update", "-q"])
+        run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "-t",
+             str(guest.kernel_suite), guest.kernel])
     (root / "etc/apt/sources.list.d/kernel.list").unlink()
 
 
-def build(guest: Guest, *, force: bool = False) -> Image:
-    """The base image of ``guest``, built if the cache has none for its current recipe."""
-    image = Image(guest, CACHE_DIR / f"{guest.name}-{guest.key()}")
+def _provision(root: Path, provision: Provision, log: Path, deadline: float | None) -> None:
+    """The wheelhouse and the jail environments, made natively in the guest's root (module
+    doc). The apt packages came with debootstrap."""
+    src, venv = "/tmp/jaild-src", "/tmp/jaild-provision"
+    offline = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": WHEELHOUSE}
+    requirements = [a for n in provision.env_names for a in ("-r", f"{src}/envs/{n}.txt")]
+    with _tree(provision.repo, provision.commit, into=root / src.lstrip("/")), \
+            _chroot(root, log, deadline) as run:
+        run(["python3", "-m", "venv", venv])
+        pip = [f"{venv}/bin/python", "-m", "pip", "--disable-pip-version-check"]
+        run([*pip, "install", "--quiet", "--upgrade", "pip"])
+        # every package the venv, `make install` (pip itself, and setuptools and wheel to
+        # build jaild) and the jail environments install
+        run([*pip, "wheel", "--quiet", "--wheel-dir", WHEELHOUSE, "pip", "setuptools>=68",
+             "wheel", f"{src}[{provision.venv_extras}]", *requirements])
+        for own in (root / WHEELHOUSE.lstrip("/")).glob("jaild-*.whl"):
+            own.unlink()  # jaild itself is what the guest builds from its clone
+        # the checkout's own env builder, from the wheelhouse alone
+        run([*pip, "install", "--quiet", src], env=offline)
+        for name in provision.env_names:
+            run([f"{venv}/bin/python", "-m", "jaild", "env", "build", name, "-r",
+                 f"{src}/envs/{name}.txt", "--state-dir", "/var/lib/jaild", "--quiet"],
+                env=offline)
+    for leftover in (src, venv, "/root/.cache/pip"):
+        shutil.rmtree(root / leftover.lstrip("/"), ignore_errors=True)
+    wheels = sorted(p.name for p in (root / WHEELHOUSE.lstrip("/")).glob("*.whl"))
+    (root / "etc/jaild-hosts-provisioned").write_text(
+        f"commit {provision.commit}\ndigest {provision.digest}\n"
+        f"environments {' '.join(provision.env_names)}\nwheels {len(wheels)}\n"
+        + "".join(f"  {w}\n" for w in wheels)
+    )
+
+
+def build(guest: Guest, *, provision: Provision | None = None, force: bool = False,
+          deadline: float | None = None) -> Image:
+    """The base image of ``guest`` (provisioned: with ``provision``), built if the cache has
+    none for its current recipe.
+
+    Raises:
+        Overdue: a step was still running at ``deadline`` (``time.monotonic()``); it was
+            killed and nothing was cached.
+    """
+    kind, key = guest.name, guest.key()
+    packages = guest.packages
+    if provision is not None:
+        kind = f"{guest.name}+envs"
+        key = hashlib.sha256(f"{key} {provision.digest}".encode()).hexdigest()[:12]
+        packages = tuple(dict.fromkeys((*packages, *provision.apt_packages)))
+    image = Image(guest, CACHE_DIR / f"{kind}-{key}")
     if image.ready() and not force:
-        _log(f"{guest.name}: cached image {image.directory}")
+        _log(f"{kind}: cached image {image.directory}")
         return image
     for tool in ("debootstrap", "mkfs.ext4", "qemu-system-x86_64", "qemu-img"):
         if shutil.which(tool) is None:
@@ -225,37 +388,44 @@ def build(guest: Guest, *, force: bool = False) -> Image:
     log = work / "build.log"
     root = work / "rootfs"
     started = time.monotonic()
-    _log(f"{guest.name}: debootstrap {guest.suite} (log {log})")
+    _log(f"{kind}: debootstrap {guest.suite} (log {log})")
     _run(
         [
             "debootstrap",
             "--variant=minbase",
-            f"--include={','.join(guest.packages)}",
+            f"--include={','.join(packages)}",
             guest.suite,
             str(root),
             MIRROR,
         ],
         log,
+        deadline,
     )
     if guest.kernel_suite:
-        _install_kernel(root, guest, log)
+        _install_kernel(root, guest, log, deadline)
     _configure(root, guest)
+    if provision is not None:
+        t0 = time.monotonic()
+        _log(f"{kind}: the wheelhouse and jail environments of {provision.commit[:12]}, "
+             "natively in a chroot")
+        _provision(root, provision, log, deadline)
+        _log(f"{kind}: provisioned in {time.monotonic() - t0:.0f} s")
     boot = sorted((root / "boot").glob("vmlinuz-*"))
     initrds = sorted((root / "boot").glob("initrd.img-*"))
     if not boot or not initrds:
         raise RuntimeError(f"{guest.kernel} installed no kernel and initrd in {root}/boot")
     shutil.copyfile(boot[-1], work / "vmlinuz")
     shutil.copyfile(initrds[-1], work / "initrd.img")
-    _log(f"{guest.name}: mkfs.ext4 -d ({guest.disk_gb} GiB, sparse)")
+    _log(f"{kind}: mkfs.ext4 -d ({guest.disk_gb} GiB, sparse)")
     _run(["mkfs.ext4", "-q", "-F", "-L", "root", "-d", str(root), str(work / "base.img"),
-          f"{guest.disk_gb}G"], log)
+          f"{guest.disk_gb}G"], log, deadline)
     shutil.rmtree(root)
     os.chmod(work / "base.img", 0o444)
     shutil.rmtree(image.directory, ignore_errors=True)
     work.rename(image.directory)
-    # older images of this guest are stale: drop them
-    for old in CACHE_DIR.glob(f"{guest.name}-*"):
+    # older images of this kind are stale: drop them
+    for old in CACHE_DIR.glob(f"{kind}-*"):
         if old != image.directory and not old.name.endswith(".building"):
             shutil.rmtree(old, ignore_errors=True)
-    _log(f"{guest.name}: image built in {time.monotonic() - started:.0f} s")
+    _log(f"{kind}: image built in {time.monotonic() - started:.0f} s")
     return image

@@ -21,6 +21,22 @@ directory, ``make demo``, ``make test`` (or a part of the suite, ``--suite``), `
 install``, ``systemctl enable --now jaild.socket``, a job through ``/run/jaild/jaild.sock`` with
 the installed client, ``jaild doctor``, then the systemd checks (``hosts/checks``).
 
+Two profiles (``--profile``, :data:`PROFILES`) set what a run is for:
+
+* ``full`` (``make test-hosts``): a fresh machine -- the base image, everything ``make``
+  installs fetched from the network under emulation, the whole suite. Hours under TCG; run by
+  hand before claiming real-host work.
+* ``ci`` (``.ci/run``, on every landing): what only a real host proves, within CI's budget. The
+  image is provisioned (:class:`image.Provision`: the checkout's apt packages, a wheelhouse and
+  the jail environments, built natively on the host), the guest has no network device at all,
+  so nothing can wait on a network, and its pip installs from the wheelhouse; the suite is
+  ``landing``, the tests whose outcome v1 and v2 (or systemd) can change.
+
+Guard rails. Each step has a budget in the profile: ``steps.sh`` runs it under ``timeout``
+and records ``timeout`` for one that trips it, and the steps after it still run. The whole
+run has ``--timeout-min``; when that trips, the harness names the step that was running (the
+guest writes it to ``current`` as each starts), how long it had run, and the end of its log.
+
 Nothing is left running: QEMU is killed on every exit path, including SIGINT/SIGTERM, and the
 run directory is removed unless ``--keep``. The guest's network is QEMU's user-mode NAT: it
 reaches what the host reaches (the package registries) and nothing else.
@@ -37,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -57,7 +74,62 @@ SUITES = {
     # what an older kernel's cgroup files change: every status, usage, isolation, fresh jails
     "kernel": "tests/integration/test_statuses.py tests/integration/test_usage.py "
               "tests/integration/test_isolation.py tests/integration/test_fresh_jails.py",
+    # CI's, on every landing: the tests whose outcome a v2-only, systemd host can change (see
+    # LANDING); the installed service is the steps after `test`
+    "landing": "",  # LANDING, below
     "none": "-",
+}
+STATUSES = "tests/integration/test_statuses.py::"
+LANDING = (
+    # a job per status, each told from v2's evidence (memory.events, the kernel log's seccomp
+    # line, the cgroup emptied), on the suite's shared daemon but the last
+    STATUSES + "test_wall_clock_timeout_is_enforced_by_the_daemon",  # timeout
+    STATUSES + "test_cpu_time_limit",  # timeout, CPU
+    STATUSES + "test_memory_limit_is_an_oom_kill",  # memory_limit
+    STATUSES + "test_per_job_memory_limit_is_enforced",
+    STATUSES + "test_memory_limit_counts_tmpfs",  # error
+    STATUSES + "test_output_limit_truncates_and_stops",  # output_limit
+    STATUSES + "test_killed_by_a_signal",  # killed
+    STATUSES + "test_seccomp_kill_is_a_policy_violation_naming_the_syscall",  # policy_violation
+    STATUSES + "test_cancelled_by_the_client",  # cancelled, and its cgroup goes
+    STATUSES + "test_jail_that_cannot_start_is_an_internal_error",  # internal_error
+    # usage from v2's counters (memory.peak, pids.peak, cpu.stat), null where the kernel has none
+    "tests/integration/test_usage.py::test_every_record_carries_usage",
+    "tests/integration/test_usage.py::test_a_small_job_uses_little",
+    # a cgroup and a host uid per job, forked and spawned, with the control
+    "tests/integration/test_fresh_jails.py::test_job_b_sees_nothing_of_job_a",
+    "tests/integration/test_fresh_jails.py::test_positive_control_two_host_processes_see_each_other",
+    # hardening, the uid outside, v2's pids limit
+    "tests/integration/test_isolation.py::test_the_jailed_process_is_hardened",
+    "tests/integration/test_isolation.py::test_the_jail_runs_as_an_unprivileged_uid_outside",
+    "tests/integration/test_isolation.py::test_fork_bomb_is_contained",
+    # a zygote killed takes its jails with it, and a new one starts
+    "tests/integration/test_faults.py::test_a_dead_zygote_fails_its_running_jobs_and_is_started_again",
+    # memory, pids, /tmp, files and descriptors against v2's limits; then the hostile suite's
+    # checks on v2 that nothing leaked (processes, cgroups, mounts, descriptors)
+    "tests/hostile/test_exhaustion.py",
+)
+SUITES["landing"] = " ".join(LANDING)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What a guest run is for: its suite, its image, its time (module doc)."""
+
+    suite: str  # a key of SUITES
+    provisioned: bool  # image.Provision'ed, and no network device: everything offline
+    timeout_min: float  # the whole run, build to power-off (--timeout-min overrides)
+    budgets_s: dict[str, int]  # a step's own limit, in the guest; absent: none
+
+
+PROFILES = {
+    "full": Profile(suite="full", provisioned=False, timeout_min=300, budgets_s={}),
+    # measured on the slowest machine (README "Real hosts"): budgets with room to spare there,
+    # which sum to less than the run's timeout less the boot
+    "ci": Profile(suite="landing", provisioned=True, timeout_min=50, budgets_s={
+        "clone": 120, "demo": 900, "test": 1200, "install": 600, "socket": 120,
+        "installed-job": 300, "doctor": 300, "service": 900,
+    }),
 }
 
 
@@ -83,8 +155,11 @@ def kvm_usable() -> bool:
 
 
 def qemu_argv(img: image.Image, run: Path, *, accel: str, memory_mb: int, cpus: int,
-              cpu_model: str | None = None) -> list[str]:
+              cpu_model: str | None = None, network: bool = True) -> list[str]:
     cpu = ["-cpu", cpu_model or ("host" if accel == "kvm" else TCG_CPU)]
+    # user-mode NAT: the guest reaches what the host reaches; without it, no device at all,
+    # so a connect or a name lookup fails at once (ENETUNREACH) instead of waiting
+    nic = ["-netdev", "user,id=net0", "-device", "virtio-net-pci,netdev=net0"] if network else []
     return [
         "qemu-system-x86_64",
         "-accel", accel, *cpu,
@@ -93,7 +168,7 @@ def qemu_argv(img: image.Image, run: Path, *, accel: str, memory_mb: int, cpus: 
         "-kernel", str(img.kernel), "-initrd", str(img.initrd),
         "-append", "console=ttyS0 root=/dev/vda rw panic=-1 systemd.show_status=1",
         "-drive", f"file={run / 'disk.qcow2'},if=virtio,format=qcow2,cache=unsafe",
-        "-netdev", "user,id=net0", "-device", "virtio-net-pci,netdev=net0",
+        *nic,
         "-virtfs", f"local,path={run / 'share'},mount_tag=hosts,security_model=none,id=hosts",
         "-serial", f"file:{run / 'console.log'}",
         "-device", "virtio-rng-pci",
@@ -127,7 +202,7 @@ class Guest:
 
 def boot(
     img: image.Image, run: Path, *, accel: str, memory_mb: int, cpus: int,
-    cpu_model: str | None = None
+    cpu_model: str | None = None, network: bool = True
 ) -> tuple[Guest, str]:
     """Boot the guest; with ``accel="auto"`` try KVM, and fall back to TCG if it hangs."""
     order = ["kvm", "tcg"] if accel == "auto" and kvm_usable() else [
@@ -135,7 +210,7 @@ def boot(
     for i, name in enumerate(order):
         (run / "console.log").unlink(missing_ok=True)
         guest = Guest(qemu_argv(img, run, accel=name, memory_mb=memory_mb, cpus=cpus,
-                                cpu_model=cpu_model),
+                                cpu_model=cpu_model, network=network),
                       run / "console.log")
         if i == len(order) - 1:
             return guest, name
@@ -156,12 +231,15 @@ def prepare_run(run: Path, args: argparse.Namespace) -> None:
     subprocess.run(["git", "-C", str(REPO), "bundle", "create", str(share / "jaild.bundle"),
                     "HEAD"], check=True, capture_output=True)
     shutil.copyfile(args.script or HERE / "guest/steps.sh", share / "guest.sh")
+    shutil.copyfile(HERE / "guest/lib.sh", share / "lib.sh")
     shutil.copytree(HERE / "checks", share / "checks")
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], check=True,
                             capture_output=True, text=True).stdout.strip()
     suite = " ".join(args.tests) if args.tests else SUITES[args.suite]
+    budgets = " ".join(f"{step}={s}" for step, s in args.profile.budgets_s.items())
     (share / "config.env").write_text(
         f"COMMIT={commit}\nSUITE={suite!r}\nSTEPS={' '.join(args.steps)!r}\n"
+        f"OFFLINE={int(args.profile.provisioned)}\nBUDGETS={budgets!r}\n"
     )
     # the accelerator is only known at boot: steps.sh reads it from here when it runs
     (share / "accel").write_text("unknown\n")
@@ -210,74 +288,162 @@ def failure_excerpt(share: Path, step: str) -> list[str]:
     return lines
 
 
+def head_commit() -> str:
+    return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+class Watch:
+    """What the guest has reported so far, read from its share as it runs: each step's result
+    (``results.tsv``) and the step running now (``current``, written as each step starts),
+    with host times. It logs each news once."""
+
+    def __init__(self, share: Path, name: str, budgets_s: dict[str, int]) -> None:
+        self.share, self.name, self.budgets_s = share, name, budgets_s
+        self.rows: list[tuple[str, str, str]] = []
+        self.current: str | None = None
+        self.current_since = 0.0
+        self.first_step_at: float | None = None
+        self.finished_at: float | None = None
+
+    def poll(self, now: float) -> None:
+        try:
+            current = (self.share / "current").read_text().strip() or None
+        except OSError:
+            current = None
+        rows = read_results(self.share)
+        for step, status, seconds in rows[len(self.rows):]:
+            log(f"{self.name}: {step:<28} {status:<7} {float(seconds):8.1f} s")
+        self.rows = rows
+        if current != self.current and current is not None:
+            self.current, self.current_since = current, now
+            if self.first_step_at is None:
+                self.first_step_at = now
+        if self.finished_at is None and self.done:
+            self.finished_at = now
+
+    @property
+    def done(self) -> bool:
+        return any(step == "finished" for step, _, _ in self.rows)
+
+    @property
+    def failed(self) -> list[str]:
+        return [step for step, status, _ in self.rows if status != "pass"]
+
+    def running(self) -> str | None:
+        """The step that started and has not reported."""
+        ended = {step for step, _, _ in self.rows}
+        return self.current if self.current and self.current not in ended else None
+
+    def overdue(self, now: float, timeout_min: float) -> list[str]:
+        """What to say when the whole run's time is up: the step running and how long it ran."""
+        step = self.running()
+        if step is None:
+            return [f"TIMEOUT after {timeout_min:g} min, between steps (none was running)"]
+        budget = self.budgets_s.get(step)
+        return [f"TIMEOUT after {timeout_min:g} min in step '{step}', which had run "
+                f"{now - self.current_since:.0f} s"
+                + (f" of its {budget} s budget" if budget else "")
+                + "; the steps after it did not run"]
+
+
+def build_image(name: str, args: argparse.Namespace, deadline: float) -> image.Image | None:
+    """The guest's image for the run's profile; None (said why) if it overran ``deadline``."""
+    provision = (image.Provision.of_commit(REPO, head_commit()) if args.profile.provisioned
+                 else None)
+    try:
+        return image.build(image.GUESTS[name], provision=provision, force=args.rebuild,
+                           deadline=deadline)
+    except image.Overdue as exc:
+        log(f"{name}: TIMEOUT after {args.timeout_min:g} min in the image build: {exc}")
+        return None
+
+
+def build_only(name: str, args: argparse.Namespace) -> bool:
+    started = time.monotonic()
+    built = build_image(name, args, started + args.timeout_min * 60)
+    log(f"{name}: image {'ready' if built else 'FAILED'} in {time.monotonic() - started:.0f} s")
+    return built is not None
+
+
 def run_guest(name: str, args: argparse.Namespace) -> bool:
-    guest_recipe = image.GUESTS[name]
-    args.image = image.build(guest_recipe, force=args.rebuild)
+    started = time.monotonic()
+    deadline = started + args.timeout_min * 60
+    profile: Profile = args.profile
+    built = build_image(name, args, deadline)
+    if built is None:
+        log(f"{name}: FAIL in {time.monotonic() - started:.0f} s")
+        return False
+    args.image = built
+    image_s = time.monotonic() - started
     base = Path(args.workdir) if args.workdir else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     run = Path(tempfile.mkdtemp(prefix=f"jaild-hosts-{name}-", dir=base))
     out = Path(args.out) / name
     guest: Guest | None = None
-    started = time.monotonic()
     try:
         prepare_run(run, args)
+        booting = time.monotonic()
         guest, accel = boot(args.image, run, accel=args.accel, memory_mb=args.memory_mb,
-                            cpus=args.cpus, cpu_model=args.cpu_model)
+                            cpus=args.cpus, cpu_model=args.cpu_model,
+                            network=not profile.provisioned)
         (run / "share" / "accel").write_text(f"{accel}\n")
-        log(f"{name}: booted with {accel} ({args.cpus} vCPUs, {args.memory_mb} MiB); "
+        log(f"{name}: booted with {accel} ({args.cpus} vCPUs, {args.memory_mb} MiB, "
+            f"{'no network' if profile.provisioned else 'user-mode network'}); "
             f"logs in {run / 'share'}, console {run / 'console.log'}")
-        deadline = started + args.timeout_min * 60
-        booted = time.monotonic()
-        reported = 0
-        finished_at: float | None = None
-        while guest.proc.poll() is None and time.monotonic() < deadline:
+        watch = Watch(run / "share", name, profile.budgets_s)
+        why_stopped: list[str] = []
+        while guest.proc.poll() is None:
             time.sleep(2)
-            rows = read_results(run / "share")
-            for step, status, seconds in rows[reported:]:
-                log(f"{name}: {step:<28} {status:<5} {float(seconds):8.1f} s")
-            reported = len(rows)
-            if finished_at is None and any(step == "finished" for step, _, _ in rows):
-                finished_at = time.monotonic()
-            if finished_at is not None and time.monotonic() - finished_at > POWEROFF_S:
+            now = time.monotonic()
+            watch.poll(now)
+            if now >= deadline:
+                why_stopped = watch.overdue(now, args.timeout_min)
+                break
+            if watch.finished_at is not None and now - watch.finished_at > POWEROFF_S:
                 log(f"{name}: the guest did not power off {POWEROFF_S:.0f} s after its steps")
                 break
-            if not rows and time.monotonic() - booted > FIRST_STEP_S:
-                log(f"{name}: no step started within {FIRST_STEP_S:.0f} s of boot: the guest "
-                    f"failed to come up (see {run / 'console.log'})")
+            if watch.first_step_at is None and now - booting > FIRST_STEP_S:
+                why_stopped = [f"no step started within {FIRST_STEP_S:.0f} s of boot: the "
+                               f"guest failed to come up (see {run / 'console.log'})"]
                 break
-        timed_out = guest.proc.poll() is None and finished_at is None
         guest.stop()
-        rows = read_results(run / "share")
-        for step, status, seconds in rows[reported:]:
-            log(f"{name}: {step:<28} {status:<5} {float(seconds):8.1f} s")
-        done = any(step == "finished" for step, _, _ in rows)
-        failed = [step for step, status, _ in rows if status != "pass"]
+        watch.poll(time.monotonic())
+        boot_s = (watch.first_step_at or time.monotonic()) - booting
         total = time.monotonic() - started
-        if timed_out:
-            log(f"{name}: TIMEOUT after {args.timeout_min} min (raise --timeout-min)")
-        elif not done:
+        for line in why_stopped:
+            log(f"{name}: {line}")
+        if not why_stopped and not watch.done:
             log(f"{name}: the guest stopped before its steps finished (see console.log)")
-        for step in failed:  # CI shows this output only: name what failed, here
-            for line in failure_excerpt(run / "share", step):
-                log(f"{name}: {line}")
-        summary = "PASS" if done and not failed and not timed_out else "FAIL"
+        # CI shows this output only: name what failed, and what was running, here
+        for step in [*watch.failed, *([watch.running()] if why_stopped else [])]:
+            if step:
+                for line in failure_excerpt(run / "share", step):
+                    log(f"{name}: {line}")
+        ok = watch.done and not watch.failed and not why_stopped
+        summary = "PASS" if ok else "FAIL"
+        log(f"{name}: image {image_s:.0f} s, boot to the first step {boot_s:.0f} s, steps "
+            + ", ".join(f"{step} {float(sec):.0f} s" for step, _, sec in watch.rows
+                        if step != "finished"))
         log(f"{name}: {summary} in {total:.0f} s with {accel}"
-            + (f"; failed: {' '.join(failed)}" if failed else ""))
+            + (f"; failed: {' '.join(watch.failed)}" if watch.failed else ""))
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         for f in (run / "share").iterdir():
-            if f.name not in ("jaild.bundle", "checks", "guest.sh") and f.is_file():
+            if f.name not in ("jaild.bundle", "checks", "guest.sh", "lib.sh") and f.is_file():
                 shutil.copy(f, out / f.name)
         for f in ("console.log", "qemu.log"):
             if (run / f).exists():
                 shutil.copy(run / f, out / f)
         with (out / "summary.tsv").open("w") as s:
-            s.write(f"# guest {name}, accel {accel}, commit in config.env, total {total:.0f} s, "
-                    f"{summary}\n")
-            for row in rows:
+            s.write(f"# guest {name}, profile {args.profile_name}, accel {accel}, commit in "
+                    f"config.env, total {total:.0f} s, {summary}\n")
+            s.write(f"image\t{'built' if image_s > 60 else 'cached'}\t{image_s:.0f}\n")
+            s.write(f"boot\tpass\t{boot_s:.0f}\n")
+            for row in watch.rows:
                 s.write("\t".join(row) + "\n")
         log(f"{name}: logs copied to {out}")
-        return summary == "PASS"
+        return ok
     finally:
         if guest is not None:
             guest.stop()
@@ -294,8 +460,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--guest", action="append", choices=sorted(image.GUESTS),
                    help="a guest to run (repeatable; default: debian12)")
-    p.add_argument("--suite", choices=sorted(SUITES), default="full",
-                   help="what `make test` runs in the guest (default full)")
+    p.add_argument("--profile", choices=sorted(PROFILES), default="full",
+                   help="full: a fresh machine, the whole suite (default); ci: CI's bounded "
+                   "run, offline from a provisioned image")
+    p.add_argument("--suite", choices=sorted(SUITES),
+                   help="what `make test` runs in the guest (default: the profile's)")
     p.add_argument("--tests", nargs="+", metavar="PATH",
                    help="test paths (pytest node ids) to run instead of --suite")
     p.add_argument("--steps", nargs="+", default=list(STEPS), choices=STEPS,
@@ -305,15 +474,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-model", help=f"QEMU's -cpu (default: host under KVM, {TCG_CPU} under "
                    "TCG)")
     p.add_argument("--memory-mb", type=int, default=6144)
-    p.add_argument("--timeout-min", type=float, default=80)
+    p.add_argument("--timeout-min", type=float,
+                   help="the whole run, image build included (default: the profile's)")
     p.add_argument("--out", default=str(REPO / "hosts" / "logs"))
     p.add_argument("--workdir", default="/var/tmp", help="where run directories are made")
     p.add_argument("--keep", action="store_true", help="keep the run directory")
     p.add_argument("--rebuild", action="store_true", help="rebuild the base image")
+    p.add_argument("--build-only", action="store_true",
+                   help="build (or find cached) the profile's image of each guest, and stop")
     # for working on a guest failure: another steps script, and a disk a run left (setup done)
     p.add_argument("--script", help=argparse.SUPPRESS)
     p.add_argument("--disk", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.profile_name = args.profile
+    args.profile = PROFILES[args.profile]
+    args.suite = args.suite or args.profile.suite
+    args.timeout_min = args.timeout_min or args.profile.timeout_min
     if os.geteuid() != 0:
         log("must run as root (debootstrap, and QEMU's 9p share writes as the guest's users)")
         return 2
@@ -331,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     try:
         for name in args.guest or ["debian12"]:
-            ok = run_guest(name, args) and ok
+            ok = (build_only(name, args) if args.build_only else run_guest(name, args)) and ok
     except KeyboardInterrupt:
         log("interrupted: guest stopped, run directory removed")
         return 130

@@ -1,18 +1,30 @@
-"""The real-host harness names what failed in its own output (all CI keeps of a guest run)."""
+"""The real-host harness (hosts/): it names what failed, and what ran long, in its own output
+(all CI keeps of a guest run); its steps keep their budgets; CI's suite names real tests."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib.util
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
-from tests.conftest import REPO
+import pytest
+
+from tests.conftest import REPO, guard
 
 
+@functools.cache
 def harness() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("jaild_hosts_run", REPO / "hosts" / "run.py")
+    name = "jaild_hosts_run"
+    spec = importlib.util.spec_from_file_location(name, REPO / "hosts" / "run.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -34,3 +46,90 @@ def test_a_failed_steps_tests_and_log_tail_are_reported(tmp_path: Path) -> None:
     (tmp_path / "junit.xml").write_text("<not xml")
     assert run.failure_excerpt(tmp_path, "test")[0].startswith("(cannot read junit.xml: ")
     assert run.failure_excerpt(tmp_path, "socket") == []  # no log, no JUnit file
+
+
+def run_steps(share: Path, script: str, steps: str, budgets: str) -> list[list[str]]:
+    """Run ``script`` (bash, with hosts/guest/lib.sh sourced) as the guest would, in
+    ``share``; returns results.tsv's rows."""
+    env = {"PATH": os.environ["PATH"], "SHARE": str(share), "STEPS": steps, "BUDGETS": budgets,
+           "CONSOLE": "/dev/null"}
+    prologue = f"source {REPO / 'hosts/guest/lib.sh'}\n"
+    subprocess.run(["bash", "-c", prologue + script], env=env, check=False,
+                   timeout=guard(120))
+    return [line.split("\t") for line in (share / "results.tsv").read_text().splitlines()]
+
+
+def test_a_step_past_its_budget_is_killed_with_its_children_and_the_next_steps_run(
+    tmp_path: Path,
+) -> None:
+    script = """
+    long() { sleep 300 & echo $! > "$SHARE/child.pid"; wait; }
+    quick_124() { exit 124; }   # the step's own 124, within its budget: a failure
+    fine() { echo fine; }
+    export -f long quick_124 fine
+    step long long; step quick quick_124; step fine fine; step unwanted fine
+    """
+    rows = run_steps(tmp_path, script, "long quick fine", "long=1 quick=60")
+    assert [r[:2] for r in rows] == [["long", "timeout"], ["quick", "fail"], ["fine", "pass"]]
+    assert int(rows[0][2]) >= 1
+    log = (tmp_path / "long.log").read_text()
+    assert "(budget 1 s)" in log and "TIMEOUT: still running after its budget of 1 s" in log
+    assert (tmp_path / "fine.log").read_text().splitlines()[-1] == "fine"
+    assert (tmp_path / "current").read_text().strip() == "fine"  # the last step started
+    child = int((tmp_path / "child.pid").read_text())
+    # the step's own child went with it (timeout signals the step's whole process group)
+    status = Path(f"/proc/{child}/stat")
+    assert not status.exists() or status.read_text().split()[2] == "Z", "the step's child lives"
+
+
+def test_control_a_step_without_a_budget_runs_to_its_end(tmp_path: Path) -> None:
+    script = """
+    short() { sleep 1.5; echo done; }
+    export -f short
+    step short short
+    """
+    rows = run_steps(tmp_path, script, "short", "other=1")  # a budget for another step only
+    assert [r[:2] for r in rows] == [["short", "pass"]]
+    assert (tmp_path / "short.log").read_text().splitlines()[-1] == "done"
+
+
+def test_the_whole_runs_timeout_names_the_running_step_and_its_budget(tmp_path: Path) -> None:
+    run = harness()
+    watch = run.Watch(tmp_path, "debian12", {"test": 1200})
+    (tmp_path / "results.tsv").write_text("clone\tpass\t2\ndemo\tpass\t300\n")
+    (tmp_path / "current").write_text("test\n")
+    watch.poll(100.0)
+    assert watch.running() == "test" and watch.first_step_at == 100.0
+    watch.poll(500.0)  # the same step still running: its start stays
+    assert watch.overdue(1000.0, 50) == [
+        "TIMEOUT after 50 min in step 'test', which had run 900 s of its 1200 s budget; the "
+        "steps after it did not run"]
+    (tmp_path / "results.tsv").write_text("clone\tpass\t2\ndemo\tpass\t300\ntest\ttimeout\t1200\n")
+    watch.poll(1300.0)
+    assert watch.running() is None and watch.failed == ["test"] and not watch.done
+    assert watch.overdue(1300.0, 50)[0].startswith("TIMEOUT after 50 min, between steps")
+
+
+def test_cis_profile_budgets_every_step_and_ci_runs_it() -> None:
+    run = harness()
+    ci = run.PROFILES["ci"]
+    assert ci.provisioned and ci.suite == "landing"
+    assert set(ci.budgets_s) == set(run.STEPS)
+    ci_run = (REPO / ".ci/run").read_text()
+    assert re.search(r"make test-hosts HOSTS_ARGS=\"--profile ci\b", ci_run), ci_run
+
+
+def defined_tests(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+            and n.name.startswith("test_")}
+
+
+@pytest.mark.parametrize("entry", harness().LANDING)
+def test_every_test_ci_runs_in_the_guest_exists(entry: str) -> None:
+    # a renamed test would drop out of CI's guest run without a word: pytest runs what it finds
+    path, _, name = entry.partition("::")
+    assert (REPO / path).is_file(), f"{path} is not a file"
+    tests = defined_tests(REPO / path)
+    assert tests, f"{path} defines no test"
+    assert not name or name in tests, f"{path} defines no {name}"
