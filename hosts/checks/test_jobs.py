@@ -36,13 +36,16 @@ SPAWN = "hosts-spawn"
 @pytest.fixture(scope="module", autouse=True)
 def spawn_policy() -> Iterator[None]:
     """An installed policy whose jails nsjail spawns (the shipped ones fork from zygotes),
-    in place before this module's first job; the service restarts to read it."""
+    in place before this module's first job; the service restarts to read it. Removed
+    afterwards; the running service keeps serving it until it next starts (the service
+    checks after these begin by stopping it)."""
     SPAWN_POLICY.write_text('description = "the real-host checks: spawned jails"\n'
                             '[pool]\nmode = "spawn"\nmax = 0\n')
-    subprocess.run(["systemctl", "restart", UNIT], check=True, timeout=300)
-    yield
-    SPAWN_POLICY.unlink()
-    subprocess.run(["systemctl", "restart", UNIT], check=True, timeout=300)
+    try:
+        subprocess.run(["systemctl", "restart", UNIT], check=True, timeout=300)
+        yield
+    finally:
+        SPAWN_POLICY.unlink()
 
 
 def run(code: str, policy: str = "default", **kwargs: object) -> JobResult:
