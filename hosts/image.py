@@ -203,17 +203,26 @@ class Overdue(RuntimeError):
     """A build step ran past the deadline it was given (the harness's whole-run timeout)."""
 
 
+# Every build command runs in a mount namespace of its own: what it mounts (debootstrap mounts
+# /proc and /sys in the new root; the chroot below, /dev too) never shows in the host's mount
+# table -- the hostile suite's leak check compares it, and CI builds the image beside `make
+# test` -- and goes with the command, however it ends, so a later rmtree of a stale build can
+# never reach into the host's /dev through a mount left behind.
+PRIVATE_MOUNTS = ("unshare", "--mount", "--propagation", "private")
+
+
 def _call(argv: list[str], log: Path, deadline: float | None, what: str,
           env: dict[str, str] | None = None) -> None:
-    """Run ``argv`` with its output appended to ``log``; fail naming the log, or, past
-    ``deadline`` (monotonic), kill it and raise :class:`Overdue` naming ``what``."""
+    """Run ``argv`` in a mount namespace of its own (PRIVATE_MOUNTS) with its output appended
+    to ``log``; fail naming the log, or, past ``deadline`` (monotonic), kill it and raise
+    :class:`Overdue` naming ``what``."""
     timeout = None if deadline is None else max(1.0, deadline - time.monotonic())
     with log.open("ab") as out:
         out.write(("$ " + " ".join(argv) + "\n").encode())
         out.flush()
         # its own process group: debootstrap, dpkg and pip start children, and all go
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen([*PRIVATE_MOUNTS, *argv], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             status = proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -283,32 +292,34 @@ def _configure(root: Path, guest: Guest) -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+# In a command's own mount namespace (PRIVATE_MOUNTS): the file systems a chroot needs, then
+# the chroot. $1 is the root, the rest the command.
+_ENTER_CHROOT = ('set -e; root=$1; shift; mount -t proc proc "$root/proc"; '
+                 'mount -t sysfs sysfs "$root/sys"; mount --rbind /dev "$root/dev"; '
+                 'exec chroot "$root" "$@"')
+
+
 @contextlib.contextmanager
 def _chroot(root: Path, log: Path, deadline: float | None = None
             ) -> Iterator[Callable[..., None]]:
-    """``root`` ready for commands run natively in it: /proc, /sys and /dev mounted, the host's
-    resolver for the network; yields ``run(argv, env=...)``, which fails naming the log.
-    Undone on the way out, the guest's own resolver put back."""
+    """``root`` ready for commands run natively in it, with the host's resolver for the
+    network; yields ``run(argv, env=...)``, which runs one with /proc, /sys and /dev mounted
+    in its own mount namespace and fails naming the log. The guest's resolver is put back on
+    the way out."""
     resolv = root / "etc/resolv.conf"
     guest_resolv = resolv.read_bytes() if resolv.exists() else None
-    mounts = []
     try:
-        for fs, where in (("proc", "proc"), ("sysfs", "sys"), ("devtmpfs", "dev")):
-            subprocess.run(["mount", "-t", fs, fs, str(root / where)], check=True)
-            mounts.append(root / where)
         resolv.unlink(missing_ok=True)
         shutil.copyfile("/etc/resolv.conf", resolv)
         base = {"DEBIAN_FRONTEND": "noninteractive", "HOME": "/root", "LANG": "C.UTF-8",
                 "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 
         def run(argv: list[str], env: dict[str, str] | None = None) -> None:
-            _call(["chroot", str(root), *argv], log, deadline,
+            _call(["sh", "-c", _ENTER_CHROOT, "sh", str(root), *argv], log, deadline,
                   f"{' '.join(argv[:4])} (in the guest's chroot)", env={**base, **(env or {})})
 
         yield run
     finally:
-        for where in reversed(mounts):
-            subprocess.run(["umount", "-l", str(where)], check=False)
         resolv.unlink(missing_ok=True)
         if guest_resolv is not None:
             resolv.write_bytes(guest_resolv)
