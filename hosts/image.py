@@ -144,14 +144,15 @@ class Provision:
         h = hashlib.sha256()
         for f in (*PROVISION_FILES, *env_files):
             h.update(f.encode() + b"\0" + show(f) + b"\0")
-        with _tree(repo, commit) as tree:
-            printed = subprocess.run(
-                ["make", "-s", "--no-print-directory", "-C", str(tree), "print-APT_PACKAGES",
-                 "print-VENV_EXTRAS"], check=True, capture_output=True, text=True
-            ).stdout.splitlines()
-        if len(printed) != 2 or not printed[0].split():
+        made = subprocess.run(
+            ["make", "-s", "--no-print-directory", "-f", "-", "print-APT_PACKAGES",
+             "print-VENV_EXTRAS"], input=show("Makefile"), capture_output=True, check=False
+        )
+        printed = made.stdout.decode().splitlines()
+        if made.returncode != 0 or len(printed) != 2 or not printed[0].split():
             raise RuntimeError(f"the Makefile at {commit[:12]} does not print APT_PACKAGES and "
-                               f"VENV_EXTRAS (make print-VAR): {printed!r}")
+                               f"VENV_EXTRAS (make print-VAR): {printed!r} "
+                               f"{made.stderr.decode().strip()}")
         return cls(repo=repo, commit=commit, apt_packages=tuple(printed[0].split()),
                    venv_extras=printed[1].strip(),
                    env_names=tuple(Path(f).stem for f in env_files),

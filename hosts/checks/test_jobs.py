@@ -35,12 +35,14 @@ SPAWN = "hosts-spawn"
 
 @pytest.fixture(scope="module", autouse=True)
 def spawn_policy() -> Iterator[None]:
-    """An installed policy whose jails nsjail spawns (the shipped ones fork from zygotes),
-    in place before this module's first job; the service restarts to read it. Removed
-    afterwards; the running service keeps serving it until it next starts (the service
-    checks after these begin by stopping it)."""
-    SPAWN_POLICY.write_text('description = "the real-host checks: spawned jails"\n'
-                            '[pool]\nmode = "spawn"\nmax = 0\n')
+    """An installed policy whose jails nsjail spawns (the shipped ones fork from zygotes).
+    The harness installs it before the service first starts; run alone, these checks install
+    it, restart the service to read it, and remove it afterwards (the running service keeps
+    it until it next starts)."""
+    if SPAWN_POLICY.exists():
+        yield
+        return
+    SPAWN_POLICY.write_bytes((Path(__file__).parent / SPAWN_POLICY.name).read_bytes())
     try:
         subprocess.run(["systemctl", "restart", UNIT], check=True, timeout=300)
         yield

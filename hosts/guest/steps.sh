@@ -65,6 +65,9 @@ test_suite() {
 }
 
 socket_on() {
+    # the checks' own policy (hosts/checks/test_jobs.py: spawned jails), in place before the
+    # service first starts, so that the checks need no restart of their own to load it
+    install -m 0644 "$SHARE/checks/hosts-spawn.toml" /etc/jaild/policies/
     systemctl enable --now jaild.socket
     systemctl is-active jaild.socket
 }
