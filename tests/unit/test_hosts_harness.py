@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 from tests.conftest import REPO, guard
 
 
@@ -115,3 +117,54 @@ def test_cis_profile_budgets_every_step_and_ci_runs_it() -> None:
     assert run.PROFILES["full"].steps == run.STEPS and not run.PROFILES["full"].provisioned
     ci_run = (REPO / ".ci/run").read_text()
     assert re.search(r"make test-hosts HOSTS_ARGS=\"--profile ci\b", ci_run), ci_run
+
+
+def image_module() -> ModuleType:
+    name = "jaild_hosts_image"
+    spec = importlib.util.spec_from_file_location(name, REPO / "hosts" / "image.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_a_provisioned_image_is_made_from_what_the_commit_says(tmp_path: Path) -> None:
+    image = image_module()
+    repo = tmp_path / "repo"
+    for f in ("Makefile", "pyproject.toml", "jaild/envs.py", "envs/default.txt",
+              "envs/data.txt", "README.md"):
+        (repo / f).parent.mkdir(parents=True, exist_ok=True)
+        (repo / f).write_bytes((REPO / f).read_bytes())
+    git(repo.parent, "init", "-q", str(repo))
+    env = ["-c", "user.name=t", "-c", "user.email=t@t"]
+
+    def commit() -> str:
+        git(repo, "add", "-A")
+        git(repo, *env, "commit", "-qm", "x")
+        return git(repo, "rev-parse", "HEAD")
+
+    first = image.Provision.of_commit(repo, commit())
+    makefile = (REPO / "Makefile").read_text()
+    apt = re.search(r"(?m)^APT_PACKAGES := (.*)$", makefile)
+    extras = re.search(r"(?m)^VENV_EXTRAS := (.*)$", makefile)
+    assert apt and extras
+    assert first.apt_packages == tuple(apt.group(1).split())
+    assert first.venv_extras == extras.group(1) and first.env_names == ("data", "default")
+    # the key follows what the environments are made from, and nothing else
+    (repo / "README.md").write_text("changed\n")
+    assert image.Provision.of_commit(repo, commit()).digest == first.digest
+    (repo / "envs/default.txt").write_text("msgpack>=1.0.5\n")
+    second = image.Provision.of_commit(repo, commit())
+    assert second.digest != first.digest
+    # and is read at the commit, not from the work tree
+    (repo / "envs/default.txt").write_text("uncommitted\n")
+    assert image.Provision.of_commit(repo, git(repo, "rev-parse", "HEAD")) == second
+    (repo / "Makefile").write_text("nothing: ;\n")
+    with pytest.raises(RuntimeError, match="does not print APT_PACKAGES"):
+        image.Provision.of_commit(repo, commit())
