@@ -20,7 +20,7 @@ JAIL_ENV := $(JAIL_ENVS)/default
 APT_PACKAGES := python3 python3-venv python3-dev gcc libcap-dev libseccomp2 systemd bubblewrap
 # The extras `make setup` installs into the venv (the real-host harness's provisioned images
 # read this and APT_PACKAGES with `make print-VAR`: hosts/image.py).
-VENV_EXTRAS := test,lint,langchain,otel
+VENV_EXTRAS := test,lint,docs,mcp,codemode,langchain,otel
 STAMPS := .stamps
 PYTEST_ARGS ?=
 

@@ -37,7 +37,14 @@ from typing import Any, TextIO
 from jaild import __version__, loops
 from jaild.address import socket_from_env
 from jaild.daemon.config import DaemonConfig, default_policies_dir, default_state_dir
-from jaild.errors import EXIT_USAGE, JaildError, PolicyError, error_line, exit_code_for
+from jaild.errors import (
+    EXIT_USAGE,
+    JaildError,
+    MissingExtra,
+    PolicyError,
+    error_line,
+    exit_code_for,
+)
 
 EXIT_STATUS = {
     "ok": 0,
@@ -860,6 +867,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args.func(args))
         except JaildError as exc:  # ps, kill, stats, policies: no daemon, or it refused us
             return _refused(exc)
+        except MissingExtra as exc:  # a front end whose extra is not installed: one line
+            print(exc.message, file=sys.stderr)
+            return exit_code_for(exc)
     return 1
 
 

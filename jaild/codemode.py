@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 from jaild import tracing
 from jaild.client import Approver, AsyncClient, AsyncSession, JobResult
 from jaild.errors import SessionClosed
+from jaild.extras import require
 from jaild.toolspec import HostTool, describe_network, normalize_tools
 
 if TYPE_CHECKING:
@@ -740,6 +741,7 @@ class CodeMode:
         if self._llm is not None:
             yield self._llm
             return
+        require("codemode", "CodeMode")
         from openai import AsyncOpenAI
 
         api_key = self.api_key or os.environ.get("OPENAI_API_KEY")
@@ -945,14 +947,10 @@ class CodeMode:
         in jaild. Needs the ``jaild[langchain]`` extra.
 
         Raises:
-            ImportError: langchain-core is not installed.
+            MissingExtra: langchain-core is not installed (an ``ImportError``).
         """
-        try:
-            from langchain_core.tools import StructuredTool
-        except ImportError as exc:
-            raise ImportError(
-                "as_langchain_tool() needs langchain-core: pip install 'jaild[langchain]'"
-            ) from exc
+        require("langchain", "as_langchain_tool()")
+        from langchain_core.tools import StructuredTool
 
         async def arun(code: str) -> str:
             return await self.run_for_model(code)
@@ -1018,7 +1016,8 @@ def _err(msg: str) -> None:
 def cmd_codemode(args: argparse.Namespace) -> int:
     """``jaild codemode``: 0 when the task succeeded, 1 when it failed (or the model's API
     did), 2 for usage errors, 65/69 as ``jaild run`` for daemon refusals / no daemon
-    (:data:`jaild.errors.EXIT_CODES`)."""
+    (:data:`jaild.errors.EXIT_CODES`); 1 with a line saying so without ``jaild[codemode]``."""
+    require("codemode", "jaild codemode")
     from openai import OpenAIError
 
     from jaild.errors import EXIT_USAGE, JaildError, TracingError, error_line, exit_code_for

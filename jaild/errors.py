@@ -335,6 +335,18 @@ class McpToolError(Exception):
     In the jail it surfaces as ``ToolError`` with ``error_type == "McpToolError"``."""
 
 
+class MissingExtra(ImportError):
+    """A part of jaild that needs an extra the install lacks: ``jaild mcp`` without
+    ``jaild[mcp]``. The message is the one line a front end prints, with the pip command
+    (:func:`jaild.extras.require`)."""
+
+    def __init__(self, what: str, extra: str) -> None:
+        self.what = what
+        self.extra = extra
+        self.message = f"{what} needs jaild[{extra}]: pip install 'jaild[{extra}]'"
+        super().__init__(self.message)
+
+
 class McpServerError(Exception):
     """An MCP server could not answer a call (not connected, gone, protocol error)."""
 
@@ -411,6 +423,7 @@ EXIT_CODES: dict[type[Exception], int] = {
     ConfigError: EXIT_USAGE,
     EnvError: EXIT_FAILURE,
     EnvUsageError: EXIT_USAGE,
+    MissingExtra: EXIT_FAILURE,
 }
 """The one map from an error to the exit status of the command that met it, used by every
 front end (``jaild run``, ``session``, ``mcp``, ``codemode``, ``env``). The most specific

@@ -18,6 +18,9 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from jaild.errors import MissingExtra
+from jaild.extras import installed
+
 CHOICES = ("asyncio", "uvloop", "auto")
 """``auto``: uvloop if it can be imported, else the standard loop."""
 DEFAULT = "asyncio"
@@ -26,17 +29,18 @@ T = TypeVar("T")
 
 
 def factory(choice: str = DEFAULT) -> Callable[[], asyncio.AbstractEventLoop]:
-    """The constructor of the loop ``choice`` names (``uvloop``: ImportError if missing)."""
+    """The constructor of the loop ``choice`` names (``uvloop``: :class:`MissingExtra`, an
+    ``ImportError``, without ``jaild[uvloop]``)."""
     if choice not in CHOICES:
         raise ValueError(f"event loop must be one of {', '.join(CHOICES)}, got {choice!r}")
     if choice == "asyncio":
         return asyncio.new_event_loop
-    try:
-        import uvloop
-    except ImportError:
+    if not installed("uvloop"):
         if choice == "uvloop":
-            raise
+            raise MissingExtra("the event loop 'uvloop'", "uvloop")
         return asyncio.new_event_loop
+    import uvloop
+
     return uvloop.new_event_loop
 
 

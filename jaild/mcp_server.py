@@ -83,6 +83,7 @@ from jaild.errors import (
     error_line,
     exit_code_for,
 )
+from jaild.extras import require
 from jaild.protocol.records import STATUSES
 from jaild.providers import (
     DEFAULT_CALL_TIMEOUT_S,
@@ -827,7 +828,9 @@ def _print_err(message: str) -> None:
 
 
 def cmd_mcp(args: argparse.Namespace) -> int:
-    """``jaild mcp``: returns the exit status."""
+    """``jaild mcp``: returns the exit status (1 with a line saying so without
+    ``jaild[mcp]``)."""
+    require("mcp", "jaild mcp")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

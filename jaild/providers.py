@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from jaild.errors import ConfigError, McpServerError, McpToolError, ProviderError
+from jaild.extras import require
 from jaild.protocol.messages import MAX_DESCRIPTION_CHARS, MAX_NAME_CHARS, TOOL_NAME
 from jaild.toolspec import HostTool, load_tools_file
 
@@ -461,7 +462,9 @@ class McpConnection:
         Raises:
             ProviderError: naming the server: it could not be started or reached, failed
                 the MCP handshake, or did not finish within ``connect_timeout_s``.
+            MissingExtra: the MCP SDK is not installed (``jaild[mcp]``).
         """
+        require("mcp", self._where())
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[None] = loop.create_future()
         self._task = loop.create_task(self._serve(ready), name=f"jaild-mcp-{self.name}")

@@ -232,8 +232,10 @@ def wait_listening(path: str, proc: subprocess.Popen[bytes], log_path: str,
 
 def start_daemon(directory: Path, policies: dict[str, str] | None = None, *,
                  with_repo_policies: bool = True, extra_env: dict[str, str] | None = None,
-                 args: tuple[str, ...] = (), wait: bool = True) -> DaemonHandle:
-    """Start ``python -m jaild serve`` with a policy directory built from the given files."""
+                 args: tuple[str, ...] = (), wait: bool = True,
+                 python: str = sys.executable) -> DaemonHandle:
+    """Start ``python -m jaild serve`` with a policy directory built from the given files
+    (``python``: another install's interpreter, jaild imported from there)."""
     require_jail_host()
     directory.mkdir(parents=True, exist_ok=True)
     pdir = directory / "policies"
@@ -249,7 +251,7 @@ def start_daemon(directory: Path, policies: dict[str, str] | None = None, *,
     env.pop("JAILD_SOCKET", None)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jaild", "serve", "--socket", sock, "--policies", str(pdir),
+            [python, "-m", "jaild", "serve", "--socket", sock, "--policies", str(pdir),
              "--state-dir", STATE_DIR, "--log-level", "debug", *args],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )

@@ -291,8 +291,10 @@ def test_cli_usage_errors(monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
 
 def test_the_langchain_export_names_the_extra_when_langchain_is_missing(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
+    from jaild import extras
 
-    monkeypatch.setitem(sys.modules, "langchain_core.tools", None)
-    with pytest.raises(ImportError, match=r"jaild\[langchain\]"):
+    assert CodeMode([search]).as_langchain_tool().name  # the control: installed here
+    monkeypatch.setitem(extras.EXTRAS, "langchain", ("jaild_test_no_such_module",))
+    with pytest.raises(ImportError, match=r"^as_langchain_tool\(\) needs jaild\[langchain\]: "
+                                          r"pip install 'jaild\[langchain\]'$"):
         CodeMode([search]).as_langchain_tool()

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import builtins
-from typing import Any
 
 import pytest
 
-from jaild import loops
+from jaild import extras, loops
+from jaild.errors import MissingExtra
 
 
 async def _kind() -> str:
@@ -31,17 +30,13 @@ def test_the_standard_loop_is_the_default_and_each_choice_is_honoured() -> None:
 
 def test_auto_falls_back_to_the_standard_loop_without_uvloop(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    real_import = builtins.__import__
-
-    def no_uvloop(name: str, *args: Any, **kwargs: Any) -> Any:
-        if name == "uvloop":
-            raise ImportError("no uvloop here")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_uvloop)
+    assert loops.run(_kind(), "auto") == "uvloop"  # the control: it is installed here
+    monkeypatch.setitem(extras.EXTRAS, "uvloop", ("jaild_test_no_such_module",))
     assert loops.run(_kind(), "auto") == "asyncio"
-    with pytest.raises(ImportError):
+    with pytest.raises(MissingExtra) as caught:
         loops.factory("uvloop")
+    assert str(caught.value) == (
+        "the event loop 'uvloop' needs jaild[uvloop]: pip install 'jaild[uvloop]'")
 
 
 def test_an_unknown_loop_is_refused_by_name() -> None:
