@@ -381,7 +381,7 @@ class AsyncSession:
     def _check_open(self) -> str:
         if self.closed is not None:
             raise SessionClosedError(f"session {self.id} is closed ({self.closed}): "
-                                     f"{self.close_message}")
+                                     f"{self.close_message}", reason=self.closed)
         if self.id is None:
             raise SessionClosedError("the session is not open; use 'async with' or open()")
         return self.id
@@ -508,7 +508,12 @@ class AsyncSession:
         session_id = self._check_open()
         if options.approve is None and self.approve is not None:
             options = replace(options, approve=self.approve)
-        return await self._client._submit(code, self.policy, self._tools, options, session_id)
+        try:
+            return await self._client._submit(code, self.policy, self._tools, options,
+                                              session_id)
+        except SessionClosedError as exc:  # the daemon's word: why is its SessionClosed's
+            exc.reason = exc.reason or self.closed
+            raise
 
     async def upload(self, files: Uploads) -> JobResult:
         """Put files into the working directory (a run of no code); ``files`` as

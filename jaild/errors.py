@@ -141,9 +141,17 @@ class UnknownSession(JaildError):
 
 
 class SessionClosed(JaildError):
-    """The session ended (closed, expired, killed, or a run hit a limit)."""
+    """The session ended (closed, expired, killed, or a run hit a limit).
+
+    ``reason`` is why, as the session's ``closed`` says it: ``closed``, ``idle``,
+    ``lifetime``, ``killed``, ``disconnected``, ``shutdown`` or the status of the run that
+    ended it (``timeout``, ``memory_limit``, ...); None when the session was never open."""
 
     code = "session_closed"
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class PermissionDenied(JaildError):

@@ -120,8 +120,9 @@ def test_idle_sessions_expire(sd: DaemonHandle) -> None:
         assert s.run("x = 1").status == "ok"
         until(lambda: s.closed is not None, "the session's end")  # the daemon tells the client
         assert s.closed == "idle" and "idle" in s.close_message
-        with pytest.raises(SessionClosed, match="idle"):
+        with pytest.raises(SessionClosed, match="idle") as caught:
             s.run("x")
+        assert caught.value.reason == "idle"
         assert s.id not in {row["id"] for row in c.jobs()}
         assert _gone(sd, s.id or "")
 
@@ -134,8 +135,9 @@ def test_sessions_end_at_their_maximum_lifetime_even_mid_run(sd: DaemonHandle) -
         r = s.run("import time\ntime.sleep(60)")
         assert r.status == "cancelled" and "maximum lifetime" in r.error["message"], r.error
         assert s.closed == "lifetime"
-        with pytest.raises(SessionClosed):
+        with pytest.raises(SessionClosed) as caught:
             s.run("1")
+        assert caught.value.reason == "lifetime"
 
 
 def test_session_settings_may_only_tighten_the_policy(sd: DaemonHandle) -> None:
@@ -170,8 +172,9 @@ def test_closing_kills_the_jail(sd: DaemonHandle) -> None:
         s.close()
         assert s.closed == "closed"
         assert _gone(sd, ident), "the session's jail outlived its close"
-        with pytest.raises(SessionClosed):
+        with pytest.raises(SessionClosed) as caught:
             s.run("1")
+        assert caught.value.reason == "closed"
 
 
 def test_a_disconnected_client_loses_its_sessions(sd: DaemonHandle) -> None:
@@ -195,8 +198,9 @@ def test_a_run_that_times_out_ends_the_session(sd: DaemonHandle) -> None:
         r = s.run("while True:\n    pass", timeout=0.5)
         assert r.status == "timeout" and r.session == {"id": s.id, "run": 1, "closed": "timeout"}
         assert s.closed == "timeout" and "ended the session" in s.close_message
-        with pytest.raises(SessionClosed, match="timeout"):
+        with pytest.raises(SessionClosed, match="timeout") as caught:
             s.run("1")
+        assert caught.value.reason == "timeout"
 
 
 def test_each_run_gets_its_own_cpu_time(sd: DaemonHandle) -> None:
