@@ -476,17 +476,17 @@ def _print_metrics(metrics: dict[str, Any]) -> None:
                   f"{_latency(wall.get('p95_s')):>10}")
     tools = metrics.get("tool_calls") or {}
     if tools:
-        print(f"\n{'TOOL CALLS':<12} {'TOOL':<20} {'OUTCOME':<18} {'CALLS':>6} {'P50':>10} "
-              f"{'P95':>10}")
+        # The latency histogram is per tool, over all its calls whatever their outcome, so
+        # it stands on the tool's row, beside the count it was measured over.
+        print(f"\n{'TOOL CALLS':<12} {'TOOL':<20} {'CALLS':>6} {'P50':>10} {'P95':>10}  OUTCOMES")
         tool_latency = metrics.get("tool_latency") or {}
         for policy, by_tool in tools.items():
             for tool, outcomes in by_tool.items():
                 hist = tool_latency.get(policy, {}).get(tool) or {}
-                # the latency histogram is per tool (all outcomes): shown on its first row
                 p50, p95 = _latency(hist.get("p50_s")), _latency(hist.get("p95_s"))
-                for outcome, calls in outcomes.items():
-                    print(f"{policy:<12} {tool:<20} {outcome:<18} {calls:>6} {p50:>10} {p95:>10}")
-                    p50 = p95 = ""
+                total = sum(outcomes.values())
+                each = ", ".join(f"{outcome} {calls}" for outcome, calls in outcomes.items())
+                print(f"{policy:<12} {tool:<20} {total:>6} {p50:>10} {p95:>10}  {each}")
     refused = metrics.get("refused") or {}
     if refused:
         print("\nrefused: " + ", ".join(f"{code} {n}" for code, n in refused.items()))

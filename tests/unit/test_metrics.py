@@ -246,6 +246,28 @@ def test_summary_holds_plain_values() -> None:
     assert Metrics().summary()["latency"] == {}
 
 
+def test_jaild_stats_shows_a_tools_latency_on_its_own_row(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The latency histogram is per tool, over every outcome: ``jaild stats`` prints it once,
+    on the tool's row with the count it covers, never beside one outcome (it once stood on
+    the first outcome's row, so a refused call looked 40 ms slow)."""
+    from jaild.cli import _print_metrics
+
+    m = Metrics()
+    m.tool_call("default", "fetch", "quota", 0.0)
+    for _ in range(3):
+        m.tool_call("default", "fetch", "ok", 0.040)
+    m.tool_call("default", "other", "ok", 0.003)
+    _print_metrics(m.summary())
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("default ")]
+    assert [row[:3] for row in rows] == [["default", "fetch", "4"], ["default", "other", "1"]]
+    fetch, other = rows
+    assert fetch[7:] == ["ok", "3,", "quota", "1"]  # every outcome, the latency once
+    assert other[7:] == ["ok", "1"]
+    assert fetch[3:7] != other[3:7]  # each tool its own latency
+
+
 def test_quantile_estimates_like_prometheus() -> None:
     inf = float("inf")
     assert _quantile(0.5, [(1.0, 0), (inf, 0)]) is None
