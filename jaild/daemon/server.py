@@ -615,6 +615,7 @@ class Daemon:
         self.frame_bytes: Counter[int] = Counter()  # unfinished frames' bytes, by uid
         self._stopping = False
         self._stopped = asyncio.Event()
+        self._serving = False  # start() finished: only then is a stop "jaild stopped"
         # The connections' scope (a task group held by its own task; jaild.testing lends
         # one of its own): each connection's serve() runs in it.
         self.connections: asyncio.TaskGroup | None = None
@@ -665,6 +666,7 @@ class Daemon:
             self.config, self.served, self.metrics, self._tool_called, self.protocol,
             only_policies, on_egress=self._egress_request,
         )
+        self._serving = True
 
     async def serve_forever(self) -> None:
         await self._stopped.wait()
@@ -762,7 +764,10 @@ class Daemon:
         # Only ours (we held the socket): whatever a job left is killed and removed, so the
         # subtree goes too -- nothing of a stopped daemon stays behind.
         self.served.release(self.config)
-        log.info("jaild stopped")
+        if self._serving:  # a start that failed says so itself ("cannot start: ..."), last
+            log.info("jaild stopped")
+        else:
+            log.debug("start-up undone")
         self._stopped.set()
 
     # ------------------------------------------------------------------ requests
@@ -907,7 +912,7 @@ async def serve(config: DaemonConfig) -> None:
     """
     import signal
 
-    log.info("scheduling: %s", sched.request_slice(config.sched_slice_us))
+    log.debug("scheduling: %s", sched.request_slice(config.sched_slice_us))  # not news
     daemon = Daemon(config)
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()

@@ -19,7 +19,7 @@ import pytest
 from jaild.client import Client
 from jaild.errors import BadRequest, PermissionDenied, UnknownPolicy
 from jaild.protocol import PROTOCOL_VERSION
-from tests.conftest import DaemonHandle, guard, start_daemon
+from tests.conftest import REPO, DaemonHandle, guard, start_daemon
 
 pytestmark = pytest.mark.integration
 
@@ -295,3 +295,27 @@ def test_the_daemon_asks_for_a_short_slice_and_its_jails_keep_the_kernels_defaul
     off = private_daemon(args=("--config", str(config)))
     assert "scheduling: the kernel's default slice" in off.log()
     assert sched.slice_ns(off.proc.pid) == default
+
+
+def test_a_daemon_says_at_info_only_what_is_news_and_a_failed_start_ends_on_its_reason(
+        private_daemon: Callable[..., DaemonHandle], tmp_path: Path) -> None:
+    """``jaild serve`` at its default level: no line of routine (the scheduling slice is
+    debug), and a start that fails ends on ``cannot start: <reason>``, not on ``jaild
+    stopped`` (it never served). Control: a daemon that served ends on ``jaild stopped``."""
+    policy = {"default": (REPO / "policies/default.toml").read_text()}
+    served = private_daemon(policy, with_repo_policies=False, args=("--log-level", "info"))
+    assert served.stop() == 0
+    lines = served.log().splitlines()
+    assert lines[-1].endswith(": INFO: jaild stopped"), lines[-3:]
+    assert [line for line in lines if "scheduling:" in line] == []
+    with socket.socket() as busy:  # daemon.metrics_address on a port in use: it cannot start
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        config = tmp_path / "jaild.toml"
+        config.write_text(f'[daemon]\nmetrics_address = "127.0.0.1:{busy.getsockname()[1]}"\n')
+        failed = private_daemon(policy, with_repo_policies=False, wait=False,
+                                args=("--config", str(config), "--log-level", "info"))
+        assert failed.proc.wait(timeout=guard(60)) == 1
+    lines = failed.log().splitlines()
+    assert lines[-1].startswith("jaild: cannot start: daemon.metrics_address: "), lines[-3:]
+    assert "jaild stopped" not in failed.log()
