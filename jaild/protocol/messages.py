@@ -507,16 +507,44 @@ def safe_text(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
 
 
 def pack(value: Any) -> bytes:
-    """Pack a plain value. Values msgpack cannot carry become their ``repr`` (per object)."""
+    """Pack a plain value. Per object, what msgpack cannot carry is converted: sets become
+    lists, numpy scalars and 0-d arrays the Python number (``bool``, ``int``, ``float``) or
+    string they hold, anything else its ``repr``."""
     packed: bytes = msgpack.packb(
         value, use_bin_type=True, default=_repr_fallback, strict_types=False
     )
     return packed
 
 
+_NOT_PLAIN = object()
+_PLAIN_ITEMS = (bool, int, float, str, bytes)
+_MSGPACK_INTS = range(-(1 << 63), 1 << 64)
+
+
+def _numpy_item(obj: Any) -> Any:
+    """``obj``'s plain value if it is a numpy scalar or 0-d array holding a bool, number or
+    string (``np.int64(6)`` -> ``6``), else ``_NOT_PLAIN``. Duck-typed (``.ndim``, ``.item()``
+    on a type of the ``numpy`` module): the protocol never imports numpy, which a jail's
+    environment may not have. ``np.float64`` is a ``float`` and never comes here."""
+    if getattr(type(obj), "__module__", None) != "numpy":
+        return _NOT_PLAIN
+    try:
+        if obj.ndim != 0:
+            return _NOT_PLAIN
+        value = obj.item()
+    except Exception:
+        return _NOT_PLAIN
+    if type(value) not in _PLAIN_ITEMS or (type(value) is int and value not in _MSGPACK_INTS):
+        return _NOT_PLAIN  # complex, datetime, longdouble, an object array's object, ...
+    return value
+
+
 def _repr_fallback(obj: Any) -> Any:
     if isinstance(obj, (set, frozenset)):
         return list(obj)
+    value = _numpy_item(obj)
+    if value is not _NOT_PLAIN:
+        return value
     return repr(obj)
 
 

@@ -6,7 +6,9 @@
   called and its return value is the result; otherwise the value of a final
   expression statement is the result.
 * One event loop serves the whole job (top level and ``main``).
-* Values msgpack cannot carry come back as their ``repr`` (per object).
+* Values msgpack cannot carry are converted per object (:func:`jaild.protocol.pack`): sets
+  become lists, numpy scalars and 0-d arrays the number or string they hold, the rest
+  their ``repr``.
 * Tracebacks show the user's frames only, with the user's source lines.
 """
 

@@ -74,6 +74,27 @@ def test_unpackable_results_come_back_as_repr(client: Client) -> None:
     assert r.result == {"t": "<thing>", "n": 2, "s": [3], "tuple": [1, 2]}
 
 
+def test_numpy_scalars_come_back_as_python_numbers(daemon: DaemonHandle) -> None:
+    """A numpy scalar (``np.int64``, ``np.bool_``, ``np.float32``) or a 0-d array comes back as
+    the number it holds, not as its repr; a whole array still comes back as its repr."""
+    code = (
+        "import msgpack, numpy as np\n"
+        "try:\n"  # the control: msgpack itself cannot carry an np.int64
+        "    msgpack.packb(np.int64(6))\n"
+        "    native = 'packed'\n"
+        "except TypeError:\n"
+        "    native = 'refused'\n"
+        "a = np.arange(4)\n"
+        "{'native': native, 'sum': a.sum(), 'any': (a > 2).any(), 'f32': np.float32(0.5),\n"
+        " 'mean': a.mean(), 'zero_d': np.array(7), 'array': a[:2]}\n"
+    )
+    r = daemon.run(code, policy="data")
+    assert r.status == "ok", (r.status, r.error)
+    assert r.result == {"native": "refused", "sum": 6, "any": True, "f32": 0.5, "mean": 1.5,
+                        "zero_d": 7, "array": "array([0, 1])"}
+    assert type(r.result["sum"]) is int and type(r.result["any"]) is bool
+
+
 def test_result_with_tuple_keys_falls_back_to_repr(client: Client) -> None:
     r = client.run("{(1, 2): 'x'}")
     assert (r.status, r.result) == ("ok", "{(1, 2): 'x'}")

@@ -97,6 +97,42 @@ def test_pack_result_fallbacks() -> None:
     assert packed is None and err is not None and err.type == "ResultTooLarge"
 
 
+def numpy_like(module: str, ndim: int, item: object, shown: str) -> object:
+    """An object of numpy's shape (``.ndim``, ``.item()``, a type of module ``module``);
+    numpy itself is not in the dev venv (a real one is: tests/integration/test_jobs.py)."""
+
+    def take(self: object) -> object:
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    kind = type("int64", (), {"__module__": module, "ndim": ndim, "item": take,
+                               "__repr__": lambda self: shown})
+    return kind()
+
+
+def test_numpy_scalars_and_0d_arrays_come_back_as_plain_values() -> None:
+    def packed(value: object) -> object:
+        data, err = pack_result(value, 1024)
+        assert err is None and data is not None
+        return unpack(data)
+
+    # the control: a type of another module is msgpack's unknown, given as its repr
+    assert packed(numpy_like("elsewhere", 0, 6, "np.int64(6)")) == "np.int64(6)"
+    assert packed(numpy_like("numpy", 0, 6, "np.int64(6)")) == 6
+    assert packed({"n": [numpy_like("numpy", 0, True, "np.True_")]}) == {"n": [True]}
+    assert packed(numpy_like("numpy", 0, 2.5, "array(2.5)")) == 2.5
+    assert packed(numpy_like("numpy", 0, (1 << 64) - 1, "np.uint64(...)")) == (1 << 64) - 1
+    # what is not a plain bool, number or string stays a repr: arrays, complex, datetimes,
+    # an object array's object, ints msgpack cannot carry, an .item() that fails
+    assert packed(numpy_like("numpy", 1, 1, "array([1])")) == "array([1])"
+    assert packed(numpy_like("numpy", 0, 1j, "np.complex128(1j)")) == "np.complex128(1j)"
+    assert packed(numpy_like("numpy", 0, None, "array(None, dtype=object)")) == (
+        "array(None, dtype=object)")
+    assert packed(numpy_like("numpy", 0, 1 << 64, "array(big)")) == "array(big)"
+    assert packed(numpy_like("numpy", 0, ValueError("no"), "odd")) == "odd"
+
+
 def test_long_messages_are_clipped() -> None:
     out = execute("raise ValueError('x' * 200000)")
     assert out.error is not None and len(out.error.message) <= 65536
