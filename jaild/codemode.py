@@ -996,8 +996,10 @@ def add_codemode_commands(sub: Any) -> None:
                                       "or OpenAI's)")
     p.add_argument("--api-key-env", default="OPENAI_API_KEY", metavar="NAME",
                    help="the environment variable holding the API key (default OPENAI_API_KEY)")
-    p.add_argument("--policy", default="default")
-    p.add_argument("--max-retries", type=int, default=3, metavar="N")
+    p.add_argument("--policy", default="default",
+                   help="the policy the model's code runs under (default: default)")
+    p.add_argument("--max-retries", type=int, default=3, metavar="N",
+                   help="attempts after the first when the code fails (default: 3)")
     p.add_argument("--timeout", type=float, metavar="S", help="wall-clock seconds per job")
     p.add_argument("--session", action="store_true",
                    help="run all attempts in one jaild session (a retry sees earlier state)")

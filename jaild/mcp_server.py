@@ -819,7 +819,8 @@ def add_mcp_commands(sub: Any) -> None:
     p.add_argument("--skip-failed", action="store_true",
                    help="leave out (with a warning) MCP servers that fail to start")
     p.add_argument("--log-level", default="warning",
-                   choices=["debug", "info", "warning", "error"])
+                   choices=["debug", "info", "warning", "error"],
+                   help="what the server logs to stderr (default: warning)")
     p.set_defaults(func=cmd_mcp)
 
 
