@@ -184,11 +184,25 @@ lint: setup
 	$(VENV)/bin/mypy
 
 # System install: the package into /opt/jaild, policies into /etc/jaild, units into systemd.
+# With the extras of the front ends on root's PATH (`jaild mcp`, `jaild codemode`, traces,
+# uvloop); not the development ones. `jaild` on root's PATH becomes the installed one where
+# nothing works there yet or where it is this checkout's own link (bin-link's); another's --
+# another checkout's, a file -- is kept, and the line says so (`make uninstall` keeps it too).
+INSTALL_EXTRAS := mcp,codemode,otel,uvloop
+
 install: setup install-policies
 	install -d -m 0755 $(OPT_DIR)
 	test -x $(OPT_DIR)/venv/bin/python || $(PYTHON) -m venv $(OPT_DIR)/venv
-	$(OPT_DIR)/venv/bin/pip install --quiet .
-	ln -sfn $(INSTALLED_JAILD) $(BIN_DIR)/jaild
+	$(OPT_DIR)/venv/bin/pip install --quiet '.[$(INSTALL_EXTRAS)]'
+	@link="$(BIN_DIR)/jaild"; target=$$(readlink "$$link"); \
+	if [ "$$target" = "$(INSTALLED_JAILD)" ]; then \
+	  echo "install: $$link -> $$target (make install's)"; \
+	elif [ ! -e "$$link" ] || [ "$$target" = "$(DEV_JAILD)" ]; then \
+	  ln -sfn "$(INSTALLED_JAILD)" "$$link" && \
+	  echo "install: linked $$link -> $(INSTALLED_JAILD)$${target:+, replacing $$target}"; \
+	else \
+	  echo "install: kept $$link ($${target:+-> $$target: }not this checkout's nor make install's); the installed jaild is $(INSTALLED_JAILD)"; \
+	fi
 	install -m 0644 systemd/jaild.service systemd/jaild.socket $(UNIT_DIR)/
 	@if $(SYSTEMD_LIVE); then systemctl daemon-reload; \
 	else echo "systemd is not running here (or $(UNIT_DIR) is not its): units installed, not loaded"; fi

@@ -182,10 +182,10 @@ def shipped() -> list[str]:
     return sorted(p.name for p in (REPO / "policies").glob("*.toml"))
 
 
-def install(co: Path, tree: Tree) -> None:
+def install(co: Path, tree: Tree) -> str:
     for name in ("python", "pip", "jaild"):
         executable(tree.opt / "venv" / "bin" / name)
-    make(co, tree, "install")
+    return make(co, tree, "install")
 
 
 def test_uninstall_where_nothing_was_installed(co: Path, tree: Tree) -> None:
@@ -207,6 +207,31 @@ def test_install_then_uninstall_leaves_nothing(co: Path, tree: Tree) -> None:
                  tree.units / "jaild.socket", wants / "jaild.socket"):
         assert not gone.exists() and not gone.is_symlink(), (gone, out)
     assert "kept" not in out, out
+
+
+def test_install_replaces_this_checkouts_own_link(co: Path, tree: Tree) -> None:
+    make(co, tree, "bin-link")
+    out = install(co, tree)
+    installed = str(tree.opt / "venv" / "bin" / "jaild")
+    assert os.readlink(tree.link) == installed
+    assert f"install: linked {tree.link} -> {installed}, replacing {dev_jaild(co)}" in out
+
+
+@pytest.mark.parametrize("whose", ["another clone's link", "a file"])
+def test_install_and_uninstall_keep_what_they_did_not_make(
+        co: Path, tree: Tree, tmp_path: Path, whose: str) -> None:
+    if whose == "a file":
+        executable(tree.link)
+    else:
+        make(checkout(tmp_path / "clone-b"), tree, "bin-link")
+    before = os.readlink(tree.link) if tree.link.is_symlink() else tree.link.read_text()
+    out = install(co, tree)
+    assert f"install: kept {tree.link} (" in out
+    after = os.readlink(tree.link) if tree.link.is_symlink() else tree.link.read_text()
+    assert after == before
+    out = make(co, tree, "uninstall")
+    assert f"uninstall: kept {tree.link} (" in out
+    assert (os.readlink(tree.link) if tree.link.is_symlink() else tree.link.read_text()) == before
 
 
 def test_uninstall_keeps_the_operators_policies_and_config(co: Path, tree: Tree) -> None:
