@@ -187,4 +187,36 @@ def classify(ev: Evidence) -> tuple[str, dict[str, Any] | None]:
     )
 
 
-__all__ = ["RLIMIT_CPU_REACHED", "STATUSES", "Evidence", "classify", "parse_termination"]
+def pids_limit_note(
+    error_type: str, message: str, pids_peak: int | None, pids_limit: int
+) -> str | None:
+    """What to add to a run's error when it is how the kernel refuses a process or thread at
+    the job's ``limits.pids``, else None. Pure.
+
+    At the limit the kernel refuses ``fork``/``clone`` with EAGAIN, which Python shows as a
+    bare ``BlockingIOError: [Errno 11] Resource temporarily unavailable`` (``os.fork``,
+    ``subprocess``, ``multiprocessing``) or ``RuntimeError: can't start new thread``. Either
+    is taken for the limit's only when the job's pids cgroup peaked at the limit
+    (``pids_peak``, the kernel's counter; None where the kernel has none: then no note) --
+    a BlockingIOError of a non-blocking read, in a job that stayed under its limit, gets none.
+    """
+    refused = error_type == "BlockingIOError" or (
+        error_type == "RuntimeError" and "can't start new thread" in message
+    )
+    if not refused or pids_peak is None or pids_peak < pids_limit:
+        return None
+    return (
+        f"the job reached its process limit, limits.pids = {pids_limit} processes and threads "
+        "together: there the kernel refuses a new process or thread with EAGAIN. Start fewer, "
+        "e.g. a pool with fewer workers, or use a policy with a higher limits.pids"
+    )
+
+
+__all__ = [
+    "RLIMIT_CPU_REACHED",
+    "STATUSES",
+    "Evidence",
+    "classify",
+    "parse_termination",
+    "pids_limit_note",
+]

@@ -19,6 +19,7 @@ import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from jaild.daemon.classify import pids_limit_note
 from jaild.policy.schema import Limits, Policy
 from jaild.protocol.messages import safe_text
 from jaild.protocol.records import (
@@ -177,13 +178,16 @@ def job_record(
     """
     calls = [c if isinstance(c, ToolCallEntry) else tool_call(**c) for c in tool_calls]
     omitted = tool_calls_omitted + max(0, len(calls) - MAX_CALL_RECORDS)
+    job_err = job_error_of(error)
+    if job_err is not None and status == "error":
+        job_err = _with_pids_note(job_err, usage.pids_peak, limits.pids)
     return JobRecord(
         job_id=job_id,
         policy=policy.name,
         status=status,
         stdout=stdout.decode("utf-8", "replace"),
         stderr=stderr.decode("utf-8", "replace"),
-        error=job_error_of(error),
+        error=job_err,
         tool_calls=tuple(calls[:MAX_CALL_RECORDS]),
         duration_s=_seconds(duration_s),
         limits=limits_map(policy, limits),
@@ -194,6 +198,21 @@ def job_record(
         session=None,
         egress=egress_record(egress) if egress is not None else None,
         network_refused=network_refused,
+    )
+
+
+def _with_pids_note(error: JobError, pids_peak: int | None, pids_limit: int) -> JobError:
+    """``error`` with a word on the process limit when it is the kernel refusing a process or
+    thread there (:func:`jaild.daemon.classify.pids_limit_note`): added to the message and,
+    as Python shows an exception's notes, under the traceback."""
+    note = pids_limit_note(error.type, error.message, pids_peak, pids_limit)
+    if note is None:
+        return error
+    traceback = error.traceback.rstrip("\n") + "\n" + note + "\n" if error.traceback else ""
+    return dataclasses.replace(
+        error,
+        message=safe_text(f"{error.message} ({note})"),
+        traceback=safe_text(traceback),
     )
 
 

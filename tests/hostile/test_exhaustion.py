@@ -87,3 +87,29 @@ def test_thread_bomb(hostile: DaemonHandle) -> None:
     assert r.status == "ok"
     assert 2 <= r.result[0] < 16 and "can't start new thread" in r.result[1]
     hostile.assert_serving()
+
+
+@pytest.mark.parametrize("bomb", [
+    ERRNO_CASES[0][1],  # the fork bomb: os.fork() raises BlockingIOError (EAGAIN)
+    "import threading, time\nwhile True:\n"
+    "    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()",
+], ids=["fork bomb", "thread bomb"])
+def test_a_bomb_left_uncaught_names_the_pids_limit(hostile: DaemonHandle, bomb: str) -> None:
+    """The kernel refuses a process or thread at ``limits.pids`` with a bare EAGAIN; the
+    record's error keeps the exception's type (what the code could catch) and says which
+    limit, how high, when the job's pids cgroup peaked at it."""
+    r = hostile.run(bomb, policy="refusals")
+    assert r.status == "error" and r.error is not None, (r.status, r.error)
+    assert r.error["type"] in ("BlockingIOError", "RuntimeError"), r.error
+    limit = f"limits.pids = {r.limits['pids']}"
+    assert r.usage["pids_peak"] in (None, r.limits["pids"])
+    if r.usage["pids_peak"] is not None:  # a kernel with pids.peak (6.1 on)
+        assert limit in r.error["message"] and limit in r.error["traceback"], r.error
+    # the control: the same exception type under the limit (a non-blocking pipe with nothing
+    # in it) is the code's own, and comes back as it was raised
+    r = hostile.run("import os\nr, w = os.pipe()\nos.set_blocking(r, False)\nos.read(r, 1)",
+                    policy="refusals")
+    assert r.status == "error" and r.error is not None
+    assert r.error["type"] == "BlockingIOError" and "limits.pids" not in r.error["message"]
+    assert "Errno 11" in r.error["message"]
+    hostile.assert_serving()

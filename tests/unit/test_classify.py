@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaild.daemon.classify import Evidence, classify, parse_termination
+from jaild.daemon.classify import Evidence, classify, parse_termination, pids_limit_note
 from jaild.protocol.messages import CodeFinished, ErrorInfo
 
 EXITED_0 = "[I][t] pid=41 ([STANDALONE MODE]) exited with status: 0, (PIDs left: 0)"
@@ -95,3 +95,26 @@ def test_a_socket_kill_says_it_was_the_address_family(syscall: str) -> None:
     assert "PermissionError" in err["message"]
     _, err = classify(ev(log=SIGSYS, syscall="unshare"))
     assert err is not None and "address family" not in err["message"]
+
+
+EAGAIN = "[Errno 11] Resource temporarily unavailable"
+
+
+@pytest.mark.parametrize(
+    ("error_type", "message", "pids_peak", "noted"),
+    [
+        ("BlockingIOError", EAGAIN, 16, True),  # os.fork, subprocess at the limit
+        ("RuntimeError", "can't start new thread", 16, True),  # threading at the limit
+        ("BlockingIOError", EAGAIN, 15, False),  # under the limit: a non-blocking read's
+        ("BlockingIOError", EAGAIN, None, False),  # no pids.peak on this kernel: no word
+        ("RuntimeError", "something else", 16, False),
+        ("ValueError", "m", 16, False),  # at the limit, but not how the kernel refuses
+    ],
+)
+def test_a_process_refused_at_the_pids_limit_is_named(
+    error_type: str, message: str, pids_peak: int | None, noted: bool
+) -> None:
+    note = pids_limit_note(error_type, message, pids_peak, 16)
+    assert (note is not None) == noted
+    if note is not None:
+        assert "limits.pids = 16" in note and "processes and threads" in note

@@ -283,6 +283,25 @@ def test_job_record_takes_calls_and_errors_as_maps_too() -> None:
         run_record(tool_calls=[{"name": "t", "duration_s": 0.0, "ok": "yes"}])
 
 
+def test_a_fork_refused_at_the_pids_limit_says_so_in_the_record() -> None:
+    """The kernel's EAGAIN at ``limits.pids`` reaches Python as a bare BlockingIOError: the
+    record's message and traceback name the limit when the cgroup peaked at it."""
+    tb = 'Traceback (most recent call last):\n  File "<job>", line 3\nBlockingIOError: [Errno 11] x\n'
+    error = {"type": "BlockingIOError", "message": "[Errno 11] x", "traceback": tb, "lineno": 3}
+    at_limit = dataclasses.replace(USAGE, pids_peak=POLICY.limits.pids)
+    # the control: under the limit the same error is the code's own, left as it came
+    under = run_record(status="error", error=error)
+    assert under.error == JobError(type="BlockingIOError", message="[Errno 11] x",
+                                   traceback=tb, lineno=3)
+    noted = run_record(status="error", error=error, usage=at_limit)
+    assert noted.error is not None and noted.error.type == "BlockingIOError"
+    limit = f"limits.pids = {POLICY.limits.pids}"
+    assert noted.error.message.startswith("[Errno 11] x (the job reached its process limit")
+    assert limit in noted.error.message
+    assert noted.error.traceback.startswith(tb) and limit in noted.error.traceback.splitlines()[-1]
+    assert over_the_wire(noted) == noted
+
+
 def test_text_from_elsewhere_is_made_to_fit() -> None:
     """An nsjail log or an exception message of any length or encoding never breaks a record."""
     error = build.job_error("JailLost", "x" * (3 * MAX_MESSAGE_CHARS) + "\udc80end")
