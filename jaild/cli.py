@@ -624,18 +624,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_policy_check(args: argparse.Namespace) -> int:
-    from jaild.policy.schema import host_checks, load_policy
+    from jaild.policy.schema import check_policy_files
 
     envs_dir = os.path.join(args.state_dir or default_state_dir(), "envs")
     failed = False
-    for path in args.files:
-        try:
-            policy = load_policy(path)
-        except PolicyError as exc:
-            print(f"{exc.message}", file=sys.stderr)
-            failed = True
-            continue
-        problems = list(host_checks(policy, envs_dir)) if not args.offline else []
+    for path in args.files:  # every problem of every file, the host's too, in one run
+        _, problems = check_policy_files([path], None if args.offline else envs_dir)
         for problem in problems:
             print(problem.message, file=sys.stderr)
         failed = failed or bool(problems)

@@ -5,7 +5,7 @@ Theory of operation
 :func:`start` runs once, in this order, and refuses to start (:class:`StartupError`,
 listing every reason) at the first step that fails:
 
-1. load and check every policy (``host_checks``);
+1. load and check every policy, against this host too (``check_policy_files``);
 2. claim the listening socket (systemd's, or bind our own: a second daemon for the
    same socket stops here, before it touches the cgroup subtree the first one uses);
 3. start the metrics listener (a busy port refuses the start before any jail exists);
@@ -61,7 +61,7 @@ from jaild.daemon.selftest import INSPECT_TOOL, Check, evaluate, host_paths_to_h
 from jaild.daemon.staging import ensure_traversable, locate_nsjail, stage_runtime
 from jaild.errors import CgroupError, PolicyError, StartupError, ZygoteError
 from jaild.policy.compile import JOB_UIDS, HostLayout, nsjail_config
-from jaild.policy.schema import Policy, host_checks, load_policy_dir, resolve_env
+from jaild.policy.schema import Policy, check_policy_files, policy_files, resolve_env
 from jaild.policy.seccomp import build_spec
 from jaild.protocol import pack, unpack
 from jaild.protocol.messages import ToolSpec
@@ -139,13 +139,13 @@ def load_policies(config: DaemonConfig) -> dict[str, Policy]:
     """Every policy of ``policies_dir``, checked against this host.
 
     Raises:
-        StartupError: listing every problem.
-        PolicyError: a policy file that does not load.
+        StartupError: listing every problem of every file (a file that does not load
+            included: its own, and its env's).
+        PolicyError: the directory itself (it does not exist, or holds no policy).
     """
-    policies = load_policy_dir(config.policies_dir)
-    problems = [str(err) for p in policies.values() for err in host_checks(p, config.envs_dir)]
-    if problems:
-        raise StartupError("invalid policies:\n  " + "\n  ".join(problems))
+    policies, problems = check_policy_files(policy_files(config.policies_dir), config.envs_dir)
+    if problems:  # every file's, the host's too: all of them in one start
+        raise StartupError("invalid policies:\n  " + "\n  ".join(p.message for p in problems))
     return policies
 
 
@@ -165,13 +165,11 @@ async def start(
     """
     try:
         served.policies = load_policies(config)
-    except PolicyError as exc:
-        if exc.key == "" and exc.path == str(config.policies_dir):  # the directory itself
-            raise StartupError(
-                f"cannot load policies: {exc.message} (set daemon.policies_dir in the config "
-                "file, --policies or JAILD_POLICIES)"
-            ) from None
-        raise StartupError(f"invalid policy: {exc.message}") from None
+    except PolicyError as exc:  # the directory itself (the files' problems: StartupError)
+        raise StartupError(
+            f"cannot load policies: {exc.message} (set daemon.policies_dir in the config "
+            "file, --policies or JAILD_POLICIES)"
+        ) from None
     sock = listening_socket(config, served)
     try:
         metrics.start(served.pool_summaries)

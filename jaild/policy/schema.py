@@ -2,8 +2,8 @@
 
 A policy is a TOML file ``<name>.toml``. Every key is declared below with its
 type, default, unit (in the name: ``memory_mb``, ``wall_time_s``) and a
-one-line description; the README's policy reference is generated from these
-declarations (``jaild policy reference``). Loading is strict: unknown keys,
+one-line description; the policy reference in docs/running/policies.md is generated
+from these declarations (``jaild policy reference``). Loading is strict: unknown keys,
 wrong types, impossible values and unknown syscalls are errors of the form
 ``file: key.path: reason``, and the daemon refuses to start on any of them.
 """
@@ -19,7 +19,7 @@ import pwd
 import re
 import tomllib
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -689,14 +689,19 @@ def _check_seccomp(policy: Policy, data: Mapping[str, Any]) -> None:
 
 
 def _check_python(policy: Policy, data: Mapping[str, Any]) -> None:
-    env = policy.python.env
+    problem = _env_problem(policy.python.env)
+    if problem is not None:
+        raise PolicyError(policy.path, "python.env", problem)
+
+
+def _env_problem(env: str) -> str | None:
+    """What is wrong with ``python.env = env`` as written (None: nothing)."""
     if env.startswith("/"):
         if os.path.normpath(env) != env:
-            raise PolicyError(policy.path, "python.env", f"must be a normalised path, got {env!r}")
+            return f"must be a normalised path, got {env!r}"
     elif not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}", env):
-        raise PolicyError(
-            policy.path, "python.env", f"{env!r} is neither an env name nor an absolute path"
-        )
+        return f"{env!r} is neither an env name nor an absolute path"
+    return None
 
 
 def load_policy(path: str | os.PathLike[str]) -> Policy:
@@ -710,18 +715,73 @@ def load_policy(path: str | os.PathLike[str]) -> Policy:
     return load_policy_text(text, str(p))
 
 
-def load_policy_dir(directory: str | os.PathLike[str]) -> dict[str, Policy]:
-    """Load every ``*.toml`` of ``directory``. Raises the first PolicyError, in name order."""
+def policy_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """The ``*.toml`` files of ``directory``, in name order.
+
+    Raises:
+        PolicyError: naming the directory (no key): it does not exist, or has no policy.
+    """
     d = Path(directory)
     if not d.is_dir():
         raise PolicyError(str(d), "", "policy directory does not exist")
-    policies = {}
-    for file in sorted(d.glob("*.toml")):
-        policy = load_policy(file)
-        policies[policy.name] = policy
-    if not policies:
+    files = sorted(d.glob("*.toml"))
+    if not files:
         raise PolicyError(str(d), "", "no *.toml policies in this directory")
+    return files
+
+
+def load_policy_dir(directory: str | os.PathLike[str]) -> dict[str, Policy]:
+    """Load every ``*.toml`` of ``directory``.
+
+    Raises:
+        PolicyError: every problem of every file at once (``errors``; one ``file: key:
+            reason`` line each), or the directory's own (:func:`policy_files`).
+    """
+    policies, problems = check_policy_files(policy_files(directory))
+    if problems:
+        raise PolicyError.every(problems)
     return policies
+
+
+def check_policy_files(
+    files: Iterable[str | os.PathLike[str]], envs_dir: str | None = None
+) -> tuple[dict[str, Policy], list[PolicyError]]:
+    """Load each file, and find every problem of every file in one pass: each file's own
+    (all of them, :func:`load_policy_text`) and, with ``envs_dir``, the host's
+    (:func:`host_checks`) -- for a file that does not load too, as far as its ``python.env``
+    can be read: a missing env is named with the file's other problems, not after them.
+
+    Returns:
+        The policies that loaded, by name, and the problems in file order.
+    """
+    policies: dict[str, Policy] = {}
+    problems: list[PolicyError] = []
+    for file in files:
+        try:
+            policy = load_policy(file)
+        except PolicyError as exc:
+            problems.extend(exc.errors)
+            if envs_dir is not None:
+                problems.extend(_unloaded_env_checks(str(file), envs_dir))
+            continue
+        policies[policy.name] = policy
+        if envs_dir is not None:
+            problems.extend(host_checks(policy, envs_dir))
+    return policies, problems
+
+
+def _unloaded_env_checks(path: str, envs_dir: str) -> Iterator[PolicyError]:
+    """:func:`env_checks` for a file that did not load, if its ``python.env`` is readable
+    and well-formed (else the file's own errors say so already); whether the jail can see
+    the env is left out, since its binds may be what failed."""
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return
+    python = data.get("python", {})
+    env = python.get("env", Python().env) if isinstance(python, dict) else None
+    if isinstance(env, str) and _env_problem(env) is None:
+        yield from env_checks(path, env, envs_dir)
 
 
 def blocking_ancestor(path: str) -> str | None:
@@ -748,34 +808,45 @@ def host_checks(policy: Policy, envs_dir: str) -> Iterator[PolicyError]:
                 key,
                 f"{blocked} is not world-searchable; nsjail cannot bind {bind.src}",
             )
-    env = resolve_env(policy, envs_dir)
+    yield from env_checks(policy.path, policy.python.env, envs_dir,
+                          [b.src for b in policy.filesystem.binds])
+
+
+def env_checks(path: str, name: str, envs_dir: str,
+               binds: list[str] | None = None) -> Iterator[PolicyError]:
+    """The checks of ``python.env = name`` (of the policy file ``path``) on this host: it
+    exists, is a venv the jailed uid can read, and (``binds``: the policy's bind sources;
+    None: not checked) its interpreter resolves to a path the jail sees."""
+    env = name if name.startswith("/") else os.path.join(envs_dir, name)
     if os.path.isdir(env) and (blocked := blocking_ancestor(env)) is not None:
         yield PolicyError(
-            policy.path,
+            path,
             "python.env",
             f"{blocked} is not world-searchable; nsjail cannot bind {env}",
         )
     python = os.path.join(env, "bin", "python3")
     if not os.path.isdir(env):
         yield PolicyError(
-            policy.path,
+            path,
             "python.env",
-            f"environment {env} does not exist; build it: jaild env build {policy.python.env} "
+            f"environment {env} does not exist; build it: jaild env build {name} "
             f"-r requirements.txt --state-dir {os.path.dirname(envs_dir)} "
             "(or point python.env at a venv)"
-            if not policy.python.env.startswith("/")
+            if not name.startswith("/")
             else f"environment {env} does not exist; point python.env at a venv, or build "
             "one (jaild env build NAME -r requirements.txt) and set python.env = NAME",
         )
         return
     if not os.path.exists(python):
-        yield PolicyError(policy.path, "python.env", f"{python} does not exist; is {env} a venv?")
+        yield PolicyError(path, "python.env", f"{python} does not exist; is {env} a venv?")
         return
     real = os.path.realpath(python)
-    visible = [b.src for b in policy.filesystem.binds] + [env]
-    if not any(real == v or real.startswith(v.rstrip("/") + "/") for v in visible):
+    visible = [*binds, env] if binds is not None else None
+    if visible is not None and not any(
+        real == v or real.startswith(v.rstrip("/") + "/") for v in visible
+    ):
         yield PolicyError(
-            policy.path,
+            path,
             "python.env",
             f"{python} resolves to {real}, which the jail cannot see (not under any bind); "
             "rebuild the env from a system interpreter, e.g. /usr/bin/python3",
@@ -783,7 +854,7 @@ def host_checks(policy: Policy, envs_dir: str) -> Iterator[PolicyError]:
     mode = os.stat(env).st_mode
     if mode & 0o005 != 0o005:
         yield PolicyError(
-            policy.path,
+            path,
             "python.env",
             f"{env} is not world-readable (mode {oct(mode & 0o777)}); the jailed uid cannot use it",
         )
@@ -795,7 +866,7 @@ def resolve_env(policy: Policy, envs_dir: str) -> str:
 
 
 def reference_markdown() -> str:
-    """The policy reference table for the README, generated from the declarations."""
+    """The policy reference table (docs/running/policies.md), generated from the declarations."""
     lines = [
         "| key | type | default | meaning |",
         "|---|---|---|---|",

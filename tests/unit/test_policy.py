@@ -13,6 +13,7 @@ from jaild.errors import PolicyError
 from jaild.policy.schema import (
     Bind,
     Limits,
+    check_policy_files,
     effective_limits,
     host_checks,
     load_policy,
@@ -172,9 +173,9 @@ def test_access_rules() -> None:
     assert not nobody.user_allowed(0, [0])  # type: ignore[attr-defined]
 
 
-def test_readme_policy_reference_is_generated_from_the_schema() -> None:
-    readme = (REPO / "README.md").read_text()
-    assert reference_markdown() in readme, "run: jaild policy reference, and paste it into README.md"
+def test_the_docs_policy_reference_is_generated_from_the_schema() -> None:
+    page = (REPO / "docs/running/policies.md").read_text()
+    assert reference_markdown() in page, "run: python scripts/update_doc_references.py"
 
 
 FIVE_MISTAKES = """
@@ -209,3 +210,59 @@ def test_every_mistake_of_a_file_is_reported_at_once(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert [line.split(": ")[1] for line in out.stderr.splitlines()] == [
         "colour", "limits.memory_mb", "limits.pids", "network.mode", "pool.min"]
+
+
+def _two_bad_files(d: Path) -> tuple[Path, Path]:
+    d.mkdir()
+    (d / "good.toml").write_text("[limits]\nmemory_mb = 64\n")
+    first = d / "a.toml"
+    first.write_text('[limits]\nmemory_mb = -5\n[python]\nenv = "no-such-env"\n')
+    second = d / "b.toml"
+    second.write_text("[limits]\nbogus = 1\n")
+    return first, second
+
+
+def test_every_problem_of_every_file_at_once(tmp_path: Path) -> None:
+    """A directory with two bad files names both (it once stopped at the first file), and a
+    file whose schema fails has its missing env named with its other problems, not after
+    they are fixed. Controls: the good file loads; without the host (no envs_dir) no env
+    problem is found."""
+    first, second = _two_bad_files(tmp_path / "p")
+    with pytest.raises(PolicyError) as info:
+        load_policy_dir(tmp_path / "p")
+    assert [(e.path, e.key) for e in info.value.errors] == [
+        (str(first), "limits.memory_mb"), (str(second), "limits.bogus")]
+    assert info.value.message.count("\n") == 1
+    envs = tmp_path / "envs"
+    envs.mkdir()
+    files = sorted((tmp_path / "p").glob("*.toml"))
+    loaded, offline = check_policy_files(files)
+    assert list(loaded) == ["good"] and len(offline) == 2
+    loaded, problems = check_policy_files(files, str(envs))
+    assert [(Path(e.path).name, e.key) for e in problems] == [
+        ("a.toml", "limits.memory_mb"), ("a.toml", "python.env"), ("b.toml", "limits.bogus"),
+        ("b.toml", "python.env"), ("good.toml", "python.env")]  # no 'default' env in envs/
+    assert problems[1].reason.startswith(f"environment {envs}/no-such-env does not exist")
+
+
+def test_policy_check_and_serve_say_every_problem_in_one_run(tmp_path: Path) -> None:
+    first, second = _two_bad_files(tmp_path / "p")
+    state = tmp_path / "state"  # no envs at all: every file's env is a problem too
+    (state / "envs").mkdir(parents=True)
+    check = subprocess.run([sys.executable, "-m", "jaild", "policy", "check", "--state-dir",
+                            str(state), str(first), str(second)],
+                           capture_output=True, text=True, check=False, cwd=REPO)
+    assert check.returncode == 1
+    expected = [[str(first), "limits.memory_mb"], [str(first), "python.env"],
+                [str(second), "limits.bogus"], [str(second), "python.env"]]
+    assert [line.split(": ")[:2] for line in check.stderr.splitlines()] == expected
+    serve = subprocess.run([sys.executable, "-m", "jaild", "serve", "--socket",
+                            str(tmp_path / "s.sock"), "--policies", str(tmp_path / "p"),
+                            "--state-dir", str(state)],
+                           capture_output=True, text=True, check=False, cwd=REPO)
+    assert serve.returncode == 1
+    said = serve.stderr.splitlines()
+    assert said[0] == "jaild: cannot start: invalid policies:", said
+    good = str(tmp_path / "p" / "good.toml")
+    assert [line.strip().split(": ")[:2] for line in said[1:]] == [*expected, [good, "python.env"]]
+    assert not (tmp_path / "s.sock").exists()
