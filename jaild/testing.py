@@ -155,7 +155,8 @@ class ConnectionPair:
     would on a real link: :class:`~jaild.errors.LocalProtocolError` from the sender.
 
     Args:
-        first, second: the two ends (:meth:`client_link` and :meth:`jail_link` make them).
+        first: one end (:meth:`client_link` and :meth:`jail_link` make both).
+        second: the other end.
     """
 
     def __init__(self, first: Connection, second: Connection) -> None:

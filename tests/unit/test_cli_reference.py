@@ -1,4 +1,4 @@
-"""The CLI reference is the parser's own (jaild/cli_reference.py)."""
+"""The CLI reference in docs/using/cli.md is the parser's own (jaild/cli_reference.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,14 @@ from jaild.cli import build_parser
 from jaild.cli_reference import NO_HELP, reference_markdown
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_docs_cli_reference_is_generated_from_the_parser() -> None:
+    page = (REPO / "docs/using/cli.md").read_text(encoding="utf-8")
+    assert reference_markdown() in page, (
+        "docs/using/cli.md's CLI reference differs from the parser: run "
+        "python scripts/update_doc_references.py (python -m jaild.cli_reference prints it)"
+    )
 
 
 def _commands(prog: str, parser: argparse.ArgumentParser) -> list[str]:

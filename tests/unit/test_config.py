@@ -1,4 +1,4 @@
-"""The daemon config file: validation, precedence, and the README's reference table."""
+"""The daemon config file: validation, precedence, and the docs' reference table."""
 
 from __future__ import annotations
 
@@ -77,9 +77,9 @@ def test_instances_do_not_share_cgroups_or_uids() -> None:
     assert all(c.uid_base >= 0x4000_0000 and c.uid_base + 65536 < 2**32 for c in (a, b, default))
 
 
-def test_readme_config_reference_is_generated() -> None:
-    assert config_reference_markdown() in (REPO / "README.md").read_text(), (
-        "run: python scripts/update_readme_reference.py"
+def test_the_docs_config_reference_is_generated() -> None:
+    assert config_reference_markdown() in (REPO / "docs/running/configuration.md").read_text(), (
+        "run: python scripts/update_doc_references.py"
     )
 
 

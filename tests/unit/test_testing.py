@@ -441,12 +441,13 @@ def test_the_blocking_client_against_a_daemon_thread() -> None:
     assert not os.path.exists(d.socket_path)
 
 
-def test_the_readme_example_works() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Testing against jaild without root\n", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_example_works() -> None:
+    page = Path(__file__).resolve().parents[2] / "docs/using/client.md"
+    text = page.read_text(encoding="utf-8")
+    section = text.split("## Testing against jaild without root\n", 1)[1].split("\n## ", 1)[0]
     example = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert "daemon_pair" in example
-    exec(compile(example, "README.md", "exec"), {"__name__": "readme"})
+    exec(compile(example, "docs/using/client.md", "exec"), {"__name__": "docs_example"})
 
 
 NOBODY = 65534

@@ -1,0 +1,60 @@
+"""MkDocs hooks (mkdocs.yml: hooks): pages whose text lives outside docs/.
+
+``proto/PROTOCOL.md`` (the protocol spec) and ``ARCHITECTURE.md`` (the one-page tour, at the
+root where newcomers look) stay where they are and stay the only copy: this hook adds each to
+the site as a generated page made from its file at build time, so nothing is copied into git.
+
+A relative link in such a file is written for the file where it lives (``docs/security.md``
+from ``ARCHITECTURE.md``); the page is served from ``docs/``, so each link that resolves
+inside ``docs/`` is rewritten relative to the page. A link that leaves ``docs/`` is left as
+it is, and the strict build reports it.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from pathlib import Path
+from typing import Any
+
+from mkdocs.config.defaults import MkDocsConfig
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# page in the site <- file in the repository
+PAGES = {
+    "protocol.md": "proto/PROTOCOL.md",
+    "architecture.md": "ARCHITECTURE.md",
+}
+
+LINK = re.compile(r"(\]\()([^)\s]+)(\))")
+
+
+def rebase_links(text: str, source: str, page: str, docs_dir: str) -> str:
+    """``text`` of the repository file ``source`` with its relative links rewritten for
+    ``page`` (a path inside ``docs_dir``, the docs directory relative to the root)."""
+
+    def rebase(match: re.Match[str]) -> str:
+        target = match.group(2)
+        if re.match(r"[a-z][a-z0-9+.-]*:|#|/", target):  # a URL, an anchor, an absolute path
+            return match.group(0)
+        path, hash_, anchor = target.partition("#")
+        in_repo = posixpath.normpath(posixpath.join(posixpath.dirname(source), path))
+        if not in_repo.startswith(docs_dir + "/"):
+            return match.group(0)
+        in_docs = in_repo[len(docs_dir) + 1 :]
+        new = posixpath.relpath(in_docs, posixpath.dirname(page) or ".")
+        return f"{match.group(1)}{new}{hash_}{anchor}{match.group(3)}"
+
+    return LINK.sub(rebase, text)
+
+
+def on_files(files: Files, config: MkDocsConfig, **kwargs: Any) -> Files:
+    docs_dir = Path(config.docs_dir).resolve().relative_to(ROOT).as_posix()
+    for page, source in PAGES.items():
+        text = (ROOT / source).read_text(encoding="utf-8")
+        files.append(
+            File.generated(config, page, content=rebase_links(text, source, page, docs_dir))
+        )
+    return files
