@@ -2,7 +2,9 @@
 
 Built on the official MCP SDK's low-level ``Server``, over stdio (default) or streamable
 HTTP (``--http HOST:PORT``, endpoint ``/mcp``). The model sends Python; the code runs in a
-fresh jail of the jaild daemon at ``--socket`` under ``--policy``; the jailed code's calls
+fresh jail of the jaild daemon at ``--socket`` (``$JAILD_SOCKET``, else the default socket if
+a daemon listens there, else a private daemon for this server, as with ``jaild run``) under
+``--policy``; the jailed code's calls
 to ``tools.<server>.<tool>(...)`` are answered here, by the tool providers loaded with
 ``--tools`` (MCP servers from ``mcpServers`` JSON files, Python modules): see
 :mod:`jaild.providers`. Their credentials never leave this process.
@@ -71,7 +73,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaild import tracing
-from jaild.address import socket_from_env
 from jaild.client import Approver, AsyncClient, AsyncSession, JobResult
 from jaild.errors import (
     EXIT_USAGE,
@@ -786,7 +787,7 @@ def add_mcp_commands(sub: Any) -> None:
                     "code calls the tools of the providers given with --tools.",
     )
     p.add_argument("--socket", help="the jaild daemon's socket (default: $JAILD_SOCKET or "
-                   "/run/jaild/jaild.sock)")
+                   "/run/jaild/jaild.sock; a private daemon if none runs)")
     p.add_argument("--policy", default="default", help="policy the code runs under")
     p.add_argument(
         "--tools", action="append", default=[], metavar="FILE",
@@ -879,7 +880,26 @@ def _token(args: argparse.Namespace) -> str | None:
 
 
 async def _serve(args: argparse.Namespace, providers: ToolProviders) -> int:
-    socket_path = socket_from_env(args.socket)[0]
+    """Serve with the daemon at the named socket (``--socket``, ``$JAILD_SOCKET``), else
+    the default one if a daemon listens there, else a private daemon started for this
+    server and stopped with it: the rule of every front end (``jaild run``, ``session``,
+    ``codemode``; :func:`jaild.daemon.private.daemon_socket`)."""
+    from jaild.daemon.config import DaemonConfig
+    from jaild.daemon.private import daemon_socket
+
+    def announce(path: str) -> None:
+        _print_err(f"no daemon at {path}; serving with a private daemon")
+
+    try:
+        async with daemon_socket(args.socket, DaemonConfig.from_sources, args.policy,
+                                 announce) as socket_path:
+            return await _serve_on(args, providers, socket_path)
+    except JaildError as exc:  # a private daemon was needed and could not start (or its
+        _print_err(error_line(exc))  # config file is bad)
+        return exit_code_for(exc)
+
+
+async def _serve_on(args: argparse.Namespace, providers: ToolProviders, socket_path: str) -> int:
     try:
         token = _token(args)
     except ConfigError as exc:

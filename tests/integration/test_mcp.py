@@ -61,13 +61,13 @@ def _jaild_mcp(sock: str, *args: str) -> list[str]:
 
 def _drive(
     argv: list[str], log_path: Path, body: Callable[[Any], Awaitable[T]], timeout: float = 60,
-    elicit: Any = None,
+    elicit: Any = None, env: dict[str, str] | None = None,
 ) -> T:
     """Start ``argv`` (a ``jaild mcp`` over stdio) with the SDK's stdio client, initialize,
     and run ``body(session)``."""
     from mcp import ClientSession, StdioServerParameters, stdio_client
 
-    params = StdioServerParameters(command=argv[0], args=argv[1:], cwd=str(REPO))
+    params = StdioServerParameters(command=argv[0], args=argv[1:], cwd=str(REPO), env=env)
 
     async def main() -> T:
         with open(log_path, "a") as errlog:
@@ -283,6 +283,28 @@ def test_persistent_mode_shares_one_jaild_session(
         while last in {row["id"] for row in c.jobs()} and time.monotonic() < deadline:
             time.sleep(0.05)
         assert last not in {row["id"] for row in c.jobs()}
+
+
+def test_with_no_socket_named_and_none_listening_it_serves_with_a_private_daemon(
+    servers_json: Path, tmp_path: Path
+) -> None:
+    """The rule of every front end (jaild run, session, codemode): a named socket is used
+    as it is (below, in test_startup_errors_name_the_culprit: 69 when nothing answers);
+    with none named, the default one if a daemon listens there, else a private daemon for
+    this server, stopped with it."""
+    assert not os.path.exists("/run/jaild/jaild.sock"), "a system daemon runs here; test needs none"
+    argv = [sys.executable, "-m", "jaild", "mcp", "--connect-timeout", str(guard(30)),
+            "--tools", str(servers_json)]
+    env = {"PATH": os.environ["PATH"], "JAILD_POLICIES": str(REPO / "policies")}
+
+    async def body(session: Any) -> Any:
+        return await _run(session, "await tools.demo.add(a=2, b=3)")
+
+    log = tmp_path / "log"
+    result = _drive(argv, log, body, env=env)
+    assert result.is_error is not True, _text(result)
+    assert result.structured_content["result"] == 5
+    assert "no daemon at /run/jaild/jaild.sock; serving with a private daemon" in log.read_text()
 
 
 def test_startup_errors_name_the_culprit(
