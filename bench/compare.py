@@ -444,7 +444,7 @@ JAILD_ISOLATION = (
     "(no interfaces), ipc, uts and cgroup namespaces; an empty read-only root with the "
     "policy's binds; a per-job uid outside, no capabilities, `no_new_privs`; a seccomp "
     "allow-list; the job's own cgroup (memory, pids, optional CPU) and rlimits; a wall-clock "
-    "deadline (README, Security model)"
+    "deadline (docs/security.md)"
 )
 
 

@@ -375,7 +375,7 @@ class Report:
                      f"{t.get('export_requests', 0):,} requests "
                      f"({t.get('exported_bytes', 0) / 1024:,.0f} KiB)")
         return [text + ". Tracing off (the default), the job's path only tests whether it is "
-                "on (README, \"Tracing\").", ""]
+                "on (docs/using/tracing.md).", ""]
 
     def _isolation(self) -> list[str]:
         iso = self.r.isolation
@@ -589,8 +589,8 @@ class Report:
                 f"its jobs using the CPU in brackets of {self.r.machine.get('cores', '?')} "
                 "cores shared with everything else on the machine (the load average is under "
                 "Machine): the share bounds jails, not CPU "
-                "time, which the README's security model lists as not protected between "
-                "tenants (`limits.cpu_cores` caps one job).",
+                "time, which the security model (docs/security.md) lists as not protected "
+                "between tenants (`limits.cpu_cores` caps one job).",
             ]
         return lines
 
@@ -650,8 +650,7 @@ class Report:
             "",
             "py-spy sees Python only. Most of a jail's cost is in the kernel (`perf`: "
             "copy-on-write faults, fork, exit, namespaces) and between processes (wake-ups); the "
-            "README's "
-            "[performance section](../README.md#performance) puts these profiles together with "
+            "[performance page](../docs/performance.md) puts these profiles together with "
             "`perf` and per-stage timestamps into where the warm and cold paths spend their time.",
         ]
         for key, flame in self.r.profiles.items():

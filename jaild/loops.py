@@ -5,8 +5,8 @@ their event loop here: the standard library's by default; uvloop (libuv, ``pip i
 'jaild[uvloop]'``) when asked for, or with ``auto`` where it is installed. On the bench's
 2-vCPU machine uvloop made a tool call's round trip faster in 8 of 10 runs and left a warm
 job level; it is not the default because it has had fewer full runs of the suite than the
-standard loop (README, "Event loops" and "Performance"). ``AsyncClient`` runs on whatever
-loop its caller runs.
+standard loop (docs/using/client.md, "Event loops"; docs/performance.md). ``AsyncClient``
+runs on whatever loop its caller runs.
 
 The jail's runtime never imports this module: inside a jail the standard loop runs the
 code's ``await tools.x()`` (libuv would need system calls the jail's filter does not open).

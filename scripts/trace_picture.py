@@ -6,8 +6,9 @@ and draws every span of one trace (the only one, or ``--trace ID``). Standard li
 
     python scripts/trace_picture.py spans.json -o docs/trace-codemode.svg
 
-The README's picture (docs/trace-codemode.svg) is drawn from the spans of a code-mode task,
-written by ``tests/integration/test_tracing.py`` when ``JAILD_TRACE_SPANS_OUT`` names a file.
+The picture on docs/using/tracing.md (docs/trace-codemode.svg) is drawn from the spans of a
+code-mode task, written by ``tests/integration/test_tracing.py`` when ``JAILD_TRACE_SPANS_OUT``
+names a file.
 """
 
 from __future__ import annotations

@@ -90,7 +90,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "seccomp",
     ),
     # Closed in every shipped profile: side channels through the shared read-only binds
-    # (README, "Side channels"). A policy re-opens one with `seccomp.allow = ["@inotify"]`.
+    # (docs/security.md, "Side channels"). A policy re-opens one with
+    # `seccomp.allow = ["@inotify"]`.
     "@inotify": (
         "inotify_add_watch", "inotify_init", "inotify_init1", "inotify_rm_watch",
         "fcntl:F_NOTIFY",

@@ -1,4 +1,4 @@
-"""Side channels between tenants that the seccomp profiles close (README, "Side channels").
+"""Side channels between tenants that the seccomp profiles close (docs/security.md, "Side channels").
 
 Every jail binds the same host ``/usr`` read-only, and the kernel lets a reader of a file or
 directory watch it (inotify, dnotify), lock it (``flock``) or ask who has it locked

@@ -73,7 +73,7 @@ def _b64(digest: bytes) -> str:
 class _Server(http.server.BaseHTTPRequestHandler):
     """Answers with the method and path it got -- never the request's headers (those it
     keeps in ``seen`` for the test: a server that echoed them would show a jail the
-    credential the gateway added, as the README's threat model says). ``/big`` answers
+    credential the gateway added, as docs/using/egress.md's threat model says). ``/big`` answers
     :data:`BIG` bytes; ``/simple/jaildprobe/`` and the wheel make a package index."""
 
     seen: list[dict[str, Any]]

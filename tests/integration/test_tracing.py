@@ -28,8 +28,8 @@ from tests.otlp import Receiver, SpanRecord, daemon_environment, encode, otlp_js
 pytestmark = pytest.mark.integration
 
 SPANS_OUT = "JAILD_TRACE_SPANS_OUT"
-"""If set, the code-mode test writes every span of its trace there as OTLP/JSON (the README's
-picture: ``scripts/trace_picture.py``)."""
+"""If set, the code-mode test writes every span of its trace there as OTLP/JSON (the picture
+on docs/using/tracing.md: ``scripts/trace_picture.py``)."""
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +202,7 @@ def test_the_code_mode_loop_and_its_jail_runs_are_one_trace(
     everything = [s for s in receiver.spans() if s.trace_id == trace_id]
     assert {s.service for s in everything} == {"jaild"}
     out = os.environ.get(SPANS_OUT)
-    if out:  # the README's picture
+    if out:  # the picture on docs/using/tracing.md
         requests = [encode(loop_spans)]
         trace_only = otlp_json(requests)["resourceSpans"] + [
             rs for rs in otlp_json(receiver.requests)["resourceSpans"]]

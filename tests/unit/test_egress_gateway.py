@@ -474,7 +474,7 @@ def test_a_job_holds_at_most_max_connections_of_the_daemon() -> None:
 
 class _Quiet(_Echo):
     """Records every header it gets, answers with the path only (echoing headers back
-    would hand the jail the credential: the README's threat model says so)."""
+    would hand the jail the credential: docs/using/egress.md's threat model says so)."""
 
     def _answer(self) -> None:
         self.seen.append({"path": self.path,
