@@ -77,7 +77,7 @@ _payload = binary(MAX_PAYLOAD_BYTES)
 _session_id = string(64, min_len=5, pattern=SESSION_ID)
 _traceparent = string(55, min_len=55, pattern=TRACEPARENT)
 """The caller's trace context (W3C ``traceparent``): the daemon's spans for the request join
-that trace. Untrusted: it names a parent, it reads nothing (README, "Tracing")."""
+that trace. Untrusted: it names a parent, it reads nothing (docs/using/tracing.md)."""
 _path = string(4096, min_len=1)
 _files = map_of(_path, _payload, 1 << 16)
 """Files for the jail's working directory: relative path -> contents (checked by the daemon
