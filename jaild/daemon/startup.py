@@ -39,6 +39,7 @@ import secrets
 import shutil
 import socket
 import stat
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,12 +60,13 @@ from jaild.daemon.placement import new_job_id
 from jaild.daemon.pool import JailPool, TenantPools
 from jaild.daemon.selftest import INSPECT_TOOL, Check, evaluate, host_paths_to_hide, probe_code
 from jaild.daemon.staging import ensure_traversable, locate_nsjail, stage_runtime
-from jaild.errors import CgroupError, PolicyError, StartupError, ZygoteError
+from jaild.errors import CgroupError, DaemonUnavailable, PolicyError, StartupError, ZygoteError
 from jaild.policy.compile import JOB_UIDS, HostLayout, nsjail_config
 from jaild.policy.schema import Policy, check_policy_files, policy_files, resolve_env
 from jaild.policy.seccomp import build_spec
-from jaild.protocol import pack, unpack
-from jaild.protocol.messages import ToolSpec
+from jaild.protocol import encode_frame, pack, unpack
+from jaild.protocol.connection import HANDSHAKE_FRAME_BYTES
+from jaild.protocol.messages import Error, ToolSpec, encode
 from jaild.runtime.harden import become_child_subreaper
 from jaild.runtime.seccomp import bpf_program
 from jaild.runtime.seccomp import digest as seccomp_digest
@@ -196,8 +198,10 @@ async def start(
             cgroups.sweep()
             cgroups.remove_subtree()
             raise
-    except BaseException:
+    except BaseException as exc:
         metrics.stop()
+        if isinstance(exc, StartupError):
+            answer_waiting(sock, config.socket_path, exc.message)
         sock.close()
         raise
     where = config.socket_path if served.socket_inode else f"{sock.getsockname()} (activated)"
@@ -435,6 +439,46 @@ def listening_socket(config: DaemonConfig, served: Served) -> socket.socket:
     served.socket_inode = (st.st_dev, st.st_ino)
     sock.listen(512)
     return sock
+
+
+def answer_waiting(sock: socket.socket, path: str, reason: str) -> int:
+    """A start that failed after the socket was claimed: answer each connection waiting in
+    its backlog -- a client that connected while the daemon was starting, or the one whose
+    connection activated it -- with an Error frame saying why (``DaemonUnavailable``), so
+    that it reads the reason instead of a reset connection. The daemon's own uid (root for
+    the system daemon) reads the reason itself; any other uid is told where to find it, since
+    the reason describes the host. Returns how many were answered.
+
+    Non-blocking throughout: a frame this small fits an empty socket buffer, and what the
+    client sent (its Hello) is read and dropped first, so that it can read the frame."""
+    told = f"the jaild daemon at {path} cannot start: {reason}"
+    withheld = (f"the jaild daemon at {path} cannot start; its log says why "
+                "(journalctl -u jaild, or its stderr)")
+    frames = {
+        told: encode_frame(encode(Error(code=DaemonUnavailable.code, message=told[:65536])),
+                           HANDSHAKE_FRAME_BYTES),
+        withheld: encode_frame(encode(Error(code=DaemonUnavailable.code, message=withheld)),
+                               HANDSHAKE_FRAME_BYTES),
+    }
+    answered = 0
+    sock.setblocking(False)
+    while answered < 1024:  # a backlog holds at most 512; never loop on a hostile flood
+        try:
+            conn, _ = sock.accept()
+        except OSError:  # BlockingIOError: no one else is waiting
+            break
+        with conn:
+            conn.setblocking(False)
+            uid = struct.unpack("3i", conn.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+            with contextlib.suppress(OSError):
+                conn.recv(HANDSHAKE_FRAME_BYTES)
+            with contextlib.suppress(OSError):
+                conn.send(frames[told if uid == os.geteuid() else withheld])
+        answered += 1
+    if answered:
+        log.info("answered %d waiting connection(s) with the reason", answered)
+    return answered
 
 
 PROBE_JOB_PREFIX = "probe-"

@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 
 from jaild.client import Client, JobResult
+from jaild.errors import DaemonUnavailable
 from tests.conftest import (
     REPO,
     REPO_POLICIES,
@@ -288,3 +289,52 @@ def test_foreign_listen_fds_are_ignored(tmp_path: Path) -> None:
     serve_once_and_stop(start_daemon(tmp_path / "d",
                                      extra_env={"LISTEN_PID": "1", "LISTEN_FDS": "1"},
                                      wait=False))
+
+
+def test_a_start_that_fails_tells_the_waiting_client_why(tmp_path: Path) -> None:
+    """An activated daemon whose start fails once it holds the socket (here: its metrics
+    port is taken) answers the connection that activated it with the reason -- a
+    DaemonUnavailable -- instead of resetting it (the client saw 'Connection reset by
+    peer' and the reason was only in the daemon's log). The control, the same activation
+    with nothing in the way serving, is test_socket_activation."""
+    require_jail_host()
+    assert ACTIVATE is not None, "systemd-socket-activate is missing: apt-get install systemd (make test does)"
+    sock_path = str(tmp_path / "act.sock")
+    pdir = tmp_path / "policies"
+    pdir.mkdir()
+    shutil.copy(REPO_POLICIES / "default.toml", pdir / "default.toml")
+    log_path = tmp_path / "jaild.log"
+    with socket.socket() as busy, open(log_path, "wb") as log_file:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        config = tmp_path / "jaild.toml"
+        config.write_text(f'[daemon]\nmetrics_address = "127.0.0.1:{port}"\n')
+        proc = subprocess.Popen(
+            [ACTIVATE, "-l", sock_path, sys.executable, "-m", "jaild", "serve", "--socket",
+             sock_path, "--policies", str(pdir), "--state-dir", STATE_DIR, "--config",
+             str(config)],
+            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
+
+        def kill_group() -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+        try:
+            deadline = time.monotonic() + DEADLINE_S
+            while not os.path.exists(sock_path):
+                assert proc.poll() is None, f"activator exited {proc.returncode}"
+                assert time.monotonic() < deadline, "activator never bound its socket"
+                time.sleep(0.02)
+            thread, out = in_thread(lambda: Client(sock_path))
+            with pytest.raises(DaemonUnavailable) as caught:
+                joined(thread, out, DEADLINE_S, kill_group, "the activating connection")
+            assert proc.wait(timeout=DEADLINE_S) == 1
+        finally:
+            kill_group()
+    assert str(caught.value) == (
+        f"the jaild daemon at {sock_path} cannot start: daemon.metrics_address: cannot "
+        f"listen on '127.0.0.1:{port}': port {port} on 127.0.0.1 is already in use "
+        f"(`ss -ltnp 'sport = :{port}'` shows by whom); stop that program or choose another "
+        "daemon.metrics_address"
+    ), log_path.read_text(errors="replace")
