@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from jaild.protocol.messages import CodeFinished
 from jaild.protocol.records import STATUSES
@@ -42,11 +42,15 @@ _SIGNALED = re.compile(r"pid=(\d+) \(\[STANDALONE MODE\]\) terminated with signa
 _LAUNCH_FAILED = ("Couldn't launch the child process", "Launching child process failed")
 
 
+KillReason = Literal[
+    "cancelled", "timeout", "cpu_time", "output_limit", "channel_error", "start_failed"
+]
+"""Why the daemon killed a jail (the machine's ``Kill``); the first one counts."""
+
+
 @dataclass
 class Evidence:
-    kill_reason: str | None = (
-        None  # cancelled | timeout | cpu_time | output_limit | channel_error | start_failed
-    )
+    kill_reason: KillReason | None = None
     kill_detail: str = ""
     log: str = ""
     jail_ready: bool = False

@@ -87,12 +87,12 @@ comes after Release.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from jaild.daemon.broker import Admitted, Answer, Broker, Refused, Validators
-from jaild.daemon.classify import Evidence, classify
+from jaild.daemon.classify import Evidence, KillReason, classify
 from jaild.errors import LocalProtocolError, RemoteProtocolError
 from jaild.policy.schema import Limits, Policy
 from jaild.protocol import NEED_DATA, Connection, Role, State
@@ -108,6 +108,11 @@ from jaild.protocol.messages import (
     ToolSpec,
     jail_link_max_frame,
 )
+
+TimerKind = Literal["start", "wall"]
+"""The machine's timers: the jail's start (:data:`START_TIMEOUT_S`) and a run's wall clock."""
+Leftovers = Literal["", "awaited", "gone"]
+"""What is known of a killed nsjail's processes: nothing yet, waited for, none left."""
 
 START_TIMEOUT_S = 30.0
 """A jail must be ready this long after it was started."""
@@ -279,7 +284,7 @@ class ToolLost:
 
 @dataclass(frozen=True, slots=True)
 class TimerFired:
-    timer: str  # "start" | "wall"
+    timer: TimerKind
     run: int = 0  # the run a wall timer was armed for
 
 
@@ -407,7 +412,7 @@ class CodeEnded:
 
 @dataclass(frozen=True, slots=True)
 class Kill:
-    reason: str
+    reason: KillReason
     detail: str
 
 
@@ -511,7 +516,7 @@ class _Facts:
     open_streams: int = 0
     exited: bool = False
     claimed: bool = False  # a zygote job's CodeFinished, drained: it decides the record
-    leftovers: str = ""  # "" | "awaited" | "gone": processes of a killed nsjail
+    leftovers: Leftovers = ""  # processes of a killed nsjail
     reaped: bool = False
 
 
@@ -630,9 +635,7 @@ class JobMachine:
             if isinstance(event, (Launch, ChannelOpened, Assign, EvidenceRead, Drained)):
                 raise LocalProtocolError(f"{type(event).__name__} after the jail's release")
             return []
-        handler = getattr(self, "_on_" + type(event).__name__)
-        actions: list[Action] = handler(event)
-        return actions
+        return _HANDLERS[type(event)](self, event)  # every Event has one: test_machine.py
 
     # -- commands
 
@@ -902,12 +905,12 @@ class JobMachine:
         ev.wall_limit_s = spec.limits.wall_time_s
         ev.output_limit = spec.limits.output_bytes
 
-    def _set_kill(self, reason: str, detail: str) -> None:
+    def _set_kill(self, reason: KillReason, detail: str) -> None:
         if self.evidence.kill_reason is None:
             self.evidence.kill_reason = reason
             self.evidence.kill_detail = detail
 
-    def _kill(self, reason: str, detail: str) -> list[Action]:
+    def _kill(self, reason: KillReason, detail: str) -> list[Action]:
         """The daemon ends the jail. The first reason is the one that counts."""
         self._set_kill(reason, detail)
         if self.phase is Phase.NEW:
@@ -972,6 +975,13 @@ class JobMachine:
             self.evidence.kill_reason = None  # this run's reason is in its record
             actions += self._kill("cancelled", f"the run ended {status}")
         return actions + self._maybe_settle()
+
+
+_HANDLERS: dict[type[Any], Callable[[JobMachine, Any], list[Action]]] = {
+    event: getattr(JobMachine, "_on_" + event.__name__) for event in get_args(Event)
+}
+"""Each event type's handler, :meth:`JobMachine.handle`'s one lookup (an event without a
+handler fails the import; a handler without an event fails tests/unit/test_machine.py)."""
 
 
 __all__ = [

@@ -612,3 +612,14 @@ def test_the_driver_performs_every_action_the_machine_can_return() -> None:
     from jaild.daemon.machine import Action
 
     assert set(_PERFORM) == set(typing.get_args(Action))
+
+
+def test_every_event_has_a_handler_and_every_handler_an_event() -> None:
+    """JobMachine.handle looks each event up by its type (machine._HANDLERS, built at import,
+    so an event without a handler fails the import): no handler may be left without its
+    event either, which would be a rule nothing ever runs."""
+    from jaild.daemon.machine import _HANDLERS, Event, JobMachine
+
+    assert set(_HANDLERS) == set(typing.get_args(Event))
+    handlers = {name.removeprefix("_on_") for name in vars(JobMachine) if name.startswith("_on_")}
+    assert handlers == {event.__name__ for event in typing.get_args(Event)}
