@@ -93,7 +93,7 @@ def install_daemon_notes(notes: list[tuple[int, str, int]]) -> None:
     _wrap(pipeline.Pipeline, "submit", submit_before, submit_after)
     _wrap(handle._Channel, "write", channel_write)
     _wrap(handle._Channel, "_readable", channel_readable)
-    _wrap(server.ClientSession, "send", client_send)
+    _wrap(server.ServedConnection, "send", client_send)
 
 
 def serve(argv: list[str]) -> int:

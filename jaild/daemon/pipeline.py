@@ -16,7 +16,7 @@ Every run, one-shot or in a session, goes the same way::
 2. *Placement* (:mod:`jaild.daemon.placement`) picks the jail.
 3. The job is registered (:mod:`jaild.daemon.registry`), ``JobAccepted`` is due (the
    connection holds it briefly to write it with the job's next message, usually its end:
-   ``ClientSession.accept``), and :meth:`Pipeline.run_to_record` runs in the owning
+   ``ClientConnection.accept``), and :meth:`Pipeline.run_to_record` runs in the owning
    connection's task group. It always ends in exactly one record: a failure inside jaild becomes an
    ``internal_error`` record (and ends a session), never silence. The record is
    audited and accounted before the client can see it; when tracing is on
@@ -32,7 +32,7 @@ from typing import Protocol
 
 from jaild.daemon import admission, placement
 from jaild.daemon.records import internal_error_record
-from jaild.daemon.registry import ClientSession, LiveJob
+from jaild.daemon.registry import ClientConnection, LiveJob
 from jaild.daemon.sessions import SessionHost, Sessions, check_room
 from jaild.errors import JaildError
 from jaild.protocol.messages import JobFinished, RunJob
@@ -73,7 +73,7 @@ class Pipeline:
     def __init__(self, daemon: PipelineHost) -> None:
         self.daemon = daemon
 
-    def submit(self, client: ClientSession, req: RunJob) -> None:
+    def submit(self, client: ClientConnection, req: RunJob) -> None:
         """Admit a RunJob, place it and start it. Raises the JaildError the client gets
         as Error."""
         daemon = self.daemon
@@ -112,7 +112,7 @@ class Pipeline:
         registry.add_job(LiveJob(placed.job_id, placed.jail, client, sess, memory_mb=memory_mb))
         client.start(self.run_to_record(client, placed))
 
-    async def run_to_record(self, client: ClientSession, placed: placement.Placed) -> None:
+    async def run_to_record(self, client: ClientConnection, placed: placement.Placed) -> None:
         """Run a placed job to its one record, and send it (see the module docstring)."""
         spec, sess = placed.spec, placed.session
         job_id = spec.job_id
@@ -144,7 +144,7 @@ class Pipeline:
             self.daemon.sessions.after_run(sess, job_id, record)
 
     def audit(
-        self, client: ClientSession, record: JobRecord, uploaded: int = 0, downloaded: int = 0
+        self, client: ClientConnection, record: JobRecord, uploaded: int = 0, downloaded: int = 0
     ) -> None:
         """A job's record: audited, accounted and counted."""
         daemon = self.daemon

@@ -45,9 +45,9 @@ from jaild.protocol.messages import Message, ToolSpec
 from jaild.protocol.records import JobRecord
 
 
-class ClientSession(Protocol):
+class ClientConnection(Protocol):
     """What the daemon's core needs of a client connection (the server's
-    :class:`~jaild.daemon.server.ClientSession`): who it is, sending to it, running work
+    :class:`~jaild.daemon.server.ServedConnection`): who it is, sending to it, running work
     in its task group, its part of a job (output, tool calls), and shutting it at the
     stop. Declared here, where connections are registered, so that the core does not
     depend on the server."""
@@ -80,7 +80,7 @@ class LiveJob:
 
     job_id: str
     jail: JailedJob  # its jail (a session's run: the session's)
-    owner: ClientSession
+    owner: ClientConnection
     session: JailSession | None = None
     started: float = field(default_factory=time.time)
     memory_mb: int = 0  # its jail's memory limit (a session's run: 0, the session holds it)
@@ -95,7 +95,7 @@ class JailSession:
     def __init__(
         self,
         session_id: str,
-        owner: ClientSession,
+        owner: ClientConnection,
         terms: admission.SessionTerms,
         jail: JailedJob,
     ) -> None:
@@ -181,7 +181,7 @@ class Registry:
     """See the module docstring."""
 
     def __init__(self) -> None:
-        self.connections: set[ClientSession] = set()
+        self.connections: set[ClientConnection] = set()
         self._jobs: dict[str, LiveJob] = {}
         self._sessions: dict[str, JailSession] = {}
         self._retiring = 0
@@ -190,10 +190,10 @@ class Registry:
 
     # -- connections
 
-    def connect(self, conn: ClientSession) -> None:
+    def connect(self, conn: ClientConnection) -> None:
         self.connections.add(conn)
 
-    def disconnect(self, conn: ClientSession) -> None:
+    def disconnect(self, conn: ClientConnection) -> None:
         self.connections.discard(conn)
 
     # -- jobs
@@ -207,18 +207,18 @@ class Registry:
         self._jobs.pop(job_id, None)
         self._update()
 
-    def job(self, job_id: str, owner: ClientSession | None = None) -> LiveJob | None:
+    def job(self, job_id: str, owner: ClientConnection | None = None) -> LiveJob | None:
         """A live job; with ``owner``, only if it is that connection's."""
         live = self._jobs.get(job_id)
         if live is None or (owner is not None and live.owner is not owner):
             return None
         return live
 
-    def jobs(self, owner: ClientSession | None = None) -> list[LiveJob]:
+    def jobs(self, owner: ClientConnection | None = None) -> list[LiveJob]:
         """The live jobs (of ``owner``), oldest first."""
         return [j for j in self._jobs.values() if owner is None or j.owner is owner]
 
-    def job_count(self, owner: ClientSession | None = None) -> int:
+    def job_count(self, owner: ClientConnection | None = None) -> int:
         if owner is None:
             return len(self._jobs)
         return sum(1 for j in self._jobs.values() if j.owner is owner)
@@ -251,14 +251,14 @@ class Registry:
     def remove_session(self, sess: JailSession) -> None:
         self._sessions.pop(sess.id, None)
 
-    def session(self, session_id: str, owner: ClientSession | None = None) -> JailSession | None:
+    def session(self, session_id: str, owner: ClientConnection | None = None) -> JailSession | None:
         """An open session; with ``owner``, only if it is that connection's."""
         sess = self._sessions.get(session_id)
         if sess is None or (owner is not None and sess.owner is not owner):
             return None
         return sess
 
-    def sessions(self, owner: ClientSession | None = None) -> list[JailSession]:
+    def sessions(self, owner: ClientConnection | None = None) -> list[JailSession]:
         return [s for s in self._sessions.values() if owner is None or s.owner is owner]
 
     def session_count(self, uid: int | None = None) -> int:

@@ -10,7 +10,7 @@ policy, start zygotes, self-tests and pools, serve, notify systemd) ->
 jobs so they end ``cancelled``, close sessions, wait for the records to reach their
 clients, close connections, remove the socket and the cgroup subtree).
 
-Each connection is a :class:`ClientSession` wrapping the sans-IO
+Each connection is a :class:`ServedConnection` wrapping the sans-IO
 :class:`~jaild.protocol.Connection`. Its life is one :class:`asyncio.TaskGroup`:
 the conversation (read a message, dispatch it) and every task it starts -- its
 jobs' runs, its sessions' jails opening, watched and discarded, the drain of its
@@ -148,7 +148,7 @@ def _peer_credentials(sock: socket.socket) -> tuple[int, int, int, tuple[int, ..
     return pid, uid, gid, groups
 
 
-class ClientSession(asyncio.Protocol):
+class ServedConnection(asyncio.Protocol):
     """One client connection: an asyncio protocol over the sans-IO :class:`Connection`.
 
     Frames are decoded and dispatched as they arrive, in the loop iteration that read
@@ -671,11 +671,11 @@ class Daemon:
     async def serve_forever(self) -> None:
         await self._stopped.wait()
 
-    def protocol(self) -> ClientSession:
+    def protocol(self) -> ServedConnection:
         """A new connection's protocol (the listening socket's protocol factory)."""
-        return ClientSession(self)
+        return ServedConnection(self)
 
-    def connected(self, session: ClientSession) -> None:
+    def connected(self, session: ServedConnection) -> None:
         """A connection was accepted and its peer is known: admit it and let it converse,
         or refuse it (before it has sent a byte)."""
         scope = self.connections
@@ -700,14 +700,14 @@ class Daemon:
             self._lingering[uid] += 1
             scope.create_task(self._lingered(session, uid))
 
-    async def _serve(self, session: ClientSession) -> None:
+    async def _serve(self, session: ServedConnection) -> None:
         """One connection's life. A failure inside jaild ends that connection only."""
         try:
             await session.serve()
         except Exception:
             log.exception("connection of %s failed inside jaild", session.who)
 
-    async def _lingered(self, session: ClientSession, uid: int) -> None:
+    async def _lingered(self, session: ServedConnection, uid: int) -> None:
         try:
             await session.finished()
         finally:
@@ -772,7 +772,7 @@ class Daemon:
 
     # ------------------------------------------------------------------ requests
 
-    def admit(self, session: ClientSession) -> JaildError | None:
+    def admit(self, session: ServedConnection) -> JaildError | None:
         """May this connection, just accepted, stay? (peer credentials, connection limits:
         every connection admitted before counts, whether it has said Hello or not)"""
         try:
@@ -791,11 +791,11 @@ class Daemon:
         """The policies served, as admission sees them now."""
         return admission.Catalog(self.policies, self.unavailable, self._stopping)
 
-    def submit(self, session: ClientSession, req: RunJob) -> None:
+    def submit(self, session: ServedConnection, req: RunJob) -> None:
         """Admit a RunJob and start it. Raises a JaildError the client gets as Error."""
         self.pipeline.submit(session, req)
 
-    def open_session(self, client: ClientSession, req: OpenSession) -> None:
+    def open_session(self, client: ServedConnection, req: OpenSession) -> None:
         """Open a session (answered by SessionOpened once its jail is ready)."""
         self.sessions.open(client, req)
 
@@ -927,4 +927,4 @@ async def serve(config: DaemonConfig) -> None:
         await daemon.stop()
 
 
-__all__ = ["ClientSession", "Daemon", "InternalError", "StartupError", "serve"]
+__all__ = ["Daemon", "InternalError", "ServedConnection", "StartupError", "serve"]

@@ -43,7 +43,7 @@ from jaild.daemon.config import DaemonConfig
 from jaild.daemon.job import JailedJob, JailEnvironment, JobSpec
 from jaild.daemon.metrics import Metrics
 from jaild.daemon.pool import JailPool
-from jaild.daemon.registry import ClientSession, JailSession, Registry
+from jaild.daemon.registry import ClientConnection, JailSession, Registry
 from jaild.errors import InternalError, JaildError, UnknownSession
 from jaild.protocol.messages import OpenSession, SessionOpened
 from jaild.protocol.messages import SessionClosed as SessionClosedMsg
@@ -119,7 +119,7 @@ class Sessions:
     def __init__(self, daemon: SessionHost) -> None:
         self.daemon = daemon
 
-    def runnable(self, client: ClientSession, session_id: str) -> JailSession:
+    def runnable(self, client: ClientConnection, session_id: str) -> JailSession:
         """The client's session a ``RunJob`` names, if a run may start in it now.
 
         Raises:
@@ -131,7 +131,7 @@ class Sessions:
         sess.check_runnable()
         return sess
 
-    def open(self, client: ClientSession, req: OpenSession) -> None:
+    def open(self, client: ClientConnection, req: OpenSession) -> None:
         """Make a jail that stays for a series of runs; answered by SessionOpened once it
         is ready (or Error if it cannot be made). Raises the refusal the client gets."""
         daemon = self.daemon

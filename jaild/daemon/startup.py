@@ -77,7 +77,8 @@ ZYGOTE_UIDS = 65536 - JOB_UIDS
 """Host uids for zygotes in a daemon's block (see JOB_UIDS)."""
 
 ProtocolFactory = Callable[[], asyncio.Protocol]
-"""A new client connection's protocol (the daemon's :class:`~jaild.daemon.server.ClientSession`)."""
+"""A new client connection's protocol (the daemon's
+:class:`~jaild.daemon.server.ServedConnection`)."""
 
 
 @dataclass

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from jaild.daemon.config import DaemonConfig
-from jaild.daemon.server import ACCEPT_HOLD_S, ClientSession
+from jaild.daemon.server import ACCEPT_HOLD_S, ServedConnection
 from jaild.protocol.connection import State
 from jaild.protocol.framing import FrameDecoder
 from jaild.protocol.messages import JobAccepted, JobOutput, Message, decode
@@ -43,12 +43,12 @@ class _Registry:
         return []
 
 
-async def _session() -> tuple[ClientSession, list[bytes], socket.socket]:
+async def _session() -> tuple[ServedConnection, list[bytes], socket.socket]:
     ours, theirs = socket.socketpair()
     daemon = SimpleNamespace(
         config=DaemonConfig(), registry=_Registry(), frame_bytes={}, connected=lambda _: None
     )
-    session = ClientSession(daemon)  # type: ignore[arg-type]
+    session = ServedConnection(daemon)  # type: ignore[arg-type]
     transport, _ = await asyncio.get_running_loop().create_unix_connection(
         lambda: session, sock=ours
     )
@@ -101,7 +101,7 @@ def test_a_job_still_running_is_announced_on_its_own() -> None:
 
 
 def test_a_closed_connection_drops_what_it_held() -> None:
-    async def main() -> tuple[list[bytes], ClientSession]:
+    async def main() -> tuple[list[bytes], ServedConnection]:
         session, writes, theirs = await _session()
         session.accept(7, J1)
         session.close()

@@ -1,4 +1,4 @@
-"""A connection's work runs in its scope (ClientSession.serve), even work started before the
+"""A connection's work runs in its scope (ServedConnection.serve), even work started before the
 task running serve() has taken its first step: uvloop may deliver a client's first bytes --
 Hello and a RunJob in one write -- in the same loop iteration as connection_made, before
 that task runs. Such a job was placed (its jail taken from the pool) and then refused a
@@ -15,7 +15,7 @@ import pytest
 import uvloop  # the test extra's: jaild's other loop
 
 from jaild.daemon.config import DaemonConfig
-from jaild.daemon.server import ClientSession
+from jaild.daemon.server import ServedConnection
 
 
 class _Registry:
@@ -29,11 +29,11 @@ class _Registry:
         return []
 
 
-def _session() -> ClientSession:
+def _session() -> ServedConnection:
     daemon = SimpleNamespace(
         config=DaemonConfig(), registry=_Registry(), frame_bytes={}, connected=lambda _: None
     )
-    return ClientSession(daemon)  # type: ignore[arg-type]
+    return ServedConnection(daemon)  # type: ignore[arg-type]
 
 
 def test_work_started_before_serve_begins_runs_in_its_scope_and_is_waited_for() -> None:
