@@ -329,11 +329,12 @@ class Run:
         s, r = self.settings, self.results
         variant = next(v for v in variants(s.pool_section) if v.key == "warm")
         print("== stages of a warm job", flush=True)
-        split = self.attempt(
-            "warm/stages",
-            lambda: stages.measure(variant, JAILD_CODE, s.runs, s.warm_pause_s,
-                                   Path(tempfile.mkdtemp(prefix="jaild-bench-stages-"))),
-        )
+        # the daemon's notes are read into the split, then go with their directory
+        with tempfile.TemporaryDirectory(prefix="jaild-bench-stages-") as notes:
+            split = self.attempt(
+                "warm/stages",
+                lambda: stages.measure(variant, JAILD_CODE, s.runs, s.warm_pause_s, Path(notes)),
+            )
         if split is not None:
             r.stages = split
 

@@ -22,15 +22,19 @@ from tests.conftest import REPO, guard
 pytestmark = pytest.mark.integration
 
 
-def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path) -> None:
+def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path, world_dir: Path) -> None:
     out = tmp_path / "report.md"
     # its own process group: a harness that hangs is stopped with the daemons it started
-    # (SIGTERM first: a daemon removes its cgroups as it stops), not left running
+    # (SIGTERM first: a daemon removes its cgroups as it stops), not left running.
+    # Its temporary directories go in a TMPDIR of its own (traversable by the jailed uid, as
+    # /tmp is), which must be empty after: every run of make test left a jaild-bench-stages-*
+    # in /tmp, unseen among other suites' and benches' entries there.
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "bench" / "compare.py"), "--quick", "--runs", "4",
          "--seconds", "0.3", "--tool-calls", "50", "--sleep-jobs", "20", "--deadline-runs", "3",
          "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "TMPDIR": str(world_dir)},
     )
     try:
         stdout, stderr = proc.communicate(timeout=guard(600))
@@ -44,6 +48,7 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path) -> None:
         raise
     run = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert sorted(p.name for p in world_dir.iterdir()) == [], "the harness left temporary files"
     report = out.read_text()
     for section in ("## This machine's floors", "## Targets", "## 1. Job latency", "### What each row isolates",
                     "## 2. Fresh-jail jobs per second",
