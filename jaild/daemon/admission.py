@@ -56,8 +56,9 @@ import functools
 import json
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from jaild.daemon.peer import Peer
 from jaild.errors import (
     BadRequest,
     Busy,
@@ -76,9 +77,6 @@ from jaild.policy.schema import (
 )
 from jaild.protocol.messages import OpenSession, RunJob, ToolSpec
 from jaild.runtime.files import FileLimits, check_file_set
-
-if TYPE_CHECKING:
-    from jaild.daemon.audit import Peer
 
 SCHEMA_MESSAGE_CHARS = 1024
 """A schema's problem is cut to this many characters in the refusal."""

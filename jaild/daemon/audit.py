@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaild.daemon.broker import REFUSALS
+from jaild.daemon.peer import Peer
 from jaild.protocol.records import JobRecord
 
 log = logging.getLogger("jaild.daemon.audit")
@@ -52,19 +53,6 @@ def _show(v: Any) -> str:
     if isinstance(v, str) and v and all(c.isalnum() or c in "-_.:/@" for c in v):
         return v
     return json.dumps(v, separators=(",", ":"), default=str)
-
-
-@dataclass(frozen=True)
-class Peer:
-    """Who is on the other end of a connection (from SO_PEERCRED)."""
-
-    pid: int
-    uid: int
-    gid: int
-    groups: tuple[int, ...] = ()
-
-    def __str__(self) -> str:
-        return f"uid={self.uid} pid={self.pid}"
 
 
 REFUSALS_PER_WINDOW = 20

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from jaild.daemon import admission
-from jaild.daemon.audit import Peer
 from jaild.daemon.job import CallReply, JailedJob
+from jaild.daemon.peer import Peer
 from jaild.daemon.records import with_session
 from jaild.errors import Busy, JaildError, SessionClosed
 from jaild.policy.schema import Limits, Policy

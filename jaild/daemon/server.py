@@ -70,10 +70,11 @@ from typing import Any
 from jaild import __version__
 from jaild.daemon import admission, sched, startup, systemd
 from jaild.daemon.accounting import Accounting
-from jaild.daemon.audit import AuditLog, Peer
+from jaild.daemon.audit import AuditLog
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.job import CallReply, JailedJob, JailEnvironment
 from jaild.daemon.metrics import Metrics
+from jaild.daemon.peer import Peer
 from jaild.daemon.pipeline import Pipeline
 from jaild.daemon.pool import JailPool
 from jaild.daemon.registry import JailSession, Registry

@@ -10,8 +10,8 @@ import pytest
 
 from jaild.daemon import admission
 from jaild.daemon.admission import Catalog, SessionTerms
-from jaild.daemon.audit import Peer
 from jaild.daemon.config import DaemonConfig
+from jaild.daemon.peer import Peer
 from jaild.errors import (
     BadRequest,
     Busy,

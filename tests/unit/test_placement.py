@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from jaild.daemon import admission, placement
-from jaild.daemon.audit import Peer
+from jaild.daemon.peer import Peer
 from jaild.policy.schema import load_policy_text
 from jaild.protocol.messages import RunJob
 

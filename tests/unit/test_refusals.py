@@ -205,7 +205,8 @@ def test_an_egress_record_holds_the_summary_fields_and_nothing_else(tmp_path: Pa
     or its value)."""
     import json
 
-    from jaild.daemon.audit import EGRESS_FIELDS, AuditLog, Peer
+    from jaild.daemon.audit import EGRESS_FIELDS, AuditLog
+    from jaild.daemon.peer import Peer
 
     path = tmp_path / "audit.jsonl"
     audit = AuditLog(str(path))
