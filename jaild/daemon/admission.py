@@ -52,7 +52,6 @@ which resolves through NSS: the :class:`Catalog` takes that test as a function
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -67,16 +66,16 @@ from jaild.errors import (
     ShuttingDown,
     UnknownPolicy,
 )
+from jaild.policy.compile import file_limits
 from jaild.policy.schema import (
     JAIL_LEVEL_LIMITS,
-    Files,
     Limits,
     Policy,
     effective_limits,
     user_matches,
 )
 from jaild.protocol.messages import OpenSession, RunJob, ToolSpec
-from jaild.runtime.files import FileLimits, check_file_set
+from jaild.runtime.files import check_file_set
 
 SCHEMA_MESSAGE_CHARS = 1024
 """A schema's problem is cut to this many characters in the refusal."""
@@ -337,16 +336,6 @@ def check_code(policy: Policy, code: str) -> None:
         )
 
 
-def file_limits(policy: Policy) -> FileLimits:
-    """The policy's ``[files]`` limits, as the runtime checks them."""
-    return _file_limits(policy.files)
-
-
-@functools.lru_cache(maxsize=256)
-def _file_limits(files: Files) -> FileLimits:
-    return FileLimits.from_wire(dataclasses.asdict(files))
-
-
 def check_files(policy: Policy, files: Mapping[str, bytes], download: tuple[str, ...]) -> None:
     """Uploads within the policy's ``[files]`` limits, every name a plain relative path;
     download patterns without NUL.
@@ -474,7 +463,6 @@ __all__ = [
     "check_schema",
     "check_tools",
     "choose_policy",
-    "file_limits",
     "limits_for",
     "policy_allows",
 ]

@@ -42,7 +42,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaild.daemon.admission import file_limits
 from jaild.daemon.broker import Admitted, Validators
 from jaild.daemon.cgroups import Cgroups, JobCgroup
 from jaild.daemon.classify import STATUSES, Evidence, classify, parse_termination
@@ -96,10 +95,8 @@ from jaild.daemon.machine import (
 )
 from jaild.daemon.run_account import RunAccount
 from jaild.errors import ConnectionLost
-from jaild.policy.compile import JOB_UIDS, HostLayout
+from jaild.policy.compile import JOB_UIDS, HostLayout, harden
 from jaild.policy.schema import Policy
-from jaild.policy.seccomp import network_refusal
-from jaild.protocol import PROTOCOL_VERSION
 from jaild.protocol.messages import ErrorInfo, Harden
 from jaild.protocol.records import JobRecord
 from jaild.tracing import JobTrace
@@ -204,12 +201,7 @@ class JailEnvironment:
         """The policy's first frame to its jails, built (and its fields checked) once."""
         msg = self._hardens.get(policy.name)
         if msg is None:
-            msg = Harden(
-                protocol=PROTOCOL_VERSION,
-                seccomp=self.seccomp_specs[policy.name],
-                file_limits=file_limits(policy).to_wire(),
-                network=network_refusal(policy.name, policy.network.mode),
-            )
+            msg = harden(policy, self.seccomp_specs[policy.name])  # the compiler's
             self._hardens[policy.name] = msg
         return msg
 

@@ -17,9 +17,9 @@ import time
 from typing import Any
 
 from jaild.daemon import records
-from jaild.daemon.admission import file_limits
 from jaild.daemon.launch.handle import JailHandle
 from jaild.daemon.machine import JobSpec, Tally
+from jaild.policy.compile import file_limits
 from jaild.policy.schema import Policy
 from jaild.protocol.messages import CodeFinished
 from jaild.protocol.records import JobRecord, Usage

@@ -49,12 +49,25 @@ its siblings' share.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Any
 
-from jaild.policy.schema import JAIL_ROOT, Filesystem, Limits, Network, Policy, resolve_env
-from jaild.policy.seccomp import SeccompChoice
+from jaild.policy.schema import (
+    JAIL_ROOT,
+    Files,
+    Filesystem,
+    Limits,
+    Network,
+    Policy,
+    resolve_env,
+)
+from jaild.policy.seccomp import SeccompChoice, network_refusal
+from jaild.protocol import PROTOCOL_VERSION
+from jaild.protocol.messages import Harden
 from jaild.protocol.zygote_link import JailSetup, Mount, Rlimits
+from jaild.runtime.files import FileLimits
 
 JAIL_ENV = f"{JAIL_ROOT}/env"
 JAIL_RUNTIME = f"{JAIL_ROOT}/runtime"
@@ -352,6 +365,30 @@ def _jail_setup(policy: Policy, job: JobFacts | None, *, forked: bool) -> JailSe
 def _detach(fs: Filesystem) -> tuple[str, ...]:
     """What a forked jail hides: the zygote's own fresh mounts (see :func:`compile_zygote`)."""
     return tuple(m.target for m in _fresh_mounts(fs, full_proc=True))
+
+
+def harden(policy: Policy, seccomp_spec: dict[str, Any]) -> Harden:
+    """The first frame to every jail of ``policy``, beside its plan: how the runtime locks
+    itself down -- the seccomp filters built for the plan's :attr:`JailPlan.seccomp`
+    (``seccomp_spec``, from :func:`jaild.policy.seccomp.build_spec`), the ``[files]``
+    limits every run of the jail is held to, and, without a network, the refusal the
+    runtime answers network attempts with."""
+    return Harden(
+        protocol=PROTOCOL_VERSION,
+        seccomp=seccomp_spec,
+        file_limits=file_limits(policy).to_wire(),
+        network=network_refusal(policy.name, policy.network.mode),
+    )
+
+
+def file_limits(policy: Policy) -> FileLimits:
+    """The policy's ``[files]`` limits, as the runtime checks them."""
+    return _file_limits(policy.files)
+
+
+@functools.lru_cache(maxsize=256)
+def _file_limits(files: Files) -> FileLimits:
+    return FileLimits.from_wire(dataclasses.asdict(files))
 
 
 def compile_policy(

@@ -351,3 +351,20 @@ def test_the_plan_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.name = "other"  # type: ignore[misc]
     assert isinstance(plan.jail, JailSetup)
+
+
+def test_the_compiler_builds_the_jails_first_frame_beside_its_plan() -> None:
+    """Harden, what a jail's runtime locks itself down by, comes from the same policy as the
+    plan (jaild.policy.compile.harden): the seccomp spec given, the [files] limits, and a
+    network refusal exactly when the policy has no network (control: loopback has none)."""
+    from jaild.policy.compile import harden
+    from jaild.protocol import PROTOCOL_VERSION
+
+    spec = {"default": "kill_process", "allow": ["read"]}
+    none = load_policy_text("[files]\nmax_files = 7\n", "none.toml")
+    msg = harden(none, spec)
+    assert (msg.protocol, msg.seccomp) == (PROTOCOL_VERSION, spec)
+    assert msg.file_limits["max_files"] == 7
+    assert msg.network is not None and "'none'" in msg.network.explanation
+    loopback = load_policy_text("[network]\nmode = 'loopback'\n", "lo.toml")
+    assert harden(loopback, spec).network is None
