@@ -160,7 +160,7 @@ soak: setup
 # v2) under QEMU, booted from a cached debootstrap image, running the README's two commands,
 # `make install`, the socket-activated service and the systemd checks in hosts/checks; see
 # hosts/run.py. HOSTS_ARGS="--profile ci" is CI's bounded run (an offline guest from a
-# provisioned image, no suite: the installed service's checks; docs/ci.md); "--suite jails"
+# provisioned image, no suite: the installed service's checks; docs/running/ci.md); "--suite jails"
 # runs only the suites that start jails.
 HOSTS_PACKAGES := qemu-system-x86 qemu-utils debootstrap e2fsprogs
 HOSTS_ARGS ?=

@@ -65,7 +65,7 @@ import image
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-KVM_PROBE_S = 15.0  # a KVM guest starts systemd in ~3 s; here nested KVM hangs (docs/ci.md)
+KVM_PROBE_S = 15.0  # a KVM guest starts systemd in ~3 s; here nested KVM hangs (docs/running/ci.md)
 FIRST_STEP_S = 900.0  # boot to the first step's result (clone) under TCG: ~1 min
 POWEROFF_S = 120.0
 SUITES = {
@@ -99,7 +99,7 @@ PROFILES = {
                     budgets_s={}),
     # No `test` step: the jail tests CI keeps run through the installed service, in the
     # service checks (hosts/checks/test_jobs.py). Budgets: at least 2.5x each step's time
-    # measured under `stress-ng --cpu 1` (docs/ci.md) -- room for a machine 2.8x slower at
+    # measured under `stress-ng --cpu 1` (docs/running/ci.md) -- room for a machine 2.8x slower at
     # emulation -- and short enough that a step that hangs is named while the run still has
     # time for the steps after it.
     "ci": Profile(steps=tuple(s for s in STEPS if s != "test"), suite="none", provisioned=True,

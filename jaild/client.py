@@ -24,7 +24,7 @@ private event-loop thread.
 A job or session started where an OpenTelemetry span is current carries that span's
 context to the daemon (``RunJob.traceparent``, :func:`jaild.tracing.current_traceparent`;
 the blocking client hands the calling thread's context to its own): a daemon that traces
-makes the job's spans part of the caller's trace (README, "Tracing").
+makes the job's spans part of the caller's trace (docs/using/tracing.md).
 """
 
 from __future__ import annotations
@@ -134,8 +134,8 @@ class JobResult:
     network), as the jail's runtime counted them: the jail's own word. None when it did not
     report."""
     egress: dict[str, Any] | None = None
-    """An egress policy's traffic: requests, bytes in and out, hosts, refusals (README,
-    "Egress by name"). None for a policy without egress."""
+    """An egress policy's traffic: requests, bytes in and out, hosts, refusals
+    (docs/using/egress.md). None for a policy without egress."""
     _record: JobRecord | None = field(default=None, init=False, repr=False, compare=False)
 
     @property

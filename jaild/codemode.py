@@ -39,7 +39,7 @@ in one jaild session instead, so a retry can build on what earlier attempts defi
 inside ``async with cm:`` the session lasts until the block ends, across runs, code runs
 and tool calls (codemode-lite's persistent namespace).
 
-Traces (:mod:`jaild.tracing`; README, "Tracing"). Where OpenTelemetry is set up (the
+Traces (:mod:`jaild.tracing`; docs/using/tracing.md). Where OpenTelemetry is set up (the
 application's tracer provider; ``jaild codemode`` sets one up when ``OTEL_TRACES_EXPORTER``
 asks), :meth:`CodeMode.run` is one trace: a ``codemode.task`` span, a ``codemode.attempt``
 span per attempt, in it a ``chat <model>`` span for the model's answer (GenAI semantic

@@ -233,7 +233,7 @@ class TracingError(StartupError):
     """The ``OTEL_*`` environment asks for traces that cannot be exported: the OpenTelemetry
     SDK is not installed (``pip install 'jaild[otel]'``), an exporter is unknown, or an OTLP
     protocol other than ``http/protobuf`` is named. Raised at start-up: the daemon refuses to
-    start, ``jaild codemode`` and ``jaild mcp`` to run (README, "Tracing")."""
+    start, ``jaild codemode`` and ``jaild mcp`` to run (docs/using/tracing.md)."""
 
 
 class CgroupError(RuntimeError):

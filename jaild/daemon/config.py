@@ -116,7 +116,7 @@ class DaemonFile:
     event_loop: str = setting(
         "asyncio",
         '"asyncio": the standard loop; "uvloop" (pip install \'jaild[uvloop]\'); "auto": uvloop '
-        'where it is installed, else the standard loop (README, "Performance").',
+        'where it is installed, else the standard loop (docs/performance.md).',
         _event_loop,
     )
     egress_secrets: str = setting(
@@ -135,7 +135,7 @@ class DaemonFile:
         100,
         "The scheduler slice the daemon's event-loop thread asks for (Linux 6.12+), so the "
         "processes it wakes do not preempt it mid-job; its threads, zygotes and jails keep the "
-        "kernel's default. 0: the kernel's default (README, \"Performance\").",
+        "kernel's default. 0: the kernel's default (docs/performance.md).",
         _slice,
     )
 
@@ -191,7 +191,8 @@ class LimitsFile:
     shutdown_grace_s: float = setting(
         10.0, "How long shutdown waits for cancelled jobs.", between(0.1, 600)
     )
-    # -- fairness between uids and the memory ceiling (see "Sharing the daemon" in README)
+    # -- fairness between uids and the memory ceiling (docs/security.md: "Sharing the daemon
+    # between uids")
     max_jobs_per_uid: int = setting(
         0,
         "Jails one uid may hold at once: its jobs running plus its sessions open. "
@@ -270,7 +271,7 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 
 def config_reference_markdown() -> str:
-    """The daemon config reference table for the README."""
+    """The daemon config reference table (docs/running/configuration.md)."""
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for section, cls in FILE_SECTIONS.items():
         hints = typing.get_type_hints(cls)

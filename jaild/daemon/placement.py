@@ -16,7 +16,7 @@ session run        the session's jail, kept between runs            a new id
 
 Every run carries its client's uid (``JobSpec.tenant``): a forked jail comes from that
 uid's zygote and a pooled one from that uid's pool (:class:`jaild.daemon.pool.TenantPools`),
-so no two uids' jails are forks of one process (README, Security model).
+so no two uids' jails are forks of one process (docs/security.md).
 
 Whichever the jail, :meth:`Placed.run` ends in the same three values -- the
 record, the result, the downloaded files -- so the pipeline has one path from

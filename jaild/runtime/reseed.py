@@ -33,7 +33,7 @@ Such a library keeps cloned state across forked jails; a policy that pre-imports
 and needs fresh state in every job should use ``pool.mode = "spawn"``. What no fork
 can renew -- the address-space layout, the stack canary and pointer guard,
 ``AT_RANDOM`` and the ``str`` hash seed -- is shared by the jails of one zygote;
-the daemon gives each client uid zygotes of its own (README, Security model).
+the daemon gives each client uid zygotes of its own (docs/security.md).
 
 Pure but for the entropy it reads; it imports nothing that was not imported already.
 """
