@@ -117,6 +117,7 @@ def test_cis_profile_budgets_every_step_and_ci_runs_it() -> None:
     assert run.PROFILES["full"].steps == run.STEPS and not run.PROFILES["full"].provisioned
     ci_run = (REPO / ".ci/run").read_text()
     assert re.search(r"make test-hosts HOSTS_ARGS=\"--profile ci\b", ci_run), ci_run
+    assert re.search(r"^timeout .* make lint\b", ci_run, re.M), "lint runs in CI, bounded"
 
 
 def image_module() -> ModuleType:
