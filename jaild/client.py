@@ -33,6 +33,7 @@ import asyncio
 import codecs
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -146,26 +147,8 @@ class JobResult:
             LocalProtocolError: a hand-made result whose fields are not a valid record.
         """
         if self._record is None:
-            typed = JobRecord.from_wire(
-                {
-                    "job_id": self.job_id,
-                    "policy": self.policy,
-                    "status": self.status,
-                    "stdout": self.stdout,
-                    "stderr": self.stderr,
-                    "error": self.error,
-                    "tool_calls": self.tool_calls,
-                    "duration_s": self.duration_s,
-                    "limits": self.limits,
-                    "usage": self.usage or None,
-                    "files": self.files,
-                    "files_skipped": self.files_skipped,
-                    "tool_calls_omitted": self.tool_calls_omitted,
-                    "session": self.session,
-                    "network_refused": self.network_refused,
-                    "egress": self.egress,
-                }
-            )
+            view = {name: getattr(self, name) for name in RECORD_FIELDS}
+            typed = JobRecord.from_wire({**view, "usage": self.usage or None})
             object.__setattr__(self, "_record", typed)
         assert self._record is not None
         return self._record
@@ -186,25 +169,11 @@ class JobResult:
         return save_files(directory, self.downloads, overwrite=overwrite, dotfiles=dotfiles)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "job_id": self.job_id,
-            "status": self.status,
-            "result": self.result,
-            "stdout": self.stdout,
-            "stderr": self.stderr,
-            "error": self.error,
-            "tool_calls": self.tool_calls,
-            "duration_s": self.duration_s,
-            "limits": self.limits,
-            "policy": self.policy,
-            **({"tool_calls_omitted": self.tool_calls_omitted} if self.tool_calls_omitted else {}),
-            "usage": self.usage,
-            "files": self.files,
-            **({"files_skipped": self.files_skipped} if self.files_skipped else {}),
-            **({"session": self.session} if self.session else {}),
-            **({"network_refused": self.network_refused} if self.network_refused else {}),
-            **({"egress": self.egress} if self.egress is not None else {}),
-        }
+        """The record's own view (:meth:`JobRecord.to_dict`: a field at its default is left
+        out), with ``result`` after ``status`` and ``usage`` always a map."""
+        view = self.record.to_dict()
+        return {"job_id": view.pop("job_id"), "status": view.pop("status"),
+                "result": self.result, **view, "usage": view.get("usage") or {}}
 
     @classmethod
     def from_wire(
@@ -225,29 +194,23 @@ class JobResult:
                 result = unpack(packed)
             except RemoteProtocolError:
                 result = None
-        view = typed.to_dict()
-        out = cls(
-            job_id=typed.job_id,
-            status=typed.status,
-            result=result,
-            stdout=typed.stdout,
-            stderr=typed.stderr,
-            error=view["error"],
-            tool_calls=view["tool_calls"],
-            duration_s=typed.duration_s,
-            limits=view["limits"],
-            policy=typed.policy,
-            tool_calls_omitted=typed.tool_calls_omitted,
-            usage=view["usage"] or {},
-            files=view["files"],
-            files_skipped=view.get("files_skipped", []),
-            downloads=dict(files or {}),
-            session=view.get("session"),
-            network_refused=typed.network_refused,
-            egress=view.get("egress"),
-        )
+        view = typed.to_dict()  # leaves out what is empty: those are taken as they are
+        fields = {name: view[name] if name in view else _plain(getattr(typed, name))
+                  for name in RECORD_FIELDS}
+        out = cls(**{**fields, "usage": fields["usage"] or {}}, result=result,
+                  downloads=dict(files or {}))
         object.__setattr__(out, "_record", typed)
         return out
+
+
+def _plain(value: Any) -> Any:
+    """A record's field left out of its view (empty, or None) as JobResult holds it."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(JobRecord))
+"""The record's fields, which :class:`JobResult` has too, plus ``result`` and ``downloads``
+(tests/unit/test_client_api.py holds the two lists equal)."""
 
 
 Approver = Callable[[str, list[Any], dict[str, Any]], Any]

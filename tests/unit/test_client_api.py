@@ -237,3 +237,49 @@ def test_a_session_run_without_approve_asks_the_sessions_callback() -> None:
             pid = s.run(PID).result
         reaped([pid])
     assert (r.status, r.result, asked) == ("ok", 5, ["transfer"])
+
+
+def test_a_job_result_has_every_field_of_the_record_and_only_those_besides_its_own() -> None:
+    """JobResult is the record's fields plus ``result`` and ``downloads``; the copies between
+    them are derived from the record's fields (client.RECORD_FIELDS), so a field added to
+    JobRecord and not to JobResult fails here, not in a to_dict that forgot it."""
+    import dataclasses
+
+    from jaild.client import RECORD_FIELDS, JobResult
+    from jaild.protocol.records import JobRecord
+
+    own = {f.name for f in dataclasses.fields(JobResult)} - {"result", "downloads", "_record"}
+    assert own == {f.name for f in dataclasses.fields(JobRecord)} == set(RECORD_FIELDS)
+
+
+def test_a_job_results_views_round_trip_through_the_record() -> None:
+    from jaild.client import JobResult
+
+    wire = {"job_id": "job-1", "policy": "default", "status": "error", "stdout": "a",
+            "stderr": "b", "error": {"type": "ValueError", "message": "no", "traceback": "t"},
+            "tool_calls": [{"name": "f", "duration_s": 0.5, "ok": True}], "duration_s": 1.5,
+            "limits": {"wall_time_s": 30}, "usage": None, "files": [], "files_skipped": [],
+            "tool_calls_omitted": 3, "session": {"id": "ses-1", "run": 2, "closed": "timeout"},
+            "network_refused": 2}
+    r = JobResult.from_wire(wire, None, {"out.txt": b"x"})
+    assert (r.tool_calls_omitted, r.session, r.network_refused, r.downloads, r.usage) == (
+        3, {"id": "ses-1", "run": 2, "closed": "timeout"}, 2, {"out.txt": b"x"}, {})
+    d = r.to_dict()
+    assert list(d)[:3] == ["job_id", "status", "result"] and d["usage"] == {}
+    assert "egress" not in d and d["tool_calls_omitted"] == 3  # at its default: left out
+    again = JobResult.from_wire(r.record, None)
+    assert again.to_dict() == d
+    made = JobResult(**{k: v for k, v in d.items() if k != "result"}, result=None)
+    assert made.record == r.record  # a hand-made result types as the wire's
+
+
+def test_a_field_the_records_view_leaves_out_keeps_its_value() -> None:
+    """The record's view leaves out what is empty (0 network refusals counted): the result
+    keeps it as counted, not as 'not reported' (None)."""
+    from jaild.client import JobResult
+
+    wire = {"job_id": "job-1", "policy": "default", "status": "ok", "stdout": "", "stderr": "",
+            "error": None, "tool_calls": [], "duration_s": 0.1, "limits": {}, "usage": None,
+            "files": [], "files_skipped": [], "tool_calls_omitted": 0, "session": None}
+    assert JobResult.from_wire({**wire, "network_refused": 0}, None).network_refused == 0
+    assert JobResult.from_wire(wire, None).network_refused is None
