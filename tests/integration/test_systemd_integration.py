@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
@@ -203,6 +203,28 @@ def test_unreachable_notify_socket_is_harmless(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- socket activation
 
 
+def activator(argv: list[str], log_file: IO[bytes], sock_path: str,
+              cwd: Path) -> tuple[subprocess.Popen[bytes], Callable[[], None]]:
+    """Start ``systemd-socket-activate`` (``argv``) in a session of its own and wait until it
+    has bound ``sock_path``; returns it and what kills its whole process group."""
+    proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
+                            start_new_session=True, cwd=cwd)
+
+    def kill_group() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    deadline = time.monotonic() + DEADLINE_S
+    while not os.path.exists(sock_path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_group()
+            log_file.flush()
+            raise AssertionError(f"activator never bound its socket (exit {proc.poll()}):\n"
+                                 + Path(log_file.name).read_text(errors="replace"))
+        time.sleep(0.02)
+    return proc, kill_group
+
+
 def test_socket_activation(tmp_path: Path) -> None:
     require_jail_host()
     assert ACTIVATE is not None, "systemd-socket-activate is missing: apt-get install systemd (make test does)"
@@ -221,20 +243,8 @@ def test_socket_activation(tmp_path: Path) -> None:
         return log_path.read_text(errors="replace")
 
     with notify_socket("\0" + notify_name[1:]) as notify, open(log_path, "wb") as log_file:
-        # Its own session: the cleanup below can kill the whole process group.
-        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd=tmp_path)
-
-        def kill_group() -> None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-
+        proc, kill_group = activator(argv, log_file, sock_path, tmp_path)
         try:
-            deadline = time.monotonic() + DEADLINE_S
-            while not os.path.exists(sock_path):
-                assert proc.poll() is None, f"activator exited {proc.returncode}:\n{log()}"
-                assert time.monotonic() < deadline, "activator never bound its socket"
-                time.sleep(0.02)
             bound = os.stat(sock_path)
             assert_nothing_pending(notify)  # nothing runs until a client connects
 
@@ -310,22 +320,11 @@ def test_a_start_that_fails_tells_the_waiting_client_why(tmp_path: Path) -> None
         port = busy.getsockname()[1]
         config = tmp_path / "jaild.toml"
         config.write_text(f'[daemon]\nmetrics_address = "127.0.0.1:{port}"\n')
-        proc = subprocess.Popen(
+        proc, kill_group = activator(
             [ACTIVATE, "-l", sock_path, sys.executable, "-m", "jaild", "serve", "--socket",
              sock_path, "--policies", str(pdir), "--state-dir", STATE_DIR, "--config",
-             str(config)],
-            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
-
-        def kill_group() -> None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-
+             str(config)], log_file, sock_path, tmp_path)
         try:
-            deadline = time.monotonic() + DEADLINE_S
-            while not os.path.exists(sock_path):
-                assert proc.poll() is None, f"activator exited {proc.returncode}"
-                assert time.monotonic() < deadline, "activator never bound its socket"
-                time.sleep(0.02)
             thread, out = in_thread(lambda: Client(sock_path))
             with pytest.raises(DaemonUnavailable) as caught:
                 joined(thread, out, DEADLINE_S, kill_group, "the activating connection")
