@@ -47,7 +47,9 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path, world_dir:
                 os.killpg(proc.pid, signal.SIGKILL)
         raise
     run = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    failed = [line for line in run.stdout.splitlines() if line.lstrip().startswith("failed:")]
+    assert run.returncode == 0, (  # which measurement failed first, wherever it is in the log
+        "\n".join(failed) + "\n---\n" + run.stdout[-3000:] + run.stderr[-3000:])
     assert sorted(p.name for p in world_dir.iterdir()) == [], "the harness left temporary files"
     report = out.read_text()
     for section in ("## This machine's floors", "## Targets", "## 1. Job latency", "### What each row isolates",
