@@ -92,7 +92,7 @@ class Run:
         if not isinstance(exc, BenchError | OSError):
             traceback.print_exc()  # a bug in the bench, or something unexpected from jaild
         self.results.errors[key] = f"{type(exc).__name__}: {exc}"
-        print(f"   failed: {self.results.errors[key]}", flush=True)
+        print(f"   failed: {key}: {self.results.errors[key]}", flush=True)
 
     def measure_baselines(self, pyodide_dir: str) -> None:
         s, r = self.settings, self.results
