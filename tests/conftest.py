@@ -27,13 +27,13 @@ import hypothesis  # noqa: F401 -- imported early on purpose, see below
 import pytest
 
 from jaild.client import Client, JobResult
+from jaild.daemon.config import DaemonConfig, default_state_dir
 
 # CPython 3.11.2 (Debian 12's) keeps the AST constructor's recursion depth in global state
 # that a garbage-collector finaliser can unbalance (gh-106905, fixed in 3.11.5). pytest
 # imports hypothesis's plugin module at the *end* of a session, and parsing it then can
 # fail with "AST constructor recursion depth mismatch". Importing it first avoids that.
-from jaild.daemon.cgroups import Cgroups, daemon_subtree_dirs, detect
-from jaild.daemon.config import DaemonConfig, default_state_dir
+from jaild.daemon.jails.cgroups import Cgroups, daemon_subtree_dirs, detect
 from jaild.policy.compile import CgroupLayout
 from jaild.protocol import (
     NEED_DATA,

@@ -8,7 +8,7 @@ Every run, one-shot or in a session, goes the same way::
                (pure)     (fresh, pooled   (registry)   (the owner's
                            or session jail)              task group)
 
-1. *Admission* (:mod:`jaild.daemon.admission`, pure) gives the run's terms or a typed
+1. *Admission* (:mod:`jaild.daemon.core.admission`, pure) gives the run's terms or a typed
    refusal, which the client gets as ``Error`` (audited and counted by the server).
    A session run first needs its session, open and idle (:mod:`jaild.daemon.sessions`);
    a one-shot job needs room: the connection's jobs, its uid's share of jails and
@@ -30,8 +30,9 @@ import logging
 import os
 from typing import Protocol
 
-from jaild.daemon import admission, placement
-from jaild.daemon.records import internal_error_record
+from jaild.daemon import placement
+from jaild.daemon.core import admission
+from jaild.daemon.core.records import internal_error_record
 from jaild.daemon.registry import ClientConnection, LiveJob
 from jaild.daemon.sessions import SessionHost, Sessions, check_room
 from jaild.errors import JaildError

@@ -15,7 +15,7 @@ session run        the session's jail, kept between runs            a new id
 =================  ===============================================  ==================
 
 Every run carries its client's uid (``JobSpec.tenant``): a forked jail comes from that
-uid's zygote and a pooled one from that uid's pool (:class:`jaild.daemon.pool.TenantPools`),
+uid's zygote and a pooled one from that uid's pool (:class:`jaild.daemon.jails.pool.TenantPools`),
 so no two uids' jails are forks of one process (docs/security.md).
 
 Whichever the jail, :meth:`Placed.run` ends in the same three values -- the
@@ -30,9 +30,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from jaild.daemon.admission import AdmittedJob
-from jaild.daemon.job import JailedJob, JailEnvironment, JobSpec, OutputSink, ToolRouter
-from jaild.daemon.pool import JailPool, poolable
+from jaild.daemon.core.admission import AdmittedJob
+from jaild.daemon.jails.job import JailedJob, JailEnvironment, JobSpec, OutputSink, ToolRouter
+from jaild.daemon.jails.pool import JailPool, poolable
 from jaild.protocol.records import JobRecord
 from jaild.tracing import JobTrace
 
@@ -106,7 +106,7 @@ def place(
     """The jail for an admitted run (see the table above). A pooled jail is given its
     code here, so its run starts before the client hears ``JobAccepted``. ``tenant``: the
     client's uid; a jail forked from a zygote is forked from that uid's (see
-    :class:`~jaild.daemon.launch.zygotes.ZygoteSet`), a pooled one taken from its pool.
+    :class:`~jaild.daemon.jails.launch.zygotes.ZygoteSet`), a pooled one taken from its pool.
     ``trace``: the job's trace (None: tracing is off), which its jail feeds."""
     if session is not None:
         spec = _spec(job, job_id, tenant, keep=True)

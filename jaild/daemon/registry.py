@@ -35,10 +35,10 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from jaild.daemon import admission
-from jaild.daemon.job import CallReply, JailedJob
-from jaild.daemon.peer import Peer
-from jaild.daemon.records import with_session
+from jaild.daemon.core import admission
+from jaild.daemon.core.peer import Peer
+from jaild.daemon.core.records import with_session
+from jaild.daemon.jails.job import CallReply, JailedJob
 from jaild.errors import Busy, JaildError, SessionClosed
 from jaild.policy.schema import Limits, Policy
 from jaild.protocol.messages import Message, ToolSpec

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaild.daemon.cgroups import Cgroups
+from jaild.daemon.jails.cgroups import Cgroups
 from jaild.policy.compile import JAIL_ENV, JAIL_UID, WORKDIR
 from jaild.policy.schema import JAIL_ROOT, Policy, resolve_env
 

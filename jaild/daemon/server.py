@@ -44,7 +44,7 @@ at most :data:`REFUSED_LINGER_S` reading (and dropping) at most 64 KiB -- its He
 and only while fewer than :data:`REFUSED_LINGER_MAX` refused connections (and
 :data:`REFUSED_LINGER_PER_UID` of its uid) linger; past that it is closed right
 after the ``Error``. Refusals are audited, rate-limited per uid
-(:mod:`jaild.daemon.audit`), and counted in the metrics.
+(:mod:`jaild.daemon.observe.audit`), and counted in the metrics.
 
 Hostile input on a connection (a bad frame, an oversize frame, a message out of
 order) gets an ``Error`` frame and that connection is closed; a well-formed but
@@ -68,15 +68,16 @@ from collections.abc import Coroutine
 from typing import Any
 
 from jaild import __version__
-from jaild.daemon import admission, sched, startup, systemd
-from jaild.daemon.accounting import Accounting
-from jaild.daemon.audit import AuditLog
+from jaild.daemon import sched, startup, systemd
 from jaild.daemon.config import DaemonConfig
-from jaild.daemon.job import CallReply, JailedJob, JailEnvironment
-from jaild.daemon.metrics import Metrics
-from jaild.daemon.peer import Peer
+from jaild.daemon.core import admission
+from jaild.daemon.core.peer import Peer
+from jaild.daemon.jails.job import CallReply, JailedJob, JailEnvironment
+from jaild.daemon.jails.pool import JailPool
+from jaild.daemon.observe.accounting import Accounting
+from jaild.daemon.observe.audit import AuditLog
+from jaild.daemon.observe.metrics import Metrics
 from jaild.daemon.pipeline import Pipeline
-from jaild.daemon.pool import JailPool
 from jaild.daemon.registry import JailSession, Registry
 from jaild.daemon.selftest import Check
 from jaild.daemon.sessions import Sessions

@@ -36,13 +36,13 @@ import logging
 import secrets
 from typing import Protocol
 
-from jaild.daemon import admission
-from jaild.daemon.accounting import Accounting
-from jaild.daemon.audit import AuditLog
 from jaild.daemon.config import DaemonConfig
-from jaild.daemon.job import JailedJob, JailEnvironment, JobSpec
-from jaild.daemon.metrics import Metrics
-from jaild.daemon.pool import JailPool
+from jaild.daemon.core import admission
+from jaild.daemon.jails.job import JailedJob, JailEnvironment, JobSpec
+from jaild.daemon.jails.pool import JailPool
+from jaild.daemon.observe.accounting import Accounting
+from jaild.daemon.observe.audit import AuditLog
+from jaild.daemon.observe.metrics import Metrics
 from jaild.daemon.registry import ClientConnection, JailSession, Registry
 from jaild.errors import InternalError, JaildError, UnknownSession
 from jaild.protocol.messages import OpenSession, SessionOpened
@@ -98,7 +98,7 @@ def check_room(
     daemon: SessionHost, uid: int, memory_mb: int, on_connection: int | None = None
 ) -> None:
     """Room for one more jail of ``memory_mb`` for ``uid``
-    (:func:`~jaild.daemon.admission.check_capacity` on what is held now).
+    (:func:`~jaild.daemon.core.admission.check_capacity` on what is held now).
 
     Raises:
         Busy: naming the limit reached.

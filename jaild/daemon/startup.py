@@ -13,7 +13,7 @@ listing every reason) at the first step that fails:
    sweep what a crashed daemon left;
 5. find nsjail and setpriv (which starts every nsjail as the host uid that is to own
    its jail's user namespace, with the daemon's capabilities as ambient ones, see
-   :func:`jaild.daemon.launch.spawned.as_owner`), become a child subreaper, stage the
+   :func:`jaild.daemon.jails.launch.spawned.as_owner`), become a child subreaper, stage the
    runtime, seal one nsjail config per policy in a memfd, compile the seccomp programs;
 6. start the zygotes (a policy whose zygote does not come up is not served), run
    the policies' self-tests (one that fails is not served), start the warm pools;
@@ -46,20 +46,20 @@ from typing import Any
 
 from jaild import __version__, loops
 from jaild.daemon import systemd
-from jaild.daemon.cgroups import Cgroups, detect
 from jaild.daemon.config import DaemonConfig
-from jaild.daemon.egress import EgressService, certifi_bundles
-from jaild.daemon.egress import Observer as EgressObserver
-from jaild.daemon.job import CallReply, JailedJob, JailEnvironment, JobSpec, ToolObserver
-from jaild.daemon.kernlog import KernelAuditLog
-from jaild.daemon.launch.forked import Zygote
-from jaild.daemon.launch.spawned import owner_caps, sweep_workdirs
-from jaild.daemon.launch.zygotes import ZygoteSet
-from jaild.daemon.metrics import Metrics
+from jaild.daemon.egress.service import EgressService, certifi_bundles
+from jaild.daemon.egress.service import Observer as EgressObserver
+from jaild.daemon.jails.cgroups import Cgroups, detect
+from jaild.daemon.jails.job import CallReply, JailedJob, JailEnvironment, JobSpec, ToolObserver
+from jaild.daemon.jails.kernlog import KernelAuditLog
+from jaild.daemon.jails.launch.forked import Zygote
+from jaild.daemon.jails.launch.spawned import owner_caps, sweep_workdirs
+from jaild.daemon.jails.launch.zygotes import ZygoteSet
+from jaild.daemon.jails.pool import JailPool, TenantPools
+from jaild.daemon.jails.staging import ensure_traversable, locate_nsjail, stage_runtime
+from jaild.daemon.observe.metrics import Metrics
 from jaild.daemon.placement import new_job_id
-from jaild.daemon.pool import JailPool, TenantPools
 from jaild.daemon.selftest import INSPECT_TOOL, Check, evaluate, host_paths_to_hide, probe_code
-from jaild.daemon.staging import ensure_traversable, locate_nsjail, stage_runtime
 from jaild.errors import CgroupError, DaemonUnavailable, PolicyError, StartupError, ZygoteError
 from jaild.policy.compile import JOB_UIDS, HostLayout, nsjail_config
 from jaild.policy.schema import Policy, check_policy_files, policy_files, resolve_env
@@ -307,7 +307,7 @@ async def _start_zygotes(
     config: DaemonConfig, served: Served, host: HostLayout, nsjail: str
 ) -> None:
     """Start the daemon's own zygote of every served policy in zygote mode (the zygote
-    set starts each client uid's later, see jaild.daemon.launch.zygotes); a policy whose
+    set starts each client uid's later, see jaild.daemon.jails.launch.zygotes); a policy whose
     zygote does not come up is not served (its jails could not be made)."""
     env = served.env
     assert env is not None

@@ -40,7 +40,7 @@ by rlimits, output by the daemon's byte count.
 The kernel's per-user counts (queued signals, POSIX message queue bytes, locked
 shared memory) are charged to the jail's uid and to the owner of every user
 namespace above it; the daemon makes that owner a uid of the jail's own (see
-:mod:`jaild.daemon.launch.spawned`), but a zygote's jails all share the zygote's.
+:mod:`jaild.daemon.jails.launch.spawned`), but a zygote's jails all share the zygote's.
 So every jail gets small, fixed rlimits for them (:data:`JAIL_SIGPENDING`,
 :data:`JAIL_MSGQUEUE_BYTES`, :data:`JAIL_MEMLOCK_BYTES`): ``max_jobs`` jails at
 their limits fit in what one host uid may hold, and no jail of a zygote can take
@@ -153,7 +153,8 @@ class CgroupLayout:
         ("cpu", "/sys/fs/cgroup/cpu"),
         ("cpuacct", "/sys/fs/cgroup/cpuacct"),
     )
-    # v2: the cgroup the daemon owns (see jaild.daemon.cgroups.place_v2); the subtree goes inside it
+    # v2: the cgroup the daemon owns (see jaild.daemon.jails.cgroups.place_v2); the subtree
+    # goes inside it
     v2_root: str = "/sys/fs/cgroup"
 
     def v1_mount(self, controller: str) -> str:
@@ -643,7 +644,7 @@ def zygote_argv(
     cgroup: str = "",
 ) -> list[str]:
     """nsjail's command line for a zygote of ``policy``, in the daemon's cgroup ``cgroup``
-    (default ``zygote-<policy>``; one per client uid: see jaild.daemon.launch.zygotes)."""
+    (default ``zygote-<policy>``; one per client uid: see jaild.daemon.jails.launch.zygotes)."""
     plan = compile_zygote(policy, host, uids=(zygote_uid, uid_base))
     rel = f"{host.cgroup.subtree}/{cgroup or 'zygote-' + policy.name}"
     return render_argv(plan, nsjail, config_path, log_fd, host.cgroup, rel)

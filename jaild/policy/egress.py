@@ -29,7 +29,7 @@ unspecified addresses, and IPv6 forms that carry such an IPv4 address (IPv4-mapp
 NAT64 ``64:ff9b::/96``, 6to4, Teredo).
 
 This module is pure: it parses rules, canonicalises targets and classifies addresses.
-The gateway (``jaild.daemon.gateway``) does the IO and asks it.
+The gateway (``jaild.daemon.egress.gateway``) does the IO and asks it.
 """
 
 from __future__ import annotations

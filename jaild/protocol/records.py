@@ -9,7 +9,7 @@ the frozen, self-validating structs below, built with the same
 :func:`~jaild.protocol.fields.field` checks as the messages that carry them. So:
 
 * an illegal record cannot be built: the daemon's builders
-  (:mod:`jaild.daemon.records`) raise :class:`LocalProtocolError` at once, where
+  (:mod:`jaild.daemon.core.records`) raise :class:`LocalProtocolError` at once, where
   the bug is, instead of sending it;
 * a record off the wire is checked field by field like any message: unknown or
   missing fields, wrong types and values outside the limits are a
@@ -476,7 +476,8 @@ class DaemonStats(Report):
     running: RunningCounts = field(nested(RunningCounts))
     pools: dict[str, PoolInfo] = field(map_of(_policy_name, nested(PoolInfo), 4096))
     metrics: dict[str, Any] = field(any_map())
-    """The Prometheus metrics summed up (free-form: ``jaild.daemon.metrics.Metrics.summary``)."""
+    """The Prometheus metrics summed up (free-form:
+    ``jaild.daemon.observe.metrics.Metrics.summary``)."""
 
 
 RECORDS: tuple[type[Report], ...] = (

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 A policy in zygote mode has one zygote process (:mod:`jaild.runtime.zygote`),
-started by the daemon (:mod:`jaild.daemon.launch.forked`) in an nsjail of its
+started by the daemon (:mod:`jaild.daemon.jails.launch.forked`) in an nsjail of its
 own. The two talk over a ``SOCK_SEQPACKET`` socketpair, the zygote's fd 0. Each
 packet carries exactly one frame (:mod:`jaild.protocol.framing`), and the frame
 one message, a msgpack map ``{"type": <name>, <field>: <value>, ...}``, like the

@@ -44,7 +44,7 @@ namespaces, the cgroup is the job's own, the uid is the job's own. What it does
 share with its siblings is what no fork renews: the zygote's address-space layout
 (ASLR is per exec, not per fork), stack canary, pointer guard, ``AT_RANDOM`` and hash
 seed -- which is why the daemon gives each client uid zygotes of its own
-(:mod:`jaild.daemon.launch.zygotes`). What a fork *can* renew, it does: before the
+(:mod:`jaild.daemon.jails.launch.zygotes`). What a fork *can* renew, it does: before the
 runtime starts, the jail reseeds the pre-imported modules' random generators from fresh
 entropy (:mod:`jaild.runtime.reseed`; the zygote surveys them once, at its first fork).
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from jaild.client import Client
-from jaild.daemon.audit import REFUSALS_PER_WINDOW, REFUSED_CALLS_PER_JOB
+from jaild.daemon.observe.audit import REFUSALS_PER_WINDOW, REFUSED_CALLS_PER_JOB
 from jaild.errors import Busy
 from jaild.protocol import PROTOCOL_VERSION, Connection, Role
 from jaild.protocol.connection import HANDSHAKE_FRAME_BYTES

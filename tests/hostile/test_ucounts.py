@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from jaild.client import Client
-from jaild.daemon.launch.handle import userns_owner
+from jaild.daemon.jails.launch.handle import userns_owner
 from jaild.errors import ConnectionLost
 from jaild.policy.compile import JAIL_SIGPENDING, JOB_UIDS
 from jaild.runtime.zygote import USERNS_LIMITS

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from jaild.client import Client
-from jaild.daemon.staging import locate_nsjail
+from jaild.daemon.jails.staging import locate_nsjail
 from jaild.errors import Busy, ConnectionLost, PermissionDenied, UnknownPolicy
 from jaild.protocol import PROTOCOL_VERSION
 from tests.conftest import (

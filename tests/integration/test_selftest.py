@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jaild.client import Client
-from jaild.daemon.staging import locate_nsjail
+from jaild.daemon.jails.staging import locate_nsjail
 from jaild.errors import PolicyUnavailable
 from tests.conftest import STATE_DIR, TEST_POLICIES, DaemonHandle, guard
 

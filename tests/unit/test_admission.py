@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from jaild.daemon import admission
-from jaild.daemon.admission import Catalog, SessionTerms
 from jaild.daemon.config import DaemonConfig
-from jaild.daemon.peer import Peer
+from jaild.daemon.core import admission
+from jaild.daemon.core.admission import Catalog, SessionTerms
+from jaild.daemon.core.peer import Peer
 from jaild.errors import (
     BadRequest,
     Busy,

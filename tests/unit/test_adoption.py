@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jaild.daemon.launch import forked
-from jaild.daemon.launch.handle import JailHandle
-from jaild.daemon.machine import StartFailed, StreamClosed
+from jaild.daemon.core.machine import StartFailed, StreamClosed
+from jaild.daemon.jails.launch import forked
+from jaild.daemon.jails.launch.handle import JailHandle
 from jaild.runtime.zygote import GO, PREAMBLE
 from tests.conftest import guard
 

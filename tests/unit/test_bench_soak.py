@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from jaild.daemon.admission import Held, Load, check_capacity
 from jaild.daemon.config import DaemonConfig
+from jaild.daemon.core.admission import Held, Load, check_capacity
 from jaild.daemon.sessions import capacity
 from jaild.errors import Busy
 from jaild.testing import daemon_thread

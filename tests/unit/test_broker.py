@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaild.daemon.broker import (
+from jaild.daemon.core.broker import (
     MAX_CALL_RECORDS,
     Admitted,
     Answer,

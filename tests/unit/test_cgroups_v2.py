@@ -2,7 +2,7 @@
 
 The placement is proven for real in a Debian 12 guest (``make test-hosts``: the whole
 integration suite, and the installed service's checks). Here: each branch of
-:func:`jaild.daemon.cgroups.place_v2` on the facts it reads, and what a job's v2 counters say when
+:func:`jaild.daemon.jails.cgroups.place_v2` on the facts it reads, and what a job's v2 counters say when
 a kernel lacks some of them (``memory.peak`` arrived in 5.19): absent, never made up.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from jaild.daemon import cgroups
-from jaild.daemon.cgroups import CgroupError, JobCgroup, place_v2
+from jaild.daemon.jails import cgroups
+from jaild.daemon.jails.cgroups import CgroupError, JobCgroup, place_v2
 from jaild.policy.compile import CgroupLayout
 
 
@@ -216,7 +216,7 @@ def test_root_calls_systemd_on_its_own_socket_not_over_dbus(tmp_path: Path) -> N
     """A host with systemd but no D-Bus (a minimal Debian 12) still gives the daemon its
     scope: root reaches the manager on /run/systemd/private, as systemctl does. The guest's
     service checks do it for real with D-Bus stopped (hosts/checks/test_service.py)."""
-    from jaild.daemon.cgroups import manager_bus
+    from jaild.daemon.jails.cgroups import manager_bus
 
     private = tmp_path / "private"
     assert manager_bus(0, str(private)) == ["--system"]  # no such socket: the bus

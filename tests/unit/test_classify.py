@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaild.daemon.classify import Evidence, classify, parse_termination, pids_limit_note
+from jaild.daemon.core.classify import Evidence, classify, parse_termination, pids_limit_note
 from jaild.protocol.messages import CodeFinished, ErrorInfo
 
 EXITED_0 = "[I][t] pid=41 ([STANDALONE MODE]) exited with status: 0, (PIDs left: 0)"

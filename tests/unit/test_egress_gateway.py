@@ -27,7 +27,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaild.daemon.gateway import MAX_HEAD_BYTES, EgressDoor, EgressQuota, connect, listen_in
+from jaild.daemon.egress.gateway import MAX_HEAD_BYTES, EgressDoor, EgressQuota, connect, listen_in
 from jaild.policy.egress import Address, EgressRules
 from tests.conftest import guard
 from tests.tls import test_ca
@@ -513,7 +513,7 @@ def test_a_credential_is_added_on_the_host_side_and_never_reaches_the_jail(
 ) -> None:
     import ssl
 
-    from jaild.daemon.egress_ca import EgressCA
+    from jaild.daemon.egress.ca import EgressCA
 
     interception = EgressCA(tmp_path / "egress-ca")
     assert (interception.directory.stat().st_mode & 0o777) == 0o700
@@ -546,7 +546,7 @@ def test_a_credential_is_added_on_the_host_side_and_never_reaches_the_jail(
 
 
 def test_the_interception_ca_is_made_once_and_is_needed(tmp_path: Any) -> None:
-    from jaild.daemon.egress_ca import EgressCA
+    from jaild.daemon.egress.ca import EgressCA
 
     first = EgressCA(tmp_path / "ca")
     assert EgressCA(tmp_path / "ca").certificate_pem == first.certificate_pem
@@ -589,7 +589,7 @@ def test_any_bytes_get_an_answer_or_a_close_and_the_door_keeps_serving(data: byt
 
 
 def test_a_reason_phrase_is_one_line_of_printable_ascii() -> None:
-    from jaild.daemon.gateway import MAX_REASON_CHARS, _reason_phrase
+    from jaild.daemon.egress.gateway import MAX_REASON_CHARS, _reason_phrase
 
     assert _reason_phrase("a\r\nb\x00c\u00e9d") == b"a??b?c?d"
     assert len(_reason_phrase("x" * 5000)) == MAX_REASON_CHARS

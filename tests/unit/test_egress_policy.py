@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jaild.daemon.egress import EgressService, read_secrets
+from jaild.daemon.egress.service import EgressService, read_secrets
 from jaild.errors import PolicyError, StartupError
 from jaild.policy.compile import (
     EGRESS_ENVIRONMENT,

@@ -1,7 +1,7 @@
 """The job machine without a jail: scenarios, then generated event orders against its invariants.
 
 :class:`Sim` plays the driver: it answers the machine's requests the way
-:class:`jaild.daemon.job.JailedJob` does (Spawned after StartJail, Drained after DrainOutput,
+:class:`jaild.daemon.jails.job.JailedJob` does (Spawned after StartJail, Drained after DrainOutput,
 EvidenceRead after CollectEvidence) and keeps a jail-side Connection fed with what the
 machine sends, so it can write the jail's frames. Everything else -- the jail's messages,
 output, EOFs, exits, timers, replies, cancels -- is fed by the test, or by hypothesis.
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaild.daemon.machine import (
+from jaild.daemon.core.machine import (
     LIVE,
     Action,
     ArmRunTimers,
@@ -608,8 +608,8 @@ def test_invariants_hold_for_any_event_order(
 
 def test_the_driver_performs_every_action_the_machine_can_return() -> None:
     """JailedJob._perform looks each action up by its type: the table must hold every one."""
-    from jaild.daemon.job import _PERFORM
-    from jaild.daemon.machine import Action
+    from jaild.daemon.core.machine import Action
+    from jaild.daemon.jails.job import _PERFORM
 
     assert set(_PERFORM) == set(typing.get_args(Action))
 
@@ -618,7 +618,7 @@ def test_every_event_has_a_handler_and_every_handler_an_event() -> None:
     """JobMachine.handle looks each event up by its type (machine._HANDLERS, built at import,
     so an event without a handler fails the import): no handler may be left without its
     event either, which would be a rule nothing ever runs."""
-    from jaild.daemon.machine import _HANDLERS, Event, JobMachine
+    from jaild.daemon.core.machine import _HANDLERS, Event, JobMachine
 
     assert set(_HANDLERS) == set(typing.get_args(Event))
     handlers = {name.removeprefix("_on_") for name in vars(JobMachine) if name.startswith("_on_")}

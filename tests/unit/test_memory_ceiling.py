@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from jaild.daemon import cgroups as cgroups_module
-from jaild.daemon.cgroups import Cgroups
+from jaild.daemon.jails import cgroups as cgroups_module
+from jaild.daemon.jails.cgroups import Cgroups
 from jaild.errors import CgroupError
 from jaild.policy.compile import CgroupLayout
 

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaild.daemon.metrics import (
+from jaild.daemon.observe.metrics import (
     MAX_OUTCOMES_PER_POLICY,
     MAX_TOOLS_PER_POLICY,
     TOOL_CALL_BATCH,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaild.daemon.launch.spawned import as_owner, owner_caps
+from jaild.daemon.jails.launch.spawned import as_owner, owner_caps
 
 LAUNCHER = ("/usr/bin/setpriv", "--pdeathsig", "TERM", "--")
 

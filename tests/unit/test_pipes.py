@@ -1,4 +1,4 @@
-"""A jail's output pipes (jaild.daemon.launch.handle._Pipe): each descriptor is closed once,
+"""A jail's output pipes (jaild.daemon.jails.launch.handle._Pipe): each descriptor is closed once,
 by its owner, and nothing reads a pipe's number after it was closed -- whatever event loop
 the daemon runs. The controls show what the pipe replaced does: under uvloop,
 ``connect_read_pipe`` over a file object closes the descriptor twice (libuv, then the file
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import uvloop  # the test extra's: jaild's other loop
 
-from jaild.daemon.launch.handle import _Pipe
+from jaild.daemon.jails.launch.handle import _Pipe
 
 LOOPS: dict[str, Callable[[Any], Any]] = {"asyncio": asyncio.run, "uvloop": uvloop.run}
 

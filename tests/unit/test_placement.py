@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from jaild.daemon import admission, placement
-from jaild.daemon.peer import Peer
+from jaild.daemon import placement
+from jaild.daemon.core import admission
+from jaild.daemon.core.peer import Peer
 from jaild.policy.schema import load_policy_text
 from jaild.protocol.messages import RunJob
 

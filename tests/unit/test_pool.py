@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-import jaild.daemon.pool
-from jaild.daemon.pool import JailPool, poolable
+import jaild.daemon.jails.pool
+from jaild.daemon.jails.pool import JailPool, poolable
 from jaild.policy.schema import load_policy_text
 
 
@@ -46,7 +46,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[VirtualTimeLoop]:
     """The loop the scenarios run on; the pool's time.monotonic() is its clock."""
     virtual = VirtualTimeLoop()
-    monkeypatch.setattr(jaild.daemon.pool, "time", SimpleNamespace(monotonic=virtual.time))
+    monkeypatch.setattr(jaild.daemon.jails.pool, "time", SimpleNamespace(monotonic=virtual.time))
     yield virtual
     virtual.close()
 

@@ -1,5 +1,5 @@
 """Typed records (jaild.protocol.records) and the daemon's one place that builds them
-(jaild.daemon.records): validation, the wire round trip, the user's view, malformed input."""
+(jaild.daemon.core.records): validation, the wire round trip, the user's view, malformed input."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaild.client import JobResult
-from jaild.daemon import records as build
+from jaild.daemon.core import records as build
 from jaild.errors import LocalProtocolError, RemoteProtocolError
 from jaild.policy.schema import load_policy_text
 from jaild.protocol.messages import (

@@ -12,14 +12,14 @@ from typing import cast
 
 import pytest
 
-from jaild.daemon.audit import (
+from jaild.daemon.config import DaemonConfig, load_config_file
+from jaild.daemon.observe.audit import (
     REFUSAL_WINDOW_S,
     REFUSALS_PER_WINDOW,
     REFUSED_CALLS_PER_JOB,
     AuditLog,
     Peer,
 )
-from jaild.daemon.config import DaemonConfig, load_config_file
 from jaild.errors import FrameTooLarge, PolicyError
 from jaild.protocol import NEED_DATA, PROTOCOL_VERSION, Connection, Role
 from jaild.protocol.connection import HANDSHAKE_FRAME_BYTES
@@ -205,8 +205,8 @@ def test_an_egress_record_holds_the_summary_fields_and_nothing_else(tmp_path: Pa
     or its value)."""
     import json
 
-    from jaild.daemon.audit import EGRESS_FIELDS, AuditLog
-    from jaild.daemon.peer import Peer
+    from jaild.daemon.core.peer import Peer
+    from jaild.daemon.observe.audit import EGRESS_FIELDS, AuditLog
 
     path = tmp_path / "audit.jsonl"
     audit = AuditLog(str(path))

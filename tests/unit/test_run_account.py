@@ -1,4 +1,4 @@
-"""A run's measures and its record (jaild.daemon.run_account), with a stand-in jail and clock."""
+"""A run's measures and its record (jaild.daemon.jails.run_account), with a stand-in jail and clock."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import jaild.daemon.run_account
-from jaild.daemon.machine import JobSpec, Tally
-from jaild.daemon.run_account import RunAccount
+import jaild.daemon.jails.run_account
+from jaild.daemon.core.machine import JobSpec, Tally
+from jaild.daemon.jails.run_account import RunAccount
 from jaild.policy.schema import load_policy_text
 from jaild.protocol.messages import CodeFinished
 
@@ -60,7 +60,7 @@ class FakeHandle:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr(jaild.daemon.run_account, "time", SimpleNamespace(monotonic=c.monotonic))
+    monkeypatch.setattr(jaild.daemon.jails.run_account, "time", SimpleNamespace(monotonic=c.monotonic))
     return c
 
 

@@ -22,8 +22,8 @@ import pytest
 
 from jaild.client import AsyncClient, Client
 from jaild.daemon.config import DaemonConfig
-from jaild.daemon.job import CallReply, JailedJob
-from jaild.daemon.machine import JobSpec
+from jaild.daemon.core.machine import JobSpec
+from jaild.daemon.jails.job import CallReply, JailedJob
 from jaild.errors import (
     BadRequest,
     Busy,

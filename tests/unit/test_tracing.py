@@ -38,7 +38,7 @@ import jaild
 from jaild import tracing
 from jaild.client import AsyncClient, Client
 from jaild.codemode import CodeMode
-from jaild.daemon import records
+from jaild.daemon.core import records
 from jaild.errors import LocalProtocolError, TracingError, UnknownPolicy
 from jaild.protocol import PROTOCOL_VERSION, encode_frame
 from jaild.protocol.messages import (

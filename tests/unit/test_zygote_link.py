@@ -368,7 +368,7 @@ def test_rlimits_units_are_in_their_names() -> None:
 
 
 def test_the_daemon_checks_the_zygote_against_its_plans_namespaces() -> None:
-    from jaild.daemon.launch.forked import namespace_problem
+    from jaild.daemon.jails.launch.forked import namespace_problem
 
     plan = compile_zygote(POLICIES["default"], HOST)
     # this process shares its own namespaces: every one of the plan's is named

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-import jaild.daemon.launch.zygotes
-import jaild.daemon.pool
-from jaild.daemon.launch.zygotes import ZygoteSet
-from jaild.daemon.pool import TenantPools
+import jaild.daemon.jails.launch.zygotes
+import jaild.daemon.jails.pool
+from jaild.daemon.jails.launch.zygotes import ZygoteSet
+from jaild.daemon.jails.pool import TenantPools
 from jaild.policy.schema import Policy, load_policy_text
 from tests.unit.test_pool import FakeJail, VirtualTimeLoop, settle
 
@@ -25,8 +25,8 @@ OWN, A, B = 0, 1000, 1001
 def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[VirtualTimeLoop]:
     virtual = VirtualTimeLoop()
     clock = SimpleNamespace(monotonic=virtual.time)
-    monkeypatch.setattr(jaild.daemon.launch.zygotes, "time", clock)
-    monkeypatch.setattr(jaild.daemon.pool, "time", clock)
+    monkeypatch.setattr(jaild.daemon.jails.launch.zygotes, "time", clock)
+    monkeypatch.setattr(jaild.daemon.jails.pool, "time", clock)
     yield virtual
     virtual.close()
 

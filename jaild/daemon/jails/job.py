@@ -4,29 +4,29 @@ Theory of operation
 -------------------
 Three parts make a job, and this module wires them together:
 
-* the :class:`~jaild.daemon.machine.JobMachine` decides everything -- the jail link's
+* the :class:`~jaild.daemon.core.machine.JobMachine` decides everything -- the jail link's
   protocol, the tool broker's rules, the output limit, the timers' meaning, when the
-  jail's end is complete and how the job ended (:mod:`jaild.daemon.classify`). It does
+  jail's end is complete and how the job ended (:mod:`jaild.daemon.core.classify`). It does
   no IO;
-* a :class:`~jaild.daemon.launch.handle.JailHandle`, filled by a launcher -- nsjail per
-  job (:mod:`jaild.daemon.launch.spawned`) or the policy's zygote
-  (:class:`~jaild.daemon.launch.forked.ZygoteLauncher`), the policy's ``pool.mode`` --
+* a :class:`~jaild.daemon.jails.launch.handle.JailHandle`, filled by a launcher -- nsjail per
+  job (:mod:`jaild.daemon.jails.launch.spawned`) or the policy's zygote
+  (:class:`~jaild.daemon.jails.launch.forked.ZygoteLauncher`), the policy's ``pool.mode`` --
   holds the jail's channel, pipes, cgroup, uid and top process;
 * :class:`JailedJob` feeds the machine every event the handle, the timers and the
   client's replies produce, and performs the actions it returns, in order (an action
   may feed the machine again: drained output, the host's evidence). What a run measures
   besides the machine's tally (times, CPU, the client's stream, result and files) is
-  its :class:`~jaild.daemon.run_account.RunAccount`'s, which builds the run's record.
+  its :class:`~jaild.daemon.jails.run_account.RunAccount`'s, which builds the run's record.
 
 Everything is event driven on the daemon's loop. A jail may be made before its job
-(the warm pool, :mod:`jaild.daemon.pool`): it stops once hardened, and its job is
+(the warm pool, :mod:`jaild.daemon.jails.pool`): it stops once hardened, and its job is
 assigned later (:meth:`JailedJob.assign`). A session's jail (``keep``) serves one
 :meth:`JailedJob.run_next` after another.
 
 The jail link goes ``Harden`` -> ``JailReady`` -> ``RunCode`` -> (``CallTool``
 <-> ``ToolReturned``/``ToolFailed``)* -> ``CodeFinished``. The wall-clock deadline
 starts when ``RunCode`` is sent. Every frame from the jail is hostile input: see
-:mod:`jaild.daemon.machine` and :mod:`jaild.daemon.broker`.
+:mod:`jaild.daemon.core.machine` and :mod:`jaild.daemon.core.broker`.
 """
 
 from __future__ import annotations
@@ -42,17 +42,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaild.daemon.broker import Admitted, Validators
-from jaild.daemon.cgroups import Cgroups, JobCgroup
-from jaild.daemon.classify import STATUSES, Evidence, classify, parse_termination
-from jaild.daemon.egress import EgressService
-from jaild.daemon.gateway import EgressDoor
-from jaild.daemon.kernlog import KernelAuditLog
-from jaild.daemon.launch.forked import Zygote, ZygoteLauncher
-from jaild.daemon.launch.handle import JailHandle, Launcher
-from jaild.daemon.launch.spawned import SpawnLauncher
-from jaild.daemon.launch.zygotes import ZygoteSet
-from jaild.daemon.machine import (
+from jaild.daemon.core.broker import Admitted, Validators
+from jaild.daemon.core.classify import STATUSES, Evidence, classify, parse_termination
+from jaild.daemon.core.machine import (
     START_TIMEOUT_S,
     Action,
     ArmReleaseTimer,
@@ -93,7 +85,15 @@ from jaild.daemon.machine import (
     ToolTimedOut,
     WithdrawCall,
 )
-from jaild.daemon.run_account import RunAccount
+from jaild.daemon.egress.gateway import EgressDoor
+from jaild.daemon.egress.service import EgressService
+from jaild.daemon.jails.cgroups import Cgroups, JobCgroup
+from jaild.daemon.jails.kernlog import KernelAuditLog
+from jaild.daemon.jails.launch.forked import Zygote, ZygoteLauncher
+from jaild.daemon.jails.launch.handle import JailHandle, Launcher
+from jaild.daemon.jails.launch.spawned import SpawnLauncher
+from jaild.daemon.jails.launch.zygotes import ZygoteSet
+from jaild.daemon.jails.run_account import RunAccount
 from jaild.errors import ConnectionLost
 from jaild.policy.compile import JOB_UIDS, HostLayout, harden
 from jaild.policy.schema import Policy
@@ -210,7 +210,7 @@ class JailEnvironment:
     def tool_arguments(
         self, schema: dict[str, Any], tool: str, packed: bytes
     ) -> tuple[str, str] | None:
-        """See :meth:`jaild.daemon.broker.Validators.check_arguments`."""
+        """See :meth:`jaild.daemon.core.broker.Validators.check_arguments`."""
         return self.validators.check_arguments(schema, tool, packed)
 
     def allocate_uid(self) -> int:
@@ -229,7 +229,7 @@ class JailEnvironment:
     ) -> None:
         """Give ``handle`` a uid and a cgroup (named after its jail) and start its jail:
         nsjail per job, or a fork of the policy's zygote (its ``pool.mode``). See
-        :meth:`jaild.daemon.launch.handle.Launcher.start`.
+        :meth:`jaild.daemon.jails.launch.handle.Launcher.start`.
 
         Raises:
             OSError, RuntimeError: the jail cannot be started (no uid left, no cgroup, ...).
@@ -273,7 +273,7 @@ def _remove_unclaimed(made: asyncio.Future[JobCgroup]) -> None:
 
 class JailedJob:
     """One jail and the job (or a session's runs) it serves: the asyncio driver of a
-    :class:`~jaild.daemon.machine.JobMachine`. ``await run()`` returns the result record
+    :class:`~jaild.daemon.core.machine.JobMachine`. ``await run()`` returns the result record
     (without ``result``).
 
     A jail may also be made ahead of its job (the warm pool): construct it with the

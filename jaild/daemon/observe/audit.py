@@ -17,7 +17,7 @@ and written as one summary record -- the totals are exact, only the detail is cu
   written; the rest are counted by code, and one ``refused_summary`` record
   (``uid``, ``audited``, ``suppressed: {code: n}``) is written once the uid's window
   is over (at the next refusal of any uid, or when the daemon stops).
-* ``tool_call`` records of calls the broker refused (:data:`~jaild.daemon.broker.REFUSALS`),
+* ``tool_call`` records of calls the broker refused (:data:`~jaild.daemon.core.broker.REFUSALS`),
   per job: the first :data:`REFUSED_CALLS_PER_JOB` are written; at the job's end a
   ``tool_calls_refused`` record gives the total per error type (``refused``), how many
   were written (``audited``) and how many were only counted (``suppressed``). Every
@@ -36,11 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaild.daemon.broker import REFUSALS
-from jaild.daemon.peer import Peer
+from jaild.daemon.core.broker import REFUSALS
+from jaild.daemon.core.peer import Peer
 from jaild.protocol.records import JobRecord
 
-log = logging.getLogger("jaild.daemon.audit")
+log = logging.getLogger("jaild.daemon.observe.audit")
 
 EGRESS_FIELDS = (
     "policy", "method", "host", "port", "status", "bytes_out", "bytes_in", "intercepted",

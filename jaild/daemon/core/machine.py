@@ -7,12 +7,12 @@ for a session, the runs) it serves. It has one verb, :meth:`JobMachine.handle`:
 an :data:`Event` -- something the daemon's IO saw or wants -- goes in, a list of
 :data:`Action` -- what the IO must now do, in order -- comes out. It never touches
 a socket, a pipe, a process, a cgroup or a clock: the asyncio driver
-(:class:`jaild.daemon.job.JailedJob`) does, and feeds back what happens.
+(:class:`jaild.daemon.jails.job.JailedJob`) does, and feeds back what happens.
 
 The machine owns the jail link's :class:`~jaild.protocol.Connection` (every frame
 from the jail is hostile input: anything out of order kills the job with
-``channel_error``), the tool :class:`~jaild.daemon.broker.Broker`, the job's output
-(counted against ``output_bytes``), the :class:`~jaild.daemon.classify.Evidence` of
+``channel_error``), the tool :class:`~jaild.daemon.core.broker.Broker`, the job's output
+(counted against ``output_bytes``), the :class:`~jaild.daemon.core.classify.Evidence` of
 how the jail ended, and so the classification of each job's end.
 
 A jail is made either by nsjail (it ends when nsjail has exited and its stdout,
@@ -91,8 +91,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from jaild.daemon.broker import Admitted, Answer, Broker, Refused, Validators
-from jaild.daemon.classify import Evidence, KillReason, classify
+from jaild.daemon.core.broker import Admitted, Answer, Broker, Refused, Validators
+from jaild.daemon.core.classify import Evidence, KillReason, classify
 from jaild.errors import LocalProtocolError, RemoteProtocolError
 from jaild.policy.schema import Limits, Policy
 from jaild.protocol import NEED_DATA, Connection, Role, State

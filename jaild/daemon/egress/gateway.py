@@ -54,7 +54,7 @@ from jaild.errors import EgressRefusal as _Refusal
 from jaild.policy.egress import Address, EgressRules, parse_host
 
 if TYPE_CHECKING:
-    from jaild.daemon.egress_ca import EgressCA
+    from jaild.daemon.egress.ca import EgressCA
 
 log = logging.getLogger("jaild")
 

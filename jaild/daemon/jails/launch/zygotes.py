@@ -41,11 +41,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 
-from jaild.daemon.launch.forked import Zygote
+from jaild.daemon.jails.launch.forked import Zygote
 from jaild.errors import ZygoteError
 from jaild.policy.schema import Policy
 
-log = logging.getLogger("jaild.daemon.launch.zygotes")
+log = logging.getLogger("jaild.daemon.jails.launch.zygotes")
 
 ZygoteKey = tuple[str, int | None]
 """(policy name, client uid); the uid is None in ``policy`` scope."""

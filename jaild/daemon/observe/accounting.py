@@ -1,6 +1,6 @@
 """Usage totals the daemon keeps: per policy and per uid (``jaild stats``).
 
-Every finished job's record carries ``usage`` (see :func:`jaild.daemon.records.run_usage`); the
+Every finished job's record carries ``usage`` (see :func:`jaild.daemon.core.records.run_usage`); the
 daemon adds each record here as it audits it, so the totals and the audit trail
 agree. Totals live in memory for the daemon's life.
 """

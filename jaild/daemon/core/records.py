@@ -19,7 +19,7 @@ import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from jaild.daemon.classify import pids_limit_note
+from jaild.daemon.core.classify import pids_limit_note
 from jaild.policy.schema import Limits, Policy
 from jaild.protocol.messages import safe_text
 from jaild.protocol.records import (
@@ -203,7 +203,7 @@ def job_record(
 
 def _with_pids_note(error: JobError, pids_peak: int | None, pids_limit: int) -> JobError:
     """``error`` with a word on the process limit when it is the kernel refusing a process or
-    thread there (:func:`jaild.daemon.classify.pids_limit_note`): added to the message and,
+    thread there (:func:`jaild.daemon.core.classify.pids_limit_note`): added to the message and,
     as Python shows an exception's notes, under the traceback."""
     note = pids_limit_note(error.type, error.message, pids_peak, pids_limit)
     if note is None:

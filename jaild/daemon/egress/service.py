@@ -5,7 +5,7 @@ Theory of operation
 -------------------
 At start (:meth:`EgressService.prepare`, only if some policy egresses):
 
-* the interception CA (:class:`~jaild.daemon.egress_ca.EgressCA`) is loaded or made in
+* the interception CA (:class:`~jaild.daemon.egress.ca.EgressCA`) is loaded or made in
   ``<state_dir>/egress/ca`` (0700; its key 0600, the daemon's only);
 * ``<state_dir>/egress/trust.pem`` (0644) is written: the host's CA bundle plus the CA's
   certificate. Jails of egress policies see it at ``/opt/jaild/egress-trust.pem`` (and in
@@ -19,8 +19,8 @@ At start (:meth:`EgressService.prepare`, only if some policy egresses):
 
 Per jail, once it is hardened and before any job code runs in it, :meth:`listener` makes
 a TCP listener on ``127.0.0.1:3128`` *inside the jail's network namespace*
-(:func:`~jaild.daemon.gateway.listen_in`): the jail's only way out, which the daemon
-serves. Per run, :meth:`door` makes a fresh :class:`~jaild.daemon.gateway.EgressDoor`
+(:func:`~jaild.daemon.egress.gateway.listen_in`): the jail's only way out, which the daemon
+serves. Per run, :meth:`door` makes a fresh :class:`~jaild.daemon.egress.gateway.EgressDoor`
 (its quotas and usage are the run's), whose requests are audited and counted per policy.
 """
 
@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jaild.daemon.gateway import EgressDoor, EgressQuota, listen_in
+from jaild.daemon.egress.gateway import EgressDoor, EgressQuota, listen_in
 from jaild.errors import StartupError
 from jaild.policy.compile import EGRESS_PORT
 from jaild.policy.schema import Policy, egress_rules, resolve_env
 
 if TYPE_CHECKING:
-    from jaild.daemon.egress_ca import EgressCA
+    from jaild.daemon.egress.ca import EgressCA
 
 log = logging.getLogger("jaild")
 
@@ -156,7 +156,7 @@ class EgressService:
         base.mkdir(parents=True, exist_ok=True)
         os.chmod(base, 0o755)
         # imported here: cryptography is ~9 MiB of a daemon's memory that serves no egress
-        from jaild.daemon.egress_ca import EgressCA
+        from jaild.daemon.egress.ca import EgressCA
 
         ca = EgressCA(base / "ca")  # always: daemons sharing a state dir write one bundle
         trust = _write_trust(base / "trust.pem", ca)

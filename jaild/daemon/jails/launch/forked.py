@@ -1,5 +1,5 @@
 """The daemon's side of a zygote (see :mod:`jaild.runtime.zygote`): one per policy and
-client uid, kept by :class:`jaild.daemon.launch.zygotes.ZygoteSet`.
+client uid, kept by :class:`jaild.daemon.jails.launch.zygotes.ZygoteSet`.
 
 The zygote runs in an nsjail of its own, started by :meth:`Zygote.start`; the
 daemon talks to it over a SOCK_SEQPACKET socketpair (the zygote's fd 0), one
@@ -38,10 +38,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jaild.daemon.cgroups import Cgroups, JobCgroup
-from jaild.daemon.launch.handle import JailHandle
-from jaild.daemon.launch.spawned import as_owner, claim_workdirs, release_workdirs
-from jaild.daemon.machine import Exited, JobSpec, Reaped, Spawned, StartFailed, StreamClosed
+from jaild.daemon.core.machine import Exited, JobSpec, Reaped, Spawned, StartFailed, StreamClosed
+from jaild.daemon.jails.cgroups import Cgroups, JobCgroup
+from jaild.daemon.jails.launch.handle import JailHandle
+from jaild.daemon.jails.launch.spawned import as_owner, claim_workdirs, release_workdirs
 from jaild.errors import RemoteProtocolError, ZygoteError
 from jaild.policy.compile import (
     ZYGOTE_PIDS,
@@ -66,7 +66,7 @@ from jaild.protocol.zygote_link import (
 )
 from jaild.runtime.zygote import GO, PREAMBLE
 
-log = logging.getLogger("jaild.daemon.launch.forked")
+log = logging.getLogger("jaild.daemon.jails.launch.forked")
 
 READY_TIMEOUT_S = 120.0
 """A zygote imports the runtime and its policy's pre-imports before it says it is ready: seconds on

@@ -71,7 +71,7 @@ from jaild import __version__
 from jaild.errors import MetricsAddressError
 from jaild.protocol.records import JobRecord
 
-log = logging.getLogger("jaild.daemon.metrics")
+log = logging.getLogger("jaild.daemon.observe.metrics")
 
 #: Latency buckets (seconds): 1 ms .. 60 s, about three per decade.
 LATENCY_BUCKETS_S = (

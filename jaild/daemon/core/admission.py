@@ -57,7 +57,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaild.daemon.peer import Peer
+from jaild.daemon.core.peer import Peer
 from jaild.errors import (
     BadRequest,
     Busy,

@@ -1,12 +1,12 @@
 """What one run of a jail measured, besides its machine's tally; and the run's record.
 
-The :class:`~jaild.daemon.machine.JobMachine` counts what a run's jail sent (output, tool
-calls: its :class:`~jaild.daemon.machine.Tally`). A :class:`RunAccount` keeps the rest, as
-the job's driver (:class:`~jaild.daemon.job.JailedJob`) performs the machine's actions: when
+The :class:`~jaild.daemon.core.machine.JobMachine` counts what a run's jail sent (output, tool
+calls: its :class:`~jaild.daemon.core.machine.Tally`). A :class:`RunAccount` keeps the rest, as
+the job's driver (:class:`~jaild.daemon.jails.job.JailedJob`) performs the machine's actions: when
 the job was taken and its code sent and ended, the cgroup's CPU counters at the run's start
 and end, how long the client's stream held the jail's output back and how much it skipped,
 and the code's result and files. From both it builds the run's record with
-:func:`jaild.daemon.records.job_record` -- where every rule of the record's shape is.
+:func:`jaild.daemon.core.records.job_record` -- where every rule of the record's shape is.
 
 A session's jail serves one run after another: :meth:`RunAccount.reset` starts the next.
 """
@@ -16,9 +16,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from jaild.daemon import records
-from jaild.daemon.launch.handle import JailHandle
-from jaild.daemon.machine import JobSpec, Tally
+from jaild.daemon.core import records
+from jaild.daemon.core.machine import JobSpec, Tally
+from jaild.daemon.jails.launch.handle import JailHandle
 from jaild.policy.compile import file_limits
 from jaild.policy.schema import Policy
 from jaild.protocol.messages import CodeFinished

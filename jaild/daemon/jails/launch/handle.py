@@ -3,13 +3,13 @@
 Theory of operation
 -------------------
 A :class:`JailHandle` is made empty for one jail and filled by a :class:`Launcher`:
-:class:`~jaild.daemon.launch.spawned.SpawnLauncher` runs nsjail for the jail,
-:class:`~jaild.daemon.launch.forked.ZygoteLauncher` has the policy's zygote fork it. Either
+:class:`~jaild.daemon.jails.launch.spawned.SpawnLauncher` runs nsjail for the jail,
+:class:`~jaild.daemon.jails.launch.forked.ZygoteLauncher` has the policy's zygote fork it. Either
 way the handle then holds the daemon's end of the jail's channel, its stdout and stderr
 pipes, its cgroup and uid, and its top process (nsjail, or the zygote's child).
 
 The handle decides nothing. It reports what it sees -- channel bytes, output, EOFs, the
-jail's exit -- as :mod:`jaild.daemon.machine` events through ``feed``, and it offers the
+jail's exit -- as :mod:`jaild.daemon.core.machine` events through ``feed``, and it offers the
 verbs the machine's actions need: write to the jail, drain its pipes, kill it, tear down
 what is left, release the cgroup and uid. Whether a handle is reused for another job (a
 pooled jail, a session's runs) is the job machine's and its driver's business, not the
@@ -32,9 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from jaild.daemon.cgroups import JobCgroup
-from jaild.daemon.kernlog import KernelAuditLog
-from jaild.daemon.machine import (
+from jaild.daemon.core.machine import (
     ChannelBroken,
     ChannelOpened,
     Event,
@@ -48,6 +46,8 @@ from jaild.daemon.machine import (
     StreamClosed,
     Vanished,
 )
+from jaild.daemon.jails.cgroups import JobCgroup
+from jaild.daemon.jails.kernlog import KernelAuditLog
 from jaild.policy.compile import HostLayout
 
 log = logging.getLogger("jaild")
@@ -79,7 +79,7 @@ def userns_owner(pid: int) -> int:
 
 class LaunchEnvironment(Protocol):
     """What starting and ending a jail needs of the daemon's shared environment
-    (:class:`jaild.daemon.job.JailEnvironment` provides it; declared here so that the
+    (:class:`jaild.daemon.jails.job.JailEnvironment` provides it; declared here so that the
     launchers do not depend on the job)."""
 
     nsjail: str

@@ -43,8 +43,8 @@ import stat
 import subprocess
 from collections.abc import Callable, Sequence
 
-from jaild.daemon.launch.handle import JailHandle
-from jaild.daemon.machine import Exited, JobSpec, Spawned
+from jaild.daemon.core.machine import Exited, JobSpec, Spawned
+from jaild.daemon.jails.launch.handle import JailHandle
 from jaild.policy.compile import JobPlacement, job_argv
 
 

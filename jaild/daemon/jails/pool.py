@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-A pooled jail is an ordinary :class:`~jaild.daemon.job.JailedJob` that has been
+A pooled jail is an ordinary :class:`~jaild.daemon.jails.job.JailedJob` that has been
 prepared -- started, sent ``Harden``, its seccomp digest checked -- and stops
 there, before ``RunCode``. :meth:`JailPool.take` hands one to a job, which then
 sends its code; the wall-clock limit starts at that moment. Each jail serves
@@ -37,11 +37,11 @@ import logging
 import time
 from collections.abc import Callable
 
-from jaild.daemon.job import JailedJob
-from jaild.daemon.launch.zygotes import ZygoteSet
+from jaild.daemon.jails.job import JailedJob
+from jaild.daemon.jails.launch.zygotes import ZygoteSet
 from jaild.policy.schema import ONE_SHOT_JAIL_LIMITS, Limits, Policy
 
-log = logging.getLogger("jaild.daemon.pool")
+log = logging.getLogger("jaild.daemon.jails.pool")
 
 REFILL_WAIT_S = 0.05
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from jaild.errors import InternalError
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent  # jaild/
+PACKAGE_DIR = Path(__file__).resolve().parents[2]  # jaild/
 RUNTIME_FILES = ("__init__.py", "errors.py", "protocol", "runtime")
 
 
