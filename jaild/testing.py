@@ -78,7 +78,6 @@ from jaild.daemon.jails.job import JailEnvironment
 from jaild.daemon.jails.kernlog import KernelAuditLog
 from jaild.daemon.jails.launch.handle import JailHandle
 from jaild.daemon.jails.launch.spawned import watch_exit
-from jaild.daemon.pipeline import Pipeline
 from jaild.daemon.server import Daemon
 from jaild.daemon.startup import Served
 from jaild.errors import RemoteProtocolError
@@ -335,23 +334,6 @@ def load_policies(policies: Mapping[str, PolicySource] | None) -> dict[str, Poli
     return out
 
 
-class _Served(Served):
-    """What the fake daemon serves with. Its stop releases only what it made: no socket
-    of its own and no cgroup subtree to remove."""
-
-    def release(self, config: DaemonConfig) -> None:
-        if self.env is not None:
-            self.env.audit.close()
-
-
-class _Pipeline(Pipeline):
-    """The real pipeline, minus the reaping of orphans: the fake daemon runs inside the
-    caller's process, whose other children are not its business (it reaps its jails)."""
-
-    def reap_orphans(self) -> list[int]:
-        return []
-
-
 def fake_environment(
     policies: Mapping[str, Policy], launcher: FakeLauncher | None = None, kill_grace_s: float = 1.0
 ) -> JailEnvironment:
@@ -462,11 +444,12 @@ async def fake_daemon(
     """
     loaded = load_policies(policies)
     config = config or DaemonConfig(socket_path="<jaild.testing>", probe_policies=False)
-    daemon = Daemon(config)
-    daemon.tracing = tracing
-    daemon.served = _Served(policies=loaded)
-    daemon.pipeline = _Pipeline(daemon)
-    daemon.served.env = fake_environment(loaded, launcher, config.kill_grace_s)
+    # The real daemon, given what it serves with: no socket of its own, no cgroup subtree
+    # (owns_cgroups), and no reaping of this process's other children (they are the
+    # caller's; the fake launcher reaps its jails).
+    served = Served(policies=loaded, env=fake_environment(loaded, launcher, config.kill_grace_s),
+                    owns_cgroups=False)
+    daemon = Daemon(config, served=served, tracing=tracing, reap_orphans=False)
     # The connections' task group is held by a task of its own, so that an exception of
     # the caller's block reaches the caller as itself (not inside an ExceptionGroup).
     group: asyncio.Future[asyncio.TaskGroup] = asyncio.get_running_loop().create_future()

@@ -71,8 +71,9 @@ def _children() -> set[int]:
 class Pipeline:
     """See the module docstring."""
 
-    def __init__(self, daemon: PipelineHost) -> None:
+    def __init__(self, daemon: PipelineHost, *, reap_orphans: bool = True) -> None:
         self.daemon = daemon
+        self._reaps = reap_orphans  # False: the process's other children are not ours
 
     def submit(self, client: ClientConnection, req: RunJob) -> None:
         """Admit a RunJob, place it and start it. Raises the JaildError the client gets
@@ -164,7 +165,7 @@ class Pipeline:
         exited (the common case): only then are /proc's child lists read. An orphan still
         alive is reaped by a later call, as before.
         """
-        if not _a_child_has_exited():
+        if not self._reaps or not _a_child_has_exited():
             return []
         tracked = set(self.daemon.registry.pids())
         env = self.daemon.env

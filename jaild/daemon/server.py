@@ -603,16 +603,34 @@ class ServedConnection(asyncio.Protocol):
 class Daemon:
     """See the module docstring."""
 
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        *,
+        served: startup.Served | None = None,
+        tracing: Tracing | None = None,
+        reap_orphans: bool = True,
+    ) -> None:
+        """A daemon of ``config``, started by :meth:`start` (or given what it serves with).
+
+        Args:
+            config: its settings.
+            served: what it serves with, made elsewhere (:mod:`jaild.testing`: policies and a
+                jail environment whose jails need no root); None: :meth:`start` makes it.
+            tracing: its traces; None: as the ``OTEL_*`` environment asks, read at start.
+            reap_orphans: reap children of this process that are no job's (it is the
+                jails' subreaper); False where the process has children of its own.
+        """
         self.config = config
-        self.served = startup.Served()
+        self.served = served or startup.Served()
         self.registry = Registry()
-        self.pipeline = Pipeline(self)
+        self.pipeline = Pipeline(self, reap_orphans=reap_orphans)
         self.sessions = Sessions(self)
         self.audit = AuditLog()
         self.accounting = Accounting()
         self.metrics = Metrics(config.metrics_address, tool_labels=config.metrics_tool_labels)
-        self.tracing: Tracing = OFF  # on at start() if the OTEL_* environment asks for traces
+        self._tracing_given = tracing is not None
+        self.tracing: Tracing = tracing or OFF  # else on at start() if OTEL_* asks for it
         self._lingering: Counter[int] = Counter()  # refused connections still open, by uid
         self.frame_bytes: Counter[int] = Counter()  # unfinished frames' bytes, by uid
         self._stopping = False
@@ -659,7 +677,8 @@ class Daemon:
             StartupError: why not (see :mod:`jaild.daemon.startup`).
         """
         self.audit = AuditLog(self.config.audit_log)
-        self.tracing = Tracing.from_env()  # TracingError (a StartupError) if it cannot be
+        if not self._tracing_given:
+            self.tracing = Tracing.from_env()  # TracingError (a StartupError) if it cannot be
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[None] = loop.create_future()
         self._holder = loop.create_task(self._hold_connections(ready), name="jaild connections")

@@ -94,6 +94,9 @@ class Served:
     config_fds: list[int] = field(default_factory=list)
     socket_inode: tuple[int, int] | None = None  # set when we bound the socket: ours to remove
     server: asyncio.Server | None = None
+    owns_cgroups: bool = True
+    """The cgroup subtree is this daemon's, to sweep and remove at stop (False: jails made
+    without cgroups, as :mod:`jaild.testing`'s are)."""
 
     def pool_summary(self, policy: Policy, jails: bool = False) -> dict[str, Any]:
         """The policy's jail-making mode and its warm pool's state (for ``jaild policies``).
@@ -130,8 +133,9 @@ class Served:
                     os.unlink(config.socket_path)
         if self.env is not None:
             self.env.audit.close()
-            self.env.cgroups.sweep()
-            self.env.cgroups.remove_subtree()
+            if self.owns_cgroups:
+                self.env.cgroups.sweep()
+                self.env.cgroups.remove_subtree()
         for fd in self.config_fds:
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -502,3 +502,24 @@ def test_no_root_is_needed() -> None:
             capture_output=True, text=True, timeout=guard(60),
         )
         assert control.stdout.split() == ["CapEff:", "0000000000000000"], control
+
+
+def test_the_fake_daemon_is_composed_of_public_parts() -> None:
+    """jaild.testing builds its daemon through the constructor's public seams (served,
+    tracing, reap_orphans) and sets no private attribute of another object: what the fake
+    daemon is made of is what anyone may use. Control: such an assignment is found."""
+    import ast
+
+    def private_sets(source: str) -> list[str]:
+        return [
+            f"{ast.unparse(t)}:{t.lineno}"
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(t, ast.Attribute) and t.attr.startswith("_")
+            and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"))
+        ]
+
+    source = (Path(__file__).resolve().parents[2] / "jaild" / "testing.py").read_text()
+    assert private_sets(source) == []
+    assert private_sets("daemon.served = x\ndaemon._pipeline = y\n") == ["daemon._pipeline:2"]
