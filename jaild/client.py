@@ -38,6 +38,7 @@ import functools
 import inspect
 import itertools
 import logging
+import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -516,8 +517,21 @@ class AsyncClient:
         name: str = "",
         handler_threads: int = 64,
         approve: Approver | None = None,
+        sock: socket.socket | None = None,
     ) -> None:
+        """A client of the daemon at ``socket_path`` (default: ``$JAILD_SOCKET``, else
+        ``/run/jaild/jaild.sock``); :meth:`connect` (or ``async with``) connects.
+
+        Args:
+            socket_path: the daemon's socket.
+            name: what the client calls itself in its ``Hello`` (the daemon's logs).
+            handler_threads: threads for synchronous tool handlers.
+            approve: asked for tools that need approval (see :data:`Approver`).
+            sock: a connected stream socket to speak over instead of connecting to
+                ``socket_path`` (one end of a socketpair: :mod:`jaild.testing`).
+        """
         self.socket_path = socket_from_env(socket_path)[0]
+        self._sock = sock
         self._approve = approve
         self._name = name or f"jaild-py/{__version__}"
         self._conn = Connection(Role.CLIENT, MAX_FRAME)
@@ -564,7 +578,9 @@ class AsyncClient:
     async def _open_transport(
         self, link: Callable[[], _Link]
     ) -> tuple[asyncio.Transport, _Link]:
-        """The connection to the daemon (:mod:`jaild.testing` connects over a socketpair)."""
+        """The connection to the daemon: over ``sock`` if given, else to its socket."""
+        if self._sock is not None:
+            return await asyncio.get_running_loop().create_unix_connection(link, sock=self._sock)
         try:
             return await asyncio.get_running_loop().create_unix_connection(
                 link, self.socket_path

@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from jaild.client import MAX_FRAME as CLIENT_MAX_FRAME
-from jaild.client import Approver, AsyncClient, _Link
+from jaild.client import Approver, AsyncClient
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core.machine import Exited, JobSpec, Spawned
 from jaild.daemon.jails.cgroups import Cgroups
@@ -378,7 +378,8 @@ class FakeDaemon:
         Raises:
             JaildError: the daemon refused the connection (e.g. ``max_connections``).
         """
-        client = _PairedClient(self.raw_connection(), name=name or "jaild.testing", approve=approve)
+        client = AsyncClient("<jaild.testing socketpair>", sock=self.raw_connection(),
+                             name=name or "jaild.testing", approve=approve)
         await client.connect()
         self._clients.append(client)
         return client
@@ -402,17 +403,6 @@ class FakeDaemon:
         for client in self._clients:
             await client.close()
         await self.daemon.stop()
-
-
-class _PairedClient(AsyncClient):
-    """An :class:`AsyncClient` on one end of a socketpair instead of a socket path."""
-
-    def __init__(self, sock: socket.socket, **kwargs: Any) -> None:
-        super().__init__("<jaild.testing socketpair>", **kwargs)
-        self._sock = sock
-
-    async def _open_transport(self, link: Callable[[], _Link]) -> tuple[asyncio.Transport, _Link]:
-        return await asyncio.get_running_loop().create_unix_connection(link, sock=self._sock)
 
 
 @contextlib.asynccontextmanager

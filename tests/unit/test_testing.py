@@ -523,3 +523,21 @@ def test_the_fake_daemon_is_composed_of_public_parts() -> None:
     source = (Path(__file__).resolve().parents[2] / "jaild" / "testing.py").read_text()
     assert private_sets(source) == []
     assert private_sets("daemon.served = x\ndaemon._pipeline = y\n") == ["daemon._pipeline:2"]
+
+
+def test_testing_imports_nothing_private_of_the_package() -> None:
+    """jaild.testing uses jaild's public names only (it once subclassed the client's private
+    link and transport). Control: a private name is found."""
+    import ast
+
+    def private_imports(source: str) -> list[str]:
+        return [
+            f"{node.module}.{alias.name}"
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaild")
+            for alias in node.names if alias.name.startswith("_")
+        ]
+
+    source = (Path(__file__).resolve().parents[2] / "jaild" / "testing.py").read_text()
+    assert private_imports(source) == []
+    assert private_imports("from jaild.client import AsyncClient, _Link\n") == ["jaild.client._Link"]
