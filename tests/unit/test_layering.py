@@ -479,5 +479,5 @@ def test_the_staged_runtime_is_the_packages() -> None:
     look in the wrong directory (and the daemon would not start)."""
     from jaild.daemon.jails.staging import PACKAGE_DIR, _runtime_sources
 
-    assert PACKAGE_DIR == Path(__file__).resolve().parents[2] / "jaild"
+    assert Path(__file__).resolve().parents[2] / "jaild" == PACKAGE_DIR
     assert PACKAGE_DIR / "runtime" / "main.py" in _runtime_sources()
