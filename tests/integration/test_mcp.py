@@ -251,6 +251,12 @@ def test_failures_are_tool_results_with_is_error(
 def test_persistent_mode_shares_one_jaild_session(
     md: DaemonHandle, servers_json: Path, tmp_path: Path
 ) -> None:
+    # Every run gets --timeout: the first ones must finish within it (a tool call through
+    # the MCP servers: well over a second under TCG), the late one must run past it. So it is
+    # the liveness guard's length (within the default policy's 30 s, or the daemon refuses
+    # it as looser), and the late run sleeps far beyond it.
+    timeout = min(guard(5), 25)
+
     async def body(session: Any) -> Any:
         first = await _run(session, "import math\nhits = await tools.demo.search_repositories("
                                     "query='a', limit=1)\nx = 41")
@@ -258,13 +264,14 @@ def test_persistent_mode_shares_one_jaild_session(
         with Client(md.socket) as c:
             open_sessions = [row for row in c.jobs() if row["id"].startswith("ses-")]
         # a run that hits a limit ends the jaild session; the next call gets a new one
-        late = await _run(session, "import time\ntime.sleep(30)")
+        late = await _run(session, f"import time\ntime.sleep({timeout + 60})")
         fresh = await _run(session, "'x' in globals()")
         return first, second, open_sessions, late, fresh
 
     first, second, open_sessions, late, fresh = _drive(
-        _jaild_mcp(md.socket, "--tools", str(servers_json), "--persistent", "--timeout", "1"),
-        tmp_path / "log", body)
+        _jaild_mcp(md.socket, "--tools", str(servers_json), "--persistent", "--timeout",
+                   str(timeout)),
+        tmp_path / "log", body, timeout=60 + 4 * timeout)
     assert first.is_error is False, _text(first)
     assert second.structured_content["result"] == [{"name": "a-0", "stars": 0}, 42]
     s1, s2 = first.structured_content["session"], second.structured_content["session"]
