@@ -36,9 +36,7 @@ beside that leaf. Nothing goes at the top of /sys/fs/cgroup unless no systemd ru
 * ``scope``: started from a shell on a systemd host (a session scope it does not
   own). The daemon asks systemd for a transient scope ``<subtree>.scope`` with
   ``Delegate=yes`` holding itself -- what ``systemd-run --scope -p Delegate=yes``
-  does, with ``busctl`` and without re-executing -- and uses that. As root it calls
-  systemd on its own socket, ``/run/systemd/private``, as ``systemctl`` does: no D-Bus
-  daemon is needed (a minimal Debian 12 has systemd without one). A
+  does, over D-Bus with ``busctl`` and without re-executing -- and uses that. A
   scope left by a crashed daemon of the same instance (its jails may still be in
   it) is joined, so the sweep finds them.
 * ``root``: no systemd, and the daemon is in the root cgroup (exempt from the rule):
@@ -213,19 +211,6 @@ def _join(directory: str, pid: int) -> None:
     _write(os.path.join(directory, "cgroup.procs"), str(pid))
 
 
-SYSTEMD_PRIVATE = "/run/systemd/private"
-"""systemd's own D-Bus socket: root talks to the manager there, peer to peer, with no bus
-daemon (``systemctl`` does so as root)."""
-
-
-def manager_bus(euid: int | None = None, private: str = SYSTEMD_PRIVATE) -> list[str]:
-    """``busctl``'s options to reach systemd's manager: its own socket for root, where
-    there is one, else the system bus (which needs D-Bus)."""
-    if (os.geteuid() if euid is None else euid) == 0 and os.path.exists(private):
-        return [f"--address=unix:path={private}"]
-    return ["--system"]
-
-
 def _start_scope(unit: str, pid: int, timeout_s: float = 10.0) -> str:
     """Ask systemd for a transient scope ``unit`` with ``Delegate=yes`` holding ``pid``
     (``systemd-run --scope -p Delegate=yes``, without re-executing). Returns its cgroup
@@ -237,7 +222,7 @@ def _start_scope(unit: str, pid: int, timeout_s: float = 10.0) -> str:
     for _attempt in range(3):  # a scope left by a crash may be collected while we look
         call = subprocess.run(
             [
-                busctl, *manager_bus(), "call", "--quiet", "org.freedesktop.systemd1",
+                busctl, "call", "--quiet", "org.freedesktop.systemd1",
                 "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
                 "StartTransientUnit", "ssa(sv)a(sa(sv))", unit, "fail", "4",
                 "PIDs", "au", "1", str(pid),
