@@ -35,8 +35,10 @@ beside that leaf. Nothing goes at the top of /sys/fs/cgroup unless no systemd ru
   on the service then caps every jail, and ``systemctl status`` counts them.
 * ``scope``: started from a shell on a systemd host (a session scope it does not
   own). The daemon asks systemd for a transient scope ``<subtree>.scope`` with
-  ``Delegate=yes`` holding itself -- what ``systemd-run --scope -p Delegate=yes``
-  does, over D-Bus with ``busctl`` and without re-executing -- and uses that. A
+  ``Delegate=yes`` -- ``systemd-run --scope`` makes it around a placeholder, and
+  the daemon moves itself in, so it is not re-executed. As root, ``systemd-run``
+  talks to systemd on its own socket (``/run/systemd/private``), as ``systemctl``
+  does: no D-Bus is needed (a minimal Debian 12 has systemd without one). A
   scope left by a crashed daemon of the same instance (its jails may still be in
   it) is joined, so the sweep finds them.
 * ``root``: no systemd, and the daemon is in the root cgroup (exempt from the rule):
@@ -211,38 +213,72 @@ def _join(directory: str, pid: int) -> None:
     _write(os.path.join(directory, "cgroup.procs"), str(pid))
 
 
+def _scope_holder(unit: str, timeout_s: float) -> subprocess.Popen[bytes]:
+    """Have ``systemd-run --scope`` make the transient scope ``unit`` (``Delegate=yes``)
+    around a placeholder process, and return that process once it is in the scope.
+
+    As root, ``systemd-run`` without ``--wait`` or ``--pty`` talks to the manager on its
+    own socket (``/run/systemd/private``), as ``systemctl`` does, so this works with no
+    D-Bus installed (a minimal Debian 12); the daemon then moves itself in by writing the
+    cgroup, and the placeholder goes.
+
+    Raises:
+        CgroupError: systemd-run is missing, failed (its message included), or the
+            placeholder was not in the scope within ``timeout_s``.
+    """
+    run = shutil.which("systemd-run")
+    if run is None:
+        raise CgroupError("systemd-run (systemd) is missing")
+    holder = subprocess.Popen(
+        [
+            run, "--scope", "--quiet", f"--unit={unit}", "--collect",
+            "--property=Delegate=yes",
+            "--description=jaild daemon (started outside systemd)",
+            "--", "sleep", "infinity",
+        ],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if holder.poll() is not None:  # systemd-run exits only when it failed
+            assert holder.stderr is not None
+            raise CgroupError(holder.stderr.read().decode(errors="replace").strip()
+                              or f"systemd-run exited {holder.returncode}")
+        with contextlib.suppress(OSError, CgroupError):  # exec()s sleep once placed
+            if cgroup_of(holder.pid).endswith("/" + unit):
+                return holder
+        time.sleep(0.01)
+    _end(holder)
+    raise CgroupError(f"systemd did not make the scope {unit} in {timeout_s:.0f} s")
+
+
+def _end(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    proc.wait()
+    if proc.stderr is not None:
+        proc.stderr.close()
+
+
 def _start_scope(unit: str, pid: int, timeout_s: float = 10.0) -> str:
-    """Ask systemd for a transient scope ``unit`` with ``Delegate=yes`` holding ``pid``
-    (``systemd-run --scope -p Delegate=yes``, without re-executing). Returns its cgroup
-    path. If a scope of that name still runs -- left by a crashed daemon of this socket,
-    with whatever the crash left in it -- ``pid`` joins it, so the sweep finds that."""
-    busctl = shutil.which("busctl")
-    if busctl is None:
-        raise CgroupError("busctl (systemd) is missing")
+    """Get a transient scope ``unit`` with ``Delegate=yes`` from systemd and move ``pid``
+    into its ``daemon`` leaf (what ``systemd-run --scope -p Delegate=yes`` does, without
+    re-executing). Returns the scope's cgroup path. If a scope of that name still runs --
+    left by a crashed daemon of this socket, with whatever the crash left in it -- ``pid``
+    joins it, so the sweep finds that."""
     for _attempt in range(3):  # a scope left by a crash may be collected while we look
-        call = subprocess.run(
-            [
-                busctl, "call", "--quiet", "org.freedesktop.systemd1",
-                "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
-                "StartTransientUnit", "ssa(sv)a(sa(sv))", unit, "fail", "4",
-                "PIDs", "au", "1", str(pid),
-                "Delegate", "b", "true",
-                "CollectMode", "s", "inactive-or-failed",
-                "Description", "s", "jaild daemon (started outside systemd)",
-                "0",
-            ],
-            capture_output=True, text=True, timeout=timeout_s, check=False,
-        )
-        if call.returncode == 0:
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:  # the job that moves us is asynchronous
-                now = cgroup_of(pid)
-                if now.endswith("/" + unit):
-                    return now
-                time.sleep(0.01)
-            raise CgroupError(f"systemd did not move the daemon into {unit} in {timeout_s:.0f} s")
-        if "already exists" not in call.stderr and "already loaded" not in call.stderr:
-            raise CgroupError(f"systemd refused the scope {unit}: {call.stderr.strip()}")
+        try:
+            holder = _scope_holder(unit, timeout_s)
+        except CgroupError as exc:
+            if "already exists" not in str(exc) and "already loaded" not in str(exc):
+                raise CgroupError(f"systemd refused the scope {unit}: {exc}") from None
+        else:
+            try:
+                scope = cgroup_of(holder.pid)
+                _join(_v2_dir(scope + "/" + DAEMON_LEAF), pid)
+            finally:
+                _end(holder)  # the scope's top must hold no process once it delegates
+            return scope
         shown = subprocess.run(
             ["systemctl", "show", "--property=ControlGroup", "--value", unit],
             capture_output=True, text=True, timeout=timeout_s, check=False,
