@@ -30,7 +30,7 @@ from contextlib import contextmanager, suppress
 import msgpack
 from measure import BenchError, Latency
 
-from jaild.protocol.messages import RunJob, decode, encode
+from jaild.protocol.messages import JobDescription, RunJob, decode, encode
 
 WARMUP = 10
 
@@ -144,7 +144,7 @@ async def _daemon(path: str, jail: socket.socket, ready: int) -> None:
         if transport not in clients:
             clients.append(transport)
         assert isinstance(message, dict)
-        to_jail.write(_frame({"type": "RunCode", "code": message["code"]}))
+        to_jail.write(_frame({"type": "RunCode", "job": message["job"]}))
 
     server = await loop.create_unix_server(lambda: _Framer(from_client), path)
     os.write(ready, b"x")
@@ -203,7 +203,7 @@ async def _shape_client(path: str, runs: int, pause_s: float) -> list[float]:
                 await asyncio.sleep(pause_s)
             answer[:] = [loop.create_future()]
             started = time.perf_counter()
-            transport.write(_frame({"type": "RunJob", "code": "result = 1 + 1\nresult",
+            transport.write(_frame({"type": "RunJob", "job": {"code": "result = 1 + 1\nresult"},
                                     "policy": "default"}))
             await answer[0]
             if i >= WARMUP:
@@ -219,7 +219,8 @@ async def _shape_client(path: str, runs: int, pause_s: float) -> list[float]:
 def after_idle(runs: int, pause_s: float) -> Latency:
     """One decode of a ``RunJob`` frame (jaild's protocol package), after ``pause_s`` of
     sleep each time (0: back to back)."""
-    payload = encode(RunJob(ref=1, code="result = 1 + 1\nresult", policy="default"))
+    payload = encode(RunJob(ref=1, job=JobDescription(code="result = 1 + 1\nresult"),
+                            policy="default"))
     samples = []
     for i in range(WARMUP + runs):
         if pause_s:

@@ -69,6 +69,7 @@ from jaild.protocol.messages import (
     GetStats,
     Hello,
     JobAccepted,
+    JobDescription,
     JobFinished,
     JobList,
     JobOutput,
@@ -751,15 +752,17 @@ class AsyncClient:
         self._accepting[ref] = (accepted, job)
         msg = RunJob(
             ref=ref,
-            code=code,
+            job=JobDescription(
+                code=code,
+                filename=options.filename,
+                tools=tuple(t.spec() for t in host_tools.values()),
+                files=uploads,
+                download=patterns,
+                download_changed=download is True,
+            ),
             policy=policy,
-            tools=tuple(t.spec() for t in host_tools.values()),
             limits=wanted,
-            filename=options.filename,
             session_id=session_id,
-            files=uploads,
-            download=patterns,
-            download_changed=download is True,
             traceparent=tracing.current_traceparent(),  # the caller's span, if it has one
         )
         try:

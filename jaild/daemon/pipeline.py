@@ -132,7 +132,7 @@ class Pipeline:
             if sess is not None:
                 record = sess.run_entry(record)
             # audited before the client can see the result
-            self.audit(client, record, uploaded=len(spec.files), downloaded=len(downloads))
+            self.audit(client, record, uploaded=len(spec.job.files), downloaded=len(downloads))
             client.send(JobFinished(job_id=job_id, record=record, result=result, files=downloads))
             if placed.trace is not None:  # its spans, once the record is out
                 placed.trace.finish(record, placed.mode)

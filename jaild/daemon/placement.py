@@ -81,12 +81,7 @@ def _spec(job: AdmittedJob, job_id: str, tenant: int | None, keep: bool = False)
         job_id=job_id,
         policy=job.policy,
         limits=job.limits,
-        code=job.code,
-        filename=job.filename,
-        tools=job.tools,
-        files=job.files,
-        download=job.download,
-        download_changed=job.download_changed,
+        job=job.job,
         keep=keep,
         tenant=tenant,
     )

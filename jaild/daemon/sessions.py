@@ -45,7 +45,7 @@ from jaild.daemon.observe.audit import AuditLog
 from jaild.daemon.observe.metrics import Metrics
 from jaild.daemon.registry import ClientConnection, JailSession, Registry
 from jaild.errors import InternalError, JaildError, UnknownSession
-from jaild.protocol.messages import OpenSession, SessionOpened
+from jaild.protocol.messages import JobDescription, OpenSession, SessionOpened
 from jaild.protocol.messages import SessionClosed as SessionClosedMsg
 from jaild.protocol.records import JobRecord, SessionInfo
 from jaild.tracing import SessionTrace, Tracing
@@ -152,7 +152,8 @@ class Sessions:
         assert env is not None
         session_id = "ses-" + secrets.token_hex(8)
         spec = JobSpec(
-            session_id, terms.policy, terms.jail_limits, "", "<session>", terms.tools, keep=True,
+            session_id, terms.policy, terms.jail_limits,
+            JobDescription(code="", filename="<session>", tools=terms.tools), keep=True,
             tenant=client.peer.uid,
         )
         jail = JailedJob(spec, env, None, None, jail_id=session_id)

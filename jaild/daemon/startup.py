@@ -66,7 +66,7 @@ from jaild.policy.schema import Policy, check_policy_files, policy_files, resolv
 from jaild.policy.seccomp import build_spec
 from jaild.protocol import encode_frame, pack, unpack
 from jaild.protocol.connection import HANDSHAKE_FRAME_BYTES
-from jaild.protocol.messages import Error, ToolSpec, encode
+from jaild.protocol.messages import Error, JobDescription, ToolSpec, encode
 from jaild.runtime.harden import become_child_subreaper
 from jaild.runtime.seccomp import bpf_program
 from jaild.runtime.seccomp import digest as seccomp_digest
@@ -393,7 +393,8 @@ def _start_pools(served: Served) -> None:
         def make(tenant: int | None, policy: Policy = policy) -> JailedJob:
             # named for the job that will take it: its cgroup cannot be renamed (v2)
             jail_id = new_job_id()
-            spec = JobSpec(jail_id, policy, policy.limits, "", "<pool>", (), tenant=tenant)
+            spec = JobSpec(jail_id, policy, policy.limits,
+                           JobDescription(code="", filename="<pool>"), tenant=tenant)
             return JailedJob(spec, env, None, None, jail_id=jail_id)
 
         if zygotes.scope == "uid" and name in zygotes.policies:  # a pool per client uid
@@ -518,9 +519,11 @@ async def _probe(config: DaemonConfig, served: Served, policy: Policy) -> list[C
         job_id=PROBE_JOB_PREFIX + secrets.token_hex(8),
         policy=policy,
         limits=dataclasses.replace(policy.limits, wall_time_s=min(policy.limits.wall_time_s, 20)),
-        code=probe_code(policy, hidden),
-        filename="<self-test>",
-        tools=(ToolSpec(name=INSPECT_TOOL, description="the job seen from the host"),),
+        job=JobDescription(
+            code=probe_code(policy, hidden),
+            filename="<self-test>",
+            tools=(ToolSpec(name=INSPECT_TOOL, description="the job seen from the host"),),
+        ),
         tenant=served.env.zygotes.own_uid,  # the daemon's own job: in the daemon's zygote
     )
 

@@ -58,7 +58,7 @@ from jaild.protocol.fields import (
 )
 from jaild.protocol.records import DaemonStats, JobEntry, JobRecord, PolicyEntry, SessionInfo
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 MAX_CODE_CHARS = 1 << 20
 MAX_DESCRIPTION_CHARS = 8192
@@ -155,18 +155,30 @@ class Welcome(Message):
 
 
 @struct
+class JobDescription(Struct):
+    """What a job runs: its code, the tools it may call, the files it gets and the files
+    whose contents come back. Declared once, here: the client sends it in ``RunJob``,
+    admission checks it, and the daemon hands the same value to the jail in ``RunCode``."""
+
+    code: str = field(string(MAX_CODE_CHARS))
+    filename: str = field(string(256, min_len=1), default="<job>")
+    """The name the code's tracebacks and ``__file__`` show."""
+    tools: tuple[ToolSpec, ...] = field(list_of(nested(ToolSpec), MAX_TOOLS), default=())
+    files: dict[str, bytes] = field(_files, default_factory=dict)
+    download: tuple[str, ...] = field(_patterns, default=())
+    """Glob patterns (relative to the working directory) of files whose contents come back."""
+    download_changed: bool = field(boolean(), default=False)
+    """Also every file the run created or changed."""
+
+
+@struct
 class RunJob(Message):
     TYPE = "RunJob"
     ref: int = field(_ref)
-    code: str = field(string(MAX_CODE_CHARS))
+    job: JobDescription = field(nested(JobDescription))
     policy: str = field(string(64, min_len=1))
-    tools: tuple[ToolSpec, ...] = field(list_of(nested(ToolSpec), MAX_TOOLS), default=())
     limits: dict[str, float] = field(_limits, default_factory=dict)
-    filename: str = field(string(256, min_len=1), default="<job>")
     session_id: str | None = field(optional(_session_id), default=None)
-    files: dict[str, bytes] = field(_files, default_factory=dict)
-    download: tuple[str, ...] = field(_patterns, default=())
-    download_changed: bool = field(boolean(), default=False)
     traceparent: str | None = field(optional(_traceparent), default=None)
 
 
@@ -365,16 +377,12 @@ class JailReady(Message):
 @struct
 class RunCode(Message):
     TYPE = "RunCode"
-    code: str = field(string(MAX_CODE_CHARS))
-    filename: str = field(string(256, min_len=1))
-    tools: tuple[ToolSpec, ...] = field(list_of(nested(ToolSpec), MAX_TOOLS))
+    job: JobDescription = field(nested(JobDescription))
+    """The client's job as admitted (a session's run: with the session's tools)."""
     tool_payload_bytes: int = field(integer(0, MAX_PAYLOAD_BYTES))
     result_bytes: int = field(integer(0, MAX_PAYLOAD_BYTES))
     keep: bool = field(boolean(), default=False)
     """A session's jail: after ``CodeFinished`` wait for the next ``RunCode``, same namespace."""
-    files: dict[str, bytes] = field(_files, default_factory=dict)
-    download: tuple[str, ...] = field(_patterns, default=())
-    download_changed: bool = field(boolean(), default=False)
 
 
 @struct

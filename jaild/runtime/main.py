@@ -36,6 +36,7 @@ from jaild.protocol.messages import (
     ErrorInfo,
     Harden,
     JailReady,
+    JobDescription,
     RunCode,
     decode,
     encode,
@@ -73,15 +74,16 @@ def _warm_files(files: Any, workdir: str, limits: Any) -> None:
     name = ".jaild-warm-up"
     run = decode(
         encode(
-            RunCode(code="", filename="<warm-up>", tools=(), tool_payload_bytes=64,
-                    result_bytes=64, files={name: b"w"}, download=("*",))
+            RunCode(job=JobDescription(code="", filename="<warm-up>", files={name: b"w"},
+                                       download=("*",)),
+                    tool_payload_bytes=64, result_bytes=64)
         ),
         "daemon->jail",
     )
     assert isinstance(run, RunCode)
     before = files.snapshot(workdir, limits)
-    files.write_uploads(workdir, run.files, limits)
-    encode(CodeFinished(ok=True, files=files.collect(workdir, before, run.download, limits,
+    files.write_uploads(workdir, run.job.files, limits)
+    encode(CodeFinished(ok=True, files=files.collect(workdir, before, run.job.download, limits,
                                                       True).to_wire()))
     os.unlink(os.path.join(workdir, name))
 
@@ -135,8 +137,9 @@ def main(warm_up: bool = False) -> None:
         run = channel.receive()
         if not isinstance(run, RunCode):
             os._exit(EXIT_PROTOCOL)
+        job = run.job
         if namespace is None:
-            tools = Tools(run.tools, channel, run.tool_payload_bytes)
+            tools = Tools(job.tools, channel, run.tool_payload_bytes)
             namespace = {
                 "__name__": "__main__",
                 "__builtins__": builtins,
@@ -149,8 +152,8 @@ def main(warm_up: bool = False) -> None:
             }
         network.take_refused()  # not this run's: the warm-up's, a session's leftover threads'
         try:
-            if run.files:
-                files.write_uploads(workdir, run.files, limits)
+            if job.files:
+                files.write_uploads(workdir, job.files, limits)
         except UploadError as exc:
             outcome = execute.Outcome(
                 ok=False, error=ErrorInfo(type="UploadError", message=str(exc)[:4096])
@@ -160,8 +163,8 @@ def main(warm_up: bool = False) -> None:
             # the common case, nothing there (a fresh jail): one syscall, not a walk
             before = files.snapshot(workdir, limits) if _occupied(workdir) else files.Snapshot({})
             outcome = execute.run(
-                run.code,
-                run.filename,
+                job.code,
+                job.filename,
                 namespace,
                 run.result_bytes,
                 session if run.keep else None,
@@ -169,7 +172,7 @@ def main(warm_up: bool = False) -> None:
             collected = None
             if _occupied(workdir):
                 collected = files.collect(
-                    workdir, before, run.download, limits, run.download_changed
+                    workdir, before, job.download, limits, job.download_changed
                 ).to_wire()
                 if collected == _NOTHING:
                     collected = None

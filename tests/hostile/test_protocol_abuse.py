@@ -104,8 +104,8 @@ def test_client_sends_deeply_nested_tool_schema(hostile: DaemonHandle) -> None:
     for _ in range(100):
         node["x"] = {}
         node = node["x"]  # type: ignore[assignment]
-    payload = msgpack.packb({"type": "RunJob", "ref": 1, "code": "1", "policy": "default",
-                             "tools": [{"name": "t", "parameters": schema}]})
+    payload = msgpack.packb({"type": "RunJob", "ref": 1, "policy": "default",
+                             "job": {"code": "1", "tools": [{"name": "t", "parameters": schema}]}})
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(hostile.socket)
         hello = msgpack.packb({"type": "Hello", "protocol": PROTOCOL_VERSION})
@@ -126,7 +126,7 @@ def test_a_client_that_never_reads(hostile: DaemonHandle) -> None:
         s.connect(hostile.socket)
         hello = msgpack.packb({"type": "Hello", "protocol": PROTOCOL_VERSION})
         job = msgpack.packb({"type": "RunJob", "ref": 1, "policy": "default",
-                             "code": "for _ in range(2000):\n    print('z' * 400)"})
+                             "job": {"code": "for _ in range(2000):\n    print('z' * 400)"}})
         s.sendall(struct.pack(">I", len(hello)) + hello + struct.pack(">I", len(job)) + job)
         hostile.assert_serving()
         hostile.assert_serving()

@@ -14,7 +14,7 @@ import pytest
 
 from jaild.client import Client, _RunOptions
 from jaild.errors import UnknownSession
-from jaild.protocol.messages import CloseSession, Error, Message, RunJob
+from jaild.protocol.messages import CloseSession, Error, JobDescription, Message, RunJob
 from tests.conftest import DaemonHandle, RawClient, guard
 from tests.hostile.test_protocol_abuse import SEND
 
@@ -37,8 +37,8 @@ def test_other_connections_cannot_use_or_close_a_session(hostile: DaemonHandle) 
     with Client(hostile.socket) as c, c.session() as s:
         s.run("secret = 42")
         ident = s.id or ""
-        answers = raw(hostile.socket, RunJob(ref=1, code="secret", policy="default",
-                                             session_id=ident), CloseSession(session_id=ident))
+        run = RunJob(ref=1, job=JobDescription(code="secret"), policy="default", session_id=ident)
+        answers = raw(hostile.socket, run, CloseSession(session_id=ident))
         codes = [a.code for a in answers if isinstance(a, Error)]
         assert codes == ["unknown_session", "unknown_session"], answers
         assert s.run("secret").result == 42  # untouched

@@ -67,19 +67,26 @@ HELLO_WELCOME = {"type": "Welcome", "protocol": PROTOCOL_VERSION}
     [
         (b"\x00\x00\x00\x05garbage-and-more", False, "bad_frame"),
         (b"\xff\xff\xff\xff", False, "frame_too_large"),
-        (frame({"type": "RunJob", "ref": 1, "code": "1", "policy": "default"}), False,
+        (frame({"type": "RunJob", "ref": 1, "job": {"code": "1"}, "policy": "default"}), False,
          "unexpected_message"),
         (frame({"type": "Hello", "protocol": 99}), False, "unsupported_version"),
         (frame([1, 2, 3]), True, "bad_frame"),
         (frame({"type": "Welcome", "protocol": PROTOCOL_VERSION}), True, "bad_frame"),
-        (frame({"type": "RunJob", "ref": 1, "code": 5, "policy": "default"}), True, "bad_frame"),
-        (frame({"type": "RunJob", "ref": 1, "code": "1", "policy": "default", "evil": 1}), True,
+        (frame({"type": "RunJob", "ref": 1, "job": {"code": 5}, "policy": "default"}), True,
+         "bad_frame"),
+        (frame({"type": "RunJob", "ref": 1, "job": {"code": "1"}, "policy": "default",
+                "evil": 1}), True, "bad_frame"),
+        (frame({"type": "RunJob", "ref": 1, "job": {"code": "1", "evil": 1},
+                "policy": "default"}), True, "bad_frame"),
+        # protocol 5's shape, the job's fields beside ref and policy: named, not guessed at
+        (frame({"type": "RunJob", "ref": 1, "code": "1", "policy": "default"}), True,
          "bad_frame"),
         (frame({"type": "Hello", "protocol": PROTOCOL_VERSION}), True, "unexpected_message"),
         (b"\x00\x00\x00\x03\xc1\xc1\xc1", True, "bad_frame"),
     ],
     ids=["garbage", "oversize-length", "before-hello", "wrong-version", "not-a-map",
-         "wrong-direction", "wrong-field-type", "unknown-field", "second-hello", "invalid-msgpack"],
+         "wrong-direction", "wrong-field-type", "unknown-field", "unknown-job-field",
+         "protocol-5-shape", "second-hello", "invalid-msgpack"],
 )
 def test_bad_input_gets_an_error_frame_and_the_daemon_keeps_serving(
     daemon: DaemonHandle, payload: bytes, hello: bool, code: str
@@ -105,7 +112,8 @@ def test_semantic_errors_keep_the_connection(daemon: DaemonHandle) -> None:
         s.sendall(frame({"type": "Hello", "protocol": PROTOCOL_VERSION}))
         s.sendall(frame({"type": "CancelJob", "job_id": "job-0000"}))
         s.sendall(frame({"type": "ToolReturned", "job_id": "job-0001", "call_id": 1, "value": b"\xc0"}))
-        s.sendall(frame({"type": "RunJob", "ref": 7, "code": "1", "policy": "no-such-policy"}))
+        s.sendall(frame({"type": "RunJob", "ref": 7, "job": {"code": "1"},
+                         "policy": "no-such-policy"}))
         s.sendall(frame({"type": "ListPolicies", "ref": 8}))
         s.shutdown(socket.SHUT_WR)
         frames = read_frames(s)
@@ -145,7 +153,8 @@ def test_duplicate_tool_names_are_refused(daemon: DaemonHandle) -> None:
     tool = {"name": "t", "description": "", "parameters": {}}
     frames = raw_exchange(
         daemon,
-        frame({"type": "RunJob", "ref": 3, "code": "1", "policy": "default", "tools": [tool, tool]})
+        frame({"type": "RunJob", "ref": 3, "job": {"code": "1", "tools": [tool, tool]},
+               "policy": "default"})
         + frame({"type": "ListPolicies", "ref": 4}),
         hello=True,
     )

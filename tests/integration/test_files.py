@@ -19,7 +19,7 @@ import pytest
 
 from jaild.client import Client
 from jaild.errors import BadRequest
-from jaild.protocol.messages import Error, Message, RunJob
+from jaild.protocol.messages import Error, JobDescription, Message, RunJob
 from tests.conftest import DaemonHandle, RawClient, guard
 
 pytestmark = pytest.mark.integration
@@ -93,8 +93,8 @@ def test_upload_limits_are_enforced_with_clear_errors(sd_files: DaemonHandle) ->
         ]
         for files, reason in cases:
             # the daemon checks (the client library refuses the worst before sending)
-            answer = raw_run(sd_files.socket, RunJob(ref=1, code="1", policy="smallfiles",
-                                                     files=files))
+            req = RunJob(ref=1, job=JobDescription(code="1", files=files), policy="smallfiles")
+            answer = raw_run(sd_files.socket, req)
             assert isinstance(answer, Error) and answer.code == "bad_request", answer
             assert "refused by policy 'smallfiles'" in answer.message
             assert reason in answer.message, (files, answer.message)

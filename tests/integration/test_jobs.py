@@ -16,6 +16,7 @@ from jaild.protocol.messages import (
     CancelJob,
     Hello,
     JobAccepted,
+    JobDescription,
     JobFinished,
     RunJob,
     Welcome,
@@ -343,7 +344,8 @@ def test_a_job_sent_with_hello_in_one_write_runs(
         with raw.sock:
             raw.sock.connect(raw.socket_path)
             hello = raw.conn.send(Hello(protocol=PROTOCOL_VERSION))
-            run = encode_frame(encode(RunJob(ref=1, code="6 * 7", policy="default")), 1 << 20)
+            job = RunJob(ref=1, job=JobDescription(code="6 * 7"), policy="default")
+            run = encode_frame(encode(job), 1 << 20)
             raw.sock.sendall(hello + run)
             assert isinstance(raw.next(), Welcome), attempt
             accepted, finished = raw.next(), raw.next()
@@ -362,7 +364,8 @@ def test_a_long_job_is_announced_while_it_runs_and_a_short_one_before_its_end(
     jail answers (within the hold or not): tests/unit/test_accept_hold.py pins that down
     with a clock this test does not control."""
     with RawClient(daemon.socket) as raw:
-        raw.send(RunJob(ref=1, code="import time\ntime.sleep(600)", policy="default"))
+        sleeper = JobDescription(code="import time\ntime.sleep(600)")
+        raw.send(RunJob(ref=1, job=sleeper, policy="default"))
         accepted = raw.next()  # only the hold's timer can send it: the job sleeps
         assert isinstance(accepted, JobAccepted) and accepted.ref == 1, accepted
         raw.send(CancelJob(job_id=accepted.job_id))
@@ -370,7 +373,7 @@ def test_a_long_job_is_announced_while_it_runs_and_a_short_one_before_its_end(
         assert isinstance(finished, JobFinished), finished
         assert (finished.job_id, finished.record.status) == (accepted.job_id, "cancelled")
 
-        raw.send(RunJob(ref=2, code="def (", policy="default"))
+        raw.send(RunJob(ref=2, job=JobDescription(code="def ("), policy="default"))
         first, second = raw.next(), raw.next()
         assert isinstance(first, JobAccepted) and first.ref == 2, first
         assert isinstance(second, JobFinished) and second.job_id == first.job_id, second

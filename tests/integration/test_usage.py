@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from jaild.client import Client
-from jaild.protocol.messages import JobAccepted, JobFinished, JobOutput, RunJob
+from jaild.protocol.messages import JobAccepted, JobDescription, JobFinished, JobOutput, RunJob
 from jaild.protocol.records import JobRecord
 from tests.conftest import (
     DaemonHandle,
@@ -163,7 +163,7 @@ def stalled_job(socket_path: str, policy: str,
     streamed = 0
     with RawClient(socket_path) as raw:
         raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        raw.send(RunJob(ref=1, code=FLOOD, policy=policy))
+        raw.send(RunJob(ref=1, job=JobDescription(code=FLOOD), policy=policy))
         accepted = raw.next()
         assert isinstance(accepted, JobAccepted), accepted
         stall(accepted.job_id)  # a client that does not read

@@ -22,7 +22,7 @@ from jaild.errors import (
     UnknownPolicy,
 )
 from jaild.policy.schema import JAIL_LEVEL_LIMITS, ONE_SHOT_JAIL_LIMITS, Policy, load_policy_text
-from jaild.protocol.messages import OpenSession, RunJob, ToolSpec
+from jaild.protocol.messages import JobDescription, OpenSession, RunJob, ToolSpec
 
 ALICE = Peer(pid=10, uid=1000, gid=1000)
 BOB = Peer(pid=11, uid=1001, gid=1001, groups=(50,))
@@ -36,8 +36,14 @@ def catalog(*policies: Policy, **kw: Any) -> Catalog:
     return Catalog({p.name: p for p in policies or (policy(),)}, **kw)
 
 
+JOB_KEYS = {f.name for f in dataclasses.fields(JobDescription)}
+
+
 def run(**kw: Any) -> RunJob:
-    return RunJob(**{"ref": 1, "code": "1 + 1", "policy": "default", **kw})
+    """A RunJob; the job description's keywords go into its ``job``."""
+    job = {"code": "1 + 1", **{k: v for k, v in kw.items() if k in JOB_KEYS}}
+    rest = {k: v for k, v in kw.items() if k not in JOB_KEYS}
+    return RunJob(**{"ref": 1, "policy": "default", **rest, "job": JobDescription(**job)})
 
 
 def refused(exc_type: type[JaildError], match: str, fn: Any, *args: Any, **kw: Any) -> None:
@@ -237,9 +243,11 @@ def test_a_job_is_admitted_with_its_terms() -> None:
               download_changed=True, filename="<x>")
     job = admission.admit_job(catalog(), ALICE, req)
     assert job.policy.name == "default" and job.limits.memory_mb == 64
-    assert (job.code, job.filename, job.files, job.download, job.download_changed) == (
+    assert (job.job.code, job.job.filename, job.job.files, job.job.download,
+            job.job.download_changed) == (
         "1 + 1", "<x>", {"a.txt": b"x"}, ("*.txt",), True,
     )
+    assert job.job is req.job  # carried whole, not copied field by field
 
 
 def test_no_new_work_while_shutting_down() -> None:
@@ -288,7 +296,7 @@ def test_tools_the_policy_does_not_allow() -> None:
     refused(PermissionDenied,
             "policy 'default' does not allow tool(s) rm, sh (allowed: fetch_*, get)",
             admission.admit_job, cat, ALICE, run(tools=tools))
-    assert admission.admit_job(cat, ALICE, run(tools=tools[:1])).tools == tools[:1]
+    assert admission.admit_job(cat, ALICE, run(tools=tools[:1])).job.tools == tools[:1]
 
 
 def test_a_tools_parameters_must_be_a_json_schema() -> None:
@@ -383,8 +391,8 @@ def test_the_daemon_never_compiles_a_jobs_code(monkeypatch: pytest.MonkeyPatch) 
     session = terms("")
     monkeypatch.setattr(builtins, "compile", watching)
     for code in codes:
-        assert admission.admit_job(catalog(), ALICE, run(code=code)).code == code
-        assert admission.admit_session_run(session, "ses-1", run(code=code)).code == code
+        assert admission.admit_job(catalog(), ALICE, run(code=code)).job.code == code
+        assert admission.admit_session_run(session, "ses-1", run(code=code)).job.code == code
     assert not [c for c in compiled if c in codes]
 
 
@@ -446,7 +454,7 @@ def test_a_sessions_run_gets_the_sessions_tools_and_limits() -> None:
     tools = (ToolSpec(name="f"),)
     t = terms(tools=tools, limits={"memory_mb": 64, "wall_time_s": 5})
     job = admission.admit_session_run(t, "ses-1", run())
-    assert job.tools == tools and job.limits.memory_mb == 64 and job.limits.wall_time_s == 5
+    assert job.job.tools == tools and job.limits.memory_mb == 64 and job.limits.wall_time_s == 5
     job = admission.admit_session_run(t, "ses-1", run(tools=tools, limits={"wall_time_s": 2}))
     assert job.limits.wall_time_s == 2
 

@@ -74,6 +74,7 @@ from jaild.protocol.messages import (
     JailReady,
     JailToolFailed,
     JailToolReturned,
+    JobDescription,
     Message,
     RunCode,
     ToolSpec,
@@ -94,9 +95,7 @@ def spec(job_id: str = "j1", *, keep: bool = False, **limits: Any) -> JobSpec:
         job_id=job_id,
         policy=POLICY,
         limits=dataclasses.replace(Limits(), **limits),
-        code="print(1)",
-        filename="<job>",
-        tools=TOOLS,
+        job=JobDescription(code="print(1)", filename="<job>", tools=TOOLS),
         keep=keep,
     )
 
@@ -221,6 +220,7 @@ def test_one_shot_spawned_job() -> None:
         "StartJail", "SendToJail", "Ready", "StartRun", "SendToJail", "ArmRunTimers",
     ]
     assert isinstance(sim.replies[0], Harden) and isinstance(sim.replies[1], RunCode)
+    assert sim.replies[1].job == sim.m.spec.job  # the admitted description, sent whole
     assert out[-1] == ArmRunTimers(1, 30.0, watch_cpu=False)
     assert sim.m.phase is Phase.RUNNING and sim.m.alive
     (route,) = sim.frame(JailCallTool(call_id=1, name="echo", args=ARGS))

@@ -12,14 +12,14 @@ from jaild.daemon import placement
 from jaild.daemon.core import admission
 from jaild.daemon.core.peer import Peer
 from jaild.policy.schema import load_policy_text
-from jaild.protocol.messages import RunJob
+from jaild.protocol.messages import JobDescription, RunJob
 
 PEER = Peer(pid=1, uid=1000, gid=1000)
 POLICY = load_policy_text("", "default.toml")
 
 
 def admitted(**limits: float) -> admission.AdmittedJob:
-    req = RunJob(ref=1, code="1", policy="default", limits=dict(limits))
+    req = RunJob(ref=1, job=JobDescription(code="1"), policy="default", limits=dict(limits))
     return admission.admit_job(admission.Catalog({"default": POLICY}), PEER, req)
 
 

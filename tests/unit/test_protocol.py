@@ -67,6 +67,7 @@ from jaild.protocol.messages import (
     JailToolFailed,
     JailToolReturned,
     JobAccepted,
+    JobDescription,
     JobFinished,
     JobList,
     JobOutput,
@@ -157,14 +158,16 @@ SAMPLES: dict[str, list[Message]] = {
     "client->daemon": [
         Hello(protocol=PROTOCOL_VERSION),
         Hello(protocol=PROTOCOL_VERSION, client="jaild-py/0.1.0 ünïcode ✓"),
-        RunJob(ref=0, code="", policy="d"),
+        RunJob(ref=0, job=JobDescription(code=""), policy="d"),
         RunJob(
             ref=MAX_REF,
-            code="print(await tools.search(query='x'))\n" * 3,
+            job=JobDescription(
+                code="print(await tools.search(query='x'))\n" * 3,
+                tools=(SPEC, ToolSpec(name="_x.y-z")),
+                filename="<job>",
+            ),
             policy="default",
-            tools=(SPEC, ToolSpec(name="_x.y-z")),
             limits={"wall_time_s": 0.5, "memory_mb": 64},
-            filename="<job>",
         ),
         CancelJob(job_id=JOB),
         CancelJob(job_id="a" * 64),
@@ -175,11 +178,13 @@ SAMPLES: dict[str, list[Message]] = {
         ClientToolFailed(job_id=JOB, call_id=2, error_type="E" * 256, message="m" * 1000),
         RunJob(
             ref=2,
-            code="x += 1",
+            job=JobDescription(
+                code="x += 1",
+                files={"in/data.csv": b"a,b\n1,2\n", "blob": bytes(range(256))},
+                download=["*.csv", "out/*"],
+            ),
             policy="default",
             session_id="ses-0123abcd",
-            files={"in/data.csv": b"a,b\n1,2\n", "blob": bytes(range(256))},
-            download=["*.csv", "out/*"],
         ),
         OpenSession(ref=4, policy="default"),
         OpenSession(
@@ -226,17 +231,26 @@ SAMPLES: dict[str, list[Message]] = {
             protocol=PROTOCOL_VERSION, seccomp={},
             network=NetworkRefusal(families=(2, 10), explanation="policy 'p' has no network"),
         ),
-        RunCode(code="1 + 1", filename="<job>", tools=(), tool_payload_bytes=0, result_bytes=0),
         RunCode(
-            code="x",
-            filename="f.py",
-            tools=(SPEC,),
+            job=JobDescription(code="1 + 1", filename="<job>"),
+            tool_payload_bytes=0,
+            result_bytes=0,
+        ),
+        RunCode(
+            job=JobDescription(code="x", filename="f.py", tools=(SPEC,)),
             tool_payload_bytes=MAX_PAYLOAD_BYTES,
             result_bytes=MAX_PAYLOAD_BYTES,
         ),
         RunCode(
-            code="y = x", filename="<job>", tools=(), tool_payload_bytes=64, result_bytes=64,
-            keep=True, files={"a.txt": b"1"}, download=["*"],
+            job=JobDescription(
+                code="y = x",
+                filename="<job>",
+                files={"a.txt": b"1"},
+                download=["*"],
+            ),
+            tool_payload_bytes=64,
+            result_bytes=64,
+            keep=True,
         ),
         JailToolReturned(call_id=1, value=msgpack.packb(None)),
         JailToolFailed(call_id=1, error_type="unknown_tool", message="no tool named 'x'"),
@@ -478,7 +492,11 @@ def test_a_whole_client_conversation() -> None:
     assert (client.state, daemon.state) == (State.AWAIT_WELCOME, State.SEND_WELCOME)
     to_client(Welcome(protocol=PROTOCOL_VERSION, daemon="jaild/test"))
     assert client.state is State.READY
-    to_daemon(RunJob(ref=1, code="await tools.search(query='x')", policy="default", tools=(SPEC,)))
+    to_daemon(RunJob(
+        ref=1,
+        job=JobDescription(code="await tools.search(query='x')", tools=(SPEC,)),
+        policy="default",
+    ))
     to_client(JobAccepted(ref=1, job_id=JOB))
     to_client(JobOutput(job_id=JOB, stream="stdout", data=b"..."))
     to_client(ClientCallTool(job_id=JOB, call_id=1, name="search", args=msgpack.packb([[], {}])))
@@ -508,8 +526,11 @@ def test_a_whole_jail_conversation() -> None:
     assert (sup.state, jail.state) == (State.AWAIT_READY, State.HARDENING)
     to_sup(JailReady(protocol=PROTOCOL_VERSION, python="3.12"))
     assert (sup.state, jail.state) == (State.AWAIT_CODE, State.AWAIT_CODE)
-    to_jail(RunCode(code="x", filename="<job>", tools=(SPEC,), tool_payload_bytes=64,
-                    result_bytes=64))
+    to_jail(RunCode(
+        job=JobDescription(code="x", filename="<job>", tools=(SPEC,)),
+        tool_payload_bytes=64,
+        result_bytes=64,
+    ))
     assert (sup.state, jail.state) == (State.RUNNING, State.RUNNING)
     to_sup(JailCallTool(call_id=1, name="search", args=b"\x92\x90\x80"))
     to_sup(JailCallTool(call_id=2, name="search", args=b"\x92\x90\x80"))
@@ -568,14 +589,19 @@ def test_eof_inside_a_frame_is_a_remote_protocol_error(cut: int) -> None:
 DELETE = object()
 
 
+JOB_FIELDS = frozenset(f.name for f in dataclasses.fields(JobDescription))
+
+
 def wire(msg: Message, **changes: Any) -> bytes:
-    """``msg``'s msgpack payload with fields replaced (``DELETE`` removes one)."""
-    data = msg.to_wire()
+    """``msg``'s msgpack payload with fields replaced (``DELETE`` removes one). A job
+    description's field (``code``, ``tools``, ...) is replaced inside the message's ``job``."""
+    data = copy.deepcopy(msg.to_wire())
     for key, value in changes.items():
+        target = data["job"] if key in JOB_FIELDS and "job" in data else data
         if value is DELETE:
-            del data[key]
+            del target[key]
         else:
-            data[key] = value
+            target[key] = value
     return msgpack.packb(data, use_bin_type=True)
 
 
@@ -623,7 +649,11 @@ CANCEL = CancelJob(job_id=JOB)
 TOOL_OK = ClientToolReturned(job_id=JOB, call_id=1, value=b"\xc0")
 FINISHED = JobFinished(job_id=JOB, record=RECORD)  # type: ignore[arg-type]
 HARDEN = Harden(protocol=PROTOCOL_VERSION, seccomp={"rules": []})
-CODE = RunCode(code="x", filename="<job>", tools=(SPEC,), tool_payload_bytes=1, result_bytes=1)
+CODE = RunCode(
+    job=JobDescription(code="x", filename="<job>", tools=(SPEC,)),
+    tool_payload_bytes=1,
+    result_bytes=1,
+)
 CALL = JailCallTool(call_id=1, name="search", args=b"")
 DONE = CodeFinished(ok=False, error=ErrorInfo(type="E", message="m"))
 POLICIES = PolicyList(ref=1, policies=[POLICY])  # type: ignore[arg-type]
@@ -655,6 +685,9 @@ MUTATIONS: list[tuple[str, str, Message, bytes]] = [
     ("type-bytes", "client->daemon", RUN, wire(RUN, type=b"RunJob")),
     ("type-nil", "client->daemon", RUN, wire(RUN, type=None)),
     ("missing-field", "client->daemon", RUN, wire(RUN, code=DELETE)),
+    ("missing-job", "client->daemon", RUN, wire(RUN, job=DELETE)),
+    ("job-not-a-map", "client->daemon", RUN, wire(RUN, job="print(1)")),
+    ("job-field-beside-job", "client->daemon", RUN, wire_raw(RUN, _add("code", "1"))),
     ("missing-nested-field", "client->daemon", RUN,
      wire(RUN, tools=[{"description": "no name"}])),
     ("extra-field", "client->daemon", CANCEL, wire(CANCEL, ref=1)),
@@ -1018,8 +1051,8 @@ def test_other_roles_send_nothing_once_closed(role: Role) -> None:
 
 # --------------------------------------------------------------------------- construction
 
-_RUN = {"ref": 1, "code": "", "policy": "p"}
-_CODE = {"code": "", "filename": "f", "tools": (), "tool_payload_bytes": 0, "result_bytes": 0}
+_RUN = {"ref": 1, "job": {"code": ""}, "policy": "p"}
+_CODE = {"job": {"code": "", "filename": "f"}, "tool_payload_bytes": 0, "result_bytes": 0}
 _FAILED = {"job_id": JOB, "call_id": 1, "error_type": "E", "message": ""}
 
 # (case, class, keyword arguments): each must be refused by the class itself.
@@ -1028,10 +1061,13 @@ BAD_CONSTRUCTIONS: list[tuple[str, type[Any], dict[str, Any]]] = [
     ("hello-protocol-negative", Hello, {"protocol": -1}),
     ("runjob-ref-negative", RunJob, {**_RUN, "ref": -1}),
     ("runjob-ref-bool", RunJob, {**_RUN, "ref": True}),
-    ("runjob-code-too-long", RunJob, {**_RUN, "code": "x" * (MAX_CODE_CHARS + 1)}),
-    ("runjob-code-lone-surrogate", RunJob, {**_RUN, "code": "print('\udc80')"}),
-    ("runjob-tools-str", RunJob, {**_RUN, "tools": "search"}),
-    ("runjob-tool-unknown-key", RunJob, {**_RUN, "tools": ({"name": "t", "x": 1},)}),
+    ("runjob-code-too-long", RunJob, {**_RUN, "job": {"code": "x" * (MAX_CODE_CHARS + 1)}}),
+    ("runjob-code-lone-surrogate", RunJob, {**_RUN, "job": {"code": "print('\udc80')"}}),
+    ("runjob-tools-str", RunJob, {**_RUN, "job": {"code": "", "tools": "search"}}),
+    ("runjob-tool-unknown-key", RunJob,
+     {**_RUN, "job": {"code": "", "tools": ({"name": "t", "x": 1},)}}),
+    ("runjob-job-not-a-map", RunJob, {**_RUN, "job": "1 + 1"}),
+    ("runjob-job-unknown-key", RunJob, {**_RUN, "job": {"code": "", "policy": "p"}}),
     ("runjob-limit-nan", RunJob, {**_RUN, "limits": {"x": math.nan}}),
     ("cancel-job-id-pattern", CancelJob, {"job_id": "Job_1"}),
     ("tool-returned-value-str", ClientToolReturned, {"job_id": JOB, "call_id": 1, "value": "x"}),
@@ -1083,7 +1119,7 @@ BAD_CONSTRUCTIONS: list[tuple[str, type[Any], dict[str, Any]]] = [
     ("harden-seccomp-too-deep", Harden,
      {"protocol": 1, "seccomp": {"x": nested_lists(MAX_ANY_DEPTH)}}),
     ("runcode-payload-over-max", RunCode, {**_CODE, "tool_payload_bytes": MAX_PAYLOAD_BYTES + 1}),
-    ("runcode-filename-empty", RunCode, {**_CODE, "filename": ""}),
+    ("runcode-filename-empty", RunCode, {**_CODE, "job": {"code": "", "filename": ""}}),
     ("call-tool-name-empty", JailCallTool, {"call_id": 1, "name": "", "args": b""}),
     ("code-finished-ok-int", CodeFinished, {"ok": 1}),
     ("code-finished-network-refused-negative", CodeFinished, {"ok": True, "network_refused": -1}),
@@ -1107,8 +1143,9 @@ def test_an_illegal_message_cannot_be_built(case: str, cls: type[Any],
 
 
 def test_positive_control_the_same_messages_without_the_defect_are_built() -> None:
-    RunJob(ref=1, code="print('ü ✓ \U0001f600')", policy="p",
-           tools=({"name": "t", "description": "d"},), limits={"x": 0.5})  # type: ignore[arg-type]
+    tools = ({"name": "t", "description": "d"},)
+    job = JobDescription(code="print('ü ✓ \U0001f600')", tools=tools)  # type: ignore[arg-type]
+    RunJob(ref=1, job=job, policy="p", limits={"x": 0.5})
     JobFinished(job_id=JOB, record=RECORD)  # type: ignore[arg-type]
     JailToolFailed(call_id=1, error_type="E", message="\u00e9")
     Harden(protocol=1, seccomp={})
@@ -1120,8 +1157,9 @@ def test_positive_control_the_same_messages_without_the_defect_are_built() -> No
 
 
 def test_messages_are_frozen_and_normalised() -> None:
-    msg = RunJob(ref=1, code="", policy="p", tools=[{"name": "t"}])  # type: ignore[arg-type]
-    assert msg.tools == (ToolSpec(name="t"),)
+    job = JobDescription(code="", tools=[{"name": "t"}])  # type: ignore[arg-type]
+    msg = RunJob(ref=1, job=job, policy="p")
+    assert msg.job.tools == (ToolSpec(name="t"),)
     with pytest.raises(dataclasses.FrozenInstanceError):
         msg.ref = 2  # type: ignore[misc]
 

@@ -56,6 +56,7 @@ from jaild.protocol.messages import (
     JailToolFailed,
     JailToolReturned,
     JobAccepted,
+    JobDescription,
     JobFinished,
     JobList,
     JobOutput,
@@ -263,19 +264,18 @@ def message(cls: type[Message], required: dict[str, Any],
     return st.fixed_dictionaries(required, optional=optional or {}).map(lambda kw: cls(**kw))
 
 
+job_description = st.fixed_dictionaries(
+    {"code": text(max_size=120)},
+    optional={"filename": text(1, 256), "tools": tools, "files": files, "download": patterns,
+              "download_changed": st.booleans()},
+).map(lambda kw: JobDescription(**kw))
+
 STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     Hello: message(Hello, {"protocol": version}, {"client": text(max_size=256)}),
     RunJob: message(
         RunJob,
-        {"ref": ref, "code": text(max_size=120), "policy": text(1, 64)},
-        {
-            "tools": tools,
-            "limits": limits,
-            "filename": text(1, 256),
-            "session_id": st.none() | session_id,
-            "files": files,
-            "download": patterns,
-        },
+        {"ref": ref, "job": job_description, "policy": text(1, 64)},
+        {"limits": limits, "session_id": st.none() | session_id},
     ),
     OpenSession: message(
         OpenSession,
@@ -342,17 +342,11 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     RunCode: message(
         RunCode,
         {
-            "code": text(max_size=120),
-            "filename": text(1, 256),
-            "tools": tools,
+            "job": job_description,
             "tool_payload_bytes": st.integers(0, MAX_PAYLOAD_BYTES),
             "result_bytes": st.integers(0, MAX_PAYLOAD_BYTES),
         },
-        {
-            "keep": st.booleans(),
-            "files": files,
-            "download": patterns,
-        },
+        {"keep": st.booleans()},
     ),
     JailToolReturned: message(JailToolReturned, {"call_id": ref, "value": payload}),
     JailToolFailed: message(

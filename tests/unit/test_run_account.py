@@ -10,7 +10,7 @@ import jaild.daemon.jails.run_account
 from jaild.daemon.core.machine import JobSpec, Tally
 from jaild.daemon.jails.run_account import RunAccount
 from jaild.policy.schema import load_policy_text
-from jaild.protocol.messages import CodeFinished
+from jaild.protocol.messages import CodeFinished, JobDescription
 
 
 class Clock:
@@ -65,7 +65,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
 
 
 POLICY = load_policy_text("", "p.toml")
-SPEC = JobSpec("job-1", POLICY, POLICY.limits, "1", "<job>", ())
+SPEC = JobSpec("job-1", POLICY, POLICY.limits, JobDescription(code="1"))
 
 
 def test_a_runs_times_cpu_and_stream_make_its_usage(clock: Clock) -> None:

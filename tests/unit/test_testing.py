@@ -38,6 +38,7 @@ from jaild.protocol.messages import (
     Error,
     Hello,
     JailCallTool,
+    JobDescription,
     RunCode,
     RunJob,
     ToolSpec,
@@ -83,7 +84,8 @@ def run(test: Callable[[AsyncClient], Awaitable[None]], policies: Any = None) ->
 
 
 def test_frames_round_trip_whole_and_in_any_split() -> None:
-    messages = [Hello(protocol=PROTOCOL_VERSION, client="t"), RunJob(ref=1, code="1", policy="default")]
+    run = RunJob(ref=1, job=JobDescription(code="1"), policy="default")
+    messages = [Hello(protocol=PROTOCOL_VERSION, client="t"), run]
     data = b"".join(frame(m) for m in messages)
     assert frames(data, "client->daemon") == messages
     with pytest.raises(RemoteProtocolError, match="inside a frame"):
@@ -94,23 +96,26 @@ def test_frames_round_trip_whole_and_in_any_split() -> None:
 
 def test_frame_refuses_what_the_link_would_refuse() -> None:
     with pytest.raises(LocalProtocolError, match="frame"):
-        frame(RunJob(ref=1, code="x" * 1000, policy="default"), max_frame_bytes=100)
+        frame(RunJob(ref=1, job=JobDescription(code="x" * 1000), policy="default"),
+              max_frame_bytes=100)
 
 
 def test_client_link_pair_follows_the_state_table() -> None:
     pair = ConnectionPair.client_link()
     with pytest.raises(LocalProtocolError):  # nothing before Hello
-        pair.send(Role.CLIENT, RunJob(ref=1, code="1", policy="default"))
+        pair.send(Role.CLIENT, RunJob(ref=1, job=JobDescription(code="1"), policy="default"))
     pair.handshake()
     assert pair[Role.CLIENT].state is pair[Role.DAEMON].state
-    assert pair.send(Role.CLIENT, RunJob(ref=7, code="1", policy="default")) == [RunJob(ref=7, code="1", policy="default")]
+    run = RunJob(ref=7, job=JobDescription(code="1"), policy="default")
+    assert pair.send(Role.CLIENT, run) == [run]
     assert pair.close(Role.CLIENT) == [CLOSED]
 
 
 def test_jail_link_pair_byte_by_byte() -> None:
     pair = ConnectionPair.jail_link()
     pair.handshake()
-    run_code = RunCode(code="1", filename="<t>", tools=(), tool_payload_bytes=64, result_bytes=64)
+    run_code = RunCode(job=JobDescription(code="1", filename="<t>"), tool_payload_bytes=64,
+                       result_bytes=64)
     data = pair[Role.SUPERVISOR].send(run_code)
     received = [e for b in data for e in ConnectionPair.feed(pair[Role.JAIL], bytes([b]))]
     assert received == [run_code]
@@ -151,8 +156,8 @@ def test_a_jailed_job_drives_the_fake_launcher_as_a_jail() -> None:
 
     async def main() -> None:
         env = fake_environment({"default": policy})
-        spec = JobSpec("job-1", policy, policy.limits, "await tools.add(x=2) + 2", "<t>",
-                       (ToolSpec(name="add"),))
+        spec = JobSpec("job-1", policy, policy.limits, JobDescription(
+            code="await tools.add(x=2) + 2", filename="<t>", tools=(ToolSpec(name="add"),)))
         output: list[tuple[str, bytes]] = []
         job = JailedJob(spec, env, route, lambda _, stream, data: output.append((stream, data)))
         async with asyncio.timeout(guard(60)):

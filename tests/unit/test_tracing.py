@@ -45,6 +45,7 @@ from jaild.protocol.messages import (
     Error,
     Hello,
     JobAccepted,
+    JobDescription,
     JobFinished,
     OpenSession,
     RunJob,
@@ -459,13 +460,13 @@ BAD_TRACEPARENTS = [
 @pytest.mark.parametrize("bad", BAD_TRACEPARENTS)
 def test_a_malformed_traceparent_cannot_be_built(bad: str) -> None:
     with pytest.raises(LocalProtocolError, match="traceparent"):
-        RunJob(ref=1, code="1", policy="default", traceparent=bad)
+        RunJob(ref=1, job=JobDescription(code="1"), policy="default", traceparent=bad)
     with pytest.raises(LocalProtocolError, match="traceparent"):
         OpenSession(ref=1, policy="default", traceparent=bad)
 
 
 def _raw_run_job(traceparent: object) -> bytes:
-    wire = RunJob(ref=1, code="6 * 7", policy="default").to_wire()
+    wire = RunJob(ref=1, job=JobDescription(code="6 * 7"), policy="default").to_wire()
     wire["traceparent"] = traceparent
     return encode_frame(msgpack.packb(wire, use_bin_type=True), 1 << 20)
 

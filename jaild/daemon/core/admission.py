@@ -74,7 +74,7 @@ from jaild.policy.schema import (
     effective_limits,
     user_matches,
 )
-from jaild.protocol.messages import OpenSession, RunJob, ToolSpec
+from jaild.protocol.messages import JobDescription, OpenSession, RunJob, ToolSpec
 from jaild.runtime.files import check_file_set
 
 SCHEMA_MESSAGE_CHARS = 1024
@@ -104,12 +104,7 @@ class AdmittedJob:
 
     policy: Policy
     limits: Limits
-    code: str
-    filename: str
-    tools: tuple[ToolSpec, ...]
-    files: Mapping[str, bytes]
-    download: tuple[str, ...]
-    download_changed: bool
+    job: JobDescription  # the client's, whole (a session's run: with the session's tools)
 
 
 @dataclass(frozen=True)
@@ -359,11 +354,12 @@ def check_files(policy: Policy, files: Mapping[str, bytes], download: tuple[str,
 
 def admit_job(catalog: Catalog, peer: Peer, req: RunJob) -> AdmittedJob:
     """A one-shot ``RunJob``: its terms, or a refusal (see the table above)."""
-    policy = choose_policy(catalog, peer, req.policy, req.tools)
-    check_code(policy, req.code)
+    job = req.job
+    policy = choose_policy(catalog, peer, req.policy, job.tools)
+    check_code(policy, job.code)
     limits = limits_for(policy, req.limits)
-    check_files(policy, req.files, req.download)
-    return _admitted(policy, limits, req.tools, req)
+    check_files(policy, job.files, job.download)
+    return AdmittedJob(policy, limits, job)
 
 
 def admit_session_run(terms: SessionTerms, session_id: str, req: RunJob) -> AdmittedJob:
@@ -376,17 +372,20 @@ def admit_session_run(terms: SessionTerms, session_id: str, req: RunJob) -> Admi
     policy = terms.policy
     if req.policy != policy.name:
         raise BadRequest(f"session {session_id} runs policy {policy.name!r}, not {req.policy!r}")
-    if req.tools and req.tools != terms.tools:
+    job = req.job
+    if job.tools and job.tools != terms.tools:
         raise BadRequest("a session's tools are given when it opens, not per run")
-    check_code(policy, req.code)
+    check_code(policy, job.code)
     limits = limits_for(policy, {**terms.requested, **req.limits})
     fixed = [k for k in JAIL_LEVEL_LIMITS if getattr(limits, k) != getattr(terms.limits, k)]
     if fixed:
         raise BadRequest(
             f"{', '.join(sorted(fixed))} apply to the whole session; set them when opening it"
         )
-    check_files(policy, req.files, req.download)
-    return _admitted(policy, limits, terms.tools, req)
+    check_files(policy, job.files, job.download)
+    if job.tools != terms.tools:
+        job = dataclasses.replace(job, tools=terms.tools)
+    return AdmittedJob(policy, limits, job)
 
 
 def admit_session(
@@ -428,21 +427,6 @@ def admit_session(
         requested=dict(req.limits),
         idle_s=req.idle_s if req.idle_s is not None else idle_s,
         max_lifetime_s=req.max_lifetime_s if req.max_lifetime_s is not None else lifetime_s,
-    )
-
-
-def _admitted(
-    policy: Policy, limits: Limits, tools: tuple[ToolSpec, ...], req: RunJob
-) -> AdmittedJob:
-    return AdmittedJob(
-        policy=policy,
-        limits=limits,
-        code=req.code,
-        filename=req.filename,
-        tools=tools,
-        files=req.files,
-        download=req.download,
-        download_changed=req.download_changed,
     )
 
 

@@ -87,7 +87,7 @@ comes after Release.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -103,9 +103,9 @@ from jaild.protocol.messages import (
     JailReady,
     JailToolFailed,
     JailToolReturned,
+    JobDescription,
     Message,
     RunCode,
-    ToolSpec,
     jail_link_max_frame,
 )
 
@@ -127,12 +127,7 @@ class JobSpec:
     job_id: str
     policy: Policy
     limits: Limits
-    code: str
-    filename: str
-    tools: tuple[ToolSpec, ...]
-    files: Mapping[str, bytes] = field(default_factory=dict)  # uploads, checked by the daemon
-    download: tuple[str, ...] = ()  # patterns of files whose contents come back
-    download_changed: bool = False  # ... and of every file the run created or changed
+    job: JobDescription  # the client's, as admitted: sent to the jail whole in RunCode
     keep: bool = False  # a session's jail: it outlives the run
     tenant: int | None = None  # the client's uid: whose zygote may fork it (None: no one's)
 
@@ -598,7 +593,7 @@ class JobMachine:
         self._harden = harden
         self._digest = seccomp_digest
         self.conn = Connection(Role.SUPERVISOR, frame_limit(spec))
-        self.broker = Broker(spec.tools, spec.limits, spec.policy.needs_approval, validators)
+        self.broker = Broker(spec.job.tools, spec.limits, spec.policy.needs_approval, validators)
         self.calls = _CallDesk(self.broker, self.conn)
         self.evidence = Evidence(cpu_limit_s=float(spec.limits.cpu_time_s))
         self._facts = _Facts()
@@ -668,7 +663,7 @@ class JobMachine:
         if self.phase in (Phase.CLOSED, Phase.SETTLING):
             raise LocalProtocolError(f"{event.job.job_id}: the jail is {self.phase.value}")
         spec = self.spec = self._job = event.job
-        self.broker.set_job(spec.tools, spec.limits, spec.policy.needs_approval)
+        self.broker.set_job(spec.job.tools, spec.limits, spec.policy.needs_approval)
         self._set_limits(spec)
         actions: list[Action] = [  # what the jail printed between runs is this run's
             ForwardOutput(stream, bytes(kept))
@@ -770,15 +765,10 @@ class JobMachine:
         self.runs += 1
         self.phase = Phase.RUNNING
         run_code = RunCode(
-            code=spec.code,
-            filename=spec.filename,
-            tools=spec.tools,
+            job=spec.job,
             tool_payload_bytes=spec.limits.tool_payload_bytes,
             result_bytes=spec.limits.result_bytes,
             keep=self.keep,
-            files=dict(spec.files),
-            download=spec.download,
-            download_changed=spec.download_changed,
         )
         return [
             StartRun(self.runs),
