@@ -40,9 +40,10 @@ import itertools
 import logging
 import socket
 import threading
+import typing
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypedDict, Unpack
 
 from jaild import __version__, loops, tracing
 from jaild.address import socket_from_env
@@ -220,23 +221,53 @@ Approver = Callable[[str, list[Any], dict[str, Any]], Any]
 deny it (plain or async). Asked for tools marked ``approval`` (by the client or the policy)."""
 
 
-@dataclass(frozen=True)
-class _RunOptions:
-    """The per-run keywords of every ``run`` and ``submit`` (both clients, both kinds of
-    session), gathered once where a caller passes them: the public methods spell them out
-    (for ``help()`` and IDEs) and hand them on as one value, and :meth:`AsyncClient._submit`
-    alone turns them into a ``RunJob``. The fields, their types and defaults are those
-    methods' keyword-only parameters (``tests/unit/test_client_api.py`` holds each to them).
-    """
+class RunOptions(TypedDict, total=False):
+    """The keywords of every run: ``run`` and ``submit`` of both clients and of both kinds
+    of session. Declared once, here; each of those methods takes them as
+    ``**options: Unpack[RunOptions]`` (type checkers and IDEs see each keyword and its
+    type), and ``help()`` shows them in its signature and its ``Args``, with their
+    defaults (:data:`RUN_OPTION_DEFAULTS`). Any other keyword is a ``TypeError``."""
 
-    timeout: float | None = None
-    limits: Mapping[str, float] | None = None
-    on_stdout: OutputCallback | None = None
-    on_stderr: OutputCallback | None = None
-    filename: str = "<job>"
-    files: Uploads | None = None
-    download: Iterable[str] | bool = ()
-    approve: Approver | None = None
+    timeout: float | None
+    """Wall-clock seconds (shorthand for ``limits={"wall_time_s": ...}``)."""
+    limits: Mapping[str, float] | None
+    """Limits for this run (``{"memory_mb": 64, "pids": 8}``, ``wall_time_s``, tool
+    limits); each may only be stricter than the policy's. In a session, memory and pids
+    are the session's, set when it opened."""
+    on_stdout: OutputCallback | None
+    """Called with the run's stdout text as the run produces it."""
+    on_stderr: OutputCallback | None
+    """Called with the run's stderr text as the run produces it."""
+    filename: str
+    """The code's file name in tracebacks."""
+    files: Uploads | None
+    """Uploads into the jail's working directory before the code runs:
+    ``{"path/in/jail": bytes or a local path}``, or local paths (a directory goes in
+    recursively)."""
+    download: Iterable[str] | bool
+    """Patterns (``fnmatch``, ``*`` crosses ``/``) of files in the working directory whose
+    contents come back in ``result.downloads``; ``True``: every file the run created or
+    changed."""
+    approve: Approver | None
+    """The approval callback for this run's tools marked ``approval`` (default: the
+    session's, if it has one, else the client's); without one such calls are denied."""
+
+
+RUN_OPTION_DEFAULTS: dict[str, Any] = {
+    "timeout": None, "limits": None, "on_stdout": None, "on_stderr": None,
+    "filename": "<job>", "files": None, "download": (), "approve": None,
+}
+"""What each of :class:`RunOptions` is when not given."""
+
+
+def _run_options(options: RunOptions) -> dict[str, Any]:
+    """``options`` with every default filled in; an unknown keyword is a ``TypeError``,
+    as a written-out signature would raise."""
+    unknown = options.keys() - RUN_OPTION_DEFAULTS.keys()
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {min(unknown)!r}; a run takes "
+                        f"{', '.join(RUN_OPTION_DEFAULTS)}")
+    return {**RUN_OPTION_DEFAULTS, **options}
 
 
 @dataclass
@@ -354,15 +385,7 @@ class AsyncSession:
     async def run(
         self,
         code: str,
-        *,
-        timeout: float | None = None,
-        limits: Mapping[str, float] | None = None,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        filename: str = "<job>",
-        files: Uploads | None = None,
-        download: Iterable[str] | bool = (),
-        approve: Approver | None = None,
+        **options: Unpack[RunOptions],
     ) -> JobResult:
         """Run ``code`` in the session's jail and return its result record. The session's
         policy and tools apply; a run that hits a limit ends the session.
@@ -370,22 +393,7 @@ class AsyncSession:
         Args:
             code: Python source; sees what earlier runs defined; may use top-level
                 ``await`` and the ``tools`` global.
-            timeout: wall-clock seconds (shorthand for ``limits={"wall_time_s": ...}``).
-            limits: this run's limits (``wall_time_s``, ``cpu_time_s``, ``output_bytes``,
-                tool limits); each may only be stricter than the policy's. Memory and pids
-                are the session's, set when it opened.
-            on_stdout: called with the run's stdout text as the run produces it.
-            on_stderr: called with the run's stderr text as the run produces it.
-            filename: the code's file name in tracebacks.
-            files: uploads into the jail's working directory before the code runs:
-                ``{"path/in/jail": bytes or a local path}``, or local paths (a directory
-                goes in recursively).
-            download: patterns (``fnmatch``, ``*`` crosses ``/``) of files in the working
-                directory whose contents come back in ``result.downloads``; ``True``: every
-                file the run created or changed.
-            approve: the approval callback for this run's tools marked ``approval``
-                (default: the session's, else the client's); without one such calls are
-                denied.
+            **options: the run's options: :class:`RunOptions`.
 
         Returns:
             The run's :class:`JobResult`; ``result.session`` says which run of which
@@ -399,24 +407,12 @@ class AsyncSession:
                 the connection failed.
             UploadError: a file in ``files`` cannot be uploaded (nothing was sent).
         """
-        options = _RunOptions(
-            timeout=timeout, limits=limits, on_stdout=on_stdout, on_stderr=on_stderr,
-            filename=filename, files=files, download=download, approve=approve,
-        )
         return await self._run(code, options)
 
     async def submit(
         self,
         code: str,
-        *,
-        timeout: float | None = None,
-        limits: Mapping[str, float] | None = None,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        filename: str = "<job>",
-        files: Uploads | None = None,
-        download: Iterable[str] | bool = (),
-        approve: Approver | None = None,
+        **options: Unpack[RunOptions],
     ) -> AsyncJob:
         """Start a run in the session's jail; return once the daemon accepted it. Unlike
         :meth:`run`, this does not mark the session closed when the run ends it (the
@@ -425,22 +421,7 @@ class AsyncSession:
         Args:
             code: Python source; sees what earlier runs defined; may use top-level
                 ``await`` and the ``tools`` global.
-            timeout: wall-clock seconds (shorthand for ``limits={"wall_time_s": ...}``).
-            limits: this run's limits (``wall_time_s``, ``cpu_time_s``, ``output_bytes``,
-                tool limits); each may only be stricter than the policy's. Memory and pids
-                are the session's, set when it opened.
-            on_stdout: called with the run's stdout text as the run produces it.
-            on_stderr: called with the run's stderr text as the run produces it.
-            filename: the code's file name in tracebacks.
-            files: uploads into the jail's working directory before the code runs:
-                ``{"path/in/jail": bytes or a local path}``, or local paths (a directory
-                goes in recursively).
-            download: patterns (``fnmatch``, ``*`` crosses ``/``) of files in the working
-                directory whose contents come back in ``result.downloads``; ``True``: every
-                file the run created or changed.
-            approve: the approval callback for this run's tools marked ``approval``
-                (default: the session's, else the client's); without one such calls are
-                denied.
+            **options: the run's options: :class:`RunOptions`.
 
         Returns:
             An :class:`AsyncJob`: its ``job_id``, ``await job.result()``, ``await job.cancel()``.
@@ -452,13 +433,9 @@ class AsyncSession:
                 the connection failed.
             UploadError: a file in ``files`` cannot be uploaded (nothing was sent).
         """
-        options = _RunOptions(
-            timeout=timeout, limits=limits, on_stdout=on_stdout, on_stderr=on_stderr,
-            filename=filename, files=files, download=download, approve=approve,
-        )
         return await self._submit(code, options)
 
-    async def _run(self, code: str, options: _RunOptions) -> JobResult:
+    async def _run(self, code: str, options: RunOptions) -> JobResult:
         job = await self._submit(code, options)
         result = await job.result()
         ended = (result.session or {}).get("closed")
@@ -469,10 +446,10 @@ class AsyncSession:
             self._client._sessions.pop(self.id or "", None)
         return result
 
-    async def _submit(self, code: str, options: _RunOptions) -> AsyncJob:
+    async def _submit(self, code: str, options: RunOptions) -> AsyncJob:
         session_id = self._check_open()
-        if options.approve is None and self.approve is not None:
-            options = replace(options, approve=self.approve)
+        if options.get("approve") is None and self.approve is not None:
+            options = {**options, "approve": self.approve}
         try:
             return await self._client._submit(code, self.policy, self._tools, options,
                                               session_id)
@@ -483,12 +460,12 @@ class AsyncSession:
     async def upload(self, files: Uploads) -> JobResult:
         """Put files into the working directory (a run of no code); ``files`` as
         :meth:`run` takes them."""
-        return await self._run("", _RunOptions(files=files))
+        return await self._run("", {"files": files})
 
     async def download(self, *patterns: str) -> dict[str, bytes]:
         """The contents of files in the working directory matching ``patterns``
         (``fnmatch``, ``*`` crosses ``/``; none: every file)."""
-        result = await self._run("", _RunOptions(download=patterns or ("*",)))
+        result = await self._run("", {"download": patterns or ("*",)})
         return result.downloads
 
     async def close(self) -> None:
@@ -613,15 +590,7 @@ class AsyncClient:
         code: str,
         policy: str = "default",
         tools: Mapping[str, Any] | Iterable[Any] | None = None,
-        *,
-        timeout: float | None = None,
-        limits: Mapping[str, float] | None = None,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        filename: str = "<job>",
-        files: Uploads | None = None,
-        download: Iterable[str] | bool = (),
-        approve: Approver | None = None,
+        **options: Unpack[RunOptions],
     ) -> AsyncJob:
         """Start ``code`` in a fresh jail; return once the daemon accepted it (the daemon
         says so with the job's first output, tool call or end, and within about 10 ms of a
@@ -631,20 +600,7 @@ class AsyncClient:
             code: Python source; may use top-level ``await`` and the ``tools`` global.
             policy: the policy to run under.
             tools: host tools, as ``{"name": fn}`` or ``[fn, ...]`` (plain or async functions).
-            timeout: wall-clock seconds (shorthand for ``limits={"wall_time_s": ...}``).
-            limits: per-job limits (``{"memory_mb": 64, "pids": 8}``); each may only be
-                stricter than the policy's.
-            on_stdout: called with the job's stdout text as the job produces it.
-            on_stderr: called with the job's stderr text as the job produces it.
-            filename: the code's file name in tracebacks.
-            files: uploads into the jail's working directory before the code runs:
-                ``{"path/in/jail": bytes or a local path}``, or local paths (a directory
-                goes in recursively).
-            download: patterns (``fnmatch``, ``*`` crosses ``/``) of files in the working
-                directory whose contents come back in ``result.downloads``; ``True``: every
-                file the run created or changed.
-            approve: the approval callback for this job's tools marked ``approval`` (default:
-                the client's); without one such calls are denied.
+            **options: the run's options: :class:`RunOptions`.
 
         Returns:
             An :class:`AsyncJob`: its ``job_id``, ``await job.result()``, ``await job.cancel()``.
@@ -657,10 +613,6 @@ class AsyncClient:
                 name, or a file in ``files`` that cannot be uploaded (``UploadError``);
                 nothing was sent.
         """
-        options = _RunOptions(
-            timeout=timeout, limits=limits, on_stdout=on_stdout, on_stderr=on_stderr,
-            filename=filename, files=files, download=download, approve=approve,
-        )
         return await self._submit(code, policy, tools, options)
 
     async def run(
@@ -668,15 +620,7 @@ class AsyncClient:
         code: str,
         policy: str = "default",
         tools: Mapping[str, Any] | Iterable[Any] | None = None,
-        *,
-        timeout: float | None = None,
-        limits: Mapping[str, float] | None = None,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        filename: str = "<job>",
-        files: Uploads | None = None,
-        download: Iterable[str] | bool = (),
-        approve: Approver | None = None,
+        **options: Unpack[RunOptions],
     ) -> JobResult:
         """Run ``code`` in a fresh jail and return its result record (:meth:`submit`, then
         :meth:`AsyncJob.result`). If the awaiting task is cancelled, the job is cancelled too.
@@ -685,20 +629,7 @@ class AsyncClient:
             code: Python source; may use top-level ``await`` and the ``tools`` global.
             policy: the policy to run under.
             tools: host tools, as ``{"name": fn}`` or ``[fn, ...]`` (plain or async functions).
-            timeout: wall-clock seconds (shorthand for ``limits={"wall_time_s": ...}``).
-            limits: per-job limits (``{"memory_mb": 64, "pids": 8}``); each may only be
-                stricter than the policy's.
-            on_stdout: called with the job's stdout text as the job produces it.
-            on_stderr: called with the job's stderr text as the job produces it.
-            filename: the code's file name in tracebacks.
-            files: uploads into the jail's working directory before the code runs:
-                ``{"path/in/jail": bytes or a local path}``, or local paths (a directory
-                goes in recursively).
-            download: patterns (``fnmatch``, ``*`` crosses ``/``) of files in the working
-                directory whose contents come back in ``result.downloads``; ``True``: every
-                file the run created or changed.
-            approve: the approval callback for this job's tools marked ``approval`` (default:
-                the client's); without one such calls are denied.
+            **options: the run's options: :class:`RunOptions`.
 
         Returns:
             The job's :class:`JobResult`. A job that runs and fails is *not* an exception:
@@ -712,10 +643,6 @@ class AsyncClient:
                 name, or a file in ``files`` that cannot be uploaded (``UploadError``);
                 nothing was sent.
         """
-        options = _RunOptions(
-            timeout=timeout, limits=limits, on_stdout=on_stdout, on_stderr=on_stderr,
-            filename=filename, files=files, download=download, approve=approve,
-        )
         return await self._run(code, policy, tools, options)
 
     async def _run(
@@ -723,7 +650,7 @@ class AsyncClient:
         code: str,
         policy: str,
         tools: Mapping[str, Any] | Iterable[Any] | None,
-        options: _RunOptions,
+        options: RunOptions,
     ) -> JobResult:
         job = await self._submit(code, policy, tools, options)
         return await job.result()
@@ -733,28 +660,29 @@ class AsyncClient:
         code: str,
         policy: str,
         tools: Mapping[str, Any] | Iterable[Any] | None,
-        options: _RunOptions,
+        options: RunOptions,
         session_id: str | None = None,
     ) -> AsyncJob:
         """Send the ``RunJob`` (the one place one is built) and wait for ``JobAccepted``."""
         host_tools = normalize_tools(tools)
-        uploads = load_uploads(options.files) if options.files else {}
-        download = options.download
+        run = _run_options(options)
+        uploads = load_uploads(run["files"]) if run["files"] else {}
+        download = run["download"]
         patterns = () if isinstance(download, bool) else tuple(download)
-        wanted = dict(options.limits or {})
-        if options.timeout is not None:
-            wanted["wall_time_s"] = float(options.timeout)
+        wanted = dict(run["limits"] or {})
+        if run["timeout"] is not None:
+            wanted["wall_time_s"] = float(run["timeout"])
         ref = next(self._refs)
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[str] = loop.create_future()
-        job = _Job(host_tools, options.on_stdout, options.on_stderr, loop.create_future(),
-                   options.approve or self._approve)
+        job = _Job(host_tools, run["on_stdout"], run["on_stderr"], loop.create_future(),
+                   run["approve"] or self._approve)
         self._accepting[ref] = (accepted, job)
         msg = RunJob(
             ref=ref,
             job=JobDescription(
                 code=code,
-                filename=options.filename,
+                filename=run["filename"],
                 tools=tuple(t.spec() for t in host_tools.values()),
                 files=uploads,
                 download=patterns,
@@ -1149,15 +1077,7 @@ class Client:
         code: str,
         policy: str = "default",
         tools: Mapping[str, Any] | Iterable[Any] | None = None,
-        *,
-        timeout: float | None = None,
-        limits: Mapping[str, float] | None = None,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        filename: str = "<job>",
-        files: Uploads | None = None,
-        download: Iterable[str] | bool = (),
-        approve: Approver | None = None,
+        **options: Unpack[RunOptions],
     ) -> JobResult:
         """Run ``code`` in a fresh jail and return its result record (:meth:`submit`, then
         :meth:`Job.result`). A ``KeyboardInterrupt`` while waiting cancels the job.
@@ -1166,20 +1086,7 @@ class Client:
             code: Python source; may use top-level ``await`` and the ``tools`` global.
             policy: the policy to run under.
             tools: host tools, as ``{"name": fn}`` or ``[fn, ...]`` (plain or async functions).
-            timeout: wall-clock seconds (shorthand for ``limits={"wall_time_s": ...}``).
-            limits: per-job limits (``{"memory_mb": 64, "pids": 8}``); each may only be
-                stricter than the policy's.
-            on_stdout: called with the job's stdout text as the job produces it.
-            on_stderr: called with the job's stderr text as the job produces it.
-            filename: the code's file name in tracebacks.
-            files: uploads into the jail's working directory before the code runs:
-                ``{"path/in/jail": bytes or a local path}``, or local paths (a directory
-                goes in recursively).
-            download: patterns (``fnmatch``, ``*`` crosses ``/``) of files in the working
-                directory whose contents come back in ``result.downloads``; ``True``: every
-                file the run created or changed.
-            approve: the approval callback for this job's tools marked ``approval`` (default:
-                the client's); without one such calls are denied.
+            **options: the run's options: :class:`RunOptions`.
 
         Returns:
             The job's :class:`JobResult`. A job that runs and fails is *not* an exception:
@@ -1193,10 +1100,6 @@ class Client:
                 name, or a file in ``files`` that cannot be uploaded (``UploadError``);
                 nothing was sent.
         """
-        options = _RunOptions(
-            timeout=timeout, limits=limits, on_stdout=on_stdout, on_stderr=on_stderr,
-            filename=filename, files=files, download=download, approve=approve,
-        )
         return self._call(self._client._run(code, policy, tools, options))  # type: ignore[no-any-return]
 
     def submit(
@@ -1204,15 +1107,7 @@ class Client:
         code: str,
         policy: str = "default",
         tools: Mapping[str, Any] | Iterable[Any] | None = None,
-        *,
-        timeout: float | None = None,
-        limits: Mapping[str, float] | None = None,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        filename: str = "<job>",
-        files: Uploads | None = None,
-        download: Iterable[str] | bool = (),
-        approve: Approver | None = None,
+        **options: Unpack[RunOptions],
     ) -> Job:
         """Start ``code`` in a fresh jail without waiting for it; return once the daemon
         accepted it (see :meth:`AsyncClient.submit`).
@@ -1221,20 +1116,7 @@ class Client:
             code: Python source; may use top-level ``await`` and the ``tools`` global.
             policy: the policy to run under.
             tools: host tools, as ``{"name": fn}`` or ``[fn, ...]`` (plain or async functions).
-            timeout: wall-clock seconds (shorthand for ``limits={"wall_time_s": ...}``).
-            limits: per-job limits (``{"memory_mb": 64, "pids": 8}``); each may only be
-                stricter than the policy's.
-            on_stdout: called with the job's stdout text as the job produces it.
-            on_stderr: called with the job's stderr text as the job produces it.
-            filename: the code's file name in tracebacks.
-            files: uploads into the jail's working directory before the code runs:
-                ``{"path/in/jail": bytes or a local path}``, or local paths (a directory
-                goes in recursively).
-            download: patterns (``fnmatch``, ``*`` crosses ``/``) of files in the working
-                directory whose contents come back in ``result.downloads``; ``True``: every
-                file the run created or changed.
-            approve: the approval callback for this job's tools marked ``approval`` (default:
-                the client's); without one such calls are denied.
+            **options: the run's options: :class:`RunOptions`.
 
         Returns:
             A :class:`Job`: its ``job_id``, ``job.result(timeout=...)``, ``job.cancel()``.
@@ -1247,10 +1129,6 @@ class Client:
                 name, or a file in ``files`` that cannot be uploaded (``UploadError``);
                 nothing was sent.
         """
-        options = _RunOptions(
-            timeout=timeout, limits=limits, on_stdout=on_stdout, on_stderr=on_stderr,
-            filename=filename, files=files, download=download, approve=approve,
-        )
         return Job(self, self._call(self._client._submit(code, policy, tools, options)))
 
     def policies(self) -> list[dict[str, Any]]:
@@ -1393,15 +1271,7 @@ class Session:
     def run(
         self,
         code: str,
-        *,
-        timeout: float | None = None,
-        limits: Mapping[str, float] | None = None,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        filename: str = "<job>",
-        files: Uploads | None = None,
-        download: Iterable[str] | bool = (),
-        approve: Approver | None = None,
+        **options: Unpack[RunOptions],
     ) -> JobResult:
         """Run ``code`` in the session's jail and return its result record. The session's
         policy and tools apply; a run that hits a limit ends the session.
@@ -1409,22 +1279,7 @@ class Session:
         Args:
             code: Python source; sees what earlier runs defined; may use top-level
                 ``await`` and the ``tools`` global.
-            timeout: wall-clock seconds (shorthand for ``limits={"wall_time_s": ...}``).
-            limits: this run's limits (``wall_time_s``, ``cpu_time_s``, ``output_bytes``,
-                tool limits); each may only be stricter than the policy's. Memory and pids
-                are the session's, set when it opened.
-            on_stdout: called with the run's stdout text as the run produces it.
-            on_stderr: called with the run's stderr text as the run produces it.
-            filename: the code's file name in tracebacks.
-            files: uploads into the jail's working directory before the code runs:
-                ``{"path/in/jail": bytes or a local path}``, or local paths (a directory
-                goes in recursively).
-            download: patterns (``fnmatch``, ``*`` crosses ``/``) of files in the working
-                directory whose contents come back in ``result.downloads``; ``True``: every
-                file the run created or changed.
-            approve: the approval callback for this run's tools marked ``approval``
-                (default: the session's, else the client's); without one such calls are
-                denied.
+            **options: the run's options: :class:`RunOptions`.
 
         Returns:
             The run's :class:`JobResult`; ``result.session`` says which run of which
@@ -1438,10 +1293,6 @@ class Session:
                 the connection failed.
             UploadError: a file in ``files`` cannot be uploaded (nothing was sent).
         """
-        options = _RunOptions(
-            timeout=timeout, limits=limits, on_stdout=on_stdout, on_stderr=on_stderr,
-            filename=filename, files=files, download=download, approve=approve,
-        )
         return self._client._call(self._session._run(code, options))  # type: ignore[no-any-return]
 
     def upload(self, files: Uploads) -> JobResult:
@@ -1457,3 +1308,67 @@ class Session:
     def close(self) -> None:
         if not self._client._loop.is_closed():
             self._client._call(self._session.close())
+
+
+# --------------------------------------------------------------------------- help()
+
+
+def _option_docs() -> dict[str, str]:
+    """Each run option's docstring, read from :class:`RunOptions`' source (attribute
+    docstrings do not exist at run time); empty where the source is not at hand."""
+    import ast
+    import textwrap
+
+    try:
+        with open(__file__, encoding="utf-8") as f:
+            source = f.read()
+    except OSError:
+        return {}
+    start = source.find("\nclass RunOptions(")
+    end = source.find("\n\n\n", start)
+    if start < 0 or end < 0:
+        return {}
+    docs: dict[str, str] = {}
+    body = ast.parse(textwrap.dedent(source[start + 1:end])).body[0]
+    assert isinstance(body, ast.ClassDef)
+    for stmt, after in itertools.pairwise(body.body):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
+            docs[stmt.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+def _publish_run_options() -> None:
+    """Give every method taking ``**options: Unpack[RunOptions]`` the signature and the
+    ``Args`` its options would have if written out, for ``help()`` and ``inspect``."""
+    import textwrap
+
+    hints = typing.get_type_hints(RunOptions)
+    docs = _option_docs()
+    keywords = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                  annotation=hints[name])
+                for name, default in RUN_OPTION_DEFAULTS.items()]
+    methods: tuple[Any, ...] = (AsyncClient.run, AsyncClient.submit, AsyncSession.run,
+                                AsyncSession.submit, Client.run, Client.submit, Session.run)
+    for method in methods:
+        own = typing.get_type_hints(method)
+        sig = inspect.signature(method)
+        params = [p.replace(annotation=own.get(p.name, p.annotation))
+                  for p in sig.parameters.values()
+                  if p.kind is not p.VAR_KEYWORD and p.name not in RUN_OPTION_DEFAULTS]
+        method.__signature__ = sig.replace(
+            parameters=[*params, *keywords], return_annotation=own.get("return"))
+        doc = method.__doc__ or ""
+        line = next((x for x in doc.splitlines() if x.lstrip().startswith("**options:")), None)
+        if line is None or not docs:
+            continue
+        indent = line[: len(line) - len(line.lstrip())]
+        entries = "\n".join(
+            textwrap.fill(f"{name}: {docs[name]}", 92, initial_indent=indent,
+                          subsequent_indent=indent + "    ")
+            for name in RUN_OPTION_DEFAULTS
+        )
+        method.__doc__ = doc.replace(line, entries)
+
+
+_publish_run_options()

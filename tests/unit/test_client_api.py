@@ -20,12 +20,14 @@ from typing import Any
 import pytest
 
 from jaild.client import (
+    RUN_OPTION_DEFAULTS,
     AsyncClient,
     AsyncSession,
     Client,
     JobResult,
+    RunOptions,
     Session,
-    _RunOptions,
+    _run_options,
 )
 from jaild.testing import daemon_thread
 from tests.conftest import guard, until
@@ -87,15 +89,29 @@ def test_the_blocking_and_the_asyncio_client_take_the_same_parameters(
 
 @pytest.mark.parametrize("fn", RUNS, ids=lambda f: f.__qualname__)
 def test_the_keywords_of_every_run_are_the_run_options(fn: Callable[..., Any]) -> None:
-    """The one record the entry points hand on (and one place turns into a RunJob) has
-    exactly their keyword-only parameters, with the same defaults and types."""
+    """Declared once (RunOptions, with RUN_OPTION_DEFAULTS beside it): each entry point's
+    keyword-only parameters, as help() and inspect show them, are exactly those, with
+    their defaults and types; in the source each takes ``**options: Unpack[RunOptions]``."""
     keywords = [p for p in signature(fn).parameters.values()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    hints = typing.get_type_hints(_RunOptions)
-    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
-                                 annotation=hints[f.name])
-               for f in dataclasses.fields(_RunOptions)]
+    hints = typing.get_type_hints(RunOptions)
+    assert list(hints) == list(RUN_OPTION_DEFAULTS)
+    options = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                 annotation=hints[name])
+               for name, default in RUN_OPTION_DEFAULTS.items()]
     assert keywords == options
+    source = inspect.getsource(fn)
+    assert "**options: Unpack[RunOptions]" in source and "timeout:" not in source
+
+
+def test_an_unknown_keyword_is_named_with_the_ones_a_run_takes() -> None:
+    """``**options`` takes any keyword at the language level: the one place that reads
+    them refuses one it does not know, as a written-out signature would (each entry point
+    is driven with one below: Typo)."""
+    with pytest.raises(TypeError, match="unexpected keyword argument 'timout'; a run takes "
+                                        "timeout, limits"):
+        _run_options({"timout": 5})  # type: ignore[typeddict-unknown-key]
+    assert _run_options({"timeout": 5})["filename"] == "<job>"  # the control
 
 
 @pytest.mark.parametrize("fn", ENTRY_POINTS, ids=lambda f: f.__qualname__)
@@ -118,7 +134,7 @@ def test_help_shows_the_run_options() -> None:
     assert "**kwargs" not in shown
     for name in ("timeout", "limits", "on_stdout", "files", "download", "approve"):
         assert f"{name}: " in shown, name
-    assert "wall-clock seconds" in shown  # the Args section, too
+    assert "Wall-clock seconds" in shown  # the Args section, too
 
 
 # ----------------------------------------------------------------------------- behaviour
@@ -161,6 +177,13 @@ class Seen:
         assert r.downloads == {"out.txt": b"ABC"}, entry_point
         assert ("".join(self.stdout), "".join(self.stderr)) == ("out\n", "err\n"), entry_point
         assert self.asked == ["transfer"], entry_point
+
+
+class Typo(Seen):
+    """A misspelt option: every entry point raises TypeError for it, sending nothing."""
+
+    def options(self) -> dict[str, Any]:
+        return {"timout": 15}
 
 
 TOOLS = {"transfer": lambda n: n}
@@ -207,6 +230,8 @@ def test_every_run_option_reaches_the_job_through_every_entry_point() -> None:
     with daemon_thread({"default": POLICY}) as d:
         with Client(d.socket_path) as client:
             for name in ("Client.run", "Client.submit", "Session.run"):
+                with pytest.raises(TypeError, match="unexpected keyword argument 'timout'"):
+                    blocking_run(client, Typo(), name, pids)
                 seen = Seen()
                 seen.check(blocking_run(client, seen, name, pids), name)
                 checked.append(name)
@@ -215,6 +240,8 @@ def test_every_run_option_reaches_the_job_through_every_entry_point() -> None:
             async with asyncio.timeout(guard(120)), AsyncClient(d.socket_path) as client:
                 for name in ("AsyncClient.run", "AsyncClient.submit", "AsyncSession.run",
                              "AsyncSession.submit"):
+                    with pytest.raises(TypeError, match="unexpected keyword argument 'timout'"):
+                        await asyncio_run(client, Typo(), name, pids)
                     seen = Seen()
                     seen.check(await asyncio_run(client, seen, name, pids), name)
                     checked.append(name)
@@ -243,7 +270,6 @@ def test_a_job_result_has_every_field_of_the_record_and_only_those_besides_its_o
     """JobResult is the record's fields plus ``result`` and ``downloads``; the copies between
     them are derived from the record's fields (client.RECORD_FIELDS), so a field added to
     JobRecord and not to JobResult fails here, not in a to_dict that forgot it."""
-    import dataclasses
 
     from jaild.client import RECORD_FIELDS, JobResult
     from jaild.protocol.records import JobRecord
