@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from jaild.client import Client, _RunOptions
+from jaild.client import Client
 from jaild.errors import UnknownSession
 from jaild.protocol.messages import CloseSession, Error, JobDescription, Message, RunJob
 from tests.conftest import DaemonHandle, RawClient, guard
@@ -43,7 +43,7 @@ def test_other_connections_cannot_use_or_close_a_session(hostile: DaemonHandle) 
         assert codes == ["unknown_session", "unknown_session"], answers
         assert s.run("secret").result == 42  # untouched
         with pytest.raises(UnknownSession):  # ids are not guessable either
-            c._call(c._client._submit("1", "default", None, _RunOptions(), "ses-0000000000000000"))
+            c._call(c._client._submit("1", "default", None, {}, "ses-0000000000000000"))
 
 
 def test_a_jail_talking_between_runs_ends_its_session(hostile: DaemonHandle) -> None:
