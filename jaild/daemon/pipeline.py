@@ -28,24 +28,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from jaild.daemon import placement
+from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
 from jaild.daemon.core.records import internal_error_record
-from jaild.daemon.registry import ClientConnection, LiveJob
-from jaild.daemon.sessions import SessionHost, Sessions, check_room
+from jaild.daemon.observe import Observers
+from jaild.daemon.registry import ClientConnection, LiveJob, Registry
+from jaild.daemon.sessions import Sessions, check_room
 from jaild.errors import JaildError
 from jaild.protocol.messages import JobFinished, RunJob
 from jaild.protocol.records import JobRecord
 
+if TYPE_CHECKING:
+    from jaild.daemon.startup import Served
 
-class PipelineHost(SessionHost, Protocol):
-    """What the pipeline needs of the daemon: what sessions need, plus the sessions
-    themselves."""
-
-    @property
-    def sessions(self) -> Sessions: ...
 
 log = logging.getLogger("jaild")
 
@@ -71,26 +70,44 @@ def _children() -> set[int]:
 class Pipeline:
     """See the module docstring."""
 
-    def __init__(self, daemon: PipelineHost, *, reap_orphans: bool = True) -> None:
-        self.daemon = daemon
-        self._reaps = reap_orphans  # False: the process's other children are not ours
+    def __init__(
+        self,
+        config: DaemonConfig,
+        registry: Registry,
+        sessions: Sessions,
+        served: Served,
+        observers: Observers,
+        catalog: Callable[[], admission.Catalog],
+        *,
+        reap_orphans: bool = True,
+    ) -> None:
+        """The pipeline of the daemon whose settings are ``config``: jobs kept in its
+        ``registry``, session runs through its ``sessions``, jails from what it ``served``
+        with (environment and pools), ends told to its ``observers``; ``catalog``: the
+        policies it serves now. ``reap_orphans``: False where the process has children of
+        its own."""
+        self.config = config
+        self.registry = registry
+        self.sessions = sessions
+        self.served = served
+        self.observers = observers
+        self.catalog = catalog
+        self._reaps = reap_orphans
 
     def submit(self, client: ClientConnection, req: RunJob) -> None:
         """Admit a RunJob, place it and start it. Raises the JaildError the client gets
         as Error."""
-        daemon = self.daemon
-        registry = daemon.registry
-        tracing = daemon.tracing  # off: trace stays None, and each hook below is one test
+        registry = self.registry
+        tracing = self.observers.tracing  # off: trace stays None; each hook below is one test
         trace = tracing.job(req.traceparent, client.peer.uid) if tracing.on else None
         sess = None
         try:
             if req.session_id is None:
-                admitted = admission.admit_job(daemon.catalog(), client.peer, req)
-                check_room(
-                    daemon, client.peer.uid, admitted.limits.memory_mb, registry.job_count(client)
-                )
+                admitted = admission.admit_job(self.catalog(), client.peer, req)
+                check_room(registry, self.config, client.peer.uid, admitted.limits.memory_mb,
+                           registry.job_count(client))
             else:
-                sess = daemon.sessions.runnable(client, req.session_id)
+                sess = self.sessions.runnable(client, req.session_id)
                 admitted = admission.admit_session_run(sess.terms, sess.id, req)
         except JaildError as refusal:
             if trace is not None:
@@ -99,14 +116,14 @@ class Pipeline:
         if trace is not None:
             trace.admitted()
         job_id = placement.new_job_id()
-        env = daemon.env
+        env = self.served.env
         assert env is not None
         placed = placement.place(
-            admitted, job_id, client.call_tool, client.output, env, daemon.pools, sess,
+            admitted, job_id, client.call_tool, client.output, env, self.served.pools, sess,
             tenant=client.peer.uid, trace=trace,
         )
         if sess is not None:
-            daemon.sessions.run_started(sess, placed.job_id)
+            self.sessions.run_started(sess, placed.job_id)
         # Accepted after a pooled jail got its code (it starts a write earlier); still before
         # anything about the job can reach the client (held: it goes out with the first).
         client.accept(req.ref, placed.job_id)
@@ -137,22 +154,22 @@ class Pipeline:
             if placed.trace is not None:  # its spans, once the record is out
                 placed.trace.finish(record, placed.mode)
         finally:
-            self.daemon.registry.remove_job(job_id)
+            self.registry.remove_job(job_id)
             if sess is not None:
-                self.daemon.sessions.run_ended(sess)
+                self.sessions.run_ended(sess)
             else:
                 self.reap_orphans()
         if sess is not None:
-            self.daemon.sessions.after_run(sess, job_id, record)
+            self.sessions.after_run(sess, job_id, record)
 
     def audit(
         self, client: ClientConnection, record: JobRecord, uploaded: int = 0, downloaded: int = 0
     ) -> None:
         """A job's record: audited, accounted and counted."""
-        daemon = self.daemon
-        daemon.audit.job(client.peer, record)
-        daemon.accounting.job(client.peer.uid, record, uploaded, downloaded)
-        daemon.metrics.job_finished(record, client.peer.uid)
+        observers = self.observers
+        observers.audit.job(client.peer, record)
+        observers.accounting.job(client.peer.uid, record, uploaded, downloaded)
+        observers.metrics.job_finished(record, client.peer.uid)
 
     def reap_orphans(self) -> list[int]:
         """Reap children that are not a running job's nsjail.
@@ -167,8 +184,8 @@ class Pipeline:
         """
         if not self._reaps or not _a_child_has_exited():
             return []
-        tracked = set(self.daemon.registry.pids())
-        env = self.daemon.env
+        tracked = set(self.registry.pids())
+        env = self.served.env
         if env is not None:
             tracked |= env.zygotes.pids()
         reaped = []

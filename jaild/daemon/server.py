@@ -74,6 +74,7 @@ from jaild.daemon.core import admission
 from jaild.daemon.core.peer import Peer
 from jaild.daemon.jails.job import CallReply, JailedJob, JailEnvironment
 from jaild.daemon.jails.pool import JailPool
+from jaild.daemon.observe import Observers
 from jaild.daemon.observe.accounting import Accounting
 from jaild.daemon.observe.audit import AuditLog
 from jaild.daemon.observe.metrics import Metrics
@@ -624,13 +625,17 @@ class Daemon:
         self.config = config
         self.served = served or startup.Served()
         self.registry = Registry()
-        self.pipeline = Pipeline(self, reap_orphans=reap_orphans)
-        self.sessions = Sessions(self)
-        self.audit = AuditLog()
-        self.accounting = Accounting()
-        self.metrics = Metrics(config.metrics_address, tool_labels=config.metrics_tool_labels)
         self._tracing_given = tracing is not None
-        self.tracing: Tracing = tracing or OFF  # else on at start() if OTEL_* asks for it
+        self.observers = Observers(
+            audit=AuditLog(),  # its file once start() has read the config
+            accounting=Accounting(),
+            metrics=Metrics(config.metrics_address, tool_labels=config.metrics_tool_labels),
+            tracing=tracing or OFF,  # else on at start() if OTEL_* asks for it
+        )
+        self.sessions = Sessions(config, self.registry, self.served, self.observers,
+                                 self.catalog)
+        self.pipeline = Pipeline(config, self.registry, self.sessions, self.served,
+                                 self.observers, self.catalog, reap_orphans=reap_orphans)
         self._lingering: Counter[int] = Counter()  # refused connections still open, by uid
         self.frame_bytes: Counter[int] = Counter()  # unfinished frames' bytes, by uid
         self._stopping = False
@@ -641,6 +646,24 @@ class Daemon:
         self.connections: asyncio.TaskGroup | None = None
         self._holder: asyncio.Task[None] | None = None
         self._stopped_accepting = asyncio.Event()
+
+    # What is told of it (see :class:`~jaild.daemon.observe.Observers`).
+
+    @property
+    def audit(self) -> AuditLog:
+        return self.observers.audit
+
+    @property
+    def accounting(self) -> Accounting:
+        return self.observers.accounting
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.observers.metrics
+
+    @property
+    def tracing(self) -> Tracing:
+        return self.observers.tracing
 
     # What start-up made (see :class:`~jaild.daemon.startup.Served`).
 
@@ -676,9 +699,10 @@ class Daemon:
         Raises:
             StartupError: why not (see :mod:`jaild.daemon.startup`).
         """
-        self.audit = AuditLog(self.config.audit_log)
+        self.observers.audit = AuditLog(self.config.audit_log)
         if not self._tracing_given:
-            self.tracing = Tracing.from_env()  # TracingError (a StartupError) if it cannot be
+            # TracingError (a StartupError) if it cannot be
+            self.observers.tracing = Tracing.from_env()
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[None] = loop.create_future()
         self._holder = loop.create_task(self._hold_connections(ready), name="jaild connections")
@@ -777,7 +801,7 @@ class Daemon:
         self.audit.close()
         self.metrics.stop()
         await self.metrics.wait_closed()
-        tracing, self.tracing = self.tracing, OFF
+        tracing, self.observers.tracing = self.observers.tracing, OFF
         if tracing.on:  # the spans queued go to the collector (in a thread: it may be slow)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.to_thread(tracing.shutdown), TRACES_FLUSH_S)

@@ -34,52 +34,22 @@ import asyncio
 import dataclasses
 import logging
 import secrets
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
-from jaild.daemon.jails.job import JailedJob, JailEnvironment, JobSpec
-from jaild.daemon.jails.pool import JailPool
-from jaild.daemon.observe.accounting import Accounting
-from jaild.daemon.observe.audit import AuditLog
-from jaild.daemon.observe.metrics import Metrics
+from jaild.daemon.jails.job import JailedJob, JobSpec
+from jaild.daemon.observe import Observers
 from jaild.daemon.registry import ClientConnection, JailSession, Registry
 from jaild.errors import InternalError, JaildError, UnknownSession
 from jaild.protocol.messages import JobDescription, OpenSession, SessionOpened
 from jaild.protocol.messages import SessionClosed as SessionClosedMsg
 from jaild.protocol.records import JobRecord, SessionInfo
-from jaild.tracing import SessionTrace, Tracing
+from jaild.tracing import SessionTrace
 
-
-class SessionHost(Protocol):
-    """What sessions need of the daemon (the server's :class:`~jaild.daemon.server.Daemon`),
-    declared here so that the core does not depend on the server shell."""
-
-    @property
-    def config(self) -> DaemonConfig: ...
-
-    @property
-    def registry(self) -> Registry: ...
-
-    @property
-    def env(self) -> JailEnvironment | None: ...
-
-    @property
-    def audit(self) -> AuditLog: ...
-
-    @property
-    def accounting(self) -> Accounting: ...
-
-    @property
-    def metrics(self) -> Metrics: ...
-
-    @property
-    def pools(self) -> dict[str, JailPool]: ...
-
-    @property
-    def tracing(self) -> Tracing: ...
-
-    def catalog(self) -> admission.Catalog: ...
+if TYPE_CHECKING:
+    from jaild.daemon.startup import Served
 
 
 def capacity(config: DaemonConfig) -> admission.Capacity:
@@ -95,29 +65,43 @@ def capacity(config: DaemonConfig) -> admission.Capacity:
 
 
 def check_room(
-    daemon: SessionHost, uid: int, memory_mb: int, on_connection: int | None = None
+    registry: Registry, config: DaemonConfig, uid: int, memory_mb: int,
+    on_connection: int | None = None,
 ) -> None:
     """Room for one more jail of ``memory_mb`` for ``uid``
-    (:func:`~jaild.daemon.core.admission.check_capacity` on what is held now).
+    (:func:`~jaild.daemon.core.admission.check_capacity` on what ``registry`` holds now).
 
     Raises:
         Busy: naming the limit reached.
     """
-    registry = daemon.registry
     load = admission.Load(
         daemon=registry.held(),
         uid=registry.held(uid),
         on_connection=on_connection,
     )
-    admission.check_capacity(uid, load, capacity(daemon.config), memory_mb)
+    admission.check_capacity(uid, load, capacity(config), memory_mb)
 
 log = logging.getLogger("jaild")
 
 class Sessions:
     """Opening, running in and closing sessions, for one daemon."""
 
-    def __init__(self, daemon: SessionHost) -> None:
-        self.daemon = daemon
+    def __init__(
+        self,
+        config: DaemonConfig,
+        registry: Registry,
+        served: Served,
+        observers: Observers,
+        catalog: Callable[[], admission.Catalog],
+    ) -> None:
+        """Sessions of the daemon whose settings are ``config``, kept in its ``registry``,
+        made in the jail environment it ``served`` with, told to its ``observers``;
+        ``catalog``: the policies it serves now (admission's view)."""
+        self.config = config
+        self.registry = registry
+        self.served = served
+        self.observers = observers
+        self.catalog = catalog
 
     def runnable(self, client: ClientConnection, session_id: str) -> JailSession:
         """The client's session a ``RunJob`` names, if a run may start in it now.
@@ -125,7 +109,7 @@ class Sessions:
         Raises:
             UnknownSession, SessionClosed, Busy.
         """
-        sess = self.daemon.registry.session(session_id, owner=client)
+        sess = self.registry.session(session_id, owner=client)
         if sess is None:
             raise UnknownSession(f"no open session {session_id} of this connection")
         sess.check_runnable()
@@ -134,21 +118,20 @@ class Sessions:
     def open(self, client: ClientConnection, req: OpenSession) -> None:
         """Make a jail that stays for a series of runs; answered by SessionOpened once it
         is ready (or Error if it cannot be made). Raises the refusal the client gets."""
-        daemon = self.daemon
-        registry = daemon.registry
-        tracing = daemon.tracing
+        registry = self.registry
+        tracing = self.observers.tracing
         trace = (
             tracing.session(req.traceparent, client.peer.uid, req.policy) if tracing.on else None
         )
         mine = registry.session_count(client.peer.uid)
         try:
-            terms = admission.admit_session(daemon.catalog(), client.peer, req, mine)
-            check_room(daemon, client.peer.uid, terms.jail_limits.memory_mb)
+            terms = admission.admit_session(self.catalog(), client.peer, req, mine)
+            check_room(registry, self.config, client.peer.uid, terms.jail_limits.memory_mb)
         except JaildError as refusal:
             if trace is not None:
                 trace.ended(None, refusal.code)
             raise
-        env = daemon.env
+        env = self.served.env
         assert env is not None
         session_id = "ses-" + secrets.token_hex(8)
         spec = JobSpec(
@@ -159,7 +142,7 @@ class Sessions:
         jail = JailedJob(spec, env, None, None, jail_id=session_id)
         sess = JailSession(session_id, client, terms, jail)
         registry.add_session(sess)
-        daemon.metrics.sessions_open(registry.session_count())
+        self.observers.metrics.sessions_open(registry.session_count())
         client.start(self._open(sess, req.ref, trace))
 
     async def _open(self, sess: JailSession, ref: int, trace: SessionTrace | None) -> None:
@@ -187,9 +170,8 @@ class Sessions:
         )
         sess.touch(self.close)
         client.start(self._watch(sess))
-        daemon = self.daemon
-        daemon.accounting.session(client.peer.uid, sess.policy.name)
-        daemon.audit.session(client.peer, "opened", sess.id, sess.policy.name)
+        self.observers.accounting.session(client.peer.uid, sess.policy.name)
+        self.observers.audit.session(client.peer, "opened", sess.id, sess.policy.name)
         client.send(
             SessionOpened(
                 ref=ref,
@@ -241,18 +223,18 @@ class Sessions:
             sess.jail.cancel(f"the session was closed ({reason}): {message}")
         self._forget(sess)
         sess.owner.start(self._discard(sess, f"session {reason}"))
-        self.daemon.audit.session(sess.owner.peer, "closed", sess.id, sess.policy.name,
-                                  reason=reason)
+        self.observers.audit.session(sess.owner.peer, "closed", sess.id, sess.policy.name,
+                                     reason=reason)
         sess.owner.send(SessionClosedMsg(session_id=sess.id, reason=reason, message=message[:4096]))
 
     async def _discard(self, sess: JailSession, reason: str) -> None:
-        async with self.daemon.registry.retiring():
+        async with self.registry.retiring():
             await sess.jail.discard(reason)
 
     def _forget(self, sess: JailSession) -> None:
-        registry = self.daemon.registry
+        registry = self.registry
         registry.remove_session(sess)
-        self.daemon.metrics.sessions_open(registry.session_count())
+        self.observers.metrics.sessions_open(registry.session_count())
 
 
 __all__ = ["JailSession", "Sessions", "capacity", "check_room"]

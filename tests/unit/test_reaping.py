@@ -19,10 +19,12 @@ PRELUDE = textwrap.dedent("""
     from types import SimpleNamespace
     from jaild.daemon import pipeline
 
-    def host(tracked=(), zygotes=()):
+    def pipe(tracked=(), zygotes=()):
+        # a pipeline with what reaping reads: the registry's pids and the zygotes'
         registry = SimpleNamespace(pids=lambda: iter(tracked))
         env = SimpleNamespace(zygotes=SimpleNamespace(pids=lambda: set(zygotes)))
-        return SimpleNamespace(registry=registry, env=env)
+        served = SimpleNamespace(env=env)
+        return pipeline.Pipeline(None, registry, None, served, None, None)
 
     def exited_child():
         pid = os.posix_spawn("/bin/true", ["true"], {})
@@ -49,7 +51,7 @@ def run(body: str) -> object:
 def test_an_exited_untracked_child_is_reaped() -> None:
     got = run("""
         pid = exited_child()
-        reaped = pipeline.Pipeline(host()).reap_orphans()
+        reaped = pipe().reap_orphans()
         print(json.dumps([pid in reaped, os.path.exists(f"/proc/{pid}")]))
     """)
     assert got == [True, False]
@@ -59,7 +61,7 @@ def test_a_tracked_child_is_left_to_its_owner() -> None:
     # a job's nsjail and a zygote's: their exit status is read by whoever watches them
     got = run("""
         job, zyg, orphan = exited_child(), exited_child(), exited_child()
-        reaped = pipeline.Pipeline(host(tracked=[job], zygotes=[zyg])).reap_orphans()
+        reaped = pipe(tracked=[job], zygotes=[zyg]).reap_orphans()
         print(json.dumps([reaped, zombie(job), zombie(zyg), orphan]))
     """)
     reaped, job_zombie, zygote_zombie, orphan = got  # type: ignore[misc]
@@ -73,7 +75,7 @@ def test_with_no_exited_child_the_proc_child_lists_are_not_read() -> None:
             raise AssertionError("read /proc")
         pipeline._children = read_proc
         alive = os.posix_spawn("/bin/sleep", ["sleep", "60"], {})
-        none_exited = pipeline.Pipeline(host()).reap_orphans()
+        none_exited = pipe().reap_orphans()
         os.kill(alive, 9)
         print(json.dumps([none_exited, alive]))
     """)
@@ -89,7 +91,7 @@ def test_positive_control_an_exited_child_makes_it_read_them() -> None:
             return children()
         pipeline._children = read_proc
         pid = exited_child()
-        reaped = pipeline.Pipeline(host()).reap_orphans()
+        reaped = pipe().reap_orphans()
         print(json.dumps([len(calls), reaped == [pid]]))
     """)
     assert got == [1, True]
