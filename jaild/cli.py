@@ -547,7 +547,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     """Host checks, then each policy's self-test in a private daemon; exit 1 on any failure."""
     from jaild.daemon.jails.staging import locate_nsjail
     from jaild.daemon.private import private_daemon
-    from jaild.daemon.selftest import Check, cgroup_placement_check, host_checks
+    from jaild.daemon.selftest import (
+        Check,
+        cgroup_placement_check,
+        host_checks,
+        uid_block_check,
+    )
     from jaild.errors import StartupError
     from jaild.policy.schema import load_policy_dir
 
@@ -568,7 +573,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         sections.append(
             ("policies", [Check("policy files", False, exc.message, "jaild policy check FILE...")])
         )
-    sections.insert(0, ("host", host_checks(nsjail, policies, config.envs_dir)))
+    sections.insert(0, ("host", [*host_checks(nsjail, policies, config.envs_dir),
+                                 uid_block_check(config.uid_base)]))
 
     async def probe() -> dict[str, list[Check]]:
         async with private_daemon(config) as daemon:

@@ -131,6 +131,15 @@ class DaemonFile:
         "host's trust store.",
         _absolute,
     )
+    drain_s: float = setting(
+        0.0,
+        "On SIGTERM, how long the jobs running may take to finish before the rest are "
+        "cancelled; meanwhile new jobs and sessions are refused busy (\"draining\"). "
+        "0: no drain, running jobs are cancelled at once. Keep the service's stop timeout "
+        "(TimeoutStopSec, a pod's terminationGracePeriodSeconds) above this plus "
+        "limits.shutdown_grace_s.",
+        between(0, 86400),
+    )
     sched_slice_us: int = setting(
         100,
         "The scheduler slice the daemon's event-loop thread asks for (Linux 6.12+), so the "
@@ -321,6 +330,7 @@ class DaemonConfig:
     zygote_scope: str = "uid"
     event_loop: str = "asyncio"
     sched_slice_us: int = 100
+    drain_s: float = 0.0  # on SIGTERM: how long running jobs may finish (0: no drain)
     egress_secrets: str | None = None  # NAME=value file for [[egress.inject]] (mode 0600)
     egress_upstream_ca: str | None = None  # the gateway's trust for intercepted hosts
     max_zygotes: int = 16
@@ -354,6 +364,7 @@ class DaemonConfig:
                 zygote_scope=d.zygote_scope,
                 event_loop=d.event_loop,
                 sched_slice_us=d.sched_slice_us,
+                drain_s=d.drain_s,
                 egress_secrets=d.egress_secrets or None,
                 egress_upstream_ca=d.egress_upstream_ca or None,
                 allowed_users=a.users,

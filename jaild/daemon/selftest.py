@@ -477,3 +477,57 @@ def cgroup_placement_check(cgroups: Cgroups) -> Check:
         return Check("cgroup placement", True, f"v1, job cgroups in {where}")
     detail = f"v2, {cgroups.placement.detail}; job cgroups in {where}"
     return Check("cgroup placement", True, detail)
+
+
+# --------------------------------------------------------------------------- uid blocks
+
+SUBID_FILES = ("/etc/subuid", "/etc/subgid")
+"""Where a host hands out ranges of subordinate uids and gids (``owner:start:count``)."""
+SUBID_OWNERS = ("kubelet",)
+"""Whose ranges a jail's ids must stay clear of: the kubelet maps pods with user namespaces
+(``hostUsers: false``) into its ``kubelet`` entries of these files."""
+UID_BLOCK = 65536
+"""A daemon's block of outside ids: its jobs' and its zygotes' (config.uid_base on)."""
+
+
+def subid_overlaps(
+    text: str, start: int, count: int, owners: tuple[str, ...] = SUBID_OWNERS
+) -> list[tuple[int, str, int, int]]:
+    """The lines of a subordinate-id file whose range, given to one of ``owners``, meets
+    ``start .. start + count - 1``: (line number, owner, first id, count). Lines that are
+    not ``owner:start:count`` are skipped (the file is not ours to judge)."""
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        parts = line.strip().split(":")
+        if len(parts) != 3 or parts[0] not in owners:
+            continue
+        try:
+            first, size = int(parts[1]), int(parts[2])
+        except ValueError:
+            continue
+        if first < start + count and start < first + size:
+            found.append((number, parts[0], first, size))
+    return found
+
+
+def uid_block_check(base: int, files: tuple[str, ...] = SUBID_FILES) -> Check:
+    """Is this daemon's block of jail ids clear of the ranges the kubelet hands to pods?
+    An overlap would let a pod's user namespace map the same host ids as a jail."""
+    clashes = []
+    for path in files:
+        try:
+            text = Path(path).read_text(errors="replace")
+        except OSError:
+            continue  # no such file: nothing handed out
+        clashes += [f"{path}:{n} {owner}:{first}:{size}"
+                    for n, owner, first, size in subid_overlaps(text, base, UID_BLOCK)]
+    block = f"ids {base}..{base + UID_BLOCK - 1}"
+    if not clashes:
+        return Check("jail ids clear of the kubelet's", True,
+                     f"{block}; no kubelet range meets them")
+    return Check(
+        "jail ids clear of the kubelet's", False,
+        f"{block} overlap {', '.join(clashes)}",
+        "give the kubelet a range outside the daemon's (its lines in /etc/subuid and "
+        "/etc/subgid), or serve another socket path (each path has a block of its own)",
+    )

@@ -639,6 +639,7 @@ class Daemon:
         self._lingering: Counter[int] = Counter()  # refused connections still open, by uid
         self.frame_bytes: Counter[int] = Counter()  # unfinished frames' bytes, by uid
         self._stopping = False
+        self._draining: float | None = None  # draining for this long (drain())
         self._stopped = asyncio.Event()
         self._serving = False  # start() finished: only then is a stop "jaild stopped"
         # The connections' scope (a task group held by its own task; jaild.testing lends
@@ -768,6 +769,27 @@ class Daemon:
             await self._stopped_accepting.wait()
         self.connections = None
 
+    async def drain(self, seconds: float) -> None:
+        """Take no new work (each new job, session or session run is refused ``Busy``,
+        "draining") and give the jobs running up to ``seconds`` to finish; :meth:`stop`
+        then cancels whatever still runs. The socket stays open meanwhile, so a client
+        gets that answer rather than a refused connection."""
+        if self._stopping or self._draining is not None:
+            return
+        self._draining = seconds
+        running = len(self.registry.jobs())
+        log.info("draining: %d job(s) running get up to %g s to finish; new work is refused",
+                 running, seconds)
+        systemd.notify(f"STATUS=draining: {running} job(s) running, up to {seconds:g} s")
+        try:
+            async with asyncio.timeout(seconds):
+                await self.registry.drained()
+        except TimeoutError:
+            log.info("drained for %g s: %d job(s) still running are cancelled", seconds,
+                     len(self.registry.jobs()))
+        else:
+            log.info("drained: every running job finished")
+
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting, end every job and session (their clients get their records
         within ``grace_s``), close connections, release what start-up made."""
@@ -834,7 +856,8 @@ class Daemon:
 
     def catalog(self) -> admission.Catalog:
         """The policies served, as admission sees them now."""
-        return admission.Catalog(self.policies, self.unavailable, self._stopping)
+        return admission.Catalog(self.policies, self.unavailable, self._stopping,
+                                 draining=self._draining)
 
     def submit(self, session: ServedConnection, req: RunJob) -> None:
         """Admit a RunJob and start it. Raises a JaildError the client gets as Error."""
@@ -950,7 +973,9 @@ class Daemon:
 
 
 async def serve(config: DaemonConfig) -> None:
-    """Run a daemon until SIGTERM/SIGINT, then stop it gracefully.
+    """Run a daemon until SIGTERM/SIGINT, then stop it gracefully: after SIGTERM, with
+    ``daemon.drain_s`` set, its running jobs first get that long to finish (:meth:`Daemon.
+    drain`; a SIGINT, or a second SIGTERM, ends the drain at once).
 
     The signal handlers are installed before start-up, so a stop request that
     arrives while the daemon is still starting stops it as soon as it serves.
@@ -961,11 +986,26 @@ async def serve(config: DaemonConfig) -> None:
     daemon = Daemon(config)
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
+    signals: list[int] = []
+
+    def requested(sig: int) -> None:
+        signals.append(sig)
+        stop_requested.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_requested.set)
+        loop.add_signal_handler(sig, requested, sig)
     try:
         await daemon.start()
         await stop_requested.wait()  # only a signal stops this daemon (stop() runs below)
+        if config.drain_s > 0 and signals[0] == signal.SIGTERM:
+            stop_requested.clear()
+            draining = asyncio.ensure_future(daemon.drain(config.drain_s))
+            interrupted = asyncio.ensure_future(stop_requested.wait())
+            await asyncio.wait({draining, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (draining, interrupted):
+                task.cancel()
+            if signals[-1] == signal.SIGINT or len(signals) > 1:
+                log.info("the drain was cut short by signal %d", signals[-1])
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

@@ -107,11 +107,12 @@ class Sessions:
         """The client's session a ``RunJob`` names, if a run may start in it now.
 
         Raises:
-            UnknownSession, SessionClosed, Busy.
+            UnknownSession, SessionClosed, Busy (a run in progress; the daemon draining).
         """
         sess = self.registry.session(session_id, owner=client)
         if sess is None:
             raise UnknownSession(f"no open session {session_id} of this connection")
+        admission.check_not_draining(self.catalog())
         sess.check_runnable()
         return sess
 

@@ -59,7 +59,14 @@ from jaild.daemon.jails.pool import JailPool, TenantPools
 from jaild.daemon.jails.staging import ensure_traversable, locate_nsjail, stage_runtime
 from jaild.daemon.observe.metrics import Metrics
 from jaild.daemon.placement import new_job_id
-from jaild.daemon.selftest import INSPECT_TOOL, Check, evaluate, host_paths_to_hide, probe_code
+from jaild.daemon.selftest import (
+    INSPECT_TOOL,
+    Check,
+    evaluate,
+    host_paths_to_hide,
+    probe_code,
+    uid_block_check,
+)
 from jaild.errors import CgroupError, DaemonUnavailable, PolicyError, StartupError, ZygoteError
 from jaild.policy.compile import JOB_UIDS, HostLayout, nsjail_config
 from jaild.policy.schema import Policy, check_policy_files, policy_files, resolve_env
@@ -179,6 +186,9 @@ async def start(
         ) from None
     sock = listening_socket(config, served)
     try:
+        ids = uid_block_check(config.uid_base)  # whoever waits on the socket is told why
+        if not ids.ok:
+            raise StartupError(f"the jails' {ids.detail}: {ids.fix}")
         metrics.start(served.pool_summaries)
         try:
             cgroups = Cgroups(detect(config.subtree))

@@ -13,12 +13,12 @@ gets as ``Error``. So every rule is tested without root (``tests/unit/test_admis
 request                checks, in order (the first that fails)     result
 =====================  ==========================================  ====================
 a connection           peer allowed; connections; connections/uid  ``None``
-``RunJob``             shutting down, policy known, served, peer    :class:`AdmittedJob`
-                       allowed, tools (unique, allowed, schemas),
-                       code size, limits, uploads
-``RunJob`` (session)   policy and tools are the session's, code     :class:`AdmittedJob`
-                       size, limits, jail-level limits unchanged,
-                       uploads
+``RunJob``             shutting down, draining, policy known,       :class:`AdmittedJob`
+                       served, peer allowed, tools (unique,
+                       allowed, schemas), code size, limits, uploads
+``RunJob`` (session)   draining (the sessions' check); policy and  :class:`AdmittedJob`
+                       tools are the session's, code size, limits,
+                       jail-level limits unchanged, uploads
 ``OpenSession``        as ``RunJob``'s policy and tools; sessions   :class:`SessionTerms`
                        enabled; limits; idle and lifetime only
                        tighten; sessions per uid
@@ -95,6 +95,7 @@ class Catalog:
     policies: Mapping[str, Policy]
     unavailable: Mapping[str, str] = field(default_factory=dict)  # name -> why not served
     stopping: bool = False  # the daemon is shutting down: no new work
+    draining: float | None = None  # draining (SIGTERM, daemon.drain_s): the drain's length
     may_use: Callable[[Policy, Peer], bool] = policy_allows
 
 
@@ -234,6 +235,20 @@ def check_capacity(uid: int, load: Load, caps: Capacity, memory_mb: int) -> None
 # --------------------------------------------------------------------------- the parts
 
 
+def check_not_draining(catalog: Catalog) -> None:
+    """No new work while the daemon drains: it stops once the jobs running finish.
+
+    Raises:
+        Busy: "draining", with how long the drain lasts at most.
+    """
+    if catalog.draining is not None:
+        raise Busy(
+            f"the daemon is draining: it stops once its running jobs finish (within "
+            f"{catalog.draining:g} s, daemon.drain_s) and takes no new work; retry on "
+            "another daemon, or here once it has restarted"
+        )
+
+
 def choose_policy(
     catalog: Catalog, peer: Peer, name: str, tools: tuple[ToolSpec, ...]
 ) -> Policy:
@@ -244,6 +259,7 @@ def choose_policy(
     """
     if catalog.stopping:
         raise ShuttingDown("the daemon is shutting down")
+    check_not_draining(catalog)
     policy = catalog.policies.get(name)
     if policy is None:
         raise UnknownPolicy(
