@@ -259,10 +259,11 @@ def test_no_new_work_while_draining_and_how_long_the_drain_lasts() -> None:
     """A draining daemon (SIGTERM with daemon.drain_s) refuses jobs and sessions busy; the
     same requests are admitted when it is not (the control)."""
     draining = catalog(draining=30.0)
-    refused(Busy, r"the daemon is draining: .* \(within 30 s, daemon.drain_s\)",
-            admission.admit_job, draining, ALICE, run())
-    refused(Busy, "the daemon is draining", admission.admit_session, draining, ALICE,
-            open_session(), 0)
+    said = ("the daemon is draining: it stops once its running jobs finish (within 30 s, "
+            "daemon.drain_s) and takes no new work; retry on another daemon, or here once it "
+            "has restarted")
+    refused(Busy, said, admission.admit_job, draining, ALICE, run())
+    refused(Busy, said, admission.admit_session, draining, ALICE, open_session(), 0)
     admission.admit_job(catalog(), ALICE, run())
     admission.admit_session(catalog(), ALICE, open_session(), 0)
 
