@@ -102,7 +102,7 @@ class DaemonHandle:
     def cgroup_dir(self, ident: str) -> Path:
         """The cgroup of job, session or zygote ``ident`` (v1: in the memory hierarchy)."""
         if self.layout.version == 1:
-            return Path(self.layout.v1_mount("memory")) / self.config.subtree / ident
+            return Path(self.layout.v1_base("memory")) / self.config.subtree / ident
         return Path(self.subtree_dirs[0]) / ident
 
     def measures(self, counter: str) -> bool:
@@ -112,7 +112,7 @@ class DaemonHandle:
         if self.layout.version == 1:
             if counter == "memory.peak":
                 return True
-            return (Path(self.layout.v1_mount("pids")) / self.config.subtree / counter).exists()
+            return (Path(self.layout.v1_base("pids")) / self.config.subtree / counter).exists()
         return (Path(self.subtree_dirs[0]) / counter).exists()
 
     def cgroups(self) -> Cgroups:
@@ -266,7 +266,7 @@ def _subtrees() -> set[str]:
     """Every test daemon's cgroup subtree on this host (v1: in the memory hierarchy; v2: at
     the top, or in a daemon's delegated scope or service)."""
     if not os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
-        root = Path("/sys/fs/cgroup/memory")
+        root = Path(detect("").v1_base("memory"))  # daemons nest in their (our) own cgroup
         return {d.name for d in root.iterdir() if d.name.startswith("jaild-")} if root.is_dir() else set()
     found = set()
     for pattern in ("jaild-*", "*/jaild-*.scope", "*/jaild-*.scope/jaild-*"):

@@ -22,6 +22,7 @@ from typing import Any
 from jaild import loops
 from jaild.address import DEFAULT_SOCKET as DEFAULT_SOCKET
 from jaild.address import socket_from_env as socket_from_env
+from jaild.daemon.jails.cgroups import memory_limit_mb
 from jaild.errors import PolicyError
 from jaild.policy.schema import between, load_section, setting, toml_value, type_label
 
@@ -56,6 +57,15 @@ def host_memory_mb(meminfo: str = "/proc/meminfo") -> int:
             if line.startswith("MemTotal:"):
                 return int(line.split()[1]) // 1024  # kB
     raise OSError(f"no MemTotal in {meminfo}")
+
+
+@functools.cache
+def available_memory_mb() -> int:
+    """The memory this daemon's jails can have at most, in MiB: the host's MemTotal, or its
+    cgroup's limit where that is lower (a container's, a pod's: what the kernel enforces on
+    them all together). Read once."""
+    limit = memory_limit_mb()
+    return min(host_memory_mb(), limit) if limit is not None else host_memory_mb()
 
 
 def _zygote_scope(v: Any) -> str | None:
@@ -212,7 +222,8 @@ class LimitsFile:
         0,
         "Ceiling on all jails' memory together: the memory limit of the daemon's cgroup "
         "subtree (jobs, sessions, warm jails, zygotes). 0: derived, 3/4 of the host's "
-        "MemTotal (/proc/meminfo).",
+        "MemTotal (/proc/meminfo), or of the memory limit on the daemon's own cgroup where "
+        "that is lower (a container's, a pod's).",
         between(0, 1 << 30),
     )
     memory_overcommit: float = setting(
@@ -396,8 +407,9 @@ class DaemonConfig:
 
     @property
     def memory_ceiling_mb(self) -> int:
-        """``max_memory_mb``, or derived: 3/4 of the host's MemTotal, in MiB."""
-        return self.max_memory_mb or max(1, host_memory_mb() * 3 // 4)
+        """``max_memory_mb``, or derived: 3/4 of :func:`available_memory_mb` (the host's
+        MemTotal, or the daemon's container's memory limit where lower), in MiB."""
+        return self.max_memory_mb or max(1, available_memory_mb() * 3 // 4)
 
     @property
     def memory_admitted_mb(self) -> int:

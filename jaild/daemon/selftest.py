@@ -20,6 +20,7 @@ plus host checks, as a table.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -304,14 +305,115 @@ def host_checks(nsjail: str | None, policies: dict[str, Policy], envs_dir: str) 
         policies: the policies to serve (each one's jail env is checked once).
         envs_dir: where named jail envs live.
     Returns:
-        The checks in a fixed order: the kernel, cgroups, helper programs, nsjail, jail envs.
+        The checks in a fixed order: the kernel, the daemon's privilege, cgroups, helper
+        programs, nsjail, jail envs.
     """
     return [
         *_kernel_checks(),
+        *privilege_checks(),
         *_cgroup_checks(),
         *_helper_checks(),
         _nsjail_check(nsjail),
         *_jail_env_checks(policies, envs_dir),
+    ]
+
+
+CAPABILITIES = {"CAP_SETGID": 6, "CAP_SETUID": 7, "CAP_SETPCAP": 8, "CAP_SYS_ADMIN": 21}
+"""What the daemon and nsjail need of root's capabilities (bits of ``CapEff``): namespaces,
+mounts and cgroups (SYS_ADMIN), the jails' uid maps, and emptying their bounding sets."""
+NAMESPACES = ("--user", "--pid", "--mount", "--net", "--ipc", "--uts", "--cgroup")
+PRIVILEGE_FIX = (
+    "run jaild as root on the host, or in a privileged container (podman/docker run "
+    "--privileged; Kubernetes: securityContext.privileged: true)"
+)
+
+
+def _status(pid: int | str = "self") -> dict[str, str]:
+    fields = {}
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+def masked_proc(mountinfo: str | None = None) -> list[str]:
+    """What is mounted over parts of /proc (a container runtime's masks: /proc/keys,
+    /proc/sys read-only, ...). With any of them the kernel refuses a jail a /proc of its
+    own (a fresh proc mount must not reveal more than the one it would cover)."""
+    if mountinfo is None:
+        mountinfo = Path("/proc/self/mountinfo").read_text()
+    out = []
+    for line in mountinfo.splitlines():
+        point = line.split()[4]
+        if point.startswith("/proc/") and not point.startswith("/proc/sys/fs/binfmt_misc"):
+            out.append(point)
+    return out
+
+
+def _cgroupfs_writable() -> tuple[bool, str]:
+    """Is the cgroup file system the daemon writes mounted read-write?"""
+    paths = ["/sys/fs/cgroup"] if os.path.exists("/sys/fs/cgroup/cgroup.controllers") else [
+        "/sys/fs/cgroup/memory", "/sys/fs/cgroup/pids"]
+    read_only = []
+    for p in paths:
+        with contextlib.suppress(OSError):
+            if os.statvfs(p).f_flag & os.ST_RDONLY:
+                read_only.append(p)
+    return not read_only, f"read-only: {' '.join(read_only)}" if read_only else "read-write"
+
+
+def privilege_checks() -> list[Check]:
+    """What a jail needs of the daemon's own confinement: enough of root's capabilities, an
+    unmasked /proc, a writable cgroupfs, and namespaces it can make -- the last tried for
+    real (``unshare`` of every namespace a jail has, with a fresh /proc), so whatever
+    refuses them (a seccomp profile, a missing capability, a masked /proc) is caught. An
+    unprivileged or half-privileged container fails here, and the daemon does not start.
+    """
+    status = _status()
+    try:
+        effective = int(status.get("CapEff", "0"), 16)
+    except ValueError:
+        effective = 0
+    missing = [name for name, bit in CAPABILITIES.items() if not effective >> bit & 1]
+    masked = masked_proc()
+    writable, cgroupfs = _cgroupfs_writable()
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        made, said = False, "unshare (util-linux) is missing to try"
+    else:
+        try:
+            tried = subprocess.run(
+                [unshare, *NAMESPACES, "--fork", "--mount-proc", "true"],
+                capture_output=True, text=True, timeout=10, check=False,
+            )
+            made, said = tried.returncode == 0, (tried.stderr.strip().splitlines() or [""])[-1]
+        except (OSError, subprocess.SubprocessError) as exc:
+            made, said = False, str(exc)
+    seccomp = status.get("Seccomp", "?")
+    return [
+        Check(
+            "capabilities",
+            not missing,
+            f"missing {' '.join(missing)}" if missing else "CAP_SYS_ADMIN and the rest",
+            PRIVILEGE_FIX,
+        ),
+        Check(
+            "/proc unmasked",
+            not masked,
+            f"masked: {' '.join(masked[:6])}" if masked else "nothing mounted over /proc",
+            PRIVILEGE_FIX + " (or procMount: Unmasked)",
+        ),
+        Check("cgroupfs writable", writable, cgroupfs, PRIVILEGE_FIX),
+        Check(
+            "namespaces",
+            made,
+            "user, pid, mount, net, ipc, uts, cgroup and a fresh /proc"
+            + (f" (seccomp filter on the daemon: mode {seccomp})" if seccomp != "0" else "")
+            if made else f"unshare refused: {said or 'no reason given'} (seccomp mode {seccomp})",
+            PRIVILEGE_FIX + "; a seccomp profile (the runtime's default) must allow unshare "
+            "and mount: seccomp=unconfined",
+        ),
     ]
 
 

@@ -8,7 +8,10 @@ listing every reason) at the first step that fails:
 1. load and check every policy, against this host too (``check_policy_files``);
 2. claim the listening socket (systemd's, or bind our own: a second daemon for the
    same socket stops here, before it touches the cgroup subtree the first one uses);
-3. start the metrics listener (a busy port refuses the start before any jail exists);
+3. check that jails can be made here -- the jail uid block clear of the kubelet's, and
+   the daemon's privilege (:func:`~jaild.daemon.selftest.privilege_checks`: an
+   unprivileged container fails closed, with the doctor's words) -- and start the
+   metrics listener (a busy port refuses the start before any jail exists);
 4. prepare the cgroup subtree (v2: move the daemon into the cgroup it owns) and
    sweep what a crashed daemon left;
 5. find nsjail and setpriv (which starts every nsjail as the host uid that is to own
@@ -64,6 +67,7 @@ from jaild.daemon.selftest import (
     Check,
     evaluate,
     host_paths_to_hide,
+    privilege_checks,
     probe_code,
     uid_block_check,
 )
@@ -189,6 +193,13 @@ async def start(
         ids = uid_block_check(config.uid_base)  # whoever waits on the socket is told why
         if not ids.ok:
             raise StartupError(f"the jails' {ids.detail}: {ids.fix}")
+        lacking = [c for c in privilege_checks() if not c.ok]  # fail closed (a container's)
+        if lacking:
+            raise StartupError(
+                "jails cannot be made here (`jaild doctor` says the same): "
+                + "; ".join(f"{c.name}: {c.detail}" for c in lacking)
+                + f". Fix: {lacking[0].fix}"
+            )
         metrics.start(served.pool_summaries)
         try:
             cgroups = Cgroups(detect(config.subtree))

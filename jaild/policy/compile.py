@@ -146,8 +146,10 @@ class CgroupLayout:
     """Where the daemon's cgroup subtree lives. ``version`` is 1 or 2."""
 
     version: int
-    subtree: str  # e.g. "jaild" -- relative to each v1 controller mount, or to the v2 root
-    v1_mounts: tuple[tuple[str, str], ...] = (
+    subtree: str  # e.g. "jaild" -- relative to each v1 base, or to the v2 root
+    # v1: the daemon's own cgroup in each hierarchy (its mount point, plus the daemon's
+    # cgroup path below it: see jaild.daemon.jails.cgroups.detect); the subtree goes inside
+    v1_bases: tuple[tuple[str, str], ...] = (
         ("memory", "/sys/fs/cgroup/memory"),
         ("pids", "/sys/fs/cgroup/pids"),
         ("cpu", "/sys/fs/cgroup/cpu"),
@@ -157,8 +159,8 @@ class CgroupLayout:
     # goes inside it
     v2_root: str = "/sys/fs/cgroup"
 
-    def v1_mount(self, controller: str) -> str:
-        return dict(self.v1_mounts)[controller]
+    def v1_base(self, controller: str) -> str:
+        return dict(self.v1_bases)[controller]
 
 
 @dataclass(frozen=True)
@@ -593,16 +595,16 @@ def _cgroup_args(cg: CgroupLayout, rel: str, *, cpu: bool) -> list[str]:
         return ["--cgroupv2_mount", f"{cg.v2_root}/{rel}"]
     args = [
         "--cgroup_mem_mount",
-        cg.v1_mount("memory"),
+        cg.v1_base("memory"),
         "--cgroup_mem_parent",
         rel,
         "--cgroup_pids_mount",
-        cg.v1_mount("pids"),
+        cg.v1_base("pids"),
         "--cgroup_pids_parent",
         rel,
     ]
     if cpu:
-        args += ["--cgroup_cpu_mount", cg.v1_mount("cpu"), "--cgroup_cpu_parent", rel]
+        args += ["--cgroup_cpu_mount", cg.v1_base("cpu"), "--cgroup_cpu_parent", rel]
     return args
 
 

@@ -47,7 +47,7 @@ def _job_cgroup_name(d: DaemonHandle, pid: str) -> str:
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         _id, controllers, path = line.split(":", 2)  # "7:memory:/..." (v1), "0::/..." (v2)
         if "memory" in controllers.split(",") if d.layout.version == 1 else controllers == "":
-            full = (d.layout.v1_mount("memory") if d.layout.version == 1 else "/sys/fs/cgroup") + path
+            full = ("/sys/fs/cgroup/memory" if d.layout.version == 1 else "/sys/fs/cgroup") + path
             if full.startswith(root):
                 return full[len(root):].split("/")[0]
     return ""

@@ -22,19 +22,25 @@ class Host:
     """The facts place_v2 reads, and what it did."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, own: str, *, systemd: bool,
-                 delegated: set[str], procs: dict[str, set[int]]) -> None:
+                 delegated: set[str], procs: dict[str, set[int]], container: bool = False,
+                 namespace_root: bool = False) -> None:
         self.own = own
         self.joined: list[str] = []
+        self.moved: list[int] = []
         self.scopes: list[str] = []
         pid = os.getpid()
         monkeypatch.setattr(cgroups, "cgroup_of", lambda p="self": self.own)
         monkeypatch.setattr(cgroups, "_systemd_running", lambda: systemd)
         monkeypatch.setattr(cgroups, "_delegated", lambda d: d in delegated)
+        monkeypatch.setattr(cgroups, "in_container", lambda: container)
+        monkeypatch.setattr(cgroups, "_namespace_root", lambda: namespace_root)
         monkeypatch.setattr(cgroups, "_procs", lambda d: procs.get(d, {pid}))
 
         def join(directory: str, p: int) -> None:
             self.joined.append(directory)
-            self.own = directory[len("/sys/fs/cgroup"):]
+            self.moved.append(p)
+            if p == pid:
+                self.own = directory[len("/sys/fs/cgroup"):]
 
         def scope(unit: str, p: int) -> str:
             self.scopes.append(unit)
@@ -110,6 +116,42 @@ def test_no_systemd_in_a_shared_cgroup_is_refused_with_what_to_do(
          procs={"/sys/fs/cgroup/container": {os.getpid(), 99}})
     with pytest.raises(CgroupError, match="cgroup of its own"):
         place_v2("jaild")
+
+
+def test_a_private_cgroup_namespace_is_the_containers_cgroup_not_the_root(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a container with a private cgroup namespace the daemon sees itself at "/", but
+    that root is the container's cgroup (it has cgroup.type), not the real root: the
+    daemon and the container's init (tini, pid 1) both move into the leaf, so the cgroup
+    can hand its controllers to the jobs' cgroups."""
+    host = Host(monkeypatch, "/", systemd=False, delegated=set(),
+                procs={"/sys/fs/cgroup": {os.getpid(), 1}}, namespace_root=True)
+    p = place_v2("jaild")
+    assert (p.how, p.base, p.leaf) == ("container", "/sys/fs/cgroup", "/sys/fs/cgroup/daemon")
+    assert sorted(host.moved) == sorted([1, os.getpid()])
+    assert "private cgroup namespace" in p.detail and "1 process(es) moved" in p.detail
+
+
+def test_a_container_in_the_hosts_cgroup_namespace_uses_its_own_cgroup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    here = "/sys/fs/cgroup/kubepods.slice/pod1/cri-containerd-abc.scope"
+    host = Host(monkeypatch, here[len("/sys/fs/cgroup"):], systemd=False, delegated=set(),
+                procs={here: {os.getpid(), 4242}}, container=True)
+    p = place_v2("jaild")
+    assert (p.how, p.base) == ("container", here)
+    assert sorted(host.moved) == sorted([4242, os.getpid()])
+
+
+def test_the_real_root_cgroup_is_not_mistaken_for_a_containers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The control of the namespace test: at the real root (no cgroup.type) nobody moves,
+    whatever the markers say."""
+    host = Host(monkeypatch, "/", systemd=False, delegated=set(),
+                procs={"/sys/fs/cgroup": {os.getpid(), 1}}, container=True)
+    assert place_v2("jaild").how == "root" and host.moved == []
 
 
 def test_a_scope_systemd_refuses_names_both_ways_out(monkeypatch: pytest.MonkeyPatch) -> None:

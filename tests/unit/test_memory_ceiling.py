@@ -36,7 +36,7 @@ def v1(tmp_path: Path, memsw: str | None = UNLIMITED) -> tuple[Cgroups, Path]:
         (root / name).write_text(value)
     if memsw is not None:
         (root / "memory.memsw.limit_in_bytes").write_text(memsw)
-    layout = CgroupLayout(1, "jaild-x", v1_mounts=(("memory", str(tmp_path / "memory")),))
+    layout = CgroupLayout(1, "jaild-x", v1_bases=(("memory", str(tmp_path / "memory")),))
     return Cgroups(layout), root
 
 

@@ -43,8 +43,16 @@ beside that leaf. Nothing goes at the top of /sys/fs/cgroup unless no systemd ru
   it) is joined, so the sweep finds them.
 * ``root``: no systemd, and the daemon is in the root cgroup (exempt from the rule):
   the base is /sys/fs/cgroup itself.
-* ``own``: no systemd, in a cgroup of its own (a container): that cgroup, if
-  nothing else lives in it.
+* ``container``: in a container (a private cgroup namespace, whose root is the
+  container's cgroup and not the real root; or a runtime's marker, see
+  :func:`in_container`) with no systemd of its own: the container's cgroup. Every
+  process of the container is the container's, so its init (tini) moves into the
+  leaf with the daemon. A pod's limits then cap the jails, and deleting the pod takes
+  their cgroups along.
+* ``own``: no systemd, in a cgroup of its own: that cgroup, if nothing else lives in it.
+
+On cgroup v1 there is no such rule; the subtree still goes inside the daemon's own
+cgroup of each hierarchy (:func:`v1_bases`: a container's, whatever its runtime mounted).
 
 Anything else fails the start with a message saying what to do.
 
@@ -85,15 +93,67 @@ V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
 OPTIONAL_V1 = ("cpu", "cpuacct")
 
 
-def detect(subtree: str) -> CgroupLayout:
-    """Pick cgroup v2 if the unified hierarchy is mounted at /sys/fs/cgroup, else v1."""
+def detect(subtree: str, pid: int | str = "self") -> CgroupLayout:
+    """Pick cgroup v2 if the unified hierarchy is mounted at /sys/fs/cgroup, else v1 -- with
+    the subtree inside the daemon's (``pid``'s) own cgroup of each v1 hierarchy
+    (:func:`v1_bases`)."""
     if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
         return CgroupLayout(version=2, subtree=subtree)
     if os.path.isdir("/sys/fs/cgroup/memory") and os.path.isdir("/sys/fs/cgroup/pids"):
-        return CgroupLayout(version=1, subtree=subtree)
+        return CgroupLayout(version=1, subtree=subtree, v1_bases=v1_bases(pid))
     raise CgroupError(
         "no usable cgroups: neither cgroup v2 at /sys/fs/cgroup nor v1 memory+pids hierarchies"
     )
+
+
+def v1_bases(
+    pid: int | str = "self", mountinfo: str | None = None, cgroups: str | None = None
+) -> tuple[tuple[str, str], ...]:
+    """The directory of ``pid``'s own cgroup in each v1 hierarchy jaild uses, as seen here.
+
+    A hierarchy's mount shows the cgroup tree from its root (``/proc/PID/mountinfo``'s
+    fourth field) down: ``/`` on a host; the container's own cgroup in a container, whose
+    runtime bind-mounts just that; ``/`` again where a container was given the host's
+    ``/sys/fs/cgroup``. ``pid``'s cgroup path (``/proc/PID/cgroup``) below that root,
+    joined to the mount point, is its cgroup's directory: job cgroups go there, so a
+    container's (a pod's) limits cap them and deleting it takes them along, whatever the
+    runtime mounted. A hierarchy not mounted keeps the default path (it is optional or
+    reported missing by :meth:`Cgroups.prepare`). ``mountinfo``/``cgroups``: the two files'
+    text (tests)."""
+    if mountinfo is None:
+        mountinfo = _read(f"/proc/{pid}/mountinfo")
+    if cgroups is None:
+        cgroups = _read(f"/proc/{pid}/cgroup")
+    own: dict[str, str] = {}
+    for line in cgroups.splitlines():
+        _id, controllers, path = line.split(":", 2)
+        for c in controllers.split(","):
+            own[c] = path
+    mounts: dict[str, tuple[str, str]] = {}  # controller -> (mount point, root)
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        sep = fields.index("-")
+        if fields[sep + 1] != "cgroup":
+            continue
+        for c in fields[sep + 3].split(","):
+            mounts.setdefault(c, (fields[4], fields[3]))
+    bases = []
+    for controller, default in CgroupLayout(1, "").v1_bases:
+        if controller not in mounts or controller not in own:
+            bases.append((controller, default))
+            continue
+        point, root = mounts[controller]
+        path = own[controller]
+        if root == "/":
+            below = path
+        elif path == root or path.startswith(root + "/"):
+            below = path[len(root):]
+        else:
+            below = ""  # not under the mount's root: the mount point is all we see of it
+        if ".." in below.split("/"):  # outside our cgroup namespace's root: likewise
+            below = ""
+        bases.append((controller, os.path.normpath(point + "/" + below.lstrip("/"))))
+    return tuple(bases)
 
 
 def _write(path: str, value: str) -> None:
@@ -151,6 +211,38 @@ def _rmtree_cgroup(directory: str, timeout_s: float = 2.0) -> None:
             time.sleep(0.01)
 
 
+UNLIMITED = 1 << 62
+"""At or above this a memory limit is v1's "no limit" (``PAGE_COUNTER_MAX`` in bytes)."""
+
+
+def memory_limit_mb(pid: int | str = "self") -> int | None:
+    """The tightest memory limit on ``pid``'s cgroup and every cgroup above it that can be
+    seen, in MiB: a container's or pod's limit. None: no limit.
+
+    v1: ``hierarchical_memory_limit`` of ``memory.stat`` (the kernel's minimum over the
+    ancestors). v2: the smallest ``memory.max`` from the cgroup up to /sys/fs/cgroup (in a
+    private cgroup namespace, the container's own cgroup)."""
+    limits: list[int] = []
+    if os.path.exists(os.path.join(V2_MOUNT, "cgroup.controllers")):
+        directory = _v2_dir(cgroup_of(pid))
+        while directory.startswith(V2_MOUNT):
+            with contextlib.suppress(OSError, ValueError):
+                text = _read(os.path.join(directory, "memory.max")).strip()
+                if text != "max":
+                    limits.append(int(text))
+            if directory == V2_MOUNT:
+                break
+            directory = os.path.dirname(directory)
+    else:
+        memory = dict(v1_bases(pid))["memory"]
+        with contextlib.suppress(OSError, ValueError):
+            for line in _read(os.path.join(memory, "memory.stat")).splitlines():
+                if line.startswith("hierarchical_memory_limit "):
+                    limits.append(int(line.split()[1]))
+    limit = min(limits, default=UNLIMITED)
+    return None if limit >= UNLIMITED else limit // (1024 * 1024)
+
+
 # ------------------------------------------------------------------ v2 placement
 
 V2_MOUNT = "/sys/fs/cgroup"
@@ -164,7 +256,7 @@ class Placement:
 
     ``base`` is the cgroup directory the daemon owns; job cgroups go in
     ``base/<subtree>``. ``leaf`` is the daemon's own cgroup inside it (None: it stays
-    in the root cgroup). ``how`` is ``delegated``, ``scope``, ``root`` or ``own``
+    in the root cgroup). ``how`` is ``delegated``, ``scope``, ``root``, ``container`` or ``own``
     (see the module docstring); ``detail`` says it in a sentence for logs and doctor.
     """
 
@@ -292,6 +384,25 @@ def _start_scope(unit: str, pid: int, timeout_s: float = 10.0) -> str:
     raise CgroupError(f"the scope {unit} exists but keeps vanishing; `systemctl stop {unit}`")
 
 
+CONTAINER_MARKERS = ("/run/.containerenv", "/.dockerenv")
+"""Files container runtimes leave in the root of a container (podman's, Docker's)."""
+
+
+def in_container() -> bool:
+    """Does this process run in a container? Podman and Docker leave a marker file (and
+    podman the ``container`` variable); every Kubernetes pod has ``KUBERNETES_SERVICE_HOST``
+    (containerd and CRI-O leave no file)."""
+    if os.environ.get("container") or os.environ.get("KUBERNETES_SERVICE_HOST"):  # noqa: SIM112
+        return True
+    return any(os.path.exists(m) for m in CONTAINER_MARKERS)
+
+
+def _namespace_root() -> bool:
+    """Is /sys/fs/cgroup the root of a private cgroup namespace rather than the real root?
+    Only non-root cgroups have ``cgroup.type``."""
+    return os.path.exists(os.path.join(V2_MOUNT, "cgroup.type"))
+
+
 def place_v2(subtree: str) -> Placement:
     """Find (or make) the cgroup this daemon owns, and move the daemon into its leaf.
 
@@ -300,14 +411,22 @@ def place_v2(subtree: str) -> Placement:
     """
     pid = os.getpid()
     own = cgroup_of()
-    if os.path.basename(own) == DAEMON_LEAF and _delegated(_v2_dir(os.path.dirname(own))):
-        own = os.path.dirname(own)  # placed already (a daemon started twice in a process)
+    parent = os.path.dirname(own)
+    if os.path.basename(own) == DAEMON_LEAF and (_delegated(_v2_dir(parent)) or in_container()):
+        own = parent  # placed already (a daemon started twice in a process)
     here = _v2_dir(own)
     others = _procs(here) - {pid}
-    how: str
-    if own == "/":
+    if own == "/" and not _namespace_root():
         return Placement(V2_MOUNT, None, "root", "the root cgroup (no systemd manages cgroups)")
-    if _systemd_running():
+    if own == "/" or (in_container() and not _systemd_running()):
+        where = "the root of its private cgroup namespace" if own == "/" else own
+        how, detail = "container", f"its container's cgroup ({where})"
+        if others:  # the container's init (tini): the cgroup that delegates holds nobody
+            for other in sorted(others):
+                with contextlib.suppress(OSError):  # gone meanwhile
+                    _join(os.path.join(here, DAEMON_LEAF), other)
+            detail += f"; the container's other {len(others)} process(es) moved in with it"
+    elif _systemd_running():
         if _delegated(here) and not others:
             how, detail = "delegated", f"delegated by systemd (Delegate=yes) at {own}"
         else:
@@ -332,7 +451,7 @@ def place_v2(subtree: str) -> Placement:
             )
         how, detail = "own", f"its own cgroup {own} (no systemd)"
     leaf = os.path.join(here, DAEMON_LEAF)
-    if cgroup_of() != own + "/" + DAEMON_LEAF:
+    if cgroup_of() != os.path.join(own, DAEMON_LEAF):
         _join(leaf, pid)
     return Placement(here, leaf, how, detail)
 
@@ -340,10 +459,11 @@ def place_v2(subtree: str) -> Placement:
 def daemon_subtree_dirs(pid: int, layout: CgroupLayout) -> list[str]:
     """Where the daemon ``pid`` keeps its job cgroups (tests and ``jaild doctor`` look there).
 
-    v1: ``<mount>/<subtree>`` in each hierarchy. v2: ``<base>/<subtree>``, the base being
-    the parent of the daemon's ``daemon`` leaf, or the root cgroup."""
+    v1: ``<base>/<subtree>`` in each hierarchy, the base being the daemon's own cgroup
+    (:func:`v1_bases`). v2: ``<base>/<subtree>``, the base being the parent of the daemon's
+    ``daemon`` leaf, or the root cgroup."""
     if layout.version == 1:
-        return Cgroups(layout).subtree_dirs()
+        return Cgroups(dataclasses.replace(layout, v1_bases=v1_bases(pid))).subtree_dirs()
     own = cgroup_of(pid)
     base = os.path.dirname(own) if os.path.basename(own) == DAEMON_LEAF else own
     return [os.path.join(_v2_dir(base), layout.subtree)]
@@ -575,21 +695,21 @@ class Cgroups:
         self.placement: Placement | None = None  # v2, once prepared
 
     def _v1_root(self, controller: str) -> str:
-        return os.path.join(self.layout.v1_mount(controller), self.layout.subtree)
+        return os.path.join(self.layout.v1_base(controller), self.layout.subtree)
 
     def _v1_roots(self) -> list[str]:
         """The subtree in each mounted v1 hierarchy, once each (cpu and cpuacct are often
         one hierarchy mounted twice)."""
         seen: dict[str, str] = {}
         for c in V1_CONTROLLERS:
-            mount = self.layout.v1_mount(c)
+            mount = self.layout.v1_base(c)
             if os.path.isdir(mount):
                 seen.setdefault(os.path.realpath(mount), self._v1_root(c))
         return list(seen.values())
 
     def _comounted(self, a: str, b: str) -> bool:
-        return os.path.realpath(self.layout.v1_mount(a)) == os.path.realpath(
-            self.layout.v1_mount(b)
+        return os.path.realpath(self.layout.v1_base(a)) == os.path.realpath(
+            self.layout.v1_base(b)
         )
 
     def _v2_root(self) -> str:
@@ -598,7 +718,7 @@ class Cgroups:
     def prepare(self) -> None:
         if self.layout.version == 1:
             for controller in V1_CONTROLLERS:
-                mount = self.layout.v1_mount(controller)
+                mount = self.layout.v1_base(controller)
                 if not os.path.isdir(mount):
                     if controller in OPTIONAL_V1:
                         continue
@@ -696,7 +816,7 @@ class Cgroups:
                 for controller in ["memory", "pids"] + (["cpu"] if with_cpu else []) + [
                     "cpuacct"
                 ]:
-                    mount = self.layout.v1_mount(controller)
+                    mount = self.layout.v1_base(controller)
                     if controller == "cpuacct" and not os.path.isdir(mount):
                         continue
                     d = made.get(os.path.realpath(mount))
