@@ -1,0 +1,643 @@
+"""Which Kubernetes pod a connecting client belongs to (issue 26, pods as tenants).
+
+Theory of operation
+-------------------
+A client's identity on the socket is its ``SO_PEERCRED``: a pid and a uid. In a cluster the
+uid says little (every pod may run as uid 1000); the *pod* is the tenant. A process's pod is
+written in its cgroup, by the kubelet and the container runtime, which the process cannot
+change (moving a process between cgroups takes privilege over both). So:
+
+1. **Who** (:func:`peer_cgroup`): read the connecting process's ``/proc/<pid>/cgroup`` such
+   that a recycled pid cannot lend another process's cgroup to the connection. We pin a
+   process with a pidfd -- ``SO_PEERPIDFD`` where the kernel has it (6.5+: the very process
+   that connected, even if it has since exited), else ``pidfd_open(pid)`` (whatever has the
+   pid now) --, check that the process still holds the client end of *this* connection (the
+   peer socket's inode, asked of the kernel with ``NETLINK_SOCK_DIAG``/``unix_diag``, among
+   its ``/proc/<pid>/fd``: a new process that inherited the pid number does not hold it),
+   read the file, and check the pidfd's process is still there (not reaped): while it is not
+   reaped its pid number is its own, so the file read was its file. A refusal is a
+   :class:`PeerUnverified` saying why.
+2. **Which pod** (:func:`pod_of_cgroup`, pure): the kubelet's cgroup names, for both cgroup
+   drivers (``/kubepods/burstable/pod<uid>/<container>`` and
+   ``/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid_>.slice/
+   cri-containerd-<container>.scope``), wherever the kubelet's root is mounted. Only a
+   well-formed pod uid and container id make a :class:`PodRef`; anything else is ``None``.
+   :func:`in_kubepods` tells a process in *some* kubelet cgroup that did not parse from a
+   process in none: the first should be refused, not taken for a host process.
+3. **What pod** (:class:`PodDirectory`): the uid is mapped to the pod's namespace, name and
+   service account by a LIST then WATCH of this node's pods on the Kubernetes API, kept in
+   memory by a thread. A pod that is deleted -- or is terminating (``deletionTimestamp``
+   set), or has finished (phase ``Succeeded``/``Failed``) -- counts as deleted: its
+   processes may linger through the grace period, and no new work is taken from them.
+   Deletion is final (a uid is never reused). A pod not yet seen may be waited for
+   (:meth:`PodDirectory.get` with ``wait_s``): the pod object exists before its containers
+   start, but the watch may lag.
+
+The cost of :func:`peer_cgroup` (this host, kernel 6.18, a client holding 4 fds): about
+45 us a call (a pidfd, a unix_diag round trip, a readdir of /proc/<pid>/fd, one file read);
+it grows by ~1 us per fd the client holds. Static pods (whose uid is a 32-hex hash in their
+cgroup name, not the API's uid) are not recognised.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import http.client
+import json
+import logging
+import os
+import random
+import re
+import signal
+import socket
+import ssl
+import struct
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, Literal
+
+log = logging.getLogger("jaild")
+
+# --- which pod a cgroup path names (pure) ------------------------------------------------
+
+_HEX = "[0-9a-f]"
+_UID = f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}"
+_UID_SYSTEMD = _UID.replace("-", "_")
+_CID = f"{_HEX}{{64}}"
+_RUNTIME = "(?:cri-containerd|crio|docker)"
+_QOS = "(?:burstable|besteffort)"
+
+# cgroupfs driver: /kubepods[/burstable|/besteffort]/pod<uid>/<cid>
+_FS_POD = re.compile(f"pod(?P<uid>{_UID})", re.ASCII)
+_FS_CONTAINER = re.compile(f"(?:crio-)?(?P<cid>{_CID})", re.ASCII)
+# systemd driver: [<p>-]kubepods.slice/[<p>-]kubepods-<qos>.slice/
+#   [<p>-]kubepods[-<qos>]-pod<uid_>.slice/<runtime>-<cid>.scope (<p>: a cgroup root such as
+#   kind's "kubelet"); or, where the runtime made a systemd path without systemd (containerd
+#   under /system.slice/containerd.service), one component "<pod slice>:<runtime>:<cid>".
+_SD_ROOT = re.compile("(?P<prefix>(?:[a-z0-9]+-)*)kubepods\\.slice", re.ASCII)
+_SD_CONTAINER = re.compile(f"{_RUNTIME}-(?P<cid>{_CID})\\.scope", re.ASCII)
+_SD_FLAT = re.compile(
+    f"(?:[a-z0-9]+-)*kubepods(?:-(?P<qos>{_QOS}))?-pod(?P<uid>{_UID_SYSTEMD})\\.slice"
+    f":{_RUNTIME}:(?P<cid>{_CID})", re.ASCII,
+)
+_UID_FORM = re.compile(_UID, re.ASCII)
+_MAX_CGROUP_TEXT = 1 << 16
+_PLACING_CONTROLLERS = {"memory", "pids", "name=systemd"}
+
+QoS = Literal["guaranteed", "burstable", "besteffort"]
+
+
+@dataclass(frozen=True)
+class PodRef:
+    """A pod and container named by a process's cgroup."""
+
+    pod_uid: str  # the API's metadata.uid: 8-4-4-4-12 lowercase hex
+    container_id: str  # 64 lowercase hex (the runtime's id, without its prefix)
+    qos: QoS
+    driver: Literal["cgroupfs", "systemd"]
+
+
+def _qos(name: str | None) -> QoS:
+    return "burstable" if name == "burstable" else "besteffort" if name == "besteffort" \
+        else "guaranteed"
+
+
+def _rest_ok(rest: list[str]) -> bool:
+    """Sub-cgroups below the container are ignored -- but a real path has no empty, ``.``
+    or ``..`` components."""
+    return all(c not in ("", ".", "..") for c in rest)
+
+
+def _cgroupfs(parts: list[str]) -> PodRef | None:
+    qos = None
+    if parts and parts[0] in ("burstable", "besteffort"):
+        qos, parts = parts[0], parts[1:]
+    if len(parts) < 2 or not _rest_ok(parts[2:]):
+        return None
+    pod, container = _FS_POD.fullmatch(parts[0]), _FS_CONTAINER.fullmatch(parts[1])
+    if pod is None or container is None:
+        return None
+    return PodRef(pod["uid"], container["cid"], _qos(qos), "cgroupfs")
+
+
+def _systemd(prefix: str, parts: list[str]) -> PodRef | None:
+    qos = None
+    if parts and (m := re.fullmatch(f"{re.escape(prefix)}kubepods-({_QOS})\\.slice", parts[0])):
+        qos, parts = m[1], parts[1:]
+    if len(parts) < 2 or not _rest_ok(parts[2:]):
+        return None
+    slice_name = f"{prefix}kubepods-{qos}-pod" if qos else f"{prefix}kubepods-pod"
+    pod = re.fullmatch(f"{re.escape(slice_name)}(?P<uid>{_UID_SYSTEMD})\\.slice", parts[0],
+                       re.ASCII)
+    container = _SD_CONTAINER.fullmatch(parts[1])
+    if pod is None or container is None:
+        return None
+    return PodRef(pod["uid"].replace("_", "-"), container["cid"], _qos(qos), "systemd")
+
+
+def pod_of_path(path: str) -> PodRef | None:
+    """The pod and container a cgroup path names, or None. The first component that starts
+    a kubelet hierarchy (``kubepods``, ``kubepods.slice``, ``<root>-kubepods.slice``, or the
+    flat ``...-pod<uid>.slice:<runtime>:<id>``) decides: what follows it must be the
+    kubelet's names exactly, down to the container (what is below that is ignored)."""
+    if not path.startswith("/"):
+        return None
+    parts = path.split("/")[1:]
+    for i, part in enumerate(parts):
+        if part == "kubepods":
+            return _cgroupfs(parts[i + 1:])
+        if root := _SD_ROOT.fullmatch(part):
+            return _systemd(root["prefix"], parts[i + 1:])
+        if flat := _SD_FLAT.fullmatch(part):
+            if not _rest_ok(parts[i + 1:]):
+                return None
+            return PodRef(flat["uid"].replace("_", "-"), flat["cid"], _qos(flat["qos"]),
+                          "systemd")
+    return None
+
+
+def pod_of_cgroup(proc_cgroup: str) -> PodRef | None:
+    """The pod a process is in, from the text of its ``/proc/<pid>/cgroup``; None if it is in
+    none (or the text is malformed: a line that is not ``N:controllers:path``, a hierarchy
+    twice, lines naming different pods or containers).
+
+    The lines read: cgroup v1's memory, pids and name=systemd hierarchies (where the kubelet
+    and the runtime place every container), and cgroup v2's ``0::`` line. Lines that name no
+    pod are ignored (a hierarchy the runtime did not use); those that name one must agree."""
+    if len(proc_cgroup) > _MAX_CGROUP_TEXT:
+        return None
+    found: set[PodRef] = set()
+    hierarchies: set[str] = set()
+    for line in proc_cgroup.split("\n"):
+        if not line:
+            continue
+        fields = line.split(":", 2)
+        if len(fields) != 3 or not re.fullmatch("[0-9]+", fields[0], re.ASCII):
+            return None
+        hierarchy, controllers, path = fields
+        if hierarchy in hierarchies:
+            return None
+        hierarchies.add(hierarchy)
+        v2 = hierarchy == "0" and controllers == ""
+        if v2 or _PLACING_CONTROLLERS & set(controllers.split(",")):
+            ref = pod_of_path(path)
+            if ref is not None:
+                found.add(ref)
+    return found.pop() if len(found) == 1 else None
+
+
+def in_kubepods(proc_cgroup: str) -> bool:
+    """Does the text name a kubelet cgroup at all (parsed or not)? A process for which this
+    holds but :func:`pod_of_cgroup` gives None is in a pod we cannot name: refuse it."""
+    return "kubepods" in proc_cgroup
+
+
+# --- the peer's cgroup, read safely ------------------------------------------------------
+
+SO_PEERPIDFD = 77  # linux/asm-generic/socket.h, kernel 6.5+
+USE_SO_PEERPIDFD = True
+"""Ask for the peer's pidfd with SO_PEERPIDFD where the kernel has it. False forces
+``pidfd_open(pid)``, as on kernels before 6.5 (Debian 12's 6.1); tests use it."""
+
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLMSG_ERROR = 2
+_NLM_F_REQUEST = 1
+_UDIAG_SHOW_PEER = 0x4
+_UNIX_DIAG_PEER = 2
+_NLMSGHDR = struct.Struct("=IHHII")
+_UNIX_DIAG_REQ = struct.Struct("=BBHIIIII")  # family, protocol, pad, states, ino, show, cookie
+_UNIX_DIAG_MSG = struct.Struct("=BBBBIII")  # family, type, state, pad, ino, cookie
+_NLATTR = struct.Struct("=HH")
+
+
+class PeerUnverified(Exception):
+    """The connecting process could not be tied to its cgroup; :attr:`reason` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _exited(pid: int) -> PeerUnverified:
+    return PeerUnverified(f"the connecting process (pid {pid}) has exited")
+
+
+def _pidfd(conn: socket.socket, pid: int, peerpidfd: bool) -> int:
+    if peerpidfd:
+        try:
+            fd: int = conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+            return fd
+        except OSError as e:
+            # 6.5-6.15 refuse a pidfd for a reaped peer (EINVAL); 6.16+ give one
+            if e.errno in (errno.ESRCH, errno.EINVAL):
+                raise _exited(pid) from None
+            if e.errno != errno.ENOPROTOOPT:
+                raise PeerUnverified(f"SO_PEERPIDFD failed: {e}") from None
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise _exited(pid) from None
+    except OSError as e:
+        raise PeerUnverified(f"pidfd_open({pid}) failed: {e}") from None
+
+
+def _alive(pidfd: int) -> bool:
+    """Is the pidfd's process not yet reaped (a zombie is; its pid is still its own)?"""
+    try:
+        signal.pidfd_send_signal(pidfd, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def peer_inode(conn: socket.socket) -> int:
+    """The inode of the socket at the other end of ``conn`` (a connected AF_UNIX socket),
+    from the kernel's unix_diag; 0 if that end has been closed by every holder."""
+    ino = os.fstat(conn.fileno()).st_ino
+    req = _UNIX_DIAG_REQ.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, ino, _UDIAG_SHOW_PEER,
+                              0xFFFFFFFF, 0xFFFFFFFF)
+    hdr = _NLMSGHDR.pack(_NLMSGHDR.size + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0)
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG) as nl:
+            nl.send(hdr + req)
+            data = nl.recv(8192)
+    except OSError as e:
+        raise PeerUnverified(f"cannot ask the kernel for the peer socket (unix_diag): {e}") \
+            from None
+    length, kind, _flags, _seq, _port = _NLMSGHDR.unpack_from(data)
+    if kind == _NLMSG_ERROR:
+        code = -struct.unpack_from("=i", data, _NLMSGHDR.size)[0]
+        raise PeerUnverified(f"unix_diag refused the lookup: {os.strerror(code)}")
+    if kind != _SOCK_DIAG_BY_FAMILY or length > len(data):
+        raise PeerUnverified(f"unix_diag answered with message type {kind}")
+    if _UNIX_DIAG_MSG.unpack_from(data, _NLMSGHDR.size)[4] != ino:
+        raise PeerUnverified("unix_diag answered about another socket")
+    at = _NLMSGHDR.size + _UNIX_DIAG_MSG.size
+    while at + _NLATTR.size <= length:
+        alen, atype = _NLATTR.unpack_from(data, at)
+        if alen < _NLATTR.size:
+            break
+        if atype == _UNIX_DIAG_PEER and alen >= _NLATTR.size + 4:
+            peer: int = struct.unpack_from("=I", data, at + _NLATTR.size)[0]
+            return peer
+        at += (alen + 3) & ~3
+    return 0
+
+
+def _holds(pid: int, link: str) -> bool:
+    try:
+        with os.scandir(f"/proc/{pid}/fd") as fds:
+            for fd in fds:
+                with contextlib.suppress(OSError):  # closed as we looked
+                    if os.readlink(fd.path) == link:
+                        return True
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise PeerUnverified(f"cannot read /proc/{pid}/fd: {e}") from None
+    return False
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def peer_cgroup(conn: socket.socket, pid: int, *, peerpidfd: bool | None = None) -> str:
+    """The text of ``/proc/<pid>/cgroup`` of the process that connected ``conn`` (``pid``:
+    its SO_PEERCRED pid), read so that a recycled pid cannot lend it another process's; else
+    :class:`PeerUnverified`. ``peerpidfd``: use SO_PEERPIDFD (default
+    :data:`USE_SO_PEERPIDFD`; it is used only where the kernel has it)."""
+    if pid <= 0:
+        raise PeerUnverified("the connecting process is not in the daemon's pid namespace")
+    pidfd = _pidfd(conn, pid, USE_SO_PEERPIDFD if peerpidfd is None else peerpidfd)
+    try:
+        if not _alive(pidfd):
+            raise _exited(pid)
+        peer = peer_inode(conn)
+        if peer == 0:
+            raise PeerUnverified(f"pid {pid} does not hold this connection "
+                                 "(its client end is closed)")
+        if not _holds(pid, f"socket:[{peer}]"):
+            if not _alive(pidfd) or _zombie(pid):
+                raise _exited(pid)
+            raise PeerUnverified(f"pid {pid} does not hold this connection (a recycled pid?)")
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:
+                text = f.read(_MAX_CGROUP_TEXT + 1)
+        except FileNotFoundError:
+            raise _exited(pid) from None
+        except OSError as e:
+            raise PeerUnverified(f"cannot read /proc/{pid}/cgroup: {e}") from None
+        if not _alive(pidfd):
+            raise _exited(pid)
+        return text
+    finally:
+        os.close(pidfd)
+
+
+# --- the node's pods, from the Kubernetes API --------------------------------------------
+
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+_FINISHED_PHASES = ("Succeeded", "Failed")
+_MAX_LIST_BYTES = 64 << 20
+_MAX_EVENT_BYTES = 4 << 20
+_CONNECT_S = 10.0
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    """What the API says of a pod."""
+
+    uid: str
+    namespace: str
+    name: str
+    service_account: str
+    node: str
+    phase: str
+
+
+class KubeAPIError(Exception):
+    """The API answered with an error (``status``: its HTTP status or Status code)."""
+
+    def __init__(self, status: int | None, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}" if status else message)
+        self.status = status
+
+
+class _Gone(Exception):
+    """The watch's resourceVersion is too old (410): list again."""
+
+
+def _pod(obj: Any) -> tuple[PodInfo, bool] | None:
+    """A pod object as (PodInfo, ended?) -- ended: deleting or finished; None if malformed."""
+    try:
+        meta, spec, status = obj["metadata"], obj.get("spec") or {}, obj.get("status") or {}
+        info = PodInfo(uid=meta["uid"], namespace=meta["namespace"], name=meta["name"],
+                       service_account=spec.get("serviceAccountName") or "default",
+                       node=spec.get("nodeName") or "", phase=status.get("phase") or "")
+    except (KeyError, TypeError, AttributeError):
+        return None
+    fields = (info.uid, info.namespace, info.name, info.service_account, info.node, info.phase)
+    if not all(isinstance(f, str) for f in fields) or not _UID_FORM.fullmatch(info.uid):
+        return None
+    return info, bool(meta.get("deletionTimestamp")) or info.phase in _FINISHED_PHASES
+
+
+class PodDirectory:
+    """This node's pods, kept from the Kubernetes API by a thread: LIST, then WATCH from the
+    list's resourceVersion (bookmarks keep it fresh; 410 Gone lists again; any other error
+    is logged, kept in :attr:`last_error` and retried with backoff, watching on from the
+    last resourceVersion). The bearer token is read from ``token_file`` at each connection
+    (projected tokens rotate)."""
+
+    def __init__(self, api_url: str, node_name: str, token_file: str | None = None,
+                 ca_file: str | None = None, *, watch_timeout_s: int = 300,
+                 backoff_s: tuple[float, float] = (0.2, 30.0), remember_deleted: int = 10000
+                 ) -> None:
+        url = urllib.parse.urlsplit(api_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"not an http(s) URL: {api_url!r}")
+        self.api_url, self.node_name = api_url, node_name
+        self.token_file, self.ca_file = token_file, ca_file
+        self._https, self._host = url.scheme == "https", url.hostname
+        self._port = url.port or (443 if self._https else 80)
+        self._watch_timeout_s, self._backoff_s = watch_timeout_s, backoff_s
+        self._remember_deleted = remember_deleted
+        self._changed = threading.Condition()
+        self._pods: dict[str, PodInfo] = {}
+        self._deleted: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._rv = ""
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._conn: http.client.HTTPConnection | None = None
+        self._conn_lock = threading.Lock()
+        self.last_error: str | None = None
+        """The error since the last good answer from the API; None while all is well."""
+        self.live = False
+        """Is a watch open (so what is held is current)?"""
+        self.lists = 0
+        """How many LISTs have been done (the first, and one per 410 Gone)."""
+
+    @classmethod
+    def in_cluster(cls, node_name: str, **kwargs: Any) -> PodDirectory:
+        """The directory for a daemon running in a pod, with its service account's token."""
+        host = os.environ.get("KUBERNETES_SERVICE_HOST")
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise KubeAPIError(None, "not in a cluster: KUBERNETES_SERVICE_HOST is not set")
+        if ":" in host:
+            host = f"[{host}]"
+        return cls(f"https://{host}:{port}", node_name, f"{SERVICE_ACCOUNT_DIR}/token",
+                   f"{SERVICE_ACCOUNT_DIR}/ca.crt", **kwargs)
+
+    # --- the reader's side
+
+    @property
+    def ready(self) -> bool:
+        """Has the first LIST been done?"""
+        return self._ready.is_set()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self._ready.wait(timeout_s)
+
+    def get(self, pod_uid: str, wait_s: float = 0.0) -> PodInfo | None:
+        """The pod, if it is on this node and not deleted. A pod not seen yet is waited for
+        up to ``wait_s``; a deleted (or terminating, or finished) one is None at once."""
+        deadline = time.monotonic() + wait_s
+        with self._changed:
+            while True:
+                if pod_uid in self._deleted:
+                    return None
+                if (info := self._pods.get(pod_uid)) is not None:
+                    return info
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopping.is_set():
+                    return None
+                self._changed.wait(left)
+
+    def deleted(self, pod_uid: str) -> bool:
+        """Was the pod seen deleted, terminating or finished? (Forgotten after
+        ``remember_deleted`` more deletions; it is then unknown, which is refused too.)"""
+        with self._changed:
+            return pod_uid in self._deleted
+
+    def pods(self) -> list[PodInfo]:
+        with self._changed:
+            return list(self._pods.values())
+
+    # --- the thread
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="jaild-pods", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping.set()
+        with self._conn_lock:
+            conn = self._conn
+            if conn is not None and conn.sock is not None:
+                with contextlib.suppress(OSError):
+                    conn.sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked read
+        with self._changed:
+            self._changed.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        delay = self._backoff_s[0]
+        need_list = True
+        while not self._stopping.is_set():
+            try:
+                try:
+                    if need_list:
+                        self._list()
+                        need_list = False
+                    self._watch()
+                    delay = self._backoff_s[0]
+                finally:
+                    self.live = False
+                    self._close()
+            except _Gone:
+                need_list = True
+            except Exception as e:  # the thread must outlive any answer
+                if self._stopping.is_set():
+                    break
+                self.last_error = f"{type(e).__name__}: {e}"
+                log.warning("pods: %s (retrying in %.1f s)", self.last_error, delay)
+                self._stopping.wait(delay * random.uniform(0.8, 1.2))
+                delay = min(delay * 2, self._backoff_s[1])
+
+    def _request(self, path: str, timeout_s: float) -> http.client.HTTPResponse:
+        conn: http.client.HTTPConnection
+        if self._https:
+            context = ssl.create_default_context(cafile=self.ca_file)
+            conn = http.client.HTTPSConnection(self._host, self._port, timeout=_CONNECT_S,
+                                               context=context)
+        else:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=_CONNECT_S)
+        with self._conn_lock:  # so that stop() either sees this connection or stops it
+            if self._stopping.is_set():
+                raise OSError("stopping")
+            self._conn = conn
+            conn.connect()
+        assert conn.sock is not None
+        conn.sock.settimeout(timeout_s)
+        headers = {"Accept": "application/json"}
+        if self.token_file is not None:
+            with open(self.token_file) as f:
+                headers["Authorization"] = f"Bearer {f.read().strip()}"
+        conn.request("GET", path, headers=headers)
+        response = conn.getresponse()
+        if response.status != 200:
+            body = response.read(1 << 16)
+            if response.status == 410:
+                raise _Gone()
+            raise KubeAPIError(response.status, _status_message(body) or response.reason)
+        self.last_error = None
+        return response
+
+    def _close(self) -> None:
+        with self._conn_lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def _path(self, **params: str) -> str:
+        query = {"fieldSelector": f"spec.nodeName={self.node_name}", **params}
+        return "/api/v1/pods?" + urllib.parse.urlencode(query)
+
+    def _list(self) -> None:
+        response = self._request(self._path(), 60)
+        body = response.read(_MAX_LIST_BYTES + 1)
+        if len(body) > _MAX_LIST_BYTES:
+            raise ValueError("the pod list is too large")
+        listed = json.loads(body)
+        rv = listed["metadata"]["resourceVersion"]
+        pods, ended = {}, []
+        for obj in listed.get("items") or []:
+            if (pod := _pod(obj)) is None or pod[0].node != self.node_name:
+                continue
+            if pod[1]:
+                ended.append(pod[0].uid)
+            else:
+                pods[pod[0].uid] = pod[0]
+        with self._changed:
+            # what we held and the list lacks was deleted while we were not watching
+            ended += [uid for uid in self._pods if uid not in pods]
+            self._pods = {uid: p for uid, p in pods.items() if uid not in self._deleted}
+            for uid in ended:
+                self._forget(uid)
+            self._rv = str(rv)
+            self.lists += 1
+            self._ready.set()
+            self._changed.notify_all()
+
+    def _watch(self) -> None:
+        path = self._path(watch="1", resourceVersion=self._rv, allowWatchBookmarks="true",
+                          timeoutSeconds=str(self._watch_timeout_s))
+        response = self._request(path, self._watch_timeout_s + 30)
+        self.live = True
+        while not self._stopping.is_set():
+            line = response.readline(_MAX_EVENT_BYTES)
+            if not line:
+                return  # the server ended the watch: watch again from where we are
+            if not line.endswith(b"\n"):
+                raise ValueError("a watch event is too large or cut short")
+            self._event(json.loads(line))
+
+    def _event(self, event: Any) -> None:
+        kind, obj = event.get("type"), event.get("object") or {}
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise _Gone()
+            raise KubeAPIError(obj.get("code"), obj.get("message") or "a watch error")
+        with self._changed:
+            rv = (obj.get("metadata") or {}).get("resourceVersion")
+            if isinstance(rv, str) and rv:
+                self._rv = rv
+            if kind not in ("ADDED", "MODIFIED", "DELETED"):
+                return  # BOOKMARK: only its resourceVersion
+            if (pod := _pod(obj)) is None:
+                log.warning("pods: a malformed pod in a %s event, ignored", kind)
+                return
+            info, ended = pod
+            if kind == "DELETED" or ended:
+                self._forget(info.uid)
+            elif info.uid not in self._deleted and info.node == self.node_name:
+                self._pods[info.uid] = info
+            self._changed.notify_all()
+
+    def _forget(self, uid: str) -> None:
+        self._pods.pop(uid, None)
+        self._deleted[uid] = None
+        self._deleted.move_to_end(uid)
+        while len(self._deleted) > self._remember_deleted:
+            self._deleted.popitem(last=False)
+
+
+def _status_message(body: bytes) -> str:
+    with contextlib.suppress(ValueError, AttributeError):
+        message = json.loads(body).get("message")
+        if isinstance(message, str):
+            return message
+    return ""
+
+
+__all__ = [
+    "SO_PEERPIDFD", "KubeAPIError", "PeerUnverified", "PodDirectory", "PodInfo", "PodRef",
+    "in_kubepods", "peer_cgroup", "peer_inode", "pod_of_cgroup", "pod_of_path",
+]
