@@ -65,8 +65,9 @@ log = logging.getLogger("jaild")
 # --- which pod a cgroup path names (pure) ------------------------------------------------
 
 _HEX = "[0-9a-f]"
-_UID = f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}"
-_UID_SYSTEMD = _UID.replace("-", "_")
+_UID = "{0}{{8}}{1}{0}{{4}}{1}{0}{{4}}{1}{0}{{4}}{1}{0}{{12}}"
+_UID_SYSTEMD = _UID.format(_HEX, "_")  # systemd's unit names have no dashes to spare
+_UID = _UID.format(_HEX, "-")
 _CID = f"{_HEX}{{64}}"
 _RUNTIME = "(?:cri-containerd|crio|docker)"
 _QOS = "(?:burstable|besteffort)"
@@ -182,8 +183,9 @@ def pod_of_cgroup(proc_cgroup: str) -> PodRef | None:
         if hierarchy in hierarchies:
             return None
         hierarchies.add(hierarchy)
-        v2 = hierarchy == "0" and controllers == ""
-        if v2 or _PLACING_CONTROLLERS & set(controllers.split(",")):
+        if (hierarchy == "0") != (controllers == ""):
+            return None  # only cgroup v2's line is hierarchy 0, and it alone names nothing
+        if hierarchy == "0" or _PLACING_CONTROLLERS & set(controllers.split(",")):
             ref = pod_of_path(path)
             if ref is not None:
                 found.add(ref)
@@ -420,6 +422,7 @@ class PodDirectory:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: http.client.HTTPConnection | None = None
+        self._response: http.client.HTTPResponse | None = None
         self._conn_lock = threading.Lock()
         self.last_error: str | None = None
         """The error since the last good answer from the API; None while all is well."""
@@ -470,6 +473,12 @@ class PodDirectory:
         ``remember_deleted`` more deletions; it is then unknown, which is refused too.)"""
         with self._changed:
             return pod_uid in self._deleted
+
+    @property
+    def resource_version(self) -> str:
+        """Where the watch is (the last event's or bookmark's resourceVersion)."""
+        with self._changed:
+            return self._rv
 
     def pods(self) -> list[PodInfo]:
         with self._changed:
@@ -522,6 +531,7 @@ class PodDirectory:
                 delay = min(delay * 2, self._backoff_s[1])
 
     def _request(self, path: str, timeout_s: float) -> http.client.HTTPResponse:
+        self._close()  # one request per connection
         conn: http.client.HTTPConnection
         if self._https:
             context = ssl.create_default_context(cafile=self.ca_file)
@@ -541,7 +551,7 @@ class PodDirectory:
             with open(self.token_file) as f:
                 headers["Authorization"] = f"Bearer {f.read().strip()}"
         conn.request("GET", path, headers=headers)
-        response = conn.getresponse()
+        response = self._response = conn.getresponse()
         if response.status != 200:
             body = response.read(1 << 16)
             if response.status == 410:
@@ -553,6 +563,9 @@ class PodDirectory:
     def _close(self) -> None:
         with self._conn_lock:
             conn, self._conn = self._conn, None
+            response, self._response = self._response, None
+        if response is not None:
+            response.close()  # it may own the socket (a response that closes the connection)
         if conn is not None:
             conn.close()
 
