@@ -70,8 +70,8 @@ class FakeKubeAPI:
             context.load_cert_chain(*tls)
             self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
             self.scheme = "https"
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True,
-                                        name="fake-kube-api")
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
+                                        daemon=True, name="fake-kube-api")
         self._thread.start()
 
     @property

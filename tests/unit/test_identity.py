@@ -236,9 +236,9 @@ def token_file(tmp_path: Path) -> Path:
     return path
 
 
-def directory(api: FakeKubeAPI, token_file: Path, tmp_path: Path, **kw: object) -> PodDirectory:
+def directory(api: FakeKubeAPI, token_file: Path, tmp_path: Path) -> PodDirectory:
     ca = str(tmp_path / "ca.pem") if api.scheme == "https" else None
-    return PodDirectory(api.url, NODE, str(token_file), ca, backoff_s=(0.01, 0.2), **kw)  # type: ignore[arg-type]
+    return PodDirectory(api.url, NODE, str(token_file), ca, backoff_s=(0.01, 0.2))
 
 
 @pytest.fixture
