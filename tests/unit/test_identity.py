@@ -335,12 +335,17 @@ def test_gone_lists_again(api: FakeKubeAPI, pods: PodDirectory) -> None:
     until(lambda: api.lists == 2, "the re-list", WAIT)
     until(lambda: api.watches == 2, "the watch after it", WAIT)
     assert api.watch_versions[-1] == api.resource_version
-    # deleted while the history was lost: the re-list shows it gone
+    # deleted while the directory could not watch, and the history lost meanwhile: only
+    # the re-list can tell, by the pod it no longer lists
+    api.token = "locked-out"
     api.close_watches(abrupt=True)
+    until(lambda: api.unauthorized >= 1, "a refused reconnection", WAIT)
     api.delete_pod(UID)
     api.expire()
-    until(lambda: pods.deleted(UID), "the deletion seen by a re-list", WAIT)
-    assert api.lists >= 3
+    assert not pods.deleted(UID)
+    api.token = TOKEN
+    until(lambda: pods.deleted(UID), "the deletion seen by the re-list", WAIT)
+    assert api.lists == 3 and pods.get(UID) is None
 
 
 def test_a_dropped_watch_reconnects(api: FakeKubeAPI, pods: PodDirectory) -> None:
