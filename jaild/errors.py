@@ -359,6 +359,29 @@ class McpServerError(Exception):
     """An MCP server could not answer a call (not connected, gone, protocol error)."""
 
 
+class PeerUnverified(Exception):
+    """(Daemon side, pods as tenants.) The connecting process could not be tied to its
+    cgroup; :attr:`reason` says why (it exited, its pid is not the one that holds the
+    connection, ...). The client is refused ``permission_denied``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class KubeAPIError(Exception):
+    """(Daemon side.) The Kubernetes API answered with an error (``status``: its HTTP status
+    or Status code), or cannot be reached."""
+
+    def __init__(self, status: int | None, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}" if status else message)
+        self.status = status
+
+
+class KubeAPIGone(KubeAPIError):
+    """(Daemon side.) A watch's resourceVersion is too old (410 Gone): list again."""
+
+
 class EnvError(Exception):
     """``jaild env`` could not do what was asked; the message says why and what to do."""
 

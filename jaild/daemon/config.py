@@ -24,9 +24,11 @@ from jaild.address import DEFAULT_SOCKET as DEFAULT_SOCKET
 from jaild.address import socket_from_env as socket_from_env
 from jaild.daemon.jails.cgroups import memory_limit_mb
 from jaild.errors import PolicyError
-from jaild.policy.schema import between, load_section, setting, toml_value, type_label
+from jaild.policy.schema import between, choice, load_section, setting, toml_value, type_label
 
 DEFAULT_CONFIG = "/etc/jaild/jaild.toml"
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+"""Where Kubernetes mounts a pod's service account token and the cluster's CA."""
 SYSTEM_POLICIES = "/etc/jaild/policies"
 DEFAULT_STATE_DIR = "/var/lib/jaild"
 SOURCE_POLICIES = Path(__file__).resolve().parents[2] / "policies"
@@ -164,6 +166,46 @@ class AccessFile:
     """``[access]`` -- who may connect at all (each policy may narrow it further)."""
 
     users: tuple[str, ...] = setting(("*",), 'Peers allowed: "*", user names, uids, "@group".')
+    identity: str = setting(
+        "uid",
+        'Whom a client is served as (its tenant: shares, zygotes, audit, ps, stats): "uid", '
+        'its uid; "kubernetes", its pod, read from the cgroup the kubelet put the client in '
+        "(the daemon must see the clients' pids: the host's pid namespace).",
+        choice("uid", "kubernetes"),
+    )
+    outside_pods: str = setting(
+        "refuse",
+        'With identity "kubernetes": a client in no pod\'s cgroup (a process on the node '
+        'itself) is refused ("refuse") or served as its uid ("uid").',
+        choice("refuse", "uid"),
+    )
+    kubernetes_api: str = setting(
+        "",
+        'With identity "kubernetes": where the pods\' namespaces and service accounts come '
+        'from: "" the API server of the cluster the daemon runs in (its service account); '
+        'a URL ("https://host:6443"); or "none": pods known by their uid alone.',
+    )
+    kubernetes_token_file: str = setting(
+        SERVICE_ACCOUNT + "/token",
+        "The bearer token for `kubernetes_api` (re-read at each reconnect); \"\": none.",
+        _absolute,
+    )
+    kubernetes_ca_file: str = setting(
+        SERVICE_ACCOUNT + "/ca.crt",
+        "The CA bundle that signs the API server's certificate; \"\": the system's.",
+        _absolute,
+    )
+    node_name: str = setting(
+        "",
+        "The node whose pods the daemon watches; \"\": $JAILD_NODE_NAME (the DaemonSet sets "
+        "it from spec.nodeName), else the host name.",
+    )
+    pod_wait_s: float = setting(
+        2.0,
+        "How long a client of a pod the daemon's watch has not seen yet waits for it before "
+        "it is refused.",
+        between(0.0, 60.0),
+    )
 
 
 @dataclass(frozen=True)
@@ -321,6 +363,13 @@ class DaemonConfig:
     metrics_address: str | None = None  # "host:port" of the Prometheus endpoint; None: off
     metrics_tool_labels: bool = False  # tool names as metric labels (every client's)
     allowed_users: tuple[str, ...] = ("*",)
+    identity: str = "uid"  # "uid" or "kubernetes": see AccessFile
+    outside_pods: str = "refuse"
+    kubernetes_api: str = ""
+    kubernetes_token_file: str = SERVICE_ACCOUNT + "/token"
+    kubernetes_ca_file: str = SERVICE_ACCOUNT + "/ca.crt"
+    node_name: str = ""
+    pod_wait_s: float = 2.0
     max_jobs: int = 512
     max_jobs_per_connection: int = 256
     max_connections: int = 1024
@@ -379,6 +428,7 @@ class DaemonConfig:
                 egress_secrets=d.egress_secrets or None,
                 egress_upstream_ca=d.egress_upstream_ca or None,
                 allowed_users=a.users,
+                **{k: v for k, v in dataclasses.asdict(a).items() if k != "users"},
                 **dataclasses.asdict(lim),
             )
         else:

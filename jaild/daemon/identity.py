@@ -73,6 +73,8 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from jaild.errors import KubeAPIError, KubeAPIGone, PeerUnverified
+
 log = logging.getLogger("jaild")
 
 # --- which pod a cgroup path names (pure) ------------------------------------------------
@@ -233,14 +235,6 @@ _UNIX_DIAG_MSG = struct.Struct("=BBBBIII")  # family, type, state, pad, ino, coo
 _NLATTR = struct.Struct("=HH")
 
 
-class PeerUnverified(Exception):
-    """The connecting process could not be tied to its cgroup; :attr:`reason` says why."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
 def _exited(pid: int) -> PeerUnverified:
     return PeerUnverified(f"the connecting process (pid {pid}) has exited")
 
@@ -379,18 +373,6 @@ class PodInfo:
     service_account: str
     node: str
     phase: str
-
-
-class KubeAPIError(Exception):
-    """The API answered with an error (``status``: its HTTP status or Status code)."""
-
-    def __init__(self, status: int | None, message: str) -> None:
-        super().__init__(f"HTTP {status}: {message}" if status else message)
-        self.status = status
-
-
-class _Gone(Exception):
-    """The watch's resourceVersion is too old (410): list again."""
 
 
 def _pod(obj: Any) -> tuple[PodInfo, bool] | None:
@@ -534,7 +516,7 @@ class PodDirectory:
                 finally:
                     self.live = False
                     self._close()
-            except _Gone:
+            except KubeAPIGone:
                 need_list = True
             except Exception as e:  # the thread must outlive any answer
                 if self._stopping.is_set():
@@ -569,7 +551,7 @@ class PodDirectory:
         if response.status != 200:
             body = response.read(1 << 16)
             if response.status == 410:
-                raise _Gone()
+                raise KubeAPIGone(410, "the watch's resourceVersion is too old")
             raise KubeAPIError(response.status, _status_message(body) or response.reason)
         self.last_error = None
         return response
@@ -630,7 +612,7 @@ class PodDirectory:
         kind, obj = event.get("type"), event.get("object") or {}
         if kind == "ERROR":
             if obj.get("code") == 410:
-                raise _Gone()
+                raise KubeAPIGone(410, "the watch's resourceVersion is too old")
             raise KubeAPIError(obj.get("code"), obj.get("message") or "a watch error")
         with self._changed:
             rv = (obj.get("metadata") or {}).get("resourceVersion")

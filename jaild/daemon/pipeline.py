@@ -104,8 +104,8 @@ class Pipeline:
         try:
             if req.session_id is None:
                 admitted = admission.admit_job(self.catalog(), client.peer, req)
-                check_room(registry, self.config, client.peer.uid, admitted.limits.memory_mb,
-                           registry.job_count(client))
+                check_room(registry, self.config, client.peer.principal,
+                           admitted.limits.memory_mb, registry.job_count(client))
             else:
                 sess = self.sessions.runnable(client, req.session_id)
                 admitted = admission.admit_session_run(sess.terms, sess.id, req)
@@ -120,7 +120,7 @@ class Pipeline:
         assert env is not None
         placed = placement.place(
             admitted, job_id, client.call_tool, client.output, env, self.served.pools, sess,
-            tenant=client.peer.uid, trace=trace,
+            tenant=client.peer.principal.key, trace=trace,
         )
         if sess is not None:
             self.sessions.run_started(sess, placed.job_id)
@@ -168,7 +168,7 @@ class Pipeline:
         """A job's record: audited, accounted and counted."""
         observers = self.observers
         observers.audit.job(client.peer, record)
-        observers.accounting.job(client.peer.uid, record, uploaded, downloaded)
+        observers.accounting.job(client.peer.principal, record, uploaded, downloaded)
         observers.metrics.job_finished(record, client.peer.uid)
 
     def reap_orphans(self) -> list[int]:

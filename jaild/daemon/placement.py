@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from jaild.daemon.core.admission import AdmittedJob
+from jaild.daemon.core.peer import Tenant
 from jaild.daemon.jails.job import JailedJob, JailEnvironment, JobSpec, OutputSink, ToolRouter
 from jaild.daemon.jails.pool import JailPool, poolable
 from jaild.protocol.records import JobRecord
@@ -76,7 +77,7 @@ class Placed:
         return record, self.jail.result, self.jail.downloads
 
 
-def _spec(job: AdmittedJob, job_id: str, tenant: int | None, keep: bool = False) -> JobSpec:
+def _spec(job: AdmittedJob, job_id: str, tenant: Tenant | None, keep: bool = False) -> JobSpec:
     return JobSpec(
         job_id=job_id,
         policy=job.policy,
@@ -95,7 +96,7 @@ def place(
     env: JailEnvironment,
     pools: Mapping[str, JailPool],
     session: JailSession | None = None,
-    tenant: int | None = None,
+    tenant: Tenant | None = None,
     trace: JobTrace | None = None,
 ) -> Placed:
     """The jail for an admitted run (see the table above). A pooled jail is given its

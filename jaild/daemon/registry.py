@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from jaild.daemon.core import admission
-from jaild.daemon.core.peer import Peer
+from jaild.daemon.core.peer import Peer, Tenant
 from jaild.daemon.core.records import with_session
 from jaild.daemon.jails.job import CallReply, JailedJob
 from jaild.errors import Busy, JaildError, SessionClosed
@@ -164,6 +164,7 @@ class JailSession:
             "kind": "session",
             "policy": self.policy.name,
             "uid": owner.uid,
+            "pod": owner.principal.pod,
             "client_pid": owner.pid,
             "state": "starting"
             if self.life_timer is None
@@ -223,16 +224,17 @@ class Registry:
             return len(self._jobs)
         return sum(1 for j in self._jobs.values() if j.owner is owner)
 
-    def held(self, uid: int | None = None) -> admission.Held:
-        """The jails held (of connections of ``uid``) and their memory limits: one-shot
-        jobs running and sessions open; a session's run is its session's jail."""
+    def held(self, tenant: Tenant | None = None) -> admission.Held:
+        """The jails held (of connections of the principal ``tenant``) and their memory
+        limits: one-shot jobs running and sessions open; a session's run is its session's
+        jail."""
         jails = memory = 0
         for live in self._jobs.values():
-            if live.session is None and (uid is None or live.owner.peer.uid == uid):
+            if live.session is None and (tenant is None or live.owner.peer.principal.key == tenant):
                 jails += 1
                 memory += live.memory_mb
         for sess in self._sessions.values():
-            if uid is None or sess.owner.peer.uid == uid:
+            if tenant is None or sess.owner.peer.principal.key == tenant:
                 jails += 1
                 memory += sess.terms.jail_limits.memory_mb
         return admission.Held(jails, memory)
@@ -261,11 +263,11 @@ class Registry:
     def sessions(self, owner: ClientConnection | None = None) -> list[JailSession]:
         return [s for s in self._sessions.values() if owner is None or s.owner is owner]
 
-    def session_count(self, uid: int | None = None) -> int:
-        """Open sessions (of connections of ``uid``)."""
-        if uid is None:
+    def session_count(self, tenant: Tenant | None = None) -> int:
+        """Open sessions (of connections of the principal ``tenant``)."""
+        if tenant is None:
             return len(self._sessions)
-        return sum(1 for s in self._sessions.values() if s.owner.peer.uid == uid)
+        return sum(1 for s in self._sessions.values() if s.owner.peer.principal.key == tenant)
 
     @contextlib.asynccontextmanager
     async def retiring(self) -> AsyncIterator[None]:

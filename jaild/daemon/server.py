@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import socket
@@ -71,7 +72,7 @@ from jaild import __version__
 from jaild.daemon import sched, startup, systemd
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
-from jaild.daemon.core.peer import Peer
+from jaild.daemon.core.peer import Peer, Principal, Tenant
 from jaild.daemon.jails.job import CallReply, JailedJob, JailEnvironment
 from jaild.daemon.jails.pool import JailPool
 from jaild.daemon.observe import Observers
@@ -79,6 +80,7 @@ from jaild.daemon.observe.accounting import Accounting
 from jaild.daemon.observe.audit import AuditLog
 from jaild.daemon.observe.metrics import Metrics
 from jaild.daemon.pipeline import Pipeline
+from jaild.daemon.principals import Principals, principals
 from jaild.daemon.registry import JailSession, Registry
 from jaild.daemon.selftest import Check
 from jaild.daemon.sessions import Sessions
@@ -191,6 +193,7 @@ class ServedConnection(asyncio.Protocol):
         self._frame_timer: asyncio.TimerHandle | None = None
         self._write_paused = False  # the transport's buffer is over its high-water mark
         self._reading_paused = False  # ... and past WRITE_BUFFER_HIGH: requests wait
+        self._unadmitted: list[bytes] | None = None  # read before it was admitted (hold())
         self._drain_waiters: list[asyncio.Future[None]] = []
 
     @property
@@ -215,6 +218,11 @@ class ServedConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
+            return
+        if self._unadmitted is not None:  # not admitted yet: whom it is from is being found
+            self._unadmitted.append(data)
+            if sum(map(len, self._unadmitted)) > HANDSHAKE_FRAME_BYTES and self.transport:
+                self.transport.pause_reading()  # the rest waits in the kernel
             return
         if self._linger is not None:  # refused: its Hello is read and dropped
             self._linger -= len(data)
@@ -319,7 +327,7 @@ class ServedConnection(asyncio.Protocol):
         grew, self._frame_held = now - self._frame_held, now
         if grew == 0:
             return
-        uid = self.peer.uid
+        uid = self.peer.principal.key
         totals = self.daemon.frame_bytes
         totals[uid] += grew
         if not totals[uid]:
@@ -327,7 +335,8 @@ class ServedConnection(asyncio.Protocol):
         limit = self.daemon.config.frame_bytes_per_uid
         if grew > 0 and totals[uid] > limit:
             raise FrameTooLarge(
-                f"uid {uid} has {totals[uid]} bytes of unfinished frames on its connections, "
+                f"{self.peer.principal} has {totals[uid]} bytes of unfinished frames on its "
+                "connections, "
                 f"over its limit (limits.max_frame_bytes_per_uid {limit})"
             )
 
@@ -406,6 +415,19 @@ class ServedConnection(asyncio.Protocol):
             work.close()
             raise RuntimeError("the connection is not serving")
 
+    def hold(self) -> None:
+        """Keep what arrives until :meth:`release` (the daemon is finding out whom the
+        connection is from: nothing it sends may be acted on before)."""
+        self._unadmitted = []
+
+    def release(self) -> None:
+        """Admitted or refused: what was held is read now, as if it had just arrived."""
+        held, self._unadmitted = self._unadmitted or [], None
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+        for data in held:
+            self.data_received(data)
+
     def converse(self) -> None:
         """Admitted: the conversation begins (``Hello`` is due within
         ``handshake_timeout_s``)."""
@@ -464,9 +486,10 @@ class ServedConnection(asyncio.Protocol):
             if timer is not None:
                 timer.cancel()
         if self._frame_held:  # what its unfinished frame held is free again
-            daemon.frame_bytes[self.peer.uid] -= self._frame_held
-            if not daemon.frame_bytes[self.peer.uid]:
-                del daemon.frame_bytes[self.peer.uid]
+            key = self.peer.principal.key
+            daemon.frame_bytes[key] -= self._frame_held
+            if not daemon.frame_bytes[key]:
+                del daemon.frame_bytes[key]
             self._frame_held = 0
         daemon.registry.disconnect(self)
         calls, self.pending_calls = self.pending_calls, {}
@@ -539,8 +562,8 @@ class ServedConnection(asyncio.Protocol):
             else:
                 self.send(Killed(ref=msg.ref, id=msg.id, kind=kind))
         elif isinstance(msg, GetStats):
-            uid = None if self.peer.uid == 0 else self.peer.uid
-            self.send(Stats(ref=msg.ref, stats=DaemonStats.from_wire(daemon.stats_wire(uid))))
+            who = None if self.peer.principal.admin else self.peer.principal
+            self.send(Stats(ref=msg.ref, stats=DaemonStats.from_wire(daemon.stats_wire(who))))
         elif isinstance(msg, ListPolicies):
             policies = tuple(map(PolicyEntry.from_wire, daemon.list_policies(self.peer)))
             self.send(PolicyList(ref=msg.ref, policies=policies))
@@ -636,8 +659,8 @@ class Daemon:
                                  self.catalog)
         self.pipeline = Pipeline(config, self.registry, self.sessions, self.served,
                                  self.observers, self.catalog, reap_orphans=reap_orphans)
-        self._lingering: Counter[int] = Counter()  # refused connections still open, by uid
-        self.frame_bytes: Counter[int] = Counter()  # unfinished frames' bytes, by uid
+        self._lingering: Counter[Tenant] = Counter()  # refused connections open, by principal
+        self.frame_bytes: Counter[Tenant] = Counter()  # unfinished frames' bytes, by principal
         self._stopping = False
         self._draining: float | None = None  # draining for this long (drain())
         self._stopped = asyncio.Event()
@@ -647,6 +670,8 @@ class Daemon:
         self.connections: asyncio.TaskGroup | None = None
         self._holder: asyncio.Task[None] | None = None
         self._stopped_accepting = asyncio.Event()
+        # Whom clients are served as, where it is not their uid (access.identity): at start
+        self.principals: Principals | None = None
 
     # What is told of it (see :class:`~jaild.daemon.observe.Observers`).
 
@@ -708,6 +733,9 @@ class Daemon:
         ready: asyncio.Future[None] = loop.create_future()
         self._holder = loop.create_task(self._hold_connections(ready), name="jaild connections")
         await ready
+        self.principals = principals(self.config)  # StartupError: the API cannot be named
+        if self.principals is not None:  # the pod watch catches up while the jails start
+            self.principals.start()
         await startup.start(
             self.config, self.served, self.metrics, self._tool_called, self.protocol,
             only_policies, on_egress=self._egress_request,
@@ -723,18 +751,50 @@ class Daemon:
 
     def connected(self, session: ServedConnection) -> None:
         """A connection was accepted and its peer is known: admit it and let it converse,
-        or refuse it (before it has sent a byte)."""
+        or refuse it (before it has sent a byte). Where clients are served as their pods,
+        their principal is resolved first, off the event loop (nothing they send is read
+        meanwhile)."""
         scope = self.connections
         if self._stopping or scope is None:
             session.close()
             return
-        refusal = self.admit(session)
+        if self.principals is not None and session.transport is not None:
+            session.hold()
+            scope.create_task(self._identified(session, self.principals, session.transport))
+            return
+        self._admitted(session, self.admit(session))
+
+    async def _identified(
+        self, session: ServedConnection, resolver: Principals, transport: asyncio.Transport
+    ) -> None:
+        """Resolve the connection's principal (its pod), then admit it or refuse it."""
+        sock = transport.get_extra_info("socket")
+        refusal: JaildError | None = None
+        try:
+            principal = await asyncio.to_thread(resolver.resolve, sock, session.peer)
+        except JaildError as exc:
+            refusal = exc
+        except Exception as exc:  # a bug here refuses this client only
+            log.exception("resolving the principal of %s failed", session.who)
+            refusal = InternalError(f"cannot tell whom the connection is from: {exc}")
+        else:
+            session.peer = dataclasses.replace(session.peer, principal=principal)
+        if session.closed or self._stopping:
+            session.close()
+            return
+        self._admitted(session, refusal or self.admit(session))
+        session.release()
+
+    def _admitted(self, session: ServedConnection, refusal: JaildError | None) -> None:
+        """Let an admitted connection converse; refuse the other at the door."""
+        scope = self.connections
+        assert scope is not None
         if refusal is None:
             self.registry.connect(session)  # it counts from now on, Hello or not
             session.converse()
             scope.create_task(self._serve(session))
             return
-        uid = session.peer.uid
+        uid = session.peer.principal.key
         if self.refused(session.peer, refusal.code, refusal.message):
             log.warning("refused connection from %s: %s", session.who, refusal.message)
         linger = (
@@ -753,7 +813,7 @@ class Daemon:
         except Exception:
             log.exception("connection of %s failed inside jaild", session.who)
 
-    async def _lingered(self, session: ServedConnection, uid: int) -> None:
+    async def _lingered(self, session: ServedConnection, uid: Tenant) -> None:
         try:
             await session.finished()
         finally:
@@ -820,6 +880,8 @@ class Daemon:
             self._holder.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._holder
+        if self.principals is not None:
+            self.principals.stop()
         self.audit.close()
         self.metrics.stop()
         await self.metrics.wait_closed()
@@ -881,7 +943,7 @@ class Daemon:
                 **p.summary(),
                 "available": p.name not in self.unavailable,
                 "problems": self.unavailable.get(p.name, ""),
-                "pool": self.pool_summary(p, jails=peer.uid == 0),
+                "pool": self.pool_summary(p, jails=peer.principal.admin),
             }
             for p in self.policies.values()
             if admission.policy_allows(p, peer)
@@ -890,12 +952,14 @@ class Daemon:
     # ------------------------------------------------------------------ ps, kill, stats
 
     def list_jobs(self, peer: Peer) -> list[dict[str, Any]]:
-        """Running jobs and open sessions: all of them for root, else the peer's own."""
+        """Running jobs and open sessions: all of them for root (on the host), else the
+        peer's principal's own (its uid's, or its pod's)."""
         now = time.time()
         out: list[dict[str, Any]] = []
+        mine = peer.principal.key
         for live in self.registry.jobs():
             job, owner = live.jail, live.owner.peer
-            if peer.uid != 0 and owner.uid != peer.uid:
+            if not peer.principal.admin and owner.principal.key != mine:
                 continue
             out.append(
                 {
@@ -903,6 +967,7 @@ class Daemon:
                     "kind": "job",
                     "policy": job.spec.policy.name,
                     "uid": owner.uid,
+                    "pod": owner.principal.pod,
                     "client_pid": owner.pid,
                     "state": "running" if job.alive else "starting",
                     "age_s": round(max(0.0, now - live.started), 3),  # the wall clock may step back
@@ -913,7 +978,7 @@ class Daemon:
         out.extend(
             sess.ps_row(now)
             for sess in self.registry.sessions()
-            if peer.uid == 0 or sess.owner.peer.uid == peer.uid
+            if peer.principal.admin or sess.owner.peer.principal.key == mine
         )
         return out
 
@@ -922,9 +987,11 @@ class Daemon:
         sess = self.registry.session(ident)
         live = self.registry.job(ident)
         owner = sess.owner if sess is not None else (live.owner if live is not None else None)
-        if owner is None or (peer.uid != 0 and owner.peer.uid != peer.uid):
-            raise UnknownJob(f"no running job or open session {ident} of uid {peer.uid}")
-        why = f"killed by uid {peer.uid} (jaild kill)"
+        if owner is None or (
+            not peer.principal.admin and owner.peer.principal.key != peer.principal.key
+        ):
+            raise UnknownJob(f"no running job or open session {ident} of {peer.principal}")
+        why = f"killed by {peer.principal} (jaild kill)"
         self.audit.killed(peer, ident)
         if sess is not None:
             self.close_session(sess, "killed", why)
@@ -933,8 +1000,8 @@ class Daemon:
         live.jail.cancel(why)
         return "job"
 
-    def stats_wire(self, uid: int | None) -> dict[str, Any]:
-        stats = self.accounting.to_wire(uid)
+    def stats_wire(self, who: Principal | None) -> dict[str, Any]:
+        stats = self.accounting.to_wire(who)
         stats["running"] = {
             "jobs": self.registry.job_count(),
             "sessions": self.registry.session_count(),
@@ -942,7 +1009,7 @@ class Daemon:
         }
         stats["pools"] = self.served.pool_summaries()
         stats["metrics"] = self.metrics.summary()
-        if uid is not None:  # other users' tool names and counts are theirs
+        if who is not None:  # other users' tool names and counts are theirs
             for key in ("tool_calls", "tool_latency"):
                 stats["metrics"].pop(key, None)
         return stats

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
+from jaild.daemon.core.peer import Principal
 from jaild.daemon.jails.job import JailedJob, JobSpec
 from jaild.daemon.observe import Observers
 from jaild.daemon.registry import ClientConnection, JailSession, Registry
@@ -65,10 +66,10 @@ def capacity(config: DaemonConfig) -> admission.Capacity:
 
 
 def check_room(
-    registry: Registry, config: DaemonConfig, uid: int, memory_mb: int,
+    registry: Registry, config: DaemonConfig, who: Principal, memory_mb: int,
     on_connection: int | None = None,
 ) -> None:
-    """Room for one more jail of ``memory_mb`` for ``uid``
+    """Room for one more jail of ``memory_mb`` for the principal ``who``
     (:func:`~jaild.daemon.core.admission.check_capacity` on what ``registry`` holds now).
 
     Raises:
@@ -76,10 +77,10 @@ def check_room(
     """
     load = admission.Load(
         daemon=registry.held(),
-        uid=registry.held(uid),
+        uid=registry.held(who.key),
         on_connection=on_connection,
     )
-    admission.check_capacity(uid, load, capacity(config), memory_mb)
+    admission.check_capacity(who, load, capacity(config), memory_mb)
 
 log = logging.getLogger("jaild")
 
@@ -124,10 +125,10 @@ class Sessions:
         trace = (
             tracing.session(req.traceparent, client.peer.uid, req.policy) if tracing.on else None
         )
-        mine = registry.session_count(client.peer.uid)
+        mine = registry.session_count(client.peer.principal.key)
         try:
             terms = admission.admit_session(self.catalog(), client.peer, req, mine)
-            check_room(registry, self.config, client.peer.uid, terms.jail_limits.memory_mb)
+            check_room(registry, self.config, client.peer.principal, terms.jail_limits.memory_mb)
         except JaildError as refusal:
             if trace is not None:
                 trace.ended(None, refusal.code)
@@ -138,7 +139,7 @@ class Sessions:
         spec = JobSpec(
             session_id, terms.policy, terms.jail_limits,
             JobDescription(code="", filename="<session>", tools=terms.tools), keep=True,
-            tenant=client.peer.uid,
+            tenant=client.peer.principal.key,
         )
         jail = JailedJob(spec, env, None, None, jail_id=session_id)
         sess = JailSession(session_id, client, terms, jail)
@@ -171,7 +172,7 @@ class Sessions:
         )
         sess.touch(self.close)
         client.start(self._watch(sess))
-        self.observers.accounting.session(client.peer.uid, sess.policy.name)
+        self.observers.accounting.session(client.peer.principal, sess.policy.name)
         self.observers.audit.session(client.peer, "opened", sess.id, sess.policy.name)
         client.send(
             SessionOpened(

@@ -50,6 +50,7 @@ from typing import Any
 from jaild import __version__, loops
 from jaild.daemon import systemd
 from jaild.daemon.config import DaemonConfig
+from jaild.daemon.core.peer import Tenant
 from jaild.daemon.egress.service import EgressService, certifi_bundles
 from jaild.daemon.egress.service import Observer as EgressObserver
 from jaild.daemon.jails.cgroups import Cgroups, detect
@@ -350,7 +351,7 @@ async def _start_zygotes(
     free_slots: list[int] = []
     next_slot = [len(served.policies)]
 
-    def make(policy: Policy, tenant: int | None) -> Zygote:
+    def make(policy: Policy, tenant: Tenant | None) -> Zygote:
         fd, index = fds[policy.name]
         own = tenant is None or tenant == env.zygotes.own_uid
         if not own:
@@ -369,7 +370,9 @@ async def _start_zygotes(
             launcher=env.launcher,
             seccomp_spec=env.seccomp_specs[policy.name],
             max_jobs=config.max_jobs,
-            label=f"zygote-{policy.name}" if own else f"zygote-{policy.name}-u{tenant}",
+            label=f"zygote-{policy.name}" if own else (
+                f"zygote-{policy.name}-u{tenant}" if isinstance(tenant, int)
+                else f"zygote-{policy.name}-{tenant}"),
         )
 
     def release(zygote: Zygote) -> None:
@@ -411,7 +414,7 @@ def _start_pools(served: Served) -> None:
         if policy.pool.max == 0 or name in served.unavailable or not policy.access.users:
             continue
 
-        def make(tenant: int | None, policy: Policy = policy) -> JailedJob:
+        def make(tenant: Tenant | None, policy: Policy = policy) -> JailedJob:
             # named for the job that will take it: its cgroup cannot be renamed (v2)
             jail_id = new_job_id()
             spec = JobSpec(jail_id, policy, policy.limits,

@@ -291,6 +291,17 @@ class Access:
     approve: tuple[str, ...] = setting(
         (), "Glob patterns of tools whose every call needs the client's approval callback."
     )
+    namespaces: tuple[str, ...] = setting(
+        ("*",),
+        "Glob patterns of the Kubernetes namespaces whose pods may run jobs, where pods are "
+        'the tenants (daemon `access.identity = "kubernetes"`); clients outside pods are '
+        "not in any and are judged by `users` alone.",
+    )
+    service_accounts: tuple[str, ...] = setting(
+        ("*",),
+        'Glob patterns of "namespace/name" of the service accounts whose pods may run jobs '
+        '(e.g. "agents/*"), where pods are the tenants.',
+    )
 
 
 def _module_names(names: tuple[str, ...]) -> str | None:
@@ -424,6 +435,13 @@ class Policy:
 
     def user_allowed(self, uid: int, gids: typing.Iterable[int]) -> bool:
         return user_matches(self.access.users, uid, gids)
+
+    def pod_allowed(self, namespace: str, service_account: str) -> bool:
+        """May a pod of ``namespace`` running as ``service_account`` use this policy?"""
+        account = f"{namespace}/{service_account}"
+        return any(fnmatch.fnmatchcase(namespace, p) for p in self.access.namespaces) and any(
+            fnmatch.fnmatchcase(account, p) for p in self.access.service_accounts
+        )
 
 
 def user_matches(entries: typing.Iterable[str], uid: int, gids: typing.Iterable[int]) -> bool:

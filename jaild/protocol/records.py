@@ -94,6 +94,9 @@ _seconds = number(0, MAX_SECONDS)
 _count = integer(0, MAX_REF)
 _short = string(64, min_len=1)
 _policy_name = string(64, min_len=1)
+_pod_name = string(317, min_len=2, pattern=r"([a-z0-9][a-z0-9.-]*)?/[a-z0-9][a-z0-9.-]*")
+"""A pod as "namespace/name" (a namespace is at most 63 characters, a name 253), or
+"/<pod uid>" for a pod known by its uid alone (the daemon has no access to the API)."""
 _job_id = string(64, min_len=1, pattern=JOB_ID)
 _session_id = string(64, min_len=5, pattern=SESSION_ID)
 
@@ -380,6 +383,8 @@ class JobEntry(Report):
     """What the jail uses now (nil before its cgroup exists, or if unknown)."""
     cpu_s: float | None = field(optional(_seconds), default=None)
     pids: int | None = field(optional(_count), default=None)
+    pod: str | None = field(optional(_pod_name), default=None)
+    """The owner's pod ("namespace/name"), where pods are the tenants; else nil."""
 
     def to_dict(self) -> dict[str, Any]:
         """The user's view: a job's fields or a session's, and the jail's use now once it
@@ -387,6 +392,8 @@ class JobEntry(Report):
         skip = self.SESSION_ONLY if self.kind == "job" else self.JOB_ONLY
         if self.pids is None:
             skip = skip | self.LIVE
+        if self.pod is None:
+            skip = skip | {"pod"}
         return {k: v for k, v in Report.to_dict(self).items() if k not in skip}
 
 
@@ -473,6 +480,10 @@ class DaemonStats(Report):
         map_of(string(10, min_len=1, pattern=r"[0-9]+"), nested(UsageTotals), 1 << 16)
     )
     """By uid (decimal string); only the caller's own unless the caller is root."""
+    pods: dict[str, UsageTotals] = field(map_of(_pod_name, nested(UsageTotals), 1 << 16))
+    """By pod ("namespace/name"), where pods are the tenants (the daemon's
+    ``access.identity = "kubernetes"``): only the caller's own pod unless the caller is root
+    on the daemon's host; a pod's jobs are in no uid's totals."""
     running: RunningCounts = field(nested(RunningCounts))
     pools: dict[str, PoolInfo] = field(map_of(_policy_name, nested(PoolInfo), 4096))
     metrics: dict[str, Any] = field(any_map())

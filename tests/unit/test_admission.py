@@ -11,7 +11,7 @@ import pytest
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
 from jaild.daemon.core.admission import Catalog, SessionTerms
-from jaild.daemon.core.peer import Peer
+from jaild.daemon.core.peer import Peer, Principal
 from jaild.errors import (
     BadRequest,
     Busy,
@@ -118,54 +118,54 @@ def load(daemon: tuple[int, int] = (0, 0), uid: tuple[int, int] = (0, 0),
 
 
 def test_capacity_admits_within_every_limit() -> None:
-    admission.check_capacity(1000, load((7, 896), (3, 384), 5), CAPS, 128)
-    admission.check_capacity(1000, load(), CAPS, 512)  # exactly the uid's share: allowed
+    admission.check_capacity(Principal.of_uid(1000), load((7, 896), (3, 384), 5), CAPS, 128)
+    admission.check_capacity(Principal.of_uid(1000), load(), CAPS, 512)  # exactly the uid's share: allowed
 
 
 def test_capacity_refuses_the_connection_at_its_limit() -> None:
     refused(Busy, "6 jobs running on this connection, the limit per connection "
             "(limits.max_jobs_per_connection 6)",
-            admission.check_capacity, 1000, load((6, 0), (3, 0), 6), CAPS, 1)
+            admission.check_capacity, Principal.of_uid(1000), load((6, 0), (3, 0), 6), CAPS, 1)
 
 
 def test_a_uid_at_its_share_of_jails_is_refused_and_another_uid_is_not() -> None:
     held = load(daemon=(4, 256), uid=(4, 256))
     refused(Busy, "uid 1000 holds 4 jobs and sessions, its share "
             "(limits.max_jobs_per_uid 4); retry when one ends",
-            admission.check_capacity, 1000, held, CAPS, 64)
+            admission.check_capacity, Principal.of_uid(1000), held, CAPS, 64)
     # the same daemon, as another uid holding nothing: there is room
-    admission.check_capacity(1001, load(daemon=(4, 256)), CAPS, 64)
+    admission.check_capacity(Principal.of_uid(1001), load(daemon=(4, 256)), CAPS, 64)
 
 
 def test_a_uid_at_its_share_of_memory_is_refused_and_another_uid_is_not() -> None:
     held = load(daemon=(2, 448), uid=(2, 448))
     refused(Busy, "uid 1000's memory limits would reach 576 MiB (448 MiB held + 128 MiB "
             "for this one), over its share (limits.max_memory_mb_per_uid 512); retry when one ends",
-            admission.check_capacity, 1000, held, CAPS, 128)
-    admission.check_capacity(1000, held, CAPS, 64)  # a smaller one fits its share
-    admission.check_capacity(1001, load(daemon=(2, 448)), CAPS, 128)
+            admission.check_capacity, Principal.of_uid(1000), held, CAPS, 128)
+    admission.check_capacity(Principal.of_uid(1000), held, CAPS, 64)  # a smaller one fits its share
+    admission.check_capacity(Principal.of_uid(1001), load(daemon=(2, 448)), CAPS, 128)
 
 
 def test_the_daemon_at_its_jail_limit_refuses_everyone() -> None:
     refused(Busy, "8 jobs and sessions open, the daemon's limit (limits.max_jobs 8); retry later",
-            admission.check_capacity, 1001, load(daemon=(8, 512)), CAPS, 1)
+            admission.check_capacity, Principal.of_uid(1001), load(daemon=(8, 512)), CAPS, 1)
 
 
 def test_the_memory_ceiling_counts_every_jails_limit() -> None:
     # 896 held by others + 256 for this one > 1024: refused
     refused(Busy, "jails' memory limits would reach 1.1 GiB (896 MiB held + 256 MiB for this "
             "one), over what the daemon admits (limits.max_memory_mb 1024); retry later",
-            admission.check_capacity, 1001, load((5, 896)), CAPS, 256)
-    admission.check_capacity(1001, load((5, 896)), CAPS, 128)  # exactly full
+            admission.check_capacity, Principal.of_uid(1001), load((5, 896)), CAPS, 256)
+    admission.check_capacity(Principal.of_uid(1001), load((5, 896)), CAPS, 128)  # exactly full
 
 
 def test_the_memory_limits_may_overcommit_the_ceiling_by_the_configured_factor() -> None:
     twice = dataclasses.replace(CAPS, max_memory_mb_per_uid=2048, memory_overcommit=2.0)
-    admission.check_capacity(1001, load((5, 1792)), twice, 256)  # 2048 of 1024 x 2: fits
+    admission.check_capacity(Principal.of_uid(1001), load((5, 1792)), twice, 256)  # 2048 of 1024 x 2: fits
     refused(Busy, "jails' memory limits would reach 2.0 GiB (1792 MiB held + 257 MiB for this "
             "one), over what the daemon admits (limits.max_memory_mb 1024 x "
             "limits.memory_overcommit 2 = 2048 MiB); retry later",
-            admission.check_capacity, 1001, load((5, 1792)), twice, 257)
+            admission.check_capacity, Principal.of_uid(1001), load((5, 1792)), twice, 257)
 
 
 def test_the_derived_shares_follow_the_overcommit() -> None:
@@ -179,9 +179,9 @@ def test_fairness_off_one_uid_takes_everything() -> None:
     # positive control: per-uid caps equal to the daemon's let one uid hold it all, and
     # the next uid is refused by the daemon's limit
     off = admission.Capacity(8, 8, 8, 1024, 1024)
-    admission.check_capacity(1000, load((7, 896), (7, 896)), off, 128)
+    admission.check_capacity(Principal.of_uid(1000), load((7, 896), (7, 896)), off, 128)
     refused(Busy, "8 jobs and sessions open, the daemon's limit (limits.max_jobs 8); retry later",
-            admission.check_capacity, 1001, load((8, 1024)), off, 64)
+            admission.check_capacity, Principal.of_uid(1001), load((8, 1024)), off, 64)
 
 
 def test_derived_defaults_of_the_shares_and_the_ceiling(tmp_path: Any) -> None:
@@ -213,7 +213,7 @@ def test_what_a_uid_holds_counts_jobs_and_sessions_once_each() -> None:
     from jaild.daemon.registry import LiveJob, Registry
 
     def conn(uid: int) -> Any:
-        return SimpleNamespace(peer=SimpleNamespace(uid=uid))
+        return SimpleNamespace(peer=Peer(pid=1, uid=uid, gid=uid))
 
     def sess(sid: str, owner: Any, memory_mb: int) -> Any:
         limits = SimpleNamespace(memory_mb=memory_mb)
@@ -506,3 +506,47 @@ def test_a_sessions_run_is_checked_as_a_job_is() -> None:
 def test_jail_level_limits_are_declared_once() -> None:
     assert "cpu_time_s" not in JAIL_LEVEL_LIMITS
     assert (*JAIL_LEVEL_LIMITS, "cpu_time_s") == ONE_SHOT_JAIL_LIMITS
+
+
+# --------------------------------------------------------------------------- pods as tenants
+
+POD_A = Principal("pod", 1000, "0b1f6a52-3f1e-4d7a-9c1e-5a6b7c8d9e0f", "agents", "agent-a",
+                  "codemode")
+POD_B = Principal("pod", 1000, "9c2d7b63-4a2f-4e8b-8d2f-6b7c8d9e0f1a", "agents", "agent-b",
+                  "codemode")
+
+
+def test_two_pods_of_one_uid_are_two_tenants() -> None:
+    """Pods usually run as one uid: each is its own principal, with its own share, its own
+    zygotes and pools (the key), and root in a pod is no admin."""
+    a, b = Peer(10, 1000, 1000, principal=POD_A), Peer(11, 1000, 1000, principal=POD_B)
+    assert a.principal.key != b.principal.key and a.principal.key != ALICE.principal.key
+    assert str(a.principal) == "pod agents/agent-a" and str(ALICE.principal) == "uid 1000"
+    assert not Principal("pod", 0, POD_A.pod_uid, "agents", "x", "y").admin
+    assert Principal.of_uid(0).admin
+    held = load(daemon=(4, 256), uid=(4, 256))
+    refused(Busy, "pod agents/agent-a holds 4 jobs and sessions, its share "
+            "(limits.max_jobs_per_uid 4); retry when one ends",
+            admission.check_capacity, POD_A, held, CAPS, 64)
+    admission.check_capacity(POD_B, load(daemon=(4, 256)), CAPS, 64)  # the other pod: room
+    connect(b, [a, a])  # pod A's connections do not count against pod B
+    refused(Busy, "pod agents/agent-a already has 2 connections, the limit per pod "
+            "(limits.max_connections_per_uid 2)", connect, a, [a, a])
+
+
+def test_a_policy_admits_pods_by_namespace_and_service_account() -> None:
+    policy = load_policy_text(
+        '[access]\nnamespaces = ["agents"]\nservice_accounts = ["agents/codemode"]\n',
+        "agents.toml",
+    )
+    catalog = Catalog({"agents": policy})
+    a = Peer(10, 1000, 1000, principal=POD_A)
+    assert admission.admit_job(catalog, a, run(policy="agents")).policy is policy
+    other_ns = Peer(10, 1000, 1000, principal=dataclasses.replace(POD_A, namespace="web"))
+    refused(PermissionDenied, "pod web/agent-a may not use policy 'agents'",
+            admission.admit_job, catalog, other_ns, run(policy="agents"))
+    other_sa = Peer(10, 1000, 1000, principal=dataclasses.replace(POD_A, service_account="x"))
+    refused(PermissionDenied, "pod agents/agent-a may not use policy 'agents'",
+            admission.admit_job, catalog, other_sa, run(policy="agents"))
+    # a client outside any pod is judged by access.users alone
+    assert admission.admit_job(catalog, ALICE, run(policy="agents")).policy is policy

@@ -13,6 +13,7 @@ import pytest
 
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core.admission import Held, Load, check_capacity
+from jaild.daemon.core.peer import Principal
 from jaild.daemon.sessions import capacity
 from jaild.errors import Busy
 from jaild.testing import daemon_thread
@@ -31,7 +32,7 @@ def admitted(config: DaemonConfig, jobs: int, memory_mb: int) -> int:
     for n in range(jobs):
         held = Held(jails=n, memory_mb=n * memory_mb)
         try:
-            check_capacity(0, Load(daemon=held, uid=held, on_connection=n), caps, memory_mb)
+            check_capacity(Principal.of_uid(0), Load(daemon=held, uid=held, on_connection=n), caps, memory_mb)
         except Busy:
             return n
     return jobs

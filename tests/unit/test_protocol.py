@@ -149,7 +149,7 @@ TOTALS = {
     "tool_time_s": 0.0, "files_uploaded": 0, "files_downloaded": 0, "sessions": 0,
 }
 STATS = {"since": 1.0, "policies": {"default": TOTALS}, "uids": {"0": TOTALS},
-         "running": {"jobs": 0, "sessions": 0, "connections": 1}, "pools": {"default": POOL},
+         "pods": {"agents/agent-7f9c": TOTALS}, "running": {"jobs": 0, "sessions": 0, "connections": 1}, "pools": {"default": POOL},
          "metrics": {"jobs": {}}}
 
 # Every message class, at least twice: required fields only, and every field set (edges where
@@ -1111,6 +1111,10 @@ BAD_CONSTRUCTIONS: list[tuple[str, type[Any], dict[str, Any]]] = [
     ("stats-status-unknown", Stats,
      {"ref": 1, "stats": {**STATS, "uids": {"0": {**TOTALS, "statuses": {"refused": 1}}}}}),
     ("stats-uid-not-decimal", Stats, {"ref": 1, "stats": {**STATS, "uids": {"root": TOTALS}}}),
+    ("stats-pod-not-namespaced", Stats,
+     {"ref": 1, "stats": {**STATS, "pods": {"agent-7f9c": TOTALS}}}),
+    ("stats-pod-name-hostile", Stats,
+     {"ref": 1, "stats": {**STATS, "pods": {"agents/../x": TOTALS, "a/b\n": TOTALS}}}),
     ("error-code-empty", Error, {"code": "", "message": ""}),
     ("error-job-id-pattern", Error, {"code": "c", "message": "", "job_id": "X"}),
     ("harden-seccomp-list", Harden, {"protocol": 1, "seccomp": []}),

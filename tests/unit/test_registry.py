@@ -6,11 +6,12 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+from jaild.daemon.core.peer import Peer
 from jaild.daemon.registry import LiveJob, Registry
 
 
 def conn(uid: int) -> Any:
-    return SimpleNamespace(peer=SimpleNamespace(uid=uid))
+    return SimpleNamespace(peer=Peer(pid=1, uid=uid, gid=uid))
 
 
 def jail(pid: int | None = None) -> Any:

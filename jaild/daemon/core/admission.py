@@ -57,7 +57,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaild.daemon.core.peer import Peer
+from jaild.daemon.core.peer import Peer, Principal
 from jaild.errors import (
     BadRequest,
     Busy,
@@ -84,8 +84,13 @@ _schema_problems: dict[str, str | None] = {}  # a memo: JSON text of a schema ->
 
 
 def policy_allows(policy: Policy, peer: Peer) -> bool:
-    """The policy's ``access.users`` admits the peer (its uid, gid or groups)."""
-    return policy.user_allowed(peer.uid, (peer.gid, *peer.groups))
+    """The policy's ``access.users`` admits the peer (its uid, gid or groups) and, for a
+    pod, ``access.namespaces`` its namespace and ``access.service_accounts`` its service
+    account."""
+    if not policy.user_allowed(peer.uid, (peer.gid, *peer.groups)):
+        return False
+    who = peer.principal
+    return who.kind != "pod" or policy.pod_allowed(who.namespace, who.service_account)
 
 
 @dataclass(frozen=True)
@@ -140,17 +145,17 @@ def admit_connection(
         Busy: the daemon, or the peer's uid, is at its connection limit.
     """
     if not matches(allowed_users, peer.uid, (peer.gid, *peer.groups)):
-        raise PermissionDenied(f"uid {peer.uid} may not use this daemon")
+        raise PermissionDenied(f"{peer.principal} may not use this daemon")
     if len(others) >= max_connections:
         raise Busy(
             f"{len(others)} connections open, the daemon's limit "
             f"(limits.max_connections {max_connections}); retry later"
         )
-    same_uid = sum(1 for other in others if other.uid == peer.uid)
-    if same_uid >= max_connections_per_uid:
+    mine = sum(1 for other in others if other.principal.key == peer.principal.key)
+    if mine >= max_connections_per_uid:
         raise Busy(
-            f"uid {peer.uid} already has {same_uid} connections, the limit per uid "
-            f"(limits.max_connections_per_uid {max_connections_per_uid})"
+            f"{peer.principal} already has {mine} connections, the limit per "
+            f"{peer.principal.kind} (limits.max_connections_per_uid {max_connections_per_uid})"
         )
 
 
@@ -180,7 +185,7 @@ class Load:
     """What is held when a request arrives."""
 
     daemon: Held  # everyone's jails
-    uid: Held  # the requesting uid's
+    uid: Held  # the requesting principal's (its uid's, or its pod's)
     on_connection: int | None = None  # jobs running on the connection (None: not limited)
 
 
@@ -188,11 +193,12 @@ def _mib(mb: int) -> str:
     return f"{mb / 1024:.1f} GiB" if mb >= 1024 else f"{mb} MiB"
 
 
-def check_capacity(uid: int, load: Load, caps: Capacity, memory_mb: int) -> None:
-    """Room for one more jail of ``memory_mb`` for ``uid``? The rules, first to fail:
-    the connection's jobs, the uid's jails, the uid's memory, the daemon's jails, the
-    daemon's memory (the jails' limits). A uid at its share
-    is refused; the rest of the daemon stays for the other uids.
+def check_capacity(who: Principal, load: Load, caps: Capacity, memory_mb: int) -> None:
+    """Room for one more jail of ``memory_mb`` for ``who``? The rules, first to fail:
+    the connection's jobs, the principal's jails, its memory, the daemon's jails, the
+    daemon's memory (the jails' limits). A uid (or pod) at its share is refused; the
+    rest of the daemon stays for the others. The ``*_per_uid`` limits are per principal:
+    per pod where pods are the tenants (``access.identity = "kubernetes"``).
 
     Raises:
         Busy: naming the limit reached (its config key) and the numbers.
@@ -204,13 +210,13 @@ def check_capacity(uid: int, load: Load, caps: Capacity, memory_mb: int) -> None
         )
     if load.uid.jails >= caps.max_jobs_per_uid:
         raise Busy(
-            f"uid {uid} holds {load.uid.jails} jobs and sessions, its share "
+            f"{who} holds {load.uid.jails} jobs and sessions, its share "
             f"(limits.max_jobs_per_uid {caps.max_jobs_per_uid}); retry when one ends"
         )
     mine = load.uid.memory_mb + memory_mb
     if mine > caps.max_memory_mb_per_uid:
         raise Busy(
-            f"uid {uid}'s memory limits would reach {_mib(mine)} ({load.uid.memory_mb} MiB "
+            f"{who}'s memory limits would reach {_mib(mine)} ({load.uid.memory_mb} MiB "
             f"held + {memory_mb} MiB for this one), over its share "
             f"(limits.max_memory_mb_per_uid {caps.max_memory_mb_per_uid}); retry when one ends"
         )
@@ -270,7 +276,7 @@ def choose_policy(
             f"policy {policy.name!r} is not served: {catalog.unavailable[policy.name]}"
         )
     if not catalog.may_use(policy, peer):
-        raise PermissionDenied(f"uid {peer.uid} may not use policy {policy.name!r}")
+        raise PermissionDenied(f"{peer.principal} may not use policy {policy.name!r}")
     check_tools(policy, tools)
     return policy
 
@@ -431,7 +437,7 @@ def admit_session(
             )
     if open_of_uid >= policy.session.max_per_user:
         raise Busy(
-            f"uid {peer.uid} has {open_of_uid} sessions open; policy {policy.name!r} "
+            f"{peer.principal} has {open_of_uid} sessions open; policy {policy.name!r} "
             f"allows {policy.session.max_per_user} per user"
         )
     return SessionTerms(

@@ -93,6 +93,7 @@ from typing import Any, Literal, get_args
 
 from jaild.daemon.core.broker import Admitted, Answer, Broker, Refused, Validators
 from jaild.daemon.core.classify import Evidence, KillReason, classify
+from jaild.daemon.core.peer import Tenant
 from jaild.errors import LocalProtocolError, RemoteProtocolError
 from jaild.policy.schema import Limits, Policy
 from jaild.protocol import NEED_DATA, Connection, Role, State
@@ -129,7 +130,7 @@ class JobSpec:
     limits: Limits
     job: JobDescription  # the client's, as admitted: sent to the jail whole in RunCode
     keep: bool = False  # a session's jail: it outlives the run
-    tenant: int | None = None  # the client's uid: whose zygote may fork it (None: no one's)
+    tenant: Tenant | None = None  # the client's principal: whose zygote forks it (None: none)
 
 
 class Phase(enum.Enum):

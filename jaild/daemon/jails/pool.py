@@ -37,6 +37,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from jaild.daemon.core.peer import Tenant
 from jaild.daemon.jails.job import JailedJob
 from jaild.daemon.jails.launch.zygotes import ZygoteSet
 from jaild.policy.schema import ONE_SHOT_JAIL_LIMITS, Limits, Policy
@@ -131,7 +132,7 @@ class JailPool:
             self._work = None
             self._closing.set()
 
-    def take(self, tenant: int | None = None) -> JailedJob | None:
+    def take(self, tenant: Tenant | None = None) -> JailedJob | None:
         """A ready jail for a job of uid ``tenant``, or None (the caller makes one; the pool
         grows). This pool's jails are anyone's (a :class:`TenantPools` keeps them apart)."""
         while self._ready:
@@ -243,7 +244,8 @@ class JailPool:
 
 class TenantPools(JailPool):
     """The warm pool of a zygote-mode policy in ``uid`` scope: itself the pool of the
-    daemon's own uid, and one more pool per other client uid whose zygote is up.
+    daemon's own uid, and one more pool per other client principal (uid or pod) whose
+    zygote is up.
 
     ``make(uid)`` makes a jail for ``uid`` (forked from that uid's zygote); ``zygotes`` says
     whose zygote is up, and hears of every jail a job takes (use that keeps the zygote).
@@ -251,14 +253,14 @@ class TenantPools(JailPool):
     """
 
     def __init__(
-        self, policy: Policy, make: Callable[[int], JailedJob], zygotes: ZygoteSet
+        self, policy: Policy, make: Callable[[Tenant], JailedJob], zygotes: ZygoteSet
     ) -> None:
         own = zygotes.own_uid
         super().__init__(policy, lambda: make(own))
         self._make_for = make
         self._own = own
         self._zygotes = zygotes
-        self._tenants: dict[int, JailPool] = {}
+        self._tenants: dict[Tenant, JailPool] = {}
         self._retired = PoolStats()  # the counters of uids' pools that were retired
         self._retiring: list[JailPool] = []  # being closed
 
@@ -286,7 +288,7 @@ class TenantPools(JailPool):
     def ready_ids(self) -> list[str]:
         return super().ready_ids() + [i for p in self._tenants.values() for i in p.ready_ids()]
 
-    def take(self, tenant: int | None = None) -> JailedJob | None:
+    def take(self, tenant: Tenant | None = None) -> JailedJob | None:
         """A ready jail of ``tenant``'s own, or None (the caller makes one). The first
         miss after the uid's zygote came up starts the uid's pool."""
         if tenant is None:
@@ -307,7 +309,7 @@ class TenantPools(JailPool):
             self._zygotes.touch(self.policy.name, tenant)
         return jail
 
-    async def retire(self, policy: str, tenant: int) -> None:
+    async def retire(self, policy: str, tenant: Tenant) -> None:
         """``tenant``'s zygote of ``policy`` is retired: discard that uid's waiting jails.
         The own uid's pool stays, and so, while it holds jails, does its zygote."""
         pool = self._tenants.pop(tenant, None) if policy == self.policy.name else None

@@ -1,4 +1,4 @@
-"""Usage totals the daemon keeps: per policy and per uid (``jaild stats``).
+"""Usage totals the daemon keeps: per policy, per uid and per pod (``jaild stats``).
 
 Every finished job's record carries ``usage`` (see :func:`jaild.daemon.core.records.run_usage`); the
 daemon adds each record here as it audits it, so the totals and the audit trail
@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaild.daemon.core.peer import Principal
 from jaild.protocol.records import JobRecord, UsageTotals
 
 
@@ -70,26 +71,41 @@ class Totals:
 class Accounting:
     by_policy: dict[str, Totals] = field(default_factory=dict)
     by_uid: dict[int, Totals] = field(default_factory=dict)
+    by_pod: dict[str, Totals] = field(default_factory=dict)  # "namespace/name"
     since: float = field(default_factory=time.time)
 
-    def job(self, uid: int, record: JobRecord, uploaded: int = 0, downloaded: int = 0) -> None:
+    def _of(self, who: Principal) -> Totals:
+        if who.kind == "pod":
+            return self.by_pod.setdefault(f"{who.pod}", Totals())
+        return self.by_uid.setdefault(who.uid, Totals())
+
+    def job(
+        self, who: Principal, record: JobRecord, uploaded: int = 0, downloaded: int = 0
+    ) -> None:
         policy = record.policy
         self.by_policy.setdefault(policy, Totals()).add(record, uploaded, downloaded)
-        self.by_uid.setdefault(uid, Totals()).add(record, uploaded, downloaded)
+        self._of(who).add(record, uploaded, downloaded)
 
-    def session(self, uid: int, policy: str) -> None:
+    def session(self, who: Principal, policy: str) -> None:
         self.by_policy.setdefault(policy, Totals()).sessions += 1
-        self.by_uid.setdefault(uid, Totals()).sessions += 1
+        self._of(who).sessions += 1
 
-    def to_wire(self, uid: int | None) -> dict[str, Any]:
+    def to_wire(self, who: Principal | None) -> dict[str, Any]:
         # the start of a DaemonStats: the server adds what runs now, the pools, the metrics
-        """Everything for ``uid`` None (root); otherwise the policy totals and that uid's."""
+        """Everything for ``who`` None (root on the host); otherwise the policy totals and
+        the principal's own: its uid's, or its pod's."""
+        pod = who.pod if who is not None else None
         return {
             "since": self.since,
             "policies": {name: t.to_wire() for name, t in sorted(self.by_policy.items())},
             "uids": {
                 str(u): t.to_wire()
                 for u, t in sorted(self.by_uid.items())
-                if uid is None or u == uid
+                if who is None or (who.kind == "uid" and u == who.uid)
+            },
+            "pods": {
+                name: t.to_wire()
+                for name, t in sorted(self.by_pod.items())
+                if who is None or name == pod
             },
         }

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaild.daemon.core.broker import REFUSALS
-from jaild.daemon.core.peer import Peer
+from jaild.daemon.core.peer import Peer, Tenant
 from jaild.protocol.records import JobRecord
 
 log = logging.getLogger("jaild.daemon.observe.audit")
@@ -72,6 +72,19 @@ class _Window:
     suppressed: Counter[str] = field(default_factory=Counter)
 
 
+def _who(peer: Peer | None) -> dict[str, Any]:
+    """Whose record: the client's uid, and its pod where pods are the tenants."""
+    if peer is None:
+        return {"uid": None}
+    who = peer.principal
+    if who.kind != "pod":
+        return {"uid": peer.uid}
+    return {
+        "uid": peer.uid, "pod": who.pod, "pod_uid": who.pod_uid,
+        "service_account": who.service_account,
+    }
+
+
 @dataclass
 class _CallRefusals:
     """One job's refused tool calls so far."""
@@ -88,7 +101,7 @@ class AuditLog:
         self, path: str | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._clock = clock
-        self._windows: dict[int, _Window] = {}
+        self._windows: dict[Tenant, _Window] = {}  # by principal
         self._calls: dict[str, _CallRefusals] = {}
         self._fd = -1
         if path:
@@ -113,7 +126,7 @@ class AuditLog:
             "job",
             {
                 "job": record.job_id,
-                "uid": peer.uid,
+                **_who(peer),
                 "pid": peer.pid,
                 "policy": record.policy,
                 "status": record.status,
@@ -140,7 +153,7 @@ class AuditLog:
         """A session opened or closed (``reason``: closed, idle, lifetime, killed, a status)."""
         self._emit(
             f"session_{event}",
-            {"session": session_id, "uid": peer.uid, "pid": peer.pid, "policy": policy, **extra},
+            {"session": session_id, **_who(peer), "pid": peer.pid, "policy": policy, **extra},
         )
 
     def tool_call(
@@ -162,7 +175,7 @@ class AuditLog:
             "tool_call",
             {
                 "job": job_id,
-                "uid": peer.uid if peer else None,
+                **_who(peer),
                 "tool": tool,
                 "outcome": outcome,
                 "duration_s": round(duration_s, 6),
@@ -177,14 +190,14 @@ class AuditLog:
             "egress",
             {
                 "job": job_id,
-                "uid": peer.uid if peer else None,
+                **_who(peer),
                 **{k: summary[k] for k in EGRESS_FIELDS if k in summary},
             },
         )
 
     def killed(self, peer: Peer, ident: str) -> None:
         """``jaild kill`` ended a job or session."""
-        self._emit("kill", {"id": ident, "uid": peer.uid, "pid": peer.pid})
+        self._emit("kill", {"id": ident, **_who(peer), "pid": peer.pid})
 
     def _calls_summary(self, job_id: str) -> None:
         seen = self._calls.pop(job_id, None)
@@ -207,27 +220,28 @@ class AuditLog:
         now = self._clock()
         for uid in [u for u, w in self._windows.items() if now - w.start >= REFUSAL_WINDOW_S]:
             self._refusals_summary(uid)  # that uid's window is over
-        window = self._windows.get(peer.uid)
+        key = peer.principal.key
+        window = self._windows.get(key)
         if window is None:
-            window = self._windows[peer.uid] = _Window(now)
+            window = self._windows[key] = _Window(now)
         if window.written >= REFUSALS_PER_WINDOW:
             window.suppressed[code] += 1
             return False
         window.written += 1
         self._emit(
             "refused",
-            {"uid": peer.uid, "pid": peer.pid, "code": code, "message": message[:500], **extra},
+            {**_who(peer), "pid": peer.pid, "code": code, "message": message[:500], **extra},
         )
         return True
 
-    def _refusals_summary(self, uid: int) -> None:
+    def _refusals_summary(self, uid: Tenant) -> None:
         window = self._windows.pop(uid, None)
         if window is None or not window.suppressed:
             return
         self._emit(
             "refused_summary",
             {
-                "uid": uid,
+                **({"uid": uid} if isinstance(uid, int) else {"pod_uid": uid[len("pod-"):]}),
                 "window_s": round(self._clock() - window.start, 3),
                 "audited": window.written,
                 "suppressed": dict(window.suppressed),

@@ -41,18 +41,19 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 
+from jaild.daemon.core.peer import Tenant
 from jaild.daemon.jails.launch.forked import Zygote
 from jaild.errors import ZygoteError
 from jaild.policy.schema import Policy
 
 log = logging.getLogger("jaild.daemon.jails.launch.zygotes")
 
-ZygoteKey = tuple[str, int | None]
-"""(policy name, client uid); the uid is None in ``policy`` scope."""
-MakeZygote = Callable[[Policy, int | None], Zygote]
-"""Makes the (not yet started) zygote of a policy for a uid (None: for every uid)."""
-RetireHook = Callable[[str, int], Awaitable[None]]
-"""(policy name, uid): the zygote of that uid is about to be retired."""
+ZygoteKey = tuple[str, Tenant | None]
+"""(policy name, client principal: its uid, or its pod); None in ``policy`` scope."""
+MakeZygote = Callable[[Policy, Tenant | None], Zygote]
+"""Makes the (not yet started) zygote of a policy for a principal (None: for everyone)."""
+RetireHook = Callable[[str, Tenant], Awaitable[None]]
+"""(policy name, principal): the zygote of that principal is about to be retired."""
 SCOPES = ("uid", "policy")
 
 
@@ -92,7 +93,7 @@ class ZygoteSet:
 
     # -- what it holds
 
-    def key(self, policy: str, tenant: int | None) -> ZygoteKey | None:
+    def key(self, policy: str, tenant: Tenant | None) -> ZygoteKey | None:
         """The key of the zygote for ``tenant``'s jobs of ``policy``; None: no zygote may
         serve them (a policy not in zygote mode, or an unknown uid in ``uid`` scope)."""
         if policy not in self.policies:
@@ -101,12 +102,12 @@ class ZygoteSet:
             return (policy, None)
         return None if tenant is None else (policy, tenant)
 
-    def get(self, policy: str, tenant: int | None) -> Zygote | None:
+    def get(self, policy: str, tenant: Tenant | None) -> Zygote | None:
         """The zygote for ``tenant``'s jobs of ``policy`` (running or not), if there is one."""
         key = self.key(policy, tenant)
         return None if key is None else self._zygotes.get(key)
 
-    def ready(self, policy: str, tenant: int | None) -> bool:
+    def ready(self, policy: str, tenant: Tenant | None) -> bool:
         """Is the zygote for ``tenant``'s jobs of ``policy`` up?"""
         zygote = self.get(policy, tenant)
         return zygote is not None and zygote.alive
@@ -121,7 +122,7 @@ class ZygoteSet:
         """The keys of the zygotes there are now (running or starting)."""
         return list(self._zygotes)
 
-    def touch(self, policy: str, tenant: int | None) -> None:
+    def touch(self, policy: str, tenant: Tenant | None) -> None:
         """A job of ``tenant`` took a jail of ``policy`` its zygote made earlier (a pooled
         one): that is use of the zygote, which keeps it from being retired."""
         key = self.key(policy, tenant)
@@ -182,7 +183,7 @@ class ZygoteSet:
 
     # -- jobs
 
-    def for_job(self, policy: Policy, tenant: int | None, *, pooled: bool) -> Zygote | None:
+    def for_job(self, policy: Policy, tenant: Tenant | None, *, pooled: bool) -> Zygote | None:
         """The ready zygote to fork ``tenant``'s jail of ``policy`` from, or None: spawn it
         (the zygote, if one may serve it, is then started in the background). A pooled
         jail (made ahead of its job) does not count as use."""

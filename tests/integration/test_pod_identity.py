@@ -1,0 +1,355 @@
+"""Pods as tenants (``access.identity = "kubernetes"``), against the real daemon over its real
+socket, with client processes placed in real cgroups named as the kubelet names them (the
+cgroupfs and the systemd drivers, on this host's cgroup v1; the guest runs the same on v2)
+and the Kubernetes API answered by a small fake (no API server can run here:
+``tests/k8s_fake.py``).
+
+Two pods run their clients as the same uid, as pods usually do; each must be a tenant of
+its own: its own share (the n+1-th jail is refused ``busy`` naming the pod, the other pod
+is not), its own ``ps`` and ``stats``. A deleted pod is refused; a client in no pod is
+refused (and served as its uid where so configured); a pid recycled into another pod's
+process cannot borrow that pod's identity; nothing a client says in its ``Hello`` changes
+whom it is served as.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DaemonHandle, guard, start_daemon, sweep_cgroups
+from tests.k8s_fake import NODE, FakeKubeAPI, make_pod
+
+HIERARCHIES = ("memory", "pids", "systemd")  # where the kubelet (v1) places a container
+
+
+@dataclass(frozen=True)
+class Pod:
+    uid: str
+    name: str
+    namespace: str
+    driver: str  # cgroupfs or systemd: how the kubelet names its cgroups
+    container: str = ""
+
+    @property
+    def path(self) -> str:
+        """The container's cgroup path, as the kubelet names it (burstable QoS)."""
+        if self.driver == "cgroupfs":
+            return f"/kubepods/burstable/pod{self.uid}/{self.container}"
+        under = self.uid.replace("-", "_")
+        return (f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{under}.slice"
+                f"/cri-containerd-{self.container}.scope")
+
+
+def new_pod(name: str, driver: str, namespace: str = "agents") -> Pod:
+    return Pod(str(uuid.uuid4()), name, namespace, driver, uuid.uuid4().hex * 2)
+
+
+class Kubelet:
+    """Makes pods' container cgroups as the kubelet names them, in each hierarchy the kubelet
+    places containers in (v1: memory, pids, name=systemd), and removes them after. No kubelet
+    runs here, and this test's own cgroups are not to be left: they go below a top of their
+    own inside the test's cgroup of each hierarchy (``<own>/podtest-<random>/kubepods...``,
+    as a kubelet's root may be nested)."""
+
+    def __init__(self) -> None:
+        own = {}
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _n, controllers, path = line.split(":", 2)
+            for c in controllers.split(","):
+                own[c.removeprefix("name=")] = path
+        top = f"podtest-{uuid.uuid4().hex[:8]}"
+        self.tops = [Path(f"/sys/fs/cgroup/{h}{own[h].rstrip('/')}/{top}") for h in HIERARCHIES]
+
+    def place(self, pod: Pod) -> None:
+        for top in self.tops:
+            (top / pod.path.lstrip("/")).mkdir(parents=True)
+
+    def procs_files(self, pod: Pod) -> list[str]:
+        return [f"{top}{pod.path}/cgroup.procs" for top in self.tops]
+
+    def remove(self) -> None:
+        for top in self.tops:
+            for root, _dirs, _files in sorted(os.walk(top), key=lambda walked: -len(walked[0])):
+                os.rmdir(root)
+
+
+CLIENT = textwrap.dedent("""
+    import json, sys
+    from jaild.client import Client
+    from jaild.errors import JaildError
+    sock, action = sys.argv[1], sys.argv[2]
+    out = {}
+    try:
+        with Client(sock) as c:
+            if action == "hold":  # start N sleepers and report, then wait for stdin
+                jobs = []
+                for _ in range(int(sys.argv[3])):
+                    try:
+                        jobs.append(c.submit("import time; time.sleep(60)"))
+                        out.setdefault("started", 0)
+                        out["started"] = out.get("started", 0) + 1
+                    except JaildError as exc:
+                        out["refused"] = [exc.code, exc.message]
+                        break
+                out["ps"] = [j.get("pod") for j in c.jobs()]
+                out["stats_pods"] = sorted(c.stats().get("pods", {}))
+                out["stats_uids"] = sorted(c.stats().get("uids", {}))
+                print(json.dumps(out), flush=True)
+                sys.stdin.readline()
+                for j in jobs:
+                    c.kill(j.job_id)
+            else:
+                r = c.run("print(6 * 7)")
+                out["run"] = [r.status, r.stdout.strip()]
+                out["ps_self"] = [j.get("pod") for j in c.jobs()]
+    except JaildError as exc:
+        out["error"] = [exc.code, exc.message]
+    print(json.dumps(out), flush=True)
+""")
+
+
+def in_pod(kubelet: Kubelet | None, pod: Pod | None, *argv: str) -> list[str]:
+    """``argv`` run inside ``pod``'s container cgroup (None: where the test runs)."""
+    if pod is None or kubelet is None:
+        return list(argv)
+    moves = " && ".join(f"echo $$ > {f}" for f in kubelet.procs_files(pod))
+    return ["sh", "-c", f'{moves} && exec "$@"', "sh", *argv]
+
+
+def client(kubelet: Kubelet | None, pod: Pod | None, sock: str, action: str,
+           *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        in_pod(kubelet, pod, sys.executable, "-c", CLIENT, sock, action, *args),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def result(proc: subprocess.Popen[str]) -> dict[str, object]:
+    out, err = proc.communicate(timeout=guard(120))
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert lines, f"the client said nothing: {err}"
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def kubelet() -> Iterator[Kubelet]:
+    k = Kubelet()
+    try:
+        yield k
+    finally:
+        k.remove()
+
+
+@pytest.fixture
+def api() -> Iterator[FakeKubeAPI]:
+    with FakeKubeAPI() as fake:
+        yield fake
+
+
+PODS_CONFIG = """
+[access]
+identity = "kubernetes"
+kubernetes_api = "{url}"
+kubernetes_token_file = ""
+kubernetes_ca_file = ""
+node_name = "{node}"
+outside_pods = "{outside}"
+pod_wait_s = 5
+[limits]
+max_jobs_per_uid = 2
+"""
+
+
+@pytest.fixture
+def pods_daemon(tmp_path: Path, api: FakeKubeAPI) -> Iterator[DaemonHandle]:
+    handle = daemon_for(tmp_path, api.url, "refuse")
+    yield handle
+    handle.stop()
+    sweep_cgroups(handle)
+
+
+def daemon_for(tmp_path: Path, url: str, outside: str) -> DaemonHandle:
+    path = tmp_path / "jaild.toml"
+    path.write_text(PODS_CONFIG.format(url=url, node=NODE, outside=outside))
+    return start_daemon(tmp_path / "d", {"default": "[limits]\nwall_time_s = 90\n"},
+                        with_repo_policies=False, args=("--config", str(path)))
+
+
+def test_two_pods_of_one_uid_are_two_tenants(
+    pods_daemon: DaemonHandle, api: FakeKubeAPI, kubelet: Kubelet
+) -> None:
+    a = new_pod("agent-a", "cgroupfs")
+    b = new_pod("agent-b", "systemd")
+    for pod in (a, b):
+        api.add_pod(make_pod(pod.uid, pod.name, pod.namespace, service_account="codemode"))
+        kubelet.place(pod)
+    holder_a = client(kubelet, a, pods_daemon.socket, "hold", "3")
+    try:
+        line = holder_a.stdout.readline() if holder_a.stdout else ""
+        held = json.loads(line)
+        # pod A's share is 2 (limits.max_jobs_per_uid, per principal): the third is refused
+        assert held["started"] == 2
+        assert held["refused"][0] == "busy"
+        assert held["refused"][1].startswith("pod agents/agent-a holds 2 jobs and sessions")
+        assert held["ps"] == ["agents/agent-a"] * 2  # its own jobs, named by its pod
+        assert held["stats_pods"] in ([], ["agents/agent-a"])  # its own pod's totals only
+        assert held["stats_uids"] == []  # root in a pod is not root on the host
+        # pod B, the same uid (root) as pod A, still has its whole share ...
+        other = result(client(kubelet, b, pods_daemon.socket, "run"))
+        assert other["run"] == ["ok", "42"], other
+        # ... and sees none of pod A's jobs
+        assert other["ps_self"] == []
+        # root on the host (in no pod) is refused: this daemon serves pods only
+        outside = result(client(None, None, pods_daemon.socket, "run"))
+        assert outside["error"][0] == "permission_denied", outside
+        assert "is in no pod's cgroup" in outside["error"][1]
+    finally:
+        if holder_a.stdin:
+            holder_a.stdin.write("\n")
+            holder_a.stdin.flush()
+        holder_a.communicate(timeout=guard(60))
+
+
+def test_a_deleted_pod_is_refused_and_a_known_one_served(
+    pods_daemon: DaemonHandle, api: FakeKubeAPI, kubelet: Kubelet
+) -> None:
+    pod = new_pod("agent-gone", "cgroupfs")
+    api.add_pod(make_pod(pod.uid, pod.name, pod.namespace))
+    kubelet.place(pod)
+    served = result(client(kubelet, pod, pods_daemon.socket, "run"))
+    assert served["run"] == ["ok", "42"], served  # the control: the same pod, known
+    api.delete_pod(pod.uid)
+    deadline = time.monotonic() + guard(30)
+    while True:
+        refused = result(client(kubelet, pod, pods_daemon.socket, "run"))
+        if "error" in refused or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)  # the watch brings the deletion: a liveness wait, not an assertion
+    assert refused["error"][0] == "permission_denied", refused
+    assert f"its pod {pod.uid} is deleted or terminating" in refused["error"][1]
+    unknown = new_pod("agent-never", "systemd")  # in a pod cgroup the API has never heard of
+    kubelet.place(unknown)
+    never = result(client(kubelet, unknown, pods_daemon.socket, "run"))
+    assert never["error"][0] == "permission_denied", never
+    assert f"its pod {unknown.uid} is unknown to the Kubernetes API" in never["error"][1]
+
+
+def test_a_client_outside_pods_is_served_as_its_uid_where_configured(
+    tmp_path: Path, api: FakeKubeAPI
+) -> None:
+    handle = daemon_for(tmp_path, api.url, "uid")
+    try:
+        outside = result(client(None, None, handle.socket, "run"))
+        assert outside["run"] == ["ok", "42"], outside
+        assert outside["ps_self"] == []
+    finally:
+        handle.stop()
+        sweep_cgroups(handle)
+
+
+RECYCLER = textwrap.dedent("""
+    import json, os, socket, sys, time
+    sock_path = sys.argv[1]
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    child = os.fork()
+    if child == 0:  # the child connects (SO_PEERCRED names it), then exits at once
+        s.connect(sock_path)
+        os._exit(0)
+    os.waitpid(child, 0)
+    print(json.dumps({"connected_by": child}), flush=True)
+    sys.stdin.readline()  # the test recycles the pid, then lets the daemon run
+    s.settimeout(30)
+    from jaild.protocol import encode_frame
+    from jaild.protocol.messages import Hello, PROTOCOL_VERSION, encode
+    s.sendall(encode_frame(encode(Hello(protocol=PROTOCOL_VERSION, client="x")), 1 << 16))
+    data = b""
+    while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "big"):
+        more = s.recv(65536)
+        if not more:
+            break
+        data += more
+    print(json.dumps({"answer": data[4:].decode(errors="replace")}), flush=True)
+""")
+
+SQUATTER = "import sys; sys.stdin.readline()"
+
+
+def spawn_at(pid: int, argv: list[str]) -> subprocess.Popen[str]:
+    """A process that gets exactly ``pid`` (``ns_last_pid``): bounded tries, each a fork."""
+    for _ in range(200):
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, text=True)
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.communicate()
+    raise AssertionError(f"could not get pid {pid} for the squatter in 200 tries")
+
+
+def test_a_recycled_pid_cannot_borrow_another_pods_identity(
+    pods_daemon: DaemonHandle, api: FakeKubeAPI, kubelet: Kubelet
+) -> None:
+    """A process of pod A connects and exits; its pid goes to a process of pod B before the
+    daemon gets to the connection (the daemon is stopped meanwhile). The daemon must not
+    serve pod A's leftover connection as pod B -- the control is pod B's own client, which
+    is served."""
+    a, b = new_pod("attacker", "cgroupfs"), new_pod("victim", "systemd")
+    for pod in (a, b):
+        api.add_pod(make_pod(pod.uid, pod.name, pod.namespace))
+        kubelet.place(pod)
+    victim = result(client(kubelet, b, pods_daemon.socket, "run"))
+    assert victim["run"] == ["ok", "42"], victim  # the control
+    os.kill(pods_daemon.proc.pid, signal.SIGSTOP)
+    try:
+        attacker = subprocess.Popen(
+            in_pod(kubelet, a, sys.executable, "-c", RECYCLER, pods_daemon.socket),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert attacker.stdout is not None and attacker.stdin is not None
+        gone = json.loads(attacker.stdout.readline())["connected_by"]
+        squatter = spawn_at(gone, in_pod(kubelet, b, sys.executable, "-c", SQUATTER))
+    finally:
+        os.kill(pods_daemon.proc.pid, signal.SIGCONT)
+    try:
+        attacker.stdin.write("\n")
+        attacker.stdin.flush()
+        answer = json.loads(attacker.stdout.readline())["answer"]
+        assert "permission_denied" in answer and "cannot verify the connecting process" in answer
+        assert "victim" not in answer
+    finally:
+        squatter.communicate("\n", timeout=guard(30))
+        attacker.communicate(timeout=guard(30))
+
+
+def test_a_forged_hello_changes_nothing(
+    pods_daemon: DaemonHandle, api: FakeKubeAPI, kubelet: Kubelet
+) -> None:
+    """The Hello's free-text client name is the only thing a client says of itself: claim
+    another pod, or root, in it, and the jobs are still the client's own pod's."""
+    pod = new_pod("honest", "cgroupfs")
+    api.add_pod(make_pod(pod.uid, pod.name, pod.namespace))
+    kubelet.place(pod)
+    code = textwrap.dedent("""
+        import json, sys
+        from jaild.client import Client
+        with Client(sys.argv[1], name="pod kube-system/admin uid=0 root") as cl:
+            job = cl.submit("import time; time.sleep(30)")
+            print(json.dumps([j.get("pod") for j in cl.jobs()]), flush=True)
+            cl.kill(job.job_id)
+    """)
+    proc = subprocess.run(in_pod(kubelet, pod, sys.executable, "-c", code, pods_daemon.socket),
+                          capture_output=True, text=True, timeout=guard(120), check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == ["agents/honest"]
