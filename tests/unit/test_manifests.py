@@ -399,6 +399,17 @@ def test_the_agents_namespace_admits_hostpath_and_has_a_quota(rendered: Rendered
     # baseline (and restricted) forbid hostPath volumes: only privileged admits the agent
     assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
     assert labels["pod-security.kubernetes.io/warn"] == "restricted"
+    # the admission policy that takes back part of what "privileged" gives up applies here
+    binding = one(rendered.examples, "ValidatingAdmissionPolicyBinding")
+    selector = binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"]
+    assert selector.items() <= labels.items()
+    policy = one(rendered.examples, "ValidatingAdmissionPolicy")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert any(f"'{SOCKET_DIR}'" in v["expression"] for v in policy["spec"]["validations"])
+    cluster_wide = {"Namespace", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+    for d in rendered.examples:
+        assert d["metadata"].get("namespace") == (None if d["kind"] in cluster_wide
+                                                  else "agents"), d["metadata"]
     quota = one(rendered.examples, "ResourceQuota")
     assert quota["metadata"]["namespace"] == "agents"
     assert {"limits.memory", "limits.cpu", "pods"} <= set(quota["spec"]["hard"])
