@@ -4,6 +4,7 @@
 #   make test   installs everything, then runs the whole test suite
 #   make test-hosts  the same on a Debian 12 systemd/cgroup v2 guest under QEMU (hosts/)
 #   make install     the system install (/opt/jaild, /etc/jaild, the systemd units)
+#   make tools-venv  checkov and kubernetes-validate in .venv-tools (the manifests' checks)
 #   make uninstall   undoes it, keeping the operator's own policies (PURGE=1: everything)
 #
 # Works as root on a fresh Debian 12: installs the apt packages, the venv,
@@ -23,6 +24,9 @@ APT_PACKAGES := python3 python3-venv python3-dev gcc libcap-dev libseccomp2 syst
 VENV_EXTRAS := test,lint,docs,mcp,codemode,langchain,otel
 STAMPS := .stamps
 PYTEST_ARGS ?=
+# The tools that check deploy/kubernetes (tests/unit/test_manifests.py), in a venv of their own:
+# checkov's dependency tree is large and is no part of jaild.
+TOOLS_VENV ?= .venv-tools
 
 # Where `make install` puts jaild and `make uninstall` takes it from, and where bin-link puts
 # `jaild` on root's PATH. The units (ExecStart=/opt/jaild/venv/bin/jaild) and the daemon's
@@ -37,7 +41,7 @@ POLICY_MANIFEST := $(OPT_DIR)/shipped-policies.sha256
 DEV_JAILD := $(abspath $(VENV))/bin/jaild
 PURGE ?=
 
-.PHONY: all print-% setup bin-link demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install install-policies uninstall jail-env clean distclean test-hosts hosts-packages
+.PHONY: all print-% setup bin-link tools-venv k8s-policies demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install install-policies uninstall jail-env clean distclean test-hosts hosts-packages
 
 all: setup
 
@@ -104,11 +108,28 @@ jail-env-%: envs/%.txt $(STAMPS)/venv
 demo: setup
 	$(PY) examples/demo.py
 
-test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: setup tools-venv
+	JAILD_TOOLS_VENV=$(abspath $(TOOLS_VENV)) $(PY) -m pytest $(PYTEST_ARGS)
 
-unit: setup
-	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+unit: setup tools-venv
+	JAILD_TOOLS_VENV=$(abspath $(TOOLS_VENV)) $(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+# checkov and kubernetes-validate, for tests/unit/test_manifests.py; reinstalled when their
+# requirements change.
+tools-venv: $(STAMPS)/tools-venv
+
+$(STAMPS)/tools-venv: $(STAMPS)/apt deploy/kubernetes/requirements-check.txt
+	@test -x $(TOOLS_VENV)/bin/python || $(PYTHON) -m venv $(TOOLS_VENV)
+	$(TOOLS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TOOLS_VENV)/bin/python -m pip install --quiet -r deploy/kubernetes/requirements-check.txt
+	@touch $@
+
+# kustomize reads no file outside deploy/kubernetes, so the ConfigMap of policies is made from
+# copies of policies/*.toml kept there; this copies them again (a test fails while they
+# differ; a new policy also needs its line in deploy/kubernetes/kustomization.yaml).
+k8s-policies:
+	rm -f deploy/kubernetes/policies/*.toml
+	cp policies/*.toml deploy/kubernetes/policies/
 
 integration: setup
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
@@ -283,4 +304,4 @@ clean:
 distclean: clean
 	@link=$(BIN_DIR)/jaild; if [ "$$(readlink "$$link")" = "$(DEV_JAILD)" ]; then \
 	  rm -f "$$link" && echo "removed $$link (-> this checkout's $(DEV_JAILD))"; fi
-	rm -rf $(VENV) $(STAMPS)
+	rm -rf $(VENV) $(TOOLS_VENV) $(STAMPS)

@@ -1,0 +1,423 @@
+"""deploy/kubernetes: the Kustomize base and its examples, rendered, validated and scanned.
+
+``kubectl kustomize`` renders both (kubectl with kustomize is on the project's machines; where
+it is missing the tests fail and say how to install it). Every object rendered is validated
+against the JSON schemas of several Kubernetes minors, strictly (an unknown field fails), by
+kubernetes-validate, and scanned by checkov; both come from the tools venv that
+``make tools-venv`` makes (``.venv-tools``, or ``$JAILD_TOOLS_VENV``), not jaild's own. Each
+has a positive control: a copy broken on purpose must be caught. checkov's findings may be
+skipped only by annotations on the DaemonSet, each with its reason.
+
+The rest holds the manifests to what the daemon reads: the config ConfigMap is a valid
+jaild.toml whose drain fits in the pod's grace period, the policies ConfigMap is the
+repository's policies/*.toml, the agent example runs with no privilege at all.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jaild.daemon.config import load_config_file
+
+REPO = Path(__file__).resolve().parent.parent.parent
+K8S = REPO / "deploy" / "kubernetes"
+EXAMPLES = K8S / "examples"
+TOOLS_VENV = Path(os.environ.get("JAILD_TOOLS_VENV") or REPO / ".venv-tools")
+
+# kubectl on the machines is v1.32: it and the two minors before it, always; and the newest
+# three the installed kubernetes-validate has schemas for.
+MINORS = ("1.30", "1.31", "1.32")
+NEWEST = 3
+SOCKET_DIR = "/run/jaild"
+SANDBOX_LABEL = ("jaild.io/sandbox", "true")
+# daemon.socket_group is "users": gid 100 in Debian's base-passwd (the image is Debian's).
+USERS_GID = 100
+IMAGE = "localhost/jaild:latest"
+
+Obj = dict[str, Any]
+
+
+def kubectl() -> str:
+    path = shutil.which("kubectl")
+    if path is None:
+        pytest.fail(
+            "kubectl is not on PATH: the manifests are rendered with `kubectl kustomize`. "
+            "Install kubectl >= 1.27 (kustomize v5 built in): Debian's packages from "
+            "pkgs.k8s.io (apt-get install kubectl after adding its repository), or the "
+            "static binary from dl.k8s.io into /usr/local/bin",
+            pytrace=False,
+        )
+    return path
+
+
+def tool(name: str) -> str:
+    path = TOOLS_VENV / "bin" / name
+    if not os.access(path, os.X_OK):
+        pytest.fail(
+            f"{path} is missing: the manifests are checked with checkov and "
+            "kubernetes-validate from a venv of their own. `make tools-venv` makes it "
+            "(deploy/kubernetes/requirements-check.txt); JAILD_TOOLS_VENV names another",
+            pytrace=False,
+        )
+    return str(path)
+
+
+def run(argv: list[str], cwd: Path | None = None,
+        timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                          check=False)
+
+
+def render(directory: Path) -> str:
+    out = run([kubectl(), "kustomize", str(directory)])
+    assert out.returncode == 0, f"kubectl kustomize {directory} failed:\n{out.stderr}"
+    return out.stdout
+
+
+def load_yaml(path: Path) -> list[Obj]:
+    """The documents of a YAML file, by the tools venv's PyYAML (jaild's venv need not have it)."""
+    code = ("import json, sys, yaml; "
+            "json.dump([d for d in yaml.safe_load_all(open(sys.argv[1])) if d], sys.stdout)")
+    out = run([tool("python"), "-c", code, str(path)])
+    assert out.returncode == 0, out.stderr
+    docs: list[Obj] = json.loads(out.stdout)
+    return docs
+
+
+def write_docs(path: Path, docs: list[Obj]) -> None:
+    """JSON documents between ``---`` lines: YAML, as both tools read it."""
+    path.write_text("".join("---\n" + json.dumps(d, indent=1) + "\n" for d in docs))
+
+
+@dataclass
+class Rendered:
+    directory: Path  # base.yaml and examples.yaml, as kubectl kustomize wrote them
+    base: list[Obj]
+    examples: list[Obj]
+
+    @property
+    def every(self) -> list[Obj]:
+        return self.base + self.examples
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
+    out = tmp_path_factory.mktemp("rendered")
+    (out / "base.yaml").write_text(render(K8S))
+    (out / "examples.yaml").write_text(render(EXAMPLES))
+    return Rendered(out, load_yaml(out / "base.yaml"), load_yaml(out / "examples.yaml"))
+
+
+def one(docs: list[Obj], kind: str, name: str | None = None) -> Obj:
+    found = [d for d in docs if d["kind"] == kind
+             and (name is None or d["metadata"]["name"].startswith(name))]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+# ---------------------------------------------------------------------------- schemas
+
+
+@pytest.fixture(scope="module")
+def versions() -> list[str]:
+    code = ("from kubernetes_validate.utils import all_versions; "
+            "print('\\n'.join(all_versions()))")
+    out = run([tool("python"), "-c", code])
+    assert out.returncode == 0, out.stderr
+    have = sorted({".".join(v.split(".")[:2]) for v in out.stdout.split()},
+                  key=lambda v: tuple(map(int, v.split("."))))
+    missing = [m for m in MINORS if m not in have]
+    assert not missing, f"kubernetes-validate has no schemas for {missing} (it has {have})"
+    return sorted(set(MINORS) | set(have[-NEWEST:]), key=lambda v: tuple(map(int, v.split("."))))
+
+
+def validate(files: list[Path], version: str) -> subprocess.CompletedProcess[str]:
+    return run([tool("kubernetes-validate"), "--strict", "--no-warn", "-k", f"{version}.0",
+                *map(str, files)])
+
+
+def test_every_object_is_valid_for_each_minor_strictly(rendered: Rendered,
+                                                       versions: list[str]) -> None:
+    files = [rendered.directory / "base.yaml", rendered.directory / "examples.yaml"]
+    for version in versions:
+        out = validate(files, version)
+        assert out.returncode == 0, f"Kubernetes {version}:\n{out.stdout}{out.stderr}"
+        passed = re.findall(r"passed for resource", out.stdout)
+        assert len(passed) == len(rendered.every), f"Kubernetes {version}:\n{out.stdout}"
+
+
+def test_the_validator_catches_a_misspelt_field(rendered: Rendered, tmp_path: Path) -> None:
+    """Positive control: a field that does not exist, and one of the wrong type, fail."""
+    docs = copy.deepcopy(rendered.base)
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    pod["terminationGracePeriodSecond"] = pod.pop("terminationGracePeriodSeconds")
+    bad = tmp_path / "misspelt.yaml"
+    write_docs(bad, docs)
+    out = validate([bad], MINORS[-1])
+    assert out.returncode != 0 and "terminationGracePeriodSecond" in out.stdout + out.stderr, (
+        out.stdout + out.stderr)
+
+    docs = copy.deepcopy(rendered.examples)
+    one(docs, "Deployment")["spec"]["replicas"] = "two"
+    write_docs(bad, docs)
+    out = validate([bad], MINORS[0])
+    assert out.returncode != 0 and "replicas" in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------------------- checkov
+
+
+def checkov(directory: Path) -> dict[str, list[Obj]]:
+    """checkov's results on every YAML file in ``directory``, offline (--skip-download); not
+    --quiet, which would leave the skipped checks out of the JSON."""
+    out = run([tool("checkov"), "-d", str(directory), "--framework", "kubernetes", "--compact",
+               "--skip-download", "-o", "json"], cwd=directory, timeout=300)
+    assert out.returncode in (0, 1), f"checkov failed to run:\n{out.stdout}\n{out.stderr}"
+    report = json.loads(out.stdout)
+    if isinstance(report, list):
+        (report,) = [r for r in report if r.get("check_type") == "kubernetes"]
+    assert report.get("check_type") == "kubernetes", f"checkov scanned nothing: {report}"
+    results: dict[str, list[Obj]] = report["results"]
+    return results
+
+
+def findings(checks: list[Obj]) -> str:
+    return "\n".join(f"  {c['check_id']} {c['resource']}: {c['check_name']}" for c in checks)
+
+
+def test_checkov_finds_nothing_but_the_daemonsets_reasoned_skips(rendered: Rendered) -> None:
+    results = checkov(rendered.directory)
+    failed = results["failed_checks"]
+    assert not failed, "checkov's findings:\n" + findings(failed)
+    skipped = results["skipped_checks"]
+    assert skipped, "the DaemonSet's skips were not seen: is checkov reading its annotations?"
+    wrong = [c for c in skipped if not c["resource"].startswith("DaemonSet.jaild-system.jaild")]
+    assert not wrong, "skipped off the DaemonSet:\n" + findings(wrong)
+    # what checkov skipped is what the annotations name (their reasons: the test below)
+    annotations = one(rendered.base, "DaemonSet")["metadata"]["annotations"]
+    named = {v.partition("=")[0] for k, v in annotations.items() if SKIP.fullmatch(k)}
+    assert {c["check_id"] for c in skipped} == named
+
+
+def test_checkov_catches_a_privileged_agent(rendered: Rendered, tmp_path: Path) -> None:
+    """Positive control: the agent made privileged, sharing the host's pids, fails."""
+    docs = copy.deepcopy(rendered.examples)
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    pod["hostPID"] = True
+    pod["containers"][0]["securityContext"].update(privileged=True,
+                                                   allowPrivilegeEscalation=True)
+    write_docs(tmp_path / "examples.yaml", docs)
+    failed = {(c["check_id"], c["resource"]) for c in checkov(tmp_path)["failed_checks"]}
+    for check in ("CKV_K8S_16", "CKV_K8S_17", "CKV_K8S_20"):
+        assert (check, "Deployment.agents.agent") in failed, sorted(failed)
+
+
+SKIP = re.compile(r"checkov\.io/skip\d+")
+REASONED = re.compile(r"(CKV2?_K8S_\d+)=(.{20,})")
+
+
+def skip_problems(docs: list[Obj]) -> list[str]:
+    """Skip annotations anywhere but the DaemonSet jaild, or without a reason."""
+    problems = []
+    for d in docs:
+        places = [d["metadata"].get("annotations") or {}]
+        template = d.get("spec", {}).get("template", {}).get("metadata", {})
+        places.append(template.get("annotations") or {})
+        where = f"{d['kind']} {d['metadata']['name']}"
+        for found in places:
+            for key, value in found.items():
+                if not SKIP.fullmatch(key):
+                    continue
+                if (d["kind"], d["metadata"]["name"]) != ("DaemonSet", "jaild"):
+                    problems.append(f"{where}: {key} (skips belong on the DaemonSet only)")
+                elif not REASONED.fullmatch(value):
+                    problems.append(f"{where}: {key}={value!r} gives no reason")
+    return problems
+
+
+def test_skips_are_on_the_daemonset_only_each_with_a_reason(rendered: Rendered) -> None:
+    assert skip_problems(rendered.every) == []
+    skips = one(rendered.base, "DaemonSet")["metadata"]["annotations"]
+    ids = [v.partition("=")[0] for k, v in skips.items() if SKIP.fullmatch(k)]
+    assert len(ids) == len(set(ids)), f"a check skipped twice: {ids}"
+
+    # positive control: a skip on the agent, and one with no reason, are both named
+    docs = copy.deepcopy(rendered.every)
+    one(docs, "Deployment")["metadata"]["annotations"] = {"checkov.io/skip1": "CKV_K8S_16=x" * 3}
+    one(docs, "DaemonSet")["metadata"]["annotations"]["checkov.io/skip99"] = "CKV_K8S_8"
+    assert len(skip_problems(docs)) == 2, skip_problems(docs)
+
+
+# ---------------------------------------------------------------------------- the daemon
+
+
+def configmap_data(docs: list[Obj], name: str) -> dict[str, str]:
+    data: dict[str, str] = one(docs, "ConfigMap", name + "-")["data"]
+    return data
+
+
+def daemon_pod(rendered: Rendered) -> Obj:
+    pod: Obj = one(rendered.base, "DaemonSet")["spec"]["template"]["spec"]
+    return pod
+
+
+def mebibytes(quantity: str) -> int:
+    units = {"Mi": 1, "Gi": 1024, "Ti": 1024 * 1024}
+    return int(quantity[:-2]) * units[quantity[-2:]]
+
+
+def test_the_policies_configmap_is_the_repositorys_policies(rendered: Rendered) -> None:
+    shipped = {p.name: p.read_text() for p in sorted((REPO / "policies").glob("*.toml"))}
+    copies = {p.name: p.read_text() for p in sorted((K8S / "policies").glob("*.toml"))}
+    assert copies == shipped, (
+        "deploy/kubernetes/policies/ differs from policies/: run `make k8s-policies` (and list "
+        "a new file in deploy/kubernetes/kustomization.yaml)")
+    kustomization = (K8S / "kustomization.yaml").read_text()
+    listed = set(re.findall(r"^\s+- policies/(\S+\.toml)$", kustomization, re.M))
+    assert listed == set(shipped), "kustomization.yaml's jaild-policies files: " + str(listed)
+    assert configmap_data(rendered.base, "jaild-policies") == shipped
+
+
+def test_the_config_is_valid_and_the_grace_period_outlasts_the_drain(
+        rendered: Rendered, tmp_path: Path) -> None:
+    config = tmp_path / "jaild.toml"
+    config.write_text(configmap_data(rendered.base, "jaild-config")["jaild.toml"])
+    sections = load_config_file(str(config))  # jaild's own validation
+    daemon, limits = sections["daemon"], sections["limits"]
+    assert daemon.metrics_address == "0.0.0.0:9464"
+    assert daemon.drain_s > 0
+    pod = daemon_pod(rendered)
+    margin = pod["terminationGracePeriodSeconds"] - daemon.drain_s - limits.shutdown_grace_s
+    assert margin >= 5, "terminationGracePeriodSeconds must outlast drain_s + shutdown_grace_s"
+
+    (container,) = pod["containers"]
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert os.path.dirname(daemon.socket) == SOCKET_DIR and SOCKET_DIR in mounts
+    assert daemon.policies_dir in mounts and "/etc/jaild/jaild.toml" in mounts
+    assert {"name": "JAILD_CONFIG", "value": "/etc/jaild/jaild.toml"} in container["env"]
+    assert daemon.socket_group == "users"
+    # the jails' ceiling below the pod's memory, leaving the daemon its room
+    limit = mebibytes(container["resources"]["limits"]["memory"])
+    assert 0 < limits.max_memory_mb <= limit - 512, (limits.max_memory_mb, limit)
+    port = int(daemon.metrics_address.rpartition(":")[2])
+    assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in container["ports"]
+
+
+def test_the_daemonset(rendered: Rendered) -> None:
+    ds = one(rendered.base, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == IMAGE
+    assert pod["hostPID"] is True and container["securityContext"]["privileged"] is True
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}}
+    assert pod["serviceAccountName"] == "jaild"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["socket-dir"]["hostPath"] == {"path": SOCKET_DIR, "type": "DirectoryOrCreate"}
+    node_name = {"name": "JAILD_NODE_NAME",
+                 "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    assert node_name in container["env"]
+    assert pod["nodeSelector"] == dict([SANDBOX_LABEL])
+    assert {"key": SANDBOX_LABEL[0], "operator": "Equal", "value": SANDBOX_LABEL[1],
+            "effect": "NoSchedule"} in pod["tolerations"]
+    probe = ["/opt/jaild/venv/bin/jaild", "policies", "--socket", f"{SOCKET_DIR}/jaild.sock"]
+    assert container["startupProbe"]["exec"]["command"] == probe
+    assert container["readinessProbe"]["exec"]["command"] == probe
+    assert container["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    for kind in ("requests", "limits"):
+        assert set(container["resources"][kind]) >= {"cpu", "memory"}
+    annotations = ds["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == "9464"
+    assert annotations["prometheus.io/path"] == "/metrics"
+    service = one(rendered.base, "Service")
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["ports"][0]["name"] == "metrics"
+    assert service["spec"]["selector"] == ds["spec"]["selector"]["matchLabels"]
+
+
+def test_everything_in_jaild_system_and_the_rbac_reads_pods_only(rendered: Rendered) -> None:
+    namespace = one(rendered.base, "Namespace")
+    assert namespace["metadata"]["name"] == "jaild-system"
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    cluster_wide = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+    for d in rendered.base:
+        if d["kind"] not in cluster_wide:
+            assert d["metadata"]["namespace"] == "jaild-system", d["metadata"]
+    role = one(rendered.base, "ClusterRole")
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = one(rendered.base, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "jaild", "namespace": "jaild-system"}]
+    one(rendered.base, "ServiceAccount", "jaild")
+
+
+# ---------------------------------------------------------------------------- the examples
+
+
+def test_the_agent_runs_with_no_privilege_at_all(rendered: Rendered) -> None:
+    deployment = one(rendered.examples, "Deployment")
+    assert deployment["metadata"]["namespace"] == "agents"
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert not any(pod.get(k) for k in ("hostPID", "hostIPC", "hostNetwork"))
+    context = pod["securityContext"]
+    assert context["runAsNonRoot"] is True and context["runAsUser"] > 0
+    assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert USERS_GID in context["supplementalGroups"]  # the socket's group
+    host_paths = {v["name"]: v["hostPath"] for v in pod["volumes"] if "hostPath" in v}
+    assert host_paths == {"jaild-socket": {"path": SOCKET_DIR, "type": "Directory"}}
+    for container in pod["containers"]:
+        sc = container["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc.get("privileged", False) is False
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+        assert "limits" in container["resources"]
+        for mount in container["volumeMounts"]:
+            if mount["name"] in host_paths:
+                assert mount["mountPath"] == SOCKET_DIR and mount["readOnly"] is True
+    assert pod["nodeSelector"] == dict([SANDBOX_LABEL])
+    assert {"key": SANDBOX_LABEL[0], "operator": "Equal", "value": SANDBOX_LABEL[1],
+            "effect": "NoSchedule"} in pod["tolerations"]
+
+
+def test_the_agents_namespace_admits_hostpath_and_has_a_quota(rendered: Rendered) -> None:
+    labels = one(rendered.examples, "Namespace")["metadata"]["labels"]
+    # baseline (and restricted) forbid hostPath volumes: only privileged admits the agent
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert labels["pod-security.kubernetes.io/warn"] == "restricted"
+    # the admission policy that takes back part of what "privileged" gives up applies here
+    binding = one(rendered.examples, "ValidatingAdmissionPolicyBinding")
+    selector = binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"]
+    assert selector.items() <= labels.items()
+    policy = one(rendered.examples, "ValidatingAdmissionPolicy")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert any(f"'{SOCKET_DIR}'" in v["expression"] for v in policy["spec"]["validations"])
+    cluster_wide = {"Namespace", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+    for d in rendered.examples:
+        assert d["metadata"].get("namespace") == (None if d["kind"] in cluster_wide
+                                                  else "agents"), d["metadata"]
+    quota = one(rendered.examples, "ResourceQuota")
+    assert quota["metadata"]["namespace"] == "agents"
+    assert {"limits.memory", "limits.cpu", "pods"} <= set(quota["spec"]["hard"])
+
+
+def test_the_requirements_pin_lower_bounds() -> None:
+    lines = [line.split("#")[0].strip()
+             for line in (K8S / "requirements-check.txt").read_text().splitlines()]
+    names = {re.split(r"[<>=]", line)[0]: line for line in lines if line}
+    assert set(names) == {"checkov", "kubernetes-validate"}
+    assert all(">=" in line for line in names.values()), names
