@@ -552,6 +552,7 @@ def build_wheels(inp: Inputs, refresh: bool) -> Path:
             "/tmp/jaild-wheels",
         ]
         hooks = [
+            'mkdir -p "$1/tmp/jaild-src"',
             f"sync-in {shlex.quote(str(stage))} /tmp/jaild-src",
             'chroot "$1" ' + " ".join(shlex.quote(a) for a in step),
             f"sync-out /tmp/jaild-wheels {shlex.quote(str(d))}",
