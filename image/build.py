@@ -29,7 +29,7 @@ versions); what was installed is listed in the image, ``/opt/jaild/image-manifes
 Out: ``build/jaild-image.oci.tar`` (an OCI archive: ``skopeo``, ``podman load`` and ``ctr
 images import`` read it) and, in podman's local storage, ``localhost/jaild:VERSION`` and
 ``localhost/jaild:latest``. ``SOURCE_DATE_EPOCH`` is the last commit's time (the base's and the
-wheelhouse's: the last commit that changed ``image/``). The image's layout and the
+wheelhouse's: that of the last commit that changed ``image/packages-runtime.txt``). The image's layout and the
 Containerfile that gives the same one for builders with a registry:
 docs/running/container-image.md.
 """
@@ -830,7 +830,7 @@ def main(argv: list[str] | None = None) -> int:
         version=version(),
         revision=revision(),
         epoch=commit_time(),
-        recipe_epoch=commit_time("image"),
+        recipe_epoch=commit_time("image/packages-runtime.txt"),
         files=source_files(),
         sources=sources,
         apt_options=host_apt_options(),

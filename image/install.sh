@@ -55,18 +55,18 @@ wheels)
     pip="/tmp/jaild-wheels-venv/bin/pip"
     copy_source "$src" /tmp/jaild-wheels-src
     # jaild's dependencies (jaild's own wheel is made from SRC by `install.sh jaild`)
-    "$pip" wheel --progress-bar off -w "$out" "/tmp/jaild-wheels-src[$EXTRAS]"
+    "$pip" wheel --use-pep517 --progress-bar off -w "$out" "/tmp/jaild-wheels-src[$EXTRAS]"
     rm -f "$out"/jaild-*.whl
     # each jail environment's, resolved on its own as `jaild env build` resolves it
     for req in "$src"/envs/*.txt; do
-        "$pip" wheel --progress-bar off -w "$out" -r "$req"
+        "$pip" wheel --use-pep517 --progress-bar off -w "$out" -r "$req"
     done
     # the build backend pyproject.toml names, so the jaild wheel builds offline
     backend=$(python3 -c 'import sys, tomllib
 print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["build-system"]["requires"]))' \
         "$src/pyproject.toml")
     # shellcheck disable=SC2086
-    "$pip" wheel --progress-bar off -w "$out" $backend
+    "$pip" wheel --use-pep517 --progress-bar off -w "$out" $backend
     rm -rf /tmp/jaild-wheels-venv /tmp/jaild-wheels-src
     ls "$out"
     ;;
