@@ -79,11 +79,11 @@ jaild)
     export PYTHONHASHSEED=0
     install -d -m 0755 "$OPT" "$ETC" "$ETC/policies" "$STATE" /run/jaild
     python3 -m venv "$OPT/venv"
-    copy_source "$src" /tmp/jaild-src
-    "$OPT/venv/bin/pip" wheel --no-deps -w /tmp/jaild-wheel /tmp/jaild-src
+    copy_source "$src" /tmp/jaild-wheel-src
+    "$OPT/venv/bin/pip" wheel --no-deps -w /tmp/jaild-wheel /tmp/jaild-wheel-src
     wheel=$(ls /tmp/jaild-wheel/jaild-*.whl)
     "$OPT/venv/bin/pip" install "$wheel[$EXTRAS]"
-    rm -rf /tmp/jaild-src /tmp/jaild-wheel
+    rm -rf /tmp/jaild-wheel-src /tmp/jaild-wheel
     ln -sfn "$OPT/venv/bin/jaild" /usr/local/bin/jaild
     install -m 0644 "$src/image/jaild.toml" "$ETC/jaild.toml"
     install -m 0644 "$src"/policies/*.toml "$ETC/policies/"
