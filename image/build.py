@@ -29,8 +29,8 @@ versions); what was installed is listed in the image, ``/opt/jaild/image-manifes
 Out: ``build/jaild-image.oci.tar`` (an OCI archive: ``skopeo``, ``podman load`` and ``ctr
 images import`` read it) and, in podman's local storage, ``localhost/jaild:VERSION`` and
 ``localhost/jaild:latest``. ``SOURCE_DATE_EPOCH`` is the last commit's time (the base's and the
-wheelhouse's: that of the last commit that changed ``image/packages-runtime.txt``). The image's layout and the
-Containerfile that gives the same one for builders with a registry:
+wheelhouse's: that of the last commit that changed ``image/packages-runtime.txt``). The
+image's layout, and the Containerfile that gives the same one for builders with a registry:
 docs/running/container-image.md.
 """
 
@@ -311,8 +311,9 @@ class LayerWriter:
 
 
 def _layer_name(name: str) -> str:
-    name = name.removeprefix("./")
-    return name.rstrip("/") if name != "/" else ""
+    """A member's name in a layer: relative, no "./", no trailing "/"; "" for the root."""
+    name = name.removeprefix("./").rstrip("/")
+    return "" if name in (".", "/") else name
 
 
 Signature = tuple[bytes, int, int, int, int, int, str]
@@ -347,8 +348,12 @@ def base_layer(rootfs_tar: Path, out: Path, epoch: int) -> Blob:
 
 
 def layer_index(layer: Path) -> dict[str, Signature]:
+    """Each member's signature; a hard link's is its target's, as a file on disk has it."""
+    index: dict[str, Signature] = {}
     with tarfile.open(layer, "r:gz") as tar:
-        return {info.name: _signature(info) for info in tar}
+        for info in tar:
+            index[info.name] = index[info.linkname] if info.islnk() else _signature(info)
+    return index
 
 
 def _walk(root: Path) -> Iterator[tuple[str, os.stat_result]]:
