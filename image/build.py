@@ -109,7 +109,7 @@ STOPSIGNAL = "SIGTERM"
 METRICS_PORT = "9464/tcp"
 ENV = (f"PATH={CHROOT_PATH}",)
 
-RECIPE = 1  # bump to rebuild every cached step
+BASE_RECIPE = 2  # bump to rebuild the cached base layers (their tar, not their packages)
 
 
 def log(msg: str) -> None:
@@ -465,7 +465,7 @@ class Inputs:
     @property
     def base_key(self) -> str:
         return sha256_of(
-            str(RECIPE),
+            str(BASE_RECIPE),
             SUITE,
             VARIANT,
             *packages("runtime"),
@@ -479,8 +479,12 @@ class Inputs:
     def wheels_key(self) -> str:
         reqs = [(REPO / f).read_bytes() for f in self.files if f.startswith("envs/")]
         return sha256_of(
-            self.base_key,
+            SUITE,
+            *packages("runtime"),
             *packages("build"),
+            *self.sources,
+            *self.apt_options,
+            str(self.recipe_epoch),
             (HERE / "install.sh").read_bytes(),
             (REPO / "pyproject.toml").read_bytes(),
             *reqs,
