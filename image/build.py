@@ -617,8 +617,10 @@ def build_top(inp: Inputs, base: Blob, wheels: Path) -> Blob:
             "/tmp/jaild-src",
             "/tmp/jaild-wheels",
         ]
-        # A mount namespace of its own (its /proc and /dev go with it) and no network: the
-        # wheelhouse must hold everything.
+        # A mount namespace of its own (its /proc and /dev go with it), no network (the
+        # wheelhouse must hold everything) and a pid namespace: `jaild env build` builds in
+        # envs/.NAME.build-<pid>, a path its scripts and byte-code keep, and pids counted
+        # from 1 in a fresh namespace are the same each build.
         script = (
             'mount -t proc proc "$1/proc" && mount --bind /dev "$1/dev" && shift && '
             'exec chroot "$@"'
@@ -629,6 +631,7 @@ def build_top(inp: Inputs, base: Blob, wheels: Path) -> Blob:
                 "unshare",
                 "--mount",
                 "--net",
+                "--pid",
                 "--fork",
                 "--propagation",
                 "private",
