@@ -51,6 +51,9 @@ apt)
 wheels)
     src=${2:?SRC} out=${3:?OUT}
     mkdir -p "$out"
+    # No debug information in what is compiled here (python-prctl): it names the build's
+    # random directory, so the same source would give other bytes each build.
+    export CFLAGS="${CFLAGS:-} -g0"
     python3 -m venv /tmp/jaild-wheels-venv
     pip="/tmp/jaild-wheels-venv/bin/pip"
     copy_source "$src" /tmp/jaild-wheels-src
