@@ -806,18 +806,22 @@ def podman(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 def load_into_podman(out: Path, inp: Inputs, config_digest: str) -> None:
     want = config_digest.removeprefix("sha256:")
     ref, latest = f"{NAME}:{inp.version}", f"{NAME}:latest"
-    had = podman("image", "inspect", "--format", "{{.Id}}", ref, check=False).stdout.strip()
-    if had == want:
+
+    def image_id(name: str) -> str:
+        return podman("image", "inspect", "--format", "{{.Id}}", name, check=False).stdout.strip()
+
+    before = {image_id(ref), image_id(latest)} - {"", want}
+    if image_id(ref) == want:
         log(f"podman: {ref} is this image already ({want[:12]})")
     else:
         run(["skopeo", "copy", "--quiet", f"oci-archive:{out}:{ref}", f"containers-storage:{ref}"])
         log(f"podman: loaded {ref} ({want[:12]})")
-        # the previous build, now untagged unless something else names it
-        tags = podman("image", "inspect", "--format", "{{.RepoTags}}", had, check=False)
-        if had and not tags.stdout.strip("[] \n"):
-            podman("rmi", had, check=False)
     podman("tag", ref, latest)
     log(f"podman: {latest} -> {ref}")
+    for old in before:  # earlier builds, now untagged unless something else names them
+        tags = podman("image", "inspect", "--format", "{{.RepoTags}}", old, check=False)
+        if not tags.stdout.strip("[] \n") and podman("rmi", old, check=False).returncode == 0:
+            log(f"podman: removed the previous build, {old[:12]}")
 
 
 def main(argv: list[str] | None = None) -> int:
