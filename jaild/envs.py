@@ -539,7 +539,15 @@ def _collect_garbage(envs_dir: str, out: TextIO) -> None:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """The build time a manifest records: now, or ``SOURCE_DATE_EPOCH`` where it is set (the
+    reproducible-builds convention: an image built twice from one commit is the same bytes)."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH", "")
+    when = (
+        datetime.datetime.fromtimestamp(int(epoch), datetime.UTC)
+        if epoch.isdigit()
+        else datetime.datetime.now(datetime.UTC)
+    )
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class _Progress:
