@@ -110,7 +110,7 @@ jail-env-%: envs/%.txt $(STAMPS)/venv
 demo: setup
 	$(PY) examples/demo.py
 
-test: setup tools-venv
+test: setup tools-venv image
 	JAILD_TOOLS_VENV=$(abspath $(TOOLS_VENV)) $(PY) -m pytest $(PYTEST_ARGS)
 
 unit: setup tools-venv
@@ -133,7 +133,7 @@ k8s-policies:
 	rm -f deploy/kubernetes/policies/*.toml
 	cp policies/*.toml deploy/kubernetes/policies/
 
-integration: setup
+integration: setup image
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
 # `make bench`: jaild side by side with bare nsjail, bubblewrap, Pyodide, pydantic-monty and
