@@ -31,7 +31,9 @@ import pytest
 from tests.conftest import DaemonHandle, guard, start_daemon, sweep_cgroups
 from tests.k8s_fake import NODE, FakeKubeAPI, make_pod
 
-HIERARCHIES = ("memory", "pids", "systemd")  # where the kubelet (v1) places a container
+V2 = os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+# where the kubelet places a container: v1, each of these hierarchies; v2, the one hierarchy
+HIERARCHIES = ("",) if V2 else ("memory", "pids", "systemd")
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ def new_pod(name: str, driver: str, namespace: str = "agents") -> Pod:
 
 class Kubelet:
     """Makes pods' container cgroups as the kubelet names them, in each hierarchy the kubelet
-    places containers in (v1: memory, pids, name=systemd), and removes them after. No kubelet
+    places containers in (v1: memory, pids, name=systemd; v2: the one), and removes them after. No kubelet
     runs here, and this test's own cgroups are not to be left: they go below a top of their
     own inside the test's cgroup of each hierarchy (``<own>/podtest-<random>/kubepods...``,
     as a kubelet's root may be nested)."""
@@ -70,7 +72,8 @@ class Kubelet:
             for c in controllers.split(","):
                 own[c.removeprefix("name=")] = path
         top = f"podtest-{uuid.uuid4().hex[:8]}"
-        self.tops = [Path(f"/sys/fs/cgroup/{h}{own[h].rstrip('/')}/{top}") for h in HIERARCHIES]
+        self.tops = [Path(f"/sys/fs/cgroup/{h}{own[h].rstrip('/')}/{top}".replace("//", "/"))
+                     for h in HIERARCHIES]
 
     def place(self, pod: Pod) -> None:
         for top in self.tops:
