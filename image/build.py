@@ -855,13 +855,13 @@ def main(argv: list[str] | None = None) -> int:
         f"jaild {inp.version} at {inp.revision[:12]}, SOURCE_DATE_EPOCH={inp.epoch} "
         f"({_iso(inp.epoch)}); Debian from {', '.join(s.split()[1] for s in sources)}"
     )
-    with cache_lock():
+    with cache_lock():  # a build beside this one (.ci/run's) finishes first; this one reuses
         base = build_base(inp, args.refresh)
         wheels = build_wheels(inp, args.refresh)
         top = build_top(inp, base, wheels)
         manifest_digest, config_digest = write_archive(OUT, inp, [base, top])
-    if not args.no_load:
-        load_into_podman(OUT, inp, config_digest)
+        if not args.no_load:
+            load_into_podman(OUT, inp, config_digest)
     image_id = config_digest.removeprefix("sha256:")[:12]
     log(
         f"done in {time.monotonic() - t:.0f} s: {OUT.relative_to(REPO)}, "
