@@ -68,7 +68,6 @@ $(STAMPS)/apt: Makefile
 # either file reinstalls.
 $(STAMPS)/venv: $(STAMPS)/apt pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[$(VENV_EXTRAS)]'
 	@touch $@
 
@@ -110,7 +109,9 @@ jail-env-%: envs/%.txt $(STAMPS)/venv
 demo: setup
 	$(PY) examples/demo.py
 
-test: setup tools-venv image
+# The container tests' image (make image) is built by the suite itself, beside the tests
+# before them (tests/conftest.py: ImageBuild); here only its tools are installed.
+test: setup tools-venv image-packages
 	JAILD_TOOLS_VENV=$(abspath $(TOOLS_VENV)) $(PY) -m pytest $(PYTEST_ARGS)
 
 unit: setup tools-venv
@@ -122,7 +123,6 @@ tools-venv: $(STAMPS)/tools-venv
 
 $(STAMPS)/tools-venv: $(STAMPS)/apt deploy/kubernetes/requirements-check.txt
 	@test -x $(TOOLS_VENV)/bin/python || $(PYTHON) -m venv $(TOOLS_VENV)
-	$(TOOLS_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(TOOLS_VENV)/bin/python -m pip install --quiet -r deploy/kubernetes/requirements-check.txt
 	@touch $@
 
@@ -133,7 +133,7 @@ k8s-policies:
 	rm -f deploy/kubernetes/policies/*.toml
 	cp policies/*.toml deploy/kubernetes/policies/
 
-integration: setup image
+integration: setup image-packages
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
 # `make bench`: jaild side by side with bare nsjail, bubblewrap, Pyodide, pydantic-monty and

@@ -167,6 +167,65 @@ HELLO = encode_frame(encode(Hello(protocol=PROTOCOL_VERSION, client="wait")), 1 
 
 
 # Liveness guards (never speed claims) stretched on a host known to be slow: the real-host
+class ImageBuild:
+    """``make image``'s build (image/build.py), for the tests marked ``container``.
+
+    Started when collection ends, beside the tests before them (the container tests run last:
+    ``pytest_collection_modifyitems``), so a cold build -- about four minutes of mmdebstrap,
+    a wheelhouse and podman's load, mostly downloads and unpacking -- is off ``make test``'s
+    path. Its own mount namespace keeps what it mounts (the chroots' /proc, podman's storage)
+    out of the host's mount table, which the hostile suite checks. An unchanged build reuses
+    its cache (/var/cache/jaild-image) in about a second; a build already running (``.ci/run``,
+    another clone's) holds the cache's lock, and this one waits for it and reuses what it made.
+    """
+
+    proc: subprocess.Popen[bytes] | None = None
+    log = REPO / "build" / "image-build.log"
+
+    @classmethod
+    def start(cls) -> None:
+        cls.log.parent.mkdir(exist_ok=True)
+        with cls.log.open("wb") as out:
+            cls.proc = subprocess.Popen(
+                ["unshare", "--mount", "--propagation", "private",
+                 sys.executable, str(REPO / "image" / "build.py")],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True)
+
+    @classmethod
+    def wait(cls) -> None:
+        """Wait for the build; fail with its log if it failed."""
+        assert cls.proc is not None, "the image build was not started (collection ends it)"
+        try:
+            code = cls.proc.wait(timeout=guard(1200))
+        except subprocess.TimeoutExpired:
+            code = None
+        log = cls.log.read_text(errors="replace")[-4000:]
+        assert code == 0, f"make image (image/build.py) {'hung' if code is None else f'exit {code}'}:\n{log}"
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.proc is not None and cls.proc.poll() is None:
+            os.killpg(cls.proc.pid, signal.SIGTERM)
+            cls.proc.wait()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The container tests last: the image they run is built beside the tests before them."""
+    items.sort(key=lambda item: item.get_closest_marker("container") is not None)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    if any(item.get_closest_marker("container") for item in session.items):
+        ImageBuild.start()
+
+
+def pytest_sessionfinish() -> None:
+    ImageBuild.stop()  # a run cut short does not leave the build behind
+
+
 # harness sets this for guests under TCG, where everything runs ~10x slower. 1 elsewhere.
 TIME_SCALE = float(os.environ.get("JAILD_TEST_TIME_SCALE", "1"))
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from jaild.client import Client
-from tests.conftest import guard, world_tempdir
+from tests.conftest import ImageBuild, guard, world_tempdir
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "localhost/jaild:latest"
@@ -50,12 +50,17 @@ def podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.C
     return done
 
 
+pytestmark = pytest.mark.container
+
+
 @pytest.fixture(scope="module")
 def image() -> str:
-    """The image ``make image`` builds from this checkout (``make test`` builds it first)."""
-    assert shutil.which("podman"), "podman is missing: `make image` installs it"
+    """The image ``make image`` builds from this checkout: built beside the tests before
+    these (``tests/conftest.py: ImageBuild``)."""
+    assert shutil.which("podman"), "podman is missing: `make image-packages` installs it"
+    ImageBuild.wait()
     there = podman("image", "exists", IMAGE, check=False)
-    assert there.returncode == 0, f"no {IMAGE}: run `make image` (make test does it first)"
+    assert there.returncode == 0, f"no {IMAGE} after the build: {ImageBuild.log}"
     return IMAGE
 
 
