@@ -131,9 +131,12 @@ class Provision:
     venv_extras: str
     env_names: tuple[str, ...]
     digest: str  # of the files the environments come from, at ``commit``
+    containers: bool = False  # with the container tests' packages too (IMAGE_PACKAGES)
 
     @classmethod
-    def of_commit(cls, repo: Path, commit: str) -> Provision:
+    def of_commit(cls, repo: Path, commit: str, *, containers: bool = False) -> Provision:
+        """What ``commit`` asks to be provisioned; ``containers``: also what the container
+        tests run with (``make image-packages``: podman, skopeo, runc, mmdebstrap)."""
         def show(path: str) -> bytes:
             return subprocess.run(["git", "-C", str(repo), "show", f"{commit}:{path}"],
                                   check=True, capture_output=True).stdout
@@ -144,19 +147,24 @@ class Provision:
         h = hashlib.sha256()
         for f in (*PROVISION_FILES, *env_files):
             h.update(f.encode() + b"\0" + show(f) + b"\0")
+        wanted = ["APT_PACKAGES", "VENV_EXTRAS", *(["IMAGE_PACKAGES"] if containers else [])]
         made = subprocess.run(
-            ["make", "-s", "--no-print-directory", "-f", "-", "print-APT_PACKAGES",
-             "print-VENV_EXTRAS"], input=show("Makefile"), capture_output=True, check=False
+            ["make", "-s", "--no-print-directory", "-f", "-",
+             *(f"print-{v}" for v in wanted)], input=show("Makefile"), capture_output=True,
+            check=False
         )
         printed = made.stdout.decode().splitlines()
-        if made.returncode != 0 or len(printed) != 2 or not printed[0].split():
-            raise RuntimeError(f"the Makefile at {commit[:12]} does not print APT_PACKAGES and "
-                               f"VENV_EXTRAS (make print-VAR): {printed!r} "
+        if made.returncode != 0 or len(printed) != len(wanted) or not printed[0].split():
+            raise RuntimeError(f"the Makefile at {commit[:12]} does not print "
+                               f"{' and '.join(wanted)} (make print-VAR): {printed!r} "
                                f"{made.stderr.decode().strip()}")
-        return cls(repo=repo, commit=commit, apt_packages=tuple(printed[0].split()),
+        apt = printed[0].split() + (printed[2].split() if containers else [])
+        if containers:
+            h.update(b"containers\0" + printed[2].encode())
+        return cls(repo=repo, commit=commit, apt_packages=tuple(apt),
                    venv_extras=printed[1].strip(),
                    env_names=tuple(Path(f).stem for f in env_files),
-                   digest=h.hexdigest())
+                   digest=h.hexdigest(), containers=containers)
 
 
 @contextlib.contextmanager
@@ -383,7 +391,7 @@ def build(guest: Guest, *, provision: Provision | None = None, force: bool = Fal
     kind, key = guest.name, guest.key()
     packages = guest.packages
     if provision is not None:
-        kind = f"{guest.name}+envs"
+        kind = f"{guest.name}+envs" + ("+containers" if provision.containers else "")
         key = hashlib.sha256(f"{key} {provision.digest}".encode()).hexdigest()[:12]
         packages = tuple(dict.fromkeys((*packages, *provision.apt_packages)))
     image = Image(guest, CACHE_DIR / f"{kind}-{key}")

@@ -175,8 +175,12 @@ class ImageBuild:
     a wheelhouse and podman's load, mostly downloads and unpacking -- is off ``make test``'s
     path. Its own mount namespace keeps what it mounts (the chroots' /proc, podman's storage)
     out of the host's mount table, which the hostile suite checks. An unchanged build reuses
-    its cache (/var/cache/jaild-image) in about a second; a build already running (``.ci/run``,
-    another clone's) holds the cache's lock, and this one waits for it and reuses what it made.
+    its cache (/var/cache/jaild-image) in about a second; a build already running (another
+    clone's) holds the cache's lock, and this one waits for it and reuses what it made.
+
+    With ``JAILD_TEST_IMAGE_ARCHIVE`` set, the image is that archive (``make image``'s
+    build/jaild-image.oci.tar, built elsewhere: the real-host harness's guests get the host's),
+    loaded into podman as ``localhost/jaild:latest`` instead of built.
     """
 
     proc: subprocess.Popen[bytes] | None = None
@@ -184,11 +188,14 @@ class ImageBuild:
 
     @classmethod
     def start(cls) -> None:
+        archive = os.environ.get("JAILD_TEST_IMAGE_ARCHIVE")
+        argv = ([sys.executable, str(REPO / "image" / "build.py")] if not archive else
+                ["skopeo", "copy", "--quiet", f"oci-archive:{archive}",
+                 "containers-storage:localhost/jaild:latest"])
         cls.log.parent.mkdir(exist_ok=True)
         with cls.log.open("wb") as out:
             cls.proc = subprocess.Popen(
-                ["unshare", "--mount", "--propagation", "private",
-                 sys.executable, str(REPO / "image" / "build.py")],
+                ["unshare", "--mount", "--propagation", "private", *argv],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
 

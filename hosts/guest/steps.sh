@@ -7,7 +7,7 @@
 # the steps after it still run. The guest powers off when this script ends.
 set -u
 SHARE=/mnt/hosts
-source "$SHARE/config.env"   # COMMIT, SUITE, STEPS, OFFLINE, BUDGETS
+source "$SHARE/config.env"   # COMMIT, SUITE, STEPS, OFFLINE, BUDGETS, TEST_TARGET
 WORK=/root/work              # a 0700 directory, like a user's home
 CLONE=$WORK/jaild
 export SHARE WORK CLONE COMMIT SUITE
@@ -61,7 +61,9 @@ test_suite() {
     cd "$CLONE"
     if [ "$SUITE" = "-" ]; then echo "suite: none"; return 0; fi
     # -v: the log names each test as it starts, so a step killed at its budget shows which ran
-    make test PYTEST_ARGS="$SUITE -v -p no:cacheprovider --junitxml=$SHARE/junit.xml"
+    # the container tests load the host's build of the image, when the run carries one
+    [ -f "$SHARE/jaild-image.oci.tar" ] && export JAILD_TEST_IMAGE_ARCHIVE=$SHARE/jaild-image.oci.tar
+    make "${TEST_TARGET:-test}" PYTEST_ARGS="$SUITE -v -p no:cacheprovider --junitxml=$SHARE/junit.xml"
 }
 
 socket_on() {

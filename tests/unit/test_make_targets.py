@@ -5,8 +5,8 @@
 of this checkout's Makefile, policies and units ("the checkout"), with every system path
 (``OPT_DIR``, ``ETC_DIR``, ``UNIT_DIR``, ``BIN_DIR``, ``STATE_DIR``) pointed below a temporary
 root. ``-o .stamps/venv`` and ``-o setup`` keep make from building a venv; the checkout's
-``.venv/bin/jaild`` and the installed venv's ``python``, ``pip`` and ``jaild`` are stand-in
-scripts. systemctl is never run: the unit directory is not the system's.
+``.venv/bin/jaild`` and ``python`` and the installed venv's ``python``, ``pip`` and ``jaild``
+are stand-in scripts. systemctl is never run: the unit directory is not the system's.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def checkout(where: Path) -> Path:
     shutil.copytree(REPO / "policies", where / "policies")
     shutil.copytree(REPO / "systemd", where / "systemd")
     executable(where / ".venv" / "bin" / "jaild")
+    executable(where / ".venv" / "bin" / "python")  # `make install` runs its pip
     return where
 
 
