@@ -118,6 +118,8 @@ BAKED_FILES = {"jaild-hosts.service"}
 
 
 WHEELHOUSE = "/var/cache/jaild-wheels"  # in the guest
+# debootstrap resolves no virtual package: what provides podman's container-network-stack
+CONTAINER_STACK = ("containernetworking-plugins",)
 PROVISION_FILES = ("Makefile", "pyproject.toml", "jaild/envs.py")  # and envs/*.txt
 
 
@@ -158,7 +160,8 @@ class Provision:
             raise RuntimeError(f"the Makefile at {commit[:12]} does not print "
                                f"{' and '.join(wanted)} (make print-VAR): {printed!r} "
                                f"{made.stderr.decode().strip()}")
-        apt = printed[0].split() + (printed[2].split() if containers else [])
+        apt = printed[0].split() + ([*printed[2].split(), *CONTAINER_STACK] if containers
+                                    else [])
         if containers:
             h.update(b"containers\0" + printed[2].encode())
         return cls(repo=repo, commit=commit, apt_packages=tuple(apt),
