@@ -10,7 +10,7 @@ SHARE=/mnt/hosts
 source "$SHARE/config.env"   # COMMIT, SUITE, STEPS, OFFLINE, BUDGETS, TEST_TARGET
 WORK=/root/work              # a 0700 directory, like a user's home
 CLONE=$WORK/jaild
-export SHARE WORK CLONE COMMIT SUITE
+export SHARE WORK CLONE COMMIT SUITE TEST_TARGET
 export HOME=/root LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
