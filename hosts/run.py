@@ -100,19 +100,20 @@ class Profile:
     # the container image (`make image`, built here) on the share, podman in the guest: the
     # container tests load that archive instead of building one (tests/conftest.py: ImageBuild)
     containers: bool = False
-    target: str = "test"  # the make target the `test` step runs the suite with
+    # the `test` step: `make test` with the suite, or these make targets and then pytest
+    target: str = "test"
 
 
 PROFILES = {
     "full": Profile(steps=STEPS, suite="full", provisioned=False, timeout_min=300,
                     budgets_s={}, containers=True),
     # The container and pod-identity tests on v2 under systemd (issue 26), offline: the image
-    # is provisioned with podman and the rest of `make image-packages`, and `make integration`
-    # runs them (`make test` would also want the manifests' tools venv, which is no part of
-    # these). Budgets: the step ran 1,8xx s here under TCG.
+    # is provisioned with podman and the rest of `make image-packages`; `make setup
+    # image-packages` and pytest run them (`make test` would also want the manifests' tools
+    # venv, which is no part of these). Budgets: the step ran 1,8xx s here under TCG.
     "containers": Profile(steps=("clone", "test"), suite="containers", provisioned=True,
                           timeout_min=150, budgets_s={"clone": 120, "test": 6000},
-                          containers=True, target="integration"),
+                          containers=True, target="setup image-packages"),
     # No `test` step: the jail tests CI keeps run through the installed service, in the
     # service checks (hosts/checks/test_jobs.py). Budgets: at least 2.5x each step's time
     # measured under `stress-ng --cpu 1` (docs/running/ci.md) -- room for a machine 2.8x slower at
@@ -233,7 +234,7 @@ def prepare_run(run: Path, args: argparse.Namespace) -> None:
     (share / "config.env").write_text(
         f"COMMIT={commit}\nSUITE={suite!r}\nSTEPS={' '.join(args.steps)!r}\n"
         f"OFFLINE={int(args.profile.provisioned)}\nBUDGETS={budgets!r}\n"
-        f"TEST_TARGET={args.profile.target}\n"
+        f"TEST_TARGET={args.profile.target!r}\n"
     )
     if args.profile.containers:
         # the image the container tests run: this checkout's (its tracked files as they are

@@ -63,7 +63,13 @@ test_suite() {
     # -v: the log names each test as it starts, so a step killed at its budget shows which ran
     # the container tests load the host's build of the image, when the run carries one
     [ -f "$SHARE/jaild-image.oci.tar" ] && export JAILD_TEST_IMAGE_ARCHIVE=$SHARE/jaild-image.oci.tar
-    make "${TEST_TARGET:-test}" PYTEST_ARGS="$SUITE -v -p no:cacheprovider --junitxml=$SHARE/junit.xml"
+    local args=(-v -p no:cacheprovider "--junitxml=$SHARE/junit.xml")
+    if [ "${TEST_TARGET:-test}" = test ]; then
+        make test PYTEST_ARGS="$SUITE ${args[*]}"
+    else  # the targets that prepare, then these tests alone
+        # shellcheck disable=SC2086 # TEST_TARGET and SUITE are word lists
+        make $TEST_TARGET && .venv/bin/python -m pytest $SUITE "${args[@]}"
+    fi
 }
 
 socket_on() {
