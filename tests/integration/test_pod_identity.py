@@ -276,7 +276,10 @@ RECYCLER = textwrap.dedent("""
     s.settimeout(30)
     from jaild.protocol import encode_frame
     from jaild.protocol.messages import Hello, PROTOCOL_VERSION, encode
-    s.sendall(encode_frame(encode(Hello(protocol=PROTOCOL_VERSION, client="x")), 1 << 16))
+    try:
+        s.sendall(encode_frame(encode(Hello(protocol=PROTOCOL_VERSION, client="x")), 1 << 16))
+    except BrokenPipeError:  # refused before its Hello: the answer is already queued here
+        pass
     data = b""
     while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "big"):
         more = s.recv(65536)
