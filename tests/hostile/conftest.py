@@ -2,7 +2,8 @@
 
 After the whole suite: no jailed process alive, no job cgroup left, the daemon's
 descriptor count back where it started, the host's mount table unchanged, no new
-temporary directories -- asserted, not eyeballed.
+temporary directories of the daemon's (nsjail's for its uid block, its own TMPDIR's) --
+asserted, not eyeballed.
 
 The daemon's own standing jails are not leaks: each policy's zygote, and a warm pool
 of exactly one jail per policy (``min = max = 1``, so the pool's size, and with it the
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from jaild.daemon.selftest import UID_BLOCK
 from tests.conftest import (
     REPO_POLICIES,
     TEST_POLICIES,
@@ -124,14 +126,24 @@ def settled_fd_count(pid: int) -> int:
     return last
 
 
-HARNESS_TMP = ("jaild-test-", "jaild-bench-")
-"""Scratch directories of test suites and benches (world_tempdir, the bench's daemons): not
-the daemon's. Another checkout's suite running on the same host makes them meanwhile."""
+NSJAIL_TMP = re.compile(r"nsjail\.(\d+)\.")
+"""nsjail's own directories in /tmp, one pair per jail uid (``nsjail.<uid>.root``, ``.tmp``)."""
 
 
-def tmp_entries() -> set[str]:
-    return {p for p in os.listdir("/tmp")
-            if p.startswith(("nsjail", "jaild")) and not p.startswith(HARNESS_TMP)}
+def daemon_tmpdir(d: DaemonHandle) -> Path:
+    """The hostile daemon's ``TMPDIR``, beside its socket."""
+    return Path(d.socket).parent / "tmp"
+
+
+def tmp_entries(d: DaemonHandle) -> set[str]:
+    """What the daemon and its jails keep in temporary directories: nsjail's directories in
+    /tmp for the uids of the daemon's block, and whatever is in the daemon's own ``TMPDIR``
+    (its transient private directories). Another jaild's -- another checkout's suite running
+    on this host -- are in another block and another ``TMPDIR``, so they are not counted."""
+    block = range(d.config.uid_base, d.config.uid_base + UID_BLOCK)
+    found = {f"/tmp/{name}" for name in os.listdir("/tmp")
+             if (m := NSJAIL_TMP.match(name)) and int(m.group(1)) in block}
+    return found | {str(p) for p in daemon_tmpdir(d).iterdir()}
 
 
 def fixed_pool(text: str) -> str:
@@ -175,12 +187,15 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
     policies = {src.stem: fixed_pool(src.read_text())
                 for src in [*REPO_POLICIES.glob("*.toml"), *TEST_POLICIES.glob("*.toml")]}
     policies["refusals"] = refusals_policy(policies["tiny"])
-    d = start_daemon(tmp_path_factory.mktemp("hostile"), policies)
+    directory = tmp_path_factory.mktemp("hostile")
+    tmpdir = directory / "tmp"  # the daemon's TMPDIR (daemon_tmpdir): its entries are its own
+    tmpdir.mkdir()
+    d = start_daemon(directory, policies, extra_env={"TMPDIR": str(tmpdir)})
     d.assert_serving()  # warm: everything the daemon opens lazily is open now
     pools_full(d)
     baseline_fds = settled_fd_count(d.proc.pid)
     mounts = Path("/proc/self/mountinfo").read_text()
-    tmp_before = tmp_entries()
+    tmp_before = tmp_entries(d)
     yield d
     try:
         d.assert_serving()
@@ -200,6 +215,7 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
             time.sleep(0.05)
         assert fd_count(d.proc.pid) == baseline_fds, "the daemon leaked file descriptors"
         assert Path("/proc/self/mountinfo").read_text() == mounts, "the host mount table changed"
-        assert tmp_entries() <= tmp_before, f"new temporary entries: {tmp_entries() - tmp_before}"
+        tmp_after = tmp_entries(d)
+        assert tmp_after <= tmp_before, f"new temporary entries: {tmp_after - tmp_before}"
     finally:
         assert d.stop() == 0  # whatever failed above, no daemon outlives the suite
