@@ -299,9 +299,10 @@ def wait_listening(path: str, proc: subprocess.Popen[bytes], log_path: str,
 def start_daemon(directory: Path, policies: dict[str, str] | None = None, *,
                  with_repo_policies: bool = True, extra_env: dict[str, str] | None = None,
                  args: tuple[str, ...] = (), wait: bool = True,
-                 python: str = sys.executable) -> DaemonHandle:
+                 python: str = sys.executable, wrapper: tuple[str, ...] = ()) -> DaemonHandle:
     """Start ``python -m jaild serve`` with a policy directory built from the given files
-    (``python``: another install's interpreter, jaild imported from there)."""
+    (``python``: another install's interpreter, jaild imported from there; ``wrapper``: a
+    command that execs it, such as ``unshare``, keeping its pid)."""
     require_jail_host()
     directory.mkdir(parents=True, exist_ok=True)
     pdir = directory / "policies"
@@ -317,7 +318,7 @@ def start_daemon(directory: Path, policies: dict[str, str] | None = None, *,
     env.pop("JAILD_SOCKET", None)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [python, "-m", "jaild", "serve", "--socket", sock, "--policies", str(pdir),
+            [*wrapper, python, "-m", "jaild", "serve", "--socket", sock, "--policies", str(pdir),
              "--state-dir", STATE_DIR, "--log-level", "debug", *args],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )

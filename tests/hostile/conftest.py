@@ -1,7 +1,8 @@
 """The hostile suite's daemon, and the leak check that runs after every hostile test.
 
 After the whole suite: no jailed process alive, no job cgroup left, the daemon's
-descriptor count back where it started, the host's mount table unchanged, no new
+descriptor count back where it started, its mount table unchanged (its own mount namespace's,
+where the host's mounts propagate and its own stay: :func:`own_mounts`), no new
 temporary directories of the daemon's (nsjail's for its uid block, its own TMPDIR's) --
 asserted, not eyeballed.
 
@@ -130,6 +131,28 @@ NSJAIL_TMP = re.compile(r"nsjail\.(\d+)\.")
 """nsjail's own directories in /tmp, one pair per jail uid (``nsjail.<uid>.root``, ``.tmp``)."""
 
 
+MountKey = tuple[str, str, str]
+
+
+def mount_table(pid: int) -> set[MountKey]:
+    """A process's mount table: (mount point, file system type, source) of each mount."""
+    rows = set()
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        sep = fields.index("-")
+        rows.add((fields[4], fields[sep + 1], fields[sep + 2]))
+    return rows
+
+
+def own_mounts(d: DaemonHandle) -> set[MountKey]:
+    """The mounts of the daemon's own mount namespace that the host's has not: what the daemon
+    and its jails mounted. The hostile daemon runs in a namespace of its own, a slave of the
+    host's (``unshare --mount --propagation slave``, as a systemd unit's hardening gives it
+    one): the host's mounts -- another suite's containers and network namespaces -- propagate
+    into it and so are in both tables, and its own never propagate out."""
+    return mount_table(d.proc.pid) - mount_table(os.getpid())
+
+
 def daemon_tmpdir(d: DaemonHandle) -> Path:
     """The hostile daemon's ``TMPDIR``, beside its socket."""
     return Path(d.socket).parent / "tmp"
@@ -190,11 +213,12 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
     directory = tmp_path_factory.mktemp("hostile")
     tmpdir = directory / "tmp"  # the daemon's TMPDIR (daemon_tmpdir): its entries are its own
     tmpdir.mkdir()
-    d = start_daemon(directory, policies, extra_env={"TMPDIR": str(tmpdir)})
+    d = start_daemon(directory, policies, extra_env={"TMPDIR": str(tmpdir)},
+                     wrapper=("unshare", "--mount", "--propagation", "slave"))
     d.assert_serving()  # warm: everything the daemon opens lazily is open now
     pools_full(d)
     baseline_fds = settled_fd_count(d.proc.pid)
-    mounts = Path("/proc/self/mountinfo").read_text()
+    mounts = own_mounts(d)
     tmp_before = tmp_entries(d)
     yield d
     try:
@@ -214,7 +238,7 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
         while fd_count(d.proc.pid) != baseline_fds and time.monotonic() < deadline:
             time.sleep(0.05)
         assert fd_count(d.proc.pid) == baseline_fds, "the daemon leaked file descriptors"
-        assert Path("/proc/self/mountinfo").read_text() == mounts, "the host mount table changed"
+        assert own_mounts(d) == mounts, "the daemon's mount table changed"
         tmp_after = tmp_entries(d)
         assert tmp_after <= tmp_before, f"new temporary entries: {tmp_after - tmp_before}"
     finally:

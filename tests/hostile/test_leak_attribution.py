@@ -1,15 +1,17 @@
-"""The leak check counts its own daemon's temporary entries, and only those (issue 27: two
-suites on one host, each with its daemons). The control: an entry of the daemon's own uid
-block, or in its own TMPDIR, is counted -- the same probe a leak would be."""
+"""The leak check counts its own daemon's temporary entries and mounts, and only those
+(issue 27: two suites on one host, each with its daemons). The control: an entry of the
+daemon's own uid block or TMPDIR, and a mount in its own mount namespace, are counted -- the
+same probe a leak would be."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 from jaild.daemon.selftest import UID_BLOCK
 from tests.conftest import DaemonHandle
-from tests.hostile.conftest import daemon_tmpdir, tmp_entries
+from tests.hostile.conftest import daemon_tmpdir, own_mounts, tmp_entries
 
 
 def test_only_the_daemons_own_temporary_entries_are_counted(hostile: DaemonHandle) -> None:
@@ -32,3 +34,26 @@ def test_only_the_daemons_own_temporary_entries_are_counted(hostile: DaemonHandl
     finally:
         for path in made:
             os.rmdir(path)
+
+
+def test_only_the_daemons_own_mounts_are_counted(hostile: DaemonHandle, tmp_path: Path) -> None:
+    """A mount on the host (another suite's container, say) is not the daemon's; one in the
+    daemon's own mount namespace is (the control: what a jail's escaped mount would be)."""
+    host_point, own_point = tmp_path / "host", daemon_tmpdir(hostile) / "own-probe"
+    host_point.mkdir()
+    own_point.mkdir()
+    before = own_mounts(hostile)
+    subprocess.run(["mount", "-t", "tmpfs", "probe-host", str(host_point)], check=True)
+    try:
+        assert own_mounts(hostile) == before  # the host's: not counted
+        subprocess.run(["nsenter", "--mount", f"--target={hostile.proc.pid}",
+                        "mount", "-t", "tmpfs", "probe-own", str(own_point)], check=True)
+        try:
+            assert own_mounts(hostile) - before == {(str(own_point), "tmpfs", "probe-own")}
+        finally:
+            subprocess.run(["nsenter", "--mount", f"--target={hostile.proc.pid}",
+                            "umount", str(own_point)], check=True)
+    finally:
+        subprocess.run(["umount", str(host_point)], check=True)
+        os.rmdir(own_point)
+    assert own_mounts(hostile) == before
