@@ -82,6 +82,9 @@ socket_on() {
 
 installed_job() {
     cd /
+    # socket activation: the service is not running until the first connection starts it
+    # (the service checks rely on this step for it)
+    [ "$(systemctl is-active jaild.service)" = inactive ] || { echo "jaild.service runs already"; return 1; }
     # the installed client, through the installed socket (activates the service)
     /usr/local/bin/jaild run --socket /run/jaild/jaild.sock --json \
         -c 'import os, sys; print("uid", os.getuid()); sys.version_info[:2]' | tee /tmp/job.json
