@@ -201,9 +201,41 @@ class DaemonUnavailable(JaildError):
 
 
 class ConnectionLost(JaildError):
-    """The connection to the daemon broke while requests were outstanding."""
+    """The connection to the daemon broke while requests were outstanding.
+
+    ``reason`` says how it was found out: ``closed`` (the daemon closed it, or the
+    client did), ``reset`` (the transport failed), ``timeout`` (the daemon answered no
+    ping within the liveness bound: dead, frozen or partitioned away) or ``invalid``
+    (it sent bytes that are not the protocol)."""
 
     code = "connection_lost"
+
+    def __init__(self, message: str, reason: str = "closed") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class NodeLost(ConnectionLost):
+    """A fleet's node was lost with this job on it (:mod:`jaild.fleet`): the job's outcome
+    is unknown -- it may have run, in part or whole. A job not marked idempotent is never
+    run again; ``node`` names the endpoint."""
+
+    code = "node_lost"
+
+    def __init__(self, message: str, reason: str = "closed", node: str = "") -> None:
+        super().__init__(message, reason)
+        self.node = node
+
+
+class SessionLost(ConnectionLost):
+    """The connection that held a session was lost: the session, its jail and its state
+    are gone (a session lives on one node and is never moved)."""
+
+    code = "session_lost"
+
+    def __init__(self, message: str, reason: str = "closed", node: str = "") -> None:
+        super().__init__(message, reason)
+        self.node = node
 
 
 # ----------------------------------------------------------------------------- local errors

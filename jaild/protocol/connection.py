@@ -128,6 +128,10 @@ TRANSITIONS: dict[tuple[Role, State], dict[tuple[str, str], State]] = {
         (RECV, "JobFinished"): State.READY,
         (RECV, "PolicyList"): State.READY,
         (RECV, "Error"): State.READY,
+        (SEND, "Ping"): State.READY,
+        (RECV, "Ping"): State.READY,
+        (SEND, "Pong"): State.READY,
+        (RECV, "Pong"): State.READY,
     },
     # ---- client link, daemon end
     (Role.DAEMON, State.AWAIT_HELLO): {
@@ -161,6 +165,10 @@ TRANSITIONS: dict[tuple[Role, State], dict[tuple[str, str], State]] = {
         (SEND, "JobFinished"): State.READY,
         (SEND, "PolicyList"): State.READY,
         (SEND, "Error"): State.READY,
+        (SEND, "Ping"): State.READY,
+        (RECV, "Ping"): State.READY,
+        (SEND, "Pong"): State.READY,
+        (RECV, "Pong"): State.READY,
     },
     # after the client broke the protocol the daemon still owes it an Error saying why
     (Role.DAEMON, State.CLOSED): {(SEND, "Error"): State.CLOSED},

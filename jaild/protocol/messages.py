@@ -58,7 +58,7 @@ from jaild.protocol.fields import (
 )
 from jaild.protocol.records import DaemonStats, JobEntry, JobRecord, PolicyEntry, SessionInfo
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 MAX_CODE_CHARS = 1 << 20
 MAX_DESCRIPTION_CHARS = 8192
@@ -152,6 +152,25 @@ class Welcome(Message):
     TYPE = "Welcome"
     protocol: int = field(integer(0, 1 << 16))
     daemon: str = field(string(256), default="")
+
+
+@struct
+class Ping(Message):
+    """Are you there? Either end of the client link may send it once ``Welcome`` has been
+    said; the other answers ``Pong`` with the same ``seq`` at once. An end that has read
+    nothing from its peer within its liveness bound takes the peer for lost (dead, frozen
+    or partitioned away): see PROTOCOL.md section 8."""
+
+    TYPE = "Ping"
+    seq: int = field(_ref)
+
+
+@struct
+class Pong(Message):
+    """The answer to ``Ping`` (its ``seq``)."""
+
+    TYPE = "Pong"
+    seq: int = field(_ref)
 
 
 @struct
@@ -445,6 +464,8 @@ MESSAGES: dict[Direction, dict[str, type[Message]]] = {
             ListJobs,
             Kill,
             GetStats,
+            Ping,
+            Pong,
         )
     },
     "daemon->client": {
@@ -462,6 +483,8 @@ MESSAGES: dict[Direction, dict[str, type[Message]]] = {
             JobList,
             Killed,
             Stats,
+            Ping,
+            Pong,
         )
     },
     "daemon->jail": {m.TYPE: m for m in (Harden, RunCode, JailToolReturned, JailToolFailed)},

@@ -78,7 +78,9 @@ from jaild.protocol.messages import (
     Message,
     NetworkRefusal,
     OpenSession,
+    Ping,
     PolicyList,
+    Pong,
     RunCode,
     RunJob,
     SessionClosed,
@@ -196,6 +198,8 @@ SAMPLES: dict[str, list[Message]] = {
         Kill(ref=8, id=JOB),
         Kill(ref=8, id="ses-0123abcd"),
         GetStats(ref=9),
+        Ping(seq=1),
+        Pong(seq=2),
     ],
     "daemon->client": [
         Welcome(protocol=PROTOCOL_VERSION),
@@ -219,6 +223,8 @@ SAMPLES: dict[str, list[Message]] = {
         JobList(ref=6, jobs=(JOB_ENTRY,)),  # type: ignore[arg-type]
         Killed(ref=8, id=JOB, kind="job"),
         Stats(ref=9, stats=STATS),  # type: ignore[arg-type]
+        Ping(seq=3),
+        Pong(seq=4),
     ],
     "daemon->jail": [
         Harden(protocol=PROTOCOL_VERSION, seccomp={}),
@@ -1194,7 +1200,9 @@ def test_error_codes_are_one_to_one() -> None:
     ]
     codes = [cls.code for cls in classes]
     assert len(codes) == len(set(codes)), sorted(codes)
-    assert set(codes) - set(ERROR_CLASSES) == {"local_protocol_error", "invalid_policy"}
+    assert set(codes) - set(ERROR_CLASSES) == {
+        "local_protocol_error", "invalid_policy", "node_lost", "session_lost"
+    }
     for code, cls in ERROR_CLASSES.items():
         assert cls.code == code
     assert all(issubclass(c, RemoteProtocolError) for c in

@@ -66,7 +66,9 @@ from jaild.protocol.messages import (
     ListPolicies,
     Message,
     OpenSession,
+    Ping,
     PolicyList,
+    Pong,
     RunCode,
     RunJob,
     SessionClosed,
@@ -295,6 +297,8 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     ListJobs: message(ListJobs, {"ref": ref}),
     Kill: message(Kill, {"ref": ref, "id": job_id}),
     GetStats: message(GetStats, {"ref": ref}),
+    Ping: message(Ping, {"seq": ref}),
+    Pong: message(Pong, {"seq": ref}),
     SessionOpened: message(
         SessionOpened, {"ref": ref, "session_id": session_id, "record": session_info}
     ),
