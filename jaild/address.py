@@ -40,3 +40,23 @@ def nobody_listening(path: str) -> bool:
     finally:
         s.close()
     return False
+
+
+def parse_address(address: str) -> tuple[str, str, int]:
+    """Where a client connects: ``("unix", path, 0)`` for a socket path (or
+    ``unix:///path``), ``("tls", host, port)`` for ``tls://HOST:PORT`` (an IPv6 host in
+    brackets). Raises ValueError for anything else."""
+    if address.startswith("tls://"):
+        rest = address[len("tls://"):]
+        host, sep, port = rest.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f'a network address is "tls://HOST:PORT", got {address!r}')
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        return "tls", host, int(port)
+    if address.startswith("unix://"):
+        return "unix", address[len("unix://"):], 0
+    if "://" in address:
+        raise ValueError(f'an address is a socket path, "unix:///path" or "tls://HOST:PORT", '
+                         f"got {address!r}")
+    return "unix", address, 0

@@ -39,19 +39,23 @@ import inspect
 import itertools
 import logging
 import socket
+import ssl
 import threading
+import time
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack
 
 from jaild import __version__, loops, tracing
-from jaild.address import socket_from_env
+from jaild.address import parse_address, socket_from_env
 from jaild.errors import (
     ConnectionLost,
     DaemonUnavailable,
     JaildError,
+    PermissionDenied,
     RemoteProtocolError,
+    SessionLost,
     error_from_wire,
 )
 from jaild.errors import (
@@ -80,7 +84,9 @@ from jaild.protocol.messages import (
     ListPolicies,
     Message,
     OpenSession,
+    Ping,
     PolicyList,
+    Pong,
     RunJob,
     SessionClosed,
     SessionOpened,
@@ -344,6 +350,7 @@ class AsyncSession:
         self.close_message = ""
         self.info: dict[str, Any] = {}
         self.approve: Approver | None = None  # for this session's runs (default: the client's)
+        self._lost: ConnectionLost | None = None  # its connection was lost: so was it
 
     async def open(self) -> AsyncSession:
         """Open the session: returns once its jail is ready."""
@@ -374,7 +381,20 @@ class AsyncSession:
         self.closed = self.closed or reason
         self.close_message = self.close_message or message
 
+    def _lose(self, exc: ConnectionLost) -> None:
+        """Its connection was lost: the session (its jail, its state) is gone with it."""
+        self._lost = exc
+        self._closed("disconnected", exc.message)
+
+    def _session_lost(self) -> SessionLost:
+        lost = self._lost
+        assert lost is not None
+        return SessionLost(f"session {self.id} was lost with its connection: {lost.message}",
+                           reason=lost.reason, node=self._client.address)
+
     def _check_open(self) -> str:
+        if self._lost is not None:
+            raise self._session_lost()
         if self.closed is not None:
             raise SessionClosedError(f"session {self.id} is closed ({self.closed}): "
                                      f"{self.close_message}", reason=self.closed)
@@ -437,7 +457,12 @@ class AsyncSession:
 
     async def _run(self, code: str, options: RunOptions) -> JobResult:
         job = await self._submit(code, options)
-        result = await job.result()
+        try:
+            result = await job.result()
+        except ConnectionLost as exc:
+            if self._lost is None or isinstance(exc, SessionLost):
+                raise
+            raise self._session_lost() from exc
         ended = (result.session or {}).get("closed")
         if ended:  # its SessionClosed follows; the session is over already
             error = result.error or {}
@@ -456,6 +481,10 @@ class AsyncSession:
         except SessionClosedError as exc:  # the daemon's word: why is its SessionClosed's
             exc.reason = exc.reason or self.closed
             raise
+        except ConnectionLost as exc:
+            if self._lost is None or isinstance(exc, SessionLost):
+                raise
+            raise self._session_lost() from exc
 
     async def upload(self, files: Uploads) -> JobResult:
         """Put files into the working directory (a run of no code); ``files`` as
@@ -479,10 +508,12 @@ class AsyncSession:
 
 
 class AsyncClient:
-    """An asyncio client of one jaild daemon over its Unix socket.
+    """An asyncio client of one jaild daemon: over its Unix socket, or over the network
+    with mutual TLS (``tls://HOST:PORT``).
 
     Args:
-        socket_path: the daemon's socket (default: ``$JAILD_SOCKET`` or ``/run/jaild/jaild.sock``).
+        address: the daemon's socket (default: ``$JAILD_SOCKET`` or ``/run/jaild/jaild.sock``),
+            or ``tls://HOST:PORT``.
         name: how this client introduces itself (shown in daemon logs).
         handler_threads: worker threads for plain (non-async) tool handlers: how many of
             them may block at once across this client's jobs.
@@ -490,25 +521,60 @@ class AsyncClient:
 
     def __init__(
         self,
-        socket_path: str | None = None,
+        address: str | None = None,
         *,
         name: str = "",
         handler_threads: int = 64,
         approve: Approver | None = None,
         sock: socket.socket | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        ca: str | None = None,
+        server_name: str | None = None,
+        tls: ssl.SSLContext | None = None,
+        liveness_timeout_s: float = 30.0,
+        connect_timeout_s: float = 30.0,
     ) -> None:
-        """A client of the daemon at ``socket_path`` (default: ``$JAILD_SOCKET``, else
+        """A client of the daemon at ``address`` (default: ``$JAILD_SOCKET``, else
         ``/run/jaild/jaild.sock``); :meth:`connect` (or ``async with``) connects.
 
         Args:
-            socket_path: the daemon's socket.
+            address: the daemon's Unix socket path (or ``unix:///path``), or
+                ``tls://HOST:PORT`` for a daemon's network listener.
             name: what the client calls itself in its ``Hello`` (the daemon's logs).
             handler_threads: threads for synchronous tool handlers.
             approve: asked for tools that need approval (see :data:`Approver`).
             sock: a connected stream socket to speak over instead of connecting to
-                ``socket_path`` (one end of a socketpair: :mod:`jaild.testing`).
+                ``address`` (one end of a socketpair: :mod:`jaild.testing`).
+            cert, key: over TLS, this client's certificate chain and private key (PEM
+                files): the daemon serves the client as the principal the certificate
+                names.
+            ca: over TLS, the CA bundle (PEM) that signs the daemon's certificate
+                (default: the system's).
+            server_name: over TLS, the name the daemon's certificate must hold (default:
+                the address's host).
+            tls: over TLS, a ready ``ssl.SSLContext`` instead of ``cert``/``key``/``ca``.
+            liveness_timeout_s: a daemon this client has read nothing from for this long
+                (it pings an idle one every third of it) is lost -- dead, frozen or
+                partitioned away: everything in flight fails with ``ConnectionLost``
+                (``reason = "timeout"``). 0: off.
+            connect_timeout_s: how long connecting (and the TLS handshake) may take.
         """
-        self.socket_path = socket_from_env(socket_path)[0]
+        self.address = socket_from_env(address)[0]
+        self.kind, host, self.port = parse_address(self.address)
+        self.host = host if self.kind == "tls" else ""
+        self.socket_path = host if self.kind == "unix" else ""
+        self._tls: ssl.SSLContext | None = None
+        self._server_name = server_name or self.host
+        if self.kind == "tls" and sock is None:
+            self._tls = tls or client_context(cert, key, ca)
+        elif cert or key or ca or tls:
+            raise ValueError(f"cert, key, ca and tls are for a tls:// address, not {self.address}")
+        self._liveness_s = liveness_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._last_read = 0.0
+        self._liveness_timer: asyncio.TimerHandle | None = None
+        self._pings = 0
         self._sock = sock
         self._approve = approve
         self._name = name or f"jaild-py/{__version__}"
@@ -541,7 +607,18 @@ class AsyncClient:
             if not self._welcome.done():  # else refused at the door before our Hello (uvloop
                 hello = Hello(protocol=PROTOCOL_VERSION, client=self._name)  # reads at once)
                 self._transport.write(self._conn.send(hello))
-            welcome = await self._welcome
+            try:
+                async with asyncio.timeout(self._connect_timeout_s or None):
+                    welcome = await self._welcome
+            except TimeoutError:
+                raise ConnectionLost(f"no Welcome from {self.address} within "
+                                     f"{self._connect_timeout_s:g} s", reason="timeout") from None
+            except ConnectionLost as exc:
+                if self._tls is not None and exc.reason in ("closed", "reset"):
+                    # TLS 1.3: the daemon judges our certificate after our side of the
+                    # handshake is done, and drops the connection if it refuses it
+                    raise _tls_refusal(exc, self.address) from None
+                raise
             if isinstance(welcome, Error):
                 raise error_from_wire(welcome.code, welcome.message)
             if not isinstance(welcome, Welcome):
@@ -552,17 +629,43 @@ class AsyncClient:
             raise
         finally:
             self._welcome = None
+        self._watch_liveness()
 
     async def _open_transport(
         self, link: Callable[[], _Link]
     ) -> tuple[asyncio.Transport, _Link]:
         """The connection to the daemon: over ``sock`` if given, else to its socket."""
+        loop = asyncio.get_running_loop()
         if self._sock is not None:
-            return await asyncio.get_running_loop().create_unix_connection(link, sock=self._sock)
+            return await loop.create_unix_connection(link, sock=self._sock)
+        if self._tls is not None:
+            try:
+                async with asyncio.timeout(self._connect_timeout_s or None):
+                    return await loop.create_connection(
+                        link, self.host, self.port, ssl=self._tls,
+                        server_hostname=self._server_name,
+                        ssl_handshake_timeout=self._connect_timeout_s or None,
+                    )
+            except ssl.SSLCertVerificationError as exc:
+                raise DaemonUnavailable(
+                    f"the daemon at {self.address} is not trusted: {exc.verify_message} "
+                    "(is ca= the CA that signs its certificate, and server_name its name?)"
+                ) from None
+            except (ssl.SSLError, ConnectionResetError) as exc:
+                raise DaemonUnavailable(
+                    f"the TLS handshake with {self.address} failed: {exc} (a jaild daemon "
+                    "speaks TLS 1.3 only, and requires a client certificate)"
+                ) from None
+            except TimeoutError:
+                raise DaemonUnavailable(
+                    f"no answer from {self.address} within {self._connect_timeout_s:g} s"
+                ) from None
+            except OSError as exc:
+                raise DaemonUnavailable(
+                    f"no jaild daemon at {self.address} ({exc.strerror or exc})"
+                ) from None
         try:
-            return await asyncio.get_running_loop().create_unix_connection(
-                link, self.socket_path
-            )
+            return await loop.create_unix_connection(link, self.socket_path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise DaemonUnavailable(
                 f"no jaild daemon at {self.socket_path} ({exc.strerror}); start one with "
@@ -575,7 +678,7 @@ class AsyncClient:
             ) from None
 
     async def close(self) -> None:
-        self._fail_all(ConnectionLost("the client was closed"))
+        self._fail_all(ConnectionLost("the client was closed", reason="local"))
         if self._transport is not None:
             self._transport.close()
             assert self._link is not None
@@ -795,9 +898,40 @@ class AsyncClient:
         self._transport.write(self._conn.send(msg))
         await self._link.drain()  # returns at once unless the daemon is not reading
 
+    def _watch_liveness(self) -> None:
+        """Ping the daemon when it has been idle for a third of ``liveness_timeout_s``;
+        give up on it when it has been silent for all of it (PROTOCOL.md section 8)."""
+        bound = self._liveness_s
+        if bound <= 0 or self._broken is not None or self._transport is None:
+            return
+        idle = time.monotonic() - self._last_read
+        if idle >= bound:
+            self._ended(ConnectionLost(
+                f"nothing from the daemon at {self.address} for {idle:.1f} s "
+                f"(liveness_timeout_s {bound:g}): it is dead, frozen or cut off",
+                reason="timeout",
+            ))
+            self._transport.abort()
+            return
+        period = bound / 3
+        if idle >= period:
+            self._pings += 1
+            with contextlib.suppress(JaildError):
+                self._transport.write(self._conn.send(Ping(seq=self._pings)))
+            wait = min(period, bound - idle)
+        else:
+            wait = period - idle
+        self._liveness_timer = asyncio.get_running_loop().call_later(wait, self._watch_liveness)
+
+    def _stop_liveness(self) -> None:
+        if self._liveness_timer is not None:
+            self._liveness_timer.cancel()
+            self._liveness_timer = None
+
     def _received(self, data: bytes) -> None:
         """Bytes from the daemon (b"": it closed the connection): every message in them is
         handled now, in the loop iteration that read them."""
+        self._last_read = time.monotonic()
         try:
             self._conn.receive_data(data)
             while True:
@@ -807,13 +941,18 @@ class AsyncClient:
                 if event is CLOSED:
                     self._ended(ConnectionLost("the daemon closed the connection"))
                     return
+                if isinstance(event, (Ping, Pong)):
+                    if isinstance(event, Ping) and self._transport is not None:
+                        self._transport.write(self._conn.send(Pong(seq=event.seq)))
+                    continue
                 assert isinstance(event, Message)
                 if self._welcome is not None and not self._welcome.done():
                     self._welcome.set_result(event)  # Welcome, or the Error that refuses us
                 else:
                     self._handle(event)
         except RemoteProtocolError as exc:
-            self._ended(ConnectionLost(f"the daemon sent invalid data: {exc.message}"))
+            self._ended(ConnectionLost(f"the daemon sent invalid data: {exc.message}",
+                                       reason="invalid"))
             if self._transport is not None:
                 self._transport.close()
 
@@ -825,8 +964,12 @@ class AsyncClient:
 
     def _fail_all(self, exc: JaildError) -> None:
         self._broken = self._broken or exc
+        self._stop_liveness()
         for sess in self._sessions.values():
-            sess._closed("disconnected", exc.message)
+            if isinstance(exc, ConnectionLost) and exc.reason != "local":
+                sess._lose(exc)
+            else:
+                sess._closed("disconnected", exc.message)
         self._sessions.clear()
         for fut in [*(a for a, _ in self._accepting.values()), *self._requests.values()]:
             if not fut.done():
@@ -975,6 +1118,38 @@ class AsyncClient:
 
 
 
+def client_context(cert: str | None, key: str | None, ca: str | None) -> ssl.SSLContext:
+    """A client's TLS context: TLS 1.3, the daemon's certificate verified against ``ca``
+    (default: the system's CAs) and its name checked, this client's certificate presented.
+
+    Raises:
+        ValueError: ``cert`` without ``key`` or the other way round, or neither (the daemon
+            requires a client certificate); a file that cannot be used (named).
+    """
+    if not cert or not key:
+        raise ValueError("a tls:// address needs cert= and key=: the daemon requires a "
+                         "client certificate")
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cert {cert} / key {key}: cannot be used: {exc}") from None
+    return ctx
+
+
+def _tls_refusal(exc: ConnectionLost, address: str) -> PermissionDenied:
+    """A TLS connection dropped before ``Welcome``: the daemon refused this client's
+    certificate (none, expired, not yet valid, or signed by a CA it does not trust) and
+    says which only in its audit log -- a refused client learns nothing it could probe
+    with."""
+    return PermissionDenied(
+        f"the daemon at {address} refused this client's certificate during the TLS "
+        f"handshake ({exc.message}): is it signed by the CA the daemon trusts "
+        "(tls.client_ca), and valid now? The daemon's audit log names the reason."
+    )
+
+
 class _Link(asyncio.Protocol):
     """An :class:`AsyncClient`'s connection, as asyncio's protocol: what the daemon sends is
     handed to the client as it is read; writes wait only while the daemon is not reading."""
@@ -993,8 +1168,12 @@ class _Link(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        why = f"connection to the daemon lost: {exc}" if exc else "the connection was closed"
-        self._client._ended(ConnectionLost(why))
+        if exc is None:
+            lost = ConnectionLost("the connection was closed")
+        else:
+            lost = ConnectionLost(f"connection to the daemon lost: {exc}", reason="reset")
+            lost.__cause__ = exc
+        self._client._ended(lost)
         self._paused = False
         self._wake()
         if not self._lost.done():
@@ -1034,21 +1213,33 @@ class Client:
 
     def __init__(
         self,
-        socket_path: str | None = None,
+        address: str | None = None,
         *,
         name: str = "",
         handler_threads: int = 64,
         approve: Approver | None = None,
         event_loop: str = loops.DEFAULT,
+        cert: str | None = None,
+        key: str | None = None,
+        ca: str | None = None,
+        server_name: str | None = None,
+        tls: ssl.SSLContext | None = None,
+        liveness_timeout_s: float = 30.0,
+        connect_timeout_s: float = 30.0,
     ) -> None:
+        """A connected client of the daemon at ``address``; the arguments are
+        :class:`AsyncClient`'s, and ``event_loop`` the private loop's kind."""
+        client = AsyncClient(
+            address, name=name, handler_threads=handler_threads, approve=approve,
+            cert=cert, key=key, ca=ca, server_name=server_name, tls=tls,
+            liveness_timeout_s=liveness_timeout_s, connect_timeout_s=connect_timeout_s,
+        )  # before the thread: a bad argument raises here, with nothing to stop
         self._loop = loops.new_event_loop(event_loop)
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="jaild-client", daemon=True
         )
         self._thread.start()
-        self._client = AsyncClient(
-            socket_path, name=name, handler_threads=handler_threads, approve=approve
-        )
+        self._client = client
         try:
             self._call(self._client.connect())
         except BaseException:
@@ -1058,6 +1249,10 @@ class Client:
     @property
     def socket_path(self) -> str:
         return self._client.socket_path
+
+    @property
+    def address(self) -> str:
+        return self._client.address
 
     def _call(self, coro: Any) -> Any:
         """Run ``coro`` on the client's thread and wait for it -- in the caller's trace

@@ -88,6 +88,36 @@ def _absolute(v: Any) -> str | None:
     return None if v == "" or str(v).startswith("/") else f"must be an absolute path, got {v!r}"
 
 
+def _listeners(v: Any) -> str | None:
+    for entry in v:
+        try:
+            parse_listener(entry)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def parse_listener(entry: str) -> tuple[str, int]:
+    """``tls://HOST:PORT`` -> (host, port); ValueError naming what is wrong. ``HOST`` may be
+    an IPv4 address, a bracketed IPv6 one or a name; ``0.0.0.0``/``[::]``: every address."""
+    if not isinstance(entry, str) or not entry.startswith("tls://"):
+        raise ValueError(f'each entry must be "tls://HOST:PORT", got {entry!r}')
+    rest = entry[len("tls://"):]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f'each entry must be "tls://HOST:PORT" with a port 1-65535, got {entry!r}')
+    if host.startswith("["):
+        if not host.endswith("]"):
+            raise ValueError(f"an IPv6 address must be in brackets, got {entry!r}")
+        host = host[1:-1]
+    return host, int(port)
+
+
+def _liveness(v: Any) -> str | None:
+    return None if v == 0 or 0.3 <= v <= 86400 else (
+        f"must be 0 (off) or between 0.3 and 86400 seconds, got {v!r}")
+
+
 # ---------------------------------------------------------------------------- file sections
 
 
@@ -159,6 +189,13 @@ class DaemonFile:
         "kernel's default. 0: the kernel's default (docs/performance.md).",
         _slice,
     )
+    listen: tuple[str, ...] = setting(
+        (),
+        'Network listeners besides the Unix socket: "tls://HOST:PORT" (mutual TLS 1.3; '
+        "needs [tls]). Clients are identified by their certificates "
+        "(docs/running/network.md).",
+        _listeners,
+    )
 
 
 @dataclass(frozen=True)
@@ -200,11 +237,37 @@ class AccessFile:
         "The node whose pods the daemon watches; \"\": $JAILD_NODE_NAME (the DaemonSet sets "
         "it from spec.nodeName), else the host name.",
     )
+    principals: tuple[str, ...] = setting(
+        ("*",),
+        "Clients over the network allowed: glob patterns of the principal their certificate "
+        "names (its URI SAN, e.g. \"spiffe://example.org/agents/*\", else its subject, "
+        "e.g. \"CN=ci,O=example\"). Unix-socket clients are judged by `users`.",
+    )
     pod_wait_s: float = setting(
         2.0,
         "How long a client of a pod the daemon's watch has not seen yet waits for it before "
         "it is refused.",
         between(0.0, 60.0),
+    )
+
+
+@dataclass(frozen=True)
+class TlsFile:
+    """``[tls]`` -- the certificates of the network listeners (``daemon.listen``)."""
+
+    cert: str = setting("", "The daemon's certificate chain (PEM).", _absolute)
+    key: str = setting("", "The daemon's private key (PEM), readable by root only.", _absolute)
+    client_ca: str = setting(
+        "",
+        "The CA bundle (PEM) that signs client certificates: only clients with a "
+        "certificate it verifies are let in.",
+        _absolute,
+    )
+    reload_s: float = setting(
+        30.0,
+        "How often the three files are checked for a change (a renewed certificate is served "
+        "to new connections, without a restart); SIGHUP reloads at once. 0: only on SIGHUP.",
+        between(0, 86400),
     )
 
 
@@ -252,6 +315,13 @@ class LimitsFile:
     shutdown_grace_s: float = setting(
         10.0, "How long shutdown waits for cancelled jobs.", between(0.1, 600)
     )
+    liveness_timeout_s: float = setting(
+        30.0,
+        "A client the daemon has read nothing from for this long (it pings an idle one every "
+        "third of it) is lost -- dead, frozen or partitioned away: its connection is closed "
+        "and its jobs cancelled. 0: off.",
+        _liveness,
+    )
     # -- fairness between uids and the memory ceiling (docs/security.md: "Sharing the daemon
     # between uids")
     max_jobs_per_uid: int = setting(
@@ -292,7 +362,9 @@ class LimitsFile:
     )
 
 
-FILE_SECTIONS: dict[str, type] = {"daemon": DaemonFile, "access": AccessFile, "limits": LimitsFile}
+FILE_SECTIONS: dict[str, type] = {
+    "daemon": DaemonFile, "access": AccessFile, "tls": TlsFile, "limits": LimitsFile
+}
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -329,6 +401,13 @@ def load_config_file(path: str) -> dict[str, Any]:
             f"must be at least limits.max_frame_bytes ({limits.max_frame_bytes}), so that one "
             "frame of the largest size fits, or 0",
         )
+    daemon, tls = sections["daemon"], sections["tls"]
+    if daemon.listen:
+        for key in ("cert", "key", "client_ca"):
+            if not getattr(tls, key):
+                raise PolicyError(
+                    path, f"tls.{key}", "must be set: daemon.listen has a TLS listener"
+                )
     return sections
 
 
@@ -363,6 +442,13 @@ class DaemonConfig:
     metrics_address: str | None = None  # "host:port" of the Prometheus endpoint; None: off
     metrics_tool_labels: bool = False  # tool names as metric labels (every client's)
     allowed_users: tuple[str, ...] = ("*",)
+    allowed_principals: tuple[str, ...] = ("*",)  # certificate principals (access.principals)
+    listen: tuple[str, ...] = ()  # "tls://HOST:PORT" listeners besides the socket
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    tls_reload_s: float = 30.0
+    liveness_timeout_s: float = 30.0
     identity: str = "uid"  # "uid" or "kubernetes": see AccessFile
     outside_pods: str = "refuse"
     kubernetes_api: str = ""
@@ -427,8 +513,12 @@ class DaemonConfig:
                 drain_s=d.drain_s,
                 egress_secrets=d.egress_secrets or None,
                 egress_upstream_ca=d.egress_upstream_ca or None,
+                listen=d.listen,
                 allowed_users=a.users,
-                **{k: v for k, v in dataclasses.asdict(a).items() if k != "users"},
+                allowed_principals=a.principals,
+                **{k: v for k, v in dataclasses.asdict(a).items()
+                   if k not in ("users", "principals")},
+                **{f"tls_{k}": v for k, v in dataclasses.asdict(sections["tls"]).items()},
                 **dataclasses.asdict(lim),
             )
         else:

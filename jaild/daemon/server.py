@@ -69,7 +69,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from jaild import __version__
-from jaild.daemon import sched, startup, systemd
+from jaild.daemon import sched, startup, systemd, tls
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
 from jaild.daemon.core.peer import Peer, Principal, Tenant
@@ -84,6 +84,7 @@ from jaild.daemon.principals import Principals, principals
 from jaild.daemon.registry import JailSession, Registry
 from jaild.daemon.selftest import Check
 from jaild.daemon.sessions import Sessions
+from jaild.daemon.tls import TlsListeners
 from jaild.errors import (
     ConnectionLost,
     FrameTooLarge,
@@ -115,7 +116,9 @@ from jaild.protocol.messages import (
     ListPolicies,
     Message,
     OpenSession,
+    Ping,
     PolicyList,
+    Pong,
     RunJob,
     Stats,
     Welcome,
@@ -172,8 +175,12 @@ class ServedConnection(asyncio.Protocol):
 
     peer: Peer
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Daemon, peer: Peer | None = None) -> None:
+        """``peer``: who it is, known already (a network client's certificate); None: read
+        from the socket's credentials when it is accepted."""
         self.daemon = daemon
+        if peer is not None:
+            self.peer = peer
         self.conn = Connection(Role.DAEMON, daemon.config.max_frame_bytes)
         self.transport: asyncio.Transport | None = None
         self.pending_calls: dict[tuple[str, int], CallReply] = {}
@@ -195,6 +202,11 @@ class ServedConnection(asyncio.Protocol):
         self._reading_paused = False  # ... and past WRITE_BUFFER_HIGH: requests wait
         self._unadmitted: list[bytes] | None = None  # read before it was admitted (hold())
         self._drain_waiters: list[asyncio.Future[None]] = []
+        # liveness (limits.liveness_timeout_s): when it last sent us anything, the timer that
+        # pings it when idle and gives up on it when silent, the last ping's number
+        self._last_read = 0.0
+        self._liveness_timer: asyncio.TimerHandle | None = None
+        self._pings = 0
 
     @property
     def who(self) -> str:
@@ -206,7 +218,8 @@ class ServedConnection(asyncio.Protocol):
         # a stream transport (uvloop's is one without being an asyncio.Transport)
         self.transport = typing.cast(asyncio.Transport, transport)
         try:
-            self.peer = Peer(*_peer_credentials(transport.get_extra_info("socket")))
+            if not hasattr(self, "peer"):
+                self.peer = Peer(*_peer_credentials(transport.get_extra_info("socket")))
             limit = self.daemon.config.stream_buffer_bytes
             self.transport.set_write_buffer_limits(high=limit, low=limit // 2)
         except OSError:
@@ -257,6 +270,7 @@ class ServedConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ reading
 
     def _received(self, data: bytes) -> None:
+        self._last_read = time.monotonic()
         try:
             self.conn.receive_data(data)
             self._count_buffered()
@@ -284,6 +298,7 @@ class ServedConnection(asyncio.Protocol):
                     if self._handshake_timer is not None:
                         self._handshake_timer.cancel()
                     self.send(Welcome(protocol=PROTOCOL_VERSION, daemon=f"jaild/{__version__}"))
+                    self._watch_liveness()
                     continue
                 self._dispatch(event)
                 if self._write_paused and self._buffered() > WRITE_BUFFER_HIGH:
@@ -308,6 +323,36 @@ class ServedConnection(asyncio.Protocol):
                 self._timed_out,
                 f"a frame was started but not finished within {timeout:g} s",
             )
+
+    def _watch_liveness(self) -> None:
+        """Ping the client when it has been idle for a third of ``liveness_timeout_s``; give
+        up on it when it has been silent for all of it (PROTOCOL.md section 8)."""
+        bound = self.daemon.config.liveness_timeout_s
+        if bound <= 0 or self.closed:
+            return
+        idle = time.monotonic() - self._last_read
+        if idle >= bound:
+            self._lost(f"nothing from the client for {idle:.1f} s "
+                       f"(limits.liveness_timeout_s {bound:g})")
+            return
+        period = bound / 3
+        if idle >= period:
+            self._pings += 1
+            self.send(Ping(seq=self._pings))
+            wait = min(period, bound - idle)
+        else:
+            wait = period - idle
+        self._liveness_timer = asyncio.get_running_loop().call_later(wait, self._watch_liveness)
+
+    def _lost(self, why: str) -> None:
+        """The client is lost (dead, frozen or partitioned away): its work ends as if it
+        had closed the connection, and the transport is dropped (nothing can reach it)."""
+        log.warning("client %s lost: %s; its jobs are cancelled", self.who, why)
+        self.daemon.metrics.connection_lost()
+        self.daemon.audit.connection_lost(self.peer, why)
+        self.close(f"the client was lost: {why}")
+        if self.transport is not None:
+            self.transport.abort()
 
     def _timed_out(self, message: str) -> None:
         if not self.closed:
@@ -474,15 +519,15 @@ class ServedConnection(asyncio.Protocol):
             await asyncio.wait_for(self._drain(), timeout=1.0)
         self.close()
 
-    def close(self) -> None:
-        """End the conversation: fail its pending tool calls, cancel its jobs, close its
-        sessions, close the socket (what is buffered still goes out, for a second at
-        most). Idempotent; :meth:`serve` then waits for that work."""
+    def close(self, why: str = "the client disconnected") -> None:
+        """End the conversation: fail its pending tool calls, cancel its jobs (``why``),
+        close its sessions, close the socket (what is buffered still goes out, for a second
+        at most). Idempotent; :meth:`serve` then waits for that work."""
         if self.closed:
             return
         self.closed = True
         daemon = self.daemon
-        for timer in (self._handshake_timer, self._frame_timer):
+        for timer in (self._handshake_timer, self._frame_timer, self._liveness_timer):
             if timer is not None:
                 timer.cancel()
         if self._frame_held:  # what its unfinished frame held is free again
@@ -496,9 +541,9 @@ class ServedConnection(asyncio.Protocol):
         for reply in calls.values():
             reply.lost()
         for live in daemon.registry.jobs(owner=self):
-            live.jail.cancel("the client disconnected")
+            live.jail.cancel(why)
         for sess in daemon.registry.sessions(owner=self):
-            daemon.close_session(sess, "disconnected", "the client disconnected")
+            daemon.close_session(sess, "disconnected", why)
         for job in self._paused:
             job.resume_output()
         self._paused.clear()
@@ -567,6 +612,9 @@ class ServedConnection(asyncio.Protocol):
         elif isinstance(msg, ListPolicies):
             policies = tuple(map(PolicyEntry.from_wire, daemon.list_policies(self.peer)))
             self.send(PolicyList(ref=msg.ref, policies=policies))
+        elif isinstance(msg, Ping):
+            self.send(Pong(seq=msg.seq))
+        # a Pong: read, so the client is alive (_received noted it); nothing more to do
 
     def _tool_replied(self, msg: ClientToolReturned | ClientToolFailed) -> None:
         reply = self.pending_calls.pop((msg.job_id, msg.call_id), None)
@@ -672,6 +720,7 @@ class Daemon:
         self._stopped_accepting = asyncio.Event()
         # Whom clients are served as, where it is not their uid (access.identity): at start
         self.principals: Principals | None = None
+        self.listeners: TlsListeners | None = None  # daemon.listen: at start
 
     # What is told of it (see :class:`~jaild.daemon.observe.Observers`).
 
@@ -740,6 +789,14 @@ class Daemon:
             self.config, self.served, self.metrics, self._tool_called, self.protocol,
             only_policies, on_egress=self._egress_request,
         )
+        if self.config.listen:
+            try:
+                self.listeners = TlsListeners(self.config, self)
+                await self.listeners.start()
+            except StartupError:
+                self.listeners = None
+                await self.stop()
+                raise
         self._serving = True
 
     async def serve_forever(self) -> None:
@@ -748,6 +805,19 @@ class Daemon:
     def protocol(self) -> ServedConnection:
         """A new connection's protocol (the listening socket's protocol factory)."""
         return ServedConnection(self)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def serve_connection(self, transport: asyncio.Transport, peer: Peer, pending: Any) -> None:
+        """A network client whose TLS handshake succeeded: served as the principal its
+        certificate names (``peer``), admitted or refused as any connection is. ``pending``:
+        what arrived since the handshake (:func:`jaild.daemon.tls.replay`)."""
+        session = ServedConnection(self, peer)
+        transport.set_protocol(session)
+        session.connection_made(transport)
+        tls.replay(session, pending)
 
     def connected(self, session: ServedConnection) -> None:
         """A connection was accepted and its peer is known: admit it and let it converse,
@@ -758,7 +828,8 @@ class Daemon:
         if self._stopping or scope is None:
             session.close()
             return
-        if self.principals is not None and session.transport is not None:
+        if (self.principals is not None and session.transport is not None
+                and session.peer.principal.kind != "cert"):
             session.hold()
             scope.create_task(self._identified(session, self.principals, session.transport))
             return
@@ -860,6 +931,8 @@ class Daemon:
         systemd.notify("STOPPING=1")
         if self.served.server is not None:
             self.served.server.close()
+        if self.listeners is not None:
+            self.listeners.close()
         for live in self.registry.jobs():
             live.jail.cancel("the daemon is shutting down")
         for sess in self.registry.sessions():
@@ -911,6 +984,7 @@ class Daemon:
                 allowed_users=self.config.allowed_users,
                 max_connections=self.config.max_connections,
                 max_connections_per_uid=self.config.max_connections_per_uid,
+                allowed_principals=self.config.allowed_principals,
             )
         except JaildError as refusal:
             return refusal
@@ -1061,6 +1135,12 @@ async def serve(config: DaemonConfig) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, requested, sig)
+
+    def reload() -> None:
+        if daemon.listeners is not None:
+            daemon.listeners.reload()
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
     try:
         await daemon.start()
         await stop_requested.wait()  # only a signal stops this daemon (stop() runs below)
@@ -1074,7 +1154,7 @@ async def serve(config: DaemonConfig) -> None:
             if signals[-1] == signal.SIGINT or len(signals) > 1:
                 log.info("the drain was cut short by signal %d", signals[-1])
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         await daemon.stop()
 

@@ -302,6 +302,13 @@ class Access:
         'Glob patterns of "namespace/name" of the service accounts whose pods may run jobs '
         '(e.g. "agents/*"), where pods are the tenants.',
     )
+    principals: tuple[str, ...] = setting(
+        ("*",),
+        "Glob patterns of the principals network clients may run jobs as: what their "
+        'verified certificate names (its URI SAN, e.g. "spiffe://example.org/agents/*", '
+        'else its subject, e.g. "CN=ci,O=example"). `users` does not apply to them: a '
+        "policy that narrows `users` should narrow this too.",
+    )
 
 
 def _module_names(names: tuple[str, ...]) -> str | None:
@@ -436,12 +443,21 @@ class Policy:
     def user_allowed(self, uid: int, gids: typing.Iterable[int]) -> bool:
         return user_matches(self.access.users, uid, gids)
 
+    def principal_allowed(self, name: str) -> bool:
+        """May a network client whose certificate names ``name`` use this policy?"""
+        return principal_matches(self.access.principals, name)
+
     def pod_allowed(self, namespace: str, service_account: str) -> bool:
         """May a pod of ``namespace`` running as ``service_account`` use this policy?"""
         account = f"{namespace}/{service_account}"
         return any(fnmatch.fnmatchcase(namespace, p) for p in self.access.namespaces) and any(
             fnmatch.fnmatchcase(account, p) for p in self.access.service_accounts
         )
+
+
+def principal_matches(patterns: typing.Iterable[str], name: str) -> bool:
+    """Does a certificate's principal match one of the glob ``patterns``?"""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
 def user_matches(entries: typing.Iterable[str], uid: int, gids: typing.Iterable[int]) -> bool:

@@ -35,7 +35,7 @@ def write(tmp_path: Path, text: str) -> str:
         ("[daemon]\nsched_slice_us = 50",
          "daemon.sched_slice_us: must be 0 (the kernel's default) or between 100 and 100000, got 50"),
         ("[access]\nusers = 'root'", "access.users: must be a list, got str"),
-        ("[extra]", "extra: unknown key; the config accepts daemon, access, limits"),
+        ("[extra]", "extra: unknown key; the config accepts daemon, access, tls, limits"),
         ("[limits", "not valid TOML"),
     ],
 )

@@ -72,6 +72,7 @@ from jaild.policy.schema import (
     Limits,
     Policy,
     effective_limits,
+    principal_matches,
     user_matches,
 )
 from jaild.protocol.messages import JobDescription, OpenSession, RunJob, ToolSpec
@@ -86,10 +87,12 @@ _schema_problems: dict[str, str | None] = {}  # a memo: JSON text of a schema ->
 def policy_allows(policy: Policy, peer: Peer) -> bool:
     """The policy's ``access.users`` admits the peer (its uid, gid or groups) and, for a
     pod, ``access.namespaces`` its namespace and ``access.service_accounts`` its service
-    account."""
+    account; a network client, ``access.principals`` its certificate's principal."""
+    who = peer.principal
+    if who.kind == "cert":  # a network client: no uid, its certificate's principal
+        return policy.principal_allowed(who.name)
     if not policy.user_allowed(peer.uid, (peer.gid, *peer.groups)):
         return False
-    who = peer.principal
     return who.kind != "pod" or policy.pod_allowed(who.namespace, who.service_account)
 
 
@@ -137,14 +140,21 @@ def admit_connection(
     max_connections: int,
     max_connections_per_uid: int,
     matches: Callable[[Collection[str], int, tuple[int, ...]], bool] = user_matches,
+    allowed_principals: Collection[str] = ("*",),
 ) -> None:
     """May a new connection stay, beside ``others`` (the connections already open)?
 
     Raises:
-        PermissionDenied: the peer is not in the daemon's ``allowed_users``.
+        PermissionDenied: the peer is not in the daemon's ``allowed_users`` (a network
+            client: its certificate's principal is not in ``allowed_principals``).
         Busy: the daemon, or the peer's uid, is at its connection limit.
     """
-    if not matches(allowed_users, peer.uid, (peer.gid, *peer.groups)):
+    if peer.principal.kind == "cert":
+        if not principal_matches(allowed_principals, peer.principal.name):
+            raise PermissionDenied(
+                f"{peer.principal} may not use this daemon (access.principals)"
+            )
+    elif not matches(allowed_users, peer.uid, (peer.gid, *peer.groups)):
         raise PermissionDenied(f"{peer.principal} may not use this daemon")
     if len(others) >= max_connections:
         raise Busy(

@@ -7,10 +7,16 @@ and warm jails, its audit trail, ``ps``, ``kill`` and ``stats`` are kept by. By 
 ``access.identity = "kubernetes"`` it is the client's pod, read from the cgroup the
 kubelet put the client process in, so two agent pods running as the same uid are two
 tenants, and a pod is one tenant however many uids its containers run as.
+
+A client over the network (a TLS listener, ``daemon.listen``) has no uid: its principal is
+the one its verified client certificate names (``kind = "cert"``: the certificate's URI SAN,
+such as a SPIFFE ID, else its subject), and ``access.principals`` -- the daemon's and each
+policy's -- say which may connect and use what.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 Tenant = int | str
@@ -20,12 +26,14 @@ Tenant = int | str
 
 @dataclass(frozen=True)
 class Principal:
-    """The tenant a client is served as: a uid, or a Kubernetes pod (``kind``)."""
+    """The tenant a client is served as: a uid, a Kubernetes pod, or the principal a
+    network client's certificate names (``kind``)."""
 
     kind: str
-    """``uid`` or ``pod``."""
+    """``uid``, ``pod`` or ``cert``."""
     uid: int
-    """The client's uid (a pod's principal keeps it for file ownership and the audit)."""
+    """The client's uid (a pod's principal keeps it for file ownership and the audit); -1
+    for a network client."""
     pod_uid: str = ""
     namespace: str = ""
     name: str = ""
@@ -35,10 +43,20 @@ class Principal:
     def of_uid(cls, uid: int) -> Principal:
         return cls("uid", uid)
 
+    @classmethod
+    def of_certificate(cls, name: str) -> Principal:
+        """A network client, as its verified certificate names it (kept in ``name``)."""
+        return cls("cert", -1, name=name)
+
     @property
     def key(self) -> Tenant:
-        """What shares, zygotes and warm pools are kept by."""
-        return self.uid if self.kind == "uid" else f"pod-{self.pod_uid}"
+        """What shares, zygotes and warm pools are kept by (a certificate's principal by a
+        digest of its name: the key names cgroups, and a name may hold any character)."""
+        if self.kind == "uid":
+            return self.uid
+        if self.kind == "cert":
+            return "cert-" + hashlib.sha256(self.name.encode()).hexdigest()[:16]
+        return f"pod-{self.pod_uid}"
 
     @property
     def admin(self) -> bool:
@@ -56,12 +74,16 @@ class Principal:
     def __str__(self) -> str:
         if self.kind == "uid":
             return f"uid {self.uid}"
+        if self.kind == "cert":
+            return f"principal {self.name}" if self.name else "an unidentified network client"
         return f"pod {self.pod}" if self.namespace else f"pod {self.pod_uid}"
 
     def to_wire(self) -> dict[str, object]:
         """For the audit log, ``ps`` and ``stats``."""
         if self.kind == "uid":
             return {"kind": "uid", "uid": self.uid}
+        if self.kind == "cert":
+            return {"kind": "cert", "principal": self.name}
         return {
             "kind": "pod", "uid": self.uid, "pod_uid": self.pod_uid,
             "namespace": self.namespace, "name": self.name,
@@ -71,13 +93,21 @@ class Principal:
 
 @dataclass(frozen=True)
 class Peer:
-    """Who is on the other end of a connection (from SO_PEERCRED), and as whom it is served."""
+    """Who is on the other end of a connection (from SO_PEERCRED; a network client: its
+    certificate and address), and as whom it is served."""
 
     pid: int
     uid: int
     gid: int
     groups: tuple[int, ...] = ()
     principal: Principal = field(default=None)  # type: ignore[assignment]  # set below
+    address: str = ""
+    """A network client's address ("HOST:PORT"); "" on the Unix socket."""
+
+    @classmethod
+    def of_certificate(cls, name: str, address: str) -> Peer:
+        """A network client whose verified certificate names ``name``."""
+        return cls(0, -1, -1, (), Principal.of_certificate(name), address)
 
     def __post_init__(self) -> None:
         if self.principal is None:
@@ -86,6 +116,8 @@ class Peer:
     def __str__(self) -> str:
         if self.principal.kind == "uid":
             return f"uid={self.uid} pid={self.pid}"
+        if self.principal.kind == "cert":
+            return f"{self.principal} from {self.address}"
         return f"{self.principal} uid={self.uid} pid={self.pid}"
 
 

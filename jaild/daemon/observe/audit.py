@@ -77,6 +77,8 @@ def _who(peer: Peer | None) -> dict[str, Any]:
     if peer is None:
         return {"uid": None}
     who = peer.principal
+    if who.kind == "cert":
+        return {"uid": None, "principal": who.name, "address": peer.address}
     if who.kind != "pod":
         return {"uid": peer.uid}
     return {
@@ -198,6 +200,10 @@ class AuditLog:
     def killed(self, peer: Peer, ident: str) -> None:
         """``jaild kill`` ended a job or session."""
         self._emit("kill", {"id": ident, **_who(peer), "pid": peer.pid})
+
+    def connection_lost(self, peer: Peer, why: str) -> None:
+        """A client was given up on: silent past ``limits.liveness_timeout_s``."""
+        self._emit("connection_lost", {**_who(peer), "pid": peer.pid, "reason": why})
 
     def _calls_summary(self, job_id: str) -> None:
         seen = self._calls.pop(job_id, None)

@@ -343,6 +343,20 @@ class Metrics:
             ["code"],
             registry=r,
         )
+        self._tls_refused = Counter(
+            "jaild_tls_refused_connections",
+            "Network connections refused before the protocol began, by reason (no_certificate, "
+            "unknown_ca, expired, not_yet_valid, protocol_version, not_tls, handshake_timeout, "
+            "handshake_failed, principal).",
+            ["reason"],
+            registry=r,
+        )
+        self._connections_lost = Counter(
+            "jaild_connections_lost",
+            "Client connections the daemon gave up on: nothing read from them within "
+            "limits.liveness_timeout_s.",
+            registry=r,
+        )
         self._egress_requests = Counter(
             "jaild_egress_requests",
             "Requests and tunnels through egress gateways, by policy and outcome (ok, error, "
@@ -429,6 +443,15 @@ class Metrics:
     def refused(self, code: str) -> None:
         """A request or connection was refused with this error code."""
         self._refused.labels(code[:MAX_LABEL_CHARS]).inc()
+
+    def tls_refused(self, reason: str) -> None:
+        """A network connection was refused before the protocol began (its TLS handshake,
+        or its certificate's principal)."""
+        self._tls_refused.labels(reason[:MAX_LABEL_CHARS]).inc()
+
+    def connection_lost(self) -> None:
+        """A silent client was given up on (liveness)."""
+        self._connections_lost.inc()
 
     def tool_call(self, policy: str, tool: str, outcome: str, duration_s: float) -> None:
         """A tool call ended: ``outcome`` is ok, error, invalid_arguments, denied, timeout, ...

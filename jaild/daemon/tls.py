@@ -1,0 +1,328 @@
+"""The network listeners (``daemon.listen = ["tls://HOST:PORT"]``): mutual TLS in front of
+the same protocol the Unix socket speaks.
+
+Theory of operation
+-------------------
+A TCP connection is accepted by a :class:`_Door`, which reads nothing itself: it hands the
+connection to :meth:`TlsListeners._handshake`, which runs the TLS handshake
+(``loop.start_tls``) with the context current at that moment -- so a renewed certificate
+(:meth:`TlsListeners.reload`: the files changed, or SIGHUP) is served to every connection
+accepted after it, and a connection mid-handshake keeps the one it began with.
+
+The context admits TLS 1.3 only and requires a client certificate verified against
+``tls.client_ca`` (OpenSSL checks the chain and its validity dates). A handshake that fails
+-- no certificate, another CA, expired or not yet valid, an older TLS version, bytes that are
+not TLS at all, or nothing within ``limits.handshake_timeout_s`` -- is refused there: it
+never reaches the protocol. Each refusal is audited (the client's address and OpenSSL's
+reason: for a certificate that failed verification, OpenSSL keeps no copy of it to show)
+and counted (``jaild_refused_requests_total{code}``, ``jaild_tls_refused_connections_total
+{reason}``); at most ``limits.max_connections`` handshakes run at once, and past that a new
+connection is closed at once.
+
+A connection whose handshake succeeded becomes a :class:`~jaild.daemon.server.
+ServedConnection` like any Unix-socket one, with a :class:`~jaild.daemon.core.peer.Peer`
+for its certificate's principal (:func:`principal_of`: its URI SAN, else its subject): the
+daemon's door (``access.principals``, connection limits per principal and in all) admits
+or refuses it with an ``Error`` frame before ``Welcome``, exactly as it does a uid, and the
+pre-``Hello`` limits (64 KiB frames, the handshake timeout) are the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import ssl
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cryptography import x509
+
+from jaild.daemon.config import DaemonConfig, parse_listener
+from jaild.daemon.core.peer import Peer
+from jaild.errors import (
+    PermissionDenied,
+    ReadTimeout,
+    RemoteProtocolError,
+    StartupError,
+    UnsupportedVersion,
+)
+
+if typing.TYPE_CHECKING:
+    from jaild.daemon.observe.metrics import Metrics
+
+
+class Server(typing.Protocol):
+    """What the listeners need of the daemon (:class:`jaild.daemon.server.Daemon`)."""
+
+    @property
+    def stopping(self) -> bool: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    def refused(self, peer: Peer, code: str, message: str, **extra: typing.Any) -> bool: ...
+
+    def serve_connection(
+        self, transport: asyncio.Transport, peer: Peer, pending: _Pending
+    ) -> None: ...
+
+log = logging.getLogger("jaild")
+
+
+def principal_of(der: bytes) -> str:
+    """The principal a verified client certificate names: its URI SAN (the first one; a
+    SPIFFE ID has exactly one), else its subject as RFC 4514 text (``CN=ci,O=example``)."""
+    cert = x509.load_der_x509_certificate(der)
+    with contextlib.suppress(x509.ExtensionNotFound):
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+        uris = san.value.get_values_for_type(x509.UniformResourceIdentifier)
+        if uris:
+            return str(uris[0])
+    return cert.subject.rfc4514_string()
+
+
+def server_context(cert: str, key: str, client_ca: str) -> ssl.SSLContext:
+    """TLS 1.3 only, a client certificate required and verified against ``client_ca``.
+
+    Raises:
+        StartupError: a file cannot be read or used (named, with OpenSSL's reason).
+    """
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.options |= ssl.OP_NO_TICKET  # no resumption: every connection shows its certificate
+    what = f"tls.cert {cert} / tls.key {key}"
+    try:
+        ctx.load_cert_chain(cert, key)
+        what = f"tls.client_ca {client_ca}"
+        ctx.load_verify_locations(client_ca)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise StartupError(f"{what}: cannot be used: {exc}") from None
+    return ctx
+
+
+_REASONS = (
+    # (what OpenSSL's message contains, our reason, the wire code)
+    ("PEER_DID_NOT_RETURN_A_CERTIFICATE", "no_certificate", PermissionDenied),
+    ("CERTIFICATE_REQUIRED", "no_certificate", PermissionDenied),
+    ("certificate has expired", "expired", PermissionDenied),
+    ("certificate is not yet valid", "not_yet_valid", PermissionDenied),
+    ("unable to get local issuer certificate", "unknown_ca", PermissionDenied),
+    ("self-signed certificate", "unknown_ca", PermissionDenied),
+    ("self signed certificate", "unknown_ca", PermissionDenied),
+    ("certificate signature failure", "unknown_ca", PermissionDenied),
+    ("UNSUPPORTED_PROTOCOL", "protocol_version", UnsupportedVersion),
+    ("NO_PROTOCOLS_AVAILABLE", "protocol_version", UnsupportedVersion),
+    ("VERSION_TOO_LOW", "protocol_version", UnsupportedVersion),
+    ("WRONG_VERSION_NUMBER", "not_tls", RemoteProtocolError),
+    ("HTTP_REQUEST", "not_tls", RemoteProtocolError),
+    ("PACKET_LENGTH_TOO_LONG", "not_tls", RemoteProtocolError),
+    ("RECORD_LAYER_FAILURE", "not_tls", RemoteProtocolError),
+)
+
+
+def refusal_reason(exc: BaseException) -> tuple[str, type[Exception], str]:
+    """(reason, error class, OpenSSL's words) for a failed handshake."""
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return "handshake_timeout", ReadTimeout, "no TLS handshake within the handshake timeout"
+    text = str(exc) or type(exc).__name__
+    for needle, reason, cls in _REASONS:
+        if needle in text:
+            return reason, cls, text
+    return "handshake_failed", RemoteProtocolError, text
+
+
+@dataclass
+class _Files:
+    """The three files a context is made of, and when each last changed."""
+
+    paths: tuple[str, str, str]
+
+    def stamp(self) -> tuple[tuple[int, int], ...]:
+        out = []
+        for path in self.paths:
+            try:
+                st = os.stat(path)
+            except OSError:
+                out.append((-1, -1))
+            else:
+                out.append((st.st_mtime_ns, st.st_ino))
+        return tuple(out)
+
+
+class _Door(asyncio.Protocol):
+    """A TCP connection just accepted: handed to the TLS handshake, read by nothing else."""
+
+    def __init__(self, listeners: TlsListeners) -> None:
+        self.listeners = listeners
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.listeners.accepted(typing.cast(asyncio.Transport, transport))
+
+
+class _Pending(asyncio.Protocol):
+    """The TLS connection's protocol from its handshake's end until it is served: what
+    arrives meanwhile (a client's Hello right behind its Finished) is kept."""
+
+    def __init__(self) -> None:
+        self.data: list[bytes] = []
+        self.eof = False
+        self.lost: tuple[Exception | None] | None = None
+
+    def data_received(self, data: bytes) -> None:
+        self.data.append(data)
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = (exc,)
+
+
+class TlsListeners:
+    """The daemon's network listeners (see the module docstring)."""
+
+    def __init__(self, config: DaemonConfig, daemon: Server) -> None:
+        self.config = config
+        self.daemon = daemon
+        self.files = _Files((config.tls_cert, config.tls_key, config.tls_client_ca))
+        self.context = server_context(*self.files.paths)
+        self._stamp = self.files.stamp()
+        self.servers: list[asyncio.AbstractServer] = []
+        self.addresses: list[tuple[str, int]] = []  # where each listener listens (port 0: chosen)
+        self.handshakes: set[asyncio.Task[None]] = set()
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Listen on every ``daemon.listen`` address.
+
+        Raises:
+            StartupError: an address cannot be listened on.
+        """
+        loop = asyncio.get_running_loop()
+        for entry in self.config.listen:
+            host, port = parse_listener(entry)
+            try:
+                server = await loop.create_server(
+                    lambda: _Door(self), host or None, port, reuse_address=True, backlog=1024
+                )
+            except OSError as exc:
+                self.close()
+                raise StartupError(
+                    f"daemon.listen {entry}: cannot listen: {exc.strerror}"
+                ) from None
+            self.servers.append(server)
+            for sock in server.sockets:
+                self.addresses.append(sock.getsockname()[:2])
+            log.info("listening on %s (mutual TLS)", entry)
+        if self.config.tls_reload_s > 0:
+            self._watch = loop.create_task(self._watch_files(), name="tls files")
+
+    def close(self) -> None:
+        """Stop listening; handshakes under way are abandoned."""
+        for server in self.servers:
+            server.close()
+        self.servers.clear()
+        if self._watch is not None:
+            self._watch.cancel()
+        for task in list(self.handshakes):
+            task.cancel()
+
+    # ------------------------------------------------------------------ certificates
+
+    def reload(self) -> bool:
+        """Make a new context from the files as they are now; new connections get it. A
+        context that cannot be made keeps the old one (logged). True: reloaded."""
+        try:
+            context = server_context(*self.files.paths)
+        except StartupError as exc:
+            log.error("TLS certificates not reloaded, the old ones stay in use: %s", exc)
+            return False
+        self.context = context
+        self._stamp = self.files.stamp()
+        log.info("TLS certificates reloaded (%s)", ", ".join(self.files.paths))
+        return True
+
+    async def _watch_files(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.tls_reload_s)
+            stamp = self.files.stamp()
+            if stamp != self._stamp:
+                self._stamp = stamp  # a broken file is reported once, not every period
+                self.reload()
+
+    # ------------------------------------------------------------------ connections
+
+    def accepted(self, transport: asyncio.Transport) -> None:
+        address = _address(transport)
+        if self.daemon.stopping or len(self.handshakes) >= self.config.max_connections:
+            transport.abort()  # past the limit: before a byte of TLS is spent on it
+            self._refused(address, "busy", PermissionDenied, "too many TLS handshakes at once")
+            return
+        task = asyncio.get_running_loop().create_task(self._handshake(transport, address))
+        self.handshakes.add(task)
+        task.add_done_callback(self.handshakes.discard)
+
+    async def _handshake(self, transport: asyncio.Transport, address: str) -> None:
+        loop = asyncio.get_running_loop()
+        pending = _Pending()
+        try:
+            tls = await loop.start_tls(
+                transport, pending, self.context, server_side=True,
+                ssl_handshake_timeout=self.config.handshake_timeout_s,
+            )
+        except asyncio.CancelledError:
+            transport.abort()
+            raise
+        except Exception as exc:
+            transport.abort()
+            reason, cls, text = refusal_reason(exc)
+            self._refused(address, reason, cls, text)
+            return
+        if tls is None:  # the connection went away during the handshake
+            transport.abort()
+            return
+        try:
+            der = tls.get_extra_info("ssl_object").getpeercert(binary_form=True)
+            name = principal_of(der)
+        except Exception as exc:  # verified, yet unreadable: refused like a bad one
+            tls.abort()
+            self._refused(address, "handshake_failed", PermissionDenied,
+                          f"the client certificate cannot be read: {exc}")
+            return
+        peer = Peer.of_certificate(name, address)
+        self.daemon.serve_connection(tls, peer, pending)
+
+    def _refused(self, address: str, reason: str, cls: Callable[[str], Exception],
+                 text: str) -> None:
+        err = cls(f"TLS handshake from {address} refused: {reason}: {text}")
+        code = getattr(err, "code", "permission_denied")
+        self.daemon.metrics.tls_refused(reason)
+        peer = Peer.of_certificate("", address)
+        if self.daemon.refused(peer, code, str(err), tls_reason=reason):
+            log.warning("%s", err)
+
+
+def _address(transport: asyncio.BaseTransport) -> str:
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        host = peer[0]
+        return f"[{host}]:{peer[1]}" if ":" in str(host) else f"{host}:{peer[1]}"
+    return str(peer)
+
+
+def replay(connection: asyncio.Protocol, pending: _Pending) -> None:
+    """Hand what arrived before the connection was served to it, in order."""
+    for data in pending.data:
+        connection.data_received(data)
+    if pending.eof:
+        connection.eof_received()
+    if pending.lost is not None:
+        connection.connection_lost(pending.lost[0])
+
+
+__all__ = ["TlsListeners", "principal_of", "refusal_reason", "replay", "server_context"]
