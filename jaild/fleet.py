@@ -298,9 +298,8 @@ class AsyncFleetJob:
     :attr:`job_id`, :attr:`node` and :attr:`attempt` are the current attempt's: they change
     when an idempotent job is placed again."""
 
-    def __init__(self, fleet: AsyncFleet, slot: Slot, job: AsyncJob, attempt: int,
-                 idempotent: bool, session: AsyncFleetSession | None = None) -> None:
-        self._fleet = fleet
+    def __init__(self, slot: Slot, job: AsyncJob, attempt: int, idempotent: bool,
+                 session: AsyncFleetSession | None = None) -> None:
         self._slot = slot
         self._job = job
         self.attempt = attempt
@@ -559,7 +558,7 @@ class AsyncFleet:
                 attempt += 1
                 continue
             break
-        fleet_job = AsyncFleetJob(self, slot, job, attempt, idempotent)
+        fleet_job = AsyncFleetJob(slot, job, attempt, idempotent)
         tasks = self._connected()
         tasks.create_task(self._follow(fleet_job, code, policy, host_tools, options),
                           name=f"jaild.fleet:{job.job_id}")
@@ -995,7 +994,7 @@ class AsyncFleetSession:
         except (ConnectionLost, SessionClosed) as exc:
             raise self._translated(exc) from exc
         self._slot.in_flight += 1
-        fleet_job = AsyncFleetJob(self._fleet, self._slot, job, 1, False, self)
+        fleet_job = AsyncFleetJob(self._slot, job, 1, False, self)
         self._fleet._connected().create_task(
             self._fleet._follow(fleet_job, code, self.policy, {}, options),
             name=f"jaild.fleet:{job.job_id}")
