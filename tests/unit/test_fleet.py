@@ -385,21 +385,27 @@ def test_an_idempotent_job_is_run_at_most_max_attempts_times() -> None:
 
 def test_a_session_on_a_lost_node_raises_session_lost_the_others_go_on() -> None:
     async def test() -> None:
+        held = Held()
         async with nodes("a", "b") as n, AsyncFleet(["a", "b"], client_factory=n.client) as fleet:
-            s1 = await fleet.session().open()
-            s2 = await fleet.session().open()  # the least loaded: the other node
+            s1 = await fleet.session(tools=[held.hold]).open()
+            s2 = await fleet.session(tools=[held.hold]).open()  # the least loaded: the other
             assert {s1.node, s2.node} == {"a", "b"}
             await s1.run("x = 1")
             await s2.run("x = 2")
             doomed, kept = (s1, s2) if s1.node == "a" else (s2, s1)
+            in_flight = await doomed.submit(held.code("run"))
+            await until(lambda: held.calls["run"] == 1, "the session's run in its tool call")
             n.kill("a")
-            await until(lambda: fleet.stats()[0].state == "down", "a lost")
-            with pytest.raises(SessionLost) as lost:
+            with pytest.raises(SessionLost) as lost:  # the run in flight
+                await in_flight.result()
+            assert lost.value.node == "a"
+            with pytest.raises(SessionLost) as lost:  # and the next
                 await doomed.run("x")
             assert lost.value.node == "a"
             assert doomed.closed == "lost"
             assert (await kept.run("x")).result == (2 if kept is s2 else 1)
             await kept.close()
+            held.release.set()
 
     run(test)
 
