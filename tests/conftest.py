@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -19,7 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+import tomllib
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +37,7 @@ from jaild.daemon.config import DaemonConfig, default_state_dir
 # imports hypothesis's plugin module at the *end* of a session, and parsing it then can
 # fail with "AST constructor recursion depth mismatch". Importing it first avoids that.
 from jaild.daemon.jails.cgroups import Cgroups, daemon_subtree_dirs, detect
+from jaild.daemon.uidblock import flock_holders, lock_path
 from jaild.policy.compile import CgroupLayout
 from jaild.protocol import (
     NEED_DATA,
@@ -296,13 +300,49 @@ def wait_listening(path: str, proc: subprocess.Popen[bytes], log_path: str,
     raise AssertionError("jaild did not start serving in time")
 
 
+_STARTED_BLOCKS: list[tuple[int, weakref.ref[subprocess.Popen[bytes]]]] = []
+"""The uid block of each daemon :func:`start_daemon` started, with its process while that
+is referenced: one still running has the block, whether or not it has claimed it yet."""
+
+
+def block_in_use(base: int) -> bool:
+    """Is the uid block from ``base`` taken: by a daemon this session started that still
+    runs, or by any jaild instance on this host that holds its claim on it (its lock file's
+    flock, in /proc/locks: jaild/daemon/uidblock.py)?"""
+    for started, ref in _STARTED_BLOCKS:
+        proc = ref()
+        if started == base and proc is not None and proc.poll() is None:
+            return True
+    try:
+        st = os.stat(lock_path(base))
+    except OSError:
+        return False  # never claimed since the host booted
+    return bool(flock_holders(Path("/proc/locks").read_text(), st.st_dev, st.st_ino))
+
+
+def free_socket(directory: Path) -> str:
+    """A socket path in ``directory`` whose daemon's uid block is free (:func:`block_in_use`):
+    ``jaild.sock``, or where its block is taken, ``jaild-2.sock``, ``jaild-3.sock``... A
+    daemon refuses to start on a block another instance holds, and a new socket path meets
+    each daemon running 1 time in 4,095: over the suite's hundred and more starts, each beside
+    the long-lived daemons (the shared one, the hostile suite's, a module's), some runs in a
+    hundred would meet one."""
+    n, sock = 1, str(directory / "jaild.sock")
+    while block_in_use(DaemonConfig(socket_path=sock).uid_base):
+        n += 1
+        sock = str(directory / f"jaild-{n}.sock")
+    return sock
+
+
 def start_daemon(directory: Path, policies: dict[str, str] | None = None, *,
                  with_repo_policies: bool = True, extra_env: dict[str, str] | None = None,
                  args: tuple[str, ...] = (), wait: bool = True,
-                 python: str = sys.executable, wrapper: tuple[str, ...] = ()) -> DaemonHandle:
+                 python: str = sys.executable, wrapper: tuple[str, ...] = (),
+                 socket: str | None = None) -> DaemonHandle:
     """Start ``python -m jaild serve`` with a policy directory built from the given files
     (``python``: another install's interpreter, jaild imported from there; ``wrapper``: a
-    command that execs it, such as ``unshare``, keeping its pid)."""
+    command that execs it, such as ``unshare``, keeping its pid), on ``socket`` (default:
+    :func:`free_socket`'s in ``directory``)."""
     require_jail_host()
     directory.mkdir(parents=True, exist_ok=True)
     pdir = directory / "policies"
@@ -312,7 +352,7 @@ def start_daemon(directory: Path, policies: dict[str, str] | None = None, *,
             shutil.copy(src, pdir / src.name)
     for name, text in (policies or {}).items():
         (pdir / f"{name}.toml").write_text(text)
-    sock = str(directory / "jaild.sock")
+    sock = socket or free_socket(directory)
     log_path = str(directory / "jaild.log")
     env = {**os.environ, **(extra_env or {})}
     env.pop("JAILD_SOCKET", None)
@@ -323,6 +363,7 @@ def start_daemon(directory: Path, policies: dict[str, str] | None = None, *,
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )
     handle = DaemonHandle(sock, str(pdir), proc, log_path)
+    _STARTED_BLOCKS.append((handle.config.uid_base, weakref.ref(proc)))
     if wait:
         wait_listening(sock, proc, log_path)
         handle.subtree_dirs  # noqa: B018 -- where it placed itself, remembered while it runs
@@ -362,41 +403,87 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def _foreign_subtrees() -> set[str]:
-    """The subtrees of live daemons this session did not start: another suite (another
-    checkout's) running on the same host at the same time."""
-    mine = _descendants(os.getpid())
-    out = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in mine:
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if ("serve" in argv and "--socket" in argv
-                and any(a == "jaild" or a.endswith("/jaild") for a in argv)):
-            i = argv.index("--socket") + 1
-            if i < len(argv):
-                out.add(DaemonConfig(socket_path=argv[i], state_dir=STATE_DIR).subtree)
-    return out
+_STARTED_SUBTREES: set[str] = set()
+"""The cgroup subtree of every daemon this session started, noted as it was started
+(:func:`_note_started_daemon`): the subtrees :func:`no_cgroups_left_behind` holds this
+suite to account for."""
+
+
+def serve_socket(argv: list[str], cwd: str | None, env: Mapping[str, str] | None) -> str | None:
+    """The socket of the daemon that the command ``argv`` starts (``... jaild serve``, under
+    any wrapper): its ``--socket``, else ``$JAILD_SOCKET`` in ``env`` (None: this process's
+    environment), else ``daemon.socket`` of its ``--config`` file, made absolute from ``cwd``
+    as the daemon does; None if the command starts no daemon or names no socket."""
+    if "serve" not in argv:
+        return None
+    flags: dict[str, str] = {}
+    for flag, value in itertools.pairwise(argv):
+        if flag in ("--socket", "--config"):
+            flags[flag] = value
+    for arg in argv:
+        name, _, value = arg.partition("=")
+        if name in ("--socket", "--config") and value:
+            flags[name] = value
+    sock = flags.get("--socket") or (os.environ if env is None else env).get("JAILD_SOCKET")
+    if not sock and "--config" in flags:
+        with contextlib.suppress(OSError, tomllib.TOMLDecodeError, AttributeError):
+            path = os.path.join(cwd or os.getcwd(), flags["--config"])
+            named = tomllib.loads(Path(path).read_text()).get("daemon", {}).get("socket")
+            sock = named if isinstance(named, str) else None
+    return os.path.join(cwd or os.getcwd(), sock) if sock else None
+
+
+def _note_started_daemon(event: str, args: tuple[object, ...]) -> None:
+    """An audit hook: note the subtree of each daemon this process starts, as it starts it,
+    whoever starts it (:func:`start_daemon`, or a test's own ``Popen`` of ``jaild serve``)."""
+    if event != "subprocess.Popen":
+        return
+    _executable, argv, cwd, env = args
+    if not isinstance(argv, list | tuple):
+        return  # a shell string: no daemon of ours is started that way
+    words = []
+    for arg in argv:
+        if not isinstance(arg, str | bytes | os.PathLike):
+            return
+        words.append(os.fsdecode(arg))
+    where = os.fsdecode(cwd) if isinstance(cwd, str | bytes | os.PathLike) else None
+    sock = serve_socket(words, where, env if isinstance(env, Mapping) else None)
+    if sock is not None:
+        _STARTED_SUBTREES.add(DaemonConfig(socket_path=sock).subtree)
+
+
+sys.addaudithook(_note_started_daemon)
+
+
+def _subtree_name(path: str) -> str:
+    """The daemon subtree a path of :func:`_subtrees` is, or is the scope of (v2:
+    ``.../jaild-<hash>.scope`` and ``.../jaild-<hash>.scope/jaild-<hash>``; v1: the name)."""
+    return os.path.basename(path).removesuffix(".scope")
+
+
+def held_subtrees() -> set[str]:
+    """The subtrees of :func:`_subtrees` that are this suite's daemons' (noted as each was
+    started: :func:`_note_started_daemon`)."""
+    return {p for p in _subtrees() if _subtree_name(p) in _STARTED_SUBTREES}
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_cgroups_left_behind() -> Iterator[None]:
     """The suite leaves no cgroup subtree of any daemon it started (set up first, so checked
-    after every other fixture has stopped its daemon). Subtrees of live daemons that another
-    suite started meanwhile are not this suite's."""
-    before = _subtrees()
+    after every other fixture has stopped its daemon; on v2 a stopped daemon's scope is
+    systemd's to collect, in a moment).
+
+    Only this suite's daemons are held to account (:func:`held_subtrees`): the subtrees noted
+    as they were started, each named for its socket path. Another suite's on this
+    host is another instance's whatever its state -- serving, being torn down, or stopped a
+    moment ago with its subtree still going -- since nothing at the end can tell whose a
+    dead daemon's subtree was. Not covered: a private daemon (``jaild run``'s, in a command
+    a test started) that dies leaving its subtree; its path is made inside that command."""
     yield
-
-    def left() -> set[str]:
-        return _subtrees() - before - _foreign_subtrees()
-
     deadline = time.monotonic() + guard(10)
-    while left() and time.monotonic() < deadline:
+    while held_subtrees() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert left() == set(), "daemons left cgroup subtrees behind"
+    assert held_subtrees() == set(), "daemons left cgroup subtrees behind"
 
 
 @pytest.fixture(scope="session")
