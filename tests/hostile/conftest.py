@@ -1,10 +1,12 @@
 """The hostile suite's daemon, and the leak check that runs after every hostile test.
 
-After the whole suite: no jailed process alive, no job cgroup left, the daemon's
-descriptor count back where it started, its mount table unchanged (its own mount namespace's,
-where the host's mounts propagate and its own stay: :func:`own_mounts`), no new
-temporary directories of the daemon's (nsjail's for its uid block, its own TMPDIR's) --
-asserted, not eyeballed.
+After the whole suite: no process of the daemon's alive but its standing jails (its
+descendants, its uid block's, its subtree's: :func:`daemon_processes`), no job cgroup left
+in its subtree, the daemon's descriptor count back where it started, its mount table
+unchanged (its own mount namespace's, where the host's mounts propagate and its own stay:
+:func:`own_mounts`), no new temporary directories of the daemon's (nsjail's for its uid
+block, its own TMPDIR's) -- asserted, not eyeballed. Each counts the daemon's own and
+nothing of another jaild instance's on the host (test_leak_attribution.py: the controls).
 
 The daemon's own standing jails are not leaks: each policy's zygote, and a warm pool
 of exactly one jail per policy (``min = max = 1``, so the pool's size, and with it the
@@ -28,6 +30,7 @@ from tests.conftest import (
     REPO_POLICIES,
     TEST_POLICIES,
     DaemonHandle,
+    _descendants,
     guard,
     proc_stat,
     start_daemon,
@@ -64,22 +67,70 @@ def _standing_nsjail(d: DaemonHandle, pid: str, keep: set[str]) -> bool:
     return any(a.endswith(f"{d.config.subtree}/{name}") for a in args for name in keep)
 
 
+def _in_subtree(d: DaemonHandle, pid: str) -> bool:
+    """Is ``pid`` in a cgroup of the daemon's subtree, in any hierarchy (v1) or the one (v2)?"""
+    dirs = d.subtree_dirs
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _id, controllers, path = line.split(":", 2)
+        if d.layout.version == 1:
+            if controllers in ("", "name=systemd"):
+                continue
+            full = {f"/sys/fs/cgroup/{c}{path}" for c in controllers.split(",")}
+            full.add(f"/sys/fs/cgroup/{controllers}{path}")  # "cpu,cpuacct" mounted as one
+        elif controllers == "":
+            full = {f"/sys/fs/cgroup{path}"}
+        else:
+            continue
+        if any(f == top or f.startswith(top + "/") for f in full for top in dirs):
+            return True
+    return False
+
+
+def _uids(pid: str) -> list[int]:
+    """A process's real, effective, saved and file-system uids."""
+    line = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if ln.startswith("Uid:"))
+    return [int(u) for u in line.split()[1:]]
+
+
+def daemon_processes(d: DaemonHandle) -> dict[int, set[str]]:
+    """Every process that is the daemon's, with why: ``tree`` (a descendant of the daemon: it
+    is a child subreaper, so whatever it started and orphaned is still below it), ``uid``
+    (running as a uid of the daemon's block) or ``cgroup`` (in a cgroup of its subtree).
+    Another jaild instance's processes are none of these: they descend from another daemon,
+    run as another block's uids (one instance per block: jaild/daemon/uidblock.py) and sit
+    in another subtree."""
+    tree = _descendants(d.proc.pid)
+    block = range(d.config.uid_base, d.config.uid_base + UID_BLOCK)
+    found: dict[int, set[str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == d.proc.pid:
+            continue
+        try:
+            why = {"tree"} if int(entry) in tree else set()
+            if any(u in block for u in _uids(entry)):
+                why.add("uid")
+            if _in_subtree(d, entry):
+                why.add("cgroup")
+        except (OSError, StopIteration, ValueError):
+            continue  # gone meanwhile
+        if why:
+            found[int(entry)] = why
+    return found
+
+
 def jail_processes(d: DaemonHandle) -> list[int]:
-    """Processes running as a jail uid (jails, and the nsjail that runs each as the owner of
-    its user namespace) that are not a zygote or a waiting pooled jail, or their nsjail."""
+    """The daemon's processes (:func:`daemon_processes`: jails, the nsjail that runs each as
+    the owner of its user namespace, anything either left) that are not a zygote or a waiting
+    pooled jail, or their nsjail."""
     out = []
     keep = standing(d)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                uid_line = next(ln for ln in Path(f"/proc/{entry}/status").read_text().splitlines()
-                                if ln.startswith("Uid:"))
-                group = _job_cgroup_name(d, entry)
-                if d.config.uid_base <= int(uid_line.split()[1]) < d.config.uid_base + 65536 \
-                        and group not in keep and not _standing_nsjail(d, entry, keep):
-                    out.append(int(entry))
-            except (OSError, StopIteration):
-                continue
+    for pid in daemon_processes(d):
+        try:
+            if _job_cgroup_name(d, str(pid)) not in keep and not _standing_nsjail(d, str(pid), keep):
+                out.append(pid)
+        except (OSError, ValueError):
+            continue
     return out
 
 
