@@ -20,6 +20,7 @@ What a DaemonSet needs of container mode, each proven on a real container:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import subprocess
@@ -31,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from jaild.client import Client
-from tests.conftest import ImageBuild, guard, world_tempdir
+from tests.conftest import ImageBuild, _descendants, guard, world_tempdir
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "localhost/jaild:latest"
@@ -75,6 +76,18 @@ class Container:
     @property
     def id(self) -> str:
         return podman("inspect", "-f", "{{.Id}}", self.name).stdout.strip()
+
+    @functools.cached_property
+    def pid(self) -> int:
+        """The host pid of the container's first process (tini, the daemon's parent)."""
+        return int(podman("inspect", "-f", "{{.State.Pid}}", self.name).stdout)
+
+    def host_paths(self) -> list[str]:
+        """Where the host mounts what is this container's: its root file system, its own
+        storage (``/dev/shm``...), its network namespace; and its socket directory."""
+        fields = "{{.GraphDriver.Data.MergedDir}}\n{{.StaticDir}}\n{{.NetworkSettings.SandboxKey}}"
+        found = podman("inspect", "-f", fields, self.name).stdout.split("\n")
+        return [p for p in (*found, str(self.sockdir)) if p.strip()]
 
     def running(self) -> bool:
         state = podman("inspect", "-f", "{{.State.Running}}", self.name, check=False)
@@ -137,21 +150,25 @@ def remove(container: Container) -> None:
     shutil.rmtree(container.sockdir, ignore_errors=True)
 
 
-def jail_processes(container: str = "") -> list[int]:
-    """Processes of this host running as a jail uid (the daemon's block of host uids); with
-    ``container``, those in that container's cgroup only (another test's container may be
-    serving meanwhile)."""
+def jail_processes(container: Container) -> list[int]:
+    """The container's processes running as a jail uid: descendants of its first process (its
+    daemon is a child subreaper, so nothing it starts leaves its tree while it runs) in the
+    daemon's block of host uids. Every container's daemon serves its own default socket, so
+    every one has the default block: another jaild container on this host -- another
+    test's, or another suite's -- runs jails as the same uids, and only the process tree
+    tells them apart (so a jail outside this container's cgroup would still be found)."""
     out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                if not JAIL_UID_BASE <= os.stat(f"/proc/{entry}").st_uid < JAIL_UID_BASE + 65536:
-                    continue
-                if container and f"/libpod-{container}" not in Path(
-                        f"/proc/{entry}/cgroup").read_text():
-                    continue
-                out.append(int(entry))
-    return out
+    for pid in _descendants(container.pid):
+        with contextlib.suppress(OSError):
+            if JAIL_UID_BASE <= os.stat(f"/proc/{pid}").st_uid < JAIL_UID_BASE + 65536:
+                out.append(pid)
+    return sorted(out)
+
+
+def mounts_under(paths: list[str]) -> list[str]:
+    """The host's mount points at or below any of ``paths``."""
+    points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    return [m for m in points if any(m == p or m.startswith(p.rstrip("/") + "/") for p in paths)]
 
 
 def started(pid: int) -> str:
@@ -184,7 +201,7 @@ def test_a_host_client_runs_a_job_whose_cgroup_is_inside_the_containers(
         deadline = time.monotonic() + guard(60)
         pids: list[int] = []
         while not pids and time.monotonic() < deadline:
-            pids = jail_processes()
+            pids = jail_processes(served)
             time.sleep(0.05)
         assert pids, "no jailed process appeared"
         # every process of a jail uid (the job's, its policy's zygote and that zygote's
@@ -246,17 +263,20 @@ def test_a_client_of_another_uid_in_another_container_is_served(
 
 
 def test_podman_kill_leaves_no_jail_process_cgroup_or_mount(image: str) -> None:
-    mounts = Path("/proc/self/mountinfo").read_text()
+    """The mounts looked at are the container's own (:meth:`Container.host_paths`): another
+    container on this host -- another suite's -- mounts and unmounts its own meanwhile, and
+    podman's storage mount stays while any container runs."""
     container = start(image, "--memory", "1g")
     try:
         cgroups = [container.cgroup(c) for c in ("memory", "pids", "cpuacct")]
-        ident = container.id  # in each of its processes' cgroup paths (v1 and v2 alike)
+        own = container.host_paths()
+        assert mounts_under(own), own  # the control: the container's mounts are found
         with Client(container.socket) as client:
             handles = [client.submit("import time; time.sleep(60)") for _ in range(3)]
             deadline = time.monotonic() + guard(60)
-            while len(jail_processes(ident)) < 4 and time.monotonic() < deadline:
+            while len(jail_processes(container)) < 4 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            jailed = [(pid, started(pid)) for pid in jail_processes(ident)]
+            jailed = [(pid, started(pid)) for pid in jail_processes(container)]
             assert len(jailed) >= 4  # three jobs' and the zygote's (at least)
             podman("kill", container.name)
             for handle in handles:
@@ -268,7 +288,7 @@ def test_podman_kill_leaves_no_jail_process_cgroup_or_mount(image: str) -> None:
             time.sleep(0.05)
         assert surviving(jailed) == []
         assert [c for c in cgroups if c.exists()] == []
-        assert Path("/proc/self/mountinfo").read_text() == mounts
+        assert mounts_under(own) == []
     finally:
         remove(container)
 
