@@ -43,7 +43,7 @@ POLICY_MANIFEST := $(OPT_DIR)/shipped-policies.sha256
 DEV_JAILD := $(abspath $(VENV))/bin/jaild
 PURGE ?=
 
-.PHONY: all print-% setup setup-and-tools bin-link tools-venv k8s-policies demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install install-policies uninstall jail-env clean distclean test-hosts hosts-packages image image-packages
+.PHONY: all print-% setup setup-and-tools bin-link tools-venv k8s-policies demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install install-policies uninstall jail-env clean distclean test-hosts hosts-packages image image-packages test-packages
 
 all: setup
 
@@ -114,7 +114,7 @@ demo: setup
 
 # The container tests' image (make image) is built by the suite itself, beside the tests
 # before them (tests/conftest.py: ImageBuild); here only its tools are installed.
-test: setup-and-tools image-packages
+test: setup-and-tools image-packages test-packages
 	JAILD_TOOLS_VENV=$(abspath $(TOOLS_VENV)) $(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 
 unit: setup-and-tools
@@ -142,8 +142,23 @@ k8s-policies:
 	rm -f deploy/kubernetes/policies/*.toml
 	cp policies/*.toml deploy/kubernetes/policies/
 
-integration: setup image-packages
+integration: setup image-packages test-packages
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+# What only the tests use, not jaild (so not `make setup`'s APT_PACKAGES): the network test
+# bed of tests/fleet.py -- HAProxy in front of daemons in network namespaces (haproxy), its
+# partitions (iptables), the namespaces, veths and bridge (iproute2). After image-packages,
+# so that make -j never runs two apt-gets. Debian's haproxy package enables its service;
+# the tests run their own instances (`haproxy -db -f <the test's config>`), never that one.
+TEST_PACKAGES := haproxy iptables iproute2
+
+test-packages: image-packages
+	@missing=$$(for p in $(TEST_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "apt: installing $$missing"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y --no-install-recommends $$missing || { apt-get update && apt-get install -y --no-install-recommends $$missing; }; \
+	fi
 
 # `make bench`: jaild side by side with bare nsjail, bubblewrap, Pyodide, pydantic-monty and
 # llm-sandbox (bubblewrap and nsjail backends), in one run;
