@@ -9,6 +9,7 @@ listing every reason) at the first step that fails:
 2. claim the listening socket (systemd's, or bind our own: a second daemon for the
    same socket stops here, before it touches the cgroup subtree the first one uses);
 3. check that jails can be made here -- the jail uid block clear of the kubelet's, and
+   claim it (a second instance on it stops here: :mod:`jaild.daemon.uidblock`), and
    the daemon's privilege (:func:`~jaild.daemon.selftest.privilege_checks`: an
    unprivileged container fails closed, with the doctor's words) -- and start the
    metrics listener (a busy port refuses the start before any jail exists);
@@ -72,6 +73,7 @@ from jaild.daemon.selftest import (
     probe_code,
     uid_block_check,
 )
+from jaild.daemon.uidblock import UidBlockClaim, claim_uid_block
 from jaild.errors import CgroupError, DaemonUnavailable, PolicyError, StartupError, ZygoteError
 from jaild.policy.compile import JOB_UIDS, HostLayout, nsjail_config
 from jaild.policy.schema import Policy, check_policy_files, policy_files, resolve_env
@@ -109,6 +111,9 @@ class Served:
     owns_cgroups: bool = True
     """The cgroup subtree is this daemon's, to sweep and remove at stop (False: jails made
     without cgroups, as :mod:`jaild.testing`'s are)."""
+    uid_block: UidBlockClaim | None = None
+    """This daemon's claim on its uid block (:mod:`jaild.daemon.uidblock`), held from start
+    to the end of :meth:`release`."""
 
     def pool_summary(self, policy: Policy, jails: bool = False) -> dict[str, Any]:
         """The policy's jail-making mode and its warm pool's state (for ``jaild policies``).
@@ -148,6 +153,8 @@ class Served:
             if self.owns_cgroups:
                 self.env.cgroups.sweep()
                 self.env.cgroups.remove_subtree()
+        if self.uid_block is not None:  # last: no jail of ours runs as its uids any more
+            self.uid_block.release()
         for fd in self.config_fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -201,6 +208,7 @@ async def start(
                 + "; ".join(f"{c.name}: {c.detail}" for c in lacking)
                 + f". Fix: {lacking[0].fix}"
             )
+        served.uid_block = claim_uid_block(config.uid_base, config.socket_path)
         metrics.start(served.pool_summaries)
         try:
             cgroups = Cgroups(detect(config.subtree))
@@ -227,6 +235,8 @@ async def start(
             raise
     except BaseException as exc:
         metrics.stop()
+        if served.uid_block is not None:  # a failed start gives its block up at once
+            served.uid_block.release()
         if isinstance(exc, StartupError):
             answer_waiting(sock, config.socket_path, exc.message)
         sock.close()
