@@ -163,7 +163,8 @@ class JailSession:
             "id": self.id,
             "kind": "session",
             "policy": self.policy.name,
-            "uid": owner.uid,
+            "uid": owner.uid if owner.uid >= 0 else None,
+            "principal": owner.principal.name if owner.principal.kind == "cert" else None,
             "pod": owner.principal.pod,
             "client_pid": owner.pid,
             "state": "starting"

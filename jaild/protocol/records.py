@@ -94,6 +94,8 @@ _seconds = number(0, MAX_SECONDS)
 _count = integer(0, MAX_REF)
 _short = string(64, min_len=1)
 _policy_name = string(64, min_len=1)
+MAX_PRINCIPAL_CHARS = 1024
+"""The longest principal a record carries (a certificate's URI SAN or subject)."""
 _pod_name = string(317, min_len=2, pattern=r"([a-z0-9][a-z0-9.-]*)?/[a-z0-9][a-z0-9.-]*")
 """A pod as "namespace/name" (a namespace is at most 63 characters, a name 253), or
 "/<pod uid>" for a pod known by its uid alone (the daemon has no access to the API)."""
@@ -367,7 +369,8 @@ class JobEntry(Report):
     id: str = field(_job_id)
     kind: str = field(one_of("job", "session"))
     policy: str = field(_policy_name)
-    uid: int = field(integer(0, (1 << 32) - 1))
+    uid: int | None = field(optional(integer(0, (1 << 32) - 1)))
+    """The owner's uid; nil for a network client (its ``principal`` says who)."""
     client_pid: int = field(integer(0, (1 << 32) - 1))
     state: str = field(one_of("starting", "running", "idle"))
     age_s: float = field(_seconds)
@@ -385,6 +388,8 @@ class JobEntry(Report):
     pids: int | None = field(optional(_count), default=None)
     pod: str | None = field(optional(_pod_name), default=None)
     """The owner's pod ("namespace/name"), where pods are the tenants; else nil."""
+    principal: str | None = field(optional(string(MAX_PRINCIPAL_CHARS, min_len=1)), default=None)
+    """A network client's principal (what its certificate names); else nil."""
 
     def to_dict(self) -> dict[str, Any]:
         """The user's view: a job's fields or a session's, and the jail's use now once it
@@ -394,6 +399,8 @@ class JobEntry(Report):
             skip = skip | self.LIVE
         if self.pod is None:
             skip = skip | {"pod"}
+        if self.principal is None:
+            skip = skip | {"principal"}
         return {k: v for k, v in Report.to_dict(self).items() if k not in skip}
 
 
@@ -484,6 +491,11 @@ class DaemonStats(Report):
     """By pod ("namespace/name"), where pods are the tenants (the daemon's
     ``access.identity = "kubernetes"``): only the caller's own pod unless the caller is root
     on the daemon's host; a pod's jobs are in no uid's totals."""
+    principals: dict[str, UsageTotals] = field(
+        map_of(string(MAX_PRINCIPAL_CHARS, min_len=1), nested(UsageTotals), 1 << 16)
+    )
+    """By network client's principal (what its certificate names): only the caller's own
+    unless the caller is root on the daemon's host."""
     running: RunningCounts = field(nested(RunningCounts))
     pools: dict[str, PoolInfo] = field(map_of(_policy_name, nested(PoolInfo), 4096))
     metrics: dict[str, Any] = field(any_map())

@@ -151,7 +151,7 @@ TOTALS = {
     "tool_time_s": 0.0, "files_uploaded": 0, "files_downloaded": 0, "sessions": 0,
 }
 STATS = {"since": 1.0, "policies": {"default": TOTALS}, "uids": {"0": TOTALS},
-         "pods": {"agents/agent-7f9c": TOTALS}, "running": {"jobs": 0, "sessions": 0, "connections": 1}, "pools": {"default": POOL},
+         "pods": {"agents/agent-7f9c": TOTALS}, "principals": {"spiffe://jaild.test/agent/alice": TOTALS}, "running": {"jobs": 0, "sessions": 0, "connections": 1}, "pools": {"default": POOL},
          "metrics": {"jobs": {}}}
 
 # Every message class, at least twice: required fields only, and every field set (edges where

@@ -234,11 +234,12 @@ uid = st.integers(0, (1 << 32) - 1)
 POD = r"([a-z0-9][a-z0-9.-]*)?/[a-z0-9][a-z0-9.-]*"
 job_entry = st.builds(
     JobEntry, id=job_id, kind=st.sampled_from(["job", "session"]), policy=policy_name,
-    uid=uid, client_pid=uid, state=st.sampled_from(["starting", "running", "idle"]),
+    uid=opt() | uid, client_pid=uid, state=st.sampled_from(["starting", "running", "idle"]),
     age_s=seconds, session=opt() | session_id, runs=opt() | count,
     running=opt() | st.booleans(), idle_s=opt() | seconds, expires_in_s=opt() | seconds,
     memory_bytes=opt() | count, cpu_s=opt() | seconds, pids=opt() | count,
     pod=opt() | st.from_regex(POD, fullmatch=True).filter(lambda s: len(s) <= 317),
+    principal=opt() | text(1, 1024),
 )
 policy_entry = st.builds(
     PolicyEntry, name=policy_name, description=text(), limits=record_limits,
@@ -258,6 +259,7 @@ daemon_stats = st.builds(
     uids=st.dictionaries(st.integers(0, 1 << 32).map(str), usage_totals, max_size=2),
     pods=st.dictionaries(st.from_regex(POD, fullmatch=True).filter(lambda s: len(s) <= 317),
                          usage_totals, max_size=2),
+    principals=st.dictionaries(text(1, 1024), usage_totals, max_size=2),
     running=st.builds(RunningCounts, jobs=count, sessions=count, connections=count),
     pools=st.dictionaries(policy_name, pool_info, max_size=2),
     metrics=plain_map,

@@ -188,7 +188,7 @@ def test_stats_are_typed_down_to_the_totals() -> None:
               "tool_calls": 0, "tool_time_s": 0.0, "files_uploaded": 0, "files_downloaded": 0,
               "sessions": 0}
     stats = DaemonStats.from_wire({
-        "since": 1.0, "policies": {"default": totals}, "uids": {"1000": totals}, "pods": {},
+        "since": 1.0, "policies": {"default": totals}, "uids": {"1000": totals}, "pods": {}, "principals": {},
         "running": {"jobs": 0, "sessions": 0, "connections": 1}, "pools": {},
         "metrics": {"refused": {"busy": 1}},
     })

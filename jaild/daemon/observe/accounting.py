@@ -72,11 +72,14 @@ class Accounting:
     by_policy: dict[str, Totals] = field(default_factory=dict)
     by_uid: dict[int, Totals] = field(default_factory=dict)
     by_pod: dict[str, Totals] = field(default_factory=dict)  # "namespace/name"
+    by_principal: dict[str, Totals] = field(default_factory=dict)  # network clients'
     since: float = field(default_factory=time.time)
 
     def _of(self, who: Principal) -> Totals:
         if who.kind == "pod":
             return self.by_pod.setdefault(f"{who.pod}", Totals())
+        if who.kind == "cert":
+            return self.by_principal.setdefault(who.name, Totals())
         return self.by_uid.setdefault(who.uid, Totals())
 
     def job(
@@ -93,8 +96,9 @@ class Accounting:
     def to_wire(self, who: Principal | None) -> dict[str, Any]:
         # the start of a DaemonStats: the server adds what runs now, the pools, the metrics
         """Everything for ``who`` None (root on the host); otherwise the policy totals and
-        the principal's own: its uid's, or its pod's."""
+        the principal's own: its uid's, its pod's, or its certificate's."""
         pod = who.pod if who is not None else None
+        mine = who.name if who is not None and who.kind == "cert" else None
         return {
             "since": self.since,
             "policies": {name: t.to_wire() for name, t in sorted(self.by_policy.items())},
@@ -107,5 +111,10 @@ class Accounting:
                 name: t.to_wire()
                 for name, t in sorted(self.by_pod.items())
                 if who is None or name == pod
+            },
+            "principals": {
+                name: t.to_wire()
+                for name, t in sorted(self.by_principal.items())
+                if who is None or name == mine
             },
         }
