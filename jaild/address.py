@@ -7,6 +7,7 @@ the daemon's code to find it: an explicit path (a ``--socket`` flag, the client'
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 
@@ -60,3 +61,31 @@ def parse_address(address: str) -> tuple[str, str, int]:
         raise ValueError(f'an address is a socket path, "unix:///path" or "tls://HOST:PORT", '
                          f"got {address!r}")
     return "unix", address, 0
+
+
+TLS_ENV = {"cert": "JAILD_TLS_CERT", "key": "JAILD_TLS_KEY", "ca": "JAILD_TLS_CA",
+           "server_name": "JAILD_TLS_SERVER_NAME"}
+"""Where a client looks for its TLS settings when it is given a ``tls://`` address and not
+the setting itself: every front end (the CLI, ``jaild mcp``, ``jaild codemode``) and the
+client library alike."""
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--tls-cert``, ``--tls-key``, ``--tls-ca``: for a ``--socket tls://HOST:PORT``."""
+    group = parser.add_argument_group("over the network (--socket tls://HOST:PORT)")
+    group.add_argument("--tls-cert", metavar="PEM",
+                       help="this client's certificate (default: $JAILD_TLS_CERT)")
+    group.add_argument("--tls-key", metavar="PEM",
+                       help="this client's private key (default: $JAILD_TLS_KEY)")
+    group.add_argument("--tls-ca", metavar="PEM",
+                       help="the CA that signs the daemon's certificate (default: "
+                            "$JAILD_TLS_CA, else the system's)")
+
+
+def apply_tls_arguments(args: argparse.Namespace) -> None:
+    """Flags win over the environment: they are put there, for every client this process
+    makes."""
+    for name in ("cert", "key", "ca"):
+        value = getattr(args, f"tls_{name}", None)
+        if value:
+            os.environ[TLS_ENV[name]] = os.path.abspath(value)

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TextIO
 
 from jaild import __version__, loops
-from jaild.address import socket_from_env
+from jaild.address import add_tls_arguments, apply_tls_arguments, socket_from_env
 from jaild.daemon.config import DaemonConfig, default_policies_dir, default_state_dir
 from jaild.errors import (
     EXIT_USAGE,
@@ -742,6 +742,13 @@ def build_parser() -> argparse.ArgumentParser:
             "--socket", help="daemon socket (default: $JAILD_SOCKET or /run/jaild/jaild.sock)"
         )
 
+    def client_socket_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--socket", help="daemon socket (default: $JAILD_SOCKET or /run/jaild/jaild.sock), "
+                             "or tls://HOST:PORT"
+        )
+        add_tls_arguments(p)
+
     def files_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--upload",
@@ -788,7 +795,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("run", help="run one job and stream its output")
-    socket_arg(p)
+    client_socket_arg(p)
     daemon_args(p)
     p.add_argument("--policy", default="default",
                    help="the policy the job runs under (default: default; jaild policies)")
@@ -801,7 +808,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("session", help="a REPL whose statements share one jail")
-    socket_arg(p)
+    client_socket_arg(p)
     daemon_args(p)
     p.add_argument("--policy", default="default",
                    help="the policy the session's jail runs under (default: default)")
@@ -811,17 +818,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_session)
 
     p = sub.add_parser("ps", help="list running jobs and open sessions")
-    socket_arg(p)
+    client_socket_arg(p)
     p.add_argument("--json", action="store_true", help="print the list as JSON")
     p.set_defaults(func=cmd_ps)
 
     p = sub.add_parser("kill", help="end running jobs or sessions by id")
-    socket_arg(p)
+    client_socket_arg(p)
     p.add_argument("ids", nargs="+", metavar="ID", help="a job or session id (jaild ps)")
     p.set_defaults(func=cmd_kill)
 
     p = sub.add_parser("stats", help="usage totals per policy and per uid")
-    socket_arg(p)
+    client_socket_arg(p)
     p.add_argument("--json", action="store_true", help="print the totals as JSON")
     p.set_defaults(func=cmd_stats)
 
@@ -831,7 +838,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("policies", help="list the policies a daemon serves")
-    socket_arg(p)
+    client_socket_arg(p)
     p.add_argument("--json", action="store_true", help="print the policies as JSON")
     p.set_defaults(func=cmd_policies)
 
@@ -864,6 +871,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_tls_arguments(args)
     if args.command == "run" and args.code is not None and args.file is not None:
         parser.error("give either FILE or -c CODE, not both")
     with contextlib.suppress(BrokenPipeError):

@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from jaild import tracing
+from jaild.address import add_tls_arguments
 from jaild.client import Approver, AsyncClient, AsyncSession, JobResult
 from jaild.errors import SessionClosed
 from jaild.extras import require
@@ -1004,7 +1005,8 @@ def add_codemode_commands(sub: Any) -> None:
     p.add_argument("--session", action="store_true",
                    help="run all attempts in one jaild session (a retry sees earlier state)")
     p.add_argument("--socket", help="the daemon's socket (default: $JAILD_SOCKET or "
-                                    "/run/jaild/jaild.sock; a private daemon if none runs)")
+                                    "/run/jaild/jaild.sock; a private daemon if none runs), or tls://HOST:PORT")
+    add_tls_arguments(p)
     p.add_argument("--show-code", action="store_true", help="print each attempt's code to stderr")
     p.add_argument("--json", action="store_true",
                    help="print the whole result (attempts, metrics, job record) as JSON")

@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaild import tracing
+from jaild.address import add_tls_arguments
 from jaild.client import Approver, AsyncClient, AsyncSession, JobResult
 from jaild.errors import (
     EXIT_USAGE,
@@ -787,7 +788,8 @@ def add_mcp_commands(sub: Any) -> None:
                     "code calls the tools of the providers given with --tools.",
     )
     p.add_argument("--socket", help="the jaild daemon's socket (default: $JAILD_SOCKET or "
-                   "/run/jaild/jaild.sock; a private daemon if none runs)")
+                   "/run/jaild/jaild.sock; a private daemon if none runs), or tls://HOST:PORT")
+    add_tls_arguments(p)
     p.add_argument("--policy", default="default", help="policy the code runs under")
     p.add_argument(
         "--tools", action="append", default=[], metavar="FILE",
