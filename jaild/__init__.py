@@ -14,9 +14,11 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from jaild.client import AsyncClient, Client, JobResult
     from jaild.errors import JaildError
+    from jaild.fleet import AsyncFleet, Fleet
     from jaild.toolspec import tool
 
-__all__ = ["AsyncClient", "Client", "JaildError", "JobResult", "__version__", "tool"]
+__all__ = ["AsyncClient", "AsyncFleet", "Client", "Fleet", "JaildError", "JobResult",
+           "__version__", "tool"]
 
 
 def __getattr__(name: str) -> Any:
@@ -24,6 +26,10 @@ def __getattr__(name: str) -> Any:
         from jaild import client
 
         return getattr(client, name)
+    if name in ("AsyncFleet", "Fleet"):
+        from jaild import fleet
+
+        return getattr(fleet, name)
     if name == "tool":
         from jaild.toolspec import tool
 

@@ -38,6 +38,7 @@ import functools
 import inspect
 import itertools
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -48,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack
 
 from jaild import __version__, loops, tracing
-from jaild.address import parse_address, socket_from_env
+from jaild.address import TLS_ENV, parse_address, socket_from_env
 from jaild.errors import (
     ConnectionLost,
     DaemonUnavailable,
@@ -547,12 +548,12 @@ class AsyncClient:
             sock: a connected stream socket to speak over instead of connecting to
                 ``address`` (one end of a socketpair: :mod:`jaild.testing`).
             cert, key: over TLS, this client's certificate chain and private key (PEM
-                files): the daemon serves the client as the principal the certificate
-                names.
+                files; default: ``$JAILD_TLS_CERT``, ``$JAILD_TLS_KEY``): the daemon
+                serves the client as the principal the certificate names.
             ca: over TLS, the CA bundle (PEM) that signs the daemon's certificate
-                (default: the system's).
+                (default: ``$JAILD_TLS_CA``, else the system's).
             server_name: over TLS, the name the daemon's certificate must hold (default:
-                the address's host).
+                ``$JAILD_TLS_SERVER_NAME``, else the address's host).
             tls: over TLS, a ready ``ssl.SSLContext`` instead of ``cert``/``key``/``ca``.
             liveness_timeout_s: a daemon this client has read nothing from for this long
                 (it pings an idle one every third of it) is lost -- dead, frozen or
@@ -565,11 +566,16 @@ class AsyncClient:
         self.host = host if self.kind == "tls" else ""
         self.socket_path = host if self.kind == "unix" else ""
         self._tls: ssl.SSLContext | None = None
-        self._server_name = server_name or self.host
         if self.kind == "tls" and sock is None:
-            self._tls = tls or client_context(cert, key, ca)
+            env = os.environ.get
+            server_name = server_name or env(TLS_ENV["server_name"]) or None
+            self._tls = tls or client_context(
+                cert or env(TLS_ENV["cert"]), key or env(TLS_ENV["key"]),
+                ca or env(TLS_ENV["ca"]),
+            )
         elif cert or key or ca or tls:
             raise ValueError(f"cert, key, ca and tls are for a tls:// address, not {self.address}")
+        self._server_name = server_name or self.host
         self._liveness_s = liveness_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._last_read = 0.0
@@ -890,9 +896,24 @@ class AsyncClient:
             for task in job.calls:
                 task.cancel()
 
+    @property
+    def lost(self) -> JaildError | None:
+        """Why this client's connection is over (its ``ConnectionLost``, or the error that
+        ended it); None while it is up."""
+        return self._broken
+
+    async def wait_closed(self) -> None:
+        """Until the connection has closed: the daemon closed it, it broke, it was found
+        dead (liveness) or :meth:`close` was called."""
+        if self._link is not None:
+            await self._link.closed()
+
     async def _send(self, msg: Message) -> None:
-        if self._broken is not None:
-            raise self._broken
+        broken = self._broken
+        if isinstance(broken, ConnectionLost):  # nothing was sent: said so (a fleet then
+            raise ConnectionLost(broken.message, reason="not_sent") from broken  # may retry)
+        if broken is not None:
+            raise broken
         if self._transport is None or self._link is None:
             raise ConnectionLost("not connected; call connect() or use 'async with'")
         self._transport.write(self._conn.send(msg))

@@ -391,6 +391,16 @@ class McpServerError(Exception):
     """An MCP server could not answer a call (not connected, gone, protocol error)."""
 
 
+class SentAndLost(Exception):
+    """(Inside :mod:`jaild.fleet`.) A job's ``RunJob`` was sent to ``endpoint``, whose
+    connection was then lost before the daemon's answer: the job may have started."""
+
+    def __init__(self, error: ConnectionLost, endpoint: str) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.endpoint = endpoint
+
+
 class PeerUnverified(Exception):
     """(Daemon side, pods as tenants.) The connecting process could not be tied to its
     cgroup; :attr:`reason` says why (it exited, its pid is not the one that holds the

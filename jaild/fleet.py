@@ -88,6 +88,7 @@ from jaild.errors import (
     DaemonUnavailable,
     JaildError,
     NodeLost,
+    SentAndLost,
     SessionClosed,
     SessionLost,
     ShuttingDown,
@@ -551,8 +552,8 @@ class AsyncFleet:
         while True:
             try:
                 slot, job = await self._place_job(code, policy, host_tools, options, attempt)
-            except _SentAndLost as lost:  # it may have started
-                error = self._lost_job(lost.error, attempt, idempotent, lost.slot.endpoint, None)
+            except SentAndLost as lost:  # it may have started
+                error = self._lost_job(lost.error, attempt, idempotent, lost.endpoint, None)
                 if error is not None:
                     raise error from lost.error
                 attempt += 1
@@ -619,7 +620,7 @@ class AsyncFleet:
         counts the try, and stays counted if it was accepted.
 
         A connection lost during ``send``: with ``side_effects`` (a job, which may have
-        started) :class:`_SentAndLost`; without (a session, gone with its node) the next
+        started) :class:`SentAndLost`; without (a session, gone with its node) the next
         slot is tried."""
         deadline = time.monotonic() + self.place_timeout_s
         refused: set[int] = set()
@@ -638,7 +639,7 @@ class AsyncFleet:
                 await self._pause(min(delay, deadline - now))
                 continue
             assert slot.client is not None
-            if _broken(slot.client) is not None:  # lost, and its task has not seen it yet
+            if slot.client.lost is not None:  # lost, and its task has not seen it yet
                 self._down(slot)
                 continue
             slot.in_flight += 1
@@ -656,9 +657,9 @@ class AsyncFleet:
                 self._down(slot)
                 if self._closing:
                     raise ConnectionLost("the fleet was closed") from exc
-                if side_effects:
+                if side_effects and exc.reason != "not_sent":
                     slot.jobs_lost += 1
-                    raise _SentAndLost(exc, slot) from exc
+                    raise SentAndLost(exc, slot.endpoint) from exc
                 continue
             except BaseException:
                 slot.in_flight -= 1
@@ -734,9 +735,9 @@ class AsyncFleet:
             attempt = job.attempt + 1
             try:
                 slot, inner = await self._place_job(code, policy, tools, options, attempt)
-            except _SentAndLost as again:  # that attempt's node was lost too
+            except SentAndLost as again:  # that attempt's node was lost too
                 job.attempt = attempt
-                error = self._lost_job(again.error, attempt, True, again.slot.endpoint, job)
+                error = self._lost_job(again.error, attempt, True, again.endpoint, job)
                 if error is not None:
                     raise error from again.error
                 continue
@@ -813,7 +814,7 @@ class AsyncFleet:
                 if self._closing:
                     await client.close()
                     break
-                why = _broken(client) or ConnectionLost("the connection was closed")
+                why = client.lost or ConnectionLost("the connection was closed")
                 slot.connections_lost += 1
                 slot.last_error = why.message
                 log.info("connection %d (%s) lost: %s", slot.index, slot.endpoint, why.message)
@@ -849,7 +850,7 @@ class AsyncFleet:
 
     async def _until_lost(self, slot: Slot, client: AsyncClient) -> None:
         assert self._stop is not None and slot.gone is not None
-        closed = asyncio.ensure_future(_closed(client))
+        closed = asyncio.ensure_future(client.wait_closed())
         try:
             await asyncio.wait({closed, slot.gone, self._stop},
                                return_when=asyncio.FIRST_COMPLETED)
@@ -864,33 +865,6 @@ class AsyncFleet:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(seconds):
                 await asyncio.shield(self._stop)
-
-
-class _SentAndLost(Exception):
-    """(Inside the fleet.) A job's RunJob was sent on ``slot``, whose connection was then
-    lost before the daemon's answer: the job may have started."""
-
-    def __init__(self, error: ConnectionLost, slot: Slot) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.slot = slot
-
-
-# AsyncClient has no public way yet to say that its connection is over, or why: these two
-# read it from its private state (docs: the fleet's report asks client.py for
-# ``AsyncClient.lost`` and ``await AsyncClient.wait_closed()``).
-
-
-def _broken(client: AsyncClient) -> JaildError | None:
-    """Why ``client``'s connection is over, if it is."""
-    return client._broken
-
-
-async def _closed(client: AsyncClient) -> None:
-    """Until ``client``'s transport has closed."""
-    link = client._link
-    if link is not None:
-        await link.closed()
 
 
 # ----------------------------------------------------------------------------- sessions

@@ -89,8 +89,8 @@ IO_MODULES = frozenset({
 IO_BUILTINS = frozenset({"open", "print", "input", "breakpoint", "__import__"})
 STD_STREAMS = frozenset({"stdin", "stdout", "stderr", "__stdin__", "__stdout__", "__stderr__"})
 
-CLIENT = ("jaild.client", "jaild.transfer", "jaild.toolspec", "jaild.address", "jaild.loops",
-          "jaild.tracing")
+CLIENT = ("jaild.client", "jaild.fleet", "jaild.transfer", "jaild.toolspec", "jaild.address",
+          "jaild.loops", "jaild.tracing")
 FRONT_ENDS = ("jaild.cli", "jaild.codemode", "jaild.mcp_server", "jaild.envs")
 
 RUNTIME_JAILD = ("jaild.errors", "jaild.protocol", "jaild.runtime")
