@@ -99,13 +99,16 @@ def _listeners(v: Any) -> str | None:
 
 def parse_listener(entry: str) -> tuple[str, int]:
     """``tls://HOST:PORT`` -> (host, port); ValueError naming what is wrong. ``HOST`` may be
-    an IPv4 address, a bracketed IPv6 one or a name; ``0.0.0.0``/``[::]``: every address."""
+    an IPv4 address, a bracketed IPv6 one or a name; ``0.0.0.0``/``[::]``: every address.
+    Port 0: one the kernel picks (the daemon logs it: "listening on tls://...")."""
     if not isinstance(entry, str) or not entry.startswith("tls://"):
         raise ValueError(f'each entry must be "tls://HOST:PORT", got {entry!r}')
     rest = entry[len("tls://"):]
     host, sep, port = rest.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f'each entry must be "tls://HOST:PORT" with a port 1-65535, got {entry!r}')
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(
+            f'each entry must be "tls://HOST:PORT" with a port 0-65535, got {entry!r}'
+        )
     if host.startswith("["):
         if not host.endswith("]"):
             raise ValueError(f"an IPv6 address must be in brackets, got {entry!r}")

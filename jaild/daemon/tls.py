@@ -126,7 +126,9 @@ _REASONS = (
 
 def refusal_reason(exc: BaseException) -> tuple[str, type[Exception], str]:
     """(reason, error class, OpenSSL's words) for a failed handshake."""
-    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+    if isinstance(exc, TimeoutError) or (  # asyncio says so with a ConnectionAbortedError
+        isinstance(exc, ConnectionAbortedError) and "taking longer" in str(exc)
+    ):
         return "handshake_timeout", ReadTimeout, "no TLS handshake within the handshake timeout"
     text = str(exc) or type(exc).__name__
     for needle, reason, cls in _REASONS:
@@ -217,8 +219,10 @@ class TlsListeners:
                 ) from None
             self.servers.append(server)
             for sock in server.sockets:
-                self.addresses.append(sock.getsockname()[:2])
-            log.info("listening on %s (mutual TLS)", entry)
+                bound = sock.getsockname()[:2]
+                self.addresses.append(bound)
+                shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+                log.info("listening on tls://%s:%d (mutual TLS)", shown, bound[1])
         if self.config.tls_reload_s > 0:
             self._watch = loop.create_task(self._watch_files(), name="tls files")
 

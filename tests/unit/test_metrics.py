@@ -288,7 +288,7 @@ def test_parse_address(text: str, expected: tuple[str, int]) -> None:
 
 @pytest.mark.parametrize("text", [
     "9464", ":9464", "127.0.0.1", "127.0.0.1:", "127.0.0.1:http", "::1:9464", "[::1]9464",
-    "127.0.0.1:0", "127.0.0.1:70000",
+    "127.0.0.1:70000", "127.0.0.1:-1",
 ])
 def test_parse_address_refuses(text: str) -> None:
     with pytest.raises(MetricsAddressError, match=r"daemon\.metrics_address"):

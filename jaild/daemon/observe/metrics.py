@@ -102,7 +102,8 @@ def parse_address(text: str) -> tuple[str, int]:
     Returns:
         ``(host, port)``.
     Raises:
-        MetricsAddressError: not of that form, no host, or a port outside 1..65535.
+        MetricsAddressError: not of that form, no host, or a port outside 0..65535 (0: one
+            the kernel picks, logged when serving).
     """
     shape = (
         f'daemon.metrics_address: {text!r} is not "host:port" (e.g. "127.0.0.1:9464"; '
@@ -121,9 +122,9 @@ def parse_address(text: str) -> tuple[str, int]:
     if not host or not port_text.isdigit():
         raise MetricsAddressError(shape)
     port = int(port_text)
-    if not 1 <= port <= 65535:
+    if not 0 <= port <= 65535:
         raise MetricsAddressError(
-            f"daemon.metrics_address: port {port} of {text!r} is outside 1..65535"
+            f"daemon.metrics_address: port {port} of {text!r} is outside 0..65535"
         )
     return host, port
 
@@ -411,7 +412,12 @@ class Metrics:
             return
         loop = asyncio.get_running_loop()
         self._endpoint = _Endpoint(loop, self.registry, _bind(self.address))
-        log.info("serving Prometheus metrics on http://%s/metrics", self.address)
+        bound = self._endpoint.listening
+        assert bound is not None  # it was just bound
+        host, port = bound[:2]
+        shown = f"[{host}]" if ":" in host else host
+        log.info("serving Prometheus metrics on http://%s:%d/metrics", shown, port)  # port 0:
+        # the one the kernel chose
 
     def stop(self) -> None:
         """Stop serving: the listening socket is closed now; open connections are cancelled
