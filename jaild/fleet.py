@@ -66,6 +66,7 @@ import dataclasses
 import functools
 import logging
 import random
+import socket
 import threading
 import time
 from collections.abc import (
@@ -81,6 +82,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, Unpack
 
 from jaild import loops, tracing
+from jaild.address import parse_address
 from jaild.client import Approver, AsyncClient, AsyncJob, AsyncSession, JobResult, RunOptions
 from jaild.errors import (
     Busy,
@@ -1236,6 +1238,34 @@ class FleetSession:
             self._fleet._call(self._session.close())
 
 
+def endpoints_of(address: str) -> list[str]:
+    """Every endpoint a ``tls://NAME:PORT`` address names: one ``tls://IP:PORT`` per address
+    ``NAME`` resolves to -- a Kubernetes *headless* Service's name resolves to each ready
+    daemon pod's -- in the resolver's order, without repeats. Resolved once, when called:
+    a fleet made from them keeps those nodes (make a new fleet to see pods that came or
+    went). Pass ``server_name=NAME`` to the fleet, so each daemon's certificate is checked
+    for the Service's name rather than for a pod's address. Any other address is returned
+    as it is.
+
+    Raises:
+        DaemonUnavailable: the name does not resolve.
+    """
+    kind, host, port = parse_address(address)
+    if kind != "tls":
+        return [address]
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise DaemonUnavailable(f"{address}: {host} does not resolve ({exc.strerror})") from None
+    out: list[str] = []
+    for family, _, _, _, sockaddr in infos:
+        ip = str(sockaddr[0])
+        endpoint = f"tls://[{ip}]:{port}" if family == socket.AF_INET6 else f"tls://{ip}:{port}"
+        if endpoint not in out:
+            out.append(endpoint)
+    return out
+
+
 __all__ = [
     "AsyncFleet",
     "AsyncFleetJob",
@@ -1249,6 +1279,7 @@ __all__ = [
     "choose",
     "cool_down_s",
     "current_attempt",
+    "endpoints_of",
     "for_attempt",
     "retry_delay_s",
 ]

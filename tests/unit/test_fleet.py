@@ -24,7 +24,7 @@ import pytest
 
 from jaild.client import AsyncClient
 from jaild.daemon.config import DaemonConfig
-from jaild.errors import Busy, NodeLost, SessionLost, UnknownPolicy
+from jaild.errors import Busy, DaemonUnavailable, NodeLost, SessionLost, UnknownPolicy
 from jaild.fleet import (
     COOL_MAX_S,
     COOL_MIN_S,
@@ -423,3 +423,23 @@ def test_a_draining_node_gets_no_new_jobs() -> None:
             await drain
 
     run(test)
+
+
+def test_a_name_becomes_one_endpoint_per_address_it_resolves_to(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import socket
+
+    from jaild.fleet import endpoints_of
+
+    found = endpoints_of("tls://localhost:7443")  # /etc/hosts: 127.0.0.1, perhaps ::1 too
+    assert "tls://127.0.0.1:7443" in found
+    assert len(found) == len(set(found))
+    assert endpoints_of("tls://127.0.0.1:7443") == ["tls://127.0.0.1:7443"]  # an address
+    assert endpoints_of("/run/jaild/jaild.sock") == ["/run/jaild/jaild.sock"]  # not a name
+    def nothing(*args: object, **kwargs: object) -> None:  # no lookup leaves this machine
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", nothing)
+    with pytest.raises(DaemonUnavailable, match="does not resolve"):
+        endpoints_of("tls://jaild.agents.svc:7443")
