@@ -32,6 +32,7 @@ from jaild.daemon.config import load_config_file
 REPO = Path(__file__).resolve().parent.parent.parent
 K8S = REPO / "deploy" / "kubernetes"
 EXAMPLES = K8S / "examples"
+NETWORK = REPO / "deploy" / "kubernetes-network"
 TOOLS_VENV = Path(os.environ.get("JAILD_TOOLS_VENV") or REPO / ".venv-tools")
 
 # kubectl on the machines is v1.32: it and the two minors before it, always; and the newest
@@ -101,13 +102,14 @@ def write_docs(path: Path, docs: list[Obj]) -> None:
 
 @dataclass
 class Rendered:
-    directory: Path  # base.yaml and examples.yaml, as kubectl kustomize wrote them
+    directory: Path  # base.yaml, examples.yaml and network.yaml, as kubectl kustomize wrote them
     base: list[Obj]
     examples: list[Obj]
+    network: list[Obj]  # the base with the TLS listener (deploy/kubernetes-network)
 
     @property
     def every(self) -> list[Obj]:
-        return self.base + self.examples
+        return self.base + self.examples + self.network
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +117,9 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
     out = tmp_path_factory.mktemp("rendered")
     (out / "base.yaml").write_text(render(K8S))
     (out / "examples.yaml").write_text(render(EXAMPLES))
-    return Rendered(out, load_yaml(out / "base.yaml"), load_yaml(out / "examples.yaml"))
+    (out / "network.yaml").write_text(render(NETWORK))
+    return Rendered(out, load_yaml(out / "base.yaml"), load_yaml(out / "examples.yaml"),
+                    load_yaml(out / "network.yaml"))
 
 
 def one(docs: list[Obj], kind: str, name: str | None = None) -> Obj:
@@ -148,7 +152,7 @@ def validate(files: list[Path], version: str) -> subprocess.CompletedProcess[str
 
 def test_every_object_is_valid_for_each_minor_strictly(rendered: Rendered,
                                                        versions: list[str]) -> None:
-    files = [rendered.directory / "base.yaml", rendered.directory / "examples.yaml"]
+    files = [rendered.directory / f"{name}.yaml" for name in ("base", "examples", "network")]
     for version in versions:
         out = validate(files, version)
         assert out.returncode == 0, f"Kubernetes {version}:\n{out.stdout}{out.stderr}"
@@ -252,7 +256,7 @@ def test_skips_are_on_the_daemonset_only_each_with_a_reason(rendered: Rendered) 
     assert len(ids) == len(set(ids)), f"a check skipped twice: {ids}"
 
     # positive control: a skip on the agent, and one with no reason, are both named
-    docs = copy.deepcopy(rendered.every)
+    docs = copy.deepcopy(rendered.base + rendered.examples)
     one(docs, "Deployment")["metadata"]["annotations"] = {"checkov.io/skip1": "CKV_K8S_16=x" * 3}
     one(docs, "DaemonSet")["metadata"]["annotations"]["checkov.io/skip99"] = "CKV_K8S_8"
     assert len(skip_problems(docs)) == 2, skip_problems(docs)
@@ -421,3 +425,52 @@ def test_the_requirements_pin_lower_bounds() -> None:
     names = {re.split(r"[<>=]", line)[0]: line for line in lines if line}
     assert set(names) == {"checkov", "kubernetes-validate"}
     assert all(">=" in line for line in names.values()), names
+
+
+# ---------------------------------------------------------------------------- over the network
+
+
+def test_the_network_overlay_adds_a_tls_listener_and_nothing_else(
+        rendered: Rendered, tmp_path: Path) -> None:
+    import tomllib
+
+    base = tomllib.loads(configmap_data(rendered.base, "jaild-config")["jaild.toml"])
+    text = configmap_data(rendered.network, "jaild-config")["jaild.toml"]
+    config = tmp_path / "jaild.toml"
+    config.write_text(text)
+    sections = load_config_file(str(config))  # jaild's own validation
+    daemon, access, tls = sections["daemon"], sections["access"], sections["tls"]
+    # the base's config, with only the listener, the principals and [tls] added
+    network = tomllib.loads(text)
+    assert network.pop("tls")
+    assert network["daemon"].pop("listen") == ["tls://0.0.0.0:7443"]
+    assert network["access"].pop("principals")
+    assert network == base
+    # the listener's port is the pod's port "tls", and the Service and NetworkPolicy name it
+    pod = one(rendered.network, "DaemonSet")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    port = int(daemon.listen[0].rpartition(":")[2])
+    assert {"name": "tls", "containerPort": port, "protocol": "TCP"} in container["ports"]
+    assert {"name": "metrics", "containerPort": 9464, "protocol": "TCP"} in container["ports"]
+    (service,) = [d for d in rendered.network
+                  if d["kind"] == "Service" and d["metadata"]["name"] == "jaild"]
+    assert service["spec"]["clusterIP"] == "None"  # headless: every pod's address
+    assert service["spec"]["ports"] == [
+        {"name": "tls", "port": port, "targetPort": "tls", "protocol": "TCP"}]
+    (policy,) = [d for d in rendered.network if d["kind"] == "NetworkPolicy"
+                 and d["metadata"]["name"] == "jaild-tls"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "tls", "protocol": "TCP"}]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"jaild.io/client": "true"}}}]
+    # the certificates: the Secret's files, read-only, where [tls] looks
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/etc/jaild/tls"]["readOnly"] is True
+    for path in (tls.cert, tls.key, tls.client_ca):
+        assert os.path.dirname(path) == "/etc/jaild/tls"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["/etc/jaild/tls"]["name"]]["secret"]["secretName"] == "jaild-tls"
+    assert access.principals == ("spiffe://cluster.local/ns/*/sa/*",)
+    # the rest of the DaemonSet is the base's
+    base_pod = daemon_pod(rendered)
+    assert pod["hostPID"] == base_pod["hostPID"]
+    assert container["securityContext"] == base_pod["containers"][0]["securityContext"]
