@@ -2,13 +2,16 @@
 
 Each variant runs in its own ``jaild serve`` subprocess, with a policy directory holding
 one policy (``policies/default.toml`` plus the variant's ``[pool]`` section) and a daemon
-config that allows the 500-job burst.
+config that allows the 500-job burst. A variant with ``tls`` also listens on mutual TLS on
+loopback (its own throwaway certificates, ``bench/certs.py``): the measurements that take a
+``transport`` reach the same daemon over its Unix socket or over TLS.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import random
 import re
 import shutil
 import signal
@@ -18,12 +21,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any, Literal
 
 from baselines import CODE
+from certs import Pki, make_pki
 from measure import BenchError, Deadlines, Latency, SleepBurst, Throughput, ToolCalls, timed
 from procmem import MemorySnapshot, snapshot
 
@@ -77,6 +82,10 @@ max_jobs = 16
 """The fairness daemon: uid 65534 (group nogroup) may reach its socket; each uid's share
 is the derived default, half of ``max_jobs``."""
 HELLO = encode_frame(encode(Hello(protocol=PROTOCOL_VERSION, client="bench-wait")), 1 << 16)
+TLS_LISTEN = "tls://127.0.0.1:0"
+"""A ``tls`` variant's listener: loopback, a port the kernel picks (read back from ``/proc``)."""
+Transport = Literal["unix", "tls"]
+"""How the bench's client reaches a daemon: its Unix socket, or its mutual-TLS listener."""
 
 
 @dataclass(frozen=True)
@@ -98,12 +107,33 @@ class Variant:
     """If set, the daemon (and so its zygotes and jails) runs on these CPUs (``taskset -c``)."""
     env: tuple[tuple[str, str], ...] = ()
     """More of the daemon's environment (``OTEL_*``: the traced variant)."""
+    tls: bool = False
+    """Also listen on mutual TLS (:data:`TLS_LISTEN`), beside the Unix socket."""
+    liveness_timeout_s: float | None = None
+    """If set, the daemon's ``limits.liveness_timeout_s`` and the bench's clients'
+    ``liveness_timeout_s`` (0: off at both ends); None leaves both at their default (30 s)."""
 
-    def daemon_config(self) -> str:
-        """The daemon's config file, with the event loop if it is not the default."""
-        if self.event_loop == "asyncio":  # the default
-            return self.config
-        return f'[daemon]\nevent_loop = "{self.event_loop}"\n\n{self.config}'
+    def daemon_config(self, pki: Pki | None = None) -> str:
+        """The daemon's config file: ``config``, with the event loop if it is not the
+        default, the TLS listener and its certificates (``pki``, for a ``tls`` variant) and
+        the liveness bound if set."""
+        daemon = []
+        if self.event_loop != "asyncio":  # the default
+            daemon.append(f'event_loop = "{self.event_loop}"')
+        tls = ""
+        if pki is not None:
+            daemon.append(f'listen = ["{TLS_LISTEN}"]')
+            tls = (f'\n[tls]\ncert = "{pki.server_cert}"\nkey = "{pki.server_key}"\n'
+                   f'client_ca = "{pki.ca}"\n')
+        text = self.config
+        if self.liveness_timeout_s is not None:
+            line = f"liveness_timeout_s = {self.liveness_timeout_s:g}\n"
+            text, found = re.subn(r"^\[limits\]\n", lambda m: m.group(0) + line, text,
+                                  count=1, flags=re.MULTILINE)
+            if not found:
+                text += f"\n[limits]\n{line}"
+        head = "[daemon]\n" + "".join(f"{d}\n" for d in daemon) + "\n" if daemon else ""
+        return head + text + tls
 
     def policy(self) -> str:
         """The shipped default policy, its own ``[pool]`` section (if any) replaced, 128 tool
@@ -140,6 +170,10 @@ class PrivateDaemon:
         self.socket = str(self._tmp / "jaild.sock")
         self._log = self._tmp / "jaild.log"
         self._proc: subprocess.Popen[bytes] | None = None
+        self.pki: Pki | None = None
+        """A ``tls`` variant's certificates (made at start, in its directory)."""
+        self.tls_address = ""
+        """A ``tls`` variant's listener, ``tls://127.0.0.1:PORT``, once it serves."""
 
     @property
     def pid(self) -> int:
@@ -150,8 +184,10 @@ class PrivateDaemon:
         policies = self._tmp / "policies"
         policies.mkdir()
         (policies / f"{self.policy}.toml").write_text(self.variant.policy())
+        if self.variant.tls:
+            self.pki = make_pki(self._tmp / "pki")
         config = self._tmp / "jaild.toml"
-        config.write_text(self.variant.daemon_config())
+        config.write_text(self.variant.daemon_config(self.pki))
         with self._log.open("wb") as log:
             pinned = ["taskset", "-c", self.variant.cpus] if self.variant.cpus else []
             self._proc = subprocess.Popen(
@@ -162,6 +198,8 @@ class PrivateDaemon:
             )
         try:
             self._wait_serving()
+            if self.variant.tls:
+                self.tls_address = self._wait_tls_listener()
         except BaseException:
             self._stop()
             raise
@@ -200,6 +238,40 @@ class PrivateDaemon:
                 if p["name"] == self.policy and p.get("available") is False:
                     raise BenchError(f"policy not served: {p.get('problems')}")
 
+    def _wait_tls_listener(self, timeout_s: float = 60) -> str:
+        """The TLS listener's address: the daemon's one TCP socket listening on loopback,
+        read from ``/proc`` (the daemon logs it only at level info, which the bench's daemons
+        are not started with)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ports = _loopback_listeners(self.pid)
+            if len(ports) > 1:
+                raise BenchError(f"jaild listens on several loopback ports: {ports}")
+            if ports:
+                return f"tls://127.0.0.1:{ports[0]}"
+            if time.monotonic() > deadline:
+                raise BenchError(f"jaild's TLS listener did not appear within {timeout_s:.0f} "
+                                 f"s: {self.log_tail()}")
+            time.sleep(0.05)
+
+    def _connection(self, transport: Transport) -> tuple[str, dict[str, Any]]:
+        """Where a client reaches this daemon over ``transport``, and the client's keywords
+        for it (certificates, liveness)."""
+        options: dict[str, Any] = {}
+        if self.variant.liveness_timeout_s is not None:
+            options["liveness_timeout_s"] = self.variant.liveness_timeout_s
+        if transport == "unix":
+            return self.socket, options
+        if self.pki is None or not self.tls_address:
+            raise BenchError(f"the {self.variant.key} daemon has no TLS listener")
+        return self.tls_address, {**options, "cert": self.pki.client_cert,
+                                  "key": self.pki.client_key, "ca": self.pki.ca}
+
+    def async_client(self, transport: Transport = "unix") -> AsyncClient:
+        """A client of this daemon over ``transport`` (not connected yet)."""
+        address, options = self._connection(transport)
+        return AsyncClient(address, **options)
+
     def _stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)
@@ -220,19 +292,9 @@ class PrivateDaemon:
                 return timed(
                     lambda: _check(c.run(JAILD_CODE, self.policy), 2), runs, pause_s=pause_s
                 )
-        return loops.run(self._latency(runs, pause_s), self.variant.event_loop)
-
-    async def _latency(self, runs: int, pause_s: float, warmup: int = 2) -> Latency:
-        samples = []
-        async with AsyncClient(self.socket) as c:
-            for i in range(warmup + runs):
-                if pause_s:
-                    await asyncio.sleep(pause_s)
-                started = time.perf_counter()
-                _check(await c.run(JAILD_CODE, self.policy), 2)
-                if i >= warmup:
-                    samples.append(time.perf_counter() - started)
-        return Latency(samples)
+        latency = alternating_latency({"": (self, "unix")}, runs, pause_s,
+                                      self.variant.event_loop)
+        return latency[""]
 
     def throughput(self, concurrency: int, seconds: float) -> Throughput:
         return loops.run(self._throughput(concurrency, seconds), self.variant.event_loop)
@@ -256,7 +318,7 @@ class PrivateDaemon:
             await asyncio.gather(*(worker() for _ in range(concurrency)))
             return Throughput.since(started, concurrency, latency, failures)
 
-    def tool_calls(self, calls: int, window: int) -> ToolCalls:
+    def tool_calls(self, calls: int, window: int, transport: Transport = "unix") -> ToolCalls:
         """One job making ``calls`` sequential echo calls, timed inside the jail, then
         ``calls`` more with ``window`` in flight. The handler is async: it runs on the
         client's event loop, with no thread hop."""
@@ -265,7 +327,8 @@ class PrivateDaemon:
             return value
 
         code = TOOL_CODE.format(calls=calls, window=window)
-        with Client(self.socket, event_loop=self.variant.event_loop) as c:
+        address, options = self._connection(transport)
+        with Client(address, event_loop=self.variant.event_loop, **options) as c:
             r = c.run(code, self.policy, tools={"echo": echo})
         if r.status != "ok" or not isinstance(r.result, dict):
             raise BenchError(f"tool-call job {r.status}: {r.error}")
@@ -321,11 +384,15 @@ class PrivateDaemon:
                 overshoot.append(float(r.usage["wall_s"]) - limit_s)
         return Deadlines(overshoot, limit_s=limit_s)
 
-    def settled_snapshot(self, pooled: int, timeout_s: float) -> MemorySnapshot:
-        """The memory picture once ``pooled`` jails wait (or at ``timeout_s``, as it is)."""
+    def filled(self, pooled: int, timeout_s: float) -> None:
+        """Until ``pooled`` jails wait in the pool (or ``timeout_s``: a liveness guard)."""
         deadline = time.monotonic() + timeout_s
         while len(snapshot(self.pid).pooled_jails) < pooled and time.monotonic() < deadline:
             time.sleep(0.2)
+
+    def settled_snapshot(self, pooled: int, timeout_s: float) -> MemorySnapshot:
+        """The memory picture once ``pooled`` jails wait (or at ``timeout_s``, as it is)."""
+        self.filled(pooled, timeout_s)
         time.sleep(0.5)
         return snapshot(self.pid)
 
@@ -356,6 +423,67 @@ class PrivateDaemon:
                 for job in held:
                     job.cancel()
                 ended += [job.result(300) for job in held]  # a liveness guard (slow hosts)
+
+
+def alternating_latency(ends: dict[str, tuple[PrivateDaemon, Transport]], runs: int,
+                        pause_s: float = 0.0, event_loop: str = "asyncio",
+                        warmup: int = 2) -> dict[str, Latency]:
+    """Sequential jobs, call to result, with ``AsyncClient`` (what an agent loop uses): one
+    client per end (a daemon and the transport to it), all connected at once, taking turns
+    job by job -- so that ends compared side by side see the same moments of the machine,
+    not one its quiet minute and the other its busy one. Each round goes through the ends in
+    a new order (shuffled, seeded): no end always comes first, or always just after a job on
+    its own daemon. ``pause_s`` is slept (untimed) before each job; ``warmup`` rounds are not
+    timed. Keyed as ``ends``."""
+    return loops.run(_alternating(ends, runs, pause_s, warmup), event_loop)
+
+
+async def _alternating(ends: dict[str, tuple[PrivateDaemon, Transport]], runs: int,
+                       pause_s: float, warmup: int) -> dict[str, Latency]:
+    samples: dict[str, list[float]] = {key: [] for key in ends}
+    order = random.Random(0)
+    async with AsyncExitStack() as stack:
+        clients = {key: await stack.enter_async_context(daemon.async_client(transport))
+                   for key, (daemon, transport) in ends.items()}
+        turns = list(clients.items())
+        for i in range(warmup + runs):
+            order.shuffle(turns)
+            for key, c in turns:
+                if pause_s:
+                    await asyncio.sleep(pause_s)
+                started = time.perf_counter()
+                _check(await c.run(JAILD_CODE, ends[key][0].policy), 2)
+                if i >= warmup:
+                    samples[key].append(time.perf_counter() - started)
+    return {key: Latency(s) for key, s in samples.items()}
+
+
+def alternating_tool_calls(daemon: PrivateDaemon, transports: list[Transport], calls: int,
+                           window: int) -> dict[Transport, ToolCalls]:
+    """:meth:`PrivateDaemon.tool_calls` over each transport in turn, then again in the reverse
+    order (A B B A: a drift of the machine over the four jobs weighs on both alike); each
+    transport's two jobs together."""
+    parts: dict[Transport, list[ToolCalls]] = {t: [] for t in transports}
+    for transport in [*transports, *reversed(transports)]:
+        parts[transport].append(daemon.tool_calls(calls, window, transport))
+    return {t: ToolCalls.combined(p) for t, p in parts.items()}
+
+
+def _loopback_listeners(pid: int) -> list[int]:
+    """The ports of the TCP sockets process ``pid`` holds that listen on 127.0.0.1."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with suppress(OSError):  # closed meanwhile
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+    ports = []
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()  # sl local_address rem_address st ... uid timeout inode
+        local, state, inode = fields[1], fields[3], fields[9]
+        if state == "0A" and inode in inodes and local.startswith("0100007F:"):  # LISTEN
+            ports.append(int(local.split(":")[1], 16))
+    return ports
 
 
 def cores_used(records: list[JobResult]) -> float:

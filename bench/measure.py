@@ -88,6 +88,14 @@ class ToolCalls:
     windowed_s: float
     window: int
 
+    @classmethod
+    def combined(cls, parts: list[ToolCalls]) -> ToolCalls:
+        """Several jobs of the same measurement as one: their sequential calls together, their
+        windowed calls and times summed."""
+        return cls([s for p in parts for s in p.sequential_s],
+                   sum(p.windowed_calls for p in parts), sum(p.windowed_s for p in parts),
+                   parts[0].window)
+
     @property
     def median_s(self) -> float:
         return statistics.median(self.sequential_s)
