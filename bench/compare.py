@@ -15,6 +15,9 @@ bench/results.json.
 6. wall-clock deadlines: how far past its limit a job is ended;
 7. fairness: another uid's warm-job latency while root holds its whole per-uid share,
    idle, with sleeping jobs and with spinning ones;
+8. over the network: the warm job and the tool-call round trip over mutual TLS on loopback
+   beside the same over the Unix socket of the same daemon, and the warm job with liveness
+   on (the default bound) and off, taking turns;
 
 then a table of targets, met or not. A measurement that fails is reported as such; the
 rest of the run goes on.
@@ -44,7 +47,16 @@ import floors
 import peers
 import stages
 from foreign import ForeignClient
-from jaildrun import FAIRNESS_CONFIG, JAILD_CODE, PrivateDaemon, Variant, cores_used
+from jaildrun import (
+    FAIRNESS_CONFIG,
+    JAILD_CODE,
+    PrivateDaemon,
+    Transport,
+    Variant,
+    alternating_latency,
+    alternating_tool_calls,
+    cores_used,
+)
 from measure import BenchError, Latency, ToolCalls, flat_out_threads, timed
 from otlp_sink import OtlpSink
 from report import Report, Results, Settings, to_json
@@ -66,6 +78,15 @@ FLOODS = {
     "cpu_flood": "while True:\n    pass",
 }
 TRACED_LABEL = "jaild warm, tracing on (OTLP/HTTP to a sink on loopback)"
+TRANSPORT_LABEL = "jaild warm, listening on its Unix socket and on mutual TLS (loopback)"
+TRANSPORT_ENDS: dict[str, tuple[bool, Transport]] = {
+    "transport_unix": (True, "unix"),
+    "transport_tls": (True, "tls"),
+    "transport_unix_liveness_off": (False, "unix"),
+    "transport_tls_liveness_off": (False, "tls"),
+}
+"""Section 9's latency rows: key -> (liveness on at both ends?, the transport). The rows with
+liveness on and off are two daemons alike but for ``limits.liveness_timeout_s``."""
 FAIRNESS = Variant("fairness", "jaild warm (zygote, pool 4-8), max_jobs 16, reachable by nogroup",
                    "zygote", 4, 8, config=FAIRNESS_CONFIG, time_limit_s=900)
 
@@ -288,6 +309,36 @@ class Run:
             self.failed("warm_traced/spans", BenchError(
                 f"the sink got {jobs} job spans for {expected} jobs: tracing was not on"))
 
+    def measure_transports(self, warm: Variant) -> None:
+        """The warm job over mutual TLS on loopback beside the Unix socket, against one daemon
+        listening on both (only the transport differs), and with liveness on (the default
+        bound) and off: a second daemon alike but for ``limits.liveness_timeout_s = 0`` (its
+        clients' off too). The four rows' clients take turns job by job; the tool-call jobs
+        go over each transport of the first daemon, A B B A."""
+        s, r = self.settings, self.results
+        on = dataclasses.replace(warm, key="transport", label=TRANSPORT_LABEL, tls=True)
+        off = dataclasses.replace(on, key="transport_liveness_off",
+                                  label=f"{TRANSPORT_LABEL}, liveness off", liveness_timeout_s=0)
+        print(f"== {on.label}; and a second daemon, liveness off", flush=True)
+        try:
+            with PrivateDaemon(on) as live, PrivateDaemon(off) as unlive:
+                for daemon in (live, unlive):  # as the warm row, which waits for it (memory)
+                    daemon.filled(warm.pool_min, POOL_FILL_GUARD_S)
+                ends = {key: (live if liveness else unlive, transport)
+                        for key, (liveness, transport) in TRANSPORT_ENDS.items()}
+                pause = s.warm_pause_s
+                latency = self.attempt("transport/latency", lambda: alternating_latency(
+                    ends, s.runs, pause, warm.event_loop))
+                for key, x in (latency or {}).items():
+                    x.note = f"{pause * 1e3:.0f} ms between jobs"
+                    r.latency[key] = x
+                tools = self.attempt("transport/tool_calls", lambda: alternating_tool_calls(
+                    live, ["unix", "tls"], s.tool_calls, s.tool_window))
+                for transport, t in (tools or {}).items():
+                    r.tool_calls[f"transport_{transport}"] = t
+        except Exception as exc:
+            self.failed("transport/start", exc)
+
     def measure_loop(self, daemon: PrivateDaemon) -> None:
         """The warm rows again with daemon and client on uvloop (``daemon.event_loop``,
         ``jaild.loops``): what it changes against the standard loop, in the same run."""
@@ -425,6 +476,10 @@ def labels(vs: list[Variant]) -> dict[str, str]:
         "warm_blocking": "jaild warm, blocking `Client` (zygote, pool 4-8)",
         "warm_uvloop_blocking": "jaild warm, blocking `Client`, daemon and client on uvloop",
         "warm_traced": TRACED_LABEL,
+        "transport_unix": "jaild warm over its Unix socket",
+        "transport_tls": "jaild warm over mutual TLS on loopback (the same daemon)",
+        "transport_unix_liveness_off": "jaild warm over its Unix socket, liveness off",
+        "transport_tls_liveness_off": "jaild warm over mutual TLS on loopback, liveness off",
         "fairness": FAIRNESS.label,
         "monty_exec": "pydantic-monty in-process",
         "monty_warm": "pydantic-monty, warm worker pool (a checkout per job)",
@@ -540,8 +595,9 @@ def main(argv: list[str]) -> int:
     run.measure_peers()
     for variant in vs:
         run.measure_variant(variant)
-        if variant.key == "warm":  # the same daemon with tracing on, next
+        if variant.key == "warm":  # the same daemon with tracing on, next; then over TLS
             run.measure_traced(variant)
+            run.measure_transports(variant)
     run.measure_stages()
     run.measure_fairness()
     results.machine["load average at end"] = baselines.load_average()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import statistics
 from collections.abc import Callable
@@ -18,6 +19,12 @@ MIB_KB = 1024
 PEER_LATENCY = ("monty_exec", "monty_warm", "monty_cold", "llm_bwrap", "llm_bwrap_session",
                 "llm_nsjail", "llm_nsjail_session")
 """Section 1's rows for pydantic-monty and llm-sandbox (``monty_exec``: skipped, saying why)."""
+TRANSPORT_ROWS = ("transport_unix", "transport_tls", "transport_unix_liveness_off",
+                  "transport_tls_liveness_off")
+"""Section 9's latency rows (their clients take turns, in a new order each round)."""
+LIVENESS_DEFAULT_S = 30.0
+"""jaild's liveness bound by default, the daemon's (``limits.liveness_timeout_s``) and the
+client's (``liveness_timeout_s``): section 9's rows with liveness on run with it."""
 ISOLATION_ROWS = {
     "exec": "in-process `exec`",
     "python": "python subprocess",
@@ -181,7 +188,7 @@ class Report:
             self._intro, self._machine, self._floors, self._targets, self._latency,
             self._throughput,
             self._tool_calls, self._memory, self._sleep, self._deadlines, self._fairness,
-            self._stages, self._profile,
+            self._stages, self._transports, self._profile,
             self._errors,
             self._method,
         ]
@@ -624,6 +631,117 @@ class Report:
             "metrics); to client: one hop and the client's decode; client return: the "
             "decoded record -> `run()` returns.",
         ]
+
+    def _transports(self) -> list[str]:
+        lat, calls, s = self.r.latency, self.r.tool_calls, self.s
+        rows = []
+        for key, base, same in (
+            ("transport_unix", None, "transport_unix_liveness_off"),
+            ("transport_tls", "transport_unix", "transport_tls_liveness_off"),
+            ("transport_unix_liveness_off", None, None),
+            ("transport_tls_liveness_off", "transport_unix_liveness_off", None),
+        ):
+            x = lat.get(key)
+            if x is None:
+                rows.append([self.r.labels[key], self._missing("transport/latency"),
+                             "", "", "", ""])
+                continue
+            unix = lat.get(base) if base else None
+            off = lat.get(same) if same else None
+            rows.append([
+                self.r.labels[key], _ms(x.median_s), _ms(x.p99_s), str(len(x.samples_s)),
+                _ratio(x.median_s, unix.median_s) if unix else "-",
+                _ratio(x.median_s, off.median_s) if off else "-",
+            ])
+        tool_rows = []
+        for key in ("transport_unix", "transport_tls"):
+            t = calls.get(key)
+            if t is None:
+                tool_rows.append([self.r.labels[key], self._missing("transport/tool_calls"),
+                                  "", "", "", ""])
+                continue
+            unix_calls = calls.get("transport_unix")
+            tool_rows.append([
+                self.r.labels[key], _us(t.median_s), _us(t.p99_s),
+                f"{t.sequential_per_s:,.0f}", f"{t.windowed_per_s:,.0f}",
+                _ratio(t.median_s, unix_calls.median_s)
+                if unix_calls and key != "transport_unix" else "-",
+            ])
+        lines = [
+            "## 9. Over mutual TLS, and what liveness costs",
+            "",
+            "Two private daemons like the warm row's (zygote, pool 4-8), each listening on its "
+            "Unix socket and on mutual TLS on loopback (`daemon.listen = "
+            "[\"tls://127.0.0.1:0\"]`: TLS 1.3, the client's certificate verified against a "
+            "throwaway CA, `bench/certs.py`). The first has liveness at its default at both "
+            "ends (`limits.liveness_timeout_s` and the client's `liveness_timeout_s`, "
+            f"{LIVENESS_DEFAULT_S:g} s); "
+            "the second is the same with liveness off at both ends (0). One `AsyncClient` per "
+            "row, all connected (handshakes done) before the first timed job, take turns job "
+            "by job (in an order shuffled each round), each job after a "
+            f"{s.warm_pause_s * 1e3:.0f} ms pause, 2 rounds untimed first: a job's round trip "
+            "on an open connection, the rows compared seeing the same moments of the machine. "
+            "x Unix socket: against the row over the same daemon's Unix socket, so only the "
+            "transport differs (the jail, the pool, the daemon's work are the same). "
+            "x liveness off: against the same transport on the daemon with liveness off, so "
+            "only liveness differs.",
+            "",
+            *_table(["what", "median", "p99", "runs", "x Unix socket (median)",
+                     "x liveness off (median)"], rows, "lrrrrr"),
+            "",
+            f"The tool-call round trip over each transport of the first daemon: section 3's "
+            f"job ({s.tool_calls:,} sequential `await tools.echo(i)` calls timed in the jail, "
+            f"then {s.tool_calls:,} with at most {s.tool_window} in flight), the daemon's "
+            "calls to the client and the client's answers going over the transport; one job "
+            "over the Unix socket, two over TLS, one over the Unix socket again (each row is "
+            "its two jobs together).",
+            "",
+            *_table(["what", "p50", "p99", "sequential calls/s",
+                     f"calls/s, {s.tool_window} in flight", "x Unix socket (p50)"],
+                    tool_rows, "lrrrrr"),
+        ]
+        return lines + self._transport_summary()
+
+    def _transport_summary(self) -> list[str]:
+        """The section's ratios in a sentence, and what liveness does on a job's path."""
+        lat, calls = self.r.latency, self.r.tool_calls
+        unix, tls = lat.get("transport_unix"), lat.get("transport_tls")
+        unix_off, tls_off = (lat.get("transport_unix_liveness_off"),
+                             lat.get("transport_tls_liveness_off"))
+        said = []
+        if unix and tls:
+            said.append(f"Over TLS a warm job's median was {_ratio(tls.median_s, unix.median_s)} "
+                        f"the Unix socket's (p99 {_ratio(tls.p99_s, unix.p99_s)})")
+            cu, ct = calls.get("transport_unix"), calls.get("transport_tls")
+            if cu and ct:
+                said[-1] += (f", a tool call's round trip {_ratio(ct.median_s, cu.median_s)} "
+                             f"(p50; {_ratio(ct.windowed_per_s, cu.windowed_per_s)} the calls "
+                             f"per second with {self.s.tool_window} in flight)")
+        if unix and unix_off:
+            said.append(f"liveness on put the warm job's median at "
+                        f"{_ratio(unix.median_s, unix_off.median_s)} of liveness off over the "
+                        "Unix socket"
+                        + (f" and {_ratio(tls.median_s, tls_off.median_s)} over TLS"
+                           if tls and tls_off else ""))
+        if not said:
+            return []
+        idle_s = LIVENESS_DEFAULT_S / 3  # an end pings a peer idle this long
+        text = ("; ".join(said) + ". Liveness changes nothing on a job's path: each end notes "
+                "when it last read from the other either way; on, it also keeps one timer per "
+                f"connection, which pings only a peer idle for a third of the bound "
+                f"({idle_s:g} s).")
+        rows = [lat[k].samples_s for k in TRANSPORT_ROWS if k in lat]
+        if len(rows) == len(TRANSPORT_ROWS) and rows[0]:
+            rounds = [sum(r) + len(rows) * self.s.warm_pause_s for r in zip(*rows, strict=True)]
+            # a connection's longest wait between two of its jobs: at most two rounds
+            longest = max((a + b for a, b in itertools.pairwise(rounds)), default=rounds[0])
+            text += (f" Each connection here ran a job every {_ms(statistics.median(rounds))} "
+                     f"(median; at most {_ms(longest)} apart)")
+            text += (", never idle that long: the rows with liveness on sent no ping, and their "
+                     "ratios to liveness off show how far two alike daemons' figures differ "
+                     "in one run." if longest < idle_s else
+                     ", idle long enough at times for a ping to be sent.")
+        return ["", text]
 
     def _profile(self) -> list[str]:
         head = ["## Where the time goes", ""]

@@ -56,7 +56,8 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path, world_dir:
                     "## 2. Fresh-jail jobs per second",
                     "## 3. Tool-call round trip", "## 4. Memory", "## 5. Concurrent sleeping jobs",
                     "## 6. Wall-clock deadlines", "## 7. Fairness between uids",
-                    "## 8. Where a warm job's time goes"):
+                    "## 8. Where a warm job's time goes",
+                    "## 9. Over mutual TLS, and what liveness costs"):
         assert section in report
     results = json.loads(out.with_suffix(".json").read_text())
     assert results["errors"] == {}, results["errors"]
@@ -79,6 +80,13 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path, world_dir:
                             "client return"]
     assert all(len(v) == 4 and min(v) >= 0 for v in stages.values()), stages
     assert len(results["deadlines"]["samples_s"]) == 3
+    # one daemon over its Unix socket and over mutual TLS, and one alike with liveness off,
+    # the four clients taking turns (4 jobs each); the tool-call job over each transport, twice
+    for key in ("transport_unix", "transport_tls", "transport_unix_liveness_off",
+                "transport_tls_liveness_off"):
+        assert len(results["latency"][key]["samples_s"]) == 4, key
+    for key in ("transport_unix", "transport_tls"):
+        assert len(results["tool_calls"][key]["sequential_s"]) == 2 * 50, key
     for phase in ("idle", "sleep_flood", "cpu_flood"):  # another uid's jobs, under each
         assert results["fairness"][phase]["samples_s"], phase
 
