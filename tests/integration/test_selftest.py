@@ -111,5 +111,5 @@ def test_config_file_is_validated(tmp_path: Path) -> None:
     cfg.write_text("[deamon]\nsocket = '/x'\n")
     out = subprocess.run([sys.executable, "-m", "jaild", "serve", "--config", str(cfg)],
                          capture_output=True, text=True, timeout=guard(60), check=False)
-    assert f"{cfg}: deamon: unknown key; the config accepts daemon, access, limits" in out.stderr
+    assert f"{cfg}: deamon: unknown key; the config accepts daemon, access, tls, limits" in out.stderr
     assert TEST_POLICIES.exists() and os.path.exists(STATE_DIR)
