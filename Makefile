@@ -43,7 +43,7 @@ POLICY_MANIFEST := $(OPT_DIR)/shipped-policies.sha256
 DEV_JAILD := $(abspath $(VENV))/bin/jaild
 PURGE ?=
 
-.PHONY: all print-% setup setup-and-tools bin-link tools-venv k8s-policies demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install install-policies uninstall jail-env clean distclean test-hosts hosts-packages image image-packages test-packages
+.PHONY: all print-% setup setup-and-tools venv-test bin-link tools-venv k8s-policies demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install install-policies uninstall jail-env clean distclean test-hosts hosts-packages image image-packages test-packages
 
 all: setup
 
@@ -68,18 +68,30 @@ $(STAMPS)/apt: Makefile
 # The editable install is a .pth line naming this checkout (pyproject.toml: package-dir), so
 # a script beside the clone imports the package, not the clone's directory; a change of
 # either file reinstalls.
-$(STAMPS)/venv: $(STAMPS)/apt pyproject.toml Makefile
+#
+# The package alone first (the client and the daemon: all `make demo` needs, so the README's
+# first command installs no test, lint or docs tools -- under the guests' emulation most of
+# `make setup`'s time), then the extras the suite and the front ends use.
+$(STAMPS)/venv-core: $(STAMPS)/apt pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	@touch $@
+
+$(STAMPS)/venv: $(STAMPS)/venv-core
 	$(PY) -m pip install --quiet -e '.[$(VENV_EXTRAS)]'
 	@touch $@
+
+# pytest beside the package alone: what the real-host service checks need (hosts/guest).
+venv-test: $(STAMPS)/venv-core
+	$(PY) -m pip install --quiet -e '.[test]'
 
 # `jaild` on root's PATH: $(BIN_DIR)/jaild -> this checkout's $(VENV)/bin/jaild, made where
 # nothing works yet: no file there, or a dangling link (a deleted clone's). A working link --
 # `make install`'s, another clone's -- or a file is left alone, so what `jaild` runs changes
 # only when its owner says so; the line printed says which it is and names this checkout's.
 # `make uninstall` and `make distclean` remove the link when it points into this checkout.
-bin-link: $(STAMPS)/venv
+bin-link: $(STAMPS)/venv-core
 	@link="$(BIN_DIR)/jaild"; ours="$(DEV_JAILD)"; target=$$(readlink "$$link"); \
 	if [ "$$target" = "$$ours" ]; then \
 	  echo "jaild: $$link -> $$ours (this checkout's)"; \
@@ -106,10 +118,10 @@ JAIL_ENV_NAMES := $(patsubst envs/%.txt,%,$(wildcard envs/*.txt))
 
 jail-env: $(addprefix jail-env-,$(JAIL_ENV_NAMES))
 
-jail-env-%: envs/%.txt $(STAMPS)/venv
+jail-env-%: envs/%.txt $(STAMPS)/venv-core
 	$(PY) -m jaild env build $* -r $< --rebuild --state-dir $(STATE_DIR)
 
-demo: setup
+demo: $(STAMPS)/venv-core jail-env bin-link
 	$(PY) examples/demo.py
 
 # The container tests' image (make image) is built by the suite itself, beside the tests
