@@ -4,7 +4,7 @@
 ``make uninstall [PURGE=1]`` and ``make distclean`` are run for real, by ``make``, in a copy
 of this checkout's Makefile, policies and units ("the checkout"), with every system path
 (``OPT_DIR``, ``ETC_DIR``, ``UNIT_DIR``, ``BIN_DIR``, ``STATE_DIR``) pointed below a temporary
-root. ``-o .stamps/venv`` and ``-o setup`` keep make from building a venv; the checkout's
+root. ``-o .stamps/venv``, ``-o .stamps/venv-core`` and ``-o setup`` keep make from building a venv; the checkout's
 ``.venv/bin/jaild`` and ``python`` and the installed venv's ``python``, ``pip`` and ``jaild``
 are stand-in scripts. systemctl is never run: the unit directory is not the system's.
 """
@@ -100,7 +100,8 @@ def make(co: Path, tree: Tree, *args: str) -> str:
     env = {k: v for k, v in os.environ.items()
            if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
     proc = subprocess.run(
-        ["make", "--no-print-directory", "-o", ".stamps/venv", "-o", "setup", *args,
+        ["make", "--no-print-directory", "-o", ".stamps/venv", "-o", ".stamps/venv-core",
+         "-o", "setup", *args,
          *tree.variables()],
         cwd=co, env=env, capture_output=True, text=True, timeout=guard(60), check=False)
     output = proc.stdout + proc.stderr
