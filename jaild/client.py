@@ -1144,18 +1144,24 @@ def client_context(cert: str | None, key: str | None, ca: str | None) -> ssl.SSL
     (default: the system's CAs) and its name checked, this client's certificate presented.
 
     Raises:
-        ValueError: ``cert`` without ``key`` or the other way round, or neither (the daemon
-            requires a client certificate); a file that cannot be used (named).
+        DaemonUnavailable: no certificate or key (the daemon requires a client certificate),
+            or a file that cannot be used (named): no daemon can be reached so.
     """
     if not cert or not key:
-        raise ValueError("a tls:// address needs cert= and key=: the daemon requires a "
-                         "client certificate")
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+        raise DaemonUnavailable(
+            "a tls:// address needs this client's certificate and key: cert= and key= "
+            "($JAILD_TLS_CERT and $JAILD_TLS_KEY; --tls-cert and --tls-key on the command "
+            "line): the daemon lets in no client without one"
+        )
+    try:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise DaemonUnavailable(f"ca {ca}: cannot be used: {exc}") from None
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     try:
         ctx.load_cert_chain(cert, key)
     except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"cert {cert} / key {key}: cannot be used: {exc}") from None
+        raise DaemonUnavailable(f"cert {cert} / key {key}: cannot be used: {exc}") from None
     return ctx
 
 

@@ -4,7 +4,11 @@ statuses, and what a client may see of the daemon)."""
 
 from __future__ import annotations
 
+import json
+import os
 import secrets
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from jaild.client import Client
+from jaild.errors import DaemonUnavailable
+from tests.conftest import guard
 from tests.network import TlsDaemon, start_tls_daemon
 from tests.tls import make_pki
 
@@ -126,3 +132,42 @@ def test_the_client_sees_its_own_jobs_and_the_policies(client: Client) -> None:
     finally:
         job.cancel()
         job.result()
+
+
+# ------------------------------------------------------------------ the front ends over TLS
+
+
+def test_the_cli_runs_a_job_over_tls(served: TlsDaemon) -> None:
+    pki = served.pki
+    argv = [sys.executable, "-m", "jaild", "run", "--socket", served.address, "--json",
+            "-c", "print(6 * 7)"]
+    tls = ["--tls-cert", pki.client.cert, "--tls-key", pki.client.key, "--tls-ca", pki.ca.cert]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAILD_TLS_")}
+    out = subprocess.run([*argv, *tls], capture_output=True, text=True, env=env,
+                         timeout=guard(60), check=False)
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out.stdout)
+    assert (record["status"], record["stdout"]) == ("ok", "42\n")
+    # the control: no certificate, no job -- and a message saying what is missing
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=guard(60),
+                         check=False)
+    assert out.returncode == 69 and "--tls-cert" in out.stderr, out.stderr
+
+
+def test_the_library_says_what_is_missing_without_a_certificate(served: TlsDaemon) -> None:
+    with pytest.raises(DaemonUnavailable, match="cert= and key="):
+        Client(served.address, ca=served.pki.ca.cert)
+
+
+def test_jaild_mcp_runs_code_over_tls(served: TlsDaemon, tmp_path: Path) -> None:
+    from tests.integration.test_mcp import _drive, _jaild_mcp, _run, _text
+
+    pki = served.pki
+    env = {**os.environ, "JAILD_TLS_CERT": pki.client.cert, "JAILD_TLS_KEY": pki.client.key,
+           "JAILD_TLS_CA": pki.ca.cert}
+
+    async def body(session: object) -> str:
+        return _text(await _run(session, "print(6 * 7)"))
+
+    text = _drive(_jaild_mcp(served.address), tmp_path / "log", body, env=env)
+    assert "42" in text
