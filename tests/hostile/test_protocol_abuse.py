@@ -19,7 +19,7 @@ import pytest
 
 from jaild.client import Client
 from jaild.protocol import PROTOCOL_VERSION
-from tests.conftest import REPO_POLICIES, STATE_DIR, DaemonHandle, guard
+from tests.conftest import REPO_POLICIES, STATE_DIR, DaemonHandle, free_socket, guard
 
 pytestmark = pytest.mark.integration
 
@@ -158,10 +158,10 @@ def test_many_concurrent_clients_and_one_abusive(hostile: DaemonHandle) -> None:
 
 def test_daemon_refuses_to_start_without_nsjail(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "jaild", "serve", "--socket", str(tmp_path / "s.sock"),
+        [sys.executable, "-m", "jaild", "serve", "--socket", free_socket(tmp_path),
          "--policies", str(REPO_POLICIES), "--state-dir", STATE_DIR, "--nsjail", "/nonexistent/nsjail"],
         capture_output=True, text=True, timeout=guard(60), check=False,
     )
     assert out.returncode == 1
     assert "nsjail at /nonexistent/nsjail is missing or not executable" in out.stderr
-    assert not (tmp_path / "s.sock").exists()
+    assert not any(tmp_path.glob("*.sock"))

@@ -40,6 +40,7 @@ from tests.conftest import (
     STATE_DIR,
     TEST_POLICIES,
     DaemonHandle,
+    free_socket,
     require_jail_host,
     start_daemon,
     wait_listening,
@@ -228,7 +229,7 @@ def activator(argv: list[str], log_file: IO[bytes], sock_path: str,
 def test_socket_activation(tmp_path: Path) -> None:
     require_jail_host()
     assert ACTIVATE is not None, "systemd-socket-activate is missing: apt-get install systemd (make test does)"
-    sock_path = str(tmp_path / "act.sock")
+    sock_path = free_socket(tmp_path)  # on a uid block no daemon holds
     log_path = tmp_path / "jaild.log"
     # An abstract-namespace notify socket ("@..."), as systemd may also use.
     notify_name = f"@jaild-test-{secrets.token_hex(8)}"
@@ -309,7 +310,7 @@ def test_a_start_that_fails_tells_the_waiting_client_why(tmp_path: Path) -> None
     with nothing in the way serving, is test_socket_activation."""
     require_jail_host()
     assert ACTIVATE is not None, "systemd-socket-activate is missing: apt-get install systemd (make test does)"
-    sock_path = str(tmp_path / "act.sock")
+    sock_path = free_socket(tmp_path)  # on a uid block no daemon holds
     pdir = tmp_path / "policies"
     pdir.mkdir()
     shutil.copy(REPO_POLICIES / "default.toml", pdir / "default.toml")

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from jaild.daemon.config import DaemonConfig
-from tests.conftest import guard, start_daemon, sweep_cgroups
+from tests.conftest import free_socket, guard, start_daemon, sweep_cgroups
 
 
 def wrapper(directory: Path, subuid_text: str) -> str:
@@ -30,10 +30,11 @@ def wrapper(directory: Path, subuid_text: str) -> str:
 
 
 def test_a_daemon_whose_jail_ids_the_kubelet_hands_out_refuses_to_start(tmp_path: Path) -> None:
-    base = DaemonConfig(socket_path=str(tmp_path / "d" / "jaild.sock")).uid_base
+    sock = free_socket(tmp_path / "d")  # the block is named before the daemon starts
+    base = DaemonConfig(socket_path=sock).uid_base
     python = wrapper(tmp_path / "w", f"kubelet:65536:7208960\nkubelet:{base + 4096}:65536\n")
     d = start_daemon(tmp_path / "d", wait=False, python=python, with_repo_policies=False,
-                     policies={"default": ""})
+                     policies={"default": ""}, socket=sock)
     assert d.proc.wait(timeout=guard(60)) != 0
     log = d.log()
     assert (f"cannot start: the jails' ids {base}..{base + 65535} overlap "
