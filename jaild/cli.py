@@ -429,14 +429,16 @@ def cmd_ps(args: argparse.Namespace) -> int:
     if rows is None:
         return 0
     print(f"{'ID':<22} {'KIND':<8} {'POLICY':<12} {'UID':>6} {'STATE':<9} {'AGE':>8} "
-          f"{'RUNS':>5} {'MEMORY':>9} {'CPU':>7}")
+          f"{'RUNS':>5} {'MEMORY':>9} {'CPU':>7}  OWNER")
     for r in rows:
         runs = r.get("runs", "")
         cpu = r.get("cpu_s")
+        uid = r["uid"] if r.get("uid") is not None else "-"  # a network client has none
+        owner = r.get("principal") or r.get("pod") or ""  # its certificate's name, a pod's
         print(
-            f"{r['id']:<22} {r['kind']:<8} {r['policy']:<12} {r['uid']:>6} {r['state']:<9} "
+            f"{r['id']:<22} {r['kind']:<8} {r['policy']:<12} {uid!s:>6} {r['state']:<9} "
             f"{r['age_s']:>7.1f}s {runs!s:>5} {_size(r.get('memory_bytes')):>9} "
-            f"{(f'{cpu:.2f}s' if cpu is not None else '-'):>7}"
+            f"{(f'{cpu:.2f}s' if cpu is not None else '-'):>7}  {owner}".rstrip()
         )
     return 0
 

@@ -19,7 +19,7 @@ from jaild.client import Client
 from jaild.errors import DaemonUnavailable
 from tests.conftest import guard
 from tests.network import TlsDaemon, start_tls_daemon
-from tests.tls import make_pki
+from tests.tls import make_pki, spiffe_id
 
 pytestmark = pytest.mark.integration
 
@@ -152,6 +152,19 @@ def test_the_cli_runs_a_job_over_tls(served: TlsDaemon) -> None:
     out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=guard(60),
                          check=False)
     assert out.returncode == 69 and "--tls-cert" in out.stderr, out.stderr
+    # jaild ps over TLS: the network client's job, no uid, its principal as the owner
+    with served.client() as c:
+        job = c.submit("import time\ntime.sleep(30)")
+        try:
+            out = subprocess.run(
+                [sys.executable, "-m", "jaild", "ps", "--socket", served.address, *tls],
+                capture_output=True, text=True, env=env, timeout=guard(60), check=False)
+        finally:
+            job.cancel()
+            job.result()
+    assert out.returncode == 0, out.stderr
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith(job.job_id)]
+    assert row.split()[3] == "-" and row.endswith(spiffe_id("alice")), row
 
 
 def test_the_library_says_what_is_missing_without_a_certificate(served: TlsDaemon) -> None:
