@@ -271,7 +271,9 @@ lint: setup
 # another checkout's, a file -- is kept, and the line says so (`make uninstall` keeps it too).
 INSTALL_EXTRAS := mcp,codemode,otel,uvloop
 
-install: setup install-policies
+# It needs the jail environments and the checkout's pip (the package's own venv), not the
+# development extras.
+install: $(STAMPS)/venv-core jail-env install-policies
 	install -d -m 0755 $(OPT_DIR)
 	test -x $(OPT_DIR)/venv/bin/python || $(PYTHON) -m venv --without-pip $(OPT_DIR)/venv
 	$(PY) -m pip --python $(OPT_DIR)/venv/bin/python install --quiet --upgrade pip '.[$(INSTALL_EXTRAS)]'

@@ -4,7 +4,8 @@
 ``make uninstall [PURGE=1]`` and ``make distclean`` are run for real, by ``make``, in a copy
 of this checkout's Makefile, policies and units ("the checkout"), with every system path
 (``OPT_DIR``, ``ETC_DIR``, ``UNIT_DIR``, ``BIN_DIR``, ``STATE_DIR``) pointed below a temporary
-root. ``-o .stamps/venv``, ``-o .stamps/venv-core`` and ``-o setup`` keep make from building a venv; the checkout's
+root. ``-o .stamps/venv``, ``-o .stamps/venv-core``, ``-o setup`` and ``-o jail-env`` keep make from
+building a venv or the jail environments; the checkout's
 ``.venv/bin/jaild`` and ``python`` and the installed venv's ``python``, ``pip`` and ``jaild``
 are stand-in scripts. systemctl is never run: the unit directory is not the system's.
 """
@@ -101,7 +102,7 @@ def make(co: Path, tree: Tree, *args: str) -> str:
            if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
     proc = subprocess.run(
         ["make", "--no-print-directory", "-o", ".stamps/venv", "-o", ".stamps/venv-core",
-         "-o", "setup", *args,
+         "-o", "setup", "-o", "jail-env", *args,
          *tree.variables()],
         cwd=co, env=env, capture_output=True, text=True, timeout=guard(60), check=False)
     output = proc.stdout + proc.stderr
