@@ -378,7 +378,7 @@ async def _start_zygotes(
             zygote_uid=config.uid_base + JOB_UIDS + index,
             uid_base=config.uid_base,
             launcher=env.launcher,
-            seccomp_spec=env.seccomp_specs[policy.name],
+            harden=env.harden(policy),
             max_jobs=config.max_jobs,
             label=f"zygote-{policy.name}" if own else (
                 f"zygote-{policy.name}-u{tenant}" if isinstance(tenant, int)

@@ -599,8 +599,30 @@ def encode(msg: Message) -> bytes:
     return packed
 
 
+_remembered: tuple[bytes, Direction, Message] | None = None
+
+
+def remember(payload: bytes, direction: Direction) -> Message:
+    """Decode ``payload`` (a message of ``direction``) now, and answer every later
+    :func:`decode` of the same bytes in the same direction with that same message.
+
+    A zygote remembers the ``Harden`` frame its jails will be sent
+    (:class:`jaild.protocol.zygote_link.PrepareJails`): each forked jail then checks the
+    frame it receives byte for byte against it instead of decoding and checking its fields
+    again, and loads the filters its zygote built for that very message. Messages are
+    frozen, so sharing one is safe. One payload is remembered at a time.
+    """
+    global _remembered
+    msg = decode(payload, direction)
+    _remembered = (bytes(payload), direction, msg)
+    return msg
+
+
 def decode(payload: bytes, direction: Direction) -> Message:
     """msgpack payload -> Message of ``direction``, or RemoteProtocolError. Never anything else."""
+    known = _remembered
+    if known is not None and known[1] == direction and payload == known[0]:
+        return known[2]
     return decode_from(payload, MESSAGES[direction], direction)
 
 

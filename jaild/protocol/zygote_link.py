@@ -14,9 +14,12 @@ message            direction       meaning
 =================  ==============  ===============================================
 ``ZygoteReady``    zygote->daemon  once, after its imports; a non-empty ``failed``
                                    means it exits and the policy is not served
-``PrepareSeccomp`` daemon->zygote  once, after ``ZygoteReady``: build the policy's
-                                   filters once for all jails (each jail still
-                                   loads them, and the daemon checks the digest)
+``PrepareJails``   daemon->zygote  once, after ``ZygoteReady``: the ``Harden``
+                                   frame every jail will be sent, as its payload;
+                                   the zygote decodes it and builds the filters
+                                   once for all jails (each jail still receives
+                                   and loads them, and the daemon checks the
+                                   digest)
 ``SpawnJail``      daemon->zygote  fork one jail as ``jail`` describes; the jail's
                                    channel, stdout and stderr ride along as
                                    SCM_RIGHTS
@@ -43,14 +46,14 @@ the input, it returns a message or raises :class:`RemoteProtocolError`.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import msgpack
 
 from jaild.errors import LocalProtocolError, RemoteProtocolError
 from jaild.protocol.fields import (
     Struct,
-    any_map,
+    binary,
     boolean,
     field,
     integer,
@@ -177,9 +180,11 @@ class ZygoteReady(Message):
 
 
 @struct
-class PrepareSeccomp(Message):
-    TYPE = "PrepareSeccomp"
-    spec: dict[str, Any] = field(any_map())
+class PrepareJails(Message):
+    TYPE = "PrepareJails"
+    harden: bytes = field(binary(MAX_FRAME_BYTES // 2))
+    """The payload of the ``Harden`` frame (:mod:`jaild.protocol.messages`) the daemon sends
+    each jail of this zygote, byte for byte."""
 
 
 @struct
@@ -225,7 +230,7 @@ class SpawnFailed(Message):
 Direction = Literal["daemon->zygote", "zygote->daemon"]
 
 MESSAGES: dict[Direction, dict[str, type[Message]]] = {
-    "daemon->zygote": {m.TYPE: m for m in (PrepareSeccomp, SpawnJail)},
+    "daemon->zygote": {m.TYPE: m for m in (PrepareJails, SpawnJail)},
     "zygote->daemon": {m.TYPE: m for m in (ZygoteReady, JailReaped, SpawnFailed)},
 }
 
@@ -294,7 +299,7 @@ __all__ = [
     "JailSetup",
     "LinkDecoder",
     "Mount",
-    "PrepareSeccomp",
+    "PrepareJails",
     "Rlimits",
     "SpawnFailed",
     "SpawnJail",

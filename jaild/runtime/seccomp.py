@@ -210,7 +210,7 @@ def load(spec: Mapping[str, Any]) -> str:
     for an equal spec are loaded as they are (libseccomp's own load would generate each
     program again: half of a jail's ~1 ms of loading, measured in forked children).
     """
-    if _prepared is not None and _prepared[0] == spec:
+    if _prepared is not None and (_prepared[0] is spec or _prepared[0] == spec):
         programs = _prepared[1]
     else:
         programs = [_export(_build(f)) for f in _filters(spec)]

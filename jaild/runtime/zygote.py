@@ -71,7 +71,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from jaild.errors import SetupFailed
-from jaild.protocol.messages import Message, safe_text
+from jaild.protocol.messages import Harden, Message, remember, safe_text
 from jaild.protocol.zygote_link import (
     MAX_FAILED_IMPORTS,
     MAX_FAILURE_CHARS,
@@ -79,7 +79,7 @@ from jaild.protocol.zygote_link import (
     JailReaped,
     JailSetup,
     Mount,
-    PrepareSeccomp,
+    PrepareJails,
     SpawnFailed,
     SpawnJail,
     ZygoteReady,
@@ -402,6 +402,19 @@ def _reap(control: socket.socket, children: dict[int, int]) -> None:
         )
 
 
+def _prepare(req: PrepareJails) -> None:
+    """Decode the ``Harden`` frame every jail will be sent, once, and build its seccomp
+    filters: each jail then recognises the frame by its bytes and loads the filters as they
+    are (:func:`jaild.protocol.messages.remember`, :func:`jaild.runtime.seccomp.prepare`).
+    A frame that is not a ``Harden`` is the daemon's bug: raise, and exit."""
+    from jaild.runtime import seccomp
+
+    harden = remember(req.harden, "daemon->jail")
+    if not isinstance(harden, Harden):
+        raise SetupFailed(f"PrepareJails carries a {harden.TYPE}, not a Harden")
+    seccomp.prepare(harden.seccomp)
+
+
 def _preimport(names: Sequence[str]) -> dict[str, str]:
     """Import the runtime and ``names``; what failed, as the ``ZygoteReady`` message says it."""
     failed: dict[str, str] = {}
@@ -525,10 +538,8 @@ def main(preimport: Sequence[str]) -> None:
                 req = decode_packet(data, "daemon->zygote")
                 if isinstance(req, SpawnJail):
                     children.update(_spawn(control, req, fds, own_pidns))
-                elif isinstance(req, PrepareSeccomp):
-                    from jaild.runtime import seccomp
-
-                    seccomp.prepare(req.spec)
+                elif isinstance(req, PrepareJails):
+                    _prepare(req)
             finally:
                 for fd in fds:
                     os.close(fd)

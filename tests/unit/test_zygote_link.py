@@ -29,11 +29,14 @@ from jaild.policy.compile import (
     compile_policy,
     compile_zygote,
     forked_jail,
+    harden,
 )
 from jaild.policy.schema import Policy, load_policy_dir, load_policy_text
 from jaild.policy.seccomp import build_spec
+from jaild.protocol import messages
 from jaild.protocol.framing import HEADER_BYTES
-from jaild.protocol.messages import Message
+from jaild.protocol.messages import Harden, Message
+from jaild.protocol.messages import encode as encode_message
 from jaild.protocol.zygote_link import (
     MAX_FAILED_IMPORTS,
     MAX_FAILURE_CHARS,
@@ -43,7 +46,7 @@ from jaild.protocol.zygote_link import (
     JailSetup,
     LinkDecoder,
     Mount,
-    PrepareSeccomp,
+    PrepareJails,
     Rlimits,
     SpawnFailed,
     SpawnJail,
@@ -72,7 +75,7 @@ def examples() -> list[Message]:
     return [
         ZygoteReady(pid=1, python="3.11.2"),
         ZygoteReady(pid=7, python="3.12.0", failed={"numpy": "ModuleNotFoundError: numpy"}),
-        PrepareSeccomp(build_spec(policy.seccomp_choice, network=False)),
+        PrepareJails(encode_message(harden(policy, build_spec(policy.seccomp_choice, network=False)))),
         *(SpawnJail(n, sent(p, pooled=n % 2 == 0)) for n, p in enumerate(POLICIES.values())),
         JailReaped(spawn_id=3, status=0, cpu_s=0.25, maxrss_kb=20480),
         JailReaped(spawn_id=(1 << 63) - 1, status=9, cpu_s=0, maxrss_kb=0),
@@ -186,7 +189,7 @@ def wire(msg: Message, **changes: Any) -> bytes:
 HOSTILE: list[tuple[str, bytes, str]] = [
     ("daemon->zygote", wire(SpawnJail(1, sent(POLICIES["default"])), spawn_id="1"), "integer"),
     ("daemon->zygote", wire(SpawnJail(1, sent(POLICIES["default"])), extra=1), "unknown"),
-    ("daemon->zygote", wire(PrepareSeccomp({"a": 1}), type="Spawn"), "unknown message type"),
+    ("daemon->zygote", wire(PrepareJails(b"a"), type="Spawn"), "unknown message type"),
     ("zygote->daemon", wire(SpawnFailed(1, "x"), type="SpawnJail"), "unknown message type"),
     ("zygote->daemon", wire(JailReaped(1, 0, 0.0, 0), cpu_s=float("nan")), "cpu_s"),
     ("zygote->daemon", wire(JailReaped(1, 0, 0.0, 0), status=None), "status"),
@@ -236,8 +239,8 @@ def test_a_packet_holds_exactly_one_frame(how: str) -> None:
 
 
 def test_too_large_to_send() -> None:
-    with pytest.raises(LocalProtocolError, match="frame"):
-        encode(PrepareSeccomp({"x": "y" * MAX_FRAME_BYTES}))
+    with pytest.raises(LocalProtocolError, match="harden"):
+        PrepareJails(b"y" * MAX_FRAME_BYTES)
 
 
 # ------------------------------------------------------------------------ the zygote applies it
@@ -406,3 +409,42 @@ def test_any_packet_is_a_message_or_a_remote_error(way: Any, kind: str, fields: 
         except RemoteProtocolError:
             continue
         assert type(msg) in MESSAGES[way].values()
+
+
+# ------------------------------------------------------------------------ the remembered Harden
+
+
+def test_a_jail_knows_its_zygotes_harden_by_its_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a zygote remembers (PrepareJails) answers a decode of the very same bytes with
+    the very same message; anything else -- one byte changed, another direction -- is
+    decoded and checked as ever."""
+    monkeypatch.setattr(messages, "_remembered", None)
+    policy = POLICIES["default"]
+    msg = harden(policy, build_spec(policy.seccomp_choice, network=False))
+    payload = encode_message(msg)
+    kept = messages.remember(payload, "daemon->jail")
+    assert kept == msg
+    assert messages.decode(bytes(payload), "daemon->jail") is kept
+    assert messages.decode(bytearray(payload), "daemon->jail") is kept
+    other = encode_message(harden(policy, build_spec(policy.seccomp_choice, network=True)))
+    assert other != payload
+    decoded = messages.decode(other, "daemon->jail")
+    assert isinstance(decoded, Harden) and decoded is not kept and decoded != kept
+    with pytest.raises(RemoteProtocolError, match="unknown message type"):
+        messages.decode(payload, "jail->daemon")
+    broken = payload[:-1] + b"\xc1"
+    with pytest.raises(RemoteProtocolError):
+        messages.decode(broken, "daemon->jail")
+
+
+def test_a_zygote_refuses_to_prepare_anything_but_a_harden(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(messages, "_remembered", None)
+    ready = encode_message(messages.JailReady(protocol=1))
+    with pytest.raises(RemoteProtocolError):  # not even a daemon->jail message
+        zygote._prepare(PrepareJails(ready))
+    run = encode_message(messages.RunCode(job=messages.JobDescription(code="1"),
+                                          tool_payload_bytes=1, result_bytes=1))
+    with pytest.raises(SetupFailed, match="not a Harden"):
+        zygote._prepare(PrepareJails(run))

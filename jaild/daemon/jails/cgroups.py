@@ -169,20 +169,35 @@ def _read(path: str) -> str:
         return f.read()
 
 
+def _cgroup_dirs(directory: str) -> list[str]:
+    """``directory`` and the cgroups below it, deepest first. On cgroupfs a directory's link
+    count is 2 plus its subdirectories: a job's cgroup with none (a zygote jail's on v1)
+    costs one ``stat``, not a listing of its ~30 control files.
+
+    Raises:
+        FileNotFoundError: ``directory`` is gone.
+    """
+    if os.stat(directory).st_nlink <= 2:
+        return [directory]
+    return [root for root, _dirs, _files in os.walk(directory, topdown=False)]
+
+
 def _kill_members(directory: str) -> int:
     """SIGKILL every process in ``directory`` and its descendants; returns how many.
 
     On v2 kernels with ``cgroup.kill`` (5.14+) the kernel kills the whole subtree at once,
     forks in flight included; the walk below then only counts (and catches stragglers)."""
     killed = 0
-    kill = os.path.join(directory, "cgroup.kill")  # v2 only; v1 has no such file
-    if os.path.exists(kill):
+    try:
+        dirs = _cgroup_dirs(directory)
+    except FileNotFoundError:
+        return 0
+    if _has_cgroup_kill(directory):
         with contextlib.suppress(OSError):  # the cgroup may be going away
-            _write(kill, "1")
-    for root, _dirs, files in os.walk(directory, topdown=False):
-        name = "cgroup.procs" if "cgroup.procs" in files else "tasks"
+            _write(os.path.join(directory, "cgroup.kill"), "1")
+    for root in dirs:
         try:
-            pids = _read(os.path.join(root, name)).split()
+            pids = _read(os.path.join(root, "cgroup.procs")).split()
         except OSError:
             continue
         for pid in pids:
@@ -192,8 +207,31 @@ def _kill_members(directory: str) -> int:
     return killed
 
 
+_CGROUP_KILL: dict[str, bool] = {}
+
+
+def _has_cgroup_kill(directory: str) -> bool:
+    """Does the hierarchy of cgroup ``directory`` have ``cgroup.kill`` (v2 on 5.14+; never
+    v1)? Looked up once per parent (a subtree's jobs all answer alike), on the parent: a
+    cgroup too, and not one going away."""
+    parent = os.path.dirname(directory)
+    known = _CGROUP_KILL.get(parent)
+    if known is None:
+        known = _CGROUP_KILL[parent] = os.path.exists(os.path.join(parent, "cgroup.kill"))
+    return known
+
+
 def _rmtree_cgroup(directory: str, timeout_s: float = 2.0) -> None:
-    """Remove a cgroup directory bottom-up (cgroupfs wants rmdir, not unlink)."""
+    """Remove a cgroup directory bottom-up (cgroupfs wants rmdir, not unlink). The common
+    case, an empty cgroup with no cgroups below it, is one ``rmdir``."""
+    try:
+        os.rmdir(directory)
+        return
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+            raise
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -675,7 +713,7 @@ class JobCgroup:
         _write(os.path.join(self.memory_dir, "cpu.max"), f"{quota} 100000")
 
     def kill_all(self) -> int:
-        return sum(_kill_members(d) for d in self.dirs if os.path.isdir(d))
+        return sum(_kill_members(d) for d in self.dirs)
 
     def remove(self) -> None:
         self._close_counters()
@@ -693,6 +731,22 @@ class Cgroups:
     def __init__(self, layout: CgroupLayout) -> None:
         self.layout = layout
         self.placement: Placement | None = None  # v2, once prepared
+        self._hierarchies: dict[tuple[str, ...], list[tuple[str, str]]] = {}
+        self._memsw: bool | None = None  # v1: is swap accounted (memory.memsw.* present)?
+
+    def _v1_hierarchies(self, controllers: tuple[str, ...]) -> list[tuple[str, str]]:
+        """(controller, real hierarchy) for each of ``controllers`` mounted (cpuacct is
+        optional), found once: the mounts do not move under a running daemon."""
+        found = self._hierarchies.get(controllers)
+        if found is None:
+            found = []
+            for controller in controllers:
+                mount = self.layout.v1_base(controller)
+                if controller == "cpuacct" and not os.path.isdir(mount):
+                    continue
+                found.append((controller, os.path.realpath(mount)))
+            self._hierarchies[controllers] = found
+        return found
 
     def _v1_root(self, controller: str) -> str:
         return os.path.join(self.layout.v1_base(controller), self.layout.subtree)
@@ -813,23 +867,22 @@ class Cgroups:
         try:
             if self.layout.version == 1:
                 made: dict[str, str] = {}  # real hierarchy -> the job's directory in it
-                for controller in ["memory", "pids"] + (["cpu"] if with_cpu else []) + [
-                    "cpuacct"
-                ]:
-                    mount = self.layout.v1_base(controller)
-                    if controller == "cpuacct" and not os.path.isdir(mount):
-                        continue
-                    d = made.get(os.path.realpath(mount))
+                controllers = ("memory", "pids", "cpu", "cpuacct") if with_cpu else (
+                    "memory", "pids", "cpuacct")
+                for controller, hierarchy in self._v1_hierarchies(controllers):
+                    d = made.get(hierarchy)
                     if d is None:
                         d = os.path.join(self._v1_root(controller), job_id)
                         os.mkdir(d)
                         job.dirs.append(d)
-                        made[os.path.realpath(mount)] = d
+                        made[hierarchy] = d
                     setattr(job, {"memory": "memory_dir", "pids": "pids_dir", "cpu": "cpu_dir",
                                   "cpuacct": "acct_dir"}[controller], d)
                 _write(os.path.join(job.memory_dir, "memory.limit_in_bytes"), limit)
                 memsw = os.path.join(job.memory_dir, "memory.memsw.limit_in_bytes")
-                if os.path.exists(memsw):
+                if self._memsw is None:
+                    self._memsw = os.path.exists(memsw)
+                if self._memsw:
                     _write(memsw, limit)
                 _write(os.path.join(job.pids_dir, "pids.max"), str(pids))
                 job._oom_eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)

@@ -7,9 +7,10 @@ framed message of :mod:`jaild.protocol.zygote_link` per packet:
 
 * zygote -> daemon ``ZygoteReady`` once, after its imports; a non-empty ``failed``
   means it exits and the policy is not served.
-* daemon -> zygote ``PrepareSeccomp`` once, after ``ZygoteReady``: the policy's
-  seccomp spec, whose filters the zygote builds once for all its jails (each jail
-  still loads them itself, and the daemon still checks the digest it reports).
+* daemon -> zygote ``PrepareJails`` once, after ``ZygoteReady``: the payload of the
+  ``Harden`` frame every jail of the policy is sent, which the zygote decodes and whose
+  seccomp filters it builds once for all its jails (each jail still receives the frame
+  and loads the filters itself, and the daemon still checks the digest it reports).
 * daemon -> zygote ``SpawnJail``: the per-jail part of the jail's plan
   (:func:`jaild.policy.compile.compile_policy`), with the jail's channel, stdout and
   stderr as SCM_RIGHTS.
@@ -36,7 +37,6 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from jaild.daemon.core.machine import Exited, JobSpec, Reaped, Spawned, StartFailed, StreamClosed
 from jaild.daemon.jails.cgroups import Cgroups, JobCgroup
@@ -53,11 +53,13 @@ from jaild.policy.compile import (
     zygote_memory_mb,
 )
 from jaild.policy.schema import Policy
+from jaild.protocol.messages import Harden
+from jaild.protocol.messages import encode as encode_message
 from jaild.protocol.zygote_link import (
     MAX_PACKET_BYTES,
     JailReaped,
     JailSetup,
-    PrepareSeccomp,
+    PrepareJails,
     SpawnFailed,
     SpawnJail,
     ZygoteReady,
@@ -129,7 +131,7 @@ class Zygote:
         zygote_uid: int,
         uid_base: int,
         launcher: tuple[str, ...],
-        seccomp_spec: dict[str, Any],
+        harden: Harden,
         max_jobs: int,
         label: str = "",
     ) -> None:
@@ -142,7 +144,7 @@ class Zygote:
         self.uid = zygote_uid
         self._uid_base = uid_base
         self._launcher = launcher
-        self._seccomp_spec = seccomp_spec
+        self._harden = harden
         self._max_jobs = max_jobs
         self._proc: subprocess.Popen[bytes] | None = None
         self._control: socket.socket | None = None
@@ -255,7 +257,7 @@ class Zygote:
             raise ZygoteError(self._why(problem))
         self.python = hello.python
         assert self._control is not None
-        self._control.send(encode(PrepareSeccomp(self._seccomp_spec)))
+        self._control.send(encode(PrepareJails(encode_message(self._harden))))
         log.info(
             "zygote of policy %s ready (nsjail pid %d, python %s)",
             self.policy.name,
