@@ -43,6 +43,10 @@ class SlowCgroup:
         self.calls.append("kill_all")
         return 0
 
+    def kill_jail(self) -> int:
+        self.calls.append("kill_jail")
+        return 0
+
     def remove(self) -> None:
         self.calls.append("remove")
 
@@ -109,7 +113,7 @@ def test_the_jail_gets_go_once_it_is_in_its_cgroup() -> None:
         handle.teardown()
         handle.release()  # the cgroup is removed in a worker thread
         await _removed(cgroup)
-        assert cgroup.calls[-2:] == ["kill_all", "remove"]
+        assert cgroup.calls[-2:] == ["kill_jail", "remove"]
         jail_end.close()
 
     asyncio.run(scenario())
@@ -127,8 +131,9 @@ def test_a_kill_during_the_move_sends_no_go_and_release_waits_for_the_move() -> 
         assert "remove" not in cgroup.calls
         await _finish(cgroup, handle)
         await _removed(cgroup)
-        # the teardown's kill finds nothing yet; the release's comes after the move
-        assert cgroup.calls[-3:] == [f"adopted {os.getpid()}", "kill_all", "remove"]
+        # the teardown's kill finds nothing yet; the removal comes after the move (and
+        # kills whatever the move put there: JobCgroup.remove)
+        assert cgroup.calls[-3:] == ["kill_jail", f"adopted {os.getpid()}", "remove"]
         assert jail_end.recv(1) == b""  # EOF, no GO: the jail exits
         assert handle.jail_pid is None and zy.settled_ids == []
         jail_end.close()

@@ -508,7 +508,7 @@ class JailHandle:
                 self.proc.kill()
         if self.cgroup is not None:
             with contextlib.suppress(OSError):
-                self.cgroup.kill_all()
+                self.cgroup.kill_jail()
 
     def arm_release_timer(self) -> None:
         # cancelled on release: a pending timer would keep the whole job alive for 10 s
@@ -538,7 +538,9 @@ class JailHandle:
 
 
 def _remove_cgroup(cgroup: JobCgroup) -> None:
-    """Kill what is left in ``cgroup`` and remove it (in a worker thread)."""
+    """Remove ``cgroup`` (in a worker thread). It is empty by now -- the jail was reaped,
+    and with it, pid 1 of its pid namespace, every process of the jail -- so this is one
+    ``rmdir`` per hierarchy; a cgroup still busy has what is in it killed first
+    (:meth:`JobCgroup.remove`)."""
     with contextlib.suppress(OSError):
-        cgroup.kill_all()
         cgroup.remove()
