@@ -76,6 +76,10 @@ class FakeJail:
         self.ready_at: float | None = None
         self.discarded = ""
         self.done = _Done()
+        self.warm_up = True
+
+    def without_warm_up(self) -> None:
+        self.warm_up = False
 
     @property
     def alive(self) -> bool:
@@ -151,6 +155,33 @@ def test_misses_grow_the_pool_up_to_max_and_idle_jails_shrink_it_to_min(loop: Vi
         assert pool.target == 1 and pool.stats.recycled >= 2
         await asyncio.sleep(0.1)
         assert pool.size == 1
+        await pool.close()
+
+    loop.run_until_complete(scenario())
+
+
+def test_jails_made_while_jobs_miss_the_pool_skip_the_warm_up(loop: VirtualTimeLoop) -> None:
+    made: list[FakeJail] = []
+
+    def make() -> FakeJail:
+        made.append(FakeJail())
+        return made[-1]
+
+    async def scenario() -> None:
+        pool = pool_of("[pool]\nmin = 1\nmax = 3\n", make)
+        pool.start()
+        await settle()
+        assert [j.warm_up for j in made] == [True]  # made ahead, nobody waiting
+        assert pool.take() is not None
+        assert pool.take() is None  # a miss: the pool grows, and is behind
+        await settle()
+        assert len(made) == 3 and [j.warm_up for j in made[1:]] == [False, False]
+        await asyncio.sleep(jaild.daemon.jails.pool.WARM_UP_QUIET_S)
+        taken = pool.take()  # a hit, after a quiet second: its replacement warms up
+        assert isinstance(taken, FakeJail)
+        taken.done.set()
+        await settle()
+        assert len(made) == 4 and made[-1].warm_up
         await pool.close()
 
     loop.run_until_complete(scenario())

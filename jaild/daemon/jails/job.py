@@ -461,6 +461,10 @@ class JailedJob:
         await self._done.wait()
         self.cleanup()
 
+    def without_warm_up(self) -> None:
+        """A pooled jail that skips its throwaway job (:mod:`jaild.daemon.jails.pool`)."""
+        self._handle.warm_up = False
+
     def cleanup(self) -> None:
         """Kill what is left of the jail; release its cgroup and uid once nothing of it runs.
 

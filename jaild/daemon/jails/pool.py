@@ -16,6 +16,13 @@ jail that waited ``pool.idle_s`` without a job is recycled and lowers it by one.
 So a burst grows the pool, quiet shrinks it back to ``min``, and no jail is
 older than ``idle_s``.
 
+A zygote's pooled jail runs a throwaway job once it is ready (the warm-up,
+:func:`jaild.runtime.execute.warm_up`): the pages a job's code path writes are copied
+from the zygote then, not on the job's clock. That costs the jail ~2 ms of CPU; it pays
+when the jail waits for its job, and is lost when a job takes it at once. So a jail made
+while jobs are missing the pool (a miss in the last ``WARM_UP_QUIET_S``) skips it: under
+a flat-out load every jail is taken the moment it is ready, and CPU is what is short.
+
 In ``daemon.zygote_scope = "uid"`` a zygote-mode policy's pool is a :class:`TenantPools`:
 one pool per client uid, each of jails forked from that uid's zygote. The daemon's own
 uid's pool is made at start (its zygote is too); another uid's is made when that uid's
@@ -45,6 +52,8 @@ from jaild.policy.schema import ONE_SHOT_JAIL_LIMITS, Limits, Policy
 log = logging.getLogger("jaild.daemon.jails.pool")
 
 REFILL_WAIT_S = 0.05
+WARM_UP_QUIET_S = 1.0
+"""A pooled jail warms up only if no job missed the pool for this long (see above)."""
 
 
 def poolable(policy: Policy, limits: Limits) -> bool:
@@ -85,6 +94,7 @@ class JailPool:
         self._work: asyncio.TaskGroup | None = None  # while the pool runs
         self._scope: asyncio.Task[None] | None = None  # the task that holds it
         self._consecutive_failures = 0
+        self._missed_at = float("-inf")  # time.monotonic() of the last miss
 
     @property
     def size(self) -> int:
@@ -144,6 +154,7 @@ class JailPool:
                 return jail
             jail.cleanup()
         self.stats.misses += 1
+        self._missed_at = time.monotonic()
         if self.target < self.policy.pool.max:
             self.target += 1
         self._refill()
@@ -177,6 +188,8 @@ class JailPool:
 
     async def _prepare(self) -> None:
         jail = self._make()
+        if time.monotonic() - self._missed_at < WARM_UP_QUIET_S:
+            jail.without_warm_up()  # jobs are waiting for jails: see the module docstring
         try:
             ready = await jail.prepare()
         except Exception:  # a jaild bug: do not spin on it

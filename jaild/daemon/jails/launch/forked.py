@@ -448,7 +448,8 @@ class ZygoteLauncher:
         daemon_end.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        jail = forked_jail(spec.policy, handle.env.host, JobFacts(spec.limits, uid, pooled=pooled))
+        facts = JobFacts(spec.limits, uid, pooled=pooled and handle.warm_up)
+        jail = forked_jail(spec.policy, handle.env.host, facts)
         try:
             handle.spawn_id = zygote.spawn(  # takes over the jail's ends
                 jail,

@@ -287,6 +287,7 @@ class JailHandle:
         self.jail_pid: int | None = None  # forked: the jail's process (host pid)
         self.reaped = False  # forked: the zygote reaped it
         self.spawn_id = 0  # forked: the zygote's id of the request
+        self.warm_up = True  # forked, pooled: run a throwaway job once ready (see pool.py)
         self.preamble_sock: socket.socket | None = None  # forked: the channel, before it spoke
         self.adopting: asyncio.Future[None] | None = None  # forked: moving into its cgroup
         self.channel: _Channel | None = None
