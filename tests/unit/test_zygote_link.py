@@ -34,7 +34,7 @@ from jaild.policy.compile import (
 from jaild.policy.schema import Policy, load_policy_dir, load_policy_text
 from jaild.policy.seccomp import build_spec
 from jaild.protocol import messages
-from jaild.protocol.framing import HEADER_BYTES
+from jaild.protocol.framing import HEADER, HEADER_BYTES
 from jaild.protocol.messages import Harden, Message
 from jaild.protocol.messages import encode as encode_message
 from jaild.protocol.zygote_link import (
@@ -346,7 +346,8 @@ def test_each_step_is_one_system_call(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_spawn_the_zygote_cannot_fork_is_answered() -> None:
     daemon_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with daemon_end, zygote_end:
-        req = SpawnJail(5, sent(POLICIES["default"]))
+        req = zygote.Plans().read(encode(SpawnJail(5, sent(POLICIES["default"]))))
+        assert isinstance(req, zygote.Spawn)
         assert zygote._spawn(zygote_end, req, [], own_pidns=-1) == {}  # no fds: no fork
         reply = decode_packet(daemon_end.recv(1 << 17), "zygote->daemon")
         assert isinstance(reply, SpawnFailed) and reply.spawn_id == 5
@@ -448,3 +449,56 @@ def test_a_zygote_refuses_to_prepare_anything_but_a_harden(
                                           tool_payload_bytes=1, result_bytes=1))
     with pytest.raises(SetupFailed, match="not a Harden"):
         zygote._prepare(PrepareJails(run))
+
+
+# ------------------------------------------------------------------------ the zygote's plans
+
+
+def test_a_plan_seen_before_is_not_read_again_but_its_uid_is() -> None:
+    plans = zygote.Plans()
+    policy = POLICIES["default"]
+    first = plans.read(encode(SpawnJail(1, sent(policy))))
+    assert isinstance(first, zygote.Spawn) and not isinstance(first.steps, SetupFailed)
+    assert first.steps == zygote.jail_steps(sent(policy))
+    other_uid = dataclasses.replace(sent(policy), uid=JOB_UID + 1)
+    again = plans.read(encode(SpawnJail(2, other_uid)))
+    assert isinstance(again, zygote.Spawn) and again.spawn_id == 2
+    assert again.steps == zygote.jail_steps(other_uid)  # the same steps, its own uid
+    assert again.steps[-1] == Step("become", (JOB_UID + 1,))
+    pooled = plans.read(encode(SpawnJail(3, sent(policy, pooled=True))))
+    assert isinstance(pooled, zygote.Spawn) and pooled.warm_up and not again.warm_up
+    # a known plan with a uid or an id out of range is read in full, and refused
+    wire = msgpack.unpackb(encode(SpawnJail(4, other_uid))[HEADER_BYTES:])
+    for field_name, bad in (("uid", -1), ("uid", "7"), ("spawn_id", -1)):
+        broken = {**wire, "jail": dict(wire["jail"])}
+        if field_name == "uid":
+            broken["jail"]["uid"] = bad
+        else:
+            broken["spawn_id"] = bad
+        packet = HEADER.pack(len(body := msgpack.packb(broken))) + body
+        with pytest.raises(RemoteProtocolError, match=field_name):
+            plans.read(packet)
+
+
+def test_a_plan_a_zygote_cannot_follow_is_a_failed_spawn_and_not_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plans = zygote.Plans()
+    jail = sent(POLICIES["default"])
+
+    def refuse(_: JailSetup) -> list[Step]:
+        raise SetupFailed("no")
+
+    monkeypatch.setattr(zygote, "jail_steps", refuse)
+    spawn = plans.read(encode(SpawnJail(1, jail)))
+    assert isinstance(spawn, zygote.Spawn) and isinstance(spawn.steps, SetupFailed)
+    monkeypatch.undo()
+    again = plans.read(encode(SpawnJail(2, jail)))
+    assert isinstance(again, zygote.Spawn) and isinstance(again.steps, list)
+
+
+def test_the_zygotes_other_messages_pass_through_its_plans() -> None:
+    prepare = PrepareJails(b"x")
+    assert zygote.Plans().read(encode(prepare)) == prepare
+    with pytest.raises(RemoteProtocolError):
+        zygote.Plans().read(b"\x00\x00\x00\x01\xc1")
