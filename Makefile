@@ -189,10 +189,10 @@ bench-smoke: setup
 # Pyodide (npm) into $(BENCH_DIR)/pyodide; py-spy and the peers llm-sandbox and pydantic-monty
 # (pip, pyproject's [bench] extra) into the venv when one is missing or older than it asks.
 bench-tools: $(STAMPS)/apt
-	@command -v node >/dev/null && command -v npm >/dev/null || { \
+	@command -v node >/dev/null && command -v npm >/dev/null && command -v perf >/dev/null || { \
 	  export DEBIAN_FRONTEND=noninteractive; \
-	  apt-get install -y --no-install-recommends nodejs npm || \
-	  { apt-get update && apt-get install -y --no-install-recommends nodejs npm; }; }
+	  apt-get install -y --no-install-recommends nodejs npm linux-perf || \
+	  { apt-get update && apt-get install -y --no-install-recommends nodejs npm linux-perf; }; }
 	@pkg=$(BENCH_DIR)/pyodide/node_modules/pyodide/package.json; \
 	if [ "$$(node -p 'require(process.argv[1]).version' $$pkg 2>/dev/null)" != "$(PYODIDE_VERSION)" ]; then \
 	  echo "npm: installing pyodide@$(PYODIDE_VERSION) into $(BENCH_DIR)/pyodide"; \

@@ -18,6 +18,10 @@ bench/results.json.
 8. over the network: the warm job and the tool-call round trip over mutual TLS on loopback
    beside the same over the Unix socket of the same daemon, and the warm job with liveness
    on (the default bound) and off, taking turns;
+10. CPU per fresh jail: the whole machine's CPU over each flat-out run of section 2 (and
+   bubblewrap's), divided by its jobs; where it goes in one run of 16 clients (``perf``:
+   daemon, zygote, jails, kernel threads, the client; user and kernel), and what the kernel
+   charges for each stage of a fresh jail (``bench/floors.py``);
 
 then a table of targets, met or not. A measurement that fails is reported as such; the
 rest of the run goes on.
@@ -42,6 +46,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import baselines
+import cpu
 import flames
 import floors
 import peers
@@ -57,9 +62,9 @@ from jaildrun import (
     alternating_tool_calls,
     cores_used,
 )
-from measure import BenchError, Latency, ToolCalls, flat_out_threads, timed
+from measure import BenchError, Latency, Throughput, ToolCalls, flat_out_threads, timed
 from otlp_sink import OtlpSink
-from report import Report, Results, Settings, to_json
+from report import BREAKDOWN_CLIENTS, CPU_LEVELS, Report, Results, Settings, to_json
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -151,6 +156,36 @@ class Run:
                 )
                 if t is not None:
                     r.throughput.setdefault("nsjail", []).append(t)
+            self.measure_breakdown(
+                "nsjail",
+                lambda: flat_out_threads(nsjail_job, BREAKDOWN_CLIENTS, s.seconds_per_level),
+                dict,
+            )
+        bwrap_job = self.attempt("bwrap/throughput", baselines.bubblewrap)
+        if bwrap_job is not None:  # the other per-job peer that runs flat out
+            for level in CPU_LEVELS:
+                t = self.attempt(
+                    f"bwrap/throughput/{level}",
+                    functools.partial(flat_out_threads, bwrap_job, level, s.seconds_per_level),
+                )
+                if t is not None:
+                    r.throughput.setdefault("bwrap", []).append(t)
+
+    def measure_breakdown(
+        self, key: str, run: Callable[[], Throughput], roles: Callable[[], dict[int, str]],
+    ) -> None:
+        """Where a flat-out run's CPU goes (``bench/cpu.py``), at BREAKDOWN_CLIENTS clients."""
+        why = cpu.perf_missing()
+        if why:  # make bench installs it (bench-tools); the smoke run does without
+            where = self.results.skipped if self.settings.quick else self.results.errors
+            where[f"{key}/breakdown"] = why
+            return
+        done = self.attempt(
+            f"{key}/breakdown",
+            lambda: cpu.breakdown(run, roles, os.getpid()),
+        )
+        if done is not None:
+            self.results.breakdown[key] = done[1]
 
     def measure_floors(self) -> None:
         """This machine's floors (``bench/floors.py``): a hop between processes on one CPU
@@ -163,6 +198,12 @@ class Run:
                              functools.partial(floors.measure, key, s.runs, s.warm_pause_s))
             if x is not None:
                 r.floors[key] = x
+        for key in floors.STAGES:  # a quick run: once each, a third of the operations
+            runs, times = (floors.STAGE_RUNS // 3, 1) if s.quick else (floors.STAGE_RUNS, 3)
+            cost = self.attempt(f"stages/{key}",
+                                functools.partial(_median_stage, key, runs, times))
+            if cost is not None:
+                r.stage_floors[key] = cost
 
     def measure_peers(self) -> None:
         """pydantic-monty and llm-sandbox: latency, monty's external calls, and what each
@@ -252,6 +293,18 @@ class Run:
                     )
                     if t is not None:
                         r.throughput.setdefault(key, []).append(t)
+                if key in ("cold", "warm"):
+                    self.measure_breakdown(
+                        key,
+                        functools.partial(daemon.throughput, BREAKDOWN_CLIENTS,
+                                          s.seconds_per_level),
+                        lambda: {daemon.pid: "daemon",
+                                 **dict.fromkeys(cpu.zygote_pids(daemon.pid), "zygote")},
+                    )
+                if key == "cold":
+                    pages = self.attempt("cold/jail_pages", lambda: daemon.jail_pages(s.runs // 5))
+                    if pages is not None:
+                        r.jail_pages = pages
                 tools = self.attempt(
                     f"{key}/tool_calls", lambda: daemon.tool_calls(s.tool_calls, s.tool_window)
                 )
@@ -438,6 +491,11 @@ class Run:
 def _time_job(make: Callable[[], Callable[[], None]], runs: int, warmup: int) -> Latency:
     """Make the job (which may fail: a tool is missing), then time it."""
     return timed(make(), runs, warmup=warmup)
+
+
+def _median_stage(key: str, runs: int, times: int) -> float:
+    """The median of ``times`` measurements of stage floor ``key`` (``floors.STAGES``)."""
+    return sorted(floors.measure_stage(key, runs) for _ in range(times))[times // 2]
 
 
 def _needs(missing: str | None, measure: Callable[[], T]) -> T:

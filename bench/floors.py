@@ -12,8 +12,20 @@ hops pays here before doing anything of its own.
    back, then each after the pause the warm row has between jobs. The ratio is how much
    slower any code runs when the CPU under it has just been idle (cold caches and TLB; on a
    VM, the host may have run someone else on that core meanwhile).
+4. **A tool call's shape** with no work in it: the same three processes, a call from the
+   "jail" (a blocking socket, as jaild's runtime has) through the "daemon" to the "client"
+   and its answer back the same way -- a tool call's four hops.
+5. **What the kernel charges for each stage of a fresh jail** (:data:`STAGES`), in CPU for
+   the whole machine (``/proc/stat``, kernel threads' deferred work included) per
+   operation, each made by a helper process the size of a zygote (the runtime's modules
+   imported, forking as the zygote does): a fork and an exit; the same into a fresh pid
+   namespace, unsharing mount, ipc, uts, cgroup and network namespaces; the network
+   namespace alone; a job's cgroups made, a process moved in, removed; the seccomp filters
+   of the default policy loaded; and one copy-on-write fault (per page written after a
+   fork).
 
-Nothing of jaild runs in 1 and 2; 3 decodes with jaild's protocol package.
+Nothing of jaild runs in 1, 2 and 4; 3 decodes with jaild's protocol package; 5's seccomp
+row loads the filters jaild builds for the default policy.
 """
 
 from __future__ import annotations
@@ -22,6 +34,8 @@ import asyncio
 import os
 import socket
 import struct
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -233,6 +247,325 @@ def after_idle(runs: int, pause_s: float) -> Latency:
                    else "back to back")
 
 
+# ---------------------------------------------------------------------------- a tool call
+
+
+def _tool_daemon(path: str, jail: socket.socket, ready: int) -> None:
+    """The "daemon" of a tool call: the jail's call to the client, the answer back."""
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        clients: list[asyncio.Transport] = []
+        started = loop.create_future()
+
+        def from_client(transport: asyncio.Transport, message: object) -> None:
+            assert isinstance(message, dict)
+            to_jail.write(_frame({"type": "ToolResult", "call_id": message["call_id"],
+                                  "result": message["result"]}))
+
+        def connected() -> _Framer:
+            framer = _Framer(from_client)
+            if not started.done():
+                started.set_result(framer)
+            return framer
+
+        def from_jail(_: asyncio.Transport, message: object) -> None:
+            assert isinstance(message, dict)
+            framer = started.result()
+            assert framer.transport is not None
+            framer.transport.write(_frame({"type": "CallTool", "call_id": message["call_id"],
+                                           "name": message["name"], "args": message["args"]}))
+
+        to_jail, _ = await loop.create_unix_connection(lambda: _Framer(from_jail), sock=jail)
+        server = await loop.create_unix_server(connected, path)
+        os.write(ready, b"x")
+        async with server:
+            await asyncio.Event().wait()
+        del clients
+
+    asyncio.run(serve())
+
+
+def _tool_client(path: str, ready: int) -> None:
+    """The "client": answers each call with its argument (an echo handler)."""
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_call(transport: asyncio.Transport, message: object) -> None:
+            assert isinstance(message, dict)
+            transport.write(_frame({"type": "ToolReply", "call_id": message["call_id"],
+                                    "result": message["args"]}))
+
+        await loop.create_unix_connection(lambda: _Framer(on_call), path)
+        os.write(ready, b"x")
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+def tool_shape(runs: int) -> Latency:
+    """A tool call's four hops and nothing else: jail -> daemon -> client -> daemon -> jail,
+    back to back (as a job's sequential calls are), timed in the "jail"."""
+    with tempfile.TemporaryDirectory(prefix="jaild-bench-tool-") as tmp:
+        path = os.path.join(tmp, "daemon.sock")
+        daemon_end, jail_end = socket.socketpair()
+        pids = []
+        ready_r, ready_w = os.pipe()
+        try:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    jail_end.close()
+                    os.close(ready_r)
+                    _tool_daemon(path, daemon_end, ready_w)
+                finally:
+                    os._exit(0)
+            pids.append(pid)
+            daemon_end.close()
+            if os.read(ready_r, 1) != b"x":
+                raise BenchError("the tool floor's daemon did not start")
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.close(ready_r)
+                    _tool_client(path, ready_w)
+                finally:
+                    os._exit(0)
+            pids.append(pid)
+            if os.read(ready_r, 1) != b"x":
+                raise BenchError("the tool floor's client did not start")
+            stream = jail_end.makefile("rb")
+            samples = []
+            for i in range(WARMUP + runs):
+                started = time.perf_counter()
+                jail_end.sendall(_frame({"type": "CallTool", "call_id": i, "name": "echo",
+                                         "args": [i]}))
+                header = stream.read(4)
+                msgpack.unpackb(stream.read(struct.unpack(">I", header)[0]))
+                if i >= WARMUP:
+                    samples.append(time.perf_counter() - started)
+            return Latency(samples, note="back to back")
+        finally:
+            jail_end.close()
+            os.close(ready_r)
+            os.close(ready_w)
+            for pid in pids:
+                with suppress(ProcessLookupError):
+                    os.kill(pid, 9)
+                os.waitpid(pid, 0)
+
+
+# ---------------------------------------------------------------------------- a jail's stages
+
+STAGES: dict[str, str] = {
+    "fork_exit": "a fork of a zygote-sized interpreter, and its exit",
+    "namespaces": "the same, into a fresh pid namespace, unsharing mount, ipc, uts, cgroup "
+                  "and network namespaces (a jail's set)",
+    "netns": "the same, unsharing the network namespace alone",
+    "cgroup": "the same, the child moved into a job's fresh cgroups, which are then removed",
+    "seccomp": "the same, the child loading the default policy's seccomp filters",
+    "cow": "one copy-on-write fault: a page written after a fork (per page)",
+}
+"""The stage floors' keys and what each costs, in the report's order: CPU per operation, for
+the whole machine (a stage's own cost is its row less ``fork_exit``)."""
+
+STAGE_RUNS = 300
+COW_PAGES = 4000
+_CLONE_NEWNS, _CLONE_NEWCGROUP, _CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
+_CLONE_NEWIPC, _CLONE_NEWPID, _CLONE_NEWNET = 0x08000000, 0x20000000, 0x40000000
+
+
+def measure_stage(key: str, runs: int = STAGE_RUNS) -> float:
+    """CPU seconds per operation of stage ``key`` (:data:`STAGES`), measured in a helper
+    process that imports what a zygote imports (so forks copy what a zygote's do)."""
+    bench = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path[:0] = [{bench!r}, {os.path.dirname(bench)!r}]; "
+            f"import floors; floors._stage_child({key!r}, {runs})")
+    done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+                          timeout=300, check=False)
+    if done.returncode != 0:
+        raise BenchError(f"stage {key}: {(done.stderr or done.stdout).strip()[-400:]}")
+    return float(done.stdout.split()[-1])
+
+
+def _stage_child(key: str, runs: int) -> None:
+    """In the helper: the zygote's imports, then ``runs`` operations; prints CPU per one."""
+    import ctypes
+    import gc
+    import importlib
+
+    from jaild.runtime import zygote
+
+    for name in zygote._RUNTIME_MODULES:
+        importlib.import_module(name)
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    fork = ctypes.PyDLL("libc.so.6", use_errno=True).fork
+    own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY)
+    gc.freeze()
+    if key == "cow":
+        print(_cow(fork))
+        return
+    child_does: Callable[[], None] = lambda: None  # noqa: E731
+    flags, new_pid_ns = 0, False
+    if key == "namespaces":
+        flags = _CLONE_NEWNS | _CLONE_NEWIPC | _CLONE_NEWUTS | _CLONE_NEWCGROUP | _CLONE_NEWNET
+        new_pid_ns = True
+    elif key == "netns":
+        flags = _CLONE_NEWNET
+    elif key == "seccomp":
+        child_does = _seccomp_loader()
+    cgroups = _StageCgroups() if key == "cgroup" else None
+    time.sleep(0.2)
+    from measure import machine_cpu_s
+
+    started = machine_cpu_s()
+    try:
+        for i in range(runs):
+            if new_pid_ns:
+                libc.setns(own_pidns, _CLONE_NEWPID)
+                libc.unshare(_CLONE_NEWPID)
+            gate_r, gate_w = os.pipe()
+            pid = fork()
+            if pid == 0:
+                os.close(gate_w)
+                os.read(gate_r, 1)
+                if flags and libc.unshare(flags) != 0:
+                    os._exit(3)
+                child_does()
+                os._exit(0)
+            os.close(gate_r)
+            if cgroups is not None:
+                cgroups.adopt(i, pid)
+            os.close(gate_w)
+            _, status = os.waitpid(pid, 0)
+            if status != 0:
+                raise SystemExit(f"stage {key}: the child failed ({status})")
+            if cgroups is not None:
+                cgroups.remove(i)
+        libc.setns(own_pidns, _CLONE_NEWPID)
+        time.sleep(0.5)  # deferred work (network namespaces, cgroups) is done in kworkers
+        used = machine_cpu_s() - started - 0.5 * _idle_noise()
+    finally:
+        if cgroups is not None:
+            cgroups.close()
+    print(used / runs)
+
+
+def _idle_noise() -> float:
+    """The machine's busy CPU per second while this helper sleeps (what others do)."""
+    from measure import machine_cpu_s
+
+    before = machine_cpu_s()
+    time.sleep(0.5)
+    return (machine_cpu_s() - before) / 0.5
+
+
+def _cow(fork: Callable[[], int]) -> float:
+    import mmap
+
+    buffer = mmap.mmap(-1, COW_PAGES * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for i in range(COW_PAGES):
+        buffer[i * 4096] = 1
+    best = float("inf")
+    for _ in range(5):
+        r, w = os.pipe()
+        pid = fork()
+        if pid == 0:
+            os.close(r)
+            started = time.thread_time()
+            for i in range(COW_PAGES):
+                buffer[i * 4096] = 2
+            written = time.thread_time() - started
+            started = time.thread_time()
+            for i in range(COW_PAGES):
+                buffer[i * 4096] = 3  # the loop alone, the pages now its own
+            loop = time.thread_time() - started
+            os.write(w, f"{(written - loop) / COW_PAGES}".encode())
+            os._exit(0)
+        os.close(w)
+        best = min(best, float(os.read(r, 64) or "inf"))
+        os.close(r)
+        os.waitpid(pid, 0)
+    return best
+
+
+def _seccomp_loader() -> Callable[[], None]:
+    from jaild.policy.schema import load_policy_dir
+    from jaild.policy.seccomp import build_spec
+    from jaild.runtime import seccomp
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    policy = load_policy_dir(os.path.join(repo, "policies"))["default"]
+    spec = build_spec(policy.seccomp_choice, network=policy.network.mode != "none")
+    programs = seccomp.bpf_program(spec)
+    seccomp.prepare(spec)  # looks up the seccomp(2) call once, as the zygote does
+    import prctl
+
+    def load() -> None:
+        prctl.set_no_new_privs(1)
+        for program in programs:
+            seccomp._install(program)
+
+    return load
+
+
+class _StageCgroups:
+    """A job's cgroups as jaild makes them on this host's hierarchy -- v1: memory (with its
+    limits and OOM eventfd), pids and cpuacct; v2: one directory with memory and pids
+    limits -- under a subtree of this helper's own (v1) or at the top (v2)."""
+
+    def __init__(self) -> None:
+        from jaild.daemon.jails.cgroups import detect
+
+        layout = detect(f"bench-stage-{os.getpid()}")
+        self.v2 = layout.version == 2
+        if self.v2:
+            self.roots = [os.path.join("/sys/fs/cgroup", layout.subtree)]
+            os.mkdir(self.roots[0])
+            with open("/sys/fs/cgroup/cgroup.subtree_control") as f:
+                enabled = f.read().split()
+            wanted = [c for c in ("memory", "pids") if c in enabled]
+            with open(os.path.join(self.roots[0], "cgroup.subtree_control"), "w") as f:
+                f.write(" ".join(f"+{c}" for c in wanted))
+        else:
+            self.roots = [os.path.join(layout.v1_base(c), layout.subtree)
+                          for c in ("memory", "pids", "cpuacct")
+                          if os.path.isdir(layout.v1_base(c))]
+            for root in self.roots:
+                os.mkdir(root)
+
+    def adopt(self, i: int, pid: int) -> None:
+        for root in self.roots:
+            job = os.path.join(root, f"j{i}")
+            os.mkdir(job)
+            if self.v2:
+                _write_file(os.path.join(job, "memory.max"), str(256 << 20))
+                _write_file(os.path.join(job, "pids.max"), "64")
+            elif "memory" in root:
+                _write_file(os.path.join(job, "memory.limit_in_bytes"), str(256 << 20))
+            elif "pids" in root:
+                _write_file(os.path.join(job, "pids.max"), "64")
+            _write_file(os.path.join(job, "cgroup.procs"), str(pid))
+
+    def remove(self, i: int) -> None:
+        for root in self.roots:
+            os.rmdir(os.path.join(root, f"j{i}"))
+
+    def close(self) -> None:
+        for root in self.roots:
+            with suppress(OSError):
+                os.rmdir(root)
+
+
+def _write_file(path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
 FLOORS: dict[str, str] = {
     "pingpong_same": "a byte's round trip between two processes, one CPU",
     "pingpong_apart": "a byte's round trip between two processes, two CPUs",
@@ -240,6 +573,7 @@ FLOORS: dict[str, str] = {
     "shape": "a warm job's four hops, nothing else (client, daemon, jail; asyncio), paced",
     "decode_hot": "one `RunJob` decode (jaild.protocol), back to back",
     "decode_idle": "one `RunJob` decode (jaild.protocol), after the pause between warm jobs",
+    "tool_shape": "a tool call's four hops, nothing else (jail, daemon, client), back to back",
 }
 """The floors' keys and what each measures, in the report's order."""
 
@@ -258,4 +592,6 @@ def measure(key: str, runs: int, pause_s: float) -> Latency:
         return after_idle(runs, 0.0)
     if key == "decode_idle":
         return after_idle(runs, pause_s)
+    if key == "tool_shape":
+        return tool_shape(runs * 10)
     raise KeyError(key)

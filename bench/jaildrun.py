@@ -29,7 +29,16 @@ from typing import Any, Literal
 
 from baselines import CODE
 from certs import Pki, make_pki
-from measure import BenchError, Deadlines, Latency, SleepBurst, Throughput, ToolCalls, timed
+from measure import (
+    BenchError,
+    Deadlines,
+    Latency,
+    SleepBurst,
+    Throughput,
+    ToolCalls,
+    machine_cpu_s,
+    timed,
+)
 from procmem import MemorySnapshot, snapshot
 
 from jaild import loops
@@ -303,6 +312,7 @@ class PrivateDaemon:
         failures: list[str] = []
         latency: list[float] = []
         async with AsyncClient(self.socket) as c:
+            cpu_started = machine_cpu_s()
             started = time.perf_counter()
             deadline = started + seconds
 
@@ -316,7 +326,20 @@ class PrivateDaemon:
                     latency.append(time.perf_counter() - job_started)
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
-            return Throughput.since(started, concurrency, latency, failures)
+            return Throughput.since(started, concurrency, latency, failures, cpu_started)
+
+    def jail_pages(self, runs: int) -> int:
+        """The pages a trivial job's jail has copied (its minor faults: copy-on-write of its
+        zygote's memory, mostly) by its code's last line: the median of ``runs`` jobs."""
+        code = "import resource\nresource.getrusage(resource.RUSAGE_SELF).ru_minflt"
+        faults = []
+        with Client(self.socket, event_loop=self.variant.event_loop) as c:
+            for _ in range(runs):
+                r = c.run(code, self.policy)
+                if r.status != "ok" or not isinstance(r.result, int):
+                    raise BenchError(f"job {r.status}: {r.error}")
+                faults.append(r.result)
+        return sorted(faults)[len(faults) // 2]
 
     def tool_calls(self, calls: int, window: int, transport: Transport = "unix") -> ToolCalls:
         """One job making ``calls`` sequential echo calls, timed inside the jail, then

@@ -7,6 +7,7 @@ samples it is the largest one, which the report states next to each figure (``n`
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import threading
 import time
@@ -51,12 +52,16 @@ class Throughput:
     seconds: float
     latency_s: list[float]
     first_failure: str = ""
+    cpu_s: float | None = None
+    """The whole machine's busy CPU over the run (:func:`machine_cpu_s`)."""
 
     @classmethod
     def since(
-        cls, started: float, concurrency: int, latency: list[float], failures: list[str]
+        cls, started: float, concurrency: int, latency: list[float], failures: list[str],
+        cpu_started: float | None = None,
     ) -> Throughput:
-        """The record of a run that began at ``started`` (``time.perf_counter()``)."""
+        """The record of a run that began at ``started`` (``time.perf_counter()``), the
+        machine's busy CPU then being ``cpu_started`` (:func:`machine_cpu_s`)."""
         return cls(
             concurrency,
             len(latency),
@@ -64,7 +69,15 @@ class Throughput:
             time.perf_counter() - started,
             latency,
             failures[0] if failures else "",
+            None if cpu_started is None else machine_cpu_s() - cpu_started,
         )
+
+    @property
+    def cpu_per_job_s(self) -> float | None:
+        """The machine's CPU per finished job over the run: every process and kernel thread,
+        the bench's client included."""
+        done = self.jobs - self.failures
+        return None if self.cpu_s is None or not done else self.cpu_s / done
 
     @property
     def jobs_per_s(self) -> float:
@@ -161,12 +174,23 @@ def timed(fn: Callable[[], object], runs: int, *, warmup: int = 2, pause_s: floa
     return Latency(samples)
 
 
+def machine_cpu_s() -> float:
+    """Busy CPU seconds of the whole machine since boot (all CPUs, every process and kernel
+    thread): user, nice, system, irq and softirq time of ``/proc/stat``'s ``cpu`` line. Steal
+    (a hypervisor's other guests) and idle are not this machine's work."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 def flat_out_threads(fn: Callable[[], None], concurrency: int, seconds: float) -> Throughput:
     """``concurrency`` threads call ``fn`` back to back for ``seconds``; jobs in flight at the
     deadline still count, and the clock stops when the last one ends."""
     lock = threading.Lock()
     failures: list[str] = []
     latency: list[float] = []
+    cpu_started = machine_cpu_s()
     started = time.perf_counter()
     deadline = started + seconds
 
@@ -186,4 +210,4 @@ def flat_out_threads(fn: Callable[[], None], concurrency: int, seconds: float) -
         t.start()
     for t in threads:
         t.join()
-    return Throughput.since(started, concurrency, latency, failures)
+    return Throughput.since(started, concurrency, latency, failures, cpu_started)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import statistics
@@ -11,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import flames
-from floors import FLOORS
+from cpu import BREAKDOWN_ROWS, Breakdown
+from floors import FLOORS, STAGES
 from measure import Deadlines, Latency, SleepBurst, Throughput, ToolCalls, percentile
 from procmem import MemorySnapshot
 
@@ -22,6 +24,10 @@ PEER_LATENCY = ("monty_exec", "monty_warm", "monty_cold", "llm_bwrap", "llm_bwra
 TRANSPORT_ROWS = ("transport_unix", "transport_tls", "transport_unix_liveness_off",
                   "transport_tls_liveness_off")
 """Section 9's latency rows (their clients take turns, in a new order each round)."""
+CPU_LEVELS = (16, 64)
+"""The levels the CPU-per-jail targets are set at (bubblewrap's flat-out rows run these)."""
+BREAKDOWN_CLIENTS = 16
+"""Clients of the flat-out run that ``perf`` records for section 10's breakdown."""
 LIVENESS_DEFAULT_S = 30.0
 """jaild's liveness bound by default, the daemon's (``limits.liveness_timeout_s``) and the
 client's (``liveness_timeout_s``): section 9's rows with liveness on run with it."""
@@ -78,6 +84,13 @@ class Results:
     fairness: dict[str, Latency] = field(default_factory=dict)
     floors: dict[str, Latency] = field(default_factory=dict)
     """This machine's floors (``bench/floors.py``), by key of ``floors.FLOORS``."""
+    stage_floors: dict[str, float] = field(default_factory=dict)
+    """What the kernel charges for each stage of a fresh jail (``floors.STAGES``): CPU
+    seconds per operation, for the whole machine."""
+    breakdown: dict[str, Breakdown] = field(default_factory=dict)
+    """Key (``nsjail``, ``cold``, ``warm``) -> where a flat-out run's CPU went (perf)."""
+    jail_pages: int | None = None
+    """Pages a trivial job's jail copied by its code's last line (jaild cold)."""
     stages: dict[str, list[float]] = field(default_factory=dict)
     """A warm job's stages (``bench/stages.py``): each job's seconds per stage."""
     """Phase (``idle``, ``sleep_flood``, ``cpu_flood``) -> uid 65534's warm-job latency."""
@@ -149,6 +162,10 @@ def _ratio(value: float, base: float | None) -> str:
     return f"{r:,.0f}x" if r >= 100 else f"{r:.2f}x" if r < 10 else f"{r:.1f}x"
 
 
+def _times(value: float, which: str = "") -> str:
+    return f"{value:.2f}x" + (f" ({which})" if which else "")
+
+
 def _mib(kb: float) -> str:
     return f"{kb / MIB_KB:.1f} MiB"
 
@@ -186,7 +203,7 @@ class Report:
     def render(self) -> str:
         sections: list[Callable[[], list[str]]] = [
             self._intro, self._machine, self._floors, self._targets, self._latency,
-            self._throughput,
+            self._throughput, self._cpu,
             self._tool_calls, self._memory, self._sleep, self._deadlines, self._fairness,
             self._stages, self._transports, self._profile,
             self._errors,
@@ -307,6 +324,7 @@ class Report:
               deadlines.p99_s if deadlines else None, lambda v: v <= 0.100, _ms,
               "cold/deadlines"),
         ]
+        rows += self._cpu_targets()
         met = sum(row[2] == "**met**" for row in rows)
         return [
             "## Targets",
@@ -400,25 +418,36 @@ class Report:
 
     def _throughput(self) -> list[str]:
         base = {t.concurrency: t.jobs_per_s for t in self.r.throughput.get("nsjail", [])}
-        rates, latencies, notes = [], [], []
-        for key in ("nsjail", "spawn", "cold", "warm"):
+        base_cpu = {t.concurrency: t.cpu_per_job_s for t in self.r.throughput.get("nsjail", [])}
+        rates, latencies, cpus, notes = [], [], [], []
+        for key in ("nsjail", "bwrap", "spawn", "cold", "warm"):
             runs = {t.concurrency: t for t in self.r.throughput.get(key, [])}
             label = self.r.labels[key]
-            rate, latency = [label], [label]
+            rate, latency, used = [label], [label], [label]
             for level in self.s.levels:
                 t = runs.get(level)
                 if t is None:
-                    rate.append(self._missing(f"{key}/throughput/{level}"))
+                    missing = key == "bwrap" and level not in (16, 64)
+                    rate.append("-" if missing else self._missing(f"{key}/throughput/{level}"))
                     latency.append("")
+                    used.append("")
                     continue
                 ratio = "" if key == "nsjail" else f" ({_ratio(t.jobs_per_s, base.get(level))})"
                 rate.append(f"{t.jobs_per_s:,.0f}{ratio}")
                 latency.append(f"{_ms(t.median_s)} / {_ms(t.p99_s)}")
+                per_job = t.cpu_per_job_s
+                if per_job is None:
+                    used.append("")
+                else:
+                    ratio = "" if key == "nsjail" else (
+                        f" ({_ratio(per_job, base_cpu.get(level))})")
+                    used.append(f"{per_job * 1e3:.1f} ms{ratio}")
                 if t.failures:
                     notes.append(f"- {label}, {level} concurrent: {t.failures} of {t.jobs} jobs "
                                  f"failed; first: {t.first_failure}")
             rates.append(rate)
             latencies.append(latency)
+            cpus.append(used)
         levels = [f"{n} client{'s' if n > 1 else ''}" for n in self.s.levels]
         align = "l" + "r" * len(levels)
         return [
@@ -435,7 +464,130 @@ class Report:
             "Each job's latency in those runs, call to result (median / p99):",
             "",
             *_table(["latency under load", *levels], latencies, align),
+            "",
+            "CPU per job in those runs, for the whole machine (`/proc/stat`: every process and "
+            "kernel thread, the bench's client included; not idle, iowait or steal), divided "
+            "by the jobs finished; in brackets x bare nsjail's at the same N:",
+            "",
+            *_table(["CPU per job", *levels], cpus, align),
             *(["", *notes] if notes else []),
+        ]
+
+    def _cpu(self) -> list[str]:
+        r = self.r
+        keys = ["nsjail", "cold", "warm"]
+        cols = [r.labels[k] for k in keys]
+        rows = []
+        for category in BREAKDOWN_ROWS:
+            row, shown = [category], False
+            for key in keys:
+                b = r.breakdown.get(key)
+                if b is None:
+                    row.append("")
+                    continue
+                user, kernel = b.per_job_ms(category)
+                shown = shown or user + kernel >= 0.005
+                row.append(f"{user + kernel:.2f} ({user:.2f} / {kernel:.2f})"
+                           if user + kernel >= 0.005 else "")
+            if shown:
+                rows.append(row)
+        rows.append(["**all**", *(f"**{r.breakdown[k].busy_per_job_ms:.2f}**"
+                                  if k in r.breakdown else self._missing(f"{k}/breakdown")
+                                  for k in keys)])
+        rows.append(["jobs in the run", *(f"{r.breakdown[k].jobs:,}" if k in r.breakdown
+                                          else "" for k in keys)])
+        lines = [
+            "## 10. CPU per fresh jail, and where it goes",
+            "",
+            f"One flat-out run of {BREAKDOWN_CLIENTS} clients per column, recorded with `perf "
+            "record -a` at 997 Hz; each sample put to who ran it (a jail: anything a zygote "
+            "forked) and to user or kernel mode. Milliseconds of CPU per job: all (user / "
+            "kernel). Section 2 has the same per-job CPU from `/proc/stat` at each N.",
+            "",
+            *_table(["ms of CPU per job", *cols], rows, "l" + "r" * len(cols)),
+        ]
+        f = r.stage_floors
+        fork = f.get("fork_exit")
+        stage_rows = []
+        for key, label in STAGES.items():
+            cost = f.get(key)
+            if cost is None:
+                stage_rows.append([label, self._missing(f"stages/{key}"), ""])
+                continue
+            alone = "" if key in ("fork_exit", "cow") or fork is None else (
+                f"{(cost - fork) * 1e3:.2f} ms")
+            cell = f"{cost * 1e6:.1f} µs" if key == "cow" else f"{cost * 1e3:.2f} ms"
+            stage_rows.append([label, cell, alone])
+        lines += [
+            "",
+            "What the kernel charges for each stage of a fresh jail, made by a helper process "
+            "the size of a zygote (`bench/floors.py`): CPU per operation for the whole "
+            "machine, kernel threads' deferred work included, the median of 3 runs (one in a "
+            "quick run). The last "
+            "column is the stage alone (less the fork and exit).",
+            "",
+            *_table(["stage", "CPU", "the stage alone"], stage_rows, "lrr"),
+        ]
+        if fork is None or not all(k in f for k in ("namespaces", "cgroup", "seccomp", "cow")):
+            return lines
+        kernel = f["namespaces"] + (f["cgroup"] - fork) + (f["seccomp"] - fork)
+        notes = [f"- A fresh jail's kernel floor -- a fork and an exit, a fresh namespace set, "
+                 f"its cgroups, its seccomp filters: **{kernel * 1e3:.2f} ms** of CPU."]
+        if r.jail_pages is not None:
+            cow = r.jail_pages * f["cow"]
+            kernel += cow
+            notes.append(
+                f"- A trivial job's jail has copied {r.jail_pages:,} pages of its zygote by its "
+                f"code's last line (its minor faults): {cow * 1e3:.2f} ms at "
+                f"{f['cow'] * 1e6:.1f} µs a page. With the floor above: **{kernel * 1e3:.2f} "
+                "ms** before any Python does its own work.")
+        for key in ("cold", "warm"):
+            b = r.breakdown.get(key)
+            if b is not None:
+                notes.append(f"- {r.labels[key]}: {b.busy_per_job_ms:.2f} ms a job here, "
+                             f"{_ratio(b.busy_per_job_ms, kernel * 1e3)} that floor.")
+        return [*lines, "", *notes]
+
+    def _cpu_targets(self) -> list[list[str]]:
+        """The fresh jail's cost, as ratios to rows of the same run."""
+        r, t = self.r, self._target
+        nsjail = {x.concurrency: x for x in r.throughput.get("nsjail", [])}
+        rows = []
+        for level in CPU_LEVELS:
+            base = nsjail.get(level)
+            fastest = max(((x.jobs_per_s / base.jobs_per_s, k) for k in ("cold", "warm")
+                           for x in r.throughput.get(k, [])
+                           if base is not None and x.concurrency == level), default=None)
+            rows.append(t(
+                f"fresh-jail jobs/s ≥ 4x bare nsjail's, {level} clients (best of cold, warm)",
+                fastest[0] if fastest else None, lambda v: v >= 4,
+                functools.partial(_times, which=fastest[1] if fastest else ""),
+                f"cold/throughput/{level}"))
+            base_cpu = base.cpu_per_job_s if base is not None else None
+            least = min(((per_job / base_cpu, k) for k in ("cold", "warm")
+                         for x in r.throughput.get(k, [])
+                         if x.concurrency == level and (per_job := x.cpu_per_job_s)
+                         and base_cpu), default=None)
+            rows.append(t(
+                f"CPU per fresh jail ≤ 1/4 of bare nsjail's, {level} clients (least of cold, "
+                "warm)", least[0] if least else None, lambda v: v <= 0.25,
+                functools.partial(_times, which=least[1] if least else ""),
+                f"cold/throughput/{level}"))
+        warm, cold, bare = r.latency.get("warm"), r.latency.get("cold"), r.latency.get("nsjail")
+        shape, tool_shape = r.floors.get("shape"), r.floors.get("tool_shape")
+        tools = r.tool_calls.get("warm")
+        return [
+            *rows,
+            t("warm job p50 ≤ 3x the four-hop floor (`shape`, paced alike)",
+              warm.median_s / shape.median_s if warm and shape else None, lambda v: v <= 3,
+              lambda v: f"{v:.2f}x", "floors/shape" if warm else "warm/latency"),
+            t("tool-call p50 ≤ 3x the four-hop tool-call floor (`tool_shape`)",
+              tools.median_s / tool_shape.median_s if tools and tool_shape else None,
+              lambda v: v <= 3, lambda v: f"{v:.2f}x",
+              "floors/tool_shape" if tools else "warm/tool_calls"),
+            t("cold job p50 ≤ 0.3x bare nsjail's",
+              cold.median_s / bare.median_s if cold and bare else None, lambda v: v <= 0.3,
+              lambda v: f"{v:.2f}x", "nsjail/latency" if cold else "cold/latency"),
         ]
 
     def _tool_calls(self) -> list[str]:

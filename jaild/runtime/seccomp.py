@@ -117,6 +117,7 @@ def _build(filter_spec: Mapping[str, Any]) -> Any:
     default_action = action_value(default)
     f = _sc.SyscallFilter(default_action)
     f.set_attr(_sc.Attr.ACT_BADARCH, _sc.KILL_PROCESS)
+    f.set_attr(_sc.Attr.CTL_OPTIMIZE, 2)
     for rule in rules:
         if not (isinstance(rule, list) and len(rule) == 3):
             raise SeccompSpecError(f"bad rule {rule!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,7 +58,8 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path, world_dir:
                     "## 3. Tool-call round trip", "## 4. Memory", "## 5. Concurrent sleeping jobs",
                     "## 6. Wall-clock deadlines", "## 7. Fairness between uids",
                     "## 8. Where a warm job's time goes",
-                    "## 9. Over mutual TLS, and what liveness costs"):
+                    "## 9. Over mutual TLS, and what liveness costs",
+                    "## 10. CPU per fresh jail, and where it goes"):
         assert section in report
     results = json.loads(out.with_suffix(".json").read_text())
     assert results["errors"] == {}, results["errors"]
@@ -70,6 +72,24 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path, world_dir:
     for key in ("pingpong_same", "pingpong_apart", "pingpong_paced", "shape", "decode_hot",
                 "decode_idle"):  # this machine's floors
         assert len(results["floors"][key]["samples_s"]) == 4, key
+    assert len(results["floors"]["tool_shape"]["samples_s"]) == 40  # ten times the runs
+    # CPU per fresh jail: each stage's floor, the whole machine's CPU of every flat-out run,
+    # the pages a jail copies, and (where perf is) who burnt it
+    assert set(results["stage_floors"]) == {"fork_exit", "namespaces", "netns", "cgroup",
+                                            "seccomp", "cow"}
+    assert all(isinstance(v, float) for v in results["stage_floors"].values())
+    for key in ("nsjail", "bwrap", "spawn", "cold", "warm"):
+        runs = results["throughput"][key]
+        assert runs and all(t["cpu_s"] > 0 and t["cpu_per_job_s"] > 0 for t in runs), key
+    assert results["jail_pages"] > 0
+    if shutil.which("perf"):
+        breakdown = results["breakdown"]
+        assert sum(breakdown["nsjail"]["where"]["jailed python"]) > 0
+        for key in ("cold", "warm"):
+            assert sum(breakdown[key]["where"]["jail"]) > 0, key
+            assert sum(breakdown[key]["where"]["daemon"]) > 0, key
+    else:
+        assert "nsjail/breakdown" in results["skipped"]
     # the traced rows measured tracing: every job's spans reached the sink (4 + 2 warm-up
     # jobs and the tool-call job; its 2 x 50 calls each a span)
     assert results["tracing"]["jaild.job"] >= 7, results["tracing"]
