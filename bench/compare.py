@@ -302,7 +302,8 @@ class Run:
                                  **dict.fromkeys(cpu.zygote_pids(daemon.pid), "zygote")},
                     )
                 if key == "cold":
-                    pages = self.attempt("cold/jail_pages", lambda: daemon.jail_pages(s.runs // 5))
+                    pages = self.attempt("cold/jail_pages",
+                                         lambda: daemon.jail_pages(max(3, s.runs // 5)))
                     if pages is not None:
                         r.jail_pages = pages
                 tools = self.attempt(
