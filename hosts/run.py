@@ -58,6 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -466,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
                    "pod-identity tests, offline")
     p.add_argument("--suite", choices=sorted(SUITES),
                    help="what `make test` runs in the guest (default: the profile's)")
+    p.add_argument("--target",
+                   help="the make targets the test step runs before pytest runs the suite "
+                        "(default: the profile's; `setup` runs offline in a provisioned guest)")
     p.add_argument("--tests", nargs="+", metavar="PATH",
                    help="test paths (pytest node ids) to run instead of --suite")
     p.add_argument("--steps", nargs="+", choices=STEPS,
@@ -489,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.profile_name = args.profile
     args.profile = PROFILES[args.profile]
+    if args.target:
+        args.profile = dataclasses.replace(args.profile, target=args.target)
     args.suite = args.suite or args.profile.suite
     args.steps = args.steps or list(args.profile.steps)
     args.timeout_min = args.timeout_min or args.profile.timeout_min
