@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -58,7 +59,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
