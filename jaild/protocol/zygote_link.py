@@ -182,7 +182,7 @@ class ZygoteReady(Message):
 @struct
 class PrepareJails(Message):
     TYPE = "PrepareJails"
-    harden: bytes = field(binary(MAX_FRAME_BYTES // 2))
+    harden: bytes = field(binary(MAX_FRAME_BYTES - 64))  # the rest of the frame: its keys
     """The payload of the ``Harden`` frame (:mod:`jaild.protocol.messages`) the daemon sends
     each jail of this zygote, byte for byte."""
 
