@@ -496,6 +496,9 @@ class Report:
                                   for k in keys)])
         rows.append(["jobs in the run", *(f"{r.breakdown[k].jobs:,}" if k in r.breakdown
                                           else "" for k in keys)])
+        if not r.breakdown:  # perf missing (the reason, once) or every recording failed
+            why = [self._missing(f"{k}/breakdown") for k in keys]
+            rows = [["all", why[0], *([""] * (len(keys) - 1) if len(set(why)) == 1 else why[1:])]]
         lines = [
             "## 10. CPU per fresh jail, and where it goes",
             "",
