@@ -31,6 +31,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TextIO
 
@@ -457,6 +458,62 @@ def cmd_kill(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_snapshots(args: argparse.Namespace) -> int:
+    if args.remove:
+        failed = False
+        with _connect(args) as client:
+            for ident in args.remove:
+                try:
+                    client.delete_snapshot(ident)
+                except JaildError as exc:
+                    _print_err(f"{ident}: {exc.message}")
+                    failed = True
+                else:
+                    print(f"deleted {ident}")
+        return 1 if failed else 0
+    rows = _ask(args, lambda c: c.snapshots())
+    if rows is None:
+        return 0
+    now = time.time()
+    print(f"{'ID':<38} {'KIND':<9} {'POLICY':<12} {'SIZE':>9} {'AGE':>8} {'EXPIRES IN':>11}  "
+          "SESSION")
+    for r in rows:
+        print(f"{r['id']:<38} {r['kind']:<9} {r['policy']:<12} {_size(r['bytes']):>9} "
+              f"{max(0.0, now - r['created']):>7.0f}s {max(0.0, r['expires'] - now):>10.0f}s  "
+              f"{r['session']}")
+    return 0
+
+
+def cmd_approvals(args: argparse.Namespace) -> int:
+    rows = _ask(args, lambda c: c.approvals())
+    if rows is None:
+        return 0
+    from jaild.protocol import unpack
+
+    print(f"{'JOB':<22} {'CALL':>5} {'TOOL':<16} {'POLICY':<12} {'WAITING':>9} {'STATE':<8} "
+          "OWNER / ARGUMENTS")
+    for r in rows:
+        try:
+            shown = json.dumps(unpack(r["args"]), default=repr)
+        except Exception:
+            shown = f"<{len(r['args'])} bytes>"
+        state = "parked" if r["parked"] else "waiting"
+        print(f"{r['job_id']:<22} {r['call_id']:>5} {r['tool']:<16} {r['policy']:<12} "
+              f"{r['waiting_s']:>8.0f}s {state:<8} {r['owner']}\n{'':>22} {shown[:200]}")
+    return 0
+
+
+def cmd_approve(args: argparse.Namespace) -> int:
+    with _connect(args) as client:
+        try:
+            client.approve(args.job_id, args.call_id, not args.deny, args.reason or "")
+        except JaildError as exc:
+            _print_err(f"{args.job_id}: {exc.message}")
+            return 1
+    print(f"{'denied' if args.deny else 'approved'} call {args.call_id} of {args.job_id}")
+    return 0
+
+
 def _latency(seconds: Any) -> str:
     """A latency for ``jaild stats``: ms below a second."""
     if not isinstance(seconds, (int, float)):
@@ -828,6 +885,25 @@ def build_parser() -> argparse.ArgumentParser:
     client_socket_arg(p)
     p.add_argument("ids", nargs="+", metavar="ID", help="a job or session id (jaild ps)")
     p.set_defaults(func=cmd_kill)
+
+    p = sub.add_parser("snapshots", help="list (or delete) your sessions' snapshots")
+    client_socket_arg(p)
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
+    p.add_argument("--rm", dest="remove", nargs="+", metavar="ID", help="delete these snapshots")
+    p.set_defaults(func=cmd_snapshots)
+
+    p = sub.add_parser("approvals", help="list tool calls waiting for your approval")
+    client_socket_arg(p)
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
+    p.set_defaults(func=cmd_approvals)
+
+    p = sub.add_parser("approve", help="approve (or --deny) a tool call that waits")
+    client_socket_arg(p)
+    p.add_argument("job_id", metavar="JOB", help="the run's id (jaild approvals)")
+    p.add_argument("call_id", metavar="CALL", type=int, help="the call's number")
+    p.add_argument("--deny", action="store_true", help="deny the call instead")
+    p.add_argument("--reason", help="why (the run's code sees it in a denial)")
+    p.set_defaults(func=cmd_approve)
 
     p = sub.add_parser("stats", help="usage totals per policy and per uid")
     client_socket_arg(p)

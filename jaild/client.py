@@ -57,6 +57,8 @@ from jaild.errors import (
     PermissionDenied,
     RemoteProtocolError,
     SessionLost,
+    SessionPaused,
+    UnknownSnapshot,
     error_from_wire,
 )
 from jaild.errors import (
@@ -66,11 +68,16 @@ from jaild.errors import ToolCallDenied as _Denied
 from jaild.protocol import CLOSED, NEED_DATA, PROTOCOL_VERSION, Connection, Role, pack, unpack
 from jaild.protocol.messages import (
     MAX_PAYLOAD_BYTES,
+    ApprovalList,
+    ApprovalPending,
+    ApprovalRecorded,
+    ApproveCall,
     CancelJob,
     ClientCallTool,
     ClientToolFailed,
     ClientToolReturned,
     CloseSession,
+    DeleteSnapshot,
     Error,
     GetStats,
     Hello,
@@ -81,20 +88,31 @@ from jaild.protocol.messages import (
     JobOutput,
     Kill,
     Killed,
+    ListApprovals,
     ListJobs,
     ListPolicies,
+    ListSnapshots,
     Message,
     OpenSession,
+    PauseSession,
     Ping,
     PolicyList,
     Pong,
+    ResumeRun,
+    ResumeSession,
     RunJob,
+    RunParked,
     SessionClosed,
     SessionOpened,
+    SnapshotDeleted,
+    SnapshotList,
+    SnapshotSession,
+    SnapshotTaken,
     Stats,
     Welcome,
     safe_text,
 )
+from jaild.protocol.messages import SessionPaused as SessionPausedMsg
 from jaild.protocol.records import JobRecord
 from jaild.toolspec import HostTool, normalize_tools
 from jaild.transfer import Uploads, load_uploads, save_files
@@ -286,6 +304,7 @@ class _Job:
     approve: Approver | None = None
     decoders: dict[str, codecs.IncrementalDecoder] = field(default_factory=dict)
     calls: set[asyncio.Task[None]] = field(default_factory=set)
+    parked: bool = False  # waited for approval past its policy's park_after_s (RunParked)
 
 
 class AsyncJob:
@@ -332,14 +351,20 @@ class AsyncSession:
     def __init__(
         self,
         client: AsyncClient,
-        policy: str,
+        policy: str | None,
         tools: dict[str, HostTool],
         limits: dict[str, float],
         idle_s: float | None,
         max_lifetime_s: float | None,
+        from_snapshot: str | None = None,
+        pause_after_s: float | None = None,
     ) -> None:
         self._client = client
         self.policy = policy
+        self.from_snapshot = from_snapshot
+        self._pause_after_s = pause_after_s
+        self.paused = False
+        """Paused to disk (asked, or after ``pause_after_s`` idle): the next run resumes it."""
         self._tools = tools
         self._limits = limits
         self._idle_s = idle_s
@@ -354,17 +379,24 @@ class AsyncSession:
         self._lost: ConnectionLost | None = None  # its connection was lost: so was it
 
     async def open(self) -> AsyncSession:
-        """Open the session: returns once its jail is ready."""
+        """Open the session: returns once its jail is ready (and, from a snapshot, holds
+        the snapshot's state)."""
         tools = tuple(t.spec() for t in self._tools.values())
+        if self.policy is None:  # restoring a snapshot: under the policy it was taken with
+            self.policy = (await self._client._snapshot_entry(self.from_snapshot))["policy"]
+        policy = self.policy
+        assert policy is not None
         answer = await self._client._request(
             lambda ref: OpenSession(
                 ref=ref,
-                policy=self.policy,
+                policy=policy,
                 tools=tools,
                 limits=self._limits,
                 idle_s=self._idle_s,
                 max_lifetime_s=self._max_lifetime_s,
                 traceparent=tracing.current_traceparent(),
+                from_snapshot=self.from_snapshot,
+                pause_after_s=self._pause_after_s,
             )
         )
         self.id = answer.session_id
@@ -477,8 +509,16 @@ class AsyncSession:
         if options.get("approve") is None and self.approve is not None:
             options = {**options, "approve": self.approve}
         try:
-            return await self._client._submit(code, self.policy, self._tools, options,
-                                              session_id)
+            if self.paused:
+                await self.resume()
+            try:
+                return await self._client._submit(code, self.policy or "", self._tools,
+                                                  options, session_id)
+            except SessionPaused:  # paused when idle as this run was on its way
+                self.paused = True
+                await self.resume()
+                return await self._client._submit(code, self.policy or "", self._tools,
+                                                  options, session_id)
         except SessionClosedError as exc:  # the daemon's word: why is its SessionClosed's
             exc.reason = exc.reason or self.closed
             raise
@@ -486,6 +526,79 @@ class AsyncSession:
             if self._lost is None or isinstance(exc, SessionLost):
                 raise
             raise self._session_lost() from exc
+
+    async def snapshot(self, ttl_s: float | None = None) -> dict[str, Any]:
+        """Snapshot the session (idle: between runs): its variables, functions, classes,
+        imported modules' data and working directory, kept by the daemon for ``ttl_s``
+        (default and most: the policy's ``session.snapshot_ttl_s``). What survives and
+        what does not: docs/using/sessions.md.
+
+        Returns:
+            The snapshot's entry: ``id`` (for :meth:`AsyncClient.restore`), ``policy``,
+            ``bytes``, ``created``, ``expires``, ``session``.
+
+        Raises:
+            SnapshotFailed: naming what could not be captured (a variable holding an open
+                file, a generator; a symlink in the working directory; the size).
+            QuotaExceeded: the principal's snapshots would exceed the daemon's quota.
+        """
+        session_id = self._check_open()
+        if self.paused:
+            await self.resume()
+        answer = await self._client._request(
+            lambda ref: SnapshotSession(ref=ref, session_id=session_id, ttl_s=ttl_s))
+        entry: dict[str, Any] = answer.snapshot.to_dict()
+        return entry
+
+    async def fork(self, n: int, tools: Mapping[str, Any] | Iterable[Any] | None = None
+                   ) -> list[AsyncSession]:
+        """``n`` new sessions, each in its own fresh jail, each starting from this session's
+        state and files; what one does, no other (nor this one) sees. They are open; close
+        them (or ``async with`` each). ``tools``: theirs (default: this session's).
+
+        Raises:
+            SnapshotFailed, QuotaExceeded: as :meth:`snapshot`; JaildError: a fork's jail
+                could not be opened (those opened are closed again).
+        """
+        if not 1 <= n <= 1024:
+            raise ValueError(f"fork(n): n must be between 1 and 1024, not {n}")
+        entry = await self.snapshot(ttl_s=3600)
+        forks = [
+            AsyncSession(self._client, self.policy, normalize_tools(tools) if tools is not None
+                         else self._tools, dict(self._limits), self._idle_s,
+                         self._max_lifetime_s, from_snapshot=entry["id"],
+                         pause_after_s=self._pause_after_s)
+            for _ in range(n)
+        ]
+        for f in forks:
+            f.approve = self.approve
+        try:
+            opened = await asyncio.gather(*(f.open() for f in forks), return_exceptions=True)
+            failed = [o for o in opened if isinstance(o, BaseException)]
+            if failed:
+                await asyncio.gather(*(f.close() for f in forks), return_exceptions=True)
+                raise failed[0]
+            return forks
+        finally:
+            with contextlib.suppress(JaildError):
+                await self._client.delete_snapshot(entry["id"])
+
+    async def pause(self) -> int:
+        """Pause the session to disk now: its jail ends and its memory is released; the
+        next run (or :meth:`resume`) restores it in a fresh jail. Returns the bytes kept."""
+        session_id = self._check_open()
+        if self.paused:
+            return 0
+        answer = await self._client._request(
+            lambda ref: PauseSession(ref=ref, session_id=session_id))
+        self.paused = True
+        return int(answer.bytes)
+
+    async def resume(self) -> None:
+        """Bring a paused session back in a fresh jail (runs do it by themselves)."""
+        session_id = self._check_open()
+        await self._client._request(lambda ref: ResumeSession(ref=ref, session_id=session_id))
+        self.paused = False
 
     async def upload(self, files: Uploads) -> JobResult:
         """Put files into the working directory (a run of no code); ``files`` as
@@ -842,6 +955,96 @@ class AsyncClient:
         stats: dict[str, Any] = answer.stats.to_dict()
         return stats
 
+    async def approve(self, job_id: str, call_id: int, allow: bool = True,
+                      reason: str = "") -> None:
+        """Decide a tool call waiting for approval (``jaild approvals`` lists them): of any
+        run whose policy's ``[approvals] approvers`` include this client's principal.
+
+        Raises:
+            UnknownJob: no such call waits; PermissionDenied: not an approver of it.
+        """
+        await self._request(lambda ref: ApproveCall(ref=ref, job_id=job_id, call_id=call_id,
+                                                    allow=allow, reason=reason))
+
+    async def approvals(self) -> list[dict[str, Any]]:
+        """The tool calls waiting for approval that this client's principal may decide."""
+        answer = await self._request(lambda ref: ListApprovals(ref=ref))
+        return [a.to_dict() for a in answer.approvals]
+
+    async def resume_run(
+        self,
+        job_id: str,
+        tools: Mapping[str, Any] | Iterable[Any] | None = None,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        approve: Approver | None = None,
+    ) -> AsyncJob:
+        """Host the tools of a parked run of this principal's (one that waited for approval
+        past its policy's ``park_after_s``, from a connection that has gone, or from before
+        the daemon restarted). Once its call is decided the run goes on in a fresh jail,
+        from that call; ``await job.result()`` is its record.
+
+        Raises:
+            UnknownJob: no parked run of yours has that id; BadRequest: ``tools`` lacks one
+                of the run's tools, or another connection hosts it.
+        """
+        host_tools = normalize_tools(tools)
+        ref = next(self._refs)
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future[str] = loop.create_future()
+        job = _Job(host_tools, on_stdout, on_stderr, loop.create_future(),
+                   approve or self._approve)
+        self._accepting[ref] = (accepted, job)
+        try:
+            await self._send(ResumeRun(ref=ref, job_id=job_id,
+                                       tools=tuple(t.spec() for t in host_tools.values())))
+            await accepted
+        finally:
+            self._accepting.pop(ref, None)
+        return AsyncJob(self, job_id, job)
+
+    async def snapshots(self) -> list[dict[str, Any]]:
+        """This principal's snapshots (and paused sessions' states, ``kind`` ``pause``)."""
+        answer = await self._request(lambda ref: ListSnapshots(ref=ref))
+        return [e.to_dict() for e in answer.snapshots]
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Delete one of this principal's snapshots (UnknownSnapshot: none has that id)."""
+        await self._request(lambda ref: DeleteSnapshot(ref=ref, snapshot_id=snapshot_id))
+
+    async def _snapshot_entry(self, snapshot_id: str | None) -> dict[str, Any]:
+        for entry in await self.snapshots():
+            if entry["id"] == snapshot_id:
+                return entry
+        raise UnknownSnapshot(f"no snapshot {snapshot_id} of yours")
+
+    def restore(
+        self,
+        snapshot_id: str,
+        tools: Mapping[str, Any] | Iterable[Any] | None = None,
+        *,
+        policy: str | None = None,
+        limits: Mapping[str, float] | None = None,
+        idle_s: float | None = None,
+        max_lifetime_s: float | None = None,
+        pause_after_s: float | None = None,
+        approve: Approver | None = None,
+    ) -> AsyncSession:
+        """A session whose state is the snapshot's, in a fresh jail (new namespaces, cgroup,
+        uid, seccomp): as :meth:`session`, under the snapshot's policy (``policy``, if
+        given, must be it). Works after the daemon restarted; the snapshot stays (restore
+        it again, or delete it). Not yet open: ``async with client.restore(id) as s``.
+
+        Raises (on opening): UnknownSnapshot (none of yours has that id), SnapshotFailed.
+        """
+        session = AsyncSession(
+            self, policy, normalize_tools(tools), dict(limits or {}), idle_s, max_lifetime_s,
+            from_snapshot=snapshot_id, pause_after_s=pause_after_s,
+        )
+        session.approve = approve
+        return session
+
     def session(
         self,
         policy: str = "default",
@@ -850,6 +1053,7 @@ class AsyncClient:
         limits: Mapping[str, float] | None = None,
         idle_s: float | None = None,
         max_lifetime_s: float | None = None,
+        pause_after_s: float | None = None,
         approve: Approver | None = None,
     ) -> AsyncSession:
         """A session: one jail kept for many runs that share variables, functions and imports.
@@ -868,6 +1072,9 @@ class AsyncClient:
                 tighten the policy's ``[session] idle_s``.
             max_lifetime_s: end the session this many seconds after it opened; may only
                 tighten the policy's ``[session] max_lifetime_s``.
+            pause_after_s: pause the session to disk after this many seconds without a
+                run (its jail is released; the next run restores it); may only tighten the
+                policy's ``[session] pause_after_s``.
             approve: the approval callback for the runs' tools marked ``approval``
                 (default: the client's); without one such calls are denied.
 
@@ -879,7 +1086,8 @@ class AsyncClient:
                 name.
         """
         session = AsyncSession(
-            self, policy, normalize_tools(tools), dict(limits or {}), idle_s, max_lifetime_s
+            self, policy, normalize_tools(tools), dict(limits or {}), idle_s, max_lifetime_s,
+            pause_after_s=pause_after_s,
         )
         session.approve = approve
         return session
@@ -1007,7 +1215,13 @@ class AsyncClient:
                 self._jobs[msg.job_id] = pending[1]  # before any of its output can arrive
                 pending[0].set_result(msg.job_id)
             return
-        if isinstance(msg, (PolicyList, SessionOpened, JobList, Killed, Stats)):
+        if isinstance(msg, SessionPausedMsg):
+            paused = self._sessions.get(msg.session_id)
+            if paused is not None:
+                paused.paused = True
+        if isinstance(msg, (PolicyList, SessionOpened, JobList, Killed, Stats, SnapshotTaken,
+                            SnapshotList, SnapshotDeleted, SessionPausedMsg, ApprovalRecorded,
+                            ApprovalList)):
             req = self._requests.get(msg.ref)
             if req is not None and not req.done():
                 req.set_result(msg)
@@ -1054,6 +1268,13 @@ class AsyncClient:
             task = asyncio.get_running_loop().create_task(self._call_tool(msg.job_id, job, msg))
             job.calls.add(task)
             task.add_done_callback(job.calls.discard)
+        elif isinstance(msg, ApprovalPending):
+            task = asyncio.get_running_loop().create_task(self._decide(job, msg))
+            job.calls.add(task)
+            task.add_done_callback(job.calls.discard)
+        elif isinstance(msg, RunParked):
+            job.parked = True
+            log.info("job %s is parked: %s", msg.job_id, msg.message)
         elif isinstance(msg, JobFinished) and not job.finished.done():
             job.finished.set_result(JobResult.from_wire(msg.record, msg.result, msg.files))
 
@@ -1080,6 +1301,30 @@ class AsyncClient:
         else:
             allowed, why = bool(answer), ""
         return allowed, why or (f"{name}: approved" if allowed else f"{name}: denied by the client")
+
+    async def _decide(self, job: _Job, pending: ApprovalPending) -> None:
+        """A call held by the daemon for approval (a policy with ``[approvals]``): ask the
+        job's approve callback and tell the daemon; without one, the policy's approvers
+        decide (``jaild approve``) and the run waits."""
+        if job.approve is None:
+            log.info("job %s: call %d (%s) waits for an approver", pending.job_id,
+                     pending.call_id, pending.name)
+            return
+        try:
+            decoded = unpack(pending.args)
+            args, kwargs = (list(decoded[0]), dict(decoded[1])) if isinstance(decoded, list) \
+                else ([], {})
+        except Exception:
+            args, kwargs = [], {}
+        try:
+            allowed, why = await self._approved(job, pending.name, args, kwargs)
+        except Exception as exc:
+            allowed, why = False, f"{pending.name}: the approve callback failed: {exc!r}"
+        try:
+            await self.approve(pending.job_id, pending.call_id, allowed, why)
+        except JaildError as exc:  # not an approver here, or decided by someone else
+            log.warning("job %s: call %d not decided by this client: %s", pending.job_id,
+                        pending.call_id, exc)
 
     async def _call_tool(self, job_id: str, job: _Job, call: ClientCallTool) -> None:
         tool = job.tools.get(call.name)
@@ -1376,6 +1621,7 @@ class Client:
         limits: Mapping[str, float] | None = None,
         idle_s: float | None = None,
         max_lifetime_s: float | None = None,
+        pause_after_s: float | None = None,
         approve: Approver | None = None,
     ) -> Session:
         """A session: one jail kept for many runs that share variables, functions and imports.
@@ -1394,6 +1640,9 @@ class Client:
                 tighten the policy's ``[session] idle_s``.
             max_lifetime_s: end the session this many seconds after it opened; may only
                 tighten the policy's ``[session] max_lifetime_s``.
+            pause_after_s: pause the session to disk after this many seconds without a
+                run (its jail is released; the next run restores it); may only tighten the
+                policy's ``[session] pause_after_s``.
             approve: the approval callback for the runs' tools marked ``approval``
                 (default: the client's); without one such calls are denied.
 
@@ -1408,9 +1657,57 @@ class Client:
             self,
             self._client.session(
                 policy, tools, limits=limits, idle_s=idle_s, max_lifetime_s=max_lifetime_s,
-                approve=approve,
+                pause_after_s=pause_after_s, approve=approve,
             ),
         )
+
+    def restore(
+        self,
+        snapshot_id: str,
+        tools: Mapping[str, Any] | Iterable[Any] | None = None,
+        *,
+        policy: str | None = None,
+        limits: Mapping[str, float] | None = None,
+        idle_s: float | None = None,
+        max_lifetime_s: float | None = None,
+        pause_after_s: float | None = None,
+        approve: Approver | None = None,
+    ) -> Session:
+        """As :meth:`AsyncClient.restore`: a session (not yet open) whose state is the
+        snapshot's, in a fresh jail. ``with client.restore(snapshot_id) as s: ...``."""
+        return Session(self, self._client.restore(
+            snapshot_id, tools, policy=policy, limits=limits, idle_s=idle_s,
+            max_lifetime_s=max_lifetime_s, pause_after_s=pause_after_s, approve=approve))
+
+    def approve(self, job_id: str, call_id: int, allow: bool = True, reason: str = "") -> None:
+        """As :meth:`AsyncClient.approve`."""
+        self._call(self._client.approve(job_id, call_id, allow, reason))
+
+    def approvals(self) -> list[dict[str, Any]]:
+        """As :meth:`AsyncClient.approvals`."""
+        return self._call(self._client.approvals())  # type: ignore[no-any-return]
+
+    def resume_run(
+        self,
+        job_id: str,
+        tools: Mapping[str, Any] | Iterable[Any] | None = None,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        approve: Approver | None = None,
+    ) -> Job:
+        """As :meth:`AsyncClient.resume_run`: ``job.result()`` waits for the run's end."""
+        job = self._call(self._client.resume_run(job_id, tools, on_stdout=on_stdout,
+                                                 on_stderr=on_stderr, approve=approve))
+        return Job(self, job)
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        """As :meth:`AsyncClient.snapshots`."""
+        return self._call(self._client.snapshots())  # type: ignore[no-any-return]
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        """As :meth:`AsyncClient.delete_snapshot`."""
+        self._call(self._client.delete_snapshot(snapshot_id))
 
     def cancel(self, job_id: str) -> None:
         self._call(self._client.cancel(job_id))
@@ -1516,6 +1813,28 @@ class Session:
             UploadError: a file in ``files`` cannot be uploaded (nothing was sent).
         """
         return self._client._call(self._session._run(code, options))  # type: ignore[no-any-return]
+
+    @property
+    def paused(self) -> bool:
+        return self._session.paused
+
+    def snapshot(self, ttl_s: float | None = None) -> dict[str, Any]:
+        """As :meth:`AsyncSession.snapshot`."""
+        return self._client._call(self._session.snapshot(ttl_s))  # type: ignore[no-any-return]
+
+    def fork(self, n: int, tools: Mapping[str, Any] | Iterable[Any] | None = None
+             ) -> list[Session]:
+        """As :meth:`AsyncSession.fork`: ``n`` open sessions from this one's state."""
+        forks = self._client._call(self._session.fork(n, tools))
+        return [Session(self._client, f) for f in forks]
+
+    def pause(self) -> int:
+        """As :meth:`AsyncSession.pause`."""
+        return self._client._call(self._session.pause())  # type: ignore[no-any-return]
+
+    def resume(self) -> None:
+        """As :meth:`AsyncSession.resume`."""
+        self._client._call(self._session.resume())
 
     def upload(self, files: Uploads) -> JobResult:
         """Put files into the working directory (a run of no code); ``files`` as

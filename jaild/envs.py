@@ -83,7 +83,9 @@ MIN_PYTHON = (3, 11)
 SYSTEM_PREFIX = "/usr"
 """Where the interpreter must live: the jail binds /usr and nothing else of the host."""
 
-RUNTIME_REQUIREMENTS = ("msgpack>=1.0.5", "pyseccomp>=0.1.2", "python-prctl>=1.8.1")
+RUNTIME_REQUIREMENTS = (
+    "msgpack>=1.0.5", "pyseccomp>=0.1.2", "python-prctl>=1.8.1", "cloudpickle>=3.0",
+)
 """What the in-jail runtime imports: envs/default.txt's requirements (a unit test keeps the two
 equal), for an installation of jaild that has no checkout around it."""
 

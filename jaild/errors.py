@@ -158,6 +158,31 @@ class PermissionDenied(JaildError):
     code = "permission_denied"
 
 
+class SessionPaused(JaildError):
+    """The session is paused to disk (its jail is gone): ``ResumeSession`` brings it back.
+    The client library resumes it before its next run by itself."""
+
+    code = "session_paused"
+
+
+class UnknownSnapshot(JaildError):
+    """No snapshot of this principal has that id (another principal's is unknown too)."""
+
+    code = "unknown_snapshot"
+
+
+class SnapshotFailed(JaildError):
+    """A snapshot could not be taken or restored; the message names what stopped it."""
+
+    code = "snapshot_failed"
+
+
+class QuotaExceeded(JaildError):
+    """The principal's snapshots would exceed its disk quota or count."""
+
+    code = "quota_exceeded"
+
+
 class Busy(JaildError):
     """The daemon is at its concurrency limit; retry later."""
 
@@ -305,6 +330,11 @@ class EgressRefusal(Exception):
     def __init__(self, status: int, kind: str, message: str) -> None:
         super().__init__(message)
         self.status, self.kind, self.message = status, kind, message
+
+
+class SnapshotError(Exception):
+    """(In the jail.) A snapshot could not be taken or restored; the message names what
+    (the daemon answers the client :class:`SnapshotFailed` with it)."""
 
 
 class UploadError(ValueError):
@@ -456,6 +486,10 @@ ERROR_CLASSES: dict[str, type[JaildError]] = {
         UnknownJob,
         UnknownSession,
         SessionClosed,
+        SessionPaused,
+        UnknownSnapshot,
+        SnapshotFailed,
+        QuotaExceeded,
         PermissionDenied,
         Busy,
         ShuttingDown,

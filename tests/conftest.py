@@ -407,6 +407,8 @@ _STARTED_SUBTREES: set[str] = set()
 """The cgroup subtree of every daemon this session started, noted as it was started
 (:func:`_note_started_daemon`): the subtrees :func:`no_cgroups_left_behind` holds this
 suite to account for."""
+_STARTED_INSTANCES: set[str] = set()
+"""The instance names (``DaemonConfig.instance``) of the daemons this suite started."""
 
 
 def serve_socket(argv: list[str], cwd: str | None, env: Mapping[str, str] | None) -> str | None:
@@ -450,6 +452,7 @@ def _note_started_daemon(event: str, args: tuple[object, ...]) -> None:
     sock = serve_socket(words, where, env if isinstance(env, Mapping) else None)
     if sock is not None:
         _STARTED_SUBTREES.add(DaemonConfig(socket_path=sock).subtree)
+        _STARTED_INSTANCES.add(DaemonConfig(socket_path=sock).instance)
 
 
 sys.addaudithook(_note_started_daemon)
@@ -465,6 +468,18 @@ def held_subtrees() -> set[str]:
     """The subtrees of :func:`_subtrees` that are this suite's daemons' (noted as each was
     started: :func:`_note_started_daemon`)."""
     return {p for p in _subtrees() if _subtree_name(p) in _STARTED_SUBTREES}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_state_left_behind() -> Iterator[None]:
+    """The snapshots and parked runs this suite's daemons kept in the shared state directory
+    (``<state_dir>/snapshots/<instance>``, ``<state_dir>/parked/<instance>``: each daemon's
+    own, named for its socket) are removed at the end, as its temporary directories are."""
+    yield
+    for instance in _STARTED_INSTANCES:
+        if instance != "jaild":  # never the host's own daemon's
+            for kind in ("snapshots", "parked"):
+                shutil.rmtree(os.path.join(STATE_DIR, kind, instance), ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

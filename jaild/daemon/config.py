@@ -363,6 +363,15 @@ class LimitsFile:
     zygote_idle_s: float = setting(
         600.0, "A client uid's zygote with no job this long is stopped.", between(1, 86400)
     )
+    snapshot_quota_mb: int = setting(
+        1024,
+        "Disk one principal's snapshots and paused sessions may hold together, MiB "
+        "(in `state_dir`/snapshots/<instance>).",
+        between(1, 1 << 30),
+    )
+    snapshot_max_count: int = setting(
+        64, "Snapshots and paused sessions one principal may keep at once.", between(1, 1 << 20)
+    )
 
 
 FILE_SECTIONS: dict[str, type] = {
@@ -484,6 +493,8 @@ class DaemonConfig:
     egress_upstream_ca: str | None = None  # the gateway's trust for intercepted hosts
     max_zygotes: int = 16
     zygote_idle_s: float = 600.0
+    snapshot_quota_mb: int = 1024
+    snapshot_max_count: int = 64
 
     @classmethod
     def from_sources(cls, file: str | None = None, **flags: Any) -> DaemonConfig:
@@ -569,6 +580,11 @@ class DaemonConfig:
     @property
     def envs_dir(self) -> str:
         return os.path.join(self.state_dir, "envs")
+
+    @property
+    def snapshot_dir(self) -> str:
+        """Where this daemon keeps snapshots: ``<state_dir>/snapshots/<instance>``."""
+        return os.path.join(self.state_dir, "snapshots", self.instance)
 
     @property
     def instance(self) -> str:

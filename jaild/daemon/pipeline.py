@@ -32,9 +32,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from jaild.daemon import placement
+from jaild.daemon.approvals import Approvals, DurableRun
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
 from jaild.daemon.core.records import internal_error_record
+from jaild.daemon.jails.job import OutputSink, ToolRouter
 from jaild.daemon.observe import Observers
 from jaild.daemon.registry import ClientConnection, LiveJob, Registry
 from jaild.daemon.sessions import Sessions, check_room
@@ -80,6 +82,7 @@ class Pipeline:
         catalog: Callable[[], admission.Catalog],
         *,
         reap_orphans: bool = True,
+        approvals: Approvals | None = None,
     ) -> None:
         """The pipeline of the daemon whose settings are ``config``: jobs kept in its
         ``registry``, session runs through its ``sessions``, jails from what it ``served``
@@ -93,6 +96,7 @@ class Pipeline:
         self.observers = observers
         self.catalog = catalog
         self._reaps = reap_orphans
+        self.approvals = approvals
 
     def submit(self, client: ClientConnection, req: RunJob) -> None:
         """Admit a RunJob, place it and start it. Raises the JaildError the client gets
@@ -118,10 +122,22 @@ class Pipeline:
         job_id = placement.new_job_id()
         env = self.served.env
         assert env is not None
+        route: ToolRouter = client.call_tool
+        output: OutputSink = client.output
+        durable = None
+        approvals = self.approvals
+        if approvals is not None and approvals.durable(admitted.policy):
+            durable = approvals.track(job_id, client, admitted.policy, admitted.job,
+                                      dict(req.limits), session=sess is not None)
+            route, output = durable.route, durable.output
         placed = placement.place(
-            admitted, job_id, client.call_tool, client.output, env, self.served.pools, sess,
+            admitted, job_id, route, output, env, self.served.pools, sess,
             tenant=client.peer.principal.key, trace=trace,
         )
+        if durable is not None and approvals is not None:
+            if placed.job_id != job_id:  # a pooled jail's id is the job's
+                approvals.rename(durable, placed.job_id)
+            durable.jail = placed.jail
         if sess is not None:
             self.sessions.run_started(sess, placed.job_id)
         # Accepted after a pooled jail got its code (it starts a write earlier); still before
@@ -129,10 +145,13 @@ class Pipeline:
         client.accept(req.ref, placed.job_id)
         memory_mb = 0 if sess is not None else admitted.limits.memory_mb  # a session holds its own
         registry.add_job(LiveJob(placed.job_id, placed.jail, client, sess, memory_mb=memory_mb))
-        client.start(self.run_to_record(client, placed))
+        client.start(self.run_to_record(client, placed, durable))
 
-    async def run_to_record(self, client: ClientConnection, placed: placement.Placed) -> None:
-        """Run a placed job to its one record, and send it (see the module docstring)."""
+    async def run_to_record(self, client: ClientConnection, placed: placement.Placed,
+                            durable: DurableRun | None = None) -> None:
+        """Run a placed job to its one record, and send it (see the module docstring). A
+        run parked for approval (``durable``) has no record yet: it goes on later
+        (:mod:`jaild.daemon.approvals`)."""
         spec, sess = placed.spec, placed.session
         job_id = spec.job_id
         try:
@@ -146,6 +165,12 @@ class Pipeline:
                     sess.jail.cancel("internal error")  # and end the session
                 record = internal_error_record(spec.job_id, spec.policy, spec.limits, exc)
                 result, downloads = None, {}
+            if durable is not None and self.approvals is not None:
+                if durable.parked:
+                    if placed.trace is not None:
+                        placed.trace.finish(record, placed.mode)
+                    return
+                self.approvals.ended(durable)
             if sess is not None:
                 record = sess.run_entry(record)
             # audited before the client can see the result

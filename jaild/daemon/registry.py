@@ -39,7 +39,7 @@ from jaild.daemon.core import admission
 from jaild.daemon.core.peer import Peer, Tenant
 from jaild.daemon.core.records import with_session
 from jaild.daemon.jails.job import CallReply, JailedJob
-from jaild.errors import Busy, JaildError, SessionClosed
+from jaild.errors import Busy, JaildError, SessionClosed, SessionPaused
 from jaild.policy.schema import Limits, Policy
 from jaild.protocol.messages import Message, ToolSpec
 from jaild.protocol.records import JobRecord
@@ -115,6 +115,11 @@ class JailSession:
         self.closed: str | None = None  # why it ended
         self.idle_timer: asyncio.TimerHandle | None = None
         self.life_timer: asyncio.TimerHandle | None = None  # set once the jail is ready
+        self.pause_after_s = terms.pause_after_s  # 0: never paused when idle
+        self.pause_timer: asyncio.TimerHandle | None = None
+        self.paused: str | None = None  # paused to disk: the id of its state's snapshot
+        self.runs = 0  # the client's runs (snapshots and restores are not runs)
+        self.jails = 1  # jails it has had: a resumed session is in its second
 
     def touch(self, close: Close, idle: bool = True) -> None:
         """A run starts (idle=False: no idle expiry while it runs) or ends (idle clock
@@ -148,13 +153,16 @@ class JailSession:
             raise SessionClosed(f"session {self.id} is closed: {self.closed}")
         if self.busy is not None:
             raise Busy(f"session {self.id} is running job {self.busy}; one run at a time")
+        if self.paused is not None:
+            raise SessionPaused(f"session {self.id} is paused to disk; resume it first "
+                                "(ResumeSession)")
         if self.life_timer is None:
             raise Busy(f"session {self.id} is still starting; wait for SessionOpened")
 
     def run_entry(self, record: JobRecord) -> JobRecord:
         """``record`` as this session's run (with the status that ended it, if it did)."""
         closed = None if self.jail.alive else record.status
-        return with_session(record, self.id, self.jail.runs, closed)
+        return with_session(record, self.id, self.runs, closed)
 
     def ps_row(self, now: float) -> dict[str, Any]:
         """This session as ``jaild ps`` shows it."""
@@ -169,14 +177,19 @@ class JailSession:
             "client_pid": owner.pid,
             "state": "starting"
             if self.life_timer is None
-            else ("running" if self.busy else "idle"),
+            else ("running" if self.busy else "paused" if self.paused else "idle"),
             "age_s": round(max(0.0, now - self.created), 3),  # the wall clock may step back
-            "runs": self.jail.runs,
+            "runs": self.runs,
             "running": self.busy,
             "idle_s": round(time.monotonic() - self.last_used, 3),
             "expires_in_s": round(self.expires_in(), 3),
-            **self.jail.live_usage(),
+            **({} if self.paused else self.jail.live_usage()),
         }
+
+    @property
+    def holds_jail(self) -> bool:
+        """Not paused (or being resumed): its jail counts against the limits."""
+        return self.paused is None or self.busy is not None
 
 
 class Registry:
@@ -235,6 +248,8 @@ class Registry:
                 jails += 1
                 memory += live.memory_mb
         for sess in self._sessions.values():
+            if not sess.holds_jail:
+                continue
             if tenant is None or sess.owner.peer.principal.key == tenant:
                 jails += 1
                 memory += sess.terms.jail_limits.memory_mb

@@ -60,6 +60,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import socket
 import struct
 import time
@@ -70,6 +71,7 @@ from typing import Any
 
 from jaild import __version__
 from jaild.daemon import sched, startup, systemd, tls
+from jaild.daemon.approvals import Approvals
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
 from jaild.daemon.core.peer import Peer, Principal, Tenant
@@ -83,7 +85,7 @@ from jaild.daemon.pipeline import Pipeline
 from jaild.daemon.principals import Principals, principals
 from jaild.daemon.registry import JailSession, Registry
 from jaild.daemon.selftest import Check
-from jaild.daemon.sessions import Sessions
+from jaild.daemon.sessions import Sessions, check_room
 from jaild.daemon.tls import TlsListeners
 from jaild.errors import (
     ConnectionLost,
@@ -100,11 +102,15 @@ from jaild.policy.schema import Policy
 from jaild.protocol import CLOSED, NEED_DATA, PROTOCOL_VERSION, Connection, Role
 from jaild.protocol.connection import HANDSHAKE_FRAME_BYTES
 from jaild.protocol.messages import (
+    ApprovalList,
+    ApprovalRecorded,
+    ApproveCall,
     CancelJob,
     ClientCallTool,
     ClientToolFailed,
     ClientToolReturned,
     CloseSession,
+    DeleteSnapshot,
     Error,
     GetStats,
     JobAccepted,
@@ -112,14 +118,22 @@ from jaild.protocol.messages import (
     JobOutput,
     Kill,
     Killed,
+    ListApprovals,
     ListJobs,
     ListPolicies,
+    ListSnapshots,
     Message,
     OpenSession,
+    PauseSession,
     Ping,
     PolicyList,
     Pong,
+    ResumeRun,
+    ResumeSession,
     RunJob,
+    SnapshotDeleted,
+    SnapshotList,
+    SnapshotSession,
     Stats,
     Welcome,
 )
@@ -540,6 +554,8 @@ class ServedConnection(asyncio.Protocol):
         calls, self.pending_calls = self.pending_calls, {}
         for reply in calls.values():
             reply.lost()
+        daemon.approvals.park_held(self)  # its runs waiting for approval wait on disk
+        daemon.approvals.detach(self)
         for live in daemon.registry.jobs(owner=self):
             live.jail.cancel(why)
         for sess in daemon.registry.sessions(owner=self):
@@ -596,6 +612,11 @@ class ServedConnection(asyncio.Protocol):
                 )
             else:
                 daemon.close_session(sess, "closed", "closed by the client")
+        elif isinstance(msg, (SnapshotSession, PauseSession, ResumeSession, ListSnapshots,
+                              DeleteSnapshot)):
+            self._snapshots(msg)
+        elif isinstance(msg, (ApproveCall, ResumeRun, ListApprovals)):
+            self._approvals(msg)
         elif isinstance(msg, ListJobs):
             jobs = tuple(map(JobEntry.from_wire, daemon.list_jobs(self.peer)))
             self.send(JobList(ref=msg.ref, jobs=jobs))
@@ -615,6 +636,41 @@ class ServedConnection(asyncio.Protocol):
         elif isinstance(msg, Ping):
             self.send(Pong(seq=msg.seq))
         # a Pong: read, so the client is alive (_received noted it); nothing more to do
+
+    def _snapshots(self, msg: SnapshotSession | PauseSession | ResumeSession | ListSnapshots
+                   | DeleteSnapshot) -> None:
+        """Snapshots, pauses and resumes of this connection's sessions; the principal's
+        snapshots (docs/using/sessions.md)."""
+        sessions = self.daemon.sessions
+        try:
+            if isinstance(msg, SnapshotSession):
+                sessions.snapshot(self, msg)
+            elif isinstance(msg, PauseSession):
+                sessions.pause(self, msg)
+            elif isinstance(msg, ResumeSession):
+                sessions.resume(self, msg)
+            elif isinstance(msg, ListSnapshots):
+                self.send(SnapshotList(ref=msg.ref, snapshots=tuple(sessions.snapshots(self))))
+            else:
+                sessions.delete_snapshot(self, msg.snapshot_id)
+                self.send(SnapshotDeleted(ref=msg.ref, snapshot_id=msg.snapshot_id))
+        except JaildError as exc:
+            self.send_error(exc, ref=msg.ref)
+
+    def _approvals(self, msg: ApproveCall | ResumeRun | ListApprovals) -> None:
+        """Decisions on calls waiting for approval, and parked runs (docs/using/tools.md)."""
+        approvals = self.daemon.approvals
+        try:
+            if isinstance(msg, ApproveCall):
+                approvals.decide(self.peer, msg.job_id, msg.call_id, msg.allow, msg.reason)
+                self.send(ApprovalRecorded(ref=msg.ref, job_id=msg.job_id, call_id=msg.call_id,
+                                           allow=msg.allow))
+            elif isinstance(msg, ResumeRun):
+                approvals.resume(self, msg.ref, msg.job_id, {t.name for t in msg.tools})
+            else:
+                self.send(ApprovalList(ref=msg.ref, approvals=tuple(approvals.pending(self.peer))))
+        except JaildError as exc:
+            self.send_error(exc, ref=msg.ref)
 
     def _tool_replied(self, msg: ClientToolReturned | ClientToolFailed) -> None:
         reply = self.pending_calls.pop((msg.job_id, msg.call_id), None)
@@ -703,10 +759,17 @@ class Daemon:
             metrics=Metrics(config.metrics_address, tool_labels=config.metrics_tool_labels),
             tracing=tracing or OFF,  # else on at start() if OTEL_* asks for it
         )
+        self.approvals = Approvals(
+            os.path.join(config.state_dir, "parked", config.instance), self.registry,
+            self.served, self.observers, self.catalog,
+            lambda peer, _, memory_mb: check_room(self.registry, config, peer.principal,
+                                                  memory_mb),
+        )
         self.sessions = Sessions(config, self.registry, self.served, self.observers,
                                  self.catalog)
         self.pipeline = Pipeline(config, self.registry, self.sessions, self.served,
-                                 self.observers, self.catalog, reap_orphans=reap_orphans)
+                                 self.observers, self.catalog, reap_orphans=reap_orphans,
+                                 approvals=self.approvals)
         self._lingering: Counter[Tenant] = Counter()  # refused connections open, by principal
         self.frame_bytes: Counter[Tenant] = Counter()  # unfinished frames' bytes, by principal
         self._stopping = False
@@ -789,6 +852,13 @@ class Daemon:
             self.config, self.served, self.metrics, self._tool_called, self.protocol,
             only_policies, on_egress=self._egress_request,
         )
+        if os.path.isdir(self.config.snapshot_dir):  # expired ones, and the paused sessions'
+            gone = await asyncio.to_thread(self.sessions.store.sweep, True)
+            if gone:
+                log.info("deleted %d expired snapshots and paused sessions' states", gone)
+        parked = self.approvals.load()
+        if parked:
+            log.info("%d parked runs wait for approval (jaild approvals)", parked)
         if self.config.listen:
             try:
                 self.listeners = TlsListeners(self.config, self)
@@ -933,6 +1003,7 @@ class Daemon:
             self.served.server.close()
         if self.listeners is not None:
             self.listeners.close()
+        self.approvals.park_held()  # runs waiting for approval wait on disk for the next start
         for live in self.registry.jobs():
             live.jail.cancel("the daemon is shutting down")
         for sess in self.registry.sessions():

@@ -31,22 +31,43 @@ discarded it is *retiring* in the registry, and shutdown waits for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from jaild.daemon import placement
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
 from jaild.daemon.core.peer import Principal
-from jaild.daemon.jails.job import JailedJob, JobSpec
+from jaild.daemon.jails.job import CallReply, JailedJob, JobSpec
 from jaild.daemon.observe import Observers
 from jaild.daemon.registry import ClientConnection, JailSession, Registry
-from jaild.errors import InternalError, JaildError, UnknownSession
-from jaild.protocol.messages import JobDescription, OpenSession, SessionOpened
+from jaild.daemon.snapshots import SnapshotStore
+from jaild.errors import (
+    BadRequest,
+    Busy,
+    InternalError,
+    JaildError,
+    PermissionDenied,
+    SnapshotFailed,
+    UnknownSession,
+    UnknownSnapshot,
+)
+from jaild.protocol.messages import (
+    JobDescription,
+    OpenSession,
+    PauseSession,
+    ResumeSession,
+    SessionOpened,
+    SnapshotSession,
+    SnapshotTaken,
+)
 from jaild.protocol.messages import SessionClosed as SessionClosedMsg
-from jaild.protocol.records import JobRecord, SessionInfo
+from jaild.protocol.messages import SessionPaused as SessionPausedMsg
+from jaild.protocol.records import JobRecord, SessionInfo, SnapshotEntry
 from jaild.tracing import SessionTrace
 
 if TYPE_CHECKING:
@@ -84,6 +105,19 @@ def check_room(
 
 log = logging.getLogger("jaild")
 
+
+def _no_tools(job_id: str, call_id: int, name: str, args: bytes, approval: bool) -> CallReply:
+    """A snapshot's or restore's tool calls (code of the session's own, a ``__reduce__``):
+    refused at once."""
+    reply = CallReply()
+    reply.resolve(False, ("ToolError", "no tool calls while a snapshot is taken or restored"))
+    return reply
+
+
+def _no_output(job_id: str, stream: str, data: bytes) -> None:
+    """What a snapshot or restore prints (a ``__reduce__`` of the session's): dropped."""
+
+
 class Sessions:
     """Opening, running in and closing sessions, for one daemon."""
 
@@ -103,6 +137,7 @@ class Sessions:
         self.served = served
         self.observers = observers
         self.catalog = catalog
+        self._store: SnapshotStore | None = None
 
     def runnable(self, client: ClientConnection, session_id: str) -> JailSession:
         """The client's session a ``RunJob`` names, if a run may start in it now.
@@ -133,34 +168,44 @@ class Sessions:
             if trace is not None:
                 trace.ended(None, refusal.code)
             raise
+        try:
+            if req.from_snapshot is not None:
+                entry = self.store.entry(client.peer.principal.key, req.from_snapshot)
+                if entry.policy != terms.policy.name:
+                    raise BadRequest(
+                        f"snapshot {entry.id} was taken under policy {entry.policy!r}; a "
+                        f"session restoring it must use that policy, not {terms.policy.name!r}")
+        except JaildError as refusal:
+            if trace is not None:
+                trace.ended(None, refusal.code)
+            raise
+        session_id = "ses-" + secrets.token_hex(8)
+        sess = JailSession(session_id, client, terms, self._jail(session_id, terms, client))
+        registry.add_session(sess)
+        self.observers.metrics.sessions_open(registry.session_count())
+        client.start(self._open(sess, req.ref, trace, req.from_snapshot))
+
+    def _jail(self, jail_id: str, terms: admission.SessionTerms,
+              client: ClientConnection) -> JailedJob:
         env = self.served.env
         assert env is not None
-        session_id = "ses-" + secrets.token_hex(8)
         spec = JobSpec(
-            session_id, terms.policy, terms.jail_limits,
+            jail_id, terms.policy, terms.jail_limits,
             JobDescription(code="", filename="<session>", tools=terms.tools), keep=True,
             tenant=client.peer.principal.key,
         )
-        jail = JailedJob(spec, env, None, None, jail_id=session_id)
-        sess = JailSession(session_id, client, terms, jail)
-        registry.add_session(sess)
-        self.observers.metrics.sessions_open(registry.session_count())
-        client.start(self._open(sess, req.ref, trace))
+        return JailedJob(spec, env, None, None, jail_id=jail_id)
 
-    async def _open(self, sess: JailSession, ref: int, trace: SessionTrace | None) -> None:
+    async def _open(self, sess: JailSession, ref: int, trace: SessionTrace | None,
+                    from_snapshot: str | None = None) -> None:
         client = sess.owner
-        ready = await sess.jail.prepare()
-        if not ready or sess.closed is not None:
-            detail = sess.closed or "the jail did not start"
-            if not ready:
-                _, error = await sess.jail.ended()
-                error = error or {}
-                detail = f"{error.get('type', 'JailStartFailed')}: {error.get('message', '')}"
+        failed = await self._start_jail(sess, from_snapshot)
+        if failed is not None:
             self._forget(sess)
             sess.jail.cleanup()
-            client.send_error(InternalError(f"the session's jail did not start: {detail}"), ref=ref)
+            client.send_error(failed, ref=ref)
             if trace is not None:
-                trace.ended(sess.id, InternalError.code)
+                trace.ended(sess.id, failed.code)
             return
         loop = asyncio.get_running_loop()
         sess.life_timer = loop.call_later(
@@ -170,36 +215,73 @@ class Sessions:
             "lifetime",
             f"the session reached its maximum lifetime of {sess.max_lifetime_s:g} s",
         )
-        sess.touch(self.close)
-        client.start(self._watch(sess))
+        self._touch(sess)
+        client.start(self._watch(sess, sess.jail))
         self.observers.accounting.session(client.peer.principal, sess.policy.name)
         self.observers.audit.session(client.peer, "opened", sess.id, sess.policy.name)
-        client.send(
-            SessionOpened(
-                ref=ref,
-                session_id=sess.id,
-                record=SessionInfo(
-                    policy=sess.policy.name,
-                    idle_s=sess.idle_s,
-                    max_lifetime_s=sess.max_lifetime_s,
-                    limits=dataclasses.asdict(sess.limits),
-                ),
-            )
-        )
+        client.send(self._opened(sess, ref))
         if trace is not None:
             trace.ended(sess.id)
 
-    async def _watch(self, sess: JailSession) -> None:
+    @staticmethod
+    def _opened(sess: JailSession, ref: int) -> SessionOpened:
+        return SessionOpened(
+            ref=ref,
+            session_id=sess.id,
+            record=SessionInfo(
+                policy=sess.policy.name,
+                idle_s=sess.idle_s,
+                max_lifetime_s=sess.max_lifetime_s,
+                limits=dataclasses.asdict(sess.limits),
+            ),
+        )
+
+    async def _start_jail(self, sess: JailSession, snapshot_id: str | None) -> JaildError | None:
+        """Start the session's jail and, with ``snapshot_id``, restore that snapshot in it.
+        Returns the error its client gets if either fails (the jail is then ending)."""
+        ready = await sess.jail.prepare()
+        if not ready or sess.closed is not None:
+            detail = sess.closed or "the jail did not start"
+            if not ready:
+                _, error = await sess.jail.ended()
+                error = error or {}
+                detail = f"{error.get('type', 'JailStartFailed')}: {error.get('message', '')}"
+            return InternalError(f"the session's jail did not start: {detail}")
+        if snapshot_id is None:
+            return None
+        try:
+            _, blob = await asyncio.to_thread(
+                self.store.load, sess.owner.peer.principal.key, snapshot_id)
+            await self._op(sess, restore=blob)
+        except JaildError as exc:
+            sess.jail.cancel(f"the snapshot was not restored: {exc.message}")
+            return exc
+        return None
+
+    async def _watch(self, sess: JailSession, jail: JailedJob) -> None:
         """A session's jail that dies between runs (its code left a thread that broke the
-        channel protocol, a background process hit a limit) ends the session at once."""
-        status, error = await sess.jail.ended()
-        if sess.closed is None and sess.busy is None:
+        channel protocol, a background process hit a limit) ends the session at once; one
+        released by a pause does not."""
+        status, error = await jail.ended()
+        if sess.closed is None and sess.busy is None and jail is sess.jail and not sess.paused:
             why = (error or {}).get("message", "")
             self.close(sess, status, f"the session's jail ended between runs: {why}")
 
+    def _touch(self, sess: JailSession, idle: bool = True) -> None:
+        """A run (or snapshot) starts (``idle`` False) or ends: the idle clock, and the
+        pause clock of a session that pauses when idle."""
+        sess.touch(self.close, idle=idle)
+        if sess.pause_timer is not None:
+            sess.pause_timer.cancel()
+            sess.pause_timer = None
+        if idle and sess.pause_after_s and sess.paused is None and sess.closed is None:
+            sess.pause_timer = asyncio.get_running_loop().call_later(
+                sess.pause_after_s, self._pause_idle, sess)
+
     def run_started(self, sess: JailSession, job_id: str) -> None:
         sess.busy = job_id
-        sess.touch(self.close, idle=False)
+        sess.runs += 1
+        self._touch(sess, idle=False)
 
     def run_ended(self, sess: JailSession) -> None:
         sess.busy = None
@@ -210,17 +292,186 @@ class Sessions:
             why = f"run {job_id} ended the session: {record.error.message if record.error else ''}"
             self.close(sess, record.status, why)
         elif sess.closed is None:
-            sess.touch(self.close)
+            self._touch(sess)
+
+    # -- snapshots, forks, pauses (docs/using/sessions.md)
+
+    @property
+    def store(self) -> SnapshotStore:
+        """The daemon's snapshots (made on first use: ``config.snapshot_dir``)."""
+        if self._store is None:
+            config = self.config
+            self._store = SnapshotStore(config.snapshot_dir, config.snapshot_quota_mb << 20,
+                                        config.snapshot_max_count)
+        return self._store
+
+    def _idle(self, client: ClientConnection, session_id: str) -> JailSession:
+        sess = self.registry.session(session_id, owner=client)
+        if sess is None:
+            raise UnknownSession(f"no open session {session_id} of this connection")
+        if not sess.policy.session.snapshots:
+            raise PermissionDenied(f"policy {sess.policy.name!r} does not allow snapshots "
+                                   "(session.snapshots = false)")
+        sess.check_runnable()
+        return sess
+
+    def snapshot(self, client: ClientConnection, req: SnapshotSession) -> None:
+        """Take an idle session's snapshot; answered SnapshotTaken (or Error). Raises the
+        refusal the client gets."""
+        sess = self._idle(client, req.session_id)
+        most = sess.policy.session.snapshot_ttl_s
+        if req.ttl_s is not None and req.ttl_s > most:
+            raise BadRequest(f"ttl_s={req.ttl_s:g} is longer than policy {sess.policy.name!r} "
+                             f"keeps snapshots ({most:g} s)")
+        self._begin_op(sess, "snapshot")
+        client.start(self._snapshot(sess, req.ref, req.ttl_s or most))
+
+    async def _snapshot(self, sess: JailSession, ref: int, ttl_s: float) -> None:
+        client = sess.owner
+        try:
+            blob = await self._op(sess, snapshot=True)
+            entry = await asyncio.to_thread(
+                self.store.save, client.peer.principal.key, blob, policy=sess.policy.name,
+                session=sess.id, ttl_s=ttl_s)
+        except JaildError as exc:
+            client.send_error(exc, ref=ref)
+        else:
+            self.observers.audit.session(client.peer, "snapshot", sess.id, sess.policy.name,
+                                         reason=entry.id)
+            client.send(SnapshotTaken(ref=ref, snapshot=entry))
+        finally:
+            self._end_op(sess)
+
+    def pause(self, client: ClientConnection, req: PauseSession) -> None:
+        """Pause an idle session to disk now; answered SessionPaused (or Error)."""
+        sess = self._idle(client, req.session_id)
+        self._begin_op(sess, "pause")
+        client.start(self._pause(sess, req.ref))
+
+    def _pause_idle(self, sess: JailSession) -> None:
+        sess.pause_timer = None
+        if sess.closed is None and sess.busy is None and sess.paused is None:
+            self._begin_op(sess, "pause")
+            sess.owner.start(self._pause(sess, 0))
+
+    async def _pause(self, sess: JailSession, ref: int) -> None:
+        """Snapshot the session (kind ``pause``), then end its jail: it holds disk only."""
+        client = sess.owner
+        try:
+            blob = await self._op(sess, snapshot=True)
+            entry = await asyncio.to_thread(
+                self.store.save, client.peer.principal.key, blob, policy=sess.policy.name,
+                session=sess.id, ttl_s=max(60.0, sess.max_lifetime_s), kind="pause")
+        except JaildError as exc:
+            if ref:
+                client.send_error(exc, ref=ref)
+            else:  # an idle pause that failed: the session stays as it was
+                log.warning("session %s was not paused: %s", sess.id, exc.message)
+            self._end_op(sess)
+            return
+        sess.paused = entry.id
+        jail = sess.jail
+        self._end_op(sess)
+        client.start(self._retire(jail, "session paused"))
+        self.observers.audit.session(client.peer, "paused", sess.id, sess.policy.name)
+        client.send(SessionPausedMsg(ref=ref, session_id=sess.id, bytes=entry.bytes))
+
+    def resume(self, client: ClientConnection, req: ResumeSession) -> None:
+        """Bring a paused session back in a fresh jail; answered SessionOpened (at once for
+        a session that is not paused)."""
+        sess = self.registry.session(req.session_id, owner=client)
+        if sess is None:
+            raise UnknownSession(f"no open session {req.session_id} of this connection")
+        if sess.paused is None:
+            sess.check_runnable()
+            client.send(self._opened(sess, req.ref))
+            return
+        if sess.busy is not None:
+            raise Busy(f"session {sess.id} is being resumed already")
+        admission.check_not_draining(self.catalog())
+        check_room(self.registry, self.config, client.peer.principal,
+                   sess.terms.jail_limits.memory_mb)
+        sess.jails += 1
+        sess.jail = self._jail(f"{sess.id}-{sess.jails}", sess.terms, client)
+        sess.busy = "resuming"
+        client.start(self._resume(sess, req.ref))
+
+    async def _resume(self, sess: JailSession, ref: int) -> None:
+        client = sess.owner
+        snapshot_id = sess.paused
+        failed = await self._start_jail(sess, snapshot_id)
+        sess.busy = None
+        if failed is not None:
+            client.send_error(failed, ref=ref)
+            self.close(sess, "restore_failed", f"the paused session was not restored: "
+                       f"{failed.message}")
+            return
+        sess.paused = None
+        if snapshot_id is not None:
+            with contextlib.suppress(JaildError):
+                self.store.delete(client.peer.principal.key, snapshot_id)
+        self._touch(sess)
+        client.start(self._watch(sess, sess.jail))
+        self.observers.audit.session(client.peer, "resumed", sess.id, sess.policy.name)
+        client.send(self._opened(sess, ref))
+
+    def snapshots(self, client: ClientConnection) -> list[SnapshotEntry]:
+        return self.store.entries(client.peer.principal.key)
+
+    def delete_snapshot(self, client: ClientConnection, snapshot_id: str) -> None:
+        """Raises UnknownSnapshot: none of the client's principal has that id (a paused
+        session's state is deleted by closing the session)."""
+        owner = client.peer.principal.key
+        if self.store.entry(owner, snapshot_id).kind == "pause":
+            raise UnknownSnapshot(f"no snapshot {snapshot_id} of yours (it is a paused "
+                                  "session's state: close the session instead)")
+        self.store.delete(owner, snapshot_id)
+
+    def _begin_op(self, sess: JailSession, what: str) -> None:
+        sess.busy = what
+        self._touch(sess, idle=False)
+
+    def _end_op(self, sess: JailSession) -> None:
+        sess.busy = None
+        if not sess.jail.alive and sess.paused is None:
+            self.close(sess, "snapshot_failed", "the session's jail ended during a snapshot")
+        elif sess.closed is None:
+            self._touch(sess)
+
+    async def _op(self, sess: JailSession, *, snapshot: bool = False,
+                  restore: bytes | None = None) -> bytes:
+        """Run a snapshot (returns it) or a restore in the session's jail.
+
+        Raises:
+            SnapshotFailed: naming what stopped it (the jail's own words, or its status).
+        """
+        policy = sess.policy
+        limits = dataclasses.replace(sess.limits, result_bytes=policy.session.snapshot_max_bytes)
+        what = "<snapshot>" if snapshot else "<restore>"
+        spec = JobSpec(
+            placement.new_job_id(), policy, limits,
+            JobDescription(code="", filename=what, tools=sess.tools), keep=True,
+            tenant=sess.owner.peer.principal.key, snapshot=snapshot, restore=restore,
+        )
+        record, result, _ = await sess.jail.run_next(spec, _no_tools, _no_output)
+        if record.status == "ok" and (result is not None or not snapshot):
+            return result or b""
+        why = record.error.message if record.error is not None else record.status
+        verb = "taken" if snapshot else "restored"
+        raise SnapshotFailed(f"the snapshot was not {verb}: {why}")
 
     def close(self, sess: JailSession, reason: str, message: str) -> None:
         """End a session: its jail is killed (a run in progress ends ``cancelled``), its
-        client is told. Idempotent."""
+        client is told; a paused session's state is deleted. Idempotent."""
         if sess.closed is not None:
             return
         sess.closed = reason
-        for timer in (sess.idle_timer, sess.life_timer):
+        for timer in (sess.idle_timer, sess.life_timer, sess.pause_timer):
             if timer is not None:
                 timer.cancel()
+        if sess.paused is not None:
+            with contextlib.suppress(JaildError, OSError):
+                self.store.delete(sess.owner.peer.principal.key, sess.paused)
         if sess.busy is not None:
             sess.jail.cancel(f"the session was closed ({reason}): {message}")
         self._forget(sess)
@@ -230,8 +481,11 @@ class Sessions:
         sess.owner.send(SessionClosedMsg(session_id=sess.id, reason=reason, message=message[:4096]))
 
     async def _discard(self, sess: JailSession, reason: str) -> None:
+        await self._retire(sess.jail, reason)
+
+    async def _retire(self, jail: JailedJob, reason: str) -> None:
         async with self.registry.retiring():
-            await sess.jail.discard(reason)
+            await jail.discard(reason)
 
     def _forget(self, sess: JailSession) -> None:
         registry = self.registry

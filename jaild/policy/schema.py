@@ -366,6 +366,27 @@ class Session:
         between(1, 30 * 86400),
     )
     max_per_user: int = setting(16, "Sessions open at once per uid.", between(1, 4096))
+    snapshots: bool = setting(
+        True, "Whether sessions may be snapshotted, forked and paused (their state to disk)."
+    )
+    snapshot_max_mb: int = setting(
+        32, "Largest snapshot (the pickled state and the working directory's files), MiB.",
+        between(1, 60),
+    )
+    snapshot_ttl_s: float = setting(
+        7 * 86400.0, "How long the daemon keeps a snapshot at most; a client may ask for less.",
+        between(60, 90 * 86400),
+    )
+    pause_after_s: float = setting(
+        0.0,
+        "Pause a session to disk after this long without a run (its jail and memory are "
+        "released; its next run restores it); 0: never. A client may ask for less.",
+        between(0, 7 * 86400),
+    )
+
+    @property
+    def snapshot_max_bytes(self) -> int:
+        return self.snapshot_max_mb << 20
 
 
 @dataclass(frozen=True)
@@ -387,6 +408,31 @@ class Files:
     )
 
 
+@dataclass(frozen=True)
+class Approvals:
+    """``[approvals]`` -- tool calls that need approval (``access.approve``, or tools marked
+    ``approval``), decided by the daemon's approvers and able to wait for hours."""
+
+    park_after_s: float = setting(
+        0.0,
+        "A one-shot run whose call has waited this long for approval is parked: its jail "
+        "ends, it waits on disk (through daemon restarts) and goes on from that call once "
+        "decided. 0: off -- the client's approve callback decides, as the call waits.",
+        between(0, 7 * 86400),
+    )
+    approvers: tuple[str, ...] = setting(
+        (),
+        'Who may decide calls (ApproveCall, `jaild approve`): "*", user names, uids, "@group", '
+        '"principal:NAME" (a network client), "owner" (the run\'s own). Empty: the run\'s '
+        "owner only. Root always may.",
+    )
+    max_wait_s: float = setting(
+        7 * 86400.0,
+        "A parked run not decided within this long (from when it was parked) is dropped.",
+        between(60, 90 * 86400),
+    )
+
+
 SECTIONS: dict[str, type] = {
     "limits": Limits,
     "filesystem": Filesystem,
@@ -398,6 +444,7 @@ SECTIONS: dict[str, type] = {
     "pool": Pool,
     "session": Session,
     "files": Files,
+    "approvals": Approvals,
 }
 
 
@@ -416,6 +463,7 @@ class Policy:
     pool: Pool
     session: Session
     files: Files
+    approvals: Approvals
 
     @property
     def seccomp_choice(self) -> SeccompChoice:
@@ -690,7 +738,7 @@ def load_policy_text(text: str, path: str) -> Policy:
         for name, cls in SECTIONS.items()
     }
     policy = Policy(name=stem, path=path, description=description, **sections)
-    for check in (_check_egress, _check_seccomp, _check_python, _check_pool):
+    for check in (_check_egress, _check_seccomp, _check_python, _check_pool, _check_approvals):
         try:
             check(policy, data)
         except PolicyError as exc:
@@ -708,6 +756,16 @@ def _check_pool(policy: Policy, data: Mapping[str, Any]) -> None:
         )
     if policy.pool.mode == "spawn" and policy.pool.preimport:
         raise PolicyError(policy.path, "pool.preimport", 'needs mode = "zygote"')
+
+
+def _check_approvals(policy: Policy, data: Mapping[str, Any]) -> None:
+    park = policy.approvals.park_after_s
+    if park and park >= policy.limits.wall_time_s:
+        raise PolicyError(
+            policy.path, "approvals.park_after_s",
+            f"{park:g} s is not below limits.wall_time_s ({policy.limits.wall_time_s:g} s): a "
+            "run waiting for approval would time out before it is parked",
+        )
 
 
 def _check_seccomp(policy: Policy, data: Mapping[str, Any]) -> None:

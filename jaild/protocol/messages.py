@@ -38,6 +38,7 @@ from jaild.protocol.fields import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
 from jaild.protocol.fields import MAX_NAME_CHARS as MAX_NAME_CHARS
 from jaild.protocol.fields import MAX_REF as MAX_REF
 from jaild.protocol.fields import SESSION_ID as SESSION_ID
+from jaild.protocol.fields import SNAPSHOT_ID as SNAPSHOT_ID
 from jaild.protocol.fields import TRACEPARENT as TRACEPARENT
 from jaild.protocol.fields import (
     Struct,
@@ -56,9 +57,17 @@ from jaild.protocol.fields import (
     string,
     struct,
 )
-from jaild.protocol.records import DaemonStats, JobEntry, JobRecord, PolicyEntry, SessionInfo
+from jaild.protocol.records import (
+    ApprovalEntry,
+    DaemonStats,
+    JobEntry,
+    JobRecord,
+    PolicyEntry,
+    SessionInfo,
+    SnapshotEntry,
+)
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 MAX_CODE_CHARS = 1 << 20
 MAX_DESCRIPTION_CHARS = 8192
@@ -75,6 +84,7 @@ _call_id = integer(0, MAX_REF)
 _text = string(MAX_MESSAGE_CHARS)
 _payload = binary(MAX_PAYLOAD_BYTES)
 _session_id = string(64, min_len=5, pattern=SESSION_ID)
+_snapshot_id = string(37, min_len=37, pattern=SNAPSHOT_ID)
 _traceparent = string(55, min_len=55, pattern=TRACEPARENT)
 """The caller's trace context (W3C ``traceparent``): the daemon's spans for the request join
 that trace. Untrusted: it names a parent, it reads nothing (docs/using/tracing.md)."""
@@ -213,12 +223,99 @@ class OpenSession(Message):
     idle_s: float | None = field(optional(number(0.001, 1 << 31)), default=None)
     max_lifetime_s: float | None = field(optional(number(0.001, 1 << 31)), default=None)
     traceparent: str | None = field(optional(_traceparent), default=None)
+    from_snapshot: str | None = field(optional(_snapshot_id), default=None)
+    """Open the session with this snapshot's state and files (restored in its fresh jail);
+    the policy defaults to the snapshot's."""
+    pause_after_s: float | None = field(optional(number(0.001, 1 << 31)), default=None)
+    """Pause the session to disk after this long without a run (its jail is released; the
+    next run restores it). None: the policy's ``session.pause_after_s``."""
 
 
 @struct
 class CloseSession(Message):
     TYPE = "CloseSession"
     session_id: str = field(_session_id)
+
+
+@struct
+class SnapshotSession(Message):
+    """Take a snapshot of an idle session (its state and files); answered ``SnapshotTaken``."""
+
+    TYPE = "SnapshotSession"
+    ref: int = field(_ref)
+    session_id: str = field(_session_id)
+    ttl_s: float | None = field(optional(number(1, 1 << 31)), default=None)
+    """How long the daemon keeps it (at most the policy's ``session.snapshot_ttl_s``)."""
+
+
+@struct
+class PauseSession(Message):
+    """Pause an idle session to disk now: its jail ends; answered ``SessionPaused``."""
+
+    TYPE = "PauseSession"
+    ref: int = field(_ref)
+    session_id: str = field(_session_id)
+
+
+@struct
+class ResumeSession(Message):
+    """Bring a paused session back in a fresh jail; answered ``SessionOpened``."""
+
+    TYPE = "ResumeSession"
+    ref: int = field(_ref)
+    session_id: str = field(_session_id)
+
+
+@struct
+class ListSnapshots(Message):
+    """The caller's own snapshots (``jaild snapshots``); answered ``SnapshotList``."""
+
+    TYPE = "ListSnapshots"
+    ref: int = field(_ref)
+
+
+@struct
+class ApproveCall(Message):
+    """Decide a tool call that waits for approval (``ApprovalPending``; ``jaild approvals``):
+    of a running or a parked run, from any connection of a principal the policy's
+    ``[approvals] approvers`` name (the run's owner always may). Answered
+    ``ApprovalRecorded``."""
+
+    TYPE = "ApproveCall"
+    ref: int = field(_ref)
+    job_id: str = field(_job_id)
+    call_id: int = field(_call_id)
+    allow: bool = field(boolean())
+    reason: str = field(string(1024), default="")
+
+
+@struct
+class ResumeRun(Message):
+    """Be the tool host of a parked run of this principal's (its tools, as ``RunJob``'s):
+    answered ``JobAccepted``; once its call is decided the run continues in a fresh jail
+    and its messages (``CallTool``, ``JobOutput``, ``JobFinished``) come here."""
+
+    TYPE = "ResumeRun"
+    ref: int = field(_ref)
+    job_id: str = field(_job_id)
+    tools: tuple[ToolSpec, ...] = field(list_of(nested(ToolSpec), MAX_TOOLS), default=())
+
+
+@struct
+class ListApprovals(Message):
+    """Calls waiting for an approval the caller may give; answered ``ApprovalList``."""
+
+    TYPE = "ListApprovals"
+    ref: int = field(_ref)
+
+
+@struct
+class DeleteSnapshot(Message):
+    """Delete one of the caller's snapshots; answered ``SnapshotDeleted``."""
+
+    TYPE = "DeleteSnapshot"
+    ref: int = field(_ref)
+    snapshot_id: str = field(_snapshot_id)
 
 
 @struct
@@ -327,6 +424,78 @@ class SessionClosed(Message):
 
 
 @struct
+class SnapshotTaken(Message):
+    TYPE = "SnapshotTaken"
+    ref: int = field(_ref)
+    snapshot: SnapshotEntry = field(nested(SnapshotEntry))
+
+
+@struct
+class SessionPaused(Message):
+    """The session is paused to disk: asked (``ref``), or after its ``pause_after_s`` idle
+    (``ref`` 0). Its next run needs ``ResumeSession`` first."""
+
+    TYPE = "SessionPaused"
+    ref: int = field(_ref)
+    session_id: str = field(_session_id)
+    bytes: int = field(integer(0, 1 << 40))
+
+
+@struct
+class SnapshotList(Message):
+    TYPE = "SnapshotList"
+    ref: int = field(_ref)
+    snapshots: tuple[SnapshotEntry, ...] = field(list_of(nested(SnapshotEntry), 1 << 16))
+
+
+@struct
+class SnapshotDeleted(Message):
+    TYPE = "SnapshotDeleted"
+    ref: int = field(_ref)
+    snapshot_id: str = field(_snapshot_id)
+
+
+@struct
+class ApprovalPending(Message):
+    """A call of this connection's run waits for approval (the policy's approvers decide:
+    ``ApproveCall``). The client library asks its ``approve`` callback and answers."""
+
+    TYPE = "ApprovalPending"
+    job_id: str = field(_job_id)
+    call_id: int = field(_call_id)
+    name: str = field(_name)
+    args: bytes = field(_payload)
+
+
+@struct
+class RunParked(Message):
+    """The run waited longer than its policy's ``approvals.park_after_s``: its jail is gone
+    and it is kept on disk until its call is decided. It goes on by itself on this
+    connection, or on any of the owner's (``ResumeRun``) after this one ends."""
+
+    TYPE = "RunParked"
+    job_id: str = field(_job_id)
+    call_id: int = field(_call_id)
+    message: str = field(_text, default="")
+
+
+@struct
+class ApprovalRecorded(Message):
+    TYPE = "ApprovalRecorded"
+    ref: int = field(_ref)
+    job_id: str = field(_job_id)
+    call_id: int = field(_call_id)
+    allow: bool = field(boolean())
+
+
+@struct
+class ApprovalList(Message):
+    TYPE = "ApprovalList"
+    ref: int = field(_ref)
+    approvals: tuple[ApprovalEntry, ...] = field(list_of(nested(ApprovalEntry), 1 << 16))
+
+
+@struct
 class JobList(Message):
     TYPE = "JobList"
     ref: int = field(_ref)
@@ -402,6 +571,11 @@ class RunCode(Message):
     result_bytes: int = field(integer(0, MAX_PAYLOAD_BYTES))
     keep: bool = field(boolean(), default=False)
     """A session's jail: after ``CodeFinished`` wait for the next ``RunCode``, same namespace."""
+    snapshot: bool = field(boolean(), default=False)
+    """Run no code: answer ``CodeFinished`` whose result is the session's snapshot (its
+    state and working directory, at most ``result_bytes``; :mod:`jaild.runtime.snapshot`)."""
+    restore: bytes | None = field(optional(_payload), default=None)
+    """Run no code: restore this snapshot into the (fresh) session first."""
 
 
 @struct
@@ -464,6 +638,14 @@ MESSAGES: dict[Direction, dict[str, type[Message]]] = {
             ListJobs,
             Kill,
             GetStats,
+            SnapshotSession,
+            PauseSession,
+            ResumeSession,
+            ListSnapshots,
+            DeleteSnapshot,
+            ApproveCall,
+            ResumeRun,
+            ListApprovals,
             Ping,
             Pong,
         )
@@ -483,6 +665,14 @@ MESSAGES: dict[Direction, dict[str, type[Message]]] = {
             JobList,
             Killed,
             Stats,
+            SnapshotTaken,
+            SessionPaused,
+            SnapshotList,
+            SnapshotDeleted,
+            ApprovalPending,
+            RunParked,
+            ApprovalRecorded,
+            ApprovalList,
             Ping,
             Pong,
         )

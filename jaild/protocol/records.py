@@ -47,8 +47,10 @@ from jaild.protocol.fields import (
     MAX_NAME_CHARS,
     MAX_REF,
     SESSION_ID,
+    SNAPSHOT_ID,
     Struct,
     any_map,
+    binary,
     boolean,
     describe,
     field,
@@ -353,6 +355,44 @@ class SessionInfo(Report):
     """The session's limits: the policy's, tightened by ``OpenSession.limits``."""
 
 
+@struct
+class ApprovalEntry(Report):
+    """A tool call waiting for approval (``ApprovalList``; ``jaild approvals``)."""
+
+    job_id: str = field(_job_id)
+    call_id: int = field(_count)
+    tool: str = field(string(MAX_NAME_CHARS, min_len=1))
+    args: bytes = field(binary(1 << 20))
+    """The call's arguments, packed (msgpack ``[args, kwargs]``), at most 1 MiB shown."""
+    policy: str = field(_policy_name)
+    owner: str = field(string(1024))
+    """Whose run it is (``uid 1000``, ``principal NAME``, ``pod NS/NAME``)."""
+    waiting_s: float = field(_seconds)
+    parked: bool = field(boolean())
+    """Its jail is gone; the run waits on disk (it survives a daemon restart)."""
+    attached: bool = field(boolean())
+    """A connection of its owner's waits to host its tools (else one must ``ResumeRun``)."""
+
+
+@struct
+class SnapshotEntry(Report):
+    """A snapshot the daemon keeps (``SnapshotTaken``, ``SnapshotList``; ``jaild snapshots``)."""
+
+    id: str = field(string(37, min_len=37, pattern=SNAPSHOT_ID))
+    policy: str = field(_policy_name)
+    """The policy of the session it was taken from: restoring opens one under it."""
+    bytes: int = field(_count)
+    created: float = field(_seconds)
+    """Unix time it was taken."""
+    expires: float = field(_seconds)
+    """Unix time the daemon deletes it."""
+    session: str = field(_session_id)
+    """The session it was taken from."""
+    kind: str = field(one_of("snapshot", "pause"), default="snapshot")
+    """``pause``: the state of a paused session (deleted when it resumes or ends)."""
+    sha256: str = field(string(64, min_len=64, pattern=r"[0-9a-f]{64}"), default="0" * 64)
+
+
 # --------------------------------------------------------------------------- ps, policies, stats
 
 
@@ -372,7 +412,8 @@ class JobEntry(Report):
     uid: int | None = field(optional(integer(0, (1 << 32) - 1)))
     """The owner's uid; nil for a network client (its ``principal`` says who)."""
     client_pid: int = field(integer(0, (1 << 32) - 1))
-    state: str = field(one_of("starting", "running", "idle"))
+    state: str = field(one_of("starting", "running", "idle", "paused"))
+    """``paused``: a session paused to disk, holding no jail (its next run restores it)."""
     age_s: float = field(_seconds)
     session: str | None = field(optional(_session_id), default=None)
     """A job's session (jobs only; nil for a one-shot job)."""
@@ -514,6 +555,8 @@ RECORDS: tuple[type[Report], ...] = (
     SessionRun,
     SessionInfo,
     JobEntry,
+    SnapshotEntry,
+    ApprovalEntry,
     PolicyEntry,
     PoolInfo,
     DaemonStats,
@@ -527,6 +570,7 @@ __all__ = [
     "MAX_EGRESS_HOSTS",
     "RECORDS",
     "STATUSES",
+    "ApprovalEntry",
     "DaemonStats",
     "EgressRecord",
     "FileEntry",
@@ -540,6 +584,7 @@ __all__ = [
     "SessionInfo",
     "SessionRun",
     "SkippedFile",
+    "SnapshotEntry",
     "ToolCallEntry",
     "Usage",
     "UsageTotals",

@@ -88,6 +88,35 @@ def _warm_files(files: Any, workdir: str, limits: Any) -> None:
     os.unlink(os.path.join(workdir, name))
 
 
+def _snapshot_or_restore(channel: Any, run: RunCode, namespace: dict[str, Any],
+                         workdir: str, limits: Any) -> dict[str, Any]:
+    """A session's ``RunCode`` that runs no code: take its snapshot (the result) or restore
+    one into this fresh jail (see :mod:`jaild.runtime.snapshot`). Returns the namespace the
+    session goes on with."""
+    from jaild.errors import SnapshotError
+    from jaild.runtime import snapshot
+
+    result = None
+    error = None
+    try:
+        if run.restore is not None:
+            namespace = snapshot.restore(run.restore, namespace, workdir, limits)
+        else:
+            result = snapshot.take(namespace, workdir, limits, run.result_bytes)
+    except SnapshotError as exc:
+        error = ErrorInfo(type="SnapshotError", message=str(exc)[:4096])
+    except BaseException as exc:  # code of the session's own (a __reduce__) may raise anything
+        error = ErrorInfo(type="SnapshotError",
+                          message=f"{type(exc).__name__}: {str(exc)[:4000]}")
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:
+        pass
+    channel.send(CodeFinished(ok=error is None, result=result, error=error))
+    return namespace
+
+
 def main(warm_up: bool = False) -> None:
     """Run the jail's one job. ``warm_up``: the jail was made ahead of its job (the zygote
     says so), so it has time to run a throwaway job first (see execute.warm_up)."""
@@ -131,7 +160,7 @@ def main(warm_up: bool = False) -> None:
     from jaild.errors import ToolError, UploadError
     from jaild.runtime.tools import Tools
 
-    namespace: dict[str, object] | None = None
+    namespace: dict[str, Any] | None = None
     session = execute.SessionLoop()
     while True:
         run = channel.receive()
@@ -151,6 +180,9 @@ def main(warm_up: bool = False) -> None:
                 "_search": tools._search,
             }
         network.take_refused()  # not this run's: the warm-up's, a session's leftover threads'
+        if run.snapshot or run.restore is not None:
+            namespace = _snapshot_or_restore(channel, run, namespace, workdir, limits)
+            continue
         try:
             if job.files:
                 files.write_uploads(workdir, job.files, limits)

@@ -46,7 +46,8 @@ class _Registry:
 async def _session() -> tuple[ServedConnection, list[bytes], socket.socket]:
     ours, theirs = socket.socketpair()
     daemon = SimpleNamespace(
-        config=DaemonConfig(), registry=_Registry(), frame_bytes={}, connected=lambda _: None
+        config=DaemonConfig(), registry=_Registry(), frame_bytes={}, connected=lambda _: None,
+        approvals=SimpleNamespace(park_held=lambda _: None, detach=lambda _: None),
     )
     session = ServedConnection(daemon)  # type: ignore[arg-type]
     transport, _ = await asyncio.get_running_loop().create_unix_connection(

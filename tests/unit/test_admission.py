@@ -215,9 +215,10 @@ def test_what_a_uid_holds_counts_jobs_and_sessions_once_each() -> None:
     def conn(uid: int) -> Any:
         return SimpleNamespace(peer=Peer(pid=1, uid=uid, gid=uid))
 
-    def sess(sid: str, owner: Any, memory_mb: int) -> Any:
+    def sess(sid: str, owner: Any, memory_mb: int, holds_jail: bool = True) -> Any:
         limits = SimpleNamespace(memory_mb=memory_mb)
-        return SimpleNamespace(id=sid, owner=owner, terms=SimpleNamespace(jail_limits=limits))
+        return SimpleNamespace(id=sid, owner=owner, terms=SimpleNamespace(jail_limits=limits),
+                               holds_jail=holds_jail)
 
     reg = Registry()
     a, b = conn(1000), conn(1001)
@@ -227,6 +228,7 @@ def test_what_a_uid_holds_counts_jobs_and_sessions_once_each() -> None:
     # a run in the session: its jail is the session's, already counted
     reg.add_job(LiveJob("job-2", SimpleNamespace(pid=None), a, s1))  # type: ignore[arg-type]
     reg.add_job(LiveJob("job-3", SimpleNamespace(pid=None), b, memory_mb=128))  # type: ignore[arg-type]
+    reg.add_session(sess("ses-2", a, 1024, holds_jail=False))  # paused to disk: no jail
     assert reg.held(1000) == admission.Held(jails=2, memory_mb=768)
     assert reg.held(1001) == admission.Held(jails=1, memory_mb=128)
     assert reg.held() == admission.Held(jails=3, memory_mb=896)

@@ -31,7 +31,8 @@ class _Registry:
 
 def _session() -> ServedConnection:
     daemon = SimpleNamespace(
-        config=DaemonConfig(), registry=_Registry(), frame_bytes={}, connected=lambda _: None
+        config=DaemonConfig(), registry=_Registry(), frame_bytes={}, connected=lambda _: None,
+        approvals=SimpleNamespace(park_held=lambda _: None, detach=lambda _: None),
     )
     return ServedConnection(daemon)  # type: ignore[arg-type]
 

@@ -94,11 +94,12 @@ CLIENT = ("jaild.client", "jaild.fleet", "jaild.transfer", "jaild.toolspec", "ja
 FRONT_ENDS = ("jaild.cli", "jaild.codemode", "jaild.mcp_server", "jaild.envs")
 
 RUNTIME_JAILD = ("jaild.errors", "jaild.protocol", "jaild.runtime")
-RUNTIME_THIRD_PARTY = frozenset({"msgpack", "pyseccomp", "prctl"})
+RUNTIME_THIRD_PARTY = frozenset({"msgpack", "pyseccomp", "prctl", "cloudpickle"})
 
 WRAPPERS = {
     "prctl": ("jaild.runtime.harden", frozenset({"prctl", "_prctl"})),
     "pyseccomp": ("jaild.runtime.seccomp", frozenset({"pyseccomp", "seccomp"})),
+    "cloudpickle": ("jaild.runtime.snapshot", frozenset({"cloudpickle"})),
     "uvloop": ("jaild.loops", frozenset({"uvloop"})),
     "opentelemetry": ("jaild.tracing", frozenset({"opentelemetry"})),
 }

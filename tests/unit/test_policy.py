@@ -61,7 +61,7 @@ def test_defaults_for_an_empty_policy() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("colour = 1", "/etc/jaild/policies/p.toml: colour: unknown key; a policy accepts access, description, egress, files, filesystem, limits, network, pool, python, seccomp, session"),
+        ("colour = 1", "/etc/jaild/policies/p.toml: colour: unknown key; a policy accepts access, approvals, description, egress, files, filesystem, limits, network, pool, python, seccomp, session"),
         ("[limits]\nmemroy_mb = 1", "p.toml: limits.memroy_mb: unknown key; [limits] accepts wall_time_s, cpu_time_s, memory_mb"),
         ("[limits]\nmemory_mb = '256'", "p.toml: limits.memory_mb: must be an integer, got '256'"),
         ("[limits]\nmemory_mb = 256.5", "p.toml: limits.memory_mb: must be an integer, got 256.5"),
@@ -88,6 +88,11 @@ def test_defaults_for_an_empty_policy() -> None:
         ("[python]\nenv = '../x'", "p.toml: python.env: '../x' is neither an env name nor an absolute path"),
         ("description = 3", "p.toml: description: must be a string, got 3"),
         ("[limits", "p.toml: not valid TOML"),
+        ("[approvals]\npark_after_s = 30", "p.toml: approvals.park_after_s: 30 s is not below "
+                                           "limits.wall_time_s (30 s)"),
+        ("[approvals]\napprovers = 'me'", "p.toml: approvals.approvers: must be a list"),
+        ("[session]\nsnapshot_max_mb = 100", "p.toml: session.snapshot_max_mb: must be between 1 "
+                                              "and 60, got 100"),
     ],
 )
 def test_errors_name_file_key_and_reason(text: str, message: str) -> None:

@@ -51,12 +51,17 @@ from jaild.protocol.messages import (
     MAX_PAYLOAD_BYTES,
     MAX_REF,
     MAX_TOOLS,
+    ApprovalList,
+    ApprovalPending,
+    ApprovalRecorded,
+    ApproveCall,
     CancelJob,
     ClientCallTool,
     ClientToolFailed,
     ClientToolReturned,
     CloseSession,
     CodeFinished,
+    DeleteSnapshot,
     Error,
     ErrorInfo,
     GetStats,
@@ -73,18 +78,29 @@ from jaild.protocol.messages import (
     JobOutput,
     Kill,
     Killed,
+    ListApprovals,
     ListJobs,
     ListPolicies,
+    ListSnapshots,
     Message,
     NetworkRefusal,
     OpenSession,
+    PauseSession,
     Ping,
     PolicyList,
     Pong,
+    ResumeRun,
+    ResumeSession,
     RunCode,
     RunJob,
+    RunParked,
     SessionClosed,
     SessionOpened,
+    SessionPaused,
+    SnapshotDeleted,
+    SnapshotList,
+    SnapshotSession,
+    SnapshotTaken,
     Stats,
     ToolSpec,
     Welcome,
@@ -150,6 +166,18 @@ TOTALS = {
     "memory_peak_bytes": 0, "pids_peak": 0, "output_bytes": 0, "tool_calls": 0,
     "tool_time_s": 0.0, "files_uploaded": 0, "files_downloaded": 0, "sessions": 0,
 }
+SNAP = "snap-0123456789abcdef0123456789abcdef"
+SNAPSHOT = {"id": SNAP, "policy": "default", "bytes": 4096, "created": 1.7e9,
+            "expires": 1.7e9 + 604800, "session": "ses-0123abcd", "kind": "snapshot",
+            "sha256": "ab" * 32}
+PAUSED_STATE = {"id": "snap-" + "f" * 32, "policy": "p", "bytes": 0, "created": 0.0,
+                "expires": 0.0, "session": "ses-" + "z" * 60}  # kind and sha256: the defaults
+APPROVAL = {"job_id": JOB, "call_id": 1, "tool": "search",
+            "args": msgpack.packb([[], {"query": "x"}]), "policy": "default", "owner": "uid 1000",
+            "waiting_s": 12.5, "parked": False, "attached": True}
+PARKED_APPROVAL = {**APPROVAL, "call_id": MAX_REF, "tool": "t" * MAX_NAME_CHARS,
+                   "args": b"x" * (1 << 20), "owner": "o" * 1024, "waiting_s": 0.0,
+                   "parked": True, "attached": False}
 STATS = {"since": 1.0, "policies": {"default": TOTALS}, "uids": {"0": TOTALS},
          "pods": {"agents/agent-7f9c": TOTALS}, "principals": {"spiffe://jaild.test/agent/alice": TOTALS}, "running": {"jobs": 0, "sessions": 0, "connections": 1}, "pools": {"default": POOL},
          "metrics": {"jobs": {}}}
@@ -198,6 +226,30 @@ SAMPLES: dict[str, list[Message]] = {
         Kill(ref=8, id=JOB),
         Kill(ref=8, id="ses-0123abcd"),
         GetStats(ref=9),
+        OpenSession(ref=10, policy="default", from_snapshot=SNAP),
+        OpenSession(
+            ref=MAX_REF, policy="p", tools=(SPEC, ToolSpec(name="t", approval=True)),
+            limits={"memory_mb": 64}, idle_s=0.001, max_lifetime_s=1 << 31,
+            traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            from_snapshot="snap-" + "f" * 32, pause_after_s=0.001,
+        ),
+        OpenSession(ref=11, policy="p", pause_after_s=1 << 31),
+        SnapshotSession(ref=12, session_id="ses-0123abcd"),
+        SnapshotSession(ref=MAX_REF, session_id="ses-" + "z" * 60, ttl_s=1),
+        SnapshotSession(ref=12, session_id="ses-0", ttl_s=1 << 31),
+        PauseSession(ref=13, session_id="ses-0123abcd"),
+        ResumeSession(ref=14, session_id="ses-0123abcd"),
+        ListSnapshots(ref=15),
+        DeleteSnapshot(ref=16, snapshot_id=SNAP),
+        DeleteSnapshot(ref=MAX_REF, snapshot_id="snap-" + "0" * 32),
+        ApproveCall(ref=17, job_id=JOB, call_id=1, allow=True),
+        ApproveCall(ref=MAX_REF, job_id="a" * 64, call_id=MAX_REF, allow=False,
+                    reason="réason ✓" * 128),
+        ApproveCall(ref=0, job_id=JOB, call_id=0, allow=False, reason=""),
+        ResumeRun(ref=18, job_id=JOB),
+        ResumeRun(ref=MAX_REF, job_id=JOB,
+                  tools=(SPEC, ToolSpec(name="_x.y-z", timeout_s=86400, approval=True))),
+        ListApprovals(ref=19),
         Ping(seq=1),
         Pong(seq=2),
     ],
@@ -223,6 +275,23 @@ SAMPLES: dict[str, list[Message]] = {
         JobList(ref=6, jobs=(JOB_ENTRY,)),  # type: ignore[arg-type]
         Killed(ref=8, id=JOB, kind="job"),
         Stats(ref=9, stats=STATS),  # type: ignore[arg-type]
+        SnapshotTaken(ref=12, snapshot=SNAPSHOT),  # type: ignore[arg-type]
+        SnapshotTaken(ref=MAX_REF, snapshot=PAUSED_STATE),  # type: ignore[arg-type]
+        SessionPaused(ref=13, session_id="ses-0123abcd", bytes=4096),
+        SessionPaused(ref=0, session_id="ses-" + "z" * 60, bytes=1 << 40),  # an idle pause
+        SessionPaused(ref=MAX_REF, session_id="ses-0", bytes=0),
+        SnapshotList(ref=15, snapshots=()),
+        SnapshotList(ref=15, snapshots=(SNAPSHOT, {**PAUSED_STATE, "kind": "pause"})),  # type: ignore[arg-type]
+        SnapshotDeleted(ref=16, snapshot_id=SNAP),
+        ApprovalPending(job_id=JOB, call_id=1, name="search",
+                        args=msgpack.packb([[], {"query": "x"}])),
+        ApprovalPending(job_id="a" * 64, call_id=MAX_REF, name="n" * MAX_NAME_CHARS, args=b""),
+        RunParked(job_id=JOB, call_id=1),
+        RunParked(job_id=JOB, call_id=MAX_REF, message="parked after 300 s ✓"),
+        ApprovalRecorded(ref=17, job_id=JOB, call_id=1, allow=True),
+        ApprovalRecorded(ref=MAX_REF, job_id=JOB, call_id=MAX_REF, allow=False),
+        ApprovalList(ref=19, approvals=()),
+        ApprovalList(ref=19, approvals=(APPROVAL, PARKED_APPROVAL)),  # type: ignore[arg-type]
         Ping(seq=3),
         Pong(seq=4),
     ],
@@ -257,6 +326,27 @@ SAMPLES: dict[str, list[Message]] = {
             tool_payload_bytes=64,
             result_bytes=64,
             keep=True,
+        ),
+        RunCode(
+            job=JobDescription(code="", filename="<snapshot>"),
+            tool_payload_bytes=64,
+            result_bytes=32 << 20,
+            keep=True,
+            snapshot=True,
+        ),
+        RunCode(
+            job=JobDescription(code="", filename="<restore>", tools=(SPEC,)),
+            tool_payload_bytes=0,
+            result_bytes=0,
+            keep=True,
+            restore=msgpack.packb({"format": "jaild-snapshot", "version": 1, "state": b"\x80"}),
+        ),
+        RunCode(
+            job=JobDescription(code="", filename="<restore>"),
+            tool_payload_bytes=0,
+            result_bytes=0,
+            snapshot=False,
+            restore=b"",
         ),
         JailToolReturned(call_id=1, value=msgpack.packb(None)),
         JailToolFailed(call_id=1, error_type="unknown_tool", message="no tool named 'x'"),
@@ -665,6 +755,9 @@ DONE = CodeFinished(ok=False, error=ErrorInfo(type="E", message="m"))
 POLICIES = PolicyList(ref=1, policies=[POLICY])  # type: ignore[arg-type]
 STATS_MSG = Stats(ref=1, stats=STATS)  # type: ignore[arg-type]
 JOBS = JobList(ref=1, jobs=[JOB_ENTRY])  # type: ignore[arg-type]
+SNAPSHOTS = SnapshotList(ref=1, snapshots=[SNAPSHOT])  # type: ignore[arg-type]
+APPROVALS = ApprovalList(ref=1, approvals=[APPROVAL])  # type: ignore[arg-type]
+DELETE_SNAPSHOT = DeleteSnapshot(ref=1, snapshot_id=SNAP)
 
 
 def metrics(value: dict[Any, Any]) -> bytes:
@@ -787,6 +880,22 @@ MUTATIONS: list[tuple[str, str, Message, bytes]] = [
      wire_raw(JOBS, lambda d: d["jobs"][0].update(extra=1))),
     ("policy-entry-pool-unknown-field", "daemon->client", POLICIES,
      wire_raw(POLICIES, lambda d: d["policies"][0]["pool"].update(extra=1))),
+    ("job-entry-state", "daemon->client", JOBS,
+     wire_raw(JOBS, lambda d: d["jobs"][0].update(state="frozen"))),
+    ("snapshot-id-pattern", "client->daemon", DELETE_SNAPSHOT,
+     wire(DELETE_SNAPSHOT, snapshot_id="snap-" + "G" * 32)),
+    ("snapshot-id-too-long", "client->daemon", DELETE_SNAPSHOT,
+     wire(DELETE_SNAPSHOT, snapshot_id=SNAP + "0")),
+    ("runcode-restore-str", "daemon->jail", CODE, wire(CODE, restore="state")),
+    ("runcode-snapshot-nil", "daemon->jail", CODE, wire(CODE, snapshot=None)),
+    ("snapshot-entry-unknown-field", "daemon->client", SNAPSHOTS,
+     wire_raw(SNAPSHOTS, lambda d: d["snapshots"][0].update(extra=1))),
+    ("snapshot-entry-kind", "daemon->client", SNAPSHOTS,
+     wire_raw(SNAPSHOTS, lambda d: d["snapshots"][0].update(kind="fork"))),
+    ("approval-entry-missing-field", "daemon->client", APPROVALS,
+     wire_raw(APPROVALS, lambda d: d["approvals"][0].pop("attached"))),
+    ("approval-entry-args-str", "daemon->client", APPROVALS,
+     wire_raw(APPROVALS, lambda d: d["approvals"][0].update(args="x"))),
 ]
 
 
@@ -1141,6 +1250,33 @@ BAD_CONSTRUCTIONS: list[tuple[str, type[Any], dict[str, Any]]] = [
     ("tool-spec-parameters-bytes", ToolSpec, {"name": "t", "parameters": b"{}"}),
     ("error-info-type-too-long", ErrorInfo, {"type": "E" * 257, "message": ""}),
     ("error-info-lineno-negative", ErrorInfo, {"type": "E", "message": "", "lineno": -1}),
+    ("open-session-snapshot-id-not-hex", OpenSession,
+     {"ref": 1, "policy": "p", "from_snapshot": "snap-" + "g" * 32}),
+    ("open-session-pause-after-zero", OpenSession, {"ref": 1, "policy": "p", "pause_after_s": 0}),
+    ("snapshot-session-ttl-under-a-second", SnapshotSession,
+     {"ref": 1, "session_id": "ses-1", "ttl_s": 0.5}),
+    ("snapshot-session-id-pattern", SnapshotSession, {"ref": 1, "session_id": JOB}),
+    ("delete-snapshot-id-uppercase", DeleteSnapshot, {"ref": 1, "snapshot_id": "snap-" + "A" * 32}),
+    ("delete-snapshot-id-short", DeleteSnapshot, {"ref": 1, "snapshot_id": "snap-" + "0" * 31}),
+    ("session-paused-bytes-over-max", SessionPaused,
+     {"ref": 0, "session_id": "ses-1", "bytes": (1 << 40) + 1}),
+    ("approve-call-allow-int", ApproveCall, {"ref": 1, "job_id": JOB, "call_id": 1, "allow": 1}),
+    ("approve-call-reason-too-long", ApproveCall,
+     {"ref": 1, "job_id": JOB, "call_id": 1, "allow": True, "reason": "r" * 1025}),
+    ("resume-run-too-many-tools", ResumeRun,
+     {"ref": 1, "job_id": JOB, "tools": [{"name": f"t{i}"} for i in range(MAX_TOOLS + 1)]}),
+    ("run-parked-call-id-negative", RunParked, {"job_id": JOB, "call_id": -1}),
+    ("runcode-snapshot-int", RunCode, {**_CODE, "snapshot": 1}),
+    ("runcode-restore-str", RunCode, {**_CODE, "restore": "state"}),
+    ("snapshot-entry-kind", SnapshotTaken, {"ref": 1, "snapshot": {**SNAPSHOT, "kind": "fork"}}),
+    ("snapshot-entry-sha-uppercase", SnapshotTaken,
+     {"ref": 1, "snapshot": {**SNAPSHOT, "sha256": "AB" * 32}}),
+    ("snapshot-entry-missing-session", SnapshotList,
+     {"ref": 1, "snapshots": [{k: v for k, v in SNAPSHOT.items() if k != "session"}]}),
+    ("approval-entry-args-over-max", ApprovalList,
+     {"ref": 1, "approvals": [{**APPROVAL, "args": b"x" * ((1 << 20) + 1)}]}),
+    ("approval-entry-tool-empty", ApprovalList, {"ref": 1, "approvals": [{**APPROVAL, "tool": ""}]}),
+    ("job-list-state", JobList, {"ref": 1, "jobs": [{**JOB_ENTRY, "state": "frozen"}]}),
 ]
 
 
@@ -1164,6 +1300,16 @@ def test_positive_control_the_same_messages_without_the_defect_are_built() -> No
     JobList(ref=1, jobs=[JOB_ENTRY])  # type: ignore[arg-type]
     Stats(ref=1, stats=STATS)  # type: ignore[arg-type]
     Harden(protocol=1, seccomp={"x": nested_lists(MAX_ANY_DEPTH - 1)})  # 32 levels
+    OpenSession(ref=1, policy="p", from_snapshot="snap-" + "a" * 32, pause_after_s=0.001)
+    SnapshotSession(ref=1, session_id="ses-1", ttl_s=1)
+    DeleteSnapshot(ref=1, snapshot_id="snap-" + "a" * 32)
+    SessionPaused(ref=0, session_id="ses-1", bytes=1 << 40)
+    ApproveCall(ref=1, job_id=JOB, call_id=1, allow=True, reason="r" * 1024)
+    RunCode(job=JobDescription(code="", filename="f"), tool_payload_bytes=0, result_bytes=0,
+            snapshot=True, restore=b"state")
+    SnapshotTaken(ref=1, snapshot=SNAPSHOT)  # type: ignore[arg-type]
+    ApprovalList(ref=1, approvals=[{**APPROVAL, "args": b"x" * (1 << 20)}])  # type: ignore[arg-type]
+    JobList(ref=1, jobs=[{**JOB_ENTRY, "state": "paused"}])  # type: ignore[arg-type]
 
 
 def test_messages_are_frozen_and_normalised() -> None:

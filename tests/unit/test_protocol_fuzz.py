@@ -39,13 +39,19 @@ from jaild.protocol.messages import (
     MAX_PAYLOAD_BYTES,
     MAX_REF,
     SESSION_ID,
+    SNAPSHOT_ID,
     TOOL_NAME,
+    ApprovalList,
+    ApprovalPending,
+    ApprovalRecorded,
+    ApproveCall,
     CancelJob,
     ClientCallTool,
     ClientToolFailed,
     ClientToolReturned,
     CloseSession,
     CodeFinished,
+    DeleteSnapshot,
     Error,
     ErrorInfo,
     GetStats,
@@ -62,23 +68,35 @@ from jaild.protocol.messages import (
     JobOutput,
     Kill,
     Killed,
+    ListApprovals,
     ListJobs,
     ListPolicies,
+    ListSnapshots,
     Message,
     OpenSession,
+    PauseSession,
     Ping,
     PolicyList,
     Pong,
+    ResumeRun,
+    ResumeSession,
     RunCode,
     RunJob,
+    RunParked,
     SessionClosed,
     SessionOpened,
+    SessionPaused,
+    SnapshotDeleted,
+    SnapshotList,
+    SnapshotSession,
+    SnapshotTaken,
     Stats,
     ToolSpec,
     Welcome,
 )
 from jaild.protocol.records import (
     STATUSES,
+    ApprovalEntry,
     DaemonStats,
     EgressRecord,
     FileEntry,
@@ -91,6 +109,7 @@ from jaild.protocol.records import (
     SessionInfo,
     SessionRun,
     SkippedFile,
+    SnapshotEntry,
     ToolCallEntry,
     Usage,
     UsageTotals,
@@ -169,6 +188,7 @@ limits = st.dictionaries(
 )
 tools = st.lists(tool_spec, max_size=3).map(tuple)
 session_id = st.from_regex(SESSION_ID, fullmatch=True)
+snapshot_id = st.from_regex(SNAPSHOT_ID, fullmatch=True)
 files = st.dictionaries(text(1, 40), payload, max_size=3)
 patterns = st.lists(text(1, 20), max_size=3).map(tuple)
 
@@ -234,7 +254,8 @@ uid = st.integers(0, (1 << 32) - 1)
 POD = r"([a-z0-9][a-z0-9.-]*)?/[a-z0-9][a-z0-9.-]*"
 job_entry = st.builds(
     JobEntry, id=job_id, kind=st.sampled_from(["job", "session"]), policy=policy_name,
-    uid=opt() | uid, client_pid=uid, state=st.sampled_from(["starting", "running", "idle"]),
+    uid=opt() | uid, client_pid=uid,
+    state=st.sampled_from(["starting", "running", "idle", "paused"]),
     age_s=seconds, session=opt() | session_id, runs=opt() | count,
     running=opt() | st.booleans(), idle_s=opt() | seconds, expires_in_s=opt() | seconds,
     memory_bytes=opt() | count, cpu_s=opt() | seconds, pids=opt() | count,
@@ -251,6 +272,19 @@ usage_totals = st.builds(
     wall_s=seconds, cpu_user_s=seconds, cpu_system_s=seconds, memory_peak_bytes=count,
     pids_peak=count, output_bytes=count, tool_calls=count, tool_time_s=seconds,
     files_uploaded=count, files_downloaded=count, sessions=count,
+)
+snapshot_entry = st.builds(
+    SnapshotEntry, id=snapshot_id, policy=policy_name, bytes=count, created=seconds,
+    expires=seconds, session=session_id,
+) | st.builds(
+    SnapshotEntry, id=snapshot_id, policy=policy_name, bytes=count, created=seconds,
+    expires=seconds, session=session_id, kind=st.sampled_from(["snapshot", "pause"]),
+    sha256=st.from_regex(r"[0-9a-f]{64}", fullmatch=True),
+)
+approval_entry = st.builds(
+    ApprovalEntry, job_id=job_id, call_id=count, tool=text(1, 128), args=payload,
+    policy=policy_name, owner=text(max_size=1024), waiting_s=seconds, parked=st.booleans(),
+    attached=st.booleans(),
 )
 daemon_stats = st.builds(
     DaemonStats,
@@ -293,9 +327,47 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
             "limits": limits,
             "idle_s": st.none() | st.floats(0.001, 1e6),
             "max_lifetime_s": st.none() | st.floats(0.001, 1e6),
+            "from_snapshot": st.none() | snapshot_id,
+            "pause_after_s": st.none() | st.floats(0.001, float(1 << 31)),
         },
     ),
     CloseSession: message(CloseSession, {"session_id": session_id}),
+    SnapshotSession: message(
+        SnapshotSession,
+        {"ref": ref, "session_id": session_id},
+        {"ttl_s": st.none() | st.floats(1, float(1 << 31))},
+    ),
+    PauseSession: message(PauseSession, {"ref": ref, "session_id": session_id}),
+    ResumeSession: message(ResumeSession, {"ref": ref, "session_id": session_id}),
+    ListSnapshots: message(ListSnapshots, {"ref": ref}),
+    DeleteSnapshot: message(DeleteSnapshot, {"ref": ref, "snapshot_id": snapshot_id}),
+    ApproveCall: message(
+        ApproveCall,
+        {"ref": ref, "job_id": job_id, "call_id": ref, "allow": st.booleans()},
+        {"reason": text(max_size=1024)},
+    ),
+    ResumeRun: message(ResumeRun, {"ref": ref, "job_id": job_id}, {"tools": tools}),
+    ListApprovals: message(ListApprovals, {"ref": ref}),
+    SnapshotTaken: message(SnapshotTaken, {"ref": ref, "snapshot": snapshot_entry}),
+    SessionPaused: message(
+        SessionPaused, {"ref": ref, "session_id": session_id, "bytes": st.integers(0, 1 << 40)}
+    ),
+    SnapshotList: message(
+        SnapshotList, {"ref": ref, "snapshots": st.lists(snapshot_entry, max_size=3).map(tuple)}
+    ),
+    SnapshotDeleted: message(SnapshotDeleted, {"ref": ref, "snapshot_id": snapshot_id}),
+    ApprovalPending: message(
+        ApprovalPending,
+        {"job_id": job_id, "call_id": ref, "name": text(1, 128), "args": payload},
+    ),
+    RunParked: message(RunParked, {"job_id": job_id, "call_id": ref}, {"message": text()}),
+    ApprovalRecorded: message(
+        ApprovalRecorded,
+        {"ref": ref, "job_id": job_id, "call_id": ref, "allow": st.booleans()},
+    ),
+    ApprovalList: message(
+        ApprovalList, {"ref": ref, "approvals": st.lists(approval_entry, max_size=3).map(tuple)}
+    ),
     ListJobs: message(ListJobs, {"ref": ref}),
     Kill: message(Kill, {"ref": ref, "id": job_id}),
     GetStats: message(GetStats, {"ref": ref}),
@@ -356,7 +428,7 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
             "tool_payload_bytes": st.integers(0, MAX_PAYLOAD_BYTES),
             "result_bytes": st.integers(0, MAX_PAYLOAD_BYTES),
         },
-        {"keep": st.booleans()},
+        {"keep": st.booleans(), "snapshot": st.booleans(), "restore": st.none() | payload},
     ),
     JailToolReturned: message(JailToolReturned, {"call_id": ref, "value": payload}),
     JailToolFailed: message(

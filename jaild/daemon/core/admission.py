@@ -127,6 +127,7 @@ class SessionTerms:
     requested: Mapping[str, float]  # the limits asked for at open (each run adds its own)
     idle_s: float
     max_lifetime_s: float
+    pause_after_s: float = 0.0  # 0: never paused when idle
 
 
 # --------------------------------------------------------------------------- connections
@@ -445,6 +446,17 @@ def admit_session(
                 f"session {key}={wanted:g} is looser than policy {policy.name!r} allows "
                 f"({allowed:g}); sessions may only tighten it"
             )
+    pause_after_s = policy.session.pause_after_s
+    wants_snapshots = req.pause_after_s is not None or req.from_snapshot is not None
+    if wants_snapshots and not policy.session.snapshots:
+        raise PermissionDenied(
+            f"policy {policy.name!r} does not allow snapshots (session.snapshots = false)")
+    if req.pause_after_s is not None:
+        if pause_after_s and req.pause_after_s > pause_after_s:
+            raise BadRequest(
+                f"session pause_after_s={req.pause_after_s:g} is looser than policy "
+                f"{policy.name!r} allows ({pause_after_s:g}); sessions may only tighten it")
+        pause_after_s = req.pause_after_s
     if open_of_uid >= policy.session.max_per_user:
         raise Busy(
             f"{peer.principal} has {open_of_uid} sessions open; policy {policy.name!r} "
@@ -459,6 +471,7 @@ def admit_session(
         requested=dict(req.limits),
         idle_s=req.idle_s if req.idle_s is not None else idle_s,
         max_lifetime_s=req.max_lifetime_s if req.max_lifetime_s is not None else lifetime_s,
+        pause_after_s=pause_after_s,
     )
 
 

@@ -131,6 +131,8 @@ class JobSpec:
     job: JobDescription  # the client's, as admitted: sent to the jail whole in RunCode
     keep: bool = False  # a session's jail: it outlives the run
     tenant: Tenant | None = None  # the client's principal: whose zygote forks it (None: none)
+    snapshot: bool = False  # a session's run that takes its snapshot (the result) instead
+    restore: bytes | None = None  # a fresh session's first run: restore this snapshot
 
 
 class Phase(enum.Enum):
@@ -495,9 +497,12 @@ Action = (
 def frame_limit(spec: JobSpec) -> int:
     """The jail link's frame limit (see :func:`jaild.protocol.messages.jail_link_max_frame`)."""
     files = spec.policy.files
+    result_bytes = spec.limits.result_bytes
+    if spec.keep and spec.policy.session.snapshots:  # a snapshot comes back as a result
+        result_bytes = max(result_bytes, spec.policy.session.snapshot_max_bytes)
     return jail_link_max_frame(
         tool_payload_bytes=spec.limits.tool_payload_bytes,
-        result_bytes=spec.limits.result_bytes,
+        result_bytes=result_bytes,
         max_bytes=files.max_bytes,
         max_files=files.max_files,
         max_path_chars=files.max_path_chars,
@@ -770,6 +775,8 @@ class JobMachine:
             tool_payload_bytes=spec.limits.tool_payload_bytes,
             result_bytes=spec.limits.result_bytes,
             keep=self.keep,
+            snapshot=spec.snapshot,
+            restore=spec.restore,
         )
         return [
             StartRun(self.runs),

@@ -1,0 +1,587 @@
+"""Durable approvals: tool calls decided by the policy's approvers, runs that wait on disk.
+
+Theory of operation
+-------------------
+Under a policy with ``[approvals] park_after_s`` above 0, a one-shot run's tool calls go
+through a :class:`DurableRun` (its tool router). Every call's reply is *journaled* (tool,
+arguments, reply). A call that needs approval is held here, not sent to the client: its
+owner's connection gets ``ApprovalPending`` (the client library asks its ``approve``
+callback, which answers ``ApproveCall``), and any principal the policy's ``approvers`` name
+may decide it (``ApproveCall``, ``jaild approve``):
+
+============  ===============================  ======================================
+state         event                            action
+============  ===============================  ======================================
+live          call needing approval            held; ``ApprovalPending``; park timer
+held          allowed (before the timer)       the call goes to the tool host, once
+held          denied                           the jail gets ``ToolFailed`` ``denied``
+held          ``park_after_s`` passed          *parked*: saved to disk, ``RunParked``,
+                                               the jail killed (its record is not sent)
+parked        decided, a tool host attached    *continued* in a fresh jail (below)
+parked        its host leaves                  it waits for ``ResumeRun`` (any of the
+                                               owner's connections, after restarts too)
+parked        ``max_wait_s`` passed            dropped (audited)
+============  ===============================  ======================================
+
+A continuation is a *replay*: a fresh jail (new namespaces, cgroup, uid) runs the same code
+with the same files; its first calls are answered from the journal -- each must be the
+journaled call, tool and packed arguments byte for byte, else the run is stopped
+(``replay_diverged``: time, randomness or the network made the code take another path) --
+and the call that waited then gets its decision: allowed, it goes to the tool host *once*
+(marked dispatched on disk before it is sent; after a crash between the two, the call is
+answered ``unknown_outcome`` rather than made again); denied, ``denied``. From there the run
+goes on live (a later call needing approval may park it again). What the run printed before
+the call that waited is not sent again.
+
+A session's runs are not parked: their approvals are held here the same way and wait live.
+
+The journal and the run live in ``<state_dir>/parked/<instance>/<job id>.run`` (msgpack, made
+by the daemon only: never a name or a format from a jail or a client), written to a
+temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from jaild.daemon.core import admission
+from jaild.daemon.core.peer import Peer
+from jaild.daemon.jails.job import CallReply, JailedJob, JobSpec, Reply
+from jaild.daemon.registry import ClientConnection, LiveJob, Registry
+from jaild.errors import (
+    BadRequest,
+    ConnectionLost,
+    JaildError,
+    PermissionDenied,
+    UnknownJob,
+)
+from jaild.policy.schema import Policy, user_matches
+from jaild.protocol.messages import (
+    ApprovalPending,
+    JobDescription,
+    JobFinished,
+    RunParked,
+)
+from jaild.protocol.records import ApprovalEntry, JobRecord
+
+if TYPE_CHECKING:
+    from jaild.daemon.observe import Observers
+    from jaild.daemon.startup import Served
+
+log = logging.getLogger("jaild")
+
+FILE_FORMAT = 1
+MAX_SHOWN_ARGS = 1 << 20
+
+
+@dataclass
+class Journaled:
+    """One call's reply, as the tool host gave it (or the daemon decided it)."""
+
+    name: str
+    args: bytes
+    ok: bool
+    value: Any  # ok: the packed value (bytes); else [error type, message]
+
+
+@dataclass
+class Held:
+    """A call waiting for its decision."""
+
+    index: int  # its place among the run's routed calls
+    call_id: int
+    name: str
+    args: bytes
+    since: float
+    reply: CallReply | None = None  # the live jail waits on it (None once parked)
+    timer: Any = None
+
+
+@dataclass(eq=False)
+class DurableRun:
+    """One run whose tool calls go through the approvals service (see the module)."""
+
+    job_id: str
+    owner_key: int | str
+    owner_name: str
+    policy: Policy
+    job: JobDescription
+    requested: dict[str, float]
+    journal: list[Journaled] = field(default_factory=list)
+    held: Held | None = None
+    decision: tuple[bool, str, str] | None = None  # (allow, reason, by) of the held call
+    dispatched: bool = False  # the decided call went to the tool host (a continuation)
+    parked: bool = False
+    parked_at: float = 0.0
+    host: ClientConnection | None = None  # routes its calls, gets its output and record
+    jail: JailedJob | None = None
+    continuing: bool = False
+    session: bool = False  # a session's run: held calls wait live, never parked
+    _replay_upto: int = 0  # calls of the current jail answered from the journal
+    _calls: int = 0  # calls routed in the current jail
+    _muted: bool = False  # output of a replay before the held call: not sent again
+    resumes: int = 0
+
+    # -- what the jail sees
+
+    def route(self, job_id: str, call_id: int, name: str, args: bytes,
+              approval: bool) -> CallReply:
+        """The jail's tool router (a ToolRouter)."""
+        index = self._calls
+        self._calls += 1
+        if index < self._replay_upto:
+            return self._replayed(index, name, args)
+        if self.held is not None and self.held.index == index and self.decision is not None:
+            return self._decided_after_replay(call_id, name, args)
+        self._muted = False
+        if approval:
+            return self._hold(index, call_id, name, args)
+        return self._dispatch(call_id, name, args)
+
+    def output(self, job_id: str, stream: str, data: bytes) -> None:
+        if not self._muted and self.host is not None:
+            self.host.output(job_id, stream, data)
+
+    # -- internals
+
+    def _replayed(self, index: int, name: str, args: bytes) -> CallReply:
+        entry = self.journal[index]
+        reply = CallReply()
+        if (entry.name, entry.args) != (name, args):
+            why = (f"the replay diverged at call {index + 1}: the run called {name!r} where it "
+                   f"had called {entry.name!r}" + ("" if entry.name != name else
+                                                     " with other arguments"))
+            reply.resolve(False, ("replay_diverged", why))
+            if self.jail is not None:
+                self.jail.cancel(f"replay_diverged: {why}")
+            return reply
+        value = entry.value if entry.ok else tuple(entry.value)
+        reply.resolve(entry.ok, value)
+        return reply
+
+    def _decided_after_replay(self, call_id: int, name: str, args: bytes) -> CallReply:
+        held = self.held
+        assert held is not None and self.decision is not None
+        self._muted = False
+        if (held.name, held.args) != (name, args):
+            reply = CallReply()
+            why = (f"the replay diverged at the call that waited for approval: the run called "
+                   f"{name!r} where it had called {held.name!r}")
+            reply.resolve(False, ("replay_diverged", why))
+            if self.jail is not None:
+                self.jail.cancel(f"replay_diverged: {why}")
+            return reply
+        allow, reason, _ = self.decision
+        self.held = None
+        self.decision = None
+        if self.dispatched:  # the daemon stopped while the call ran: never made twice
+            self.dispatched = False
+            return self._answer(name, args, False, (
+                "unknown_outcome", f"{name}: the daemon stopped while this call ran; it may "
+                "or may not have happened, and is not made again"))
+        if not allow:
+            return self._answer(name, args, False, ("denied", reason or f"{name}: denied"))
+        self.dispatched = True
+        self.service.save(self)
+        return self._dispatch(call_id, name, args)
+
+    def _answer(self, name: str, args: bytes, ok: bool, value: Any) -> CallReply:
+        self.journal.append(Journaled(name, args, ok, list(value) if not ok else value))
+        reply = CallReply()
+        reply.resolve(ok, value)
+        return reply
+
+    def _dispatch(self, call_id: int, name: str, args: bytes) -> CallReply:
+        host = self.host
+        if host is None:
+            raise ConnectionLost("the run's tool host is gone")
+        inner = host.call_tool(self.job_id, call_id, name, args, False)
+        outer = CallReply(inner.withdraw)
+
+        def replied(reply: Reply) -> None:
+            if reply is None:
+                outer.lost()
+                return
+            ok, value = reply
+            self.journal.append(Journaled(name, args, ok, value if ok else list(value)))
+            if self.dispatched:
+                self.dispatched = False
+                self.service.save(self)
+            outer.resolve(ok, value)
+
+        inner.listen(replied)
+        return outer
+
+    def _hold(self, index: int, call_id: int, name: str, args: bytes) -> CallReply:
+        reply = CallReply(self._withdrawn)
+        held = Held(index, call_id, name, args, time.time(), reply)
+        self.held = held
+        self.decision = None
+        if self.host is not None:
+            self.host.send(ApprovalPending(job_id=self.job_id, call_id=call_id, name=name,
+                                           args=args))
+        park_after = self.policy.approvals.park_after_s
+        if park_after and not self.session:
+            held.timer = asyncio.get_running_loop().call_later(park_after, self._park)
+        return reply
+
+    def _withdrawn(self) -> None:
+        """The jail no longer waits (its wall time ran out, it was killed)."""
+        held = self.held
+        if held is not None and not self.parked:
+            if held.timer is not None:
+                held.timer.cancel()
+            self.held = None
+
+    def park_now(self) -> None:
+        held = self.held
+        if held is not None and held.timer is not None:
+            held.timer.cancel()
+        self._park()
+
+    def _park(self) -> None:
+        held = self.held
+        if held is None or self.decision is not None or self.jail is None:
+            return
+        self.parked = True
+        self.parked_at = time.time()
+        held.reply = None
+        self.service.save(self)
+        self.service.audit_event(self, "parked")
+        if self.host is not None:
+            self.host.send(RunParked(
+                job_id=self.job_id, call_id=held.call_id,
+                message=f"{held.name} waited {self.policy.approvals.park_after_s:g} s for "
+                        "approval; the run is parked until it is decided"))
+        self.jail.cancel(f"parked: call {held.call_id} ({held.name}) waits for approval")
+
+    def decide(self, allow: bool, reason: str, by: str) -> None:
+        """A decision for the held call (checked by the service)."""
+        held = self.held
+        assert held is not None
+        if self.parked:
+            self.decision = (allow, reason, by)
+            self.service.save(self)
+            return
+        if held.timer is not None:
+            held.timer.cancel()
+        reply = held.reply
+        self.held = None
+        assert reply is not None
+        if not allow:
+            answer = self._answer(held.name, held.args, False,
+                                  ("denied", reason or f"{held.name}: denied"))
+        else:
+            try:
+                answer = self._dispatch(held.call_id, held.name, held.args)
+            except ConnectionLost:
+                reply.lost()
+                return
+        answer.listen(lambda r: reply.lost() if r is None else reply.resolve(*r))
+
+    def restart_jail(self) -> None:
+        """A continuation begins: replay the journal, then the decided call."""
+        self._calls = 0
+        self._replay_upto = len(self.journal)
+        self._muted = True
+        self.parked = False
+        self.resumes += 1
+
+    # -- disk
+
+    def to_file(self) -> bytes:
+        held = self.held
+        data = {
+            "format": FILE_FORMAT,
+            "job_id": self.job_id,
+            "owner_key": self.owner_key,
+            "owner_name": self.owner_name,
+            "policy": self.policy.name,
+            "job": self.job.to_wire(),
+            "requested": self.requested,
+            "journal": [[j.name, j.args, j.ok, j.value] for j in self.journal],
+            "held": None if held is None else [held.index, held.call_id, held.name, held.args,
+                                               held.since],
+            "decision": None if self.decision is None else list(self.decision),
+            "dispatched": self.dispatched,
+            "parked_at": self.parked_at,
+            "resumes": self.resumes,
+        }
+        packed: bytes = msgpack.packb(data, use_bin_type=True)
+        return packed
+
+    service: Approvals = field(init=False, repr=False)
+
+
+class Approvals:
+    """The daemon's held calls and parked runs (see the module docstring)."""
+
+    def __init__(self, directory: str, registry: Registry, served: Served,
+                 observers: Observers, catalog: Callable[[], admission.Catalog],
+                 room: Callable[[Peer, int | str, int], None]) -> None:
+        self.directory = directory
+        self.registry = registry
+        self.served = served
+        self.observers = observers
+        self.catalog = catalog
+        self._room = room
+        self.runs: dict[str, DurableRun] = {}
+
+    # -- runs
+
+    def durable(self, policy: Policy) -> bool:
+        """Do this policy's calls needing approval go through here?"""
+        return policy.approvals.park_after_s > 0
+
+    def track(self, job_id: str, host: ClientConnection, policy: Policy, job: JobDescription,
+              requested: dict[str, float], session: bool = False) -> DurableRun:
+        run = DurableRun(job_id, host.peer.principal.key, str(host.peer.principal), policy, job,
+                         dict(requested), host=host, session=session)
+        run.service = self
+        self.runs[job_id] = run
+        return run
+
+    def rename(self, run: DurableRun, job_id: str) -> None:
+        """The run took a pooled jail: its id is the jail's (before any call)."""
+        self.runs.pop(run.job_id, None)
+        run.job_id = job_id
+        self.runs[job_id] = run
+
+    def ended(self, run: DurableRun) -> None:
+        """Its run ended (not parked): forget it."""
+        if not run.parked and self.runs.get(run.job_id) is run:
+            del self.runs[run.job_id]
+            self._delete(run.job_id)
+
+    def park_held(self, host: ClientConnection | None = None) -> None:
+        """Park now every one-shot run (of ``host``; None: all) whose call waits for a
+        decision: its connection is leaving, or the daemon is stopping. Each waits on disk."""
+        for run in list(self.runs.values()):
+            if (host is None or run.host is host) and run.held is not None \
+                    and run.decision is None and not run.parked and not run.session:
+                run.park_now()
+
+    def detach(self, host: ClientConnection) -> None:
+        """A connection is gone: the parked runs it hosted wait for a ResumeRun."""
+        for run in self.runs.values():
+            if run.host is host and run.parked:
+                run.host = None
+
+    # -- decisions
+
+    def may_approve(self, peer: Peer, run: DurableRun) -> bool:
+        principal = peer.principal
+        if principal.admin:
+            return True
+        approvers = run.policy.approvals.approvers
+        own = principal.key == run.owner_key
+        if not approvers:
+            return own
+        if own and "owner" in approvers:
+            return True
+        if principal.kind == "cert":
+            return f"principal:{principal.name}" in approvers
+        users = [a for a in approvers if a != "owner" and not a.startswith("principal:")]
+        return user_matches(users, peer.uid, (peer.gid, *peer.groups))
+
+    def decide(self, peer: Peer, job_id: str, call_id: int, allow: bool, reason: str) -> None:
+        """An ``ApproveCall``.
+
+        Raises:
+            UnknownJob: no call of that run waits for approval, or the run is another
+                principal's and the caller may not decide it; PermissionDenied: the caller's
+                own run, which the policy's approvers do not include it for.
+        """
+        run = self.runs.get(job_id)
+        held = run.held if run is not None else None
+        if run is None or held is None or held.call_id != call_id or run.decision is not None:
+            raise UnknownJob(f"no call {call_id} of run {job_id} waits for approval")
+        if not self.may_approve(peer, run):
+            if peer.principal.key != run.owner_key:  # another tenant's run: not even seen
+                raise UnknownJob(f"no call {call_id} of run {job_id} waits for approval")
+            raise PermissionDenied(
+                f"{peer.principal} may not approve calls of policy {run.policy.name!r} "
+                "(its [approvals] approvers)")
+        by = str(peer.principal)
+        self.audit_event(run, "approved" if allow else "denied", by=by)
+        run.decide(allow, reason, by)
+        if run.parked and run.host is not None and not run.continuing:
+            self._continue(run, run.host, None)
+
+    def pending(self, peer: Peer) -> list[ApprovalEntry]:
+        """The calls waiting for a decision this peer may give."""
+        now = time.time()
+        out = []
+        for run in self.runs.values():
+            held = run.held
+            if held is None or run.decision is not None or not self.may_approve(peer, run):
+                continue
+            out.append(ApprovalEntry(
+                job_id=run.job_id, call_id=held.call_id, tool=held.name,
+                args=held.args[:MAX_SHOWN_ARGS], policy=run.policy.name, owner=run.owner_name,
+                waiting_s=round(max(0.0, now - held.since), 3), parked=run.parked,
+                attached=run.host is not None))
+        return out
+
+    # -- resuming
+
+    def resume(self, host: ClientConnection, ref: int, job_id: str, tools: set[str]) -> None:
+        """A ``ResumeRun``: ``host`` hosts the parked run's tools (``tools``: its names)
+        from now on.
+
+        Raises:
+            UnknownJob: no parked run of the caller's principal has that id; BadRequest: it
+                is hosted by another connection already, or ``tools`` lacks one of its tools.
+        """
+        run = self.runs.get(job_id)
+        if run is None or not run.parked or run.owner_key != host.peer.principal.key:
+            raise UnknownJob(f"no parked run {job_id} of yours")
+        if run.host is not None and run.host is not host:
+            raise BadRequest(f"run {job_id} is hosted by another connection already")
+        missing = sorted({t.name for t in run.job.tools} - tools)
+        if missing:
+            raise BadRequest(f"run {job_id} calls tools this connection does not host: "
+                             f"{', '.join(missing)}")
+        run.host = host
+        host.accept(ref, job_id)
+        if run.decision is not None and not run.continuing:
+            self._continue(run, host, ref)
+
+    def _continue(self, run: DurableRun, host: ClientConnection, ref: int | None) -> None:
+        env = self.served.env
+        assert env is not None
+        try:
+            policy = self.catalog().policies[run.policy.name]
+        except KeyError:
+            policy = run.policy
+        limits = admission.limits_for(policy, run.requested)
+        try:
+            self._room(host.peer, host.peer.principal.key, limits.memory_mb)
+        except JaildError as exc:  # it stays parked; ResumeRun again later
+            host.send_error(exc, ref=ref, job_id=None if ref is not None else run.job_id)
+            return
+        run.policy = policy
+        run.continuing = True
+        run.restart_jail()
+        spec = JobSpec(run.job_id, policy, limits, run.job, tenant=host.peer.principal.key)
+        jail = JailedJob(spec, env, run.route, run.output,
+                         jail_id=f"{run.job_id}-r{run.resumes}")
+        run.jail = jail
+        self.registry.add_job(LiveJob(run.job_id, jail, host, memory_mb=limits.memory_mb))
+        self.audit_event(run, "continued")
+        host.start(self._run_continuation(run, host, jail))
+
+    async def _run_continuation(self, run: DurableRun, host: ClientConnection,
+                                jail: JailedJob) -> None:
+        try:
+            record = await jail.run()
+            result, downloads = jail.result, jail.downloads
+        finally:
+            self.registry.remove_job(run.job_id)
+            run.continuing = False
+        if run.parked:  # parked again at a later call
+            return
+        self.ended(run)
+        self.finish(host, record, result, downloads, len(run.job.files))
+
+    def finish(self, host: ClientConnection, record: JobRecord, result: bytes | None,
+               downloads: dict[str, bytes], uploaded: int) -> None:
+        observers = self.observers
+        observers.audit.job(host.peer, record)
+        observers.accounting.job(host.peer.principal, record, uploaded, len(downloads))
+        observers.metrics.job_finished(record, host.peer.uid)
+        host.send(JobFinished(job_id=record.job_id, record=record, result=result,
+                              files=downloads))
+
+    # -- disk
+
+    def save(self, run: DurableRun) -> None:
+        if not run.parked and not run.dispatched and run.decision is None:
+            return  # a live run: nothing on disk until it parks
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        path = os.path.join(self.directory, f"{run.job_id}.run")
+        temp = f"{path}.{secrets.token_hex(4)}"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            os.write(fd, run.to_file())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temp, path)
+
+    def _delete(self, job_id: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.directory, f"{job_id}.run"))
+
+    def load(self) -> int:
+        """At start: the parked runs on disk (those past ``max_wait_s`` are dropped)."""
+        try:
+            names = sorted(os.listdir(self.directory))
+        except FileNotFoundError:
+            return 0
+        policies = self.catalog().policies
+        now = time.time()
+        for name in names:
+            path = os.path.join(self.directory, name)
+            if not name.endswith(".run"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # a temporary left by a crash
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    data = msgpack.unpackb(os.read(fd, 1 << 30), raw=False)
+                finally:
+                    os.close(fd)
+                run = self._from_file(data, policies)
+            except Exception as exc:
+                log.warning("parked run %s unreadable (%s); dropped", name, exc)
+                self._delete(name[:-4])
+                continue
+            if run is None or now - run.parked_at > run.policy.approvals.max_wait_s:
+                self._delete(name[:-4])
+                continue
+            self.runs[run.job_id] = run
+        return len(self.runs)
+
+    def _from_file(self, data: Any, policies: Any) -> DurableRun | None:
+        if not isinstance(data, dict) or data.get("format") != FILE_FORMAT:
+            return None
+        policy = policies.get(data["policy"])
+        if policy is None:
+            return None
+        run = DurableRun(
+            data["job_id"], data["owner_key"], data["owner_name"], policy,
+            JobDescription.from_wire(data["job"]), dict(data["requested"]),
+            journal=[Journaled(n, a, ok, v) for n, a, ok, v in data["journal"]],
+            dispatched=bool(data["dispatched"]), parked=True, parked_at=data["parked_at"],
+            resumes=int(data["resumes"]),
+        )
+        run.service = self
+        if data["held"] is not None:
+            index, call_id, name, args, since = data["held"]
+            run.held = Held(index, call_id, name, args, since)
+        if data["decision"] is not None:
+            allow, reason, by = data["decision"]
+            run.decision = (bool(allow), str(reason), str(by))
+        return run
+
+    def audit_event(self, run: DurableRun, what: str, by: str = "") -> None:
+        held = run.held
+        log.info("approvals: run %s %s%s%s", run.job_id, what,
+                 f" call {held.call_id} ({held.name})" if held is not None else "",
+                 f" by {by}" if by else "")
+
+
+__all__ = ["Approvals", "DurableRun", "Journaled"]

@@ -1,0 +1,232 @@
+"""Durable approvals on the real daemon: calls held for the policy's approvers, runs parked
+to disk, a daemon restart between the wait and the decision, the call made exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from jaild import Client
+from jaild.errors import UnknownJob
+from tests.conftest import DaemonHandle, ForeignClient, guard, start_daemon, sweep_cgroups
+
+pytestmark = pytest.mark.integration
+
+DURABLE = '[pool]\nmax = 0\n[access]\napprove = ["send"]\n[approvals]\npark_after_s = {park}\n'
+OPS = DURABLE + 'approvers = ["65534"]\n'
+
+CODE = """\
+print("before")
+found = tools.search("x")
+print("between")
+sent = tools.send(found)
+print("after")
+(found, sent)
+"""
+
+
+class Host:
+    """The run's tools, counting every call the host really makes."""
+
+    def __init__(self) -> None:
+        self.calls = {"search": 0, "send": 0}
+        self.lock = threading.Lock()
+
+    def search(self, q: str) -> list[str]:
+        with self.lock:
+            self.calls["search"] += 1
+        return [q, "hit"]
+
+    def send(self, found: list[str]) -> str:
+        with self.lock:
+            self.calls["send"] += 1
+        return f"sent {found}"
+
+    @property
+    def tools(self) -> list[Callable[..., object]]:
+        return [self.search, self.send]
+
+
+@pytest.fixture
+def daemons(world_dir: Path, tmp_path: Path) -> Iterator[Callable[..., DaemonHandle]]:
+    """``start(park=..., restart=False)``: a daemon uid 65534 may reach, serving the
+    ``durable`` (owner approves) and ``ops`` (uid 65534 approves) policies; ``restart``
+    stops the last one and starts another on its socket (the same instance: its parked
+    runs)."""
+    handles: list[DaemonHandle] = []
+    config = tmp_path / "jaild.toml"
+    config.write_text('[daemon]\nsocket_group = "nogroup"\n')
+
+    def start(park: float = 1.0, restart: bool = False) -> DaemonHandle:
+        socket = None
+        if restart:
+            socket = handles[-1].socket
+            assert handles[-1].stop() == 0, handles[-1].log()[-3000:]
+            sweep_cgroups(handles[-1])
+        where = world_dir / "d"
+        handle = start_daemon(where, {"durable": DURABLE.format(park=park),
+                                      "ops": OPS.format(park=park)},
+                              with_repo_policies=False, args=("--config", str(config)),
+                              socket=socket)
+        os.chmod(where, 0o755)
+        handles.append(handle)
+        return handle
+
+    yield start
+    handles[-1].stop()
+    sweep_cgroups(handles[-1])
+
+
+def wait_for(what: Callable[[], object], timeout: float = 10) -> object:
+    deadline = time.monotonic() + guard(timeout)
+    while time.monotonic() < deadline:
+        found = what()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+APPROVE_AS_NOBODY = (
+    "import sys, json\nfrom jaild.client import Client\nfrom jaild.errors import JaildError\n"
+    "c = Client(sys.argv[1])\nseen = c.approvals()\n"
+    "try:\n    c.approve(sys.argv[2], int(sys.argv[3]), True, 'by nobody')\n    out = 'approved'\n"
+    "except JaildError as e:\n    out = e.code\n"
+    "print(json.dumps([len(seen), out]))\n"
+)
+
+
+def test_a_parked_run_survives_a_restart_and_calls_the_tool_once(
+        daemons: Callable[..., DaemonHandle], foreign_client: ForeignClient) -> None:
+    handle = daemons(park=0.5)
+    host = Host()
+    with Client(handle.socket) as c:
+        job = c.submit(CODE, "durable", tools=host.tools)  # no approve callback: it waits
+        pending = wait_for(c.approvals)
+        assert isinstance(pending, list) and len(pending) == 1
+        entry = pending[0]
+        assert (entry["tool"], entry["job_id"]) == ("send", job.job_id)
+        wait_for(lambda: c.approvals()[0]["parked"])  # past park_after_s: its jail is gone
+        assert not handle.cgroup_dir(job.job_id).exists()
+        assert [j for j in c.jobs() if j["id"] == job.job_id] == []
+    assert host.calls == {"search": 1, "send": 0}
+
+    handle = daemons(park=0.5, restart=True)
+    # another tenant may neither see nor decide it
+    out = foreign_client.run(APPROVE_AS_NOBODY, handle.socket, entry["job_id"],
+                             str(entry["call_id"]), uid=65534, gid=65534)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [0, UnknownJob.code]
+    with Client(handle.socket) as c2:  # a new connection, after the restart
+        [again] = c2.approvals()
+        assert again["parked"] and not again["attached"] and again["call_id"] == entry["call_id"]
+        c2.approve(entry["job_id"], entry["call_id"], True, "looks right")
+        printed: list[str] = []
+        resumed = c2.resume_run(entry["job_id"], host.tools, on_stdout=printed.append)
+        r = resumed.result(timeout=guard(60))
+        assert r.status == "ok", (r.status, r.error)
+        assert r.result == [["x", "hit"], "sent ['x', 'hit']"]
+        assert "".join(printed) == "after\n"  # what it printed before the call is not repeated
+        assert c2.approvals() == []
+    assert host.calls == {"search": 1, "send": 1}  # each tool exactly once, over two daemons
+
+
+def test_an_approver_decides_from_another_connection(
+        daemons: Callable[..., DaemonHandle], foreign_client: ForeignClient) -> None:
+    """Policy ``ops``: uid 65534 approves root's run while it waits live (before parking);
+    the run goes on at once. Under ``durable`` the same uid is refused (positive control of
+    the approvers list)."""
+    handle = daemons(park=60)
+    for policy, expected in (("ops", "approved"), ("durable", UnknownJob.code)):
+        host = Host()
+        with Client(handle.socket) as c:
+            job = c.submit(CODE, policy, tools=host.tools)
+            entry = wait_for(c.approvals)[0]  # type: ignore[index]
+            out = foreign_client.run(APPROVE_AS_NOBODY, handle.socket, job.job_id,
+                                     str(entry["call_id"]), uid=65534, gid=65534)
+            assert out.returncode == 0, out.stderr
+            assert json.loads(out.stdout) == [1 if policy == "ops" else 0, expected]
+            if policy == "durable":
+                c.approve(job.job_id, entry["call_id"], False, "not today")
+            r = job.result(timeout=guard(60))
+            if policy == "ops":
+                assert r.status == "ok" and host.calls == {"search": 1, "send": 1}
+            else:
+                assert r.status == "error" and "not today" in (r.error or {})["message"]
+                assert host.calls == {"search": 1, "send": 0}
+
+
+def test_the_clients_approve_callback_answers_a_held_call(
+        daemons: Callable[..., DaemonHandle]) -> None:
+    handle = daemons(park=60)
+    host = Host()
+    asked: list[str] = []
+
+    def approve(name: str, args: list[object], kwargs: dict[str, object]) -> bool:
+        asked.append(name)
+        return True
+
+    with Client(handle.socket, approve=approve) as c:
+        r = c.run(CODE, "durable", tools=host.tools)
+    assert r.status == "ok" and asked == ["send"] and host.calls == {"search": 1, "send": 1}
+
+
+def test_a_client_that_leaves_parks_its_waiting_run(
+        daemons: Callable[..., DaemonHandle]) -> None:
+    handle = daemons(park=600)  # it would wait live for ten minutes; its client leaves first
+    host = Host()
+    with Client(handle.socket) as c:
+        job = c.submit(CODE, "durable", tools=host.tools)
+        entry = wait_for(c.approvals)[0]  # type: ignore[index]
+    with Client(handle.socket) as c2:
+        [parked] = wait_for(lambda: [a for a in c2.approvals() if a["parked"]])  # type: ignore[misc]
+        assert parked["job_id"] == job.job_id and not parked["attached"]
+        resumed = c2.resume_run(job.job_id, host.tools)  # hosts it, then decides it
+        c2.approve(job.job_id, entry["call_id"], True)
+        r = resumed.result(timeout=guard(60))
+        assert r.status == "ok" and host.calls == {"search": 1, "send": 1}
+
+
+def test_a_replay_that_takes_another_path_is_stopped(
+        daemons: Callable[..., DaemonHandle]) -> None:
+    """The run's first call depends on the clock: replayed in the fresh jail it is another
+    call, so the run is stopped rather than given a reply meant for a different call."""
+    handle = daemons(park=0.3)
+    host = Host()
+    code = CODE.replace('tools.search("x")', "tools.search(str(__import__('time').time_ns()))")
+    with Client(handle.socket) as c:
+        job = c.submit(code, "durable", tools=host.tools)
+        entry = wait_for(lambda: [a for a in c.approvals() if a["parked"]])[0]  # type: ignore[index]
+        c.approve(job.job_id, entry["call_id"], True)
+        r = job.result(timeout=guard(60))
+    assert r.status == "cancelled" and "replay_diverged" in (r.error or {})["message"]
+    assert host.calls == {"search": 1, "send": 0}  # the approved call was never made
+
+
+def test_the_cli_lists_and_decides_calls(daemons: Callable[..., DaemonHandle]) -> None:
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "jaild", *args, "--socket", handle.socket],
+                              capture_output=True, text=True, timeout=guard(60), check=False)
+
+    handle = daemons(park=60)
+    host = Host()
+    with Client(handle.socket) as c:
+        job = c.submit(CODE, "durable", tools=host.tools)
+        entry = wait_for(c.approvals)[0]  # type: ignore[index]
+        listed = cli("approvals")
+        assert listed.returncode == 0 and job.job_id in listed.stdout and "send" in listed.stdout
+        assert '[["x", "hit"]]' in listed.stdout  # the call's arguments, for the approver
+        assert cli("approve", job.job_id, "999").returncode == 1  # no such call waits
+        out = cli("approve", job.job_id, str(entry["call_id"]), "--deny", "--reason", "no")
+        assert out.returncode == 0 and "denied" in out.stdout
+        r = job.result(timeout=guard(60))
+    assert r.status == "error" and host.calls == {"search": 1, "send": 0}

@@ -1,0 +1,137 @@
+"""Durable approvals' rules (jaild.daemon.approvals): who may decide, what a parked run keeps
+on disk, and the replay's answers -- without a jail."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from jaild.daemon.approvals import Approvals, DurableRun, Journaled
+from jaild.daemon.core.admission import Catalog
+from jaild.daemon.core.peer import Peer
+from jaild.daemon.registry import Registry
+from jaild.policy.schema import load_policy_text
+from jaild.protocol.messages import JobDescription, ToolSpec
+
+
+def policy(approvers: str = "") -> Any:
+    return load_policy_text(
+        f'[access]\napprove = ["send"]\n[approvals]\npark_after_s = 5\n{approvers}', "/p/ops.toml")
+
+
+def service(tmp_path: Path, pol: Any) -> Approvals:
+    return Approvals(str(tmp_path / "parked"), Registry(), SimpleNamespace(env=None),  # type: ignore[arg-type]
+                     SimpleNamespace(), lambda: Catalog({pol.name: pol}), lambda *_: None)
+
+
+def run(svc: Approvals, pol: Any, owner: int | str = 1000) -> DurableRun:
+    r = DurableRun("job-1", owner, f"uid {owner}", pol,
+                   JobDescription(code="x", tools=(ToolSpec(name="send"),)), {"wall_time_s": 5})
+    r.service = svc
+    svc.runs[r.job_id] = r
+    return r
+
+
+def peer(uid: int) -> Peer:
+    return Peer(pid=1, uid=uid, gid=uid)
+
+
+def test_without_approvers_only_the_owner_and_root_decide(tmp_path: Path) -> None:
+    pol = policy()
+    svc = service(tmp_path, pol)
+    r = run(svc, pol)
+    assert svc.may_approve(peer(1000), r) and svc.may_approve(peer(0), r)
+    assert not svc.may_approve(peer(1001), r)
+    assert not svc.may_approve(Peer.of_certificate("ops", "10.0.0.1:5"), r)
+
+
+def test_approvers_replace_the_owner_unless_they_name_it(tmp_path: Path) -> None:
+    pol = policy('approvers = ["1001", "principal:ops"]\n')
+    svc = service(tmp_path, pol)
+    r = run(svc, pol)
+    assert not svc.may_approve(peer(1000), r)  # the owner is not listed
+    assert svc.may_approve(peer(1001), r)
+    assert svc.may_approve(Peer.of_certificate("ops", "10.0.0.1:5"), r)
+    assert not svc.may_approve(Peer.of_certificate("dev", "10.0.0.1:5"), r)
+    pol = policy('approvers = ["owner"]\n')
+    svc = service(tmp_path, pol)
+    assert svc.may_approve(peer(1000), run(svc, pol))
+
+
+def test_another_tenant_cannot_even_see_a_call(tmp_path: Path) -> None:
+    from jaild.daemon.approvals import Held
+    from jaild.errors import PermissionDenied, UnknownJob
+
+    pol = policy('approvers = ["1001"]\n')
+    svc = service(tmp_path, pol)
+    r = run(svc, pol)
+    r.held = Held(0, 7, "send", b"\x92\x90\x80", 0.0)
+    assert svc.pending(peer(1002)) == [] and len(svc.pending(peer(1001))) == 1
+    with pytest.raises(UnknownJob):
+        svc.decide(peer(1002), "job-1", 7, True, "")
+    with pytest.raises(PermissionDenied):
+        svc.decide(peer(1000), "job-1", 7, True, "")  # its owner, not an approver here
+    with pytest.raises(UnknownJob):
+        svc.decide(peer(1001), "job-1", 8, True, "")  # no such call waits
+
+
+def test_a_parked_run_is_read_back_as_it_was_written(tmp_path: Path) -> None:
+    from jaild.daemon.approvals import Held
+
+    pol = policy()
+    svc = service(tmp_path, pol)
+    r = run(svc, pol)
+    r.journal = [Journaled("search", b"\x01", True, b"\x02"),
+                 Journaled("other", b"\x03", False, ["KeyError", "no"])]
+    r.held = Held(2, 9, "send", b"\x04", 12.5)
+    r.parked, r.parked_at = True, 10**10  # far in the future: not past max_wait_s
+    r.decision = (True, "fine", "uid 0")
+    svc.save(r)
+    again = service(tmp_path, pol)
+    assert again.load() == 1
+    back = again.runs["job-1"]
+    assert [(j.name, j.args, j.ok, j.value) for j in back.journal] == \
+        [("search", b"\x01", True, b"\x02"), ("other", b"\x03", False, ["KeyError", "no"])]
+    assert back.held is not None and (back.held.index, back.held.call_id, back.held.name) == \
+        (2, 9, "send")
+    assert back.decision == (True, "fine", "uid 0") and back.parked and back.host is None
+    assert back.job.tools[0].name == "send" and back.requested == {"wall_time_s": 5}
+
+
+def test_junk_on_disk_is_dropped(tmp_path: Path) -> None:
+    pol = policy()
+    directory = tmp_path / "parked"
+    directory.mkdir()
+    (directory / "job-x.run").write_bytes(b"\xc1 not msgpack")
+    (directory / "job-y.run.tmp1234").write_bytes(b"")
+    svc = service(tmp_path, pol)
+    assert svc.load() == 0 and list(directory.iterdir()) == []
+
+
+def test_the_replay_answers_from_the_journal_and_stops_at_a_new_path(tmp_path: Path) -> None:
+    asyncio.run(_replay(tmp_path))
+
+
+async def _replay(tmp_path: Path) -> None:
+    pol = policy()
+    svc = service(tmp_path, pol)
+    r = run(svc, pol)
+    r.journal = [Journaled("search", b"a", True, b"hit"),
+                 Journaled("search", b"b", False, ["ValueError", "bad"])]
+    cancelled: list[str] = []
+    r.jail = SimpleNamespace(cancel=cancelled.append)  # type: ignore[assignment]
+    r.restart_jail()
+    got: list[Any] = []
+    r.route("job-1", 1, "search", b"a", False).listen(got.append)
+    r.route("job-1", 2, "search", b"b", False).listen(got.append)
+    await asyncio.sleep(0)
+    assert got == [(True, b"hit"), (False, ("ValueError", "bad"))] and cancelled == []
+    r.restart_jail()
+    r.route("job-1", 1, "search", b"CHANGED", False).listen(got.append)
+    await asyncio.sleep(0)
+    assert got[-1][0] is False and got[-1][1][0] == "replay_diverged"
+    assert cancelled and "diverged at call 1" in cancelled[0]
