@@ -22,6 +22,9 @@ bench/results.json.
    bubblewrap's), divided by its jobs; where it goes in one run of 16 clients (``perf``:
    daemon, zygote, jails, kernel threads, the client; user and kernel), and what the kernel
    charges for each stage of a fresh jail (``bench/floors.py``);
+11. sessions that outlive their jail: snapshot, restore, fork(8), pause and resume of a small
+   session and of one with numpy and pandas loaded, beside opening a fresh session and
+   replaying the code that built the state (``bench/snapshots.py``);
 
 then a table of targets, met or not. A measurement that fails is reported as such; the
 rest of the run goes on.
@@ -50,6 +53,7 @@ import cpu
 import flames
 import floors
 import peers
+import snapshots
 import stages
 from foreign import ForeignClient
 from jaildrun import (
@@ -94,6 +98,17 @@ TRANSPORT_ENDS: dict[str, tuple[bool, Transport]] = {
 liveness on and off are two daemons alike but for ``limits.liveness_timeout_s``."""
 FAIRNESS = Variant("fairness", "jaild warm (zygote, pool 4-8), max_jobs 16, reachable by nogroup",
                    "zygote", 4, 8, config=FAIRNESS_CONFIG, time_limit_s=900)
+
+SNAPSHOT_VARIANTS = {
+    "small": Variant("snapshots", "jaild sessions (the default policy as shipped)", None,
+                     keep_pool=True),
+    "history": Variant("snapshots", "jaild sessions (the default policy as shipped)", None,
+                       keep_pool=True),
+    "data": Variant("snapshots-data", "jaild sessions (the data policy as shipped: its "
+                    "zygote preimports numpy and pandas)", None,
+                    base=REPO / "policies" / "data.toml", keep_pool=True),
+}
+"""Section 11's daemons: the shipped policies with their own ``[pool]`` sections."""
 
 T = TypeVar("T")
 
@@ -443,6 +458,18 @@ class Run:
         if split is not None:
             r.stages = split
 
+    def measure_snapshots(self) -> None:
+        """Section 11: snapshots of a small session and of a numpy/pandas one, beside a fresh
+        session and a replay of the code that built the state (``bench/snapshots.py``)."""
+        s, r = self.settings, self.results
+        runs = max(3, s.runs // 10)
+        for kind, variant in SNAPSHOT_VARIANTS.items():
+            print(f"== snapshots: {variant.label}", flush=True)
+            x = self.attempt(f"snapshots/{kind}",
+                             functools.partial(snapshots.measure, kind, variant, runs))
+            if x is not None:
+                r.snapshots[kind] = x
+
     def measure_fairness(self) -> None:
         """uid 65534's warm-job latency on one daemon: idle, then while root holds its whole
         share with sleeping jobs, then with spinning ones (each flood cancelled after)."""
@@ -659,6 +686,7 @@ def main(argv: list[str]) -> int:
             run.measure_transports(variant)
     run.measure_stages()
     run.measure_fairness()
+    run.measure_snapshots()
     results.machine["load average at end"] = baselines.load_average()
 
     report = Report(results).render()

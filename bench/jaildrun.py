@@ -121,6 +121,10 @@ class Variant:
     liveness_timeout_s: float | None = None
     """If set, the daemon's ``limits.liveness_timeout_s`` and the bench's clients'
     ``liveness_timeout_s`` (0: off at both ends); None leaves both at their default (30 s)."""
+    base: Path = BASE_POLICY
+    """The shipped policy the variant's is made from (``policies/data.toml``: numpy, pandas)."""
+    keep_pool: bool = False
+    """Keep the shipped policy's own ``[pool]`` section (``mode`` None only)."""
 
     def daemon_config(self, pki: Pki | None = None) -> str:
         """The daemon's config file: ``config``, with the event loop if it is not the
@@ -147,7 +151,9 @@ class Variant:
     def policy(self) -> str:
         """The shipped default policy, its own ``[pool]`` section (if any) replaced, 128 tool
         calls in flight."""
-        text = POOL_SECTION.sub("", BASE_POLICY.read_text())
+        text = self.base.read_text()
+        if not (self.keep_pool and self.mode is None):
+            text = POOL_SECTION.sub("", text)
         # section 3's windowed calls keep 100 in flight (the shipped default allows 64)
         text = re.sub(r"^tool_calls_in_flight = .*$", "tool_calls_in_flight = 128", text,
                       flags=re.MULTILINE)

@@ -16,6 +16,7 @@ from cpu import BREAKDOWN_ROWS, Breakdown
 from floors import FLOORS, STAGES
 from measure import Deadlines, Latency, SleepBurst, Throughput, ToolCalls, percentile
 from procmem import MemorySnapshot
+from snapshots import E2B_PAUSE_S_PER_GIB, E2B_RESUME_S, FORKS, HISTORY_RUNS, SnapshotCosts
 
 MIB_KB = 1024
 PEER_LATENCY = ("monty_exec", "monty_warm", "monty_cold", "llm_bwrap", "llm_bwrap_session",
@@ -104,6 +105,8 @@ class Results:
     tracing: dict[str, int] = field(default_factory=dict)
     """The traced warm variant's export: ``export_requests``, ``exported_bytes``, and span
     name -> spans the sink got."""
+    snapshots: dict[str, SnapshotCosts] = field(default_factory=dict)
+    """Section 11: kind of session (``small``, ``data``) -> what its snapshots cost."""
     errors: dict[str, str] = field(default_factory=dict)
     """Measurement key (``pyodide/latency``, ``cold/start``, ...) -> why it failed."""
     skipped: dict[str, str] = field(default_factory=dict)
@@ -205,7 +208,7 @@ class Report:
             self._intro, self._machine, self._floors, self._targets, self._latency,
             self._throughput, self._cpu,
             self._tool_calls, self._memory, self._sleep, self._deadlines, self._fairness,
-            self._stages, self._transports, self._profile,
+            self._stages, self._transports, self._snapshots, self._profile,
             self._errors,
             self._method,
         ]
@@ -856,6 +859,47 @@ class Report:
                     tool_rows, "lrrrrr"),
         ]
         return lines + self._transport_summary()
+
+    def _snapshots(self) -> list[str]:
+        lines = [
+            "## 11. Sessions that outlive their jail: snapshot, restore, fork, pause",
+            "",
+            "A private daemon per kind of session, serving the shipped policy (default; data, "
+            "with numpy and pandas) as it makes jails. The session is built once (small: 2,000 "
+            "small dicts, a function, a class and its instance, the random generator seeded; "
+            f"history: {HISTORY_RUNS} runs each adding one sum over 300,000 squares to a list; "
+            "data: numpy and pandas imported, a 200x200 array, a 5,000-row frame and its "
+            "`describe()`), then each round: `snapshot()`; opening a session from it "
+            "(`restore`, until it is ready: a fresh jail made, the state unpickled in it); "
+            "opening a fresh session (`fresh`: the least any restore pays) and running the "
+            "code that built the state in it (`replay`: what the replay-journal mechanism "
+            f"pays to restore); `fork({FORKS})`; `pause()`; the next run's resume (its time "
+            "less a warm run's). Client to answer, medians over the rounds. E2B's published "
+            f"figures (a microVM's whole memory: about {E2B_PAUSE_S_PER_GIB:g} s per GiB to "
+            f"pause, about {E2B_RESUME_S:g} s to resume) stand beside ours as what a user of "
+            "a peer meets; CRIU is not measured (`criu check` fails on this host's kernel: "
+            "docs/performance.md).",
+            "",
+        ]
+        rows = []
+        for kind, label in (("small", "small session"),
+                            ("history", f"small state, {HISTORY_RUNS} runs of history"),
+                            ("data", "numpy + pandas session")):
+            x = self.r.snapshots.get(kind)
+            if x is None:
+                rows.append([label, self._missing(f"snapshots/{kind}"), *[""] * 9])
+                continue
+            restore, fresh, replay = x.restore.median_s, x.fresh.median_s, x.replay.median_s
+            rows.append([
+                label, f"{x.bytes / 1024:,.0f} KiB", _ms(x.snapshot.median_s), _ms(restore),
+                _ratio(restore, fresh), _ratio(restore, replay), _ms(x.fork.median_s),
+                _ms(x.pause.median_s), _ms(x.resume.median_s),
+                _ratio(restore, E2B_RESUME_S), str(len(x.restore.samples_s)),
+            ])
+        return lines + _table(
+            ["session", "size", "snapshot", "restore", "x fresh open", "x replay",
+             f"fork({FORKS})", "pause", "resume", "x E2B resume (1 s)", "rounds"],
+            rows, "lrrrrrrrrrr")
 
     def _transport_summary(self) -> list[str]:
         """The section's ratios in a sentence, and what liveness does on a job's path."""

@@ -59,10 +59,16 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path, world_dir:
                     "## 6. Wall-clock deadlines", "## 7. Fairness between uids",
                     "## 8. Where a warm job's time goes",
                     "## 9. Over mutual TLS, and what liveness costs",
-                    "## 10. CPU per fresh jail, and where it goes"):
+                    "## 10. CPU per fresh jail, and where it goes",
+                    "## 11. Sessions that outlive their jail: snapshot, restore, fork, pause"):
         assert section in report
     results = json.loads(out.with_suffix(".json").read_text())
     assert results["errors"] == {}, results["errors"]
+    for kind in ("small", "history", "data"):  # section 11: every figure, every round
+        costs = results["snapshots"][kind]
+        assert costs["bytes"] > 0, kind
+        for what in ("snapshot", "restore", "fresh", "replay", "fork", "pause", "resume"):
+            assert len(costs[what]["samples_s"]) == 3, (kind, what)
     for key in ("exec", "nsjail", "bwrap", "spawn", "cold", "warm", "warm_blocking",
                 "warm_uvloop", "warm_uvloop_blocking", "warm_traced", "warm_pinned"):
         assert results["latency"][key]["samples_s"], key
