@@ -20,7 +20,8 @@ held          ``park_after_s`` passed          *parked*: saved to disk, ``RunPar
 parked        decided, a tool host attached    *continued* in a fresh jail (below)
 parked        its host leaves                  it waits for ``ResumeRun`` (any of the
                                                owner's connections, after restarts too)
-parked        ``max_wait_s`` passed            dropped (audited)
+parked        ``max_wait_s`` passed, not yet   dropped (logged)
+              continued
 ============  ===============================  ======================================
 
 A continuation is a *replay*: a fresh jail (new namespaces, cgroup, uid) runs the same code
@@ -182,18 +183,27 @@ class DurableRun:
                 self.jail.cancel(f"replay_diverged: {why}")
             return reply
         allow, reason, _ = self.decision
-        self.held = None
-        self.decision = None
         if self.dispatched:  # the daemon stopped while the call ran: never made twice
-            self.dispatched = False
+            self._live()
             return self._answer(name, args, False, (
                 "unknown_outcome", f"{name}: the daemon stopped while this call ran; it may "
                 "or may not have happened, and is not made again"))
         if not allow:
+            self._live()
             return self._answer(name, args, False, ("denied", reason or f"{name}: denied"))
         self.dispatched = True
-        self.service.save(self)
+        self.service.save(self)  # the held call, its decision and "dispatched", before it goes
+        self.held = None
+        self.decision = None
         return self._dispatch(call_id, name, args)
+
+    def _live(self) -> None:
+        """The continuation is past the call that waited: nothing of it stays on disk (a
+        crash from here loses the run, as it does any running job)."""
+        self.held = None
+        self.decision = None
+        self.dispatched = False
+        self.service.forget(self)
 
     def _answer(self, name: str, args: bytes, ok: bool, value: Any) -> CallReply:
         self.journal.append(Journaled(name, args, ok, list(value) if not ok else value))
@@ -215,8 +225,7 @@ class DurableRun:
             ok, value = reply
             self.journal.append(Journaled(name, args, ok, value if ok else list(value)))
             if self.dispatched:
-                self.dispatched = False
-                self.service.save(self)
+                self._live()
             outer.resolve(ok, value)
 
         inner.listen(replied)
@@ -402,6 +411,7 @@ class Approvals:
                 principal's and the caller may not decide it; PermissionDenied: the caller's
                 own run, which the policy's approvers do not include it for.
         """
+        self._expire()
         run = self.runs.get(job_id)
         held = run.held if run is not None else None
         if run is None or held is None or held.call_id != call_id or run.decision is not None:
@@ -420,6 +430,7 @@ class Approvals:
 
     def pending(self, peer: Peer) -> list[ApprovalEntry]:
         """The calls waiting for a decision this peer may give."""
+        self._expire()
         now = time.time()
         out = []
         for run in self.runs.values():
@@ -443,11 +454,13 @@ class Approvals:
             UnknownJob: no parked run of the caller's principal has that id; BadRequest: it
                 is hosted by another connection already, or ``tools`` lacks one of its tools.
         """
+        self._expire()
         run = self.runs.get(job_id)
         if run is None or not run.parked or run.owner_key != host.peer.principal.key:
             raise UnknownJob(f"no parked run {job_id} of yours")
-        if run.host is not None and run.host is not host:
-            raise BadRequest(f"run {job_id} is hosted by another connection already")
+        if run.host is not None:
+            which = "this connection" if run.host is host else "another connection"
+            raise BadRequest(f"run {job_id} is hosted by {which} already")
         missing = sorted({t.name for t in run.job.tools} - tools)
         if missing:
             raise BadRequest(f"run {job_id} calls tools this connection does not host: "
@@ -520,6 +533,21 @@ class Approvals:
             os.close(fd)
         os.rename(temp, path)
 
+    def forget(self, run: DurableRun) -> None:
+        """What is on disk of ``run`` (it runs live again)."""
+        self._delete(run.job_id)
+
+    def _expire(self) -> None:
+        """Drop the parked runs not decided and continued within their policy's ``max_wait_s``
+        (checked at start, and whenever approvals are listed, decided or resumed)."""
+        now = time.time()
+        for run in list(self.runs.values()):
+            if run.parked and not run.continuing \
+                    and now - run.parked_at > run.policy.approvals.max_wait_s:
+                del self.runs[run.job_id]
+                self._delete(run.job_id)
+                self.audit_event(run, "dropped: not decided and resumed within max_wait_s")
+
     def _delete(self, job_id: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self.directory, f"{job_id}.run"))
@@ -549,8 +577,9 @@ class Approvals:
                 log.warning("parked run %s unreadable (%s); dropped", name, exc)
                 self._delete(name[:-4])
                 continue
-            if run is None or now - run.parked_at > run.policy.approvals.max_wait_s:
-                self._delete(name[:-4])
+            if run is None or run.held is None \
+                    or now - run.parked_at > run.policy.approvals.max_wait_s:
+                self._delete(name[:-4])  # a run live at a crash is lost, as any running job
                 continue
             self.runs[run.job_id] = run
         return len(self.runs)

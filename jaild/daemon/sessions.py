@@ -434,7 +434,9 @@ class Sessions:
     def _end_op(self, sess: JailSession) -> None:
         sess.busy = None
         if not sess.jail.alive and sess.paused is None:
-            self.close(sess, "snapshot_failed", "the session's jail ended during a snapshot")
+            status, error = sess.jail.outcome()  # memory_limit, timeout, ...: what ended it
+            why = (error or {}).get("message", "")
+            self.close(sess, status, f"the session's jail ended during a snapshot: {why}")
         elif sess.closed is None:
             self._touch(sess)
 

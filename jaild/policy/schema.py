@@ -428,7 +428,8 @@ class Approvals:
     )
     max_wait_s: float = setting(
         7 * 86400.0,
-        "A parked run not decided within this long (from when it was parked) is dropped.",
+        "A parked run not decided and continued within this long (from when it was parked) "
+        "is dropped.",
         between(60, 90 * 86400),
     )
 

@@ -18,7 +18,9 @@ from tests.conftest import DaemonHandle, ForeignClient, guard, start_daemon, swe
 
 pytestmark = pytest.mark.integration
 
-DURABLE = '[pool]\nmax = 0\n[access]\napprove = ["send"]\n[approvals]\npark_after_s = {park}\n'
+DURABLE = ('[pool]\nmax = 0\n[limits]\nwall_time_s = 900\n[access]\napprove = ["send"]\n'
+           '[approvals]\npark_after_s = {park}\n')
+"""Runs may wait up to 15 minutes live: ``park_after_s`` must be below ``wall_time_s``."""
 OPS = DURABLE + 'approvers = ["65534"]\n'
 
 CODE = """\
@@ -112,8 +114,8 @@ def test_a_parked_run_survives_a_restart_and_calls_the_tool_once(
         assert isinstance(pending, list) and len(pending) == 1
         entry = pending[0]
         assert (entry["tool"], entry["job_id"]) == ("send", job.job_id)
-        wait_for(lambda: c.approvals()[0]["parked"])  # past park_after_s: its jail is gone
-        assert not handle.cgroup_dir(job.job_id).exists()
+        wait_for(lambda: c.approvals()[0]["parked"])  # past park_after_s: its jail ends
+        wait_for(lambda: not handle.cgroup_dir(job.job_id).exists())  # and its cgroup goes
         assert [j for j in c.jobs() if j["id"] == job.job_id] == []
     assert host.calls == {"search": 1, "send": 0}
 

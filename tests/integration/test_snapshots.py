@@ -174,7 +174,8 @@ def test_a_fork_of_8_sees_only_its_own_changes(sd: DaemonHandle) -> None:
             r = origin.run("import os\n(shared['n'], log, open('common.txt').read(), "
                            "sorted(os.listdir('.')))")
             assert r.result == [0, [], "origin", ["common.txt"]]
-            assert c.snapshots() == []  # the fork's own snapshot is gone again
+            # the fork's own snapshot is gone again
+            assert [e for e in c.snapshots() if e["session"] == origin.id] == []
         finally:
             for f in forks:
                 f.close()
@@ -223,10 +224,11 @@ def test_pause_releases_the_jail_and_the_next_run_restores_it(sd: DaemonHandle) 
         assert not cgroup.exists()
         row = next(j for j in c.jobs() if j["id"] == s.id)
         assert row["state"] == "paused" and row.get("memory_bytes") is None
-        assert [e["kind"] for e in c.snapshots()] == ["pause"]
+        assert [e["kind"] for e in c.snapshots() if e["session"] == s.id] == ["pause"]
         r = s.run("total += 1\n(total, len(blob), blob[-1], open('kept.txt').read())")
         assert r.status == "ok" and r.result == [42, 16 << 20, 7, "kept"]
-        assert not s.paused and c.snapshots() == []  # its state is deleted once resumed
+        assert not s.paused  # and its state is deleted once resumed
+        assert [e for e in c.snapshots() if e["session"] == s.id] == []
         assert next(j for j in c.jobs() if j["id"] == s.id)["state"] == "idle"
         assert r.session is not None and r.session["run"] == 2
 
@@ -319,6 +321,26 @@ def test_a_crafted_snapshot_runs_only_in_the_restoring_jail(sd: DaemonHandle) ->
         assert c.run("6 * 7", "snap").result == 42  # the daemon serves on
 
 
+def test_a_crafted_snapshot_too_large_is_never_stored(sd: DaemonHandle) -> None:
+    """The job's code replaces the runtime's snapshot with more bytes than the policy allows
+    (``snap-tiny``: 1 MiB, its jail link's frame limit sized for it): the frame is refused,
+    that session ends, nothing is stored, and the daemon serves on."""
+    with Client(sd.socket) as c:
+        with c.session("snap-tiny") as s:
+            r = s.run("import jaild.runtime.snapshot as m\n"
+                      "m.take = lambda *a: b'x' * (8 << 20)")
+            assert r.status == "ok", r.error
+            with pytest.raises(SnapshotFailed, match="not taken"):
+                s.snapshot()
+            deadline = time.monotonic() + guard(10)  # its SessionClosed follows the Error
+            while s.closed is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert s.closed == "error"  # the jail broke its link: killed (a ChannelError)
+            assert "the jail sent a result of 8388608 bytes" in s.close_message
+        assert [e for e in c.snapshots() if e["session"] == s.id] == []
+        assert c.run("6 * 7", "snap").result == 42
+
+
 def test_snapshots_are_the_principals_own(sd: DaemonHandle,
                                           world_daemon: Callable[[], DaemonHandle],
                                           foreign_client: ForeignClient) -> None:
@@ -372,7 +394,8 @@ def test_the_cli_lists_and_deletes_snapshots(sd: DaemonHandle) -> None:
         assert listed.returncode == 0 and snap["id"] in listed.stdout and s.id in listed.stdout
         s.pause()
         assert "paused" in cli("ps").stdout
-        assert json.loads(cli("snapshots", "--json").stdout)[1]["kind"] == "pause"
+        mine = [e for e in json.loads(cli("snapshots", "--json").stdout) if e["session"] == s.id]
+        assert sorted(e["kind"] for e in mine) == ["pause", "snapshot"]
         assert cli("snapshots", "--rm", snap["id"]).returncode == 0
         assert cli("snapshots", "--rm", snap["id"]).returncode == 1  # gone
         assert snap["id"] not in cli("snapshots").stdout

@@ -135,3 +135,44 @@ async def _replay(tmp_path: Path) -> None:
     await asyncio.sleep(0)
     assert got[-1][0] is False and got[-1][1][0] == "replay_diverged"
     assert cancelled and "diverged at call 1" in cancelled[0]
+
+
+def test_a_call_in_flight_at_a_crash_is_never_made_again(tmp_path: Path) -> None:
+    """Saved as dispatched (the daemon died while the approved call ran): after the restart
+    the replay answers it ``unknown_outcome`` instead of making it a second time."""
+    asyncio.run(_in_flight(tmp_path))
+
+
+async def _in_flight(tmp_path: Path) -> None:
+    from jaild.daemon.approvals import Held
+
+    pol = policy()
+    svc = service(tmp_path, pol)
+    r = run(svc, pol)
+    r.journal = [Journaled("search", b"a", True, b"hit")]
+    r.held = Held(1, 2, "send", b"s", 0.0)
+    r.decision, r.dispatched, r.parked, r.parked_at = (True, "", "uid 0"), True, True, 10**10
+    svc.save(r)
+    again = service(tmp_path, pol)
+    assert again.load() == 1
+    back = again.runs["job-1"]
+    made: list[str] = []
+    back.host = SimpleNamespace(call_tool=lambda *a: made.append(a[2]))  # type: ignore[assignment]
+    back.restart_jail()
+    got: list[Any] = []
+    back.route("job-1", 1, "search", b"a", False).listen(got.append)
+    back.route("job-1", 2, "send", b"s", False).listen(got.append)
+    await asyncio.sleep(0)
+    assert got[0] == (True, b"hit") and got[1][0] is False
+    assert got[1][1][0] == "unknown_outcome" and made == []
+    assert list((tmp_path / "parked").iterdir()) == []  # live from here: nothing on disk
+
+
+def test_a_run_live_at_a_crash_is_not_loaded(tmp_path: Path) -> None:
+    pol = policy()
+    svc = service(tmp_path, pol)
+    r = run(svc, pol)
+    r.parked, r.parked_at = True, 10**10  # on disk, but with no call waiting
+    svc.save(r)
+    assert service(tmp_path, pol).load() == 0
+    assert list((tmp_path / "parked").iterdir()) == []

@@ -623,3 +623,19 @@ def test_every_event_has_a_handler_and_every_handler_an_event() -> None:
     assert set(_HANDLERS) == set(typing.get_args(Event))
     handlers = {name.removeprefix("_on_") for name in vars(JobMachine) if name.startswith("_on_")}
     assert handlers == {event.__name__ for event in typing.get_args(Event)}
+
+
+def test_a_session_result_beyond_its_limit_is_refused_though_its_frame_fits() -> None:
+    """A session's link carries snapshots, so its frame limit is the larger of the two: a
+    run's result past ``result_bytes`` (the jail's runtime bypassed) is refused by the daemon
+    itself, not by the frame limit (positive control: one byte less is the run's result)."""
+    for size, expected in ((64, "ok"), (65, "channel_error")):
+        sim = Sim(spec(keep=True, result_bytes=64))
+        assert sim.m.conn.max_frame_bytes > 1 << 20  # room for a snapshot
+        ready(sim)
+        out = sim.frame(CodeFinished(ok=True, result=b"r" * size))
+        if expected == "ok":
+            assert sim.kinds(out)[0] == "CodeEnded"
+        else:
+            assert Kill("channel_error", "the jail sent a result of 65 bytes; this run's "
+                        "limit is 64") in out

@@ -785,6 +785,11 @@ class JobMachine:
         ]
 
     def _code_finished(self, message: CodeFinished) -> list[Action]:
+        result, most = message.result, self.spec.limits.result_bytes
+        if result is not None and len(result) > most:  # the frame fits: a session's link
+            # also carries snapshots, so its frame limit is not the result's (frame_limit)
+            return self._kill("channel_error", f"the jail sent a result of {len(result)} "
+                                               f"bytes; this run's limit is {most}")
         self.evidence.claim = message
         actions: list[Action] = [CodeEnded(message)]
         if self.phase is Phase.RUNNING:
