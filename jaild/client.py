@@ -305,6 +305,7 @@ class _Job:
     decoders: dict[str, codecs.IncrementalDecoder] = field(default_factory=dict)
     calls: set[asyncio.Task[None]] = field(default_factory=set)
     parked: bool = False  # waited for approval past its policy's park_after_s (RunParked)
+    session: AsyncSession | None = None  # a resumed session run's session (ResumeRun)
 
 
 class AsyncJob:
@@ -318,6 +319,12 @@ class AsyncJob:
     @property
     def done(self) -> bool:
         return self._state.finished.done()
+
+    @property
+    def session(self) -> AsyncSession | None:
+        """A resumed run of a session (:meth:`AsyncClient.resume_run`): that session, this
+        connection's once the run has gone on (after :meth:`result`). Else None."""
+        return self._state.session
 
     async def result(self) -> JobResult:
         """Wait for the job to end. Cancelling the waiting task cancels the job."""
@@ -983,7 +990,9 @@ class AsyncClient:
         """Host the tools of a parked run of this principal's (one that waited for approval
         past its policy's ``park_after_s``, from a connection that has gone, or from before
         the daemon restarted). Once its call is decided the run goes on in a fresh jail,
-        from that call; ``await job.result()`` is its record.
+        from that call; ``await job.result()`` is its record. A session's run brings its
+        session back (its state from before the run, the run replayed): ``job.session``,
+        this connection's from then on.
 
         Raises:
             UnknownJob: no parked run of yours has that id; BadRequest: ``tools`` lacks one
@@ -1213,6 +1222,12 @@ class AsyncClient:
             pending = self._accepting.get(msg.ref)
             if pending is not None and not pending[0].done():
                 self._jobs[msg.job_id] = pending[1]  # before any of its output can arrive
+                if msg.session_id is not None:  # a parked session run, resumed here
+                    back = AsyncSession(self, None, pending[1].tools, {}, None, None)
+                    back.id = msg.session_id
+                    back.approve = pending[1].approve
+                    self._sessions[msg.session_id] = back
+                    pending[1].session = back
                 pending[0].set_result(msg.job_id)
             return
         if isinstance(msg, SessionPausedMsg):
@@ -1276,6 +1291,9 @@ class AsyncClient:
             job.parked = True
             log.info("job %s is parked: %s", msg.job_id, msg.message)
         elif isinstance(msg, JobFinished) and not job.finished.done():
+            if job.session is not None and job.session.policy is None:
+                job.session.policy = msg.record.policy
+                job.session.info = {"policy": msg.record.policy}
             job.finished.set_result(JobResult.from_wire(msg.record, msg.result, msg.files))
 
     async def _approved(
@@ -1699,7 +1717,7 @@ class Client:
         """As :meth:`AsyncClient.resume_run`: ``job.result()`` waits for the run's end."""
         job = self._call(self._client.resume_run(job_id, tools, on_stdout=on_stdout,
                                                  on_stderr=on_stderr, approve=approve))
-        return Job(self, job)
+        return Job(self, job)  # job.session: a session run's session
 
     def snapshots(self) -> list[dict[str, Any]]:
         """As :meth:`AsyncClient.snapshots`."""
@@ -1742,6 +1760,12 @@ class Job:
     @property
     def done(self) -> bool:
         return self._job.done
+
+    @property
+    def session(self) -> Session | None:
+        """As :attr:`AsyncJob.session`."""
+        sess = self._job.session
+        return None if sess is None else Session(self._client, sess)
 
     def result(self, timeout: float | None = None) -> JobResult:
         """Wait for the job (``timeout`` seconds at most: TimeoutError, the job keeps running)."""
@@ -1813,6 +1837,10 @@ class Session:
             UploadError: a file in ``files`` cannot be uploaded (nothing was sent).
         """
         return self._client._call(self._session._run(code, options))  # type: ignore[no-any-return]
+
+    def submit(self, code: str, **options: Unpack[RunOptions]) -> Job:
+        """As :meth:`AsyncSession.submit`: ``job.result()`` waits for the run's end."""
+        return Job(self._client, self._client._call(self._session._submit(code, options)))
 
     @property
     def paused(self) -> bool:

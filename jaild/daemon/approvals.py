@@ -34,7 +34,12 @@ answered ``unknown_outcome`` rather than made again); denied, ``denied``. From t
 goes on live (a later call needing approval may park it again). What the run printed before
 the call that waited is not sent again.
 
-A session's runs are not parked: their approvals are held here the same way and wait live.
+A session's run parks too (:mod:`jaild.daemon.sessions`): before each of its runs the
+session's state is taken (a snapshot, kept in memory); parking saves that state to the
+snapshot store (``kind = "parked"``) and pauses the session. The continuation restores it in
+the session's fresh jail and replays the run the same way; the session then goes on, on the
+connection that continued it (its original one, or any of the owner's: ``ResumeRun``).
+A session run whose state could not be taken (something unpicklable) waits live.
 
 The journal and the run live in ``<state_dir>/parked/<instance>/<job id>.run`` (msgpack, made
 by the daemon only: never a name or a format from a jail or a client), written to a
@@ -51,7 +56,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
@@ -77,12 +82,53 @@ from jaild.protocol.records import ApprovalEntry, JobRecord
 
 if TYPE_CHECKING:
     from jaild.daemon.observe import Observers
+    from jaild.daemon.registry import JailSession
     from jaild.daemon.startup import Served
 
 log = logging.getLogger("jaild")
 
 FILE_FORMAT = 1
 MAX_SHOWN_ARGS = 1 << 20
+
+
+class SessionHooks(Protocol):
+    """What the approvals need of the daemon's sessions (:class:`~jaild.daemon.sessions.Sessions`)
+    for session runs."""
+
+    def keep_state(self, run: DurableRun) -> str | None:
+        """Save the run's session's state before it; its snapshot id (None: not saved)."""
+
+    def parked(self, run: DurableRun) -> None:
+        """The run parked: its session (if still attached) waits on disk with it."""
+
+    def continue_run(self, run: DurableRun, host: ClientConnection, ref: int | None) -> None:
+        """The run was decided and has a host: restore its session and continue it."""
+
+    def dropped(self, run: DurableRun) -> None:
+        """The run was dropped: its session's state goes (an attached session closes)."""
+
+    def run_done(self, run: DurableRun) -> None:
+        """The run ended (not parked): the state it parked with, if any, goes."""
+
+
+class _NoSessions:
+    def keep_state(self, run: DurableRun) -> str | None:
+        return None
+
+    def parked(self, run: DurableRun) -> None:
+        pass
+
+    def continue_run(self, run: DurableRun, host: ClientConnection, ref: int | None) -> None:
+        raise AssertionError("no sessions")
+
+    def dropped(self, run: DurableRun) -> None:
+        pass
+
+    def run_done(self, run: DurableRun) -> None:
+        pass
+
+
+_NO_SESSIONS = _NoSessions()
 
 
 @dataclass
@@ -127,11 +173,23 @@ class DurableRun:
     host: ClientConnection | None = None  # routes its calls, gets its output and record
     jail: JailedJob | None = None
     continuing: bool = False
-    session: bool = False  # a session's run: held calls wait live, never parked
+    session_id: str | None = None  # a session's run: the session
+    session_terms: dict[str, Any] | None = None  # what re-opens it after its connection went
+    before: bytes | None = None  # the session's state before the run (memory only)
+    state_id: str | None = None  # once parked: ``before`` in the snapshot store
     _replay_upto: int = 0  # calls of the current jail answered from the journal
     _calls: int = 0  # calls routed in the current jail
     _muted: bool = False  # output of a replay before the held call: not sent again
     resumes: int = 0
+
+    @property
+    def session(self) -> bool:
+        return self.session_id is not None
+
+    @property
+    def can_park(self) -> bool:
+        """A one-shot run, or a session run whose state before it was taken."""
+        return self.session_id is None or self.before is not None or self.state_id is not None
 
     # -- what the jail sees
 
@@ -240,7 +298,7 @@ class DurableRun:
             self.host.send(ApprovalPending(job_id=self.job_id, call_id=call_id, name=name,
                                            args=args))
         park_after = self.policy.approvals.park_after_s
-        if park_after and not self.session:
+        if park_after and self.can_park:
             held.timer = asyncio.get_running_loop().call_later(park_after, self._park)
         return reply
 
@@ -262,6 +320,10 @@ class DurableRun:
         held = self.held
         if held is None or self.decision is not None or self.jail is None:
             return
+        if self.session_id is not None and self.state_id is None:
+            self.state_id = self.service.keep_state(self)
+            if self.state_id is None:  # not saved (the quota): the call waits live
+                return
         self.parked = True
         self.parked_at = time.time()
         held.reply = None
@@ -269,10 +331,12 @@ class DurableRun:
         self.service.audit_event(self, "parked")
         if self.host is not None:
             self.host.send(RunParked(
-                job_id=self.job_id, call_id=held.call_id,
+                job_id=self.job_id, call_id=held.call_id, session_id=self.session_id,
                 message=f"{held.name} waited {self.policy.approvals.park_after_s:g} s for "
                         "approval; the run is parked until it is decided"))
         self.jail.cancel(f"parked: call {held.call_id} ({held.name}) waits for approval")
+        if self.session_id is not None:
+            self.service.sessions.parked(self)
 
     def decide(self, allow: bool, reason: str, by: str) -> None:
         """A decision for the held call (checked by the service)."""
@@ -325,6 +389,8 @@ class DurableRun:
             "dispatched": self.dispatched,
             "parked_at": self.parked_at,
             "resumes": self.resumes,
+            "session": None if self.session_id is None else {
+                "id": self.session_id, "terms": self.session_terms, "state": self.state_id},
         }
         packed: bytes = msgpack.packb(data, use_bin_type=True)
         return packed
@@ -345,6 +411,7 @@ class Approvals:
         self.catalog = catalog
         self._room = room
         self.runs: dict[str, DurableRun] = {}
+        self.sessions: SessionHooks = _NO_SESSIONS  # set by the daemon (its Sessions)
 
     # -- runs
 
@@ -353,9 +420,16 @@ class Approvals:
         return policy.approvals.park_after_s > 0
 
     def track(self, job_id: str, host: ClientConnection, policy: Policy, job: JobDescription,
-              requested: dict[str, float], session: bool = False) -> DurableRun:
+              requested: dict[str, float], session: JailSession | None = None) -> DurableRun:
         run = DurableRun(job_id, host.peer.principal.key, str(host.peer.principal), policy, job,
-                         dict(requested), host=host, session=session)
+                         dict(requested), host=host)
+        if session is not None:
+            terms = session.terms
+            run.session_id = session.id
+            run.session_terms = {
+                "tools": [t.to_wire() for t in terms.tools], "requested": dict(terms.requested),
+                "idle_s": terms.idle_s, "max_lifetime_s": terms.max_lifetime_s,
+                "pause_after_s": terms.pause_after_s, "run": session.runs + 1}
         run.service = self
         self.runs[job_id] = run
         return run
@@ -371,13 +445,15 @@ class Approvals:
         if not run.parked and self.runs.get(run.job_id) is run:
             del self.runs[run.job_id]
             self._delete(run.job_id)
+            if run.session_id is not None:
+                self.sessions.run_done(run)
 
     def park_held(self, host: ClientConnection | None = None) -> None:
         """Park now every one-shot run (of ``host``; None: all) whose call waits for a
         decision: its connection is leaving, or the daemon is stopping. Each waits on disk."""
         for run in list(self.runs.values()):
             if (host is None or run.host is host) and run.held is not None \
-                    and run.decision is None and not run.parked and not run.session:
+                    and run.decision is None and not run.parked and run.can_park:
                 run.park_now()
 
     def detach(self, host: ClientConnection) -> None:
@@ -441,7 +517,7 @@ class Approvals:
                 job_id=run.job_id, call_id=held.call_id, tool=held.name,
                 args=held.args[:MAX_SHOWN_ARGS], policy=run.policy.name, owner=run.owner_name,
                 waiting_s=round(max(0.0, now - held.since), 3), parked=run.parked,
-                attached=run.host is not None))
+                attached=run.host is not None, session=run.session_id))
         return out
 
     # -- resuming
@@ -466,11 +542,14 @@ class Approvals:
             raise BadRequest(f"run {job_id} calls tools this connection does not host: "
                              f"{', '.join(missing)}")
         run.host = host
-        host.accept(ref, job_id)
+        host.accept(ref, job_id, run.session_id)
         if run.decision is not None and not run.continuing:
             self._continue(run, host, ref)
 
     def _continue(self, run: DurableRun, host: ClientConnection, ref: int | None) -> None:
+        if run.session_id is not None:
+            self.sessions.continue_run(run, host, ref)
+            return
         env = self.served.env
         assert env is not None
         try:
@@ -537,6 +616,26 @@ class Approvals:
         """What is on disk of ``run`` (it runs live again)."""
         self._delete(run.job_id)
 
+    def keep_state(self, run: DurableRun) -> str | None:
+        """A session run parks: its session's state before it, into the snapshot store."""
+        return self.sessions.keep_state(run)
+
+    def drop(self, run: DurableRun, why: str) -> None:
+        """Forget a parked run for good (and its session's state)."""
+        if self.runs.get(run.job_id) is run:
+            del self.runs[run.job_id]
+        self._delete(run.job_id)
+        self.audit_event(run, f"dropped: {why}")
+        if run.session_id is not None:
+            self.sessions.dropped(run)
+
+    def session_run(self, session_id: str) -> DurableRun | None:
+        """The parked run of that session, if it has one."""
+        for run in self.runs.values():
+            if run.session_id == session_id and run.parked:
+                return run
+        return None
+
     def _expire(self) -> None:
         """Drop the parked runs not decided and continued within their policy's ``max_wait_s``
         (checked at start, and whenever approvals are listed, decided or resumed)."""
@@ -544,9 +643,7 @@ class Approvals:
         for run in list(self.runs.values()):
             if run.parked and not run.continuing \
                     and now - run.parked_at > run.policy.approvals.max_wait_s:
-                del self.runs[run.job_id]
-                self._delete(run.job_id)
-                self.audit_event(run, "dropped: not decided and resumed within max_wait_s")
+                self.drop(run, "not decided and resumed within max_wait_s")
 
     def _delete(self, job_id: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -580,7 +677,7 @@ class Approvals:
             if run is None or run.held is None \
                     or now - run.parked_at > run.policy.approvals.max_wait_s:
                 self._delete(name[:-4])  # a run live at a crash is lost, as any running job
-                continue
+                continue  # (its session's state, if any, goes in the snapshots' sweep)
             self.runs[run.job_id] = run
         return len(self.runs)
 
@@ -604,7 +701,16 @@ class Approvals:
         if data["decision"] is not None:
             allow, reason, by = data["decision"]
             run.decision = (bool(allow), str(reason), str(by))
+        session = data.get("session")
+        if session is not None:
+            run.session_id = str(session["id"])
+            run.session_terms = dict(session["terms"])
+            run.state_id = str(session["state"])
         return run
+
+    def states(self) -> set[str]:
+        """The snapshot ids of parked session runs' states (kept by the start's sweep)."""
+        return {run.state_id for run in self.runs.values() if run.state_id is not None}
 
     def audit_event(self, run: DurableRun, what: str, by: str = "") -> None:
         held = run.held

@@ -97,6 +97,8 @@ class Pipeline:
         self.catalog = catalog
         self._reaps = reap_orphans
         self.approvals = approvals
+        if sessions is not None:  # (a pipeline made only to reap has none)
+            sessions.run_placed = self.run_to_record  # a parked session run goes on
 
     def submit(self, client: ClientConnection, req: RunJob) -> None:
         """Admit a RunJob, place it and start it. Raises the JaildError the client gets
@@ -128,7 +130,7 @@ class Pipeline:
         approvals = self.approvals
         if approvals is not None and approvals.durable(admitted.policy):
             durable = approvals.track(job_id, client, admitted.policy, admitted.job,
-                                      dict(req.limits), session=sess is not None)
+                                      dict(req.limits), session=sess)
             route, output = durable.route, durable.output
         placed = placement.place(
             admitted, job_id, route, output, env, self.served.pools, sess,
@@ -156,6 +158,8 @@ class Pipeline:
         job_id = spec.job_id
         try:
             try:
+                if durable is not None and sess is not None:  # the state it may park with
+                    await self.sessions.state_before(sess, durable)
                 record, result, downloads = await placed.run()
             except Exception as exc:  # a jaild bug: report it, keep serving
                 if sess is None:

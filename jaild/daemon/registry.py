@@ -57,7 +57,7 @@ class ClientConnection(Protocol):
 
     def send(self, msg: Message) -> None: ...
 
-    def accept(self, ref: int, job_id: str) -> None: ...
+    def accept(self, ref: int, job_id: str, session_id: str | None = None) -> None: ...
 
     def send_error(
         self, err: JaildError, ref: int | None = None, job_id: str | None = None
@@ -118,6 +118,7 @@ class JailSession:
         self.pause_after_s = terms.pause_after_s  # 0: never paused when idle
         self.pause_timer: asyncio.TimerHandle | None = None
         self.paused: str | None = None  # paused to disk: the id of its state's snapshot
+        self.parked_run: str | None = None  # paused with its run, which waits for approval
         self.runs = 0  # the client's runs (snapshots and restores are not runs)
         self.jails = 1  # jails it has had: a resumed session is in its second
 
@@ -137,6 +138,11 @@ class JailSession:
                 f"no run for {self.idle_s:g} s (the session's idle limit)",
             )
 
+    def reopened(self) -> None:
+        """Its jail is back after a parked run: its lifetime counts anew."""
+        self._opened = time.monotonic()
+        self.last_used = self._opened
+
     def expires_in(self) -> float:
         left = self.max_lifetime_s - (time.monotonic() - self._opened)
         if self.busy is None:
@@ -153,6 +159,9 @@ class JailSession:
             raise SessionClosed(f"session {self.id} is closed: {self.closed}")
         if self.busy is not None:
             raise Busy(f"session {self.id} is running job {self.busy}; one run at a time")
+        if self.parked_run is not None:
+            raise Busy(f"session {self.id}'s run {self.parked_run} is parked for approval; the "
+                       "session goes on once the call is decided (jaild approvals)")
         if self.paused is not None:
             raise SessionPaused(f"session {self.id} is paused to disk; resume it first "
                                 "(ResumeSession)")
@@ -177,7 +186,8 @@ class JailSession:
             "client_pid": owner.pid,
             "state": "starting"
             if self.life_timer is None
-            else ("running" if self.busy else "paused" if self.paused else "idle"),
+            else ("running" if self.busy else "parked" if self.parked_run
+                  else "paused" if self.paused else "idle"),
             "age_s": round(max(0.0, now - self.created), 3),  # the wall clock may step back
             "runs": self.runs,
             "running": self.busy,

@@ -416,13 +416,13 @@ class ServedConnection(asyncio.Protocol):
                 data = held[0] + data
         transport.write(data)
 
-    def accept(self, ref: int, job_id: str) -> None:
+    def accept(self, ref: int, job_id: str, session_id: str | None = None) -> None:
         """Tell the client its job ``job_id`` (of request ``ref``) runs: the ``JobAccepted``
         goes out with the job's next message, or after :data:`ACCEPT_HOLD_S`, whichever
         comes first. Nothing about the job can reach the client before it."""
         if self.closed or self.transport is None or self.transport.is_closing():
             return
-        data = self.conn.send(JobAccepted(ref=ref, job_id=job_id))
+        data = self.conn.send(JobAccepted(ref=ref, job_id=job_id, session_id=session_id))
         timer = asyncio.get_running_loop().call_later(ACCEPT_HOLD_S, self._announce, job_id)
         self._held[job_id] = (data, timer)
 
@@ -767,6 +767,8 @@ class Daemon:
         )
         self.sessions = Sessions(config, self.registry, self.served, self.observers,
                                  self.catalog)
+        self.sessions.approvals = self.approvals  # session runs parked for approval
+        self.approvals.sessions = self.sessions
         self.pipeline = Pipeline(config, self.registry, self.sessions, self.served,
                                  self.observers, self.catalog, reap_orphans=reap_orphans,
                                  approvals=self.approvals)
@@ -852,11 +854,12 @@ class Daemon:
             self.config, self.served, self.metrics, self._tool_called, self.protocol,
             only_policies, on_egress=self._egress_request,
         )
+        parked = self.approvals.load()
         if os.path.isdir(self.config.snapshot_dir):  # expired ones, and the paused sessions'
-            gone = await asyncio.to_thread(self.sessions.store.sweep, True)
+            gone = await asyncio.to_thread(self.sessions.store.sweep, True,
+                                           self.approvals.states())
             if gone:
                 log.info("deleted %d expired snapshots and paused sessions' states", gone)
-        parked = self.approvals.load()
         if parked:
             log.info("%d parked runs wait for approval (jaild approvals)", parked)
         if self.config.listen:

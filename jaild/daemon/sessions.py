@@ -13,6 +13,13 @@ idle         a ``RunJob`` is admitted            running    idle timer stopped
 running      the run's record is sent            idle       idle timer restarted
 running      the run ended the jail              closed     ``SessionClosed``
 idle         its jail ends between runs          closed     ``SessionClosed``
+running      a call waits past the policy's      parked     its jail ends; the state from
+             ``approvals.park_after_s``                     before the run waits on disk
+parked       the call decided, a host attached   running    a fresh jail restores the state
+                                                            and replays the run
+parked       the client leaves, shutdown         detached   the parked run keeps it (any
+                                                            of the owner's connections
+                                                            may ``ResumeRun`` it)
 any          idle or lifetime timer, the client  closed     its jail killed (a run in
              closes or leaves, ``jaild kill``,              progress ends ``cancelled``)
              shutdown                                       and discarded
@@ -35,7 +42,7 @@ import contextlib
 import dataclasses
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from jaild.daemon import placement
@@ -44,7 +51,7 @@ from jaild.daemon.core import admission
 from jaild.daemon.core.peer import Principal
 from jaild.daemon.jails.job import CallReply, JailedJob, JobSpec
 from jaild.daemon.observe import Observers
-from jaild.daemon.registry import ClientConnection, JailSession, Registry
+from jaild.daemon.registry import ClientConnection, JailSession, LiveJob, Registry
 from jaild.daemon.snapshots import SnapshotStore
 from jaild.errors import (
     BadRequest,
@@ -56,6 +63,7 @@ from jaild.errors import (
     UnknownSession,
     UnknownSnapshot,
 )
+from jaild.policy.schema import Policy
 from jaild.protocol.messages import (
     JobDescription,
     OpenSession,
@@ -64,6 +72,7 @@ from jaild.protocol.messages import (
     SessionOpened,
     SnapshotSession,
     SnapshotTaken,
+    ToolSpec,
 )
 from jaild.protocol.messages import SessionClosed as SessionClosedMsg
 from jaild.protocol.messages import SessionPaused as SessionPausedMsg
@@ -71,7 +80,10 @@ from jaild.protocol.records import JobRecord, SessionInfo, SnapshotEntry
 from jaild.tracing import SessionTrace
 
 if TYPE_CHECKING:
+    from jaild.daemon.approvals import Approvals, DurableRun
     from jaild.daemon.startup import Served
+
+    RunPlaced = Callable[[ClientConnection, placement.Placed, DurableRun], Awaitable[None]]
 
 
 def capacity(config: DaemonConfig) -> admission.Capacity:
@@ -138,6 +150,8 @@ class Sessions:
         self.observers = observers
         self.catalog = catalog
         self._store: SnapshotStore | None = None
+        self.approvals: Approvals | None = None  # the daemon's (parked session runs)
+        self.run_placed: RunPlaced | None = None  # the pipeline's run_to_record
 
     def runnable(self, client: ClientConnection, session_id: str) -> JailSession:
         """The client's session a ``RunJob`` names, if a run may start in it now.
@@ -236,9 +250,11 @@ class Sessions:
             ),
         )
 
-    async def _start_jail(self, sess: JailSession, snapshot_id: str | None) -> JaildError | None:
-        """Start the session's jail and, with ``snapshot_id``, restore that snapshot in it.
-        Returns the error its client gets if either fails (the jail is then ending)."""
+    async def _start_jail(self, sess: JailSession, snapshot_id: str | None,
+                          blob: bytes | None = None) -> JaildError | None:
+        """Start the session's jail and, with ``snapshot_id``, restore that snapshot in it
+        (``blob``: its bytes, loaded already). Returns the error its client gets if either
+        fails (the jail is then ending)."""
         ready = await sess.jail.prepare()
         if not ready or sess.closed is not None:
             detail = sess.closed or "the jail did not start"
@@ -250,8 +266,9 @@ class Sessions:
         if snapshot_id is None:
             return None
         try:
-            _, blob = await asyncio.to_thread(
-                self.store.load, sess.owner.peer.principal.key, snapshot_id)
+            if blob is None:
+                _, blob = await asyncio.to_thread(
+                    self.store.load, sess.owner.peer.principal.key, snapshot_id)
             await self._op(sess, restore=blob)
         except JaildError as exc:
             sess.jail.cancel(f"the snapshot was not restored: {exc.message}")
@@ -386,6 +403,8 @@ class Sessions:
             sess.check_runnable()
             client.send(self._opened(sess, req.ref))
             return
+        if sess.parked_run is not None:
+            sess.check_runnable()  # Busy: its run waits for approval
         if sess.busy is not None:
             raise Busy(f"session {sess.id} is being resumed already")
         admission.check_not_draining(self.catalog())
@@ -422,7 +441,7 @@ class Sessions:
         """Raises UnknownSnapshot: none of the client's principal has that id (a paused
         session's state is deleted by closing the session)."""
         owner = client.peer.principal.key
-        if self.store.entry(owner, snapshot_id).kind == "pause":
+        if self.store.entry(owner, snapshot_id).kind in ("pause", "parked"):
             raise UnknownSnapshot(f"no snapshot {snapshot_id} of yours (it is a paused "
                                   "session's state: close the session instead)")
         self.store.delete(owner, snapshot_id)
@@ -464,13 +483,25 @@ class Sessions:
 
     def close(self, sess: JailSession, reason: str, message: str) -> None:
         """End a session: its jail is killed (a run in progress ends ``cancelled``), its
-        client is told; a paused session's state is deleted. Idempotent."""
+        client is told; a paused session's state is deleted. Idempotent.
+
+        A session whose run is parked for approval is *detached* instead when its client
+        leaves or the daemon stops (the parked run keeps its state, to go on later); closed
+        otherwise, it drops that run."""
         if sess.closed is not None:
             return
         sess.closed = reason
         for timer in (sess.idle_timer, sess.life_timer, sess.pause_timer):
             if timer is not None:
                 timer.cancel()
+        parked = self._parked_run(sess)
+        if parked is not None and reason in ("disconnected", "shutdown"):
+            self._forget(sess)
+            self.observers.audit.session(sess.owner.peer, "detached", sess.id, sess.policy.name,
+                                         reason=parked.job_id)
+            return
+        if parked is not None and self.approvals is not None:
+            self.approvals.drop(parked, f"its session was closed ({reason})")
         if sess.paused is not None:
             with contextlib.suppress(JaildError, OSError):
                 self.store.delete(sess.owner.peer.principal.key, sess.paused)
@@ -488,6 +519,164 @@ class Sessions:
     async def _retire(self, jail: JailedJob, reason: str) -> None:
         async with self.registry.retiring():
             await jail.discard(reason)
+
+    # -- session runs parked for approval (jaild.daemon.approvals; docs/using/tools.md)
+
+    def _parked_run(self, sess: JailSession) -> DurableRun | None:
+        if sess.parked_run is None or self.approvals is None:
+            return None
+        return self.approvals.session_run(sess.id)
+
+    async def state_before(self, sess: JailSession, run: DurableRun) -> None:
+        """Before a run that may park: the session's state (kept in memory, saved only if
+        the run parks). Not taken (something unpicklable, too large): the run's calls wait
+        live."""
+        if run.before is not None or run.state_id is not None:  # a continuation: restored
+            return
+        try:
+            run.before = await self._op(sess, snapshot=True)
+        except JaildError as exc:
+            log.info("session %s: run %s cannot park (its state was not taken: %s); a call "
+                     "needing approval waits live", sess.id, run.job_id, exc.message)
+
+    def keep_state(self, run: DurableRun) -> str | None:
+        """The run parks: its session's state before it goes to the snapshot store."""
+        blob = run.before
+        if blob is None or run.session_id is None:
+            return None
+        ttl_s = run.policy.approvals.max_wait_s + 86400.0
+        try:
+            entry = self.store.save(run.owner_key, blob, policy=run.policy.name,
+                                    session=run.session_id, ttl_s=ttl_s, kind="parked")
+        except (JaildError, OSError) as exc:
+            log.warning("session %s: run %s waits live, not parked: its state was not saved "
+                        "(%s)", run.session_id, run.job_id, getattr(exc, "message", exc))
+            return None
+        run.before = None
+        return entry.id
+
+    def parked(self, run: DurableRun) -> None:
+        """The run parked: its session, if still here, is paused with it (its jail goes)."""
+        sess = self.registry.session(run.session_id or "")
+        if sess is None or sess.closed is not None:
+            return
+        sess.paused = run.state_id
+        sess.parked_run = run.job_id
+        for timer in (sess.idle_timer, sess.life_timer, sess.pause_timer):
+            if timer is not None:
+                timer.cancel()
+        sess.pause_timer = None
+        sess.owner.start(self._retire(sess.jail, "session run parked"))
+        self.observers.audit.session(sess.owner.peer, "parked", sess.id, sess.policy.name,
+                                     reason=run.job_id)
+
+    def dropped(self, run: DurableRun) -> None:
+        """The parked run was dropped: its state goes; its session, if here, closes."""
+        with contextlib.suppress(JaildError, OSError):
+            if run.state_id is not None:
+                self.store.delete(run.owner_key, run.state_id)
+        sess = self.registry.session(run.session_id or "")
+        if sess is not None and sess.parked_run == run.job_id:
+            sess.paused = None
+            sess.parked_run = None
+            self.close(sess, "parked_run_dropped",
+                       f"its run {run.job_id}, parked for approval, was dropped")
+
+    def run_done(self, run: DurableRun) -> None:
+        """A session run that had parked has ended: the state it parked with goes."""
+        if run.state_id is not None:
+            with contextlib.suppress(JaildError, OSError):
+                self.store.delete(run.owner_key, run.state_id)
+            run.state_id = None
+
+    def continue_run(self, run: DurableRun, host: ClientConnection, ref: int | None) -> None:
+        """A parked session run was decided and has a host: its session (re-made on
+        ``host`` if it was detached) gets a fresh jail, the state from before the run is
+        restored there and the run replayed (:mod:`jaild.daemon.approvals`)."""
+        assert run.session_id is not None and run.state_id is not None
+        policy = self.catalog().policies.get(run.policy.name, run.policy)
+        sess = self.registry.session(run.session_id)
+        try:
+            terms = sess.terms if sess is not None else self._terms_of(run, policy)
+            check_room(self.registry, self.config, host.peer.principal,
+                       terms.jail_limits.memory_mb)
+        except JaildError as exc:  # it stays parked: ResumeRun again later
+            run.host = None
+            host.send_error(exc, job_id=run.job_id)
+            return
+        if sess is None:
+            sess = JailSession(run.session_id, host, terms,
+                               self._jail(f"{run.session_id}-r{run.resumes + 1}", terms, host))
+            sess.paused, sess.parked_run = run.state_id, run.job_id
+            sess.runs = int((run.session_terms or {}).get("run", 1))  # the run's number
+            self.registry.add_session(sess)
+            self.observers.metrics.sessions_open(self.registry.session_count())
+        else:
+            sess.owner = host
+            sess.jails += 1
+            sess.jail = self._jail(f"{sess.id}-{sess.jails}", terms, host)
+        run.policy = policy
+        run.continuing = True
+        sess.busy = run.job_id
+        host.start(self._continue_run(sess, run, host))
+
+    @staticmethod
+    def _terms_of(run: DurableRun, policy: Policy) -> admission.SessionTerms:
+        """The terms a detached session is re-made with (as it was opened)."""
+        saved = run.session_terms or {}
+        requested = {str(k): float(v) for k, v in dict(saved.get("requested", {})).items()}
+        limits = admission.limits_for(policy, requested)
+        return admission.SessionTerms(
+            policy=policy, limits=limits,
+            jail_limits=dataclasses.replace(limits, cpu_time_s=policy.session.cpu_time_s),
+            tools=tuple(ToolSpec.from_wire(t) for t in saved.get("tools", ())),
+            requested=requested, idle_s=float(saved.get("idle_s", policy.session.idle_s)),
+            max_lifetime_s=float(saved.get("max_lifetime_s", policy.session.max_lifetime_s)),
+            pause_after_s=float(saved.get("pause_after_s", 0.0)))
+
+    async def _continue_run(self, sess: JailSession, run: DurableRun,
+                            host: ClientConnection) -> None:
+        state = run.state_id
+        assert state is not None
+        try:
+            _, blob = await asyncio.to_thread(self.store.load, run.owner_key, state)
+        except JaildError as exc:
+            failed: JaildError | None = exc
+            blob = None
+        else:
+            failed = await self._start_jail(sess, state, blob)
+        if failed is not None or sess.closed is not None:
+            run.continuing = False
+            run.host = None  # it stays parked: ResumeRun again
+            sess.busy = None
+            host.send_error(failed or InternalError(f"session {sess.id} was closed"),
+                            job_id=run.job_id)
+            if isinstance(failed, UnknownSnapshot) and self.approvals is not None:
+                self.approvals.drop(run, f"its session's state is gone: {failed.message}")
+            elif sess.owner is host and sess.closed is None:
+                self._forget(sess)  # detached again, as before the attempt
+                host.start(self._retire(sess.jail, "the parked run did not go on"))
+            return
+        run.before = blob
+        sess.paused = None
+        sess.parked_run = None
+        loop = asyncio.get_running_loop()
+        sess.reopened()
+        sess.life_timer = loop.call_later(
+            sess.max_lifetime_s, self.close, sess, "lifetime",
+            f"the session reached its maximum lifetime of {sess.max_lifetime_s:g} s")
+        host.start(self._watch(sess, sess.jail))
+        self.observers.audit.session(host.peer, "continued", sess.id, sess.policy.name,
+                                     reason=run.job_id)
+        run.restart_jail()
+        run.jail = sess.jail
+        limits = admission.limits_for(sess.policy, {**sess.terms.requested, **run.requested})
+        spec = JobSpec(run.job_id, sess.policy, limits, run.job, keep=True,
+                       tenant=host.peer.principal.key)
+        placed = placement.Placed(spec, sess.jail, run.route, run.output, sess)
+        self.registry.add_job(LiveJob(run.job_id, sess.jail, host, sess, memory_mb=0))
+        assert self.run_placed is not None
+        await self.run_placed(host, placed, run)
 
     def _forget(self, sess: JailSession) -> None:
         registry = self.registry

@@ -25,6 +25,8 @@ Snapshots count against the principal's quota (bytes and count); each has a TTL
 (``expires``) after which :meth:`SnapshotStore.sweep` (at start, and on every save)
 deletes it. A paused session's state is a snapshot of ``kind = "pause"``; it is deleted
 when the session resumes or ends, and at start (its session did not survive the daemon).
+A session's state before a run parked for approval is of ``kind = "parked"``: it stays
+until that run ends or is dropped.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import os
 import secrets
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 from jaild.daemon.core.peer import Tenant
@@ -161,10 +163,10 @@ class SnapshotStore:
         kept = list(self._entries(os.path.join(self.root, _owner_dir(owner)), owner))
         return Usage(len(kept), sum(e.bytes for e in kept))
 
-    def sweep(self, pauses_too: bool = False) -> int:
-        """Delete expired snapshots (and, with ``pauses_too``, every paused session's: at
-        start), half-written files and anything else the store did not make. Returns how
-        many snapshots went."""
+    def sweep(self, pauses_too: bool = False, keep: Collection[str] = ()) -> int:
+        """Delete expired snapshots (and, with ``pauses_too``, every paused session's state
+        and every parked run's not in ``keep``: at start), half-written files and anything
+        else the store did not make. Returns how many snapshots went."""
         gone = 0
         now = self._clock()
         for directory in self._owner_dirs():
@@ -176,7 +178,8 @@ class SnapshotStore:
                 elif ext == "snap" and f"{stem}.json" not in names:
                     self._unlink(directory, name)  # its entry was never written
             for entry in self._entries(directory, None):
-                if entry.expires <= now or (pauses_too and entry.kind == "pause"):
+                stale = entry.kind == "pause" or (entry.kind == "parked" and entry.id not in keep)
+                if entry.expires <= now or (pauses_too and stale):
                     self._remove(directory, entry.id)
                     gone += 1
         return gone

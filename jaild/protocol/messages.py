@@ -375,6 +375,9 @@ class JobAccepted(Message):
     TYPE = "JobAccepted"
     ref: int = field(_ref)
     job_id: str = field(_job_id)
+    session_id: str | None = field(optional(_session_id), default=None)
+    """A resumed parked run of a session (``ResumeRun``): once it goes on, the session is this
+    connection's."""
 
 
 @struct
@@ -477,6 +480,8 @@ class RunParked(Message):
     job_id: str = field(_job_id)
     call_id: int = field(_call_id)
     message: str = field(_text, default="")
+    session_id: str | None = field(optional(_session_id), default=None)
+    """A session's run: the session is paused with it (its runs wait until it goes on)."""
 
 
 @struct

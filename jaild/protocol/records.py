@@ -372,6 +372,8 @@ class ApprovalEntry(Report):
     """Its jail is gone; the run waits on disk (it survives a daemon restart)."""
     attached: bool = field(boolean())
     """A connection of its owner's waits to host its tools (else one must ``ResumeRun``)."""
+    session: str | None = field(optional(_session_id), default=None)
+    """The session whose run it is (None: a one-shot run)."""
 
 
 @struct
@@ -388,8 +390,10 @@ class SnapshotEntry(Report):
     """Unix time the daemon deletes it."""
     session: str = field(_session_id)
     """The session it was taken from."""
-    kind: str = field(one_of("snapshot", "pause"), default="snapshot")
-    """``pause``: the state of a paused session (deleted when it resumes or ends)."""
+    kind: str = field(one_of("snapshot", "pause", "parked"), default="snapshot")
+    """``pause``: the state of a paused session (deleted when it resumes or ends);
+    ``parked``: a session's state before its run parked for approval (deleted when the run
+    ends or is dropped)."""
     sha256: str = field(string(64, min_len=64, pattern=r"[0-9a-f]{64}"), default="0" * 64)
 
 
@@ -412,8 +416,10 @@ class JobEntry(Report):
     uid: int | None = field(optional(integer(0, (1 << 32) - 1)))
     """The owner's uid; nil for a network client (its ``principal`` says who)."""
     client_pid: int = field(integer(0, (1 << 32) - 1))
-    state: str = field(one_of("starting", "running", "idle", "paused"))
-    """``paused``: a session paused to disk, holding no jail (its next run restores it)."""
+    state: str = field(one_of("starting", "running", "idle", "paused", "parked"))
+    """``paused``: a session paused to disk, holding no jail (its next run restores it);
+    ``parked``: paused with its run, which waits for an approval past the policy's
+    ``approvals.park_after_s`` (it goes on once the call is decided)."""
     age_s: float = field(_seconds)
     session: str | None = field(optional(_session_id), default=None)
     """A job's session (jobs only; nil for a one-shot job)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jaild import Client
-from jaild.errors import UnknownJob
+from jaild.errors import Busy, UnknownJob
 from tests.conftest import DaemonHandle, ForeignClient, guard, start_daemon, sweep_cgroups
 
 pytestmark = pytest.mark.integration
@@ -81,6 +81,8 @@ def daemons(world_dir: Path, tmp_path: Path) -> Iterator[Callable[..., DaemonHan
         return handle
 
     yield start
+    if os.environ.get("JAILD_TEST_SHOW_LOG"):
+        print(handles[-1].log()[-8000:])
     handles[-1].stop()
     sweep_cgroups(handles[-1])
 
@@ -232,3 +234,122 @@ def test_the_cli_lists_and_decides_calls(daemons: Callable[..., DaemonHandle]) -
         assert out.returncode == 0 and "denied" in out.stdout
         r = job.result(timeout=guard(60))
     assert r.status == "error" and host.calls == {"search": 1, "send": 0}
+
+
+# -- session runs: the session is parked with its run, and goes on after it
+
+SESSION_RUN = """\
+x += 1
+print("before")
+found = tools.search("x")
+sent = tools.send(found)
+(x, sent)
+"""
+
+
+def session_cgroups(handle: DaemonHandle, session_id: str) -> list[str]:
+    """The cgroups of the session's jails that still exist."""
+    parent = handle.cgroup_dir(session_id).parent
+    return sorted(p.name for p in parent.glob(f"{session_id}*")) if parent.exists() else []
+
+
+def test_a_session_run_parks_with_its_session_and_goes_on_after_the_decision(
+        daemons: Callable[..., DaemonHandle]) -> None:
+    """On one connection: the run waits past ``park_after_s``, the session's jail and cgroup
+    go (``ps`` shows it parked, further runs are refused as busy); approved, the session
+    comes back in a fresh jail with its state from *before* the run (``x`` incremented
+    once, not twice: the run was replayed on that state), and goes on."""
+    handle = daemons(park=0.5)
+    host = Host()
+    with Client(handle.socket) as c, c.session("durable", tools=host.tools) as s:
+        assert s.run("x = 1\nopen('kept.txt', 'w').write('on disk')").status == "ok"
+        job = s.submit(SESSION_RUN)
+        entry = wait_for(lambda: [a for a in c.approvals() if a["parked"]])[0]  # type: ignore[index]
+        assert entry["session"] == s.id and entry["attached"]
+        wait_for(lambda: session_cgroups(handle, s.id or "") == [])
+        [row] = [j for j in c.jobs() if j["id"] == s.id]
+        assert row["state"] == "parked"
+        with pytest.raises(Busy, match="parked for approval"):
+            s.run("x")
+        c.approve(job.job_id, entry["call_id"], True, "fine")
+        r = job.result(timeout=guard(60))
+        assert r.status == "ok", (r.status, r.error)
+        assert r.result == [2, "sent ['x', 'hit']"]
+        assert (r.session["id"], r.session["run"], r.session["closed"]) == (s.id, 2, None)
+        after = s.run("(x, open('kept.txt').read())")
+        assert after.result == [2, "on disk"] and after.session["run"] == 3
+        assert [e for e in c.snapshots() if e["kind"] == "parked"] == []  # its state went
+    assert host.calls == {"search": 1, "send": 1}
+
+
+def test_a_parked_session_survives_its_client_and_a_restart(
+        daemons: Callable[..., DaemonHandle], foreign_client: ForeignClient) -> None:
+    """The client leaves and the daemon restarts while the session's run waits: uid 65534
+    neither sees nor decides it; root, on a new connection, approves and resumes it, and
+    gets the session back (its state, its files) on that connection, the tool called once."""
+    handle = daemons(park=600)  # parks because its client leaves
+    host = Host()
+    with Client(handle.socket) as c:
+        s = c.session("durable", tools=host.tools).open()
+        s.run("x = 41\nimport json\njson.jaild_mark = 'kept'\nopen('f.txt', 'w').write('f')")
+        job = s.submit(SESSION_RUN)
+        entry = wait_for(c.approvals)[0]  # type: ignore[index]
+    handle = daemons(park=600, restart=True)
+    out = foreign_client.run(APPROVE_AS_NOBODY, handle.socket, job.job_id,
+                             str(entry["call_id"]), uid=65534, gid=65534)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [0, UnknownJob.code]
+    with Client(handle.socket) as c2:
+        [again] = c2.approvals()
+        assert again["parked"] and not again["attached"] and again["session"] == s.id
+        assert [j for j in c2.jobs() if j["id"] == s.id] == []  # detached: no jail, no row
+        [state] = [e for e in c2.snapshots() if e["kind"] == "parked"]
+        assert state["session"] == s.id
+        c2.approve(job.job_id, entry["call_id"], True)
+        printed: list[str] = []
+        resumed = c2.resume_run(job.job_id, host.tools, on_stdout=printed.append)
+        r = resumed.result(timeout=guard(60))
+        assert r.status == "ok", (r.status, r.error)
+        assert r.result == [42, "sent ['x', 'hit']"] and "".join(printed) == ""
+        back = resumed.session
+        assert back is not None and back.id == s.id
+        after = back.run("(x, json.jaild_mark, open('f.txt').read())")
+        assert after.status == "ok" and after.result == [42, "kept", "f"]
+        [row] = [j for j in c2.jobs() if j["id"] == s.id]
+        assert row["state"] == "idle" and session_cgroups(handle, s.id or "") != []
+        back.close()
+        assert c2.snapshots() == []
+    assert host.calls == {"search": 1, "send": 1}
+
+
+def test_closing_a_parked_session_drops_its_run(daemons: Callable[..., DaemonHandle]) -> None:
+    handle = daemons(park=0.3)
+    host = Host()
+    with Client(handle.socket) as c:
+        s = c.session("durable", tools=host.tools).open()
+        s.run("x = 1")
+        job = s.submit(SESSION_RUN)
+        entry = wait_for(lambda: [a for a in c.approvals() if a["parked"]])[0]  # type: ignore[index]
+        s.close()
+        assert c.approvals() == [] and c.snapshots() == []
+        with pytest.raises(UnknownJob):
+            c.approve(job.job_id, entry["call_id"], True)
+    assert host.calls == {"search": 1, "send": 0}
+
+
+def test_a_session_whose_state_cannot_be_taken_waits_live(
+        daemons: Callable[..., DaemonHandle]) -> None:
+    """An open file in the session: its state cannot be taken before the run, so the run
+    cannot park; its call waits live (the daemon says why) and is decided live."""
+    handle = daemons(park=0.3)
+    host = Host()
+    with Client(handle.socket) as c, c.session("durable", tools=host.tools) as s:
+        s.run("x = 1\nf = open('/tmp/open.txt', 'w')")
+        job = s.submit(SESSION_RUN)
+        entry = wait_for(c.approvals)[0]  # type: ignore[index]
+        wait_for(lambda: f"run {job.job_id} cannot park" in handle.log())
+        assert not c.approvals()[0]["parked"]
+        c.approve(job.job_id, entry["call_id"], True)
+        r = job.result(timeout=guard(60))
+        assert r.status == "ok" and r.result == [2, "sent ['x', 'hit']"]
+    assert host.calls == {"search": 1, "send": 1}

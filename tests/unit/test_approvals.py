@@ -100,6 +100,43 @@ def test_a_parked_run_is_read_back_as_it_was_written(tmp_path: Path) -> None:
         (2, 9, "send")
     assert back.decision == (True, "fine", "uid 0") and back.parked and back.host is None
     assert back.job.tools[0].name == "send" and back.requested == {"wall_time_s": 5}
+    assert back.session_id is None and again.states() == set()
+
+
+def test_a_parked_session_run_keeps_what_re_opens_its_session(tmp_path: Path) -> None:
+    """A session's run: its session's id, the terms it was opened with and its state's
+    snapshot id come back from disk (the state itself is in the snapshot store), and the
+    start's sweep is told to keep that state."""
+    from jaild.daemon.approvals import Held
+
+    pol = policy()
+    svc = service(tmp_path, pol)
+    r = run(svc, pol)
+    r.session_id, r.state_id = "ses-0123456789abcdef", "snap-" + "b" * 32
+    r.session_terms = {"tools": [{"name": "send"}], "requested": {"memory_mb": 64.0},
+                       "idle_s": 30.0, "max_lifetime_s": 600.0, "pause_after_s": 0.0, "run": 3}
+    r.before = b"never on disk"
+    r.held = Held(0, 1, "send", b"\x04", 12.5)
+    r.parked, r.parked_at = True, 10**10
+    svc.save(r)
+    assert b"never on disk" not in (tmp_path / "parked" / "job-1.run").read_bytes()
+    again = service(tmp_path, pol)
+    assert again.load() == 1
+    back = again.runs["job-1"]
+    assert (back.session_id, back.state_id, back.before) == (r.session_id, r.state_id, None)
+    assert back.session_terms == r.session_terms and back.can_park
+    assert again.states() == {r.state_id}
+    assert again.session_run(r.session_id) is back
+
+
+def test_a_session_run_without_its_state_cannot_park(tmp_path: Path) -> None:
+    pol = policy()
+    r = run(service(tmp_path, pol), pol)
+    assert r.can_park  # a one-shot run
+    r.session_id = "ses-0123456789abcdef"
+    assert not r.can_park  # its state before the run was not taken: it waits live
+    r.before = b"state"
+    assert r.can_park
 
 
 def test_junk_on_disk_is_dropped(tmp_path: Path) -> None:

@@ -177,7 +177,7 @@ APPROVAL = {"job_id": JOB, "call_id": 1, "tool": "search",
             "waiting_s": 12.5, "parked": False, "attached": True}
 PARKED_APPROVAL = {**APPROVAL, "call_id": MAX_REF, "tool": "t" * MAX_NAME_CHARS,
                    "args": b"x" * (1 << 20), "owner": "o" * 1024, "waiting_s": 0.0,
-                   "parked": True, "attached": False}
+                   "parked": True, "attached": False, "session": "ses-" + "a" * 60}
 STATS = {"since": 1.0, "policies": {"default": TOTALS}, "uids": {"0": TOTALS},
          "pods": {"agents/agent-7f9c": TOTALS}, "principals": {"spiffe://jaild.test/agent/alice": TOTALS}, "running": {"jobs": 0, "sessions": 0, "connections": 1}, "pools": {"default": POOL},
          "metrics": {"jobs": {}}}
@@ -257,6 +257,7 @@ SAMPLES: dict[str, list[Message]] = {
         Welcome(protocol=PROTOCOL_VERSION),
         Welcome(protocol=PROTOCOL_VERSION, daemon="jaild/0.1.0"),
         JobAccepted(ref=1, job_id=JOB),
+        JobAccepted(ref=1, job_id=JOB, session_id="ses-0123456789abcdef"),
         JobOutput(job_id=JOB, stream="stdout", data=b"hello\n"),
         JobOutput(job_id=JOB, stream="stderr", data=b"\xff\xfe not utf-8"),
         ClientCallTool(job_id=JOB, call_id=0, name="search", args=msgpack.packb([[], {}])),
@@ -288,6 +289,7 @@ SAMPLES: dict[str, list[Message]] = {
         ApprovalPending(job_id="a" * 64, call_id=MAX_REF, name="n" * MAX_NAME_CHARS, args=b""),
         RunParked(job_id=JOB, call_id=1),
         RunParked(job_id=JOB, call_id=MAX_REF, message="parked after 300 s ✓"),
+        RunParked(job_id=JOB, call_id=1, session_id="ses-0123456789abcdef"),
         ApprovalRecorded(ref=17, job_id=JOB, call_id=1, allow=True),
         ApprovalRecorded(ref=MAX_REF, job_id=JOB, call_id=MAX_REF, allow=False),
         ApprovalList(ref=19, approvals=()),
@@ -1310,6 +1312,7 @@ def test_positive_control_the_same_messages_without_the_defect_are_built() -> No
     SnapshotTaken(ref=1, snapshot=SNAPSHOT)  # type: ignore[arg-type]
     ApprovalList(ref=1, approvals=[{**APPROVAL, "args": b"x" * (1 << 20)}])  # type: ignore[arg-type]
     JobList(ref=1, jobs=[{**JOB_ENTRY, "state": "paused"}])  # type: ignore[arg-type]
+    JobList(ref=1, jobs=[{**JOB_ENTRY, "state": "parked"}])  # type: ignore[arg-type]
 
 
 def test_messages_are_frozen_and_normalised() -> None:

@@ -284,7 +284,7 @@ snapshot_entry = st.builds(
 approval_entry = st.builds(
     ApprovalEntry, job_id=job_id, call_id=count, tool=text(1, 128), args=payload,
     policy=policy_name, owner=text(max_size=1024), waiting_s=seconds, parked=st.booleans(),
-    attached=st.booleans(),
+    attached=st.booleans(), session=st.none() | session_id,
 )
 daemon_stats = st.builds(
     DaemonStats,
@@ -360,7 +360,8 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         ApprovalPending,
         {"job_id": job_id, "call_id": ref, "name": text(1, 128), "args": payload},
     ),
-    RunParked: message(RunParked, {"job_id": job_id, "call_id": ref}, {"message": text()}),
+    RunParked: message(RunParked, {"job_id": job_id, "call_id": ref},
+                       {"message": text(), "session_id": session_id}),
     ApprovalRecorded: message(
         ApprovalRecorded,
         {"ref": ref, "job_id": job_id, "call_id": ref, "allow": st.booleans()},
@@ -394,7 +395,8 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         {"job_id": job_id, "call_id": ref, "error_type": text(1, 256), "message": text()},
     ),
     Welcome: message(Welcome, {"protocol": version}, {"daemon": text(max_size=256)}),
-    JobAccepted: message(JobAccepted, {"ref": ref, "job_id": job_id}),
+    JobAccepted: message(JobAccepted, {"ref": ref, "job_id": job_id},
+                         {"session_id": session_id}),
     JobOutput: message(
         JobOutput,
         {"job_id": job_id, "stream": st.sampled_from(["stdout", "stderr"]), "data": payload},

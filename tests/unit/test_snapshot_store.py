@@ -96,6 +96,16 @@ def test_the_sweep_at_start_drops_pauses_and_strays(tmp_path: Path) -> None:
     assert sorted(p.name for p in directory.iterdir()) == [f"{kept}.json", f"{kept}.snap"]
 
 
+def test_the_sweep_at_start_keeps_only_the_parked_runs_states_it_is_told_of(
+        tmp_path: Path) -> None:
+    s = store(tmp_path)
+    waiting = save(s, 1, kind="parked")
+    save(s, 1, kind="parked")  # its run is gone (dropped, or lost in a crash)
+    assert s.sweep(pauses_too=True, keep={waiting}) == 1
+    assert [e.id for e in s.entries(1)] == [waiting]
+    assert s.sweep() == 0  # a sweep on a save keeps every state that has not expired
+
+
 def test_damaged_bytes_are_never_handed_out(tmp_path: Path) -> None:
     s = store(tmp_path)
     sid = save(s, 1, b"original")
