@@ -81,8 +81,6 @@ def daemons(world_dir: Path, tmp_path: Path) -> Iterator[Callable[..., DaemonHan
         return handle
 
     yield start
-    if os.environ.get("JAILD_TEST_SHOW_LOG"):
-        print(handles[-1].log()[-8000:])
     handles[-1].stop()
     sweep_cgroups(handles[-1])
 
@@ -247,6 +245,16 @@ sent = tools.send(found)
 """
 
 
+RESUME_AS_NOBODY = (
+    "import sys, json\nfrom jaild.client import Client\nfrom jaild.errors import JaildError\n"
+    "c = Client(sys.argv[1])\n"
+    "def search(q): return []\ndef send(x): return 'stolen'\n"
+    "try:\n    c.resume_run(sys.argv[2], [search, send])\n    out = 'resumed'\n"
+    "except JaildError as e:\n    out = e.code\n"
+    "print(json.dumps(out))\n"
+)
+
+
 def session_cgroups(handle: DaemonHandle, session_id: str) -> list[str]:
     """The cgroups of the session's jails that still exist."""
     parent = handle.cgroup_dir(session_id).parent
@@ -299,6 +307,9 @@ def test_a_parked_session_survives_its_client_and_a_restart(
                              str(entry["call_id"]), uid=65534, gid=65534)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [0, UnknownJob.code]
+    out = foreign_client.run(RESUME_AS_NOBODY, handle.socket, job.job_id, uid=65534, gid=65534)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == UnknownJob.code  # nor take its session over
     with Client(handle.socket) as c2:
         [again] = c2.approvals()
         assert again["parked"] and not again["attached"] and again["session"] == s.id
