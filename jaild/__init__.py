@@ -15,10 +15,10 @@ if TYPE_CHECKING:
     from jaild.client import AsyncClient, Client, JobResult
     from jaild.errors import JaildError
     from jaild.fleet import AsyncFleet, Fleet
-    from jaild.toolspec import tool
+    from jaild.toolspec import Labeled, tool
 
 __all__ = ["AsyncClient", "AsyncFleet", "Client", "Fleet", "JaildError", "JobResult",
-           "__version__", "tool"]
+           "Labeled", "__version__", "tool"]
 
 
 def __getattr__(name: str) -> Any:
@@ -30,10 +30,10 @@ def __getattr__(name: str) -> Any:
         from jaild import fleet
 
         return getattr(fleet, name)
-    if name == "tool":
-        from jaild.toolspec import tool
+    if name in ("tool", "Labeled"):
+        from jaild import toolspec
 
-        return tool
+        return getattr(toolspec, name)
     if name == "JaildError":
         from jaild.errors import JaildError
 

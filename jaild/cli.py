@@ -718,7 +718,7 @@ def cmd_policy_explain(args: argparse.Namespace) -> int:
         nsjail_config,
         zygote_argv,
     )
-    from jaild.policy.schema import load_policy_dir
+    from jaild.policy.schema import flow_rules, load_policy_dir
     from jaild.policy.seccomp import build_spec
     from jaild.runtime.seccomp import explain
 
@@ -773,6 +773,11 @@ def cmd_policy_explain(args: argparse.Namespace) -> int:
             print(f"inject: {inj.header} for {inj.host} (HTTPS intercepted), value from "
                   f"{inj.value_env}")
         print()
+    rules = flow_rules(policy).describe()
+    if rules:
+        print("# information flow: labels on tool results, and what closes once a job holds "
+              "one (docs/using/flow.md)")
+        print("\n".join(rules) + "\n")
     spec = build_spec(policy.seccomp_choice, network=policy.network.mode != "none")
     print("# seccomp filters loaded by the in-jail runtime (libseccomp pseudo-code)")
     print(explain(spec))
@@ -927,7 +932,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--state-dir", help="where envs live, for the env check")
     c.add_argument("--offline", action="store_true", help="skip checks that look at this host")
     c.set_defaults(func=cmd_policy_check)
-    e = psub.add_parser("explain", help="show the nsjail arguments and seccomp filter of a policy")
+    e = psub.add_parser(
+        "explain", help="show the nsjail arguments, seccomp filter and flow rules of a policy")
     e.add_argument("name", help="the policy's name (its file's, without .toml)")
     e.add_argument("--policies", help="policy directory (default: /etc/jaild/policies or the "
                                       "checkout's)")

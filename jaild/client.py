@@ -114,7 +114,7 @@ from jaild.protocol.messages import (
 )
 from jaild.protocol.messages import SessionPaused as SessionPausedMsg
 from jaild.protocol.records import JobRecord
-from jaild.toolspec import HostTool, normalize_tools
+from jaild.toolspec import HostTool, Labeled, normalize_tools
 from jaild.transfer import Uploads, load_uploads, save_files
 
 log = logging.getLogger("jaild.client")
@@ -165,6 +165,10 @@ class JobResult:
     egress: dict[str, Any] | None = None
     """An egress policy's traffic: requests, bytes in and out, hosts, refusals
     (docs/using/egress.md). None for a policy without egress."""
+    flow: dict[str, Any] | None = None
+    """The labels the job holds, the sends they closed and what was withheld from you
+    (docs/using/flow.md). None when the job received no labelled result and nothing was
+    refused by a flow rule."""
     _record: JobRecord | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -1374,10 +1378,14 @@ class AsyncClient:
                 value = await asyncio.get_running_loop().run_in_executor(
                     self._executor, functools.partial(tool.handler, *args, **kwargs)
                 )
+            labels: tuple[str, ...] = ()
+            if isinstance(value, Labeled):
+                value, labels = value.value, value.labels
             packed = pack(value)
             if len(packed) > TOOL_RESULT_LIMIT:
                 raise ValueError(f"result of {call.name} is {len(packed)} bytes; too large to send")
-            reply = ClientToolReturned(job_id=job_id, call_id=call.call_id, value=packed)
+            reply = ClientToolReturned(job_id=job_id, call_id=call.call_id, value=packed,
+                                       labels=labels)
         except asyncio.CancelledError:
             raise
         except _Denied as exc:

@@ -60,7 +60,7 @@ import re
 import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +69,7 @@ from jaild.address import add_tls_arguments
 from jaild.client import Approver, AsyncClient, AsyncSession, JobResult
 from jaild.errors import SessionClosed
 from jaild.extras import require
-from jaild.toolspec import HostTool, describe_network, normalize_tools
+from jaild.toolspec import HostTool, describe_flow, describe_network, normalize_tools
 
 if TYPE_CHECKING:
     from langchain_core.tools import BaseTool
@@ -153,7 +153,8 @@ def _discovery_line(tools: Mapping[str, HostTool]) -> str:
 
 
 def build_system_prompt(
-    tools: Mapping[str, HostTool], instructions: str = "", network: str = ""
+    tools: Mapping[str, HostTool], instructions: str = "", network: str = "",
+    flow: Sequence[str] = (),
 ) -> str:
     """The system message: the jail's conventions, then every tool with its schema.
 
@@ -162,6 +163,8 @@ def build_system_prompt(
         instructions: extra text appended at the end (house rules, output format, ...).
         network: the policy's network in words (:func:`jaild.toolspec.describe_network`);
             empty: the usual "normally no network".
+        flow: the policy's information-flow rules in words (``PolicyEntry.flow``): which
+            sends close once the program has read labelled data.
 
     Returns:
         The prompt text.
@@ -172,6 +175,7 @@ def build_system_prompt(
         "(other packages only if the sandbox has them). It reaches the outside world through "
         "the host tools listed below.",
         *([f"Network: {network}"] if network else []),
+        *describe_flow(flow),
         "",
         "Rules:",
         "- Reply with the complete program in a single ```python code block.",
@@ -663,6 +667,7 @@ class CodeMode:
         self.api_key = api_key
         self.policy = policy
         self.network = ""  # the policy's network in words, read from the daemon at first use
+        self.flow: tuple[str, ...] = ()  # its information-flow rules in words (likewise)
         self.max_retries = max_retries
         self.socket = socket
         self.timeout = timeout
@@ -683,7 +688,7 @@ class CodeMode:
 
     @property
     def system_prompt(self) -> str:
-        return build_system_prompt(self.tools, self.instructions, self.network)
+        return build_system_prompt(self.tools, self.instructions, self.network, self.flow)
 
     async def __aenter__(self) -> CodeMode:
         """Keep one daemon connection (and, with ``session=True``, one session) until exit."""
@@ -736,6 +741,7 @@ class CodeMode:
         for entry in await client.policies():
             if entry["name"] == self.policy:
                 self.network = describe_network(entry["network"], entry.get("egress", ()))
+                self.flow = tuple(entry.get("flow", ()))
 
     @contextlib.asynccontextmanager
     async def _model(self) -> AsyncIterator[AsyncOpenAI]:

@@ -93,7 +93,7 @@ from jaild.providers import (
     ToolProviders,
     one_line,
 )
-from jaild.toolspec import HostTool, describe_network
+from jaild.toolspec import HostTool, describe_flow, describe_network
 
 log = logging.getLogger("jaild.mcp")
 
@@ -153,7 +153,8 @@ def _signature(tool: HostTool) -> str:
 
 
 def describe_run_python(
-    tools: dict[str, HostTool], persistent: bool, network: str = ""
+    tools: dict[str, HostTool], persistent: bool, network: str = "",
+    flow: tuple[str, ...] = (),
 ) -> str:
     """The ``run_python`` description: how to write code for jaild, its network (the
     policy's, in words: :func:`jaild.toolspec.describe_network`), and every tool."""
@@ -183,6 +184,7 @@ def describe_run_python(
             if persistent
             else "- Each call runs in a fresh jail: nothing persists between calls."
         ),
+        *describe_flow(flow),
         "",
     ]
     if tools:
@@ -341,6 +343,7 @@ class JaildMcpServer:
         self._connecting = asyncio.Lock()
         self._sessions: dict[Any, _McpSession] = {}
         self.network = ""  # the policy's network, in words (read from the daemon at connect)
+        self.flow: tuple[str, ...] = ()  # its information-flow rules, in words (likewise)
 
     async def connect(self) -> None:
         """Connect to the daemon and learn the policy's network (what ``run_python``'s
@@ -349,6 +352,7 @@ class JaildMcpServer:
         for entry in await client.policies():
             if entry["name"] == self.policy:
                 self.network = describe_network(entry["network"], entry.get("egress", ()))
+                self.flow = tuple(entry.get("flow", ()))
 
     async def _jaild(self) -> AsyncClient:
         async with self._connecting:
@@ -384,7 +388,7 @@ class JaildMcpServer:
 
         from jaild import __version__
 
-        description = describe_run_python(self.tools, self.persistent, self.network)
+        description = describe_run_python(self.tools, self.persistent, self.network, self.flow)
         tool = types.Tool(
             name=TOOL,
             title="Run Python in a jail",

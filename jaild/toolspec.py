@@ -34,6 +34,10 @@ class HostTool:
     """This tool's call timeout (the daemon caps it at the policy's ``tool_call_timeout_s``)."""
     approval: bool = False
     """Every call waits for the client's ``approve`` callback before the handler runs."""
+    labels: tuple[str, ...] = ()
+    """Information-flow labels every result carries (docs/using/flow.md)."""
+    protected: bool = False
+    """Its arguments must not depend on untrusted data (docs/using/flow.md)."""
 
     @property
     def is_async(self) -> bool:
@@ -46,7 +50,24 @@ class HostTool:
             parameters=self.parameters,
             timeout_s=self.timeout_s,
             approval=self.approval,
+            labels=self.labels,
+            protected=self.protected,
         )
+
+
+@dataclass(frozen=True)
+class Labeled:
+    """A tool's result with labels of its own: ``return Labeled(rows, "user:alice")``.
+
+    The daemon adds ``labels`` (beside the tool's and the policy's) to the labels of the job
+    before the jail sees ``value`` (docs/using/flow.md)."""
+
+    value: Any
+    labels: tuple[str, ...]
+
+    def __init__(self, value: Any, *labels: str) -> None:
+        object.__setattr__(self, "value", value)
+        object.__setattr__(self, "labels", tuple(labels))
 
 
 _OPTIONS = "__jaild_tool__"
@@ -58,15 +79,20 @@ def tool(
     name: str | None = None,
     timeout_s: float | None = None,
     approval: bool = False,
+    labels: Iterable[str] = (),
+    protected: bool = False,
 ) -> Any:
     """Mark a function as a tool with options: ``@tool(approval=True, timeout_s=5)``.
 
     ``approval``: each call first asks the client's ``approve`` callback (a denial surfaces
     in the jail as ``ToolError`` with ``error_type == "denied"``). ``timeout_s``: this tool's
-    call timeout. The function itself is returned unchanged."""
+    call timeout. ``labels``: information-flow labels every result carries (``private``,
+    ``untrusted``); ``protected``: its arguments must not depend on untrusted data
+    (docs/using/flow.md). The function itself is returned unchanged."""
 
     def mark(f: Callable[..., Any]) -> Callable[..., Any]:
-        setattr(f, _OPTIONS, {"name": name, "timeout_s": timeout_s, "approval": approval})
+        setattr(f, _OPTIONS, {"name": name, "timeout_s": timeout_s, "approval": approval,
+                              "labels": tuple(labels), "protected": protected})
         return f
 
     return mark(fn) if fn is not None else mark
@@ -172,6 +198,8 @@ def tool_from_function(fn: Callable[..., Any], name: str | None = None) -> HostT
         fn,
         timeout_s=options.get("timeout_s"),
         approval=bool(options.get("approval")),
+        labels=tuple(options.get("labels", ())),
+        protected=bool(options.get("protected")),
     )
 
 
@@ -212,6 +240,23 @@ def load_tools_file(path: str) -> dict[str, HostTool]:
         if not attr.startswith("_") and inspect.isfunction(obj) and obj.__module__ == module_name
     ]
     return normalize_tools(functions)
+
+
+def describe_flow(flow: Iterable[str]) -> list[str]:
+    """A policy's information-flow rules (``PolicyEntry.flow``), as a model's prompt says
+    them: what closes once the program has read labelled data (docs/using/flow.md)."""
+    rules = list(flow)
+    if not rules:
+        return []
+    return [
+        "Information flow (enforced outside the sandbox, whatever the code does): tool "
+        "results carry labels, and once the program has read labelled data some ways out "
+        "close for the rest of the run (and of the session):",
+        *(f"- {rule}" for rule in rules),
+        "A closed send fails: a tool call raises ToolError (error_type flow_denied or "
+        "integrity), an HTTP request gets 403 naming the label. Make such sends before "
+        "reading the labelled data, or leave them to the user.",
+    ]
 
 
 def describe_network(mode: str, egress: Iterable[str] = ()) -> str:

@@ -381,6 +381,11 @@ class JobTrace:
                     attributes[f"jaild.error.{key}"] = value
         if self._untraced:
             attributes["jaild.tool_calls.untraced"] = self._untraced
+        if record.flow is not None:  # label names, never values
+            attributes["jaild.flow.labels"] = ",".join(record.flow.labels)
+            attributes["jaild.flow.refused"] = len(record.flow.refusals)
+            if record.flow.withheld:
+                attributes["jaild.flow.withheld"] = ",".join(record.flow.withheld)
         job = tracer.start_span("jaild.job", self._parent, SpanKind.SERVER,
                                 start_time=clock.ns(started), attributes=attributes)
         if record.status == "internal_error":

@@ -62,6 +62,7 @@ import msgpack
 
 from jaild.daemon.core import admission
 from jaild.daemon.core.peer import Peer
+from jaild.daemon.flowgate import flow_released
 from jaild.daemon.jails.job import CallReply, JailedJob, JobSpec, Reply
 from jaild.daemon.registry import ClientConnection, LiveJob, Registry
 from jaild.errors import (
@@ -139,6 +140,7 @@ class Journaled:
     args: bytes
     ok: bool
     value: Any  # ok: the packed value (bytes); else [error type, message]
+    labels: tuple[str, ...] = ()  # the reply's own (the replay gives them again)
 
 
 @dataclass
@@ -176,6 +178,7 @@ class DurableRun:
     session_id: str | None = None  # a session's run: the session
     session_terms: dict[str, Any] | None = None  # what re-opens it after its connection went
     before: bytes | None = None  # the session's state before the run (memory only)
+    before_labels: tuple[str, ...] = ()  # the session's labels then
     state_id: str | None = None  # once parked: ``before`` in the snapshot store
     _replay_upto: int = 0  # calls of the current jail answered from the journal
     _calls: int = 0  # calls routed in the current jail
@@ -225,7 +228,7 @@ class DurableRun:
                 self.jail.cancel(f"replay_diverged: {why}")
             return reply
         value = entry.value if entry.ok else tuple(entry.value)
-        reply.resolve(entry.ok, value)
+        reply.resolve(entry.ok, value, entry.labels)
         return reply
 
     def _decided_after_replay(self, call_id: int, name: str, args: bytes) -> CallReply:
@@ -281,10 +284,11 @@ class DurableRun:
                 outer.lost()
                 return
             ok, value = reply
-            self.journal.append(Journaled(name, args, ok, value if ok else list(value)))
+            self.journal.append(Journaled(name, args, ok, value if ok else list(value),
+                                          inner.labels))
             if self.dispatched:
                 self._live()
-            outer.resolve(ok, value)
+            outer.resolve(ok, value, inner.labels)
 
         inner.listen(replied)
         return outer
@@ -360,7 +364,8 @@ class DurableRun:
             except ConnectionLost:
                 reply.lost()
                 return
-        answer.listen(lambda r: reply.lost() if r is None else reply.resolve(*r))
+        answer.listen(lambda r: reply.lost() if r is None
+                      else reply.resolve(r[0], r[1], answer.labels))
 
     def restart_jail(self) -> None:
         """A continuation begins: replay the journal, then the decided call."""
@@ -382,7 +387,7 @@ class DurableRun:
             "policy": self.policy.name,
             "job": self.job.to_wire(),
             "requested": self.requested,
-            "journal": [[j.name, j.args, j.ok, j.value] for j in self.journal],
+            "journal": [[j.name, j.args, j.ok, j.value, list(j.labels)] for j in self.journal],
             "held": None if held is None else [held.index, held.call_id, held.name, held.args,
                                                held.since],
             "decision": None if self.decision is None else list(self.decision),
@@ -565,7 +570,8 @@ class Approvals:
         run.policy = policy
         run.continuing = True
         run.restart_jail()
-        spec = JobSpec(run.job_id, policy, limits, run.job, tenant=host.peer.principal.key)
+        spec = JobSpec(run.job_id, policy, limits, run.job, tenant=host.peer.principal.key,
+                       released=flow_released(policy, host.peer))
         jail = JailedJob(spec, env, run.route, run.output,
                          jail_id=f"{run.job_id}-r{run.resumes}")
         run.jail = jail
@@ -690,7 +696,8 @@ class Approvals:
         run = DurableRun(
             data["job_id"], data["owner_key"], data["owner_name"], policy,
             JobDescription.from_wire(data["job"]), dict(data["requested"]),
-            journal=[Journaled(n, a, ok, v) for n, a, ok, v in data["journal"]],
+            journal=[Journaled(j[0], j[1], j[2], j[3], tuple(j[4]) if len(j) > 4 else ())
+                     for j in data["journal"]],
             dispatched=bool(data["dispatched"]), parked=True, parked_at=data["parked_at"],
             resumes=int(data["resumes"]),
         )

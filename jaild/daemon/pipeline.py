@@ -36,6 +36,7 @@ from jaild.daemon.approvals import Approvals, DurableRun
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
 from jaild.daemon.core.records import internal_error_record
+from jaild.daemon.flowgate import flow_released
 from jaild.daemon.jails.job import OutputSink, ToolRouter
 from jaild.daemon.observe import Observers
 from jaild.daemon.registry import ClientConnection, LiveJob, Registry
@@ -135,6 +136,7 @@ class Pipeline:
         placed = placement.place(
             admitted, job_id, route, output, env, self.served.pools, sess,
             tenant=client.peer.principal.key, trace=trace,
+            released=flow_released(admitted.policy, client.peer),
         )
         if durable is not None and approvals is not None:
             if placed.job_id != job_id:  # a pooled jail's id is the job's

@@ -77,7 +77,8 @@ class Placed:
         return record, self.jail.result, self.jail.downloads
 
 
-def _spec(job: AdmittedJob, job_id: str, tenant: Tenant | None, keep: bool = False) -> JobSpec:
+def _spec(job: AdmittedJob, job_id: str, tenant: Tenant | None, keep: bool = False,
+          released: frozenset[str] = frozenset()) -> JobSpec:
     return JobSpec(
         job_id=job_id,
         policy=job.policy,
@@ -85,6 +86,7 @@ def _spec(job: AdmittedJob, job_id: str, tenant: Tenant | None, keep: bool = Fal
         job=job.job,
         keep=keep,
         tenant=tenant,
+        released=released,
     )
 
 
@@ -98,23 +100,25 @@ def place(
     session: JailSession | None = None,
     tenant: Tenant | None = None,
     trace: JobTrace | None = None,
+    released: frozenset[str] = frozenset(),
 ) -> Placed:
     """The jail for an admitted run (see the table above). A pooled jail is given its
     code here, so its run starts before the client hears ``JobAccepted``. ``tenant``: the
     client's uid; a jail forked from a zygote is forked from that uid's (see
     :class:`~jaild.daemon.jails.launch.zygotes.ZygoteSet`), a pooled one taken from its pool.
-    ``trace``: the job's trace (None: tracing is off), which its jail feeds."""
+    ``trace``: the job's trace (None: tracing is off), which its jail feeds; ``released``:
+    the labels whose withholding spares this caller (its ``[[flow.sink]] release_to``)."""
     if session is not None:
-        spec = _spec(job, job_id, tenant, keep=True)
+        spec = _spec(job, job_id, tenant, keep=True, released=released)
         return Placed(spec, session.jail, route_tool, output, session, trace=trace)
     pool = pools.get(job.policy.name)
     usable = pool is not None and poolable(job.policy, job.limits)
     pooled = pool.take(tenant) if pool is not None and usable else None
     if pooled is not None:
-        spec = _spec(job, pooled.jail_id, tenant)  # made under the id of the job that takes it
+        spec = _spec(job, pooled.jail_id, tenant, released=released)  # the pooled jail's id
         pooled.assign(spec, route_tool, output, trace)  # its code is on its way now
         return Placed(spec, pooled, route_tool, output, pooled=True, trace=trace)
-    spec = _spec(job, job_id, tenant)
+    spec = _spec(job, job_id, tenant, released=released)
     jail = JailedJob(spec, env, route_tool, output, trace=trace)
     return Placed(spec, jail, route_tool, output, trace=trace)
 

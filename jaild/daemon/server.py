@@ -681,7 +681,7 @@ class ServedConnection(asyncio.Protocol):
                 )
             return  # a late answer for a call that already ended: harmless
         if isinstance(msg, ClientToolReturned):
-            reply.resolve(True, msg.value)
+            reply.resolve(True, msg.value, msg.labels)
         else:
             reply.resolve(False, (msg.error_type, msg.message))
 

@@ -49,6 +49,7 @@ from jaild.daemon import placement
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
 from jaild.daemon.core.peer import Principal
+from jaild.daemon.flowgate import flow_released
 from jaild.daemon.jails.job import CallReply, JailedJob, JobSpec
 from jaild.daemon.observe import Observers
 from jaild.daemon.registry import ClientConnection, JailSession, LiveJob, Registry
@@ -251,10 +252,11 @@ class Sessions:
         )
 
     async def _start_jail(self, sess: JailSession, snapshot_id: str | None,
-                          blob: bytes | None = None) -> JaildError | None:
+                          blob: bytes | None = None,
+                          labels: tuple[str, ...] = ()) -> JaildError | None:
         """Start the session's jail and, with ``snapshot_id``, restore that snapshot in it
-        (``blob``: its bytes, loaded already). Returns the error its client gets if either
-        fails (the jail is then ending)."""
+        (``blob``: its bytes and ``labels`` its labels, loaded already). Returns the error its
+        client gets if either fails (the jail is then ending)."""
         ready = await sess.jail.prepare()
         if not ready or sess.closed is not None:
             detail = sess.closed or "the jail did not start"
@@ -267,9 +269,11 @@ class Sessions:
             return None
         try:
             if blob is None:
-                _, blob = await asyncio.to_thread(
+                entry, blob = await asyncio.to_thread(
                     self.store.load, sess.owner.peer.principal.key, snapshot_id)
+                labels = entry.labels
             await self._op(sess, restore=blob)
+            sess.jail.add_labels(labels)  # what the state was made of, it still holds
         except JaildError as exc:
             sess.jail.cancel(f"the snapshot was not restored: {exc.message}")
             return exc
@@ -349,7 +353,7 @@ class Sessions:
             blob = await self._op(sess, snapshot=True)
             entry = await asyncio.to_thread(
                 self.store.save, client.peer.principal.key, blob, policy=sess.policy.name,
-                session=sess.id, ttl_s=ttl_s)
+                session=sess.id, ttl_s=ttl_s, labels=sess.jail.labels)
         except JaildError as exc:
             client.send_error(exc, ref=ref)
         else:
@@ -378,7 +382,8 @@ class Sessions:
             blob = await self._op(sess, snapshot=True)
             entry = await asyncio.to_thread(
                 self.store.save, client.peer.principal.key, blob, policy=sess.policy.name,
-                session=sess.id, ttl_s=max(60.0, sess.max_lifetime_s), kind="pause")
+                session=sess.id, ttl_s=max(60.0, sess.max_lifetime_s), kind="pause",
+                labels=sess.jail.labels)
         except JaildError as exc:
             if ref:
                 client.send_error(exc, ref=ref)
@@ -534,6 +539,7 @@ class Sessions:
         if run.before is not None or run.state_id is not None:  # a continuation: restored
             return
         try:
+            run.before_labels = tuple(sess.jail.labels)
             run.before = await self._op(sess, snapshot=True)
         except JaildError as exc:
             log.info("session %s: run %s cannot park (its state was not taken: %s); a call "
@@ -547,7 +553,8 @@ class Sessions:
         ttl_s = run.policy.approvals.max_wait_s + 86400.0
         try:
             entry = self.store.save(run.owner_key, blob, policy=run.policy.name,
-                                    session=run.session_id, ttl_s=ttl_s, kind="parked")
+                                    session=run.session_id, ttl_s=ttl_s, kind="parked",
+                                    labels=run.before_labels)
         except (JaildError, OSError) as exc:
             log.warning("session %s: run %s waits live, not parked: its state was not saved "
                         "(%s)", run.session_id, run.job_id, getattr(exc, "message", exc))
@@ -639,12 +646,13 @@ class Sessions:
         state = run.state_id
         assert state is not None
         try:
-            _, blob = await asyncio.to_thread(self.store.load, run.owner_key, state)
+            entry, blob = await asyncio.to_thread(self.store.load, run.owner_key, state)
         except JaildError as exc:
             failed: JaildError | None = exc
             blob = None
         else:
-            failed = await self._start_jail(sess, state, blob)
+            run.before_labels = entry.labels
+            failed = await self._start_jail(sess, state, blob, entry.labels)
         if failed is not None or sess.closed is not None:
             run.continuing = False
             run.host = None  # it stays parked: ResumeRun again
@@ -672,7 +680,8 @@ class Sessions:
         run.jail = sess.jail
         limits = admission.limits_for(sess.policy, {**sess.terms.requested, **run.requested})
         spec = JobSpec(run.job_id, sess.policy, limits, run.job, keep=True,
-                       tenant=host.peer.principal.key)
+                       tenant=host.peer.principal.key,
+                       released=flow_released(sess.policy, host.peer))
         placed = placement.Placed(spec, sess.jail, run.route, run.output, sess)
         self.registry.add_job(LiveJob(run.job_id, sess.jail, host, sess, memory_mb=0))
         assert self.run_placed is not None

@@ -39,7 +39,7 @@ import os
 import secrets
 import stat
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from jaild.daemon.core.peer import Tenant
@@ -88,8 +88,9 @@ class SnapshotStore:
     # -- public
 
     def save(self, owner: Tenant, blob: bytes, *, policy: str, session: str, ttl_s: float,
-             kind: str = "snapshot") -> SnapshotEntry:
-        """Keep ``blob`` for ``owner``.
+             kind: str = "snapshot", labels: Iterable[str] = ()) -> SnapshotEntry:
+        """Keep ``blob`` for ``owner`` (``labels``: its session's information-flow labels,
+        which a session restored from it starts with).
 
         Raises:
             QuotaExceeded: it would take the owner past its quota of bytes or snapshots.
@@ -108,7 +109,7 @@ class SnapshotStore:
         entry = SnapshotEntry(
             id=new_snapshot_id(), policy=policy, bytes=len(blob), created=now,
             expires=now + ttl_s, session=session, kind=kind,
-            sha256=hashlib.sha256(blob).hexdigest(),
+            sha256=hashlib.sha256(blob).hexdigest(), labels=tuple(sorted(labels)),
         )
         directory = os.path.join(self.root, _owner_dir(owner))
         os.makedirs(directory, mode=0o700, exist_ok=True)

@@ -26,6 +26,15 @@ from typing import Any
 
 from jaild.errors import EgressRuleError, PolicyError, SyscallNameError
 from jaild.policy.egress import DEFAULT_PORTS, EgressRules, Rule, parse_host
+from jaild.policy.flow import (
+    FlowRules,
+    FlowSink,
+    FlowSource,
+    check_labels,
+    compile_flow,
+    parse_sink,
+    parse_source,
+)
 from jaild.policy.seccomp import ACTIONS, SeccompChoice, allowed_syscalls
 from jaild.policy.syscalls import PROFILES
 from jaild.protocol.messages import MAX_CODE_CHARS, MAX_PAYLOAD_BYTES, POLICY_NAME
@@ -434,6 +443,51 @@ class Approvals:
     )
 
 
+def _labels(labels: tuple[str, ...]) -> str | None:
+    return check_labels(labels, "labels")
+
+
+@dataclass(frozen=True)
+class Flow:
+    """``[flow]`` -- information-flow control: labels on tool results, and what a job may
+    still send once it holds one (docs/using/flow.md)."""
+
+    source: tuple[FlowSource, ...] = setting(
+        (),
+        "[[flow.source]] tables {tool, labels}: every result of tool (a glob) carries the "
+        "labels; a job holding a label keeps it (a session: across its runs).",
+    )
+    sink: tuple[FlowSink, ...] = setting(
+        (),
+        "[[flow.sink]] tables {label, egress, deny_tools, approve_tools, result, output, "
+        "downloads, release_to}: what stays open once a job holds label -- egress: the hosts "
+        "still reachable (absent: unchanged, []: none); deny_tools / approve_tools: tools "
+        'refused / needing approval ("*": all); result, output, downloads: "allow" or '
+        '"withhold" (unless the caller is in release_to: users, uids, "@group", '
+        '"principal:NAME").',
+    )
+    untrusted: tuple[str, ...] = setting(
+        ("untrusted",), "Labels that mark untrusted data (web content, mail from others).",
+        _labels,
+    )
+    protect: tuple[str, ...] = setting(
+        (),
+        "Tools (globs) whose arguments must not depend on untrusted data: once a job holds "
+        "a label of flow.untrusted, their calls are refused or need approval (on_untrusted).",
+    )
+    on_untrusted: str = setting(
+        "refuse", 'A protected tool called by a job holding untrusted data: "refuse" or '
+        '"approve".', choice("refuse", "approve"),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def flow_rules(policy: Policy) -> FlowRules:
+    """``policy``'s ``[flow]``, compiled (validated when the policy loaded)."""
+    f = policy.flow
+    return compile_flow(policy.name, f.source, f.sink, f.untrusted, f.protect, f.on_untrusted)
+
+
 SECTIONS: dict[str, type] = {
     "limits": Limits,
     "filesystem": Filesystem,
@@ -446,6 +500,7 @@ SECTIONS: dict[str, type] = {
     "session": Session,
     "files": Files,
     "approvals": Approvals,
+    "flow": Flow,
 }
 
 
@@ -465,6 +520,7 @@ class Policy:
     session: Session
     files: Files
     approvals: Approvals
+    flow: Flow
 
     @property
     def seccomp_choice(self) -> SeccompChoice:
@@ -481,6 +537,7 @@ class Policy:
             "egress": list(self.egress.allow) if self.network.mode == "egress" else [],
             "seccomp": {"profile": self.seccomp.profile, "action": self.seccomp.action},
             "env": self.python.env,
+            "flow": [line[:1024] for line in flow_rules(self).describe()][:256],
         }
 
     def tool_allowed(self, name: str) -> bool:
@@ -628,6 +685,18 @@ def _value(path: str, key: str, tp: Any, raw: Any) -> Any:
             return tuple(_bind(path, f"{key}[{i}]", v) for i, v in enumerate(raw))
         if item_tp is Injection:
             return tuple(_injection(path, f"{key}[{i}]", v) for i, v in enumerate(raw))
+        if item_tp in (FlowSource, FlowSink):
+            parse = parse_source if item_tp is FlowSource else parse_sink
+            out = []
+            for i, v in enumerate(raw):
+                try:
+                    out.append(parse(v))
+                except ValueError as exc:
+                    where, _, why = str(exc).partition(": ")
+                    if not why:
+                        raise PolicyError(path, f"{key}[{i}]", where) from None
+                    raise PolicyError(path, f"{key}[{i}].{where}", why) from None
+            return tuple(out)
         want, name = (int, "an integer") if item_tp is int else (str, "a string")
         for i, item in enumerate(raw):
             if type(item) is not want:
@@ -739,7 +808,8 @@ def load_policy_text(text: str, path: str) -> Policy:
         for name, cls in SECTIONS.items()
     }
     policy = Policy(name=stem, path=path, description=description, **sections)
-    for check in (_check_egress, _check_seccomp, _check_python, _check_pool, _check_approvals):
+    for check in (_check_egress, _check_seccomp, _check_python, _check_pool, _check_approvals,
+                  _check_flow):
         try:
             check(policy, data)
         except PolicyError as exc:
@@ -767,6 +837,20 @@ def _check_approvals(policy: Policy, data: Mapping[str, Any]) -> None:
             f"{park:g} s is not below limits.wall_time_s ({policy.limits.wall_time_s:g} s): a "
             "run waiting for approval would time out before it is parked",
         )
+
+
+def _check_flow(policy: Policy, data: Mapping[str, Any]) -> None:
+    """A sink's egress hosts are patterns the gateway reads, and a subset of what the policy
+    reaches at all."""
+    for i, sink in enumerate(policy.flow.sink):
+        if not sink.egress:
+            continue
+        key = f"flow.sink[{i}].egress"
+        if policy.network.mode != "egress":
+            raise PolicyError(policy.path, key, 'needs network.mode = "egress"')
+        why = _egress_allow(sink.egress)
+        if why is not None:
+            raise PolicyError(policy.path, key, why)
 
 
 def _check_seccomp(policy: Policy, data: Mapping[str, Any]) -> None:

@@ -31,6 +31,10 @@ MAX_REF = (1 << 63) - 1
 JOB_ID = r"[a-z0-9\-]{1,64}"
 SESSION_ID = r"ses-[a-z0-9]{1,60}"
 SNAPSHOT_ID = r"snap-[a-f0-9]{32}"
+LABEL = r"[a-z0-9][a-z0-9_.:@\-]{0,63}"
+"""An information-flow label's name: ``private``, ``user:alice``, ``tenant:acme.eu``."""
+MAX_LABELS = 16
+"""Labels one tool spec, one result or one policy rule may name."""
 TRACEPARENT = r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}"
 """A W3C Trace Context ``traceparent``, version 00 (the only one): trace id and parent span id
 in lowercase hex, neither all zeros, then the trace flags. Exactly 55 characters."""

@@ -34,6 +34,8 @@ import msgpack
 
 from jaild.errors import LocalProtocolError, RemoteProtocolError
 from jaild.protocol.fields import JOB_ID as JOB_ID
+from jaild.protocol.fields import LABEL as LABEL
+from jaild.protocol.fields import MAX_LABELS as MAX_LABELS
 from jaild.protocol.fields import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
 from jaild.protocol.fields import MAX_NAME_CHARS as MAX_NAME_CHARS
 from jaild.protocol.fields import MAX_REF as MAX_REF
@@ -121,6 +123,12 @@ class ToolSpec(Struct):
     """This tool's call timeout (at most the policy's ``tool_call_timeout_s``)."""
     approval: bool = field(boolean(), default=False)
     """Each call waits for the client's approval callback before the handler runs."""
+    labels: tuple[str, ...] = field(list_of(string(64, min_len=1, pattern=LABEL), MAX_LABELS),
+                                    default=())
+    """Labels every result of this tool carries (docs/using/flow.md)."""
+    protected: bool = field(boolean(), default=False)
+    """Its arguments must not depend on untrusted data: a job holding an untrusted label
+    is refused (or sent for approval) by the policy's ``flow.on_untrusted``."""
 
 
 @struct
@@ -359,6 +367,9 @@ class ClientToolReturned(Message):
     job_id: str = field(_job_id)
     call_id: int = field(_call_id)
     value: bytes = field(_payload)
+    labels: tuple[str, ...] = field(list_of(string(64, min_len=1, pattern=LABEL), MAX_LABELS),
+                                    default=())
+    """Labels of this result (beside the tool's own and the policy's; docs/using/flow.md)."""
 
 
 @struct

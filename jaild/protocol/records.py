@@ -43,6 +43,7 @@ from typing import Any, ClassVar
 from jaild.errors import LocalProtocolError
 from jaild.protocol.fields import (
     JOB_ID,
+    LABEL,
     MAX_MESSAGE_CHARS,
     MAX_NAME_CHARS,
     MAX_REF,
@@ -263,6 +264,37 @@ class EgressRecord(Report):
     ``slow_request``, ``head_too_large``, ``misdirected``, ``unresolved``, ``unreachable``."""
 
 
+MAX_JOB_LABELS = 256
+_label = string(64, min_len=1, pattern=LABEL)
+
+
+@struct
+class FlowRefusal(Report):
+    """A send the job's labels closed (PROTOCOL.md; docs/using/flow.md)."""
+
+    sink: str = field(one_of("egress", "tool", "approval"))
+    """``egress``: a gateway request refused; ``tool``: a call refused; ``approval``: a call
+    sent for approval because of a label."""
+    label: str = field(_label)
+    """The label whose rule closed it (never a value)."""
+    target: str = field(string(1024))
+    """The host:port or the tool."""
+    code: str = field(string(64, min_len=1))
+    """``flow_denied``, ``integrity``, ``flow_approval``, ``flow_egress``."""
+
+
+@struct
+class FlowRecord(Report):
+    """The labels a run's job holds and what they closed (policies with ``[flow]`` rules, or
+    runs that received a labelled result)."""
+
+    labels: tuple[str, ...] = field(list_of(_label, MAX_JOB_LABELS))
+    """Every label the job (a session: the session, so far) has received, sorted."""
+    refusals: tuple[FlowRefusal, ...] = field(list_of(nested(FlowRefusal), MAX_CALL_RECORDS))
+    withheld: tuple[str, ...] = field(list_of(one_of("result", "output", "downloads"), 3))
+    """What the client did not get because of a label (its rule says ``withhold``)."""
+
+
 @struct
 class FileEntry(Report):
     """A regular file the run created or changed in its working directory."""
@@ -295,7 +327,7 @@ class SessionRun(Report):
 class JobRecord(Report):
     """A job's result record (``JobFinished.record``; PROTOCOL.md section 10)."""
 
-    SPARSE = frozenset({"session", "egress"})
+    SPARSE = frozenset({"session", "egress", "flow"})
     SPARSE_EMPTY = frozenset({"tool_calls_omitted", "files_skipped", "network_refused"})
 
     job_id: str = field(_job_id)
@@ -323,6 +355,8 @@ class JobRecord(Report):
     """Set for a session's runs only."""
     egress: EgressRecord | None = field(optional(nested(EgressRecord)), default=None)
     """Set for the runs of ``network.mode = "egress"`` policies only."""
+    flow: FlowRecord | None = field(optional(nested(FlowRecord)), default=None)
+    """Set once the job holds a label or a flow rule refused something (docs/using/flow.md)."""
     network_refused: int | None = field(optional(_count), default=None)
     """Network attempts of the run that its policy refused softly (``network.mode = "none"``:
     sockets of AF_INET/AF_INET6, name lookups), as the jail's runtime counted them in the
@@ -395,6 +429,9 @@ class SnapshotEntry(Report):
     ``parked``: a session's state before its run parked for approval (deleted when the run
     ends or is dropped)."""
     sha256: str = field(string(64, min_len=64, pattern=r"[0-9a-f]{64}"), default="0" * 64)
+    labels: tuple[str, ...] = field(list_of(_label, MAX_JOB_LABELS), default=())
+    """The labels of the session's data (docs/using/flow.md): a session restored from it
+    starts with them."""
 
 
 # --------------------------------------------------------------------------- ps, policies, stats
@@ -492,6 +529,9 @@ class PolicyEntry(Report):
     problems: str = field(string(MAX_OUTPUT_CHARS))
     """Why the policy is not served (its failed self-test), else empty."""
     pool: PoolInfo = field(nested(PoolInfo))
+    flow: tuple[str, ...] = field(list_of(string(1024), 256), default=())
+    """Its information-flow rules in words (``[flow]``; empty: none), for a model to plan
+    around (the MCP server and code mode put them in their prompts)."""
 
 
 @struct
@@ -556,6 +596,8 @@ RECORDS: tuple[type[Report], ...] = (
     ToolCallEntry,
     Usage,
     EgressRecord,
+    FlowRecord,
+    FlowRefusal,
     FileEntry,
     SkippedFile,
     SessionRun,
@@ -580,6 +622,8 @@ __all__ = [
     "DaemonStats",
     "EgressRecord",
     "FileEntry",
+    "FlowRecord",
+    "FlowRefusal",
     "JobEntry",
     "JobError",
     "JobRecord",

@@ -61,7 +61,7 @@ def test_defaults_for_an_empty_policy() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("colour = 1", "/etc/jaild/policies/p.toml: colour: unknown key; a policy accepts access, approvals, description, egress, files, filesystem, limits, network, pool, python, seccomp, session"),
+        ("colour = 1", "/etc/jaild/policies/p.toml: colour: unknown key; a policy accepts access, approvals, description, egress, files, filesystem, flow, limits, network, pool, python, seccomp, session"),
         ("[limits]\nmemroy_mb = 1", "p.toml: limits.memroy_mb: unknown key; [limits] accepts wall_time_s, cpu_time_s, memory_mb"),
         ("[limits]\nmemory_mb = '256'", "p.toml: limits.memory_mb: must be an integer, got '256'"),
         ("[limits]\nmemory_mb = 256.5", "p.toml: limits.memory_mb: must be an integer, got 256.5"),

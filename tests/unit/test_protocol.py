@@ -204,6 +204,7 @@ SAMPLES: dict[str, list[Message]] = {
         ListPolicies(ref=7),
         ClientToolReturned(job_id=JOB, call_id=1, value=b""),
         ClientToolReturned(job_id=JOB, call_id=MAX_REF, value=msgpack.packb([1, "two", b"3"])),
+        ClientToolReturned(job_id=JOB, call_id=1, value=b"", labels=("private", "user:alice")),
         ClientToolFailed(job_id=JOB, call_id=2, error_type="KeyError", message=""),
         ClientToolFailed(job_id=JOB, call_id=2, error_type="E" * 256, message="m" * 1000),
         RunJob(

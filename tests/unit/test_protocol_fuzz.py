@@ -34,6 +34,7 @@ from jaild.protocol import (
     encode_frame,
 )
 from jaild.protocol.connection import RECV, TRANSITIONS, reachable_states
+from jaild.protocol.fields import LABEL
 from jaild.protocol.messages import (
     JOB_ID,
     MAX_PAYLOAD_BYTES,
@@ -100,6 +101,8 @@ from jaild.protocol.records import (
     DaemonStats,
     EgressRecord,
     FileEntry,
+    FlowRecord,
+    FlowRefusal,
     JobEntry,
     JobError,
     JobRecord,
@@ -168,11 +171,15 @@ def text(min_size: int = 0, max_size: int = 40) -> st.SearchStrategy[str]:
     return st.text(min_size=min_size, max_size=max_size)
 
 
+label = st.from_regex(LABEL, fullmatch=True)
+labels = st.lists(label, max_size=3).map(tuple)
 tool_spec = st.builds(
     ToolSpec,
     name=st.from_regex(TOOL_NAME, fullmatch=True).filter(lambda s: len(s) <= 128),
     description=text(max_size=40),
     parameters=plain_map,
+    labels=labels,
+    protected=st.booleans(),
 )
 error_info = st.builds(
     ErrorInfo,
@@ -242,6 +249,14 @@ job_record = st.fixed_dictionaries(dict(
     egress=opt() | st.builds(EgressRecord, requests=count, bytes_out=count, bytes_in=count,
                              hosts=st.lists(text(1, 64), max_size=3).map(tuple),
                              refused=st.dictionaries(text(1, 64), count, max_size=3)),
+    flow=opt() | st.builds(
+        FlowRecord, labels=labels,
+        refusals=st.lists(st.builds(FlowRefusal, sink=st.sampled_from(["egress", "tool",
+                                                                        "approval"]),
+                                    label=label, target=text(max_size=64), code=text(1, 64)),
+                          max_size=2).map(tuple),
+        withheld=st.lists(st.sampled_from(["result", "output", "downloads"]), max_size=3,
+                          unique=True).map(tuple)),
 )).map(lambda kw: JobRecord(**{**kw, "error": None if kw["status"] == "ok" else kw["error"]}))
 session_info = st.builds(SessionInfo, policy=policy_name, idle_s=seconds,
                          max_lifetime_s=seconds, limits=record_limits)
@@ -266,6 +281,7 @@ policy_entry = st.builds(
     PolicyEntry, name=policy_name, description=text(), limits=record_limits,
     network=text(1, 64), egress=st.lists(text(1, 64), max_size=3).map(tuple), seccomp=st.dictionaries(text(1, 64), text(max_size=64), max_size=2),
     env=text(max_size=64), available=st.booleans(), problems=text(), pool=pool_info,
+    flow=st.lists(text(max_size=80), max_size=2).map(tuple),
 )
 usage_totals = st.builds(
     UsageTotals, jobs=count, statuses=st.dictionaries(st.sampled_from(STATUSES), count),
@@ -278,8 +294,8 @@ snapshot_entry = st.builds(
     expires=seconds, session=session_id,
 ) | st.builds(
     SnapshotEntry, id=snapshot_id, policy=policy_name, bytes=count, created=seconds,
-    expires=seconds, session=session_id, kind=st.sampled_from(["snapshot", "pause"]),
-    sha256=st.from_regex(r"[0-9a-f]{64}", fullmatch=True),
+    expires=seconds, session=session_id, kind=st.sampled_from(["snapshot", "pause", "parked"]),
+    sha256=st.from_regex(r"[0-9a-f]{64}", fullmatch=True), labels=labels,
 )
 approval_entry = st.builds(
     ApprovalEntry, job_id=job_id, call_id=count, tool=text(1, 128), args=payload,
@@ -388,7 +404,8 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
     CancelJob: message(CancelJob, {"job_id": job_id}),
     ListPolicies: message(ListPolicies, {"ref": ref}),
     ClientToolReturned: message(
-        ClientToolReturned, {"job_id": job_id, "call_id": ref, "value": payload}
+        ClientToolReturned, {"job_id": job_id, "call_id": ref, "value": payload},
+        {"labels": labels}
     ),
     ClientToolFailed: message(
         ClientToolFailed,

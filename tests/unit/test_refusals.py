@@ -112,7 +112,7 @@ def test_refused_tool_calls_are_summarised_at_the_jobs_end(tmp_path: Path) -> No
     record = SimpleNamespace(job_id="job-1", status="ok", policy="default", duration_s=1.0,
                              error=None, usage=None, session=None,
                              tool_calls=[SimpleNamespace(name="nope")] * 100,
-                             tool_calls_omitted=935, network_refused=None)
+                             tool_calls_omitted=935, network_refused=None, flow=None)
     audit.job(PEER, cast(JobRecord, record))
     refused = SimpleNamespace(**{**vars(record), "job_id": "job-3", "network_refused": 2})
     audit.job(PEER, cast(JobRecord, refused))

@@ -39,6 +39,14 @@ simply typed properties) also get a plain-Python check (:func:`quick_check`, ~1 
 against jsonschema's ~10): it passes only calls jsonschema passes, and leaves every
 other call -- and every error message -- to jsonschema.
 
+Information flow (:mod:`jaild.policy.flow`): every reply a tool gives adds its labels -- the
+policy's ``[[flow.source]]`` ones for the tool, the tool spec's, and the reply's own -- to the
+broker's :attr:`Broker.labels` before the jail can read it. The labels belong to the jail
+(one job, or a session's runs): :meth:`Broker.new_run` keeps them, and nothing the jail sends
+changes them. An admitted call then passes the flow rules of the labels held: refused
+(``flow_denied``, ``integrity``) or sent for approval; each such decision is listed in
+:attr:`Broker.flow_refusals` for the run's record.
+
 The broker does no IO and keeps no clock: durations are given to it.
 :class:`Broker` has three verbs: :meth:`Broker.admit` a call, :meth:`Broker.answer`
 it (or :meth:`Broker.withdraw` it), and :meth:`Broker.new_run` for a session's next
@@ -53,6 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaild.errors import RemoteProtocolError
+from jaild.policy.flow import FlowRules
 from jaild.policy.schema import Limits
 from jaild.protocol import unpack
 from jaild.protocol.messages import ToolSpec
@@ -113,6 +122,8 @@ class Answer:
     """The size of the call's packed arguments (for the observers: traces)."""
     result_bytes: int = 0
     """The size of the packed value returned (0 unless ``ok``)."""
+    labels_added: frozenset[str] = frozenset()
+    """Labels the job holds from this reply on that it did not before."""
 
     @property
     def outcome(self) -> str:
@@ -306,6 +317,8 @@ class Broker:
     ) -> None:
         self._validators = validators if validators is not None else Validators()
         self.in_flight: dict[int, tuple[str, int]] = {}  # call id -> (tool name, args' bytes)
+        self.labels: set[str] = set()  # the jail's: every run of it, never reset
+        self.flow = FlowRules()
         self.set_job(tools, limits, approval_required)
         self.new_run()
 
@@ -314,9 +327,13 @@ class Broker:
         tools: tuple[ToolSpec, ...],
         limits: Limits,
         approval_required: Callable[[str], bool] = lambda _: False,
+        flow: FlowRules | None = None,
     ) -> None:
-        """The tools and limits of the job now served (a pooled or session jail's next)."""
+        """The tools and limits of the job now served (a pooled or session jail's next);
+        ``flow``: its policy's flow rules."""
         self.limits = limits
+        if flow is not None:
+            self.flow = flow
         self._tools: Mapping[str, ToolSpec] = {t.name: t for t in tools}
         # decided once per job, not per call
         self._approval = {t.name for t in tools if t.approval or approval_required(t.name)}
@@ -328,6 +345,7 @@ class Broker:
         self.tool_time_s = 0.0
         self.calls_made = 0  # every call the jail made, refused or not: against limits.tool_calls
         self.tool_bytes = 0  # packed arguments and results, against limits.tool_bytes
+        self.flow_refusals: list[dict[str, str]] = []  # this run's (the record's flow)
 
     @property
     def calls_logged(self) -> int:
@@ -343,13 +361,36 @@ class Broker:
             return Violation(f"the jail reused call id {call_id} while in flight")
         refusal = self._refusal(name, args)
         self.calls_made += 1
+        approval = name in self._approval
+        if refusal is None and self.labels:
+            spec = self._tools[name]
+            verdict = self.flow.tool_verdict(frozenset(self.labels), name, spec.protected)
+            if verdict is not None:
+                self.flow_refused("tool" if verdict.refuse else "approval", verdict.label, name,
+                                  verdict.code)
+                if verdict.refuse:
+                    refusal = (verdict.code, verdict.message)
+                else:
+                    approval = True
         if refusal is not None:
             self._log(name, 0.0, refusal[0])
             return Refused(call_id, name, *refusal)
         size = len(args)
         self.tool_bytes += size
         self.in_flight[call_id] = (name, size)
-        return Admitted(call_id, name, args, name in self._approval, self.timeout_s(name))
+        return Admitted(call_id, name, args, approval, self.timeout_s(name))
+
+    def flow_refused(self, sink: str, label: str, target: str, code: str) -> None:
+        """A send the job's labels closed (or sent for approval): for the run's record."""
+        if len(self.flow_refusals) < MAX_CALL_RECORDS:
+            self.flow_refusals.append({"sink": sink, "label": label, "target": target[:1024],
+                                       "code": code})
+
+    def reply_labels(self, name: str, labels: tuple[str, ...] = ()) -> frozenset[str]:
+        """The labels a reply of tool ``name`` carries: the policy's, the spec's, its own."""
+        spec = self._tools.get(name)
+        own = frozenset(spec.labels) if spec is not None else frozenset()
+        return self.flow.source_labels(name) | own | frozenset(labels)
 
     def timeout_s(self, name: str) -> float:
         """A call's timeout: the policy's ``tool_call_timeout_s``, or the tool's if shorter."""
@@ -388,14 +429,23 @@ class Broker:
         ok: bool,
         value: Any,
         duration_s: float,
+        labels: tuple[str, ...] = (),
+        *,
+        replied: bool = True,
     ) -> Answer | None:
         """The client's reply to an admitted call -- ``(True, packed value)`` or ``(False,
         (error type, message))``, a timeout being ``(False, ("timeout", ...))`` -- checked
-        and logged. None if the call is not in flight (already answered or withdrawn)."""
+        and logged. None if the call is not in flight (already answered or withdrawn).
+        ``labels``: the reply's own; with the tool's, the job holds them from now on
+        (``replied`` False: no reply came, the daemon answers, nothing is labelled)."""
         entry = self.in_flight.pop(call_id, None)
         if entry is None:
             return None
         name, args_bytes = entry
+        added: frozenset[str] = frozenset()
+        if replied:
+            added = self.reply_labels(name, labels) - self.labels
+            self.labels |= added
         self.tool_time_s += duration_s
         limits = self.limits
         size = len(value) if ok else 0
@@ -416,11 +466,12 @@ class Broker:
         if ok:
             self._log(name, duration_s, None)
             return Answer(call_id, name, True, value=bytes(value), args_bytes=args_bytes,
-                          result_bytes=size)
+                          result_bytes=size, labels_added=added)
         error_type, message = str(value[0]), str(value[1])
         self._log(name, duration_s, error_type)
         return Answer(
-            call_id, name, False, error_type=error_type, message=message, args_bytes=args_bytes
+            call_id, name, False, error_type=error_type, message=message, args_bytes=args_bytes,
+            labels_added=added,
         )
 
     def withdraw(self, call_id: int) -> bool:
@@ -434,7 +485,7 @@ class Broker:
             return None
         name = entry[0]
         why = f"{name} did not answer within {self.timeout_s(name):g} s"
-        return self.answer(call_id, False, ("timeout", why), duration_s)
+        return self.answer(call_id, False, ("timeout", why), duration_s, replied=False)
 
     def _log(self, name: str, duration_s: float, error_type: str | None) -> None:
         """A call log entry, up to MAX_CALL_RECORDS (then the call is only counted)."""

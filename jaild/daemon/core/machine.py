@@ -95,7 +95,7 @@ from jaild.daemon.core.broker import Admitted, Answer, Broker, Refused, Validato
 from jaild.daemon.core.classify import Evidence, KillReason, classify
 from jaild.daemon.core.peer import Tenant
 from jaild.errors import LocalProtocolError, RemoteProtocolError
-from jaild.policy.schema import Limits, Policy
+from jaild.policy.schema import Limits, Policy, flow_rules
 from jaild.protocol import NEED_DATA, Connection, Role, State
 from jaild.protocol.messages import (
     CodeFinished,
@@ -133,6 +133,7 @@ class JobSpec:
     tenant: Tenant | None = None  # the client's principal: whose zygote forks it (None: none)
     snapshot: bool = False  # a session's run that takes its snapshot (the result) instead
     restore: bytes | None = None  # a fresh session's first run: restore this snapshot
+    released: frozenset[str] = frozenset()  # labels whose withholding spares this caller
 
 
 class Phase(enum.Enum):
@@ -265,6 +266,7 @@ class ToolReplied:
     ok: bool
     value: Any
     duration_s: float
+    labels: tuple[str, ...] = ()  # the reply's own (ClientToolReturned.labels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,6 +393,14 @@ class ObserveCall:
 
 
 @dataclass(frozen=True, slots=True)
+class Relabeled:
+    """The job holds new labels (before the reply that carries them reaches the jail): its
+    egress door closes what they close."""
+
+    added: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardOutput:
     stream: str
     data: bytes
@@ -443,6 +453,7 @@ class Tally:
     calls: list[dict[str, Any]] = field(default_factory=list)
     calls_omitted: int = 0
     tool_time_s: float = 0.0
+    flow_refusals: list[dict[str, str]] = field(default_factory=list)
 
     def take(self, stream: str, data: bytes, limit: int) -> tuple[bytes, bool]:
         """Keep what fits under ``limit`` bytes of output in all: (the part kept, whether
@@ -490,7 +501,7 @@ Action = (
     StartJail | SendToJail | Ready | StartRun | ArmRunTimers | StopRunTimers | RouteCall
     | WithdrawCall | ObserveCall | ForwardOutput | DrainOutput | CodeEnded | Kill
     | AwaitLeftovers | CloseChannel | CollectEvidence | EmitRecord | JailEnded | Teardown
-    | ArmReleaseTimer | Release
+    | ArmReleaseTimer | Release | Relabeled
 )
 
 
@@ -600,6 +611,7 @@ class JobMachine:
         self._digest = seccomp_digest
         self.conn = Connection(Role.SUPERVISOR, frame_limit(spec))
         self.broker = Broker(spec.job.tools, spec.limits, spec.policy.needs_approval, validators)
+        self.broker.flow = flow_rules(spec.policy)
         self.calls = _CallDesk(self.broker, self.conn)
         self.evidence = Evidence(cpu_limit_s=float(spec.limits.cpu_time_s))
         self._facts = _Facts()
@@ -669,7 +681,8 @@ class JobMachine:
         if self.phase in (Phase.CLOSED, Phase.SETTLING):
             raise LocalProtocolError(f"{event.job.job_id}: the jail is {self.phase.value}")
         spec = self.spec = self._job = event.job
-        self.broker.set_job(spec.job.tools, spec.limits, spec.policy.needs_approval)
+        self.broker.set_job(spec.job.tools, spec.limits, spec.policy.needs_approval,
+                            flow_rules(spec.policy))
         self._set_limits(spec)
         actions: list[Action] = [  # what the jail printed between runs is this run's
             ForwardOutput(stream, bytes(kept))
@@ -810,8 +823,12 @@ class JobMachine:
         return verdict
 
     def _on_ToolReplied(self, event: ToolReplied) -> list[Action]:
-        answer = self.broker.answer(event.call_id, event.ok, event.value, event.duration_s)
-        return self.calls.answered(answer, event.duration_s)
+        answer = self.broker.answer(event.call_id, event.ok, event.value, event.duration_s,
+                                    event.labels)
+        actions = self.calls.answered(answer, event.duration_s)
+        if answer is not None and answer.labels_added:
+            actions.insert(0, Relabeled(answer.labels_added))
+        return actions
 
     def _on_ToolTimedOut(self, event: ToolTimedOut) -> list[Action]:
         answer = self.broker.timed_out(event.call_id, event.duration_s)
@@ -960,6 +977,7 @@ class JobMachine:
         tally = self.tally
         tally.calls, tally.calls_omitted = broker.entries, broker.omitted
         tally.tool_time_s = broker.tool_time_s
+        tally.flow_refusals = broker.flow_refusals
         record = EmitRecord(self._job.job_id, status, error, final, tally)
         self._job = None
         return [record]

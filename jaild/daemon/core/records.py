@@ -27,6 +27,7 @@ from jaild.protocol.records import (
     MAX_EGRESS_HOSTS,
     EgressRecord,
     FileEntry,
+    FlowRecord,
     JobError,
     JobRecord,
     SessionRun,
@@ -168,6 +169,7 @@ def job_record(
     files_skipped: Iterable[Mapping[str, Any]] = (),
     egress: Mapping[str, Any] | None = None,
     network_refused: int | None = None,
+    flow: Mapping[str, Any] | None = None,
 ) -> JobRecord:
     """The record of a run that reached its jail.
 
@@ -198,6 +200,7 @@ def job_record(
         session=None,
         egress=egress_record(egress) if egress is not None else None,
         network_refused=network_refused,
+        flow=None if flow is None else FlowRecord.from_wire(dict(flow)),
     )
 
 

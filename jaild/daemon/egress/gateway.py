@@ -29,6 +29,13 @@ listening socket made inside its network namespace and handed to the daemon (an
    cut. Each request is reported to ``observe`` (host, port, method, status, bytes; never
    a header value) for the audit log, and summed in :class:`EgressUsage` for the record.
 
+7. Information flow (:mod:`jaild.policy.flow`): after the allow-list, the labels the job
+   holds *now* are checked against their ``[[flow.sink]]`` egress rules -- a refusal is a
+   ``403`` (kind ``flow``) naming the label and the rule. When a tool reply brings the job a
+   label (before the jail can read it), :meth:`EgressDoor.recheck` cuts every connection
+   already open to a host that label closes: a tunnel opened before the read carries nothing
+   after it.
+
 One door per job: its quotas and usage are the job's (a session's per run).
 """
 
@@ -52,6 +59,7 @@ import h11
 
 from jaild.errors import EgressRefusal as _Refusal
 from jaild.policy.egress import Address, EgressRules, parse_host
+from jaild.policy.flow import FlowRules
 
 if TYPE_CHECKING:
     from jaild.daemon.egress.ca import EgressCA
@@ -205,8 +213,17 @@ class EgressDoor:
         injections: Mapping[str, Sequence[tuple[str, str]]] | None = None,
         ca: EgressCA | None = None,
         upstream_tls: ssl.SSLContext | None = None,
+        flow: FlowRules | None = None,
+        labels: Callable[[], frozenset[str]] = frozenset,
+        on_flow_refused: Callable[[str, str, str, str], None] = lambda *_: None,
     ) -> None:
         self.rules = rules
+        self._flow = flow if flow is not None and flow.sinks else None
+        self._labels = labels
+        self._on_flow_refused = on_flow_refused
+        self._sink_rules: dict[tuple[str, ...], EgressRules] = {}
+        # the connections open to hosts: (jail side, host side, host, port)
+        self._live: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter, str, int]] = set()
         # canonical host -> (header, value): added on the host side, never seen in the jail
         self._injections = {
             str(parse_host(h)): [(k.lower().encode(), v.encode()) for k, v in headers]
@@ -329,7 +346,56 @@ class EgressDoor:
             )
         canonical = str(parse_host(host))
         summary["host"] = canonical
+        closed = self._flow_closed(canonical, port)
+        if closed is not None:
+            self._on_flow_refused("egress", closed[0], f"{canonical}:{port}", "flow_egress")
+            raise _Refusal(403, "flow", closed[1])
         return canonical
+
+    # ------------------------------------------------------------------ information flow
+
+    def _flow_closed(self, host: str, port: int) -> tuple[str, str] | None:
+        """(label, why) if a label the job holds closes ``host:port`` to it."""
+        flow = self._flow
+        if flow is None:
+            return None
+        labels = self._labels()
+        if not labels:
+            return None
+        return flow.egress_refusal(labels, host, port, self._sink_allows)
+
+    def _sink_allows(self, patterns: tuple[str, ...], host: str, port: int) -> bool:
+        rules = self._sink_rules.get(patterns)
+        if rules is None:
+            rules = EgressRules.parse(patterns, self.rules.ports, False)
+            self._sink_rules[patterns] = rules
+        return rules.target_refusal(host, port) is None
+
+    def recheck(self) -> None:
+        """The job holds new labels: cut every open connection to a host they close."""
+        for live in list(self._live):
+            writer, up_writer, host, port = live
+            closed = self._flow_closed(host, port)
+            if closed is None:
+                continue
+            self._live.discard(live)
+            self.usage.refused["flow"] += 1
+            self._on_flow_refused("egress", closed[0], f"{host}:{port}", "flow_cut")
+            for side in (up_writer, writer):
+                side.transport.abort()
+
+    def _track(self, writer: asyncio.StreamWriter, up_writer: asyncio.StreamWriter, host: str,
+               port: int) -> tuple[asyncio.StreamWriter, asyncio.StreamWriter, str, int]:
+        """A connection to ``host`` is open: :meth:`recheck` may cut it. A label that came
+        while it was being dialled refuses it now."""
+        closed = self._flow_closed(host, port)
+        if closed is not None:
+            up_writer.close()
+            self._on_flow_refused("egress", closed[0], f"{host}:{port}", "flow_egress")
+            raise _Refusal(403, "flow", closed[1])
+        live = (writer, up_writer, host, port)
+        self._live.add(live)
+        return live
 
     async def _dial(
         self, host: str, port: int
@@ -385,6 +451,7 @@ class EgressDoor:
             raise _Refusal(400, "bad_request",
                            "send the TLS handshake after the proxy's answer to CONNECT")
         up_reader, up_writer = await self._dial(host, port)
+        live = self._track(writer, up_writer, host, port)
         try:
             self.usage.hosts.add(host)
             writer.write(conn.send(h11.Response(status_code=200, headers=[],
@@ -399,6 +466,7 @@ class EgressDoor:
                 up_writer.write(early)
             await self._splice(reader, writer, up_reader, up_writer, summary)
         finally:
+            self._live.discard(live)
             up_writer.close()
 
     async def _intercept(
@@ -458,6 +526,7 @@ class EgressDoor:
             raise _Refusal(400, "bad_request", f"bad port in {url.netloc!r}") from None
         host = self._admit(url.hostname, port, summary)
         up_reader, up_writer = await self._dial(host, port)
+        live = self._track(writer, up_writer, host, port)
         try:
             self.usage.hosts.add(host)
             target = (url.path or "/") + (f"?{url.query}" if url.query else "")
@@ -469,6 +538,7 @@ class EgressDoor:
                 conn, reader, writer, up_reader, up_writer, summary,
             )
         finally:
+            self._live.discard(live)
             up_writer.close()
 
     async def _exchange(

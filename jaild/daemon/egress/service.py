@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from jaild.daemon.egress.gateway import EgressDoor, EgressQuota, listen_in
 from jaild.errors import StartupError
 from jaild.policy.compile import EGRESS_PORT
-from jaild.policy.schema import Policy, egress_rules, resolve_env
+from jaild.policy.schema import Policy, egress_rules, flow_rules, resolve_env
 
 if TYPE_CHECKING:
     from jaild.daemon.egress.ca import EgressCA
@@ -176,8 +176,12 @@ class EgressService:
             raise OSError(f"process {pid} is in the daemon's own network namespace")
         return listen_in(netns, EGRESS_PORT)
 
-    def door(self, policy: Policy, job_id: str) -> EgressDoor:
-        """A run's door: the policy's rules, a fresh quota and usage."""
+    def door(self, policy: Policy, job_id: str,
+             labels: Callable[[], frozenset[str]] = frozenset,
+             on_flow_refused: Callable[[str, str, str, str], None] = lambda *_: None,
+             ) -> EgressDoor:
+        """A run's door: the policy's rules, a fresh quota and usage; ``labels``: what the
+        job holds now (its flow rules close hosts by them)."""
         egress = policy.egress
         quota = EgressQuota(egress.max_requests, egress.max_bytes)
         audited = egress.max_requests + AUDITED_BEYOND_QUOTA
@@ -191,7 +195,8 @@ class EgressService:
         return EgressDoor(
             egress_rules(egress), quota, policy.name, observe=observe,
             injections=self.injections.get(policy.name), ca=self.ca,
-            upstream_tls=self.upstream_tls,
+            upstream_tls=self.upstream_tls, flow=flow_rules(policy), labels=labels,
+            on_flow_refused=on_flow_refused,
         )
 
 

@@ -38,7 +38,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +71,7 @@ from jaild.daemon.core.machine import (
     ObserveCall,
     Phase,
     Ready,
+    Relabeled,
     Release,
     RouteCall,
     SendToJail,
@@ -78,6 +79,7 @@ from jaild.daemon.core.machine import (
     StartJail,
     StartRun,
     StopRunTimers,
+    Tally,
     Teardown,
     TimerFired,
     ToolLost,
@@ -114,19 +116,23 @@ class CallReply:
     callbacks are. The router resolves it at most once; the job withdraws it when it no
     longer waits (a timeout, the job's end), which tells the router (``on_withdraw``)."""
 
-    __slots__ = ("_listener", "_on_withdraw", "_reply", "_settled")
+    __slots__ = ("_listener", "_on_withdraw", "_reply", "_settled", "labels")
 
     def __init__(self, on_withdraw: Callable[[], Any] | None = None) -> None:
         self._on_withdraw = on_withdraw
         self._listener: Callable[[Reply], None] | None = None
         self._reply: Reply = None
         self._settled = False
+        self.labels: tuple[str, ...] = ()  # the reply's own labels (docs/using/flow.md)
 
     def done(self) -> bool:
         return self._settled
 
-    def resolve(self, ok: bool, value: Any) -> None:
-        """The client answered: (True, packed value) or (False, (type, message))."""
+    def resolve(self, ok: bool, value: Any, labels: tuple[str, ...] = ()) -> None:
+        """The client answered: (True, packed value) or (False, (type, message)); ``labels``:
+        the labels it gave this reply."""
+        if not self._settled:
+            self.labels = tuple(labels)
         self._settle((ok, value))
 
     def lost(self) -> None:
@@ -510,8 +516,40 @@ class JailedJob:
         self._handle.write(action.data)
 
     def _forward_output(self, action: ForwardOutput) -> None:
-        if self._output is not None:
+        if self._output is not None and "output" not in self.withheld():
             self._output(self.spec.job_id, action.stream, action.data)
+
+    # -- information flow (jaild.policy.flow; docs/using/flow.md)
+
+    @property
+    def labels(self) -> frozenset[str]:
+        """The labels the jail's job (a session: the session) holds."""
+        return frozenset(self._machine.broker.labels)
+
+    def add_labels(self, labels: Iterable[str]) -> None:
+        """Labels the jail holds from the start: a restored snapshot's."""
+        self._machine.broker.labels.update(labels)
+
+    def withheld(self) -> dict[str, str]:
+        """What its labels withhold from this run's caller (result, output, downloads)."""
+        broker = self._machine.broker
+        if not broker.labels or not broker.flow.sinks:
+            return {}
+        released = self.spec.released
+        return broker.flow.withheld(frozenset(broker.labels), lambda label: label in released)
+
+    def _relabeled(self, action: Relabeled) -> None:
+        run = self._egress_run
+        if run is not None:
+            run[0].recheck()
+
+    def _flow_record(self, tally: Tally) -> dict[str, Any] | None:
+        labels = sorted(self._machine.broker.labels)
+        withheld = self.withheld()
+        if not labels and not tally.flow_refusals:
+            return None
+        return {"labels": labels, "refusals": list(tally.flow_refusals),
+                "withheld": sorted(withheld)}
 
     def _route_call(self, action: RouteCall) -> None:
         self._calls_out.route(action.call)
@@ -629,7 +667,9 @@ class JailedJob:
         egress, listener = self._env.egress, self._egress_listener
         if egress is None or listener is None:
             return
-        door = egress.door(self.spec.policy, self.spec.job_id)
+        broker = self._machine.broker
+        door = egress.door(self.spec.policy, self.spec.job_id,
+                           lambda: frozenset(broker.labels), broker.flow_refused)
         task = self._loop.create_task(door.serve(listener), name=f"egress-{self.spec.job_id}")
         task.add_done_callback(_egress_ended)
         self._egress_run = (door, task)
@@ -663,7 +703,18 @@ class JailedJob:
         if trace is not None:
             trace.emitted(self._run.code_sent_at, self._run.code_ended_at)
         egress = self._end_egress_run()
-        record = self._run.record(self.spec, action.status, action.error, action.tally, egress)
+        flow = self._flow_record(action.tally)
+        if flow is not None and flow["withheld"]:  # before anyone can read them
+            withheld = flow["withheld"]
+            if "result" in withheld:
+                self._run.result = None
+            if "downloads" in withheld:
+                self._run.withhold_files()
+            if "output" in withheld:
+                action.tally.stdout.clear()
+                action.tally.stderr.clear()
+        record = self._run.record(self.spec, action.status, action.error, action.tally, egress,
+                                  flow)
         outcome = (record, self._run.result, self._run.downloads)
         if not action.final:  # a session's jail waits for its next run
             self._output = None
@@ -680,6 +731,7 @@ _PERFORM: dict[type[Any], Callable[[JailedJob, Any], None]] = {
     WithdrawCall: JailedJob._withdraw_call,
     ObserveCall: JailedJob._observe_call,
     EmitRecord: JailedJob._emit,
+    Relabeled: JailedJob._relabeled,
     Ready: JailedJob._ready,
     StartRun: JailedJob._start_run,
     ArmRunTimers: JailedJob._arm_run_timers,
@@ -757,7 +809,8 @@ class _Calls:
             self._job._feed(ToolLost(call.call_id))
             return
         ok, value = reply
-        self._job._feed(ToolReplied(call.call_id, ok, value, time.monotonic() - started))
+        self._job._feed(ToolReplied(call.call_id, ok, value, time.monotonic() - started,
+                                    entry[0].labels))
 
 
 __all__ = [

@@ -94,6 +94,13 @@ class RunAccount:
             return None
         return sum(now) - sum(self._cpu_base)
 
+    def withhold_files(self) -> None:
+        """Information flow withholds the downloads: their listing (names, sizes, digests)
+        goes too."""
+        self.downloads = {}
+        self._files = []
+        self._files_skipped = []
+
     def _take_files(self, wire: Any, policy: Policy) -> None:
         """What the runtime collected -- hostile input: checked entry by entry."""
         if wire is None:
@@ -130,9 +137,10 @@ class RunAccount:
         error: dict[str, Any] | None,
         tally: Tally,
         egress: dict[str, Any] | None = None,
+        flow: dict[str, Any] | None = None,
     ) -> JobRecord:
-        """The run's record (``egress``: its door's usage, for an egress policy). Only an
-        ``ok`` run keeps its result and files."""
+        """The run's record (``egress``: its door's usage, for an egress policy; ``flow``:
+        its labels and what they closed). Only an ``ok`` run keeps its result and files."""
         if status != "ok":
             self.result = None
             self.downloads = {}
@@ -152,6 +160,7 @@ class RunAccount:
             files_skipped=self._files_skipped,
             egress=egress,
             network_refused=self._network_refused,
+            flow=flow,
         )
 
     def _usage(self, tally: Tally) -> Usage:

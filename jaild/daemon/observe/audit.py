@@ -72,6 +72,19 @@ class _Window:
     suppressed: Counter[str] = field(default_factory=Counter)
 
 
+def _flow(record: JobRecord) -> dict[str, Any]:
+    """A job's information flow, for its audit event: label names and what they closed
+    (never a value)."""
+    flow = record.flow
+    assert flow is not None
+    out: dict[str, Any] = {"labels": list(flow.labels)}
+    if flow.refusals:
+        out["flow_refused"] = [f"{r.sink}:{r.code}:{r.label}:{r.target}" for r in flow.refusals]
+    if flow.withheld:
+        out["withheld"] = list(flow.withheld)
+    return out
+
+
 def _who(peer: Peer | None) -> dict[str, Any]:
     """Whose record: the client's uid, and its pod where pods are the tenants."""
     if peer is None:
@@ -147,6 +160,7 @@ class AuditLog:
                 ),
                 **({"session": record.session.id} if record.session else {}),
                 **({"network_refused": record.network_refused} if record.network_refused else {}),
+                **(_flow(record) if record.flow is not None else {}),
                 "reason": f"{error.type}: {error.message[:200]}" if error else "",
             },
         )

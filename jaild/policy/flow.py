@@ -1,0 +1,267 @@
+"""Information-flow rules: what a job has read decides where it may send.
+
+Theory of operation
+-------------------
+A tool result may carry *labels* (``private``, ``user:alice``, ``untrusted``, names the
+operator chooses): the policy's ``[[flow.source]]`` tables label every result of a tool, a
+tool's spec may declare the labels of its results (``ToolSpec.labels``), and a tool host may
+add labels to one result (``ClientToolReturned.labels``). The broker adds them to the *job's*
+labels the moment the reply passes it, before the jail can read it; labels only accumulate,
+within a job and within a session across its runs (and into its snapshots, forks and
+parked runs).
+
+Each ``[[flow.sink]]`` says what stays open once a job holds its label:
+
+===============  ==================================================  ======================
+sink             rule                                                where it is enforced
+===============  ==================================================  ======================
+egress           ``egress``: the hosts still reachable (absent:      the gateway: ``403``
+                 unchanged; ``[]``: none)                            naming label and rule;
+                                                                     tunnels already open
+                                                                     to a closed host cut
+tools            ``deny_tools`` refused, ``approve_tools`` need      the broker: the call is
+                 approval (``"*"``: every tool)                      refused ``flow_denied``
+result, output,  ``result``/``output``/``downloads`` = ``withhold``  the daemon, before the
+downloads        unless the caller is in ``release_to``              client sees them
+===============  ==================================================  ======================
+
+*Integrity* is the other direction: a tool in ``flow.protect`` (or whose spec says
+``protected``) must not get arguments that may depend on untrusted data, so once the job
+holds a label of ``flow.untrusted`` its calls are refused (``integrity``) or need approval
+(``flow.on_untrusted = "approve"``).
+
+The job is the unit: no byte inside the jail is tracked. Everything the job holds may carry
+what it read, which is why labels never leave a job or its session, and why nothing the jail
+says -- a frame, a file, its output -- can add or remove one.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaild.protocol.fields import LABEL, MAX_LABELS
+
+LABEL_RE = re.compile(LABEL + r"\Z")
+DISPOSITIONS = ("allow", "withhold")
+SINKS = ("result", "output", "downloads")
+
+
+@dataclass(frozen=True)
+class FlowSource:
+    """One ``[[flow.source]]``: every result of ``tool`` (a glob) carries ``labels``."""
+
+    tool: str
+    labels: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FlowSink:
+    """One ``[[flow.sink]]``: what stays open once a job holds ``label``."""
+
+    label: str
+    egress: tuple[str, ...] | None = None
+    deny_tools: tuple[str, ...] = ()
+    approve_tools: tuple[str, ...] = ()
+    result: str = "allow"
+    output: str = "allow"
+    downloads: str = "allow"
+    release_to: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """This rule in words (``policy explain``, the code-mode prompt)."""
+        parts = []
+        if self.egress is not None:
+            parts.append("egress only to " + ", ".join(self.egress) if self.egress
+                         else "no egress")
+        if self.deny_tools:
+            parts.append("tools refused: " + ", ".join(self.deny_tools))
+        if self.approve_tools:
+            parts.append("tools needing approval: " + ", ".join(self.approve_tools))
+        held = [s for s in SINKS if getattr(self, s) == "withhold"]
+        if held:
+            parts.append(" and ".join(held) + " withheld"
+                         + (f" (except for {', '.join(self.release_to)})" if self.release_to
+                            else ""))
+        return f"once a job holds {self.label!r}: " + ("; ".join(parts) or "nothing closes")
+
+
+def check_labels(labels: Iterable[Any], what: str) -> str | None:
+    """Why ``labels`` are not valid label names (None: they are)."""
+    items = list(labels)
+    if len(items) > MAX_LABELS:
+        return f"{what}: at most {MAX_LABELS} labels, got {len(items)}"
+    for item in items:
+        if not isinstance(item, str) or not LABEL_RE.match(item):
+            return f"{what}: {item!r} is not a label (lower case, digits, _.:@-, 1-64 chars)"
+    return None
+
+
+def _strings(raw: Any, key: str) -> tuple[str, ...]:
+    if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
+        raise ValueError(f"{key}: must be a list of strings, got {raw!r}")
+    return tuple(raw)
+
+
+def parse_source(raw: Any) -> FlowSource:
+    """One ``[[flow.source]]`` table. Raises ValueError naming the key."""
+    if not isinstance(raw, dict):
+        raise ValueError("must be a table {tool, labels}")
+    unknown = set(raw) - {"tool", "labels"}
+    if unknown:
+        raise ValueError(f"{min(unknown)}: unknown key; accepts tool, labels")
+    tool = raw.get("tool")
+    if not isinstance(tool, str) or not tool:
+        raise ValueError(f"tool: must be a tool name or glob, got {tool!r}")
+    labels = _strings(raw.get("labels"), "labels")
+    why = check_labels(labels, "labels")
+    if why is not None or not labels:
+        raise ValueError(why or "labels: must name at least one label")
+    return FlowSource(tool, labels)
+
+
+def parse_sink(raw: Any) -> FlowSink:
+    """One ``[[flow.sink]]`` table. Raises ValueError naming the key."""
+    if not isinstance(raw, dict):
+        raise ValueError("must be a table {label, egress, deny_tools, ...}")
+    known = ("label", "egress", "deny_tools", "approve_tools", *SINKS, "release_to")
+    unknown = set(raw) - set(known)
+    if unknown:
+        raise ValueError(f"{min(unknown)}: unknown key; accepts {', '.join(known)}")
+    label = raw.get("label")
+    if not isinstance(label, str) or check_labels([label], "label") is not None:
+        raise ValueError(f"label: {label!r} is not a label (lower case, digits, _.:@-)")
+    values: dict[str, Any] = {"label": label}
+    if "egress" in raw:
+        values["egress"] = _strings(raw["egress"], "egress")
+    for key in ("deny_tools", "approve_tools", "release_to"):
+        if key in raw:
+            values[key] = _strings(raw[key], key)
+    for key in SINKS:
+        if key in raw:
+            if raw[key] not in DISPOSITIONS:
+                raise ValueError(f"{key}: must be one of {', '.join(DISPOSITIONS)}, got "
+                                 f"{raw[key]!r}")
+            values[key] = raw[key]
+    return FlowSink(**values)
+
+
+@dataclass(frozen=True)
+class ToolVerdict:
+    """What the flow rules say of one call: refuse it, or ask for approval, and why."""
+
+    refuse: bool
+    code: str  # flow_denied | integrity
+    label: str
+    message: str
+
+
+@dataclass
+class FlowRules:
+    """A policy's ``[flow]``, compiled for the broker and the gateway."""
+
+    sources: tuple[FlowSource, ...] = ()
+    sinks: Mapping[str, tuple[FlowSink, ...]] = field(default_factory=dict)
+    untrusted: frozenset[str] = frozenset({"untrusted"})
+    protect: tuple[str, ...] = ()
+    on_untrusted: str = "refuse"
+    policy: str = ""
+
+    @property
+    def active(self) -> bool:
+        return bool(self.sources or self.sinks or self.protect)
+
+    def source_labels(self, tool: str) -> frozenset[str]:
+        """The labels the policy puts on every result of ``tool``."""
+        return frozenset(label for s in self.sources if fnmatch.fnmatchcase(tool, s.tool)
+                         for label in s.labels)
+
+    def closing(self, labels: Iterable[str]) -> list[FlowSink]:
+        """The sink rules of the labels held."""
+        return [sink for label in sorted(set(labels)) for sink in self.sinks.get(label, ())]
+
+    def tool_verdict(self, labels: frozenset[str], tool: str,
+                     protected: bool = False) -> ToolVerdict | None:
+        """A call of ``tool`` by a job holding ``labels``: refused, needing approval, or
+        None (the flow rules leave it alone). A refusal wins over an approval."""
+        approve: ToolVerdict | None = None
+        for sink in self.closing(labels):
+            if _matches(tool, sink.deny_tools):
+                return ToolVerdict(True, "flow_denied", sink.label, (
+                    f"{tool} is closed to a job holding label {sink.label!r} (policy "
+                    f"{self.policy!r}, [[flow.sink]] label = {sink.label!r}: deny_tools)"))
+            if approve is None and _matches(tool, sink.approve_tools):
+                approve = ToolVerdict(False, "flow_approval", sink.label, (
+                    f"{tool} needs approval for a job holding label {sink.label!r} (policy "
+                    f"{self.policy!r}, [[flow.sink]] label = {sink.label!r}: approve_tools)"))
+        if protected or _matches(tool, self.protect):
+            tainted = sorted(labels & self.untrusted)
+            if tainted:
+                verdict = ToolVerdict(self.on_untrusted == "refuse", "integrity", tainted[0], (
+                    f"{tool} is protected: its arguments must not depend on untrusted data, "
+                    f"and this job holds {tainted[0]!r} (policy {self.policy!r}, flow.protect; "
+                    f"flow.on_untrusted = {self.on_untrusted!r})"))
+                if verdict.refuse:
+                    return verdict
+                approve = approve or verdict
+        return approve
+
+    def egress_refusal(self, labels: frozenset[str], host: str, port: int,
+                       allowed: Any) -> tuple[str, str] | None:
+        """A request to ``host:port`` by a job holding ``labels``: ``(label, why)`` if a
+        label's sink closes it. ``allowed(patterns, host, port)``: does one of the egress
+        patterns name the target."""
+        for sink in self.closing(labels):
+            if sink.egress is None or allowed(sink.egress, host, port):
+                continue
+            still = ", ".join(sink.egress) or "no host"
+            return sink.label, (
+                f"egress to {host}:{port} is closed to a job holding label {sink.label!r} "
+                f"(policy {self.policy!r}, [[flow.sink]] label = {sink.label!r}: egress = "
+                f"{list(sink.egress)!r}); still open to it: {still}")
+        return None
+
+    def withheld(self, labels: frozenset[str], released: Any) -> dict[str, str]:
+        """Which of result/output/downloads are withheld from the caller, each with the
+        label that withholds it. ``released(entries)``: is the caller one of ``entries``."""
+        out: dict[str, str] = {}
+        for sink in self.closing(labels):
+            if sink.release_to and released(sink.release_to):
+                continue
+            for what in SINKS:
+                if getattr(sink, what) == "withhold" and what not in out:
+                    out[what] = sink.label
+        return out
+
+    def describe(self) -> list[str]:
+        """Every rule in words."""
+        lines = [f"results of {s.tool} carry {', '.join(s.labels)}" for s in self.sources]
+        lines += [sink.describe() for sinks in self.sinks.values() for sink in sinks]
+        if self.protect:
+            lines.append(f"{', '.join(self.protect)}: "
+                         f"{'refused' if self.on_untrusted == 'refuse' else 'need approval'} "
+                         f"once a job holds {', '.join(sorted(self.untrusted))}")
+        return lines
+
+
+def _matches(tool: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(tool, p) for p in patterns)
+
+
+def compile_flow(policy: str, sources: tuple[FlowSource, ...], sinks: tuple[FlowSink, ...],
+                 untrusted: tuple[str, ...], protect: tuple[str, ...],
+                 on_untrusted: str) -> FlowRules:
+    by_label: dict[str, list[FlowSink]] = {}
+    for sink in sinks:
+        by_label.setdefault(sink.label, []).append(sink)
+    return FlowRules(sources, {k: tuple(v) for k, v in by_label.items()},
+                     frozenset(untrusted), protect, on_untrusted, policy)
+
+
+__all__ = [
+    "LABEL", "MAX_LABELS", "FlowRules", "FlowSink", "FlowSource", "ToolVerdict",
+    "check_labels", "compile_flow", "parse_sink", "parse_source",
+]

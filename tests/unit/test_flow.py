@@ -1,0 +1,136 @@
+"""Information-flow rules without a jail: the policy's [flow], the broker's labels and tool
+sinks, the withholding, each with its control."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaild.daemon.core.broker import Admitted, Broker, Refused
+from jaild.errors import PolicyError
+from jaild.policy.schema import Limits, flow_rules, load_policy_text
+from jaild.protocol import pack
+from jaild.protocol.messages import ClientToolReturned, ToolSpec
+
+POLICY = """\
+[network]
+mode = "egress"
+[egress]
+allow = ["a.example", "b.example"]
+[flow]
+protect = ["send_*"]
+[[flow.source]]
+tool = "read_*"
+labels = ["private", "user:alice"]
+[[flow.sink]]
+label = "private"
+egress = ["a.example"]
+deny_tools = ["post"]
+approve_tools = ["share"]
+[[flow.sink]]
+label = "secret"
+result = "withhold"
+release_to = ["0"]
+"""
+ARGS = pack([[], {}])
+TOOLS = (ToolSpec(name="read_mail"), ToolSpec(name="post"), ToolSpec(name="share"),
+         ToolSpec(name="send_email"), ToolSpec(name="fetch", labels=("untrusted",)),
+         ToolSpec(name="transfer", protected=True), ToolSpec(name="plain"))
+
+
+def broker() -> Broker:
+    policy = load_policy_text(POLICY, "/p/mail.toml")
+    b = Broker(TOOLS, Limits())
+    b.set_job(TOOLS, Limits(), flow=flow_rules(policy))
+    return b
+
+
+def call(b: Broker, call_id: int, name: str, labels: tuple[str, ...] = ()) -> object:
+    verdict = b.admit(call_id, name, ARGS)
+    if isinstance(verdict, Admitted):
+        b.answer(call_id, True, pack("x"), 0.0, labels)
+    return verdict
+
+
+def test_a_tools_reply_labels_the_job_before_and_not_after() -> None:
+    b = broker()
+    assert isinstance(call(b, 1, "post"), Admitted)  # the control: nothing read yet
+    assert isinstance(call(b, 2, "share"), Admitted) and not b.labels
+    verdict = b.admit(3, "read_mail", ARGS)
+    assert isinstance(verdict, Admitted)
+    answer = b.answer(3, True, pack("mail"), 0.0)
+    assert answer is not None and answer.labels_added == {"private", "user:alice"}
+    refused = b.admit(4, "post", ARGS)
+    assert isinstance(refused, Refused) and refused.error_type == "flow_denied"
+    assert "label 'private'" in refused.message and "deny_tools" in refused.message
+    share = b.admit(5, "share", ARGS)
+    assert isinstance(share, Admitted) and share.needs_approval
+    assert [r["code"] for r in b.flow_refusals] == ["flow_denied", "flow_approval"]
+
+
+def test_labels_accumulate_across_runs_and_only_through_replies() -> None:
+    b = broker()
+    call(b, 1, "plain", ("tenant:acme",))  # the reply's own labels
+    call(b, 2, "fetch")  # the spec's
+    b.new_run()  # a session's next run keeps them
+    assert b.labels == {"tenant:acme", "untrusted"} and b.flow_refusals == []
+    timed = b.admit(3, "read_mail", ARGS)
+    assert isinstance(timed, Admitted)
+    b.timed_out(3, 1.0)  # no reply came: nothing read, nothing labelled
+    assert "private" not in b.labels
+
+
+def test_integrity_refuses_protected_tools_once_untrusted_data_is_held() -> None:
+    b = broker()
+    assert isinstance(call(b, 1, "send_email"), Admitted)  # the control
+    call(b, 2, "fetch")
+    for n, name in enumerate(("send_email", "transfer"), 3):  # policy glob; spec's own
+        refused = b.admit(n, name, ARGS)
+        assert isinstance(refused, Refused) and refused.error_type == "integrity"
+    assert isinstance(b.admit(9, "plain", ARGS), Admitted)
+
+
+def test_the_approve_variant_sends_the_call_for_approval() -> None:
+    policy = load_policy_text(POLICY.replace('[flow]\n', '[flow]\non_untrusted = "approve"\n'),
+                              "/p/mail.toml")
+    b = Broker(TOOLS, Limits())
+    b.set_job(TOOLS, Limits(), flow=flow_rules(policy))
+    call(b, 1, "fetch")
+    verdict = b.admit(2, "send_email", ARGS)
+    assert isinstance(verdict, Admitted) and verdict.needs_approval
+
+
+def test_egress_and_withholding_rules() -> None:
+    rules = flow_rules(load_policy_text(POLICY, "/p/mail.toml"))
+
+    def allowed(patterns: tuple[str, ...], host: str, port: int) -> bool:
+        return host in patterns
+
+    assert rules.egress_refusal(frozenset(), "b.example", 443, allowed) is None
+    label, why = rules.egress_refusal(frozenset({"private"}), "b.example", 443, allowed) or ("", "")
+    assert label == "private" and "still open to it: a.example" in why
+    assert rules.egress_refusal(frozenset({"private"}), "a.example", 443, allowed) is None
+    assert rules.withheld(frozenset({"secret"}), lambda label: False) == {"result": "secret"}
+    assert rules.withheld(frozenset({"secret"}), lambda label: True) == {}  # release_to
+    assert rules.withheld(frozenset({"private"}), lambda label: False) == {}
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ('[[flow.sink]]\nlabel = "Private"\n', "flow.sink[0].label"),
+    ('[[flow.sink]]\nlabel = "p"\noutput = "redact"\n', "flow.sink[0].output"),
+    ('[[flow.sink]]\nlabel = "p"\nbogus = 1\n', "flow.sink[0].bogus"),
+    ('[[flow.source]]\ntool = "t"\nlabels = []\n', "flow.source[0].labels"),
+    ('[[flow.sink]]\nlabel = "p"\negress = ["x.example"]\n', "flow.sink[0].egress"),
+    ('[flow]\non_untrusted = "maybe"\n', "flow.on_untrusted"),
+    ('[flow]\nuntrusted = ["UPPER"]\n', "flow.untrusted"),
+])
+def test_a_bad_flow_rule_names_its_key(text: str, key: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        load_policy_text(text, "/p/x.toml")
+    assert f"/p/x.toml: {key}:" in str(info.value), str(info.value)
+
+
+def test_labels_on_the_wire_are_checked() -> None:
+    ClientToolReturned(job_id="job-1", call_id=1, value=b"", labels=("private", "user:a@b"))
+    for bad in (("Private",), ("x" * 65,), tuple(f"l{i}" for i in range(17))):
+        with pytest.raises(Exception, match="labels"):
+            ClientToolReturned(job_id="job-1", call_id=1, value=b"", labels=bad)
