@@ -22,7 +22,9 @@ egress           ``egress``: the hosts still reachable (absent:      the gateway
 tools            ``deny_tools`` refused, ``approve_tools`` need      the broker: the call is
                  approval (``"*"``: every tool)                      refused ``flow_denied``
 result, output,  ``result``/``output``/``downloads`` = ``withhold``  the daemon, before the
-downloads        unless the caller is in ``release_to``              client sees them
+downloads        (or, for result and output, ``redact``: every      client sees them
+                 string of a reply with the label replaced) unless
+                 the caller is in ``release_to``
 ===============  ==================================================  ======================
 
 *Integrity* is the other direction: a tool in ``flow.protect`` (or whose spec says
@@ -46,8 +48,13 @@ from typing import Any
 from jaild.protocol.fields import LABEL, MAX_LABELS
 
 LABEL_RE = re.compile(LABEL + r"\Z")
-DISPOSITIONS = ("allow", "withhold")
+DISPOSITIONS = ("allow", "withhold", "redact")
 SINKS = ("result", "output", "downloads")
+MIN_REDACTED_CHARS = 4
+"""Shorter strings of a labelled reply are not redacted (they would blank every ``a``)."""
+MAX_SECRETS = 4096
+MAX_SECRET_BYTES = 4 << 20
+MAX_REDACT_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -81,11 +88,12 @@ class FlowSink:
             parts.append("tools refused: " + ", ".join(self.deny_tools))
         if self.approve_tools:
             parts.append("tools needing approval: " + ", ".join(self.approve_tools))
-        held = [s for s in SINKS if getattr(self, s) == "withhold"]
-        if held:
-            parts.append(" and ".join(held) + " withheld"
-                         + (f" (except for {', '.join(self.release_to)})" if self.release_to
-                            else ""))
+        for how in ("withhold", "redact"):
+            held = [s for s in SINKS if getattr(self, s) == how]
+            if held:
+                parts.append(" and ".join(held) + f" {how}{'e' if how == 'redact' else ''}d"
+                             + (f" (except for {', '.join(self.release_to)})"
+                                if self.release_to else ""))
         return f"once a job holds {self.label!r}: " + ("; ".join(parts) or "nothing closes")
 
 
@@ -142,8 +150,9 @@ def parse_sink(raw: Any) -> FlowSink:
             values[key] = _strings(raw[key], key)
     for key in SINKS:
         if key in raw:
-            if raw[key] not in DISPOSITIONS:
-                raise ValueError(f"{key}: must be one of {', '.join(DISPOSITIONS)}, got "
+            allowed = DISPOSITIONS if key != "downloads" else DISPOSITIONS[:2]
+            if raw[key] not in allowed:
+                raise ValueError(f"{key}: must be one of {', '.join(allowed)}, got "
                                  f"{raw[key]!r}")
             values[key] = raw[key]
     return FlowSink(**values)
@@ -224,17 +233,25 @@ class FlowRules:
                 f"{list(sink.egress)!r}); still open to it: {still}")
         return None
 
-    def withheld(self, labels: frozenset[str], released: Any) -> dict[str, str]:
-        """Which of result/output/downloads are withheld from the caller, each with the
-        label that withholds it. ``released(entries)``: is the caller one of ``entries``."""
+    def withheld(self, labels: frozenset[str], released: Any,
+                 how: str = "withhold") -> dict[str, str]:
+        """Which of result/output/downloads are withheld (``how = "redact"``: redacted)
+        from the caller, each with the (first) label that says so. ``released(label)``: is
+        the caller in that label's sink's ``release_to``."""
         out: dict[str, str] = {}
         for sink in self.closing(labels):
-            if sink.release_to and released(sink.release_to):
+            if sink.release_to and released(sink.label):
                 continue
             for what in SINKS:
-                if getattr(sink, what) == "withhold" and what not in out:
+                if getattr(sink, what) == how and what not in out:
                     out[what] = sink.label
         return out
+
+    def redacting(self, labels: Iterable[str]) -> frozenset[str]:
+        """Those of ``labels`` whose sinks redact something: a reply carrying one has its
+        strings kept, to be redacted."""
+        return frozenset(label for label in labels for sink in self.sinks.get(label, ())
+                         if "redact" in (sink.result, sink.output))
 
     def describe(self) -> list[str]:
         """Every rule in words."""
@@ -245,6 +262,50 @@ class FlowRules:
                          f"{'refused' if self.on_untrusted == 'refuse' else 'need approval'} "
                          f"once a job holds {', '.join(sorted(self.untrusted))}")
         return lines
+
+
+def strings_of(value: Any, out: set[str], budget: list[int]) -> None:
+    """Collect the string values (at least :data:`MIN_REDACTED_CHARS` long; not a map's
+    keys) of an unpacked reply into ``out``, within ``budget`` = [strings left, bytes
+    left]; iteratively (a reply may be deep)."""
+    stack = [value]
+    while stack and budget[0] > 0 and budget[1] > 0:
+        item = stack.pop()
+        if isinstance(item, str):
+            if len(item) >= MIN_REDACTED_CHARS and item not in out:
+                out.add(item)
+                budget[0] -= 1
+                budget[1] -= len(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):  # its values: keys are the reply's shape, not its data
+            stack.extend(item.values())
+
+
+def redact_text(text: str, secrets: Mapping[str, str]) -> str:
+    """``text`` with every secret (longest first) replaced by ``[redacted:LABEL]``."""
+    for secret in sorted(secrets, key=len, reverse=True):
+        if secret in text:
+            text = text.replace(secret, f"[redacted:{secrets[secret]}]")
+    return text
+
+
+def redact_value(value: Any, secrets: Mapping[str, str], depth: int = 0) -> Any:
+    """An unpacked result with :func:`redact_text` applied to every string (keys too).
+
+    Raises:
+        ValueError: nested deeper than :data:`MAX_REDACT_DEPTH` (the caller withholds it).
+    """
+    if depth > MAX_REDACT_DEPTH:
+        raise ValueError("too deep to redact")
+    if isinstance(value, str):
+        return redact_text(value, secrets)
+    if isinstance(value, list):
+        return [redact_value(v, secrets, depth + 1) for v in value]
+    if isinstance(value, dict):
+        return {redact_value(k, secrets, depth + 1): redact_value(v, secrets, depth + 1)
+                for k, v in value.items()}
+    return value
 
 
 def _matches(tool: str, patterns: Iterable[str]) -> bool:

@@ -293,6 +293,9 @@ class FlowRecord(Report):
     refusals: tuple[FlowRefusal, ...] = field(list_of(nested(FlowRefusal), MAX_CALL_RECORDS))
     withheld: tuple[str, ...] = field(list_of(one_of("result", "output", "downloads"), 3))
     """What the client did not get because of a label (its rule says ``withhold``)."""
+    redacted: tuple[str, ...] = field(list_of(one_of("result", "output"), 2), default=())
+    """What the client got redacted: every string of a reply carrying the label replaced by
+    ``[redacted:LABEL]`` (its rule says ``redact``)."""
 
 
 @struct

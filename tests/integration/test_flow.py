@@ -79,6 +79,10 @@ label = "secret"
 result = "withhold"
 output = "withhold"
 downloads = "withhold"
+[[flow.sink]]
+label = "confidential"
+result = "redact"
+output = "redact"
 """
 
 
@@ -133,7 +137,11 @@ def read_secret() -> Labeled:
     return Labeled("the launch code is 0000", "secret")
 
 
-TOOLS = [read_mail, fetch_web, send_email, post_public, echo, read_secret]
+def read_record() -> Labeled:
+    return Labeled({"name": "Alice Smith", "ssn": "123-45-6789"}, "confidential")
+
+
+TOOLS = [read_mail, fetch_web, send_email, post_public, echo, read_secret, read_record]
 
 GET = """
 import json, urllib.request, urllib.error
@@ -330,6 +338,26 @@ secret
     assert [f["path"] for f in control.files] == ["out.txt"]
 
 
+def test_a_redacting_label_replaces_what_the_job_read_and_only_that(world: World) -> None:
+    """``redact``: every string of the labelled reply is replaced, in the result and in the
+    output (which is then not streamed, only returned whole); a string the job derived from
+    it (upper-cased) is not caught -- the documented limit, why ``withhold`` is the safe
+    choice. The control: a string of the job's own is left alone."""
+    with Client(world.daemon.socket) as c:
+        streamed: list[str] = []
+        r = c.run("""
+rec = tools.read_record()
+print("name=" + rec["name"])
+{"summary": f"{rec['name']} has ssn {rec['ssn']}", "loud": rec["name"].upper(),
+ "own": "nothing secret"}
+""", "flow", tools=TOOLS, on_stdout=streamed.append)
+    assert r.status == "ok", (r.status, r.error)
+    assert r.result == {"summary": "[redacted:confidential] has ssn [redacted:confidential]",
+                        "loud": "ALICE SMITH", "own": "nothing secret"}
+    assert r.stdout == "name=[redacted:confidential]\n" and "".join(streamed) == ""
+    assert list(r.record.flow.redacted) == ["output", "result"] and not r.record.flow.withheld
+
+
 def test_labels_accumulate_across_a_sessions_runs_and_survive_its_snapshot(
         world: World) -> None:
     with Client(world.daemon.socket) as c:
@@ -424,3 +452,11 @@ def test_the_worked_example_runs_as_the_docs_say(tmp_path: Path) -> None:
         "['integrity']",
         "email alone (the control): sent to bob@example.com; labels []; refused []",
     ]
+
+
+def test_an_exception_does_not_carry_withheld_data_out(world: World) -> None:
+    r = run(world, "raise ValueError(tools.read_secret())")
+    assert r.status == "error" and r.error is not None
+    assert "launch code" not in json.dumps(r.error) and "launch code" not in r.stderr
+    control = run(world, 'raise ValueError("the launch code is public")')  # no label held
+    assert "launch code" in control.error["message"]

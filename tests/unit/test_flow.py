@@ -116,7 +116,8 @@ def test_egress_and_withholding_rules() -> None:
 
 @pytest.mark.parametrize(("text", "key"), [
     ('[[flow.sink]]\nlabel = "Private"\n', "flow.sink[0].label"),
-    ('[[flow.sink]]\nlabel = "p"\noutput = "redact"\n', "flow.sink[0].output"),
+    ('[[flow.sink]]\nlabel = "p"\noutput = "scramble"\n', "flow.sink[0].output"),
+    ('[[flow.sink]]\nlabel = "p"\ndownloads = "redact"\n', "flow.sink[0].downloads"),
     ('[[flow.sink]]\nlabel = "p"\nbogus = 1\n', "flow.sink[0].bogus"),
     ('[[flow.source]]\ntool = "t"\nlabels = []\n', "flow.source[0].labels"),
     ('[[flow.sink]]\nlabel = "p"\negress = ["x.example"]\n', "flow.sink[0].egress"),
@@ -134,3 +135,24 @@ def test_labels_on_the_wire_are_checked() -> None:
     for bad in (("Private",), ("x" * 65,), tuple(f"l{i}" for i in range(17))):
         with pytest.raises(Exception, match="labels"):
             ClientToolReturned(job_id="job-1", call_id=1, value=b"", labels=bad)
+
+
+def test_redaction_replaces_the_values_a_labelled_reply_held() -> None:
+    from jaild.policy.flow import redact_value, strings_of
+
+    found: set[str] = set()
+    budget = [100, 1 << 20]
+    strings_of({"name": "Alice Smith", "tags": ["vip", "north-east"], "n": 3}, found, budget)
+    assert found == {"Alice Smith", "north-east"}  # values; not keys; not "vip" (too short)
+    secrets = {s: "pii" for s in found}
+    assert redact_value({"to": "Alice Smith, north-east", "x": [1, "ok"]}, secrets) == \
+        {"to": "[redacted:pii], [redacted:pii]", "x": [1, "ok"]}
+    deep: object = "Alice Smith"
+    for _ in range(100):
+        deep = [deep]
+    with pytest.raises(ValueError):
+        redact_value(deep, secrets)  # the caller withholds what it cannot redact
+    budget = [1, 1 << 20]
+    found = set()
+    strings_of(["aaaa", "bbbb"], found, budget)
+    assert len(found) == 1 and budget[0] == 0  # bounded

@@ -256,6 +256,8 @@ job_record = st.fixed_dictionaries(dict(
                                     label=label, target=text(max_size=64), code=text(1, 64)),
                           max_size=2).map(tuple),
         withheld=st.lists(st.sampled_from(["result", "output", "downloads"]), max_size=3,
+                          unique=True).map(tuple),
+        redacted=st.lists(st.sampled_from(["result", "output"]), max_size=2,
                           unique=True).map(tuple)),
 )).map(lambda kw: JobRecord(**{**kw, "error": None if kw["status"] == "ok" else kw["error"]}))
 session_info = st.builds(SessionInfo, policy=policy_name, idle_s=seconds,

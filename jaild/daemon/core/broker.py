@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaild.errors import RemoteProtocolError
-from jaild.policy.flow import FlowRules
+from jaild.policy.flow import MAX_SECRET_BYTES, MAX_SECRETS, FlowRules, strings_of
 from jaild.policy.schema import Limits
 from jaild.protocol import unpack
 from jaild.protocol.messages import ToolSpec
@@ -318,6 +318,8 @@ class Broker:
         self._validators = validators if validators is not None else Validators()
         self.in_flight: dict[int, tuple[str, int]] = {}  # call id -> (tool name, args' bytes)
         self.labels: set[str] = set()  # the jail's: every run of it, never reset
+        self.secrets: dict[str, str] = {}  # strings of replies with a redacting label -> it
+        self._secret_budget = [MAX_SECRETS, MAX_SECRET_BYTES]
         self.flow = FlowRules()
         self.set_job(tools, limits, approval_required)
         self.new_run()
@@ -444,8 +446,12 @@ class Broker:
         name, args_bytes = entry
         added: frozenset[str] = frozenset()
         if replied:
-            added = self.reply_labels(name, labels) - self.labels
+            carried = self.reply_labels(name, labels)
+            added = carried - self.labels
             self.labels |= added
+            redacting = self.flow.redacting(carried) if self.flow.sinks else frozenset()
+            if redacting:
+                self._keep_secrets(ok, value, min(redacting))
         self.tool_time_s += duration_s
         limits = self.limits
         size = len(value) if ok else 0
@@ -473,6 +479,19 @@ class Broker:
             call_id, name, False, error_type=error_type, message=message, args_bytes=args_bytes,
             labels_added=added,
         )
+
+    def _keep_secrets(self, ok: bool, value: Any, label: str) -> None:
+        """The strings of a reply whose label redacts: what the job's end replaces."""
+        found: set[str] = set()
+        if ok:
+            try:
+                strings_of(unpack(bytes(value)), found, self._secret_budget)
+            except RemoteProtocolError:
+                return  # undecodable: no strings the jail's runtime could read either
+        else:
+            strings_of(str(value[1]), found, self._secret_budget)
+        for secret in found:
+            self.secrets.setdefault(secret, label)
 
     def withdraw(self, call_id: int) -> bool:
         """The job ended with the call in flight: forget it (not logged). True if it was."""

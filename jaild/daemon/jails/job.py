@@ -96,10 +96,11 @@ from jaild.daemon.jails.launch.handle import JailHandle, Launcher
 from jaild.daemon.jails.launch.spawned import SpawnLauncher
 from jaild.daemon.jails.launch.zygotes import ZygoteSet
 from jaild.daemon.jails.run_account import RunAccount
-from jaild.errors import ConnectionLost
+from jaild.errors import ConnectionLost, RemoteProtocolError
 from jaild.policy.compile import JOB_UIDS, HostLayout, harden
+from jaild.policy.flow import redact_text, redact_value
 from jaild.policy.schema import Policy
-from jaild.protocol.messages import ErrorInfo, Harden
+from jaild.protocol.messages import ErrorInfo, Harden, pack, unpack
 from jaild.protocol.records import JobRecord
 from jaild.tracing import JobTrace
 
@@ -516,7 +517,8 @@ class JailedJob:
         self._handle.write(action.data)
 
     def _forward_output(self, action: ForwardOutput) -> None:
-        if self._output is not None and "output" not in self.withheld():
+        if self._output is not None and "output" not in self.withheld() \
+                and "output" not in self.withheld("redact"):  # redacted: at the end, whole
             self._output(self.spec.job_id, action.stream, action.data)
 
     # -- information flow (jaild.policy.flow; docs/using/flow.md)
@@ -530,13 +532,15 @@ class JailedJob:
         """Labels the jail holds from the start: a restored snapshot's."""
         self._machine.broker.labels.update(labels)
 
-    def withheld(self) -> dict[str, str]:
-        """What its labels withhold from this run's caller (result, output, downloads)."""
+    def withheld(self, how: str = "withhold") -> dict[str, str]:
+        """What its labels withhold (``how = "redact"``: redact) from this run's caller:
+        result, output, downloads, each with the label that says so."""
         broker = self._machine.broker
         if not broker.labels or not broker.flow.sinks:
             return {}
         released = self.spec.released
-        return broker.flow.withheld(frozenset(broker.labels), lambda label: label in released)
+        return broker.flow.withheld(frozenset(broker.labels), lambda label: label in released,
+                                    how)
 
     def _relabeled(self, action: Relabeled) -> None:
         run = self._egress_run
@@ -545,11 +549,42 @@ class JailedJob:
 
     def _flow_record(self, tally: Tally) -> dict[str, Any] | None:
         labels = sorted(self._machine.broker.labels)
-        withheld = self.withheld()
         if not labels and not tally.flow_refusals:
             return None
         return {"labels": labels, "refusals": list(tally.flow_refusals),
-                "withheld": sorted(withheld)}
+                "withheld": sorted(self.withheld()), "redacted": sorted(self.withheld("redact"))}
+
+    def _apply_flow(self, flow: dict[str, Any], tally: Tally,
+                    error: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Withhold and redact what the run's labels say, before anyone can read it.
+        Returns the record's error (its message and traceback are output too)."""
+        withheld, redacted = flow["withheld"], flow["redacted"]
+        run = self._run
+        if "result" in withheld:
+            run.result = None
+        if "downloads" in withheld:
+            run.withhold_files()
+        secrets = self._machine.broker.secrets
+        if "result" in redacted and run.result is not None:
+            try:
+                run.result = pack(redact_value(unpack(run.result), secrets))
+            except (RemoteProtocolError, ValueError):
+                run.result = None  # what cannot be redacted is withheld
+                flow["withheld"] = sorted({*withheld, "result"})
+        if "output" in withheld:
+            tally.stdout.clear()
+            tally.stderr.clear()
+        elif "output" in redacted:
+            for stream in (tally.stdout, tally.stderr):
+                text = redact_text(stream.decode("utf-8", "replace"), secrets)
+                stream[:] = text.encode()
+        if error is not None and ("output" in withheld or "result" in withheld):
+            error = {**error, "message": "(withheld: the job holds a label whose rule "
+                     "withholds its output)", "traceback": ""}
+        elif error is not None and "output" in redacted:
+            error = {**error, "message": redact_text(str(error.get("message", "")), secrets),
+                     "traceback": redact_text(str(error.get("traceback") or ""), secrets)}
+        return error
 
     def _route_call(self, action: RouteCall) -> None:
         self._calls_out.route(action.call)
@@ -704,17 +739,10 @@ class JailedJob:
             trace.emitted(self._run.code_sent_at, self._run.code_ended_at)
         egress = self._end_egress_run()
         flow = self._flow_record(action.tally)
-        if flow is not None and flow["withheld"]:  # before anyone can read them
-            withheld = flow["withheld"]
-            if "result" in withheld:
-                self._run.result = None
-            if "downloads" in withheld:
-                self._run.withhold_files()
-            if "output" in withheld:
-                action.tally.stdout.clear()
-                action.tally.stderr.clear()
-        record = self._run.record(self.spec, action.status, action.error, action.tally, egress,
-                                  flow)
+        error = action.error
+        if flow is not None and (flow["withheld"] or flow["redacted"]):
+            error = self._apply_flow(flow, action.tally, error)
+        record = self._run.record(self.spec, action.status, error, action.tally, egress, flow)
         outcome = (record, self._run.result, self._run.downloads)
         if not action.final:  # a session's jail waits for its next run
             self._output = None
