@@ -424,9 +424,10 @@ class Approvals:
 
     park_after_s: float = setting(
         0.0,
-        "A one-shot run whose call has waited this long for approval is parked: its jail "
-        "ends, it waits on disk (through daemon restarts) and goes on from that call once "
-        "decided. 0: off -- the client's approve callback decides, as the call waits.",
+        "A run whose call has waited this long for approval is parked: its jail ends (a "
+        "session's run: its session with it), it waits on disk (through daemon restarts) "
+        "and goes on from that call once decided. 0: off -- the client's approve callback "
+        "decides, as the call waits.",
         between(0, 7 * 86400),
     )
     approvers: tuple[str, ...] = setting(
