@@ -280,7 +280,9 @@ class FlowRefusal(Report):
     target: str = field(string(1024))
     """The host:port or the tool."""
     code: str = field(string(64, min_len=1))
-    """``flow_denied``, ``integrity``, ``flow_approval``, ``flow_egress``."""
+    """``flow_denied``, ``integrity``, ``flow_approval``, ``flow_egress``, ``flow_cut``."""
+    reason: str = field(string(1024), default="")
+    """What the job was told: the rule, in words."""
 
 
 @struct

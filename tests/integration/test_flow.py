@@ -177,6 +177,7 @@ still = get("localhost", "/still-open")      # the rule's own host
     assert flow is not None and list(flow.labels) == ["private"]
     assert [(f.sink, f.label, f.code) for f in flow.refusals] == \
         [("egress", "private", "flow_egress")]
+    assert "closed to a job holding label 'private'" in flow.refusals[0].reason
     assert run(world, 'get("127.0.0.1", "/fresh")').result == 200  # a new job starts clean
 
 

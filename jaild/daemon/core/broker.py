@@ -306,6 +306,7 @@ class Broker:
         approval_required: which tool names the policy says need approval
             (``Policy.needs_approval``).
         validators: the shared schema cache (a fresh one if omitted).
+        flow: the policy's information-flow rules (none if omitted).
     """
 
     def __init__(
@@ -314,13 +315,14 @@ class Broker:
         limits: Limits,
         approval_required: Callable[[str], bool] = lambda _: False,
         validators: Validators | None = None,
+        flow: FlowRules | None = None,
     ) -> None:
         self._validators = validators if validators is not None else Validators()
         self.in_flight: dict[int, tuple[str, int]] = {}  # call id -> (tool name, args' bytes)
         self.labels: set[str] = set()  # the jail's: every run of it, never reset
         self.secrets: dict[str, str] = {}  # strings of replies with a redacting label -> it
         self._secret_budget = [MAX_SECRETS, MAX_SECRET_BYTES]
-        self.flow = FlowRules()
+        self.flow = flow if flow is not None else FlowRules()
         self.set_job(tools, limits, approval_required)
         self.new_run()
 
@@ -337,6 +339,8 @@ class Broker:
         if flow is not None:
             self.flow = flow
         self._tools: Mapping[str, ToolSpec] = {t.name: t for t in tools}
+        # do replies carry labels without their own? (else answer() skips the rules)
+        self._labelling = bool(self.flow.sources) or any(t.labels for t in tools)
         # decided once per job, not per call
         self._approval = {t.name for t in tools if t.approval or approval_required(t.name)}
 
@@ -369,7 +373,7 @@ class Broker:
             verdict = self.flow.tool_verdict(frozenset(self.labels), name, spec.protected)
             if verdict is not None:
                 self.flow_refused("tool" if verdict.refuse else "approval", verdict.label, name,
-                                  verdict.code)
+                                  verdict.code, verdict.message)
                 if verdict.refuse:
                     refusal = (verdict.code, verdict.message)
                 else:
@@ -382,11 +386,12 @@ class Broker:
         self.in_flight[call_id] = (name, size)
         return Admitted(call_id, name, args, approval, self.timeout_s(name))
 
-    def flow_refused(self, sink: str, label: str, target: str, code: str) -> None:
+    def flow_refused(self, sink: str, label: str, target: str, code: str,
+                     reason: str = "") -> None:
         """A send the job's labels closed (or sent for approval): for the run's record."""
         if len(self.flow_refusals) < MAX_CALL_RECORDS:
             self.flow_refusals.append({"sink": sink, "label": label, "target": target[:1024],
-                                       "code": code})
+                                       "code": code, "reason": reason[:1024]})
 
     def reply_labels(self, name: str, labels: tuple[str, ...] = ()) -> frozenset[str]:
         """The labels a reply of tool ``name`` carries: the policy's, the spec's, its own."""
@@ -445,7 +450,7 @@ class Broker:
             return None
         name, args_bytes = entry
         added: frozenset[str] = frozenset()
-        if replied:
+        if replied and (labels or self._labelling):
             carried = self.reply_labels(name, labels)
             added = carried - self.labels
             self.labels |= added

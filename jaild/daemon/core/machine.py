@@ -610,8 +610,8 @@ class JobMachine:
         self._harden = harden
         self._digest = seccomp_digest
         self.conn = Connection(Role.SUPERVISOR, frame_limit(spec))
-        self.broker = Broker(spec.job.tools, spec.limits, spec.policy.needs_approval, validators)
-        self.broker.flow = flow_rules(spec.policy)
+        self.broker = Broker(spec.job.tools, spec.limits, spec.policy.needs_approval, validators,
+                             flow_rules(spec.policy))
         self.calls = _CallDesk(self.broker, self.conn)
         self.evidence = Evidence(cpu_limit_s=float(spec.limits.cpu_time_s))
         self._facts = _Facts()

@@ -215,7 +215,7 @@ class EgressDoor:
         upstream_tls: ssl.SSLContext | None = None,
         flow: FlowRules | None = None,
         labels: Callable[[], frozenset[str]] = frozenset,
-        on_flow_refused: Callable[[str, str, str, str], None] = lambda *_: None,
+        on_flow_refused: Callable[[str, str, str, str, str], None] = lambda *_: None,
     ) -> None:
         self.rules = rules
         self._flow = flow if flow is not None and flow.sinks else None
@@ -348,7 +348,8 @@ class EgressDoor:
         summary["host"] = canonical
         closed = self._flow_closed(canonical, port)
         if closed is not None:
-            self._on_flow_refused("egress", closed[0], f"{canonical}:{port}", "flow_egress")
+            self._on_flow_refused("egress", closed[0], f"{canonical}:{port}", "flow_egress",
+                                  closed[1])
             raise _Refusal(403, "flow", closed[1])
         return canonical
 
@@ -380,7 +381,8 @@ class EgressDoor:
                 continue
             self._live.discard(live)
             self.usage.refused["flow"] += 1
-            self._on_flow_refused("egress", closed[0], f"{host}:{port}", "flow_cut")
+            self._on_flow_refused("egress", closed[0], f"{host}:{port}", "flow_cut",
+                                  f"the connection was cut: {closed[1]}")
             for side in (up_writer, writer):
                 side.transport.abort()
 
@@ -391,7 +393,8 @@ class EgressDoor:
         closed = self._flow_closed(host, port)
         if closed is not None:
             up_writer.close()
-            self._on_flow_refused("egress", closed[0], f"{host}:{port}", "flow_egress")
+            self._on_flow_refused("egress", closed[0], f"{host}:{port}", "flow_egress",
+                                  closed[1])
             raise _Refusal(403, "flow", closed[1])
         live = (writer, up_writer, host, port)
         self._live.add(live)

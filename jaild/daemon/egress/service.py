@@ -178,7 +178,7 @@ class EgressService:
 
     def door(self, policy: Policy, job_id: str,
              labels: Callable[[], frozenset[str]] = frozenset,
-             on_flow_refused: Callable[[str, str, str, str], None] = lambda *_: None,
+             on_flow_refused: Callable[[str, str, str, str, str], None] = lambda *_: None,
              ) -> EgressDoor:
         """A run's door: the policy's rules, a fresh quota and usage; ``labels``: what the
         job holds now (its flow rules close hosts by them)."""
