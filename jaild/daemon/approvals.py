@@ -552,6 +552,8 @@ class Approvals:
             self._continue(run, host, ref)
 
     def _continue(self, run: DurableRun, host: ClientConnection, ref: int | None) -> None:
+        if self.registry.job(run.job_id) is not None:
+            return  # its parked jail is still ending: jail_released() goes on from there
         if run.session_id is not None:
             self.sessions.continue_run(run, host, ref)
             return
@@ -588,9 +590,18 @@ class Approvals:
             self.registry.remove_job(run.job_id)
             run.continuing = False
         if run.parked:  # parked again at a later call
+            self.jail_released(run)
             return
         self.ended(run)
         self.finish(host, record, result, downloads, len(run.job.files))
+
+    def jail_released(self, run: DurableRun) -> None:
+        """A parked run's jail is gone (its live job unregistered): a decision that came
+        while it was ending goes on now."""
+        run.continuing = False
+        if run.parked and run.decision is not None and run.host is not None \
+                and self.runs.get(run.job_id) is run:
+            self._continue(run, run.host, None)
 
     def finish(self, host: ClientConnection, record: JobRecord, result: bytes | None,
                downloads: dict[str, bytes], uploaded: int) -> None:

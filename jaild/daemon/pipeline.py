@@ -190,6 +190,8 @@ class Pipeline:
                 self.sessions.run_ended(sess)
             else:
                 self.reap_orphans()
+            if durable is not None and durable.parked and self.approvals is not None:
+                self.approvals.jail_released(durable)  # a decision that came meanwhile
         if sess is not None:
             self.sessions.after_run(sess, job_id, record)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -213,3 +214,34 @@ def test_a_run_live_at_a_crash_is_not_loaded(tmp_path: Path) -> None:
     svc.save(r)
     assert service(tmp_path, pol).load() == 0
     assert list((tmp_path / "parked").iterdir()) == []
+
+
+def test_a_decision_while_the_parked_jail_still_ends_goes_on_once_it_is_gone(
+        tmp_path: Path) -> None:
+    """A slow machine: the call is decided while the parked run's jail is still ending (its
+    live job registered). The continuation waits for the jail to be gone instead of
+    registering the job twice; then it goes on by itself."""
+    from jaild.daemon.approvals import Held
+    from jaild.daemon.registry import LiveJob
+
+    pol = policy()
+    svc = service(tmp_path, pol)
+    r = run(svc, pol)
+    r.held = Held(0, 1, "send", b"\x90", time.time())
+    r.parked, r.parked_at, r.jail = True, time.time(), SimpleNamespace()  # type: ignore[assignment]
+    r.host = SimpleNamespace(peer=peer(1000))  # type: ignore[assignment]
+    seen: list[bool] = []
+    original = svc._continue
+
+    def spy(run: DurableRun, host: Any, ref: int | None) -> None:
+        seen.append(svc.registry.job(run.job_id) is None)
+        if not seen[-1]:
+            original(run, host, ref)  # returns at once: the jail is still ending
+
+    svc._continue = spy  # type: ignore[method-assign]
+    svc.registry.add_job(LiveJob("job-1", SimpleNamespace(pid=None), r.host))  # type: ignore[arg-type]
+    svc.decide(peer(1000), "job-1", 1, True, "fine")
+    assert seen == [False] and r.decision is not None
+    svc.registry.remove_job("job-1")
+    svc.jail_released(r)
+    assert seen == [False, True]
