@@ -4,8 +4,8 @@ on disk, and the replay's answers -- without a jail."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
