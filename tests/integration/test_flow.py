@@ -99,6 +99,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         "flow-approve": POLICY.format(port=port, on_untrusted="approve"),
         "plain": f'[network]\nmode = "egress"\n[egress]\nallow = ["127.0.0.1:{port}"]\n'
                  "deny_private = false\n",
+        "flow-park": f'[network]\nmode = "egress"\n[limits]\nwall_time_s = 120\n[egress]\n'
+                     f'allow = ["127.0.0.1:{port}"]\ndeny_private = false\n[access]\n'
+                     'approve = ["send_email"]\n[approvals]\npark_after_s = 0.5\n'
+                     '[[flow.source]]\ntool = "read_mail"\nlabels = ["private"]\n'
+                     '[[flow.sink]]\nlabel = "private"\negress = []\n',
     }, with_repo_policies=False)
     try:
         yield World(handle, port, seen)
@@ -461,3 +466,23 @@ def test_an_exception_does_not_carry_withheld_data_out(world: World) -> None:
     assert "launch code" not in json.dumps(r.error) and "launch code" not in r.stderr
     control = run(world, 'raise ValueError("the launch code is public")')  # no label held
     assert "launch code" in control.error["message"]
+
+
+def test_a_parked_session_keeps_its_labels(world: World) -> None:
+    """A session that read private data parks at a call waiting for approval; it comes back
+    in a fresh jail from its state before the run -- and with its labels: egress stays
+    closed (the control: before the read it was open)."""
+    from tests.integration.test_durable_approvals import wait_for
+
+    with Client(world.daemon.socket) as c, c.session("flow-park", tools=TOOLS) as s:
+        s.run(GET.format(port=world.port))
+        assert s.run('get("127.0.0.1", "/park-before")').result == 200
+        s.run("mail = tools.read_mail()")
+        job = s.submit('tools.send_email(to="bob@example.com", body="hi")')
+        entry = wait_for(lambda: [a for a in c.approvals() if a["parked"]])[0]  # type: ignore[index]
+        c.approve(job.job_id, entry["call_id"], True)
+        sent = job.result(timeout=guard(60))
+        assert sent.status == "ok" and list(sent.record.flow.labels) == ["private"]
+        after = s.run('get("127.0.0.1", "/park-after")')
+        assert str(after.result).startswith("403") and "label 'private'" in after.result
+    assert "/park-after" not in world.seen
