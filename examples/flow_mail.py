@@ -1,9 +1,10 @@
 """Information-flow control, worked: a mail tool and a web tool (docs/using/flow.md).
 
-Run a daemon serving examples/policies, then this script with its socket::
+Run a daemon serving examples/policies, then this script with its socket (as root; the
+commands are in docs/using/flow.md)::
 
-    sudo .venv/bin/jaild serve --policies examples/policies --socket /tmp/jaild-flow.sock &
-    sudo .venv/bin/python examples/flow_mail.py /tmp/jaild-flow.sock
+    .venv/bin/jaild serve --policies examples/policies --socket /tmp/jaild-flow.sock &
+    .venv/bin/python examples/flow_mail.py /tmp/jaild-flow.sock
 
 Three jobs run under the ``mail-agent`` policy. The code is what a model might write after
 a prompt injection; the daemon, not the code, decides what may leave.
@@ -12,8 +13,10 @@ a prompt injection; the daemon, not the code, decides what may leave.
 from __future__ import annotations
 
 import sys
+import time
 
 from jaild import Client, tool
+from jaild.errors import DaemonUnavailable
 
 
 @tool
@@ -65,8 +68,20 @@ outcome
 CONTROL = 'tools.send_email(to="bob@example.com", body="Lunch at noon?")'
 
 
+def connect(socket: str, wait_s: float = 120.0) -> Client:
+    """The daemon's client, once it is ready (it may still be starting)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return Client(socket)
+        except DaemonUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def main(socket: str) -> int:
-    with Client(socket) as client:
+    with connect(socket) as client:
         for title, code in (("mail, then a public post", LEAK),
                             ("a web page, then email", INJECTED),
                             ("email alone (the control)", CONTROL)):
