@@ -25,6 +25,8 @@ bench/results.json.
 11. sessions that outlive their jail: snapshot, restore, fork(8), pause and resume of a small
    session and of one with numpy and pandas loaded, beside opening a fresh session and
    replaying the code that built the state (``bench/snapshots.py``);
+12. redaction: 4,096 secrets over 1 MB of output and of short strings, the automaton beside
+   the sort per string it replaced (``bench/redaction.py``);
 
 then a table of targets, met or not. A measurement that fails is reported as such; the
 rest of the run goes on.
@@ -53,6 +55,7 @@ import cpu
 import flames
 import floors
 import peers
+import redaction
 import snapshots
 import stages
 from foreign import ForeignClient
@@ -470,6 +473,14 @@ class Run:
             if x is not None:
                 r.snapshots[kind] = x
 
+    def measure_redaction(self) -> None:
+        """Section 12: redaction's cost, the automaton beside the sort per string
+        (``bench/redaction.py``; in this process, no daemon)."""
+        print("== redaction", flush=True)
+        x = self.attempt("redaction", lambda: redaction.measure(self.settings.quick))
+        if x is not None:
+            self.results.redaction = x
+
     def measure_fairness(self) -> None:
         """uid 65534's warm-job latency on one daemon: idle, then while root holds its whole
         share with sleeping jobs, then with spinning ones (each flood cancelled after)."""
@@ -687,6 +698,7 @@ def main(argv: list[str]) -> int:
     run.measure_stages()
     run.measure_fairness()
     run.measure_snapshots()
+    run.measure_redaction()
     results.machine["load average at end"] = baselines.load_average()
 
     report = Report(results).render()

@@ -16,6 +16,7 @@ from cpu import BREAKDOWN_ROWS, Breakdown
 from floors import FLOORS, STAGES
 from measure import Deadlines, Latency, SleepBurst, Throughput, ToolCalls, percentile
 from procmem import MemorySnapshot
+from redaction import RedactionCost
 from snapshots import E2B_PAUSE_S_PER_GIB, E2B_RESUME_S, FORKS, HISTORY_RUNS, SnapshotCosts
 
 MIB_KB = 1024
@@ -107,6 +108,8 @@ class Results:
     name -> spans the sink got."""
     snapshots: dict[str, SnapshotCosts] = field(default_factory=dict)
     """Section 11: kind of session (``small``, ``data``) -> what its snapshots cost."""
+    redaction: list[RedactionCost] = field(default_factory=list)
+    """Section 12: redaction's cost, the automaton beside the sort per string it replaced."""
     errors: dict[str, str] = field(default_factory=dict)
     """Measurement key (``pyodide/latency``, ``cold/start``, ...) -> why it failed."""
     skipped: dict[str, str] = field(default_factory=dict)
@@ -208,7 +211,7 @@ class Report:
             self._intro, self._machine, self._floors, self._targets, self._latency,
             self._throughput, self._cpu,
             self._tool_calls, self._memory, self._sleep, self._deadlines, self._fairness,
-            self._stages, self._transports, self._snapshots, self._profile,
+            self._stages, self._transports, self._snapshots, self._redaction, self._profile,
             self._errors,
             self._method,
         ]
@@ -941,6 +944,25 @@ class Report:
                      "in one run." if longest < idle_s else
                      ", idle long enough at times for a ping to be sent.")
         return ["", text]
+
+    def _redaction(self) -> list[str]:
+        head = ["## 12. Redaction", ""]
+        if not self.r.redaction:
+            return [*head, self._missing("redaction")]
+        rows = [[x.what, f"{x.text_bytes:,} B", f"{x.old_s:.3f} s", f"{x.new_s:.3f} s",
+                 f"{x.build_s:.3f} s", _ratio(x.old_s, x.new_s)] for x in self.r.redaction]
+        return [
+            *head,
+            f"{self.r.redaction[0].secrets:,} secrets (the most a job keeps; multi-line, so each "
+            "has escaped forms too), planted in the text plain and as JSON, in this process "
+            "(`bench/redaction.py`): the sort per string that jaild 0.1 ran on the event loop "
+            "(every secret, longest first, `str.replace` over each string) beside the one "
+            "Aho-Corasick automaton that now runs in a worker thread (made once per run: its "
+            "making is in its time, and shown alone).",
+            "",
+            *_table(["case", "text", "sort per string", "automaton", "of which making it",
+                     "ratio"], rows, "lrrrrr"),
+        ]
 
     def _profile(self) -> list[str]:
         head = ["## Where the time goes", ""]

@@ -560,6 +560,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
     running = stats.get("running", {})
     print(f"running: {running.get('jobs', 0)} jobs, {running.get('sessions', 0)} sessions, "
           f"{running.get('connections', 0)} connections")
+    approvals = stats.get("approvals") or {}
+    if approvals.get("durable_runs") or approvals.get("parked_runs"):
+        print(f"approvals: {approvals.get('durable_runs', 0)} durable runs, "
+              f"{approvals.get('parked_runs', 0)} parked (quota "
+              f"{approvals.get('max_parked_runs', 0)} per principal), journals "
+              f"{_size(approvals.get('journal_bytes', 0))} (quota "
+              f"{_size(approvals.get('journal_quota_bytes', 0))} per principal)")
     for title, table in (("policy", stats.get("policies", {})), ("uid", stats.get("uids", {}))):
         print(f"\n{title.upper():<12} {'JOBS':>6} {'SESSIONS':>8} {'WALL':>9} {'CPU':>9} "
               f"{'PEAK MEM':>9} {'TOOL CALLS':>10} {'TOOL TIME':>9}  STATUSES")

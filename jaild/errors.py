@@ -178,7 +178,9 @@ class SnapshotFailed(JaildError):
 
 
 class QuotaExceeded(JaildError):
-    """The principal's snapshots would exceed its disk quota or count."""
+    """The principal would exceed one of the daemon's quotas per principal: its snapshots'
+    disk or count, or its runs parked for approval (their count, their journals' bytes). The
+    message names the quota's key, the principal's use and the limit."""
 
     code = "quota_exceeded"
 
@@ -335,6 +337,18 @@ class EgressRefusal(Exception):
 class SnapshotError(Exception):
     """(In the jail.) A snapshot could not be taken or restored; the message names what
     (the daemon answers the client :class:`SnapshotFailed` with it)."""
+
+
+class RedactionFailed(Exception):
+    """(In the daemon.) A run's redaction could not finish (too deep, too much work, out of
+    time): what it was redacting is withheld (jaild.policy.redact)."""
+
+
+class JournalDamaged(Exception):
+    """(In the daemon.) A durable run's journal on disk is not what the daemon wrote: cut
+    short, or bytes that do not decode as its entries. The message names the file, the
+    byte offset and what was wrong; the run is stopped (or, at start, dropped) rather than
+    replayed from it."""
 
 
 class UploadError(ValueError):

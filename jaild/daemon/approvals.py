@@ -41,9 +41,32 @@ the session's fresh jail and replays the run the same way; the session then goes
 connection that continued it (its original one, or any of the owner's: ``ResumeRun``).
 A session run whose state could not be taken (something unpicklable) waits live.
 
-The journal and the run live in ``<state_dir>/parked/<instance>/<job id>.run`` (msgpack, made
-by the daemon only: never a name or a format from a jail or a client), written to a
-temporary name and renamed.
+The journal is on disk from the first reply, not in the daemon's memory:
+``<state_dir>/parked/<instance>/<job id>.journal``, appended as replies arrive and read back
+one entry at a time by a replay (:mod:`jaild.daemon.journal`); the daemon holds its path,
+count and size. A parked run's own file is ``<job id>.run`` beside it (msgpack: the job, the
+held call, its decision, the journal's count and size), written to a temporary name and
+renamed once the journal is synced. Both are made by the daemon only: never a name or a
+format from a jail or a client.
+
+Quotas per principal (:class:`~jaild.daemon.journal.ApprovalQuota`: the daemon's
+``limits.approvals_parked_max_count`` and ``limits.approvals_journal_quota_mb``):
+
+================================  ==============================================================
+past the quota                    what happens
+================================  ==============================================================
+a run would park, its principal   parking is refused: the held call is answered, in the jail,
+has the most runs parked          ``ToolError`` ``quota_exceeded`` naming the key, the count and
+                                  the limit (journaled, so a later replay answers it the same);
+                                  the run goes on live; logged
+a reply would take the            the reply is not journaled and not given: the call fails
+principal's journals past         ``quota_exceeded`` and the run is stopped (``cancelled``,
+their bytes                       ``quota_exceeded: ...``), as a replay could not give it again
+a journal cannot be written       the same, ``journal_unwritable: ...``
+(disk full)
+a journal read back is damaged    a replay: the run is stopped, ``journal_damaged: ...``; at
+                                  start: the parked run is dropped (logged)
+================================  ==============================================================
 """
 
 from __future__ import annotations
@@ -60,19 +83,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
-from jaild.daemon.core import admission
+from jaild.daemon.core import admission, disclosure
 from jaild.daemon.core.peer import Peer
 from jaild.daemon.flowgate import flow_released
 from jaild.daemon.jails.job import CallReply, JailedJob, JobSpec, Reply
+from jaild.daemon.journal import ApprovalQuota, Journal, Journaled
 from jaild.daemon.registry import ClientConnection, LiveJob, Registry
 from jaild.errors import (
     BadRequest,
     ConnectionLost,
     JaildError,
+    JournalDamaged,
     PermissionDenied,
+    QuotaExceeded,
     UnknownJob,
 )
-from jaild.policy.schema import Policy, user_matches
+from jaild.policy.schema import Policy, flow_rules, user_matches
 from jaild.protocol.messages import (
     ApprovalPending,
     JobDescription,
@@ -88,7 +114,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("jaild")
 
-FILE_FORMAT = 1
+FILE_FORMAT = 2  # 1: the journal inline in the run's file (read, and moved to its own file)
 MAX_SHOWN_ARGS = 1 << 20
 
 
@@ -133,17 +159,6 @@ _NO_SESSIONS = _NoSessions()
 
 
 @dataclass
-class Journaled:
-    """One call's reply, as the tool host gave it (or the daemon decided it)."""
-
-    name: str
-    args: bytes
-    ok: bool
-    value: Any  # ok: the packed value (bytes); else [error type, message]
-    labels: tuple[str, ...] = ()  # the reply's own (the replay gives them again)
-
-
-@dataclass
 class Held:
     """A call waiting for its decision."""
 
@@ -166,7 +181,7 @@ class DurableRun:
     policy: Policy
     job: JobDescription
     requested: dict[str, float]
-    journal: list[Journaled] = field(default_factory=list)
+    journal: Journal = field(default_factory=lambda: Journal(""))  # on disk (the service's)
     held: Held | None = None
     decision: tuple[bool, str, str] | None = None  # (allow, reason, by) of the held call
     dispatched: bool = False  # the decided call went to the tool host (a continuation)
@@ -181,6 +196,7 @@ class DurableRun:
     before_labels: tuple[str, ...] = ()  # the session's labels then
     state_id: str | None = None  # once parked: ``before`` in the snapshot store
     _replay_upto: int = 0  # calls of the current jail answered from the journal
+    _replay_offset: int = 0  # where in the journal's file the next replayed entry starts
     _calls: int = 0  # calls routed in the current jail
     _muted: bool = False  # output of a replay before the held call: not sent again
     resumes: int = 0
@@ -217,8 +233,14 @@ class DurableRun:
     # -- internals
 
     def _replayed(self, index: int, name: str, args: bytes) -> CallReply:
-        entry = self.journal[index]
         reply = CallReply()
+        try:
+            entry, self._replay_offset = self.journal.read(self._replay_offset)
+        except JournalDamaged as exc:
+            reply.resolve(False, ("journal_damaged", "the run's journal on the daemon's disk "
+                                  "is damaged; the run is stopped"))
+            self._stop("journal_damaged", str(exc))
+            return reply
         if (entry.name, entry.args) != (name, args):
             why = (f"the replay diverged at call {index + 1}: the run called {name!r} where it "
                    f"had called {entry.name!r}" + ("" if entry.name != name else
@@ -267,10 +289,33 @@ class DurableRun:
         self.service.forget(self)
 
     def _answer(self, name: str, args: bytes, ok: bool, value: Any) -> CallReply:
-        self.journal.append(Journaled(name, args, ok, list(value) if not ok else value))
         reply = CallReply()
-        reply.resolve(ok, value)
+        failed = self._journal(Journaled(name, args, ok, list(value) if not ok else value))
+        if failed is not None:
+            reply.resolve(False, failed)
+        else:
+            reply.resolve(ok, value)
         return reply
+
+    def _journal(self, entry: Journaled) -> tuple[str, str] | None:
+        """Journal a reply; None, or (when it could not be: the quota, the disk) the error
+        the call fails with instead -- the run is then stopped, since a replay could not
+        give it the reply again."""
+        try:
+            self.service.journal_append(self, entry)
+        except QuotaExceeded as exc:
+            self._stop("quota_exceeded", exc.message)
+            return ("quota_exceeded", exc.message)
+        except OSError as exc:
+            why = f"the run's journal could not be written: {exc.strerror or exc}"
+            self._stop("journal_unwritable", why)
+            return ("journal_unwritable", why)
+        return None
+
+    def _stop(self, code: str, why: str) -> None:
+        log.warning("approvals: run %s stopped: %s: %s", self.job_id, code, why)
+        if self.jail is not None:
+            self.jail.cancel(f"{code}: {why}")
 
     def _dispatch(self, call_id: int, name: str, args: bytes) -> CallReply:
         host = self.host
@@ -284,11 +329,14 @@ class DurableRun:
                 outer.lost()
                 return
             ok, value = reply
-            self.journal.append(Journaled(name, args, ok, value if ok else list(value),
-                                          inner.labels))
+            failed = self._journal(Journaled(name, args, ok, value if ok else list(value),
+                                             inner.labels))
             if self.dispatched:
                 self._live()
-            outer.resolve(ok, value, inner.labels)
+            if failed is not None:
+                outer.resolve(False, failed)
+            else:
+                outer.resolve(ok, value, inner.labels)
 
         inner.listen(replied)
         return outer
@@ -324,6 +372,11 @@ class DurableRun:
         held = self.held
         if held is None or self.decision is not None or self.jail is None:
             return
+        try:
+            self.service.may_park(self)
+        except QuotaExceeded as exc:
+            self._refuse_parking(held, exc)
+            return
         if self.session_id is not None and self.state_id is None:
             self.state_id = self.service.keep_state(self)
             if self.state_id is None:  # not saved (the quota): the call waits live
@@ -341,6 +394,23 @@ class DurableRun:
         self.jail.cancel(f"parked: call {held.call_id} ({held.name}) waits for approval")
         if self.session_id is not None:
             self.service.sessions.parked(self)
+
+    def _refuse_parking(self, held: Held, exc: QuotaExceeded) -> None:
+        """Its principal has the most runs parked: the held call is answered
+        ``quota_exceeded`` (journaled, so that a later replay answers it the same) and the
+        run goes on live, its jail kept."""
+        log.warning("approvals: run %s not parked: %s", self.job_id, exc.message)
+        self.service.audit_event(self, f"not parked: {exc.message}")
+        reply = held.reply
+        self.held = None
+        if reply is not None:
+            self._settle(reply, self._answer(held.name, held.args, False,
+                                             ("quota_exceeded", exc.message)))
+
+    @staticmethod
+    def _settle(reply: CallReply, answer: CallReply) -> None:
+        answer.listen(lambda r: reply.lost() if r is None
+                      else reply.resolve(r[0], r[1], answer.labels))
 
     def decide(self, allow: bool, reason: str, by: str) -> None:
         """A decision for the held call (checked by the service)."""
@@ -364,13 +434,13 @@ class DurableRun:
             except ConnectionLost:
                 reply.lost()
                 return
-        answer.listen(lambda r: reply.lost() if r is None
-                      else reply.resolve(r[0], r[1], answer.labels))
+        self._settle(reply, answer)
 
     def restart_jail(self) -> None:
         """A continuation begins: replay the journal, then the decided call."""
         self._calls = 0
-        self._replay_upto = len(self.journal)
+        self._replay_upto = self.journal.entries
+        self._replay_offset = 0
         self._muted = True
         self.parked = False
         self.resumes += 1
@@ -387,7 +457,7 @@ class DurableRun:
             "policy": self.policy.name,
             "job": self.job.to_wire(),
             "requested": self.requested,
-            "journal": [[j.name, j.args, j.ok, j.value, list(j.labels)] for j in self.journal],
+            "journal": {"entries": self.journal.entries, "bytes": self.journal.bytes},
             "held": None if held is None else [held.index, held.call_id, held.name, held.args,
                                                held.since],
             "decision": None if self.decision is None else list(self.decision),
@@ -408,8 +478,14 @@ class Approvals:
 
     def __init__(self, directory: str, registry: Registry, served: Served,
                  observers: Observers, catalog: Callable[[], admission.Catalog],
-                 room: Callable[[Peer, int | str, int], None]) -> None:
+                 room: Callable[[Peer, int | str, int], None], *,
+                 quota: ApprovalQuota) -> None:
+        """Args (besides the daemon's parts): ``directory``: where parked runs and every
+        durable run's journal are kept; ``room``: raises when a continuation does not fit
+        the principal's share of the daemon; ``quota``: the limits per principal on parked
+        runs and journals (the daemon's ``limits.approvals_*``)."""
         self.directory = directory
+        self.quota = quota
         self.registry = registry
         self.served = served
         self.observers = observers
@@ -427,7 +503,7 @@ class Approvals:
     def track(self, job_id: str, host: ClientConnection, policy: Policy, job: JobDescription,
               requested: dict[str, float], session: JailSession | None = None) -> DurableRun:
         run = DurableRun(job_id, host.peer.principal.key, str(host.peer.principal), policy, job,
-                         dict(requested), host=host)
+                         dict(requested), host=host, journal=Journal(self._path(job_id, "journal")))
         if session is not None:
             terms = session.terms
             run.session_id = session.id
@@ -443,13 +519,14 @@ class Approvals:
         """The run took a pooled jail: its id is the jail's (before any call)."""
         self.runs.pop(run.job_id, None)
         run.job_id = job_id
+        run.journal.rename(self._path(job_id, "journal"))
         self.runs[job_id] = run
 
     def ended(self, run: DurableRun) -> None:
         """Its run ended (not parked): forget it."""
         if not run.parked and self.runs.get(run.job_id) is run:
             del self.runs[run.job_id]
-            self._delete(run.job_id)
+            self._delete(run)
             if run.session_id is not None:
                 self.sessions.run_done(run)
 
@@ -593,7 +670,7 @@ class Approvals:
             self.jail_released(run)
             return
         self.ended(run)
-        self.finish(host, record, result, downloads, len(run.job.files))
+        self.finish(host, record, result, downloads, len(run.job.files), run.policy)
 
     def jail_released(self, run: DurableRun) -> None:
         """A parked run's jail is gone (its live job unregistered): a decision that came
@@ -604,21 +681,60 @@ class Approvals:
             self._continue(run, run.host, None)
 
     def finish(self, host: ClientConnection, record: JobRecord, result: bytes | None,
-               downloads: dict[str, bytes], uploaded: int) -> None:
+               downloads: dict[str, bytes], uploaded: int, policy: Policy | None = None) -> None:
+        """A continued run's record: to the operator's sinks as ``policy``'s flow rules
+        close it (core/disclosure.py), then to its host."""
         observers = self.observers
-        observers.audit.job(host.peer, record)
-        observers.accounting.job(host.peer.principal, record, uploaded, len(downloads))
-        observers.metrics.job_finished(record, host.peer.uid)
+        seen = record if policy is None else disclosure.operator_view(
+            record, flow_rules(policy), disclosure.literal_hosts(policy))
+        observers.audit.job(host.peer, seen)
+        observers.accounting.job(host.peer.principal, seen, uploaded, len(downloads))
+        observers.metrics.job_finished(seen, host.peer.uid)
         host.send(JobFinished(job_id=record.job_id, record=record, result=result,
                               files=downloads))
 
+    # -- quotas (jaild.daemon.journal)
+
+    def may_park(self, run: DurableRun) -> None:
+        """Raises QuotaExceeded when ``run``'s principal has the most runs parked."""
+        parked = sum(1 for r in self.runs.values() if r.parked and r.owner_key == run.owner_key)
+        self.quota.may_park(run.owner_key, run.owner_name, parked)
+
+    def journal_append(self, run: DurableRun, entry: Journaled) -> None:
+        """Journal one reply of ``run`` (its file, and its principal's bytes).
+
+        Raises:
+            QuotaExceeded: it would take the principal's journals past their quota;
+            OSError: it could not be written.
+        """
+        size = len(entry.pack())
+        self.quota.may_journal(run.owner_key, run.owner_name, size)
+        if run.journal.entries == 0:
+            self._make_directory()
+        added = run.journal.append(entry)
+        self.quota.add(run.owner_key, added)
+
+    def usage(self, owner: int | str | None) -> tuple[int, int, int]:
+        """(durable runs, of which parked, their journals' bytes): of ``owner``'s runs, or
+        of all (None)."""
+        runs = [r for r in self.runs.values() if owner is None or r.owner_key == owner]
+        return (len(runs), sum(1 for r in runs if r.parked),
+                self.quota.total() if owner is None else self.quota.held[owner])
+
     # -- disk
+
+    def _path(self, job_id: str, kind: str) -> str:
+        return os.path.join(self.directory, f"{job_id}.{kind}")
+
+    def _make_directory(self) -> None:
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
 
     def save(self, run: DurableRun) -> None:
         if not run.parked and not run.dispatched and run.decision is None:
             return  # a live run: nothing on disk until it parks
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
-        path = os.path.join(self.directory, f"{run.job_id}.run")
+        self._make_directory()
+        run.journal.sync()  # what the run's file will name is on disk first
+        path = self._path(run.job_id, "run")
         temp = f"{path}.{secrets.token_hex(4)}"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
@@ -630,8 +746,10 @@ class Approvals:
         os.rename(temp, path)
 
     def forget(self, run: DurableRun) -> None:
-        """What is on disk of ``run`` (it runs live again)."""
-        self._delete(run.job_id)
+        """The parked run's file (it runs live again; its journal stays, for a later
+        park)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(run.job_id, "run"))
 
     def keep_state(self, run: DurableRun) -> str | None:
         """A session run parks: its session's state before it, into the snapshot store."""
@@ -641,7 +759,7 @@ class Approvals:
         """Forget a parked run for good (and its session's state)."""
         if self.runs.get(run.job_id) is run:
             del self.runs[run.job_id]
-        self._delete(run.job_id)
+        self._delete(run)
         self.audit_event(run, f"dropped: {why}")
         if run.session_id is not None:
             self.sessions.dropped(run)
@@ -662,12 +780,23 @@ class Approvals:
                     and now - run.parked_at > run.policy.approvals.max_wait_s:
                 self.drop(run, "not decided and resumed within max_wait_s")
 
-    def _delete(self, job_id: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(self.directory, f"{job_id}.run"))
+    def _delete(self, run: DurableRun) -> None:
+        """Everything on disk of ``run`` (its file, its journal), and its journal's bytes
+        from its principal's."""
+        self.quota.remove(run.owner_key, run.journal.bytes)
+        run.journal.delete()
+        self._delete_files(run.job_id)
+
+    def _delete_files(self, job_id: str) -> None:
+        for kind in ("run", "journal"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path(job_id, kind))
 
     def load(self) -> int:
-        """At start: the parked runs on disk (those past ``max_wait_s`` are dropped)."""
+        """At start: the parked runs on disk (those past ``max_wait_s``, and those whose
+        file or journal is damaged, are dropped, logged). Their journals count against their
+        principals' quota, even past it (the quota was lowered): nothing parked is lost to
+        a quota; new parks are refused until they are under it."""
         try:
             names = sorted(os.listdir(self.directory))
         except FileNotFoundError:
@@ -676,6 +805,8 @@ class Approvals:
         now = time.time()
         for name in names:
             path = os.path.join(self.directory, name)
+            if name.endswith(".journal"):
+                continue  # its run's (below), or a run's that was live at a crash
             if not name.endswith(".run"):
                 with contextlib.suppress(OSError):
                     os.unlink(path)  # a temporary left by a crash
@@ -689,26 +820,52 @@ class Approvals:
                 run = self._from_file(data, policies)
             except Exception as exc:
                 log.warning("parked run %s unreadable (%s); dropped", name, exc)
-                self._delete(name[:-4])
+                self._delete_files(name[:-4])
                 continue
             if run is None or run.held is None \
                     or now - run.parked_at > run.policy.approvals.max_wait_s:
-                self._delete(name[:-4])  # a run live at a crash is lost, as any running job
-                continue  # (its session's state, if any, goes in the snapshots' sweep)
+                self._delete_files(name[:-4])  # a run live at a crash is lost, as any
+                continue  # running job (its session's state, if any, goes in the sweep)
             self.runs[run.job_id] = run
+            self.quota.add(run.owner_key, run.journal.bytes)
+        for name in names:  # journals of runs live at a crash (or dropped above)
+            if name.endswith(".journal") and name[:-8] not in self.runs:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.directory, name))
         return len(self.runs)
 
     def _from_file(self, data: Any, policies: Any) -> DurableRun | None:
-        if not isinstance(data, dict) or data.get("format") != FILE_FORMAT:
+        """A parked run from its file (its journal checked against what the file records).
+
+        Raises:
+            JournalDamaged: its journal is not what was written; (anything else): the file
+            is not one the daemon wrote.
+        """
+        if not isinstance(data, dict) or data.get("format") not in (1, FILE_FORMAT):
             return None
         policy = policies.get(data["policy"])
         if policy is None:
             return None
+        job_id = data["job_id"]
+        if not isinstance(job_id, str) or os.path.basename(job_id) != job_id \
+                or job_id.startswith("."):
+            return None
+        journal = Journal(self._path(job_id, "journal"))
+        if data["format"] == 1:  # the journal inline: moved to its own file
+            journal.delete()
+            if data["journal"]:
+                self._make_directory()
+            for j in data["journal"]:
+                journal.append(Journaled(j[0], j[1], j[2], j[3],
+                                         tuple(j[4]) if len(j) > 4 else ()))
+        else:
+            recorded = data["journal"]
+            journal.entries, journal.bytes = int(recorded["entries"]), int(recorded["bytes"])
+            journal.check()
         run = DurableRun(
-            data["job_id"], data["owner_key"], data["owner_name"], policy,
+            job_id, data["owner_key"], data["owner_name"], policy,
             JobDescription.from_wire(data["job"]), dict(data["requested"]),
-            journal=[Journaled(j[0], j[1], j[2], j[3], tuple(j[4]) if len(j) > 4 else ())
-                     for j in data["journal"]],
+            journal=journal,
             dispatched=bool(data["dispatched"]), parked=True, parked_at=data["parked_at"],
             resumes=int(data["resumes"]),
         )
@@ -724,6 +881,8 @@ class Approvals:
             run.session_id = str(session["id"])
             run.session_terms = dict(session["terms"])
             run.state_id = str(session["state"])
+        if data["format"] == 1 and run.held is not None:
+            self.save(run)  # in this format from now on (its journal already moved)
         return run
 
     def states(self) -> set[str]:

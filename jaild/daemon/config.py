@@ -372,6 +372,20 @@ class LimitsFile:
     snapshot_max_count: int = setting(
         64, "Snapshots and paused sessions one principal may keep at once.", between(1, 1 << 20)
     )
+    approvals_parked_max_count: int = setting(
+        32,
+        "Runs one principal may have parked for approval at once (policies with "
+        "`[approvals] park_after_s`, sessions' runs included); past it a run that would park "
+        "is refused parking: its call waiting for approval fails `quota_exceeded` in the jail.",
+        between(1, 1 << 20),
+    )
+    approvals_journal_quota_mb: int = setting(
+        256,
+        "Disk the journals of one principal's durable runs (live and parked: every tool reply "
+        "of a run under `[approvals] park_after_s`) may hold together, MiB (in `state_dir`/"
+        "parked/<instance>). A reply past it stops its run (`cancelled`, `quota_exceeded`).",
+        between(1, 1 << 30),
+    )
 
 
 FILE_SECTIONS: dict[str, type] = {
@@ -495,6 +509,8 @@ class DaemonConfig:
     zygote_idle_s: float = 600.0
     snapshot_quota_mb: int = 1024
     snapshot_max_count: int = 64
+    approvals_parked_max_count: int = 32
+    approvals_journal_quota_mb: int = 256
 
     @classmethod
     def from_sources(cls, file: str | None = None, **flags: Any) -> DaemonConfig:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from jaild.daemon import placement
 from jaild.daemon.approvals import Approvals, DurableRun
 from jaild.daemon.config import DaemonConfig
-from jaild.daemon.core import admission
+from jaild.daemon.core import admission, disclosure
 from jaild.daemon.core.records import internal_error_record
 from jaild.daemon.flowgate import flow_released
 from jaild.daemon.jails.job import OutputSink, ToolRouter
@@ -42,6 +42,7 @@ from jaild.daemon.observe import Observers
 from jaild.daemon.registry import ClientConnection, LiveJob, Registry
 from jaild.daemon.sessions import Sessions, check_room
 from jaild.errors import JaildError
+from jaild.policy.schema import flow_rules
 from jaild.protocol.messages import JobFinished, RunJob
 from jaild.protocol.records import JobRecord
 
@@ -174,16 +175,21 @@ class Pipeline:
             if durable is not None and self.approvals is not None:
                 if durable.parked:
                     if placed.trace is not None:
-                        placed.trace.finish(record, placed.mode)
+                        placed.trace.finish(disclosure.operator_view(
+                            record, flow_rules(spec.policy),
+                            disclosure.literal_hosts(spec.policy)), placed.mode)
                     return
                 self.approvals.ended(durable)
             if sess is not None:
                 record = sess.run_entry(record)
-            # audited before the client can see the result
-            self.audit(client, record, uploaded=len(spec.job.files), downloaded=len(downloads))
+            # audited before the client can see the result; the operator's sinks get the
+            # record as no release_to spares it (core/disclosure.py)
+            seen = disclosure.operator_view(record, flow_rules(spec.policy),
+                                            disclosure.literal_hosts(spec.policy))
+            self.audit(client, seen, uploaded=len(spec.job.files), downloaded=len(downloads))
             client.send(JobFinished(job_id=job_id, record=record, result=result, files=downloads))
             if placed.trace is not None:  # its spans, once the record is out
-                placed.trace.finish(record, placed.mode)
+                placed.trace.finish(seen, placed.mode)
         finally:
             self.registry.remove_job(job_id)
             if sess is not None:

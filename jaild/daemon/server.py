@@ -77,6 +77,7 @@ from jaild.daemon.core import admission
 from jaild.daemon.core.peer import Peer, Principal, Tenant
 from jaild.daemon.jails.job import CallReply, JailedJob, JailEnvironment
 from jaild.daemon.jails.pool import JailPool
+from jaild.daemon.journal import ApprovalQuota
 from jaild.daemon.observe import Observers
 from jaild.daemon.observe.accounting import Accounting
 from jaild.daemon.observe.audit import AuditLog
@@ -764,7 +765,10 @@ class Daemon:
             self.served, self.observers, self.catalog,
             lambda peer, _, memory_mb: check_room(self.registry, config, peer.principal,
                                                   memory_mb),
+            quota=ApprovalQuota(config.approvals_parked_max_count,
+                                config.approvals_journal_quota_mb << 20),
         )
+        self.metrics.approvals(lambda: self.approvals.usage(None))
         self.sessions = Sessions(config, self.registry, self.served, self.observers,
                                  self.catalog)
         self.sessions.approvals = self.approvals  # session runs parked for approval
@@ -1158,6 +1162,12 @@ class Daemon:
         }
         stats["pools"] = self.served.pool_summaries()
         stats["metrics"] = self.metrics.summary()
+        durable, parked, journal = self.approvals.usage(
+            None if who is None else who.key)  # the caller's principal's own, unless root
+        quota = self.approvals.quota
+        stats["approvals"] = {
+            "durable_runs": durable, "parked_runs": parked, "journal_bytes": journal,
+            "max_parked_runs": quota.max_parked, "journal_quota_bytes": quota.journal_bytes}
         if who is not None:  # other users' tool names and counts are theirs
             for key in ("tool_calls", "tool_latency"):
                 stats["metrics"].pop(key, None)

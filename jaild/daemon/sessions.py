@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 from jaild.daemon import placement
 from jaild.daemon.config import DaemonConfig
-from jaild.daemon.core import admission
+from jaild.daemon.core import admission, disclosure
 from jaild.daemon.core.peer import Principal
 from jaild.daemon.flowgate import flow_released
 from jaild.daemon.jails.job import CallReply, JailedJob, JobSpec
@@ -64,7 +64,7 @@ from jaild.errors import (
     UnknownSession,
     UnknownSnapshot,
 )
-from jaild.policy.schema import Policy
+from jaild.policy.schema import Policy, flow_rules
 from jaild.protocol.messages import (
     JobDescription,
     OpenSession,
@@ -183,9 +183,11 @@ class Sessions:
             if trace is not None:
                 trace.ended(None, refusal.code)
             raise
+        labels: frozenset[str] = frozenset()
         try:
             if req.from_snapshot is not None:
                 entry = self.store.entry(client.peer.principal.key, req.from_snapshot)
+                labels = frozenset(entry.labels)
                 if entry.policy != terms.policy.name:
                     raise BadRequest(
                         f"snapshot {entry.id} was taken under policy {entry.policy!r}; a "
@@ -195,19 +197,25 @@ class Sessions:
                 trace.ended(None, refusal.code)
             raise
         session_id = "ses-" + secrets.token_hex(8)
-        sess = JailSession(session_id, client, terms, self._jail(session_id, terms, client))
+        sess = JailSession(session_id, client, terms,
+                           self._jail(session_id, terms, client, labels))
         registry.add_session(sess)
         self.observers.metrics.sessions_open(registry.session_count())
         client.start(self._open(sess, req.ref, trace, req.from_snapshot))
 
     def _jail(self, jail_id: str, terms: admission.SessionTerms,
-              client: ClientConnection) -> JailedJob:
+              client: ClientConnection, labels: frozenset[str]) -> JailedJob:
+        """A session's jail, holding ``labels`` from its start: the labels of the state it
+        will restore (a snapshot's, a paused or parked session's), so that no byte of that
+        state runs before its labels close what they close. Every path that brings state
+        into a fresh jail comes through here, and the jail's machine refuses a restore whose
+        labels its jail does not hold (:class:`jaild.daemon.core.machine.JobSpec`)."""
         env = self.served.env
         assert env is not None
         spec = JobSpec(
             jail_id, terms.policy, terms.jail_limits,
             JobDescription(code="", filename="<session>", tools=terms.tools), keep=True,
-            tenant=client.peer.principal.key,
+            tenant=client.peer.principal.key, labels=labels,
         )
         return JailedJob(spec, env, None, None, jail_id=jail_id)
 
@@ -255,8 +263,10 @@ class Sessions:
                           blob: bytes | None = None,
                           labels: tuple[str, ...] = ()) -> JaildError | None:
         """Start the session's jail and, with ``snapshot_id``, restore that snapshot in it
-        (``blob``: its bytes and ``labels`` its labels, loaded already). Returns the error its
-        client gets if either fails (the jail is then ending)."""
+        (``blob``: its bytes and ``labels`` its labels, loaded already). The jail was made
+        holding the snapshot's labels (:meth:`_jail`); the restore carries them too, and is
+        refused if they are not all held. Returns the error its client gets if either fails
+        (the jail is then ending)."""
         ready = await sess.jail.prepare()
         if not ready or sess.closed is not None:
             detail = sess.closed or "the jail did not start"
@@ -272,8 +282,7 @@ class Sessions:
                 entry, blob = await asyncio.to_thread(
                     self.store.load, sess.owner.peer.principal.key, snapshot_id)
                 labels = entry.labels
-            await self._op(sess, restore=blob)
-            sess.jail.add_labels(labels)  # what the state was made of, it still holds
+            await self._op(sess, restore=blob, labels=frozenset(labels))
         except JaildError as exc:
             sess.jail.cancel(f"the snapshot was not restored: {exc.message}")
             return exc
@@ -359,7 +368,7 @@ class Sessions:
         else:
             self.observers.audit.session(client.peer, "snapshot", sess.id, sess.policy.name,
                                          reason=entry.id)
-            client.send(SnapshotTaken(ref=ref, snapshot=entry))
+            client.send(SnapshotTaken(ref=ref, snapshot=self._entry_view(entry, client)))
         finally:
             self._end_op(sess)
 
@@ -396,7 +405,8 @@ class Sessions:
         self._end_op(sess)
         client.start(self._retire(jail, "session paused"))
         self.observers.audit.session(client.peer, "paused", sess.id, sess.policy.name)
-        client.send(SessionPausedMsg(ref=ref, session_id=sess.id, bytes=entry.bytes))
+        client.send(SessionPausedMsg(ref=ref, session_id=sess.id,
+                                     bytes=self._entry_view(entry, client).bytes))
 
     def resume(self, client: ClientConnection, req: ResumeSession) -> None:
         """Bring a paused session back in a fresh jail; answered SessionOpened (at once for
@@ -415,8 +425,14 @@ class Sessions:
         admission.check_not_draining(self.catalog())
         check_room(self.registry, self.config, client.peer.principal,
                    sess.terms.jail_limits.memory_mb)
+        try:
+            labels = frozenset(self.store.entry(client.peer.principal.key, sess.paused).labels)
+        except JaildError as exc:
+            self.close(sess, "restore_failed", f"the paused session was not restored: "
+                       f"{exc.message}")
+            raise
         sess.jails += 1
-        sess.jail = self._jail(f"{sess.id}-{sess.jails}", sess.terms, client)
+        sess.jail = self._jail(f"{sess.id}-{sess.jails}", sess.terms, client, labels)
         sess.busy = "resuming"
         client.start(self._resume(sess, req.ref))
 
@@ -440,7 +456,22 @@ class Sessions:
         client.send(self._opened(sess, ref))
 
     def snapshots(self, client: ClientConnection) -> list[SnapshotEntry]:
-        return self.store.entries(client.peer.principal.key)
+        return [self._entry_view(e, client) for e in self.store.entries(client.peer.principal.key)]
+
+    def _entry_view(self, entry: SnapshotEntry, client: ClientConnection) -> SnapshotEntry:
+        """A snapshot's entry as ``client`` may see it: closed (its size bucketed, no
+        digest: core/disclosure.py) when its labels withhold or redact a run's result or
+        output from that client. Taking it released nothing: the state stays in the store."""
+        if not entry.labels:
+            return entry
+        policy = self.catalog().policies.get(entry.policy)
+        if policy is None:
+            return disclosure.close_snapshot(entry)  # its rules are not known: closed
+        rules, labels = flow_rules(policy), frozenset(entry.labels)
+        released = flow_released(policy, client.peer)
+        closing = {*rules.withheld(labels, lambda label: label in released),
+                   *rules.withheld(labels, lambda label: label in released, "redact")}
+        return disclosure.close_snapshot(entry) if {"result", "output"} & closing else entry
 
     def delete_snapshot(self, client: ClientConnection, snapshot_id: str) -> None:
         """Raises UnknownSnapshot: none of the client's principal has that id (a paused
@@ -465,11 +496,15 @@ class Sessions:
             self._touch(sess)
 
     async def _op(self, sess: JailSession, *, snapshot: bool = False,
-                  restore: bytes | None = None) -> bytes:
-        """Run a snapshot (returns it) or a restore in the session's jail.
+                  restore: bytes | None = None, labels: frozenset[str] = frozenset()) -> bytes:
+        """Run a snapshot (returns it) or a restore (of state carrying ``labels``) in the
+        session's jail. The op is a run like any other: its record and error pass the flow
+        rules of the labels the jail holds, for the session's owner (a snapshot's bytes stay
+        in the daemon: no rule withholds them from the store).
 
         Raises:
-            SnapshotFailed: naming what stopped it (the jail's own words, or its status).
+            SnapshotFailed: naming what stopped it (the jail's own words, or its status;
+                withheld as a run's would be).
         """
         policy = sess.policy
         limits = dataclasses.replace(sess.limits, result_bytes=policy.session.snapshot_max_bytes)
@@ -478,6 +513,7 @@ class Sessions:
             placement.new_job_id(), policy, limits,
             JobDescription(code="", filename=what, tools=sess.tools), keep=True,
             tenant=sess.owner.peer.principal.key, snapshot=snapshot, restore=restore,
+            released=flow_released(policy, sess.owner.peer), labels=labels,
         )
         record, result, _ = await sess.jail.run_next(spec, _no_tools, _no_output)
         if record.status == "ok" and (result is not None or not snapshot):
@@ -607,13 +643,15 @@ class Sessions:
             terms = sess.terms if sess is not None else self._terms_of(run, policy)
             check_room(self.registry, self.config, host.peer.principal,
                        terms.jail_limits.memory_mb)
+            labels = frozenset(self.store.entry(run.owner_key, run.state_id).labels)
         except JaildError as exc:  # it stays parked: ResumeRun again later
             run.host = None
             host.send_error(exc, job_id=run.job_id)
             return
         if sess is None:
             sess = JailSession(run.session_id, host, terms,
-                               self._jail(f"{run.session_id}-r{run.resumes + 1}", terms, host))
+                               self._jail(f"{run.session_id}-r{run.resumes + 1}", terms, host,
+                                          labels))
             sess.paused, sess.parked_run = run.state_id, run.job_id
             sess.runs = int((run.session_terms or {}).get("run", 1))  # the run's number
             self.registry.add_session(sess)
@@ -621,7 +659,7 @@ class Sessions:
         else:
             sess.owner = host
             sess.jails += 1
-            sess.jail = self._jail(f"{sess.id}-{sess.jails}", terms, host)
+            sess.jail = self._jail(f"{sess.id}-{sess.jails}", terms, host, labels)
         run.policy = policy
         run.continuing = True
         sess.busy = run.job_id

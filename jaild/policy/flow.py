@@ -23,8 +23,10 @@ tools            ``deny_tools`` refused, ``approve_tools`` need      the broker:
                  approval (``"*"``: every tool)                      refused ``flow_denied``
 result, output,  ``result``/``output``/``downloads`` = ``withhold``  the daemon, before the
 downloads        (or, for result and output, ``redact``: every      client sees them
-                 string of a reply with the label replaced) unless
-                 the caller is in ``release_to``
+                 string and bytes value of a reply with the label
+                 replaced, :mod:`jaild.policy.redact`; what cannot
+                 be redacted is withheld) unless the caller is in
+                 ``release_to``
 ===============  ==================================================  ======================
 
 *Integrity* is the other direction: a tool in ``flow.protect`` (or whose spec says
@@ -53,8 +55,9 @@ SINKS = ("result", "output", "downloads")
 MIN_REDACTED_CHARS = 4
 """Shorter strings of a labelled reply are not redacted (they would blank every ``a``)."""
 MAX_SECRETS = 4096
+"""Values of labelled replies a job (a session) keeps for redaction; past it, or past
+:data:`MAX_SECRET_BYTES`, its redaction is exhausted and ``redact`` withholds."""
 MAX_SECRET_BYTES = 4 << 20
-MAX_REDACT_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -264,48 +267,34 @@ class FlowRules:
         return lines
 
 
-def strings_of(value: Any, out: set[str], budget: list[int]) -> None:
-    """Collect the string values (at least :data:`MIN_REDACTED_CHARS` long; not a map's
-    keys) of an unpacked reply into ``out``, within ``budget`` = [strings left, bytes
-    left]; iteratively (a reply may be deep)."""
+def strings_of(value: Any, out: set[str | bytes], budget: list[int]) -> bool:
+    """Collect the str and bytes values (at least :data:`MIN_REDACTED_CHARS` characters or
+    bytes long; not a map's keys) of an unpacked reply into ``out``, within ``budget`` =
+    [values left, bytes left (UTF-8)], which it spends; iteratively (a reply may be deep).
+
+    Returns:
+        True if every one fitted the budget; False if one did not (and with it the budget
+        is spent): the job's redaction is *exhausted* and what its labels redact must be
+        withheld instead (:mod:`jaild.policy.redact`, docs/using/flow.md).
+    """
     stack = [value]
-    while stack and budget[0] > 0 and budget[1] > 0:
+    while stack:
         item = stack.pop()
-        if isinstance(item, str):
+        if isinstance(item, (str, bytes)):
             if len(item) >= MIN_REDACTED_CHARS and item not in out:
+                size = len(item.encode("utf-8", "surrogatepass") if isinstance(item, str)
+                           else item)
+                if budget[0] < 1 or budget[1] < size:
+                    budget[0] = budget[1] = 0
+                    return False
                 out.add(item)
                 budget[0] -= 1
-                budget[1] -= len(item)
+                budget[1] -= size
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
         elif isinstance(item, dict):  # its values: keys are the reply's shape, not its data
             stack.extend(item.values())
-
-
-def redact_text(text: str, secrets: Mapping[str, str]) -> str:
-    """``text`` with every secret (longest first) replaced by ``[redacted:LABEL]``."""
-    for secret in sorted(secrets, key=len, reverse=True):
-        if secret in text:
-            text = text.replace(secret, f"[redacted:{secrets[secret]}]")
-    return text
-
-
-def redact_value(value: Any, secrets: Mapping[str, str], depth: int = 0) -> Any:
-    """An unpacked result with :func:`redact_text` applied to every string (keys too).
-
-    Raises:
-        ValueError: nested deeper than :data:`MAX_REDACT_DEPTH` (the caller withholds it).
-    """
-    if depth > MAX_REDACT_DEPTH:
-        raise ValueError("too deep to redact")
-    if isinstance(value, str):
-        return redact_text(value, secrets)
-    if isinstance(value, list):
-        return [redact_value(v, secrets, depth + 1) for v in value]
-    if isinstance(value, dict):
-        return {redact_value(k, secrets, depth + 1): redact_value(v, secrets, depth + 1)
-                for k, v in value.items()}
-    return value
+    return True
 
 
 def _matches(tool: str, patterns: Iterable[str]) -> bool:

@@ -285,10 +285,16 @@ class FlowRefusal(Report):
     """What the job was told: the rule, in words."""
 
 
+REDACTION_FAILURES = ("exhausted", "failed")
+"""``FlowRecord.redaction``: why a ``redact`` rule withheld."""
+
+
 @struct
 class FlowRecord(Report):
     """The labels a run's job holds and what they closed (policies with ``[flow]`` rules, or
     runs that received a labelled result)."""
+
+    SPARSE = frozenset({"redaction"})
 
     labels: tuple[str, ...] = field(list_of(_label, MAX_JOB_LABELS))
     """Every label the job (a session: the session, so far) has received, sorted."""
@@ -298,6 +304,12 @@ class FlowRecord(Report):
     redacted: tuple[str, ...] = field(list_of(one_of("result", "output"), 2), default=())
     """What the client got redacted: every string of a reply carrying the label replaced by
     ``[redacted:LABEL]`` (its rule says ``redact``)."""
+    redaction: str | None = field(optional(one_of(*REDACTION_FAILURES)), default=None)
+    """Why what a ``redact`` rule covers was withheld instead (it is in ``withheld``):
+    ``exhausted`` -- the job (a session: the session) received more labelled values than
+    redaction keeps (or a restored state's labels came without them), so ``redact``
+    withholds for the rest of it; ``failed`` -- this run's redaction could not finish (too
+    deep, too much to scan, out of time). Nil: redaction, if any, was done."""
 
 
 @struct
@@ -569,8 +581,29 @@ class RunningCounts(Report):
 
 
 @struct
+class ApprovalCounts(Report):
+    """Durable runs (policies with ``[approvals] park_after_s``) and their quotas: the
+    caller's principal's, or every principal's for root on the daemon's host."""
+
+    durable_runs: int = field(_count)
+    """Runs journaling their tool replies now, live or parked."""
+    parked_runs: int = field(_count)
+    """Of which parked for approval (waiting on disk)."""
+    journal_bytes: int = field(_count)
+    """The bytes their journals hold on disk."""
+    max_parked_runs: int = field(_count)
+    """The daemon's quota per principal: runs parked at once
+    (``limits.approvals_parked_max_count``)."""
+    journal_quota_bytes: int = field(_count)
+    """The daemon's quota per principal: journal bytes
+    (``limits.approvals_journal_quota_mb``)."""
+
+
+@struct
 class DaemonStats(Report):
     """``Stats.stats`` (``jaild stats``): totals, what runs now, the pools, the metrics."""
+
+    SPARSE: ClassVar[frozenset[str]] = frozenset({"approvals"})
 
     since: float = field(number(0, 1 << 40))
     """When the totals started (Unix time: the daemon's start)."""
@@ -593,6 +626,9 @@ class DaemonStats(Report):
     metrics: dict[str, Any] = field(any_map())
     """The Prometheus metrics summed up (free-form:
     ``jaild.daemon.observe.metrics.Metrics.summary``)."""
+    approvals: ApprovalCounts | None = field(optional(nested(ApprovalCounts)), default=None)
+    """Durable runs, parked runs and their journals (nil from a daemon that does not send
+    it)."""
 
 
 RECORDS: tuple[type[Report], ...] = (
@@ -615,6 +651,7 @@ RECORDS: tuple[type[Report], ...] = (
     DaemonStats,
     UsageTotals,
     RunningCounts,
+    ApprovalCounts,
 )
 """Every record struct; ``proto/PROTOCOL.md`` documents exactly these (section 10)."""
 
@@ -622,7 +659,9 @@ __all__ = [
     "MAX_CALL_RECORDS",
     "MAX_EGRESS_HOSTS",
     "RECORDS",
+    "REDACTION_FAILURES",
     "STATUSES",
+    "ApprovalCounts",
     "ApprovalEntry",
     "DaemonStats",
     "EgressRecord",

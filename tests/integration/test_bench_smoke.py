@@ -60,10 +60,12 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path, world_dir:
                     "## 8. Where a warm job's time goes",
                     "## 9. Over mutual TLS, and what liveness costs",
                     "## 10. CPU per fresh jail, and where it goes",
-                    "## 11. Sessions that outlive their jail: snapshot, restore, fork, pause"):
+                    "## 11. Sessions that outlive their jail: snapshot, restore, fork, pause",
+                    "## 12. Redaction"):
         assert section in report
     results = json.loads(out.with_suffix(".json").read_text())
     assert results["errors"] == {}, results["errors"]
+    assert [r["what"] for r in results["redaction"]][:1] == ["output: one text"]
     for kind in ("small", "history", "data"):  # section 11: every figure, every round
         costs = results["snapshots"][kind]
         assert costs["bytes"] > 0, kind

@@ -13,8 +13,16 @@ from pathlib import Path
 import pytest
 
 from jaild import Client
+from jaild.daemon.journal import Journal
 from jaild.errors import Busy, UnknownJob
-from tests.conftest import DaemonHandle, ForeignClient, guard, start_daemon, sweep_cgroups
+from tests.conftest import (
+    STATE_DIR,
+    DaemonHandle,
+    ForeignClient,
+    guard,
+    start_daemon,
+    sweep_cgroups,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -57,15 +65,15 @@ class Host:
 
 @pytest.fixture
 def daemons(world_dir: Path, tmp_path: Path) -> Iterator[Callable[..., DaemonHandle]]:
-    """``start(park=..., restart=False)``: a daemon uid 65534 may reach, serving the
-    ``durable`` (owner approves) and ``ops`` (uid 65534 approves) policies; ``restart``
+    """``start(park=..., restart=False, limits="")``: a daemon uid 65534 may reach, serving
+    the ``durable`` (owner approves) and ``ops`` (uid 65534 approves) policies; ``restart``
     stops the last one and starts another on its socket (the same instance: its parked
-    runs)."""
+    runs); ``limits``: lines of its config's ``[limits]``."""
     handles: list[DaemonHandle] = []
     config = tmp_path / "jaild.toml"
-    config.write_text('[daemon]\nsocket_group = "nogroup"\n')
 
-    def start(park: float = 1.0, restart: bool = False) -> DaemonHandle:
+    def start(park: float = 1.0, restart: bool = False, limits: str = "") -> DaemonHandle:
+        config.write_text(f'[daemon]\nsocket_group = "nogroup"\n[limits]\n{limits}\n')
         socket = None
         if restart:
             socket = handles[-1].socket
@@ -364,3 +372,129 @@ def test_a_session_whose_state_cannot_be_taken_waits_live(
         r = job.result(timeout=guard(60))
         assert r.status == "ok" and r.result == [2, "sent ['x', 'hit']"]
     assert host.calls == {"search": 1, "send": 1}
+
+
+# -- journals on disk, and the quotas per principal (limits.approvals_*)
+
+JOURNALED = """\
+a = tools.search("a")
+tools.send(a)
+b = tools.search("b" * 1000)
+tools.send(b)
+"done"
+"""
+
+
+def journal_of(handle: DaemonHandle, job_id: str) -> Path:
+    return Path(STATE_DIR) / "parked" / handle.config.instance / f"{job_id}.journal"
+
+
+def test_a_runs_journal_is_on_disk_and_grows_with_its_calls(
+        daemons: Callable[..., DaemonHandle]) -> None:
+    """Every reply of a durable run is appended to its journal file as it comes (0600 in
+    the daemon's 0700 directory), not kept in the daemon's memory; the file goes with the
+    run."""
+    handle = daemons(park=60)  # decided live: the journal is on disk without any park
+    host = Host()
+    with Client(handle.socket) as c:
+        job = c.submit(JOURNALED, "durable", tools=host.tools)
+        first = wait_for(c.approvals)[0]  # type: ignore[index]
+        path = journal_of(handle, job.job_id)
+        assert oct(path.stat().st_mode & 0o777) == "0o600"
+        assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
+        size = path.stat().st_size
+        entries = list(Journal(str(path), 0, size))
+        assert [(e.name, e.ok) for e in entries] == [("search", True)]
+        c.approve(job.job_id, first["call_id"], True)
+        second = wait_for(lambda: [a for a in c.approvals()
+                                   if a["call_id"] != first["call_id"]])[0]  # type: ignore[index]
+        grown = path.stat().st_size
+        assert grown > size + 1000  # the second search's arguments and reply are in it
+        assert [(e.name, e.ok) for e in Journal(str(path), 0, grown)] == \
+            [("search", True), ("send", True), ("search", True)]
+        c.approve(job.job_id, second["call_id"], True)
+        r = job.result(timeout=guard(60))
+        assert r.status == "ok" and r.result == "done"
+    assert host.calls == {"search": 2, "send": 2}
+    assert not path.exists()  # the run ended: its journal went with it
+
+
+PARK_AS_NOBODY = (
+    "import sys, json, time\nfrom jaild.client import Client\n"
+    "def search(q): return [q]\ndef send(x): return 'sent'\n"
+    "c = Client(sys.argv[1])\njob = c.submit(sys.argv[2], 'durable', tools=[search, send])\n"
+    "deadline = time.monotonic() + 60\n"
+    "while not [a for a in c.approvals() if a['parked']] and time.monotonic() < deadline:\n"
+    "    time.sleep(0.05)\n"
+    "print(json.dumps([[a['parked'] for a in c.approvals()], c.stats()['approvals']]))\n"
+)
+
+
+def test_a_principal_at_its_parked_quota_is_refused_parking(
+        daemons: Callable[..., DaemonHandle], foreign_client: ForeignClient) -> None:
+    """``approvals_parked_max_count = 1``: root's first run parks (under the quota); its
+    second, past ``park_after_s``, is refused parking -- its call fails ``quota_exceeded``
+    in the jail, naming the key, the count and the limit, and the tool is never called --
+    while uid 65534 (another principal, its own count) parks one. ``jaild stats`` counts
+    them: every principal's for root, its own for uid 65534."""
+    import subprocess
+    import sys
+
+    handle = daemons(park=0.5, limits="approvals_parked_max_count = 1")
+    first, second = Host(), Host()
+    with Client(handle.socket) as c:
+        parked = c.submit(CODE, "durable", tools=first.tools)
+        wait_for(lambda: [a for a in c.approvals() if a["parked"]])
+        refused = c.submit(CODE, "durable", tools=second.tools)
+        r = refused.result(timeout=guard(60))
+        assert r.status == "error", (r.status, r.error)
+        message = (r.error or {})["message"]
+        assert (r.error or {})["type"] == "ToolError"
+        assert message.startswith("send: quota_exceeded: runs of uid 0 parked for approval: 1;")
+        assert "at most 1 per principal" in message
+        assert "limits.approvals_parked_max_count" in message
+        assert second.calls == {"search": 1, "send": 0}
+        [still] = c.approvals()  # only the first waits, parked
+        assert still["job_id"] == parked.job_id and still["parked"]
+
+        out = foreign_client.run(PARK_AS_NOBODY, handle.socket, CODE, uid=65534, gid=65534)
+        assert out.returncode == 0, out.stderr
+        flags, own = json.loads(out.stdout)
+        assert flags == [True]  # control: another principal parks
+        assert (own["parked_runs"], own["durable_runs"], own["max_parked_runs"]) == (1, 1, 1)
+        assert own["journal_bytes"] > 0
+
+        stats = c.stats()["approvals"]  # root: every principal's
+        assert (stats["parked_runs"], stats["durable_runs"]) == (2, 2)
+        assert stats["journal_quota_bytes"] == 256 << 20
+        cli = subprocess.run([sys.executable, "-m", "jaild", "stats", "--socket", handle.socket],
+                             capture_output=True, text=True, timeout=guard(60), check=False)
+        assert cli.returncode == 0, cli.stderr
+        assert "approvals: 2 durable runs, 2 parked (quota 1 per principal)" in cli.stdout
+    assert first.calls == {"search": 1, "send": 0}
+
+
+def test_a_reply_past_the_journal_quota_stops_its_run(
+        daemons: Callable[..., DaemonHandle]) -> None:
+    """``approvals_journal_quota_mb = 1``: replies of ~400 KB each; the third would take the
+    principal's journals past 1 MiB, so the run is stopped (``cancelled``,
+    ``quota_exceeded``) instead of its journal growing; a run within the quota ends ``ok``
+    (control)."""
+    handle = daemons(park=60, limits="approvals_journal_quota_mb = 1")
+    big = "x" * 400_000
+    calls = []
+
+    def search(q: str) -> str:
+        calls.append(q)
+        return big
+
+    with Client(handle.socket) as c:
+        fits = c.run("len(tools.search('1')) + len(tools.search('2'))", "durable",
+                     tools=[search])
+        assert fits.status == "ok" and fits.result == 800_000
+        r = c.run("[len(tools.search(str(i))) for i in range(5)]", "durable", tools=[search])
+    assert r.status == "cancelled", (r.status, r.error)
+    message = (r.error or {})["message"]
+    assert (r.error or {})["type"] == "Cancelled" and message.startswith("quota_exceeded: ")
+    assert "limits.approvals_journal_quota_mb" in message and "quota is 1048576 bytes" in message
+    assert len(calls) == 2 + 3  # the third call was made; its reply was neither kept nor given

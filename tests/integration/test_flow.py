@@ -146,7 +146,26 @@ def read_record() -> Labeled:
     return Labeled({"name": "Alice Smith", "ssn": "123-45-6789"}, "confidential")
 
 
-TOOLS = [read_mail, fetch_web, send_email, post_public, echo, read_secret, read_record]
+LETTER = "Dear Alice,\n\tthe code is 'swordfish' \u2014 \"do not share\"\n"
+
+
+def read_letter() -> Labeled:
+    return Labeled(LETTER, "confidential")
+
+
+BLOB = b"\x00\xffsecret-key-bytes\x01"
+
+
+def read_blob() -> Labeled:
+    return Labeled({"blob": BLOB, "name": "Bob Jones"}, "confidential")
+
+
+def read_many(n: int) -> Labeled:
+    return Labeled([f"row-{i:06d}" for i in range(n)], "confidential")
+
+
+TOOLS = [read_mail, fetch_web, send_email, post_public, echo, read_secret, read_record,
+         read_letter, read_blob, read_many]
 
 GET = """
 import json, urllib.request, urllib.error
@@ -362,6 +381,67 @@ print("name=" + rec["name"])
                         "loud": "ALICE SMITH", "own": "nothing secret"}
     assert r.stdout == "name=[redacted:confidential]\n" and "".join(streamed) == ""
     assert list(r.record.flow.redacted) == ["output", "result"] and not r.record.flow.withheld
+
+
+def test_bytes_of_a_labelled_reply_are_redacted_in_the_result_and_the_output(
+        world: World) -> None:
+    """A reply's bytes (msgpack bin) are its values too: returned as they are, printed as
+    their repr and written raw to stdout, each is replaced. The control: bytes of the
+    job's own pass."""
+    r = run(world, """
+import sys
+got = tools.read_blob()
+print(got["blob"])
+sys.stdout.flush()
+sys.stdout.buffer.write(b"raw=" + got["blob"] + b"\\n")
+sys.stdout.buffer.flush()
+[got["blob"], got["name"].encode(), b"own bytes"]
+""", policy="flow")
+    assert r.status == "ok", (r.status, r.error)
+    assert r.result == [b"[redacted:confidential]", b"[redacted:confidential]", b"own bytes"]
+    assert r.stdout == "b'[redacted:confidential]'\nraw=[redacted:confidential]\n"
+    assert list(r.record.flow.redacted) == ["output", "result"] and not r.record.flow.withheld
+
+
+def test_a_printed_list_or_a_json_dump_of_a_multi_line_labelled_string_is_redacted(
+        world: World) -> None:
+    """``print([doc])`` prints ``repr(doc)`` (``\\n``, ``\\t``, ``\\'``), ``json.dumps``
+    escapes quotes, newlines and non-ASCII: the exact string never occurs, its escaped forms
+    are replaced all the same. The control: the job's own multi-line string passes."""
+    r = run(world, """
+import json
+doc = tools.read_letter()
+print([doc])
+print(json.dumps({"doc": doc}))
+{"repr": repr(doc), "ascii": ascii([doc]), "json": json.dumps(doc, ensure_ascii=False),
+ "own": repr("mine,\\nall mine")}
+""")
+    assert r.status == "ok", (r.status, r.error)
+    assert "swordfish" not in r.stdout and "swordfish" not in json.dumps(r.result)
+    assert r.stdout == ("['[redacted:confidential]']\n"
+                        '{"doc": "[redacted:confidential]"}\n')
+    assert r.result == {"repr": "'[redacted:confidential]'",
+                        "ascii": "['[redacted:confidential]']",
+                        "json": '"[redacted:confidential]"', "own": "'mine,\\nall mine'"}
+
+
+def test_more_labelled_values_than_redaction_keeps_withholds_and_the_record_says_so(
+        world: World) -> None:
+    """Past the budget of values kept for redaction (4,096), ``redact`` cannot be done: the
+    result and output are withheld and the record's flow says ``redaction: exhausted``. The
+    control: under the budget, the same job's are redacted."""
+    code = "rows = tools.read_many({n})\nprint(rows[-1])\n{{'last': rows[-1], 'n': len(rows)}}"
+    under = run(world, code.format(n=100))
+    assert under.status == "ok", (under.status, under.error)
+    assert under.result == {"last": "[redacted:confidential]", "n": 100}
+    assert under.stdout == "[redacted:confidential]\n"
+    assert under.record.flow.redaction is None
+    over = run(world, code.format(n=4097))
+    assert over.status == "ok", (over.status, over.error)
+    assert over.result is None and over.stdout == ""
+    assert over.record.flow.redaction == "exhausted"
+    assert list(over.record.flow.withheld) == ["output", "result"]
+    assert not over.record.flow.redacted
 
 
 def test_labels_accumulate_across_a_sessions_runs_and_survive_its_snapshot(

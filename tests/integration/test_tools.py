@@ -146,7 +146,7 @@ def test_forged_call_to_an_unregistered_tool_is_refused_by_the_daemon(client: Cl
     r = client.run(code, tools={"search": lambda q: calls.append(q)})
     assert (r.status, r.result) == ("ok", "sent")
     assert calls == []
-    assert r.tool_calls == [{"name": "steal", "duration_s": 0.0, "ok": False, "error_type": "unknown_tool"}]
+    assert r.tool_calls == [{"name": "(unknown)", "duration_s": 0.0, "ok": False, "error_type": "unknown_tool"}]
 
 
 def test_oversize_arguments_are_refused_in_the_jail(daemon: DaemonHandle) -> None:

@@ -14,6 +14,7 @@ import pytest
 from jaild.daemon.approvals import Approvals, DurableRun, Journaled
 from jaild.daemon.core.admission import Catalog
 from jaild.daemon.core.peer import Peer
+from jaild.daemon.journal import ApprovalQuota, Journal
 from jaild.daemon.registry import Registry
 from jaild.policy.schema import load_policy_text
 from jaild.protocol.messages import JobDescription, ToolSpec
@@ -24,17 +25,24 @@ def policy(approvers: str = "") -> Any:
         f'[access]\napprove = ["send"]\n[approvals]\npark_after_s = 5\n{approvers}', "/p/ops.toml")
 
 
-def service(tmp_path: Path, pol: Any) -> Approvals:
+def service(tmp_path: Path, pol: Any, quota: ApprovalQuota | None = None) -> Approvals:
     return Approvals(str(tmp_path / "parked"), Registry(), SimpleNamespace(env=None),  # type: ignore[arg-type]
-                     SimpleNamespace(), lambda: Catalog({pol.name: pol}), lambda *_: None)
+                     SimpleNamespace(), lambda: Catalog({pol.name: pol}), lambda *_: None,
+                     quota=quota or ApprovalQuota(32, 256 << 20))
 
 
-def run(svc: Approvals, pol: Any, owner: int | str = 1000) -> DurableRun:
-    r = DurableRun("job-1", owner, f"uid {owner}", pol,
-                   JobDescription(code="x", tools=(ToolSpec(name="send"),)), {"wall_time_s": 5})
+def run(svc: Approvals, pol: Any, owner: int | str = 1000, job_id: str = "job-1") -> DurableRun:
+    r = DurableRun(job_id, owner, f"uid {owner}", pol,
+                   JobDescription(code="x", tools=(ToolSpec(name="send"),)), {"wall_time_s": 5},
+                   journal=Journal(f"{svc.directory}/{job_id}.journal"))
     r.service = svc
     svc.runs[r.job_id] = r
     return r
+
+
+def journal(svc: Approvals, r: DurableRun, *entries: Journaled) -> None:
+    for entry in entries:
+        svc.journal_append(r, entry)
 
 
 def peer(uid: int) -> Peer:
@@ -86,8 +94,8 @@ def test_a_parked_run_is_read_back_as_it_was_written(tmp_path: Path) -> None:
     pol = policy()
     svc = service(tmp_path, pol)
     r = run(svc, pol)
-    r.journal = [Journaled("search", b"\x01", True, b"\x02"),
-                 Journaled("other", b"\x03", False, ["KeyError", "no"])]
+    journal(svc, r, Journaled("search", b"\x01", True, b"\x02"),
+            Journaled("other", b"\x03", False, ["KeyError", "no"]))
     r.held = Held(2, 9, "send", b"\x04", 12.5)
     r.parked, r.parked_at = True, 10**10  # far in the future: not past max_wait_s
     r.decision = (True, "fine", "uid 0")
@@ -158,8 +166,8 @@ async def _replay(tmp_path: Path) -> None:
     pol = policy()
     svc = service(tmp_path, pol)
     r = run(svc, pol)
-    r.journal = [Journaled("search", b"a", True, b"hit"),
-                 Journaled("search", b"b", False, ["ValueError", "bad"])]
+    journal(svc, r, Journaled("search", b"a", True, b"hit"),
+            Journaled("search", b"b", False, ["ValueError", "bad"]))
     cancelled: list[str] = []
     r.jail = SimpleNamespace(cancel=cancelled.append)  # type: ignore[assignment]
     r.restart_jail()
@@ -187,7 +195,7 @@ async def _in_flight(tmp_path: Path) -> None:
     pol = policy()
     svc = service(tmp_path, pol)
     r = run(svc, pol)
-    r.journal = [Journaled("search", b"a", True, b"hit")]
+    journal(svc, r, Journaled("search", b"a", True, b"hit"))
     r.held = Held(1, 2, "send", b"s", 0.0)
     r.decision, r.dispatched, r.parked, r.parked_at = (True, "", "uid 0"), True, True, 10**10
     svc.save(r)
@@ -203,7 +211,9 @@ async def _in_flight(tmp_path: Path) -> None:
     await asyncio.sleep(0)
     assert got[0] == (True, b"hit") and got[1][0] is False
     assert got[1][1][0] == "unknown_outcome" and made == []
-    assert list((tmp_path / "parked").iterdir()) == []  # live from here: nothing on disk
+    # live from here: no run file, only its journal (what a later park would replay)
+    assert [p.name for p in (tmp_path / "parked").iterdir()] == ["job-1.journal"]
+    assert [(j.name, j.ok) for j in back.journal] == [("search", True), ("send", False)]
 
 
 def test_a_run_live_at_a_crash_is_not_loaded(tmp_path: Path) -> None:

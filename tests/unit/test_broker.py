@@ -66,8 +66,9 @@ def test_unknown_tool_names_the_available_ones() -> None:
     verdict = broker().admit(1, "nope", ARGS)
     assert isinstance(verdict, Refused) and verdict.error_type == "unknown_tool"
     assert "asks, free, quick, weather" in verdict.message
+    # the jail hears its own word back; the record, audit and metrics never get it
     assert Broker((), Limits()).admit(1, "x", ARGS) == Refused(
-        1, "x", "unknown_tool", "no tool named 'x'; available: (none)"
+        1, "(unknown)", "unknown_tool", "no tool named 'x'; available: (none)"
     )
 
 
@@ -165,7 +166,7 @@ def test_answers_and_log() -> None:
     assert ok.outcome == "ok"
     assert b.answer(1, True, b"\x01", 1.0) is None  # answered once only
     assert b.entries == [
-        {"name": "nope", "duration_s": 0.0, "ok": False, "error_type": "unknown_tool"},
+        {"name": "(unknown)", "duration_s": 0.0, "ok": False, "error_type": "unknown_tool"},
         {"name": "free", "duration_s": 0.5, "ok": False, "error_type": "ValueError"},
         {"name": "free", "duration_s": 1.25, "ok": True},
     ]

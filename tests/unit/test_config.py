@@ -37,6 +37,10 @@ def write(tmp_path: Path, text: str) -> str:
         ("[access]\nusers = 'root'", "access.users: must be a list, got str"),
         ("[extra]", "extra: unknown key; the config accepts daemon, access, tls, limits"),
         ("[limits", "not valid TOML"),
+        ("[limits]\napprovals_parked_max_count = 0",
+         "limits.approvals_parked_max_count: must be between 1 and 1048576, got 0"),
+        ("[limits]\napprovals_journal_quota_mb = 1.5",
+         "limits.approvals_journal_quota_mb: must be an integer, got 1.5"),
     ],
 )
 def test_config_errors_name_file_key_and_reason(tmp_path: Path, text: str, message: str) -> None:
@@ -55,6 +59,11 @@ def test_precedence_defaults_file_environment_flags(tmp_path: Path,
     cfg = DaemonConfig.from_sources(path)
     assert (cfg.socket_path, cfg.state_dir, cfg.max_jobs, cfg.allowed_users) == (
         "/file.sock", "/file/state", 7, ("root",))
+    assert (cfg.approvals_parked_max_count, cfg.approvals_journal_quota_mb) == (32, 256)
+    quotas = write(tmp_path, "[limits]\napprovals_parked_max_count = 2\n"
+                             "approvals_journal_quota_mb = 1\n")
+    cfg = DaemonConfig.from_sources(quotas)
+    assert (cfg.approvals_parked_max_count, cfg.approvals_journal_quota_mb) == (2, 1)
     monkeypatch.setenv("JAILD_SOCKET", "/env.sock")
     assert DaemonConfig.from_sources(path).socket_path == "/env.sock"
     assert DaemonConfig.from_sources(path, socket_path="/flag.sock").socket_path == "/flag.sock"

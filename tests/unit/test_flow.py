@@ -138,21 +138,24 @@ def test_labels_on_the_wire_are_checked() -> None:
 
 
 def test_redaction_replaces_the_values_a_labelled_reply_held() -> None:
-    from jaild.policy.flow import redact_value, strings_of
+    from jaild.policy.flow import strings_of
+    from jaild.policy.redact import Budget, RedactionFailed, Redactor
 
-    found: set[str] = set()
+    found: set[str | bytes] = set()
     budget = [100, 1 << 20]
-    strings_of({"name": "Alice Smith", "tags": ["vip", "north-east"], "n": 3}, found, budget)
-    assert found == {"Alice Smith", "north-east"}  # values; not keys; not "vip" (too short)
-    secrets = {s: "pii" for s in found}
-    assert redact_value({"to": "Alice Smith, north-east", "x": [1, "ok"]}, secrets) == \
+    assert strings_of({"name": "Alice Smith", "tags": ["vip", "north-east"], "n": 3,
+                       "raw": b"\x00\x01bin"}, found, budget)
+    # values (str and bytes); not keys; not "vip" (too short)
+    assert found == {"Alice Smith", "north-east", b"\x00\x01bin"}
+    redactor = Redactor(dict.fromkeys(found, "pii"))
+    assert redactor.value({"to": "Alice Smith, north-east", "x": [1, "ok"]}, Budget()) == \
         {"to": "[redacted:pii], [redacted:pii]", "x": [1, "ok"]}
     deep: object = "Alice Smith"
     for _ in range(100):
         deep = [deep]
-    with pytest.raises(ValueError):
-        redact_value(deep, secrets)  # the caller withholds what it cannot redact
+    with pytest.raises(RedactionFailed):
+        redactor.value(deep, Budget())  # the caller withholds what it cannot redact
     budget = [1, 1 << 20]
     found = set()
-    strings_of(["aaaa", "bbbb"], found, budget)
-    assert len(found) == 1 and budget[0] == 0  # bounded
+    assert not strings_of(["aaaa", "bbbb"], found, budget)  # bounded, and it says so
+    assert len(found) == 1 and budget == [0, 0]

@@ -11,8 +11,8 @@ The rules (issue 13, "Done when"):
    of the rest only the standard library, msgpack, pyseccomp and prctl.
 4. The client (:data:`CLIENT`) imports no daemon code and no front end.
 5. The pure modules (:data:`PURE_MODULES`, those of them that exist) do no IO.
-6. ``prctl``, ``pyseccomp``, ``uvloop`` and ``opentelemetry`` are each imported by exactly
-   one module, their wrapper (``opentelemetry``: ``jaild.tracing``, so that jaild runs
+6. ``prctl``, ``pyseccomp``, ``uvloop``, ``opentelemetry`` and ``ahocorasick`` are each
+   imported by exactly one module, their wrapper (``opentelemetry``: ``jaild.tracing``, so that jaild runs
    without the ``[otel]`` extra).
 7. No two modules import each other (as ``jaild.cli`` and ``jaild.codemode`` did), the
    package's lazy public API in ``jaild/__init__.py`` excepted.
@@ -68,6 +68,7 @@ PURE_MODULES = (
     "jaild.protocol.zygote_link",
     "jaild.policy.compile",
     "jaild.policy.egress",
+    "jaild.policy.redact",
     "jaild.daemon.core.machine",
     "jaild.daemon.core.broker",
     "jaild.daemon.core.classify",
@@ -102,6 +103,7 @@ WRAPPERS = {
     "cloudpickle": ("jaild.runtime.snapshot", frozenset({"cloudpickle"})),
     "uvloop": ("jaild.loops", frozenset({"uvloop"})),
     "opentelemetry": ("jaild.tracing", frozenset({"opentelemetry"})),
+    "pyahocorasick": ("jaild.policy.redact", frozenset({"ahocorasick"})),
 }
 """Foreign package -> (the one module that may import it, the names it goes by)."""
 

@@ -259,7 +259,8 @@ job_record = st.fixed_dictionaries(dict(
         withheld=st.lists(st.sampled_from(["result", "output", "downloads"]), max_size=3,
                           unique=True).map(tuple),
         redacted=st.lists(st.sampled_from(["result", "output"]), max_size=2,
-                          unique=True).map(tuple)),
+                          unique=True).map(tuple),
+        redaction=opt() | st.sampled_from(["exhausted", "failed"])),
 )).map(lambda kw: JobRecord(**{**kw, "error": None if kw["status"] == "ok" else kw["error"]}))
 session_info = st.builds(SessionInfo, policy=policy_name, idle_s=seconds,
                          max_lifetime_s=seconds, limits=record_limits)

@@ -45,7 +45,9 @@ broker's :attr:`Broker.labels` before the jail can read it. The labels belong to
 (one job, or a session's runs): :meth:`Broker.new_run` keeps them, and nothing the jail sends
 changes them. An admitted call then passes the flow rules of the labels held: refused
 (``flow_denied``, ``integrity``) or sent for approval; each such decision is listed in
-:attr:`Broker.flow_refusals` for the run's record.
+:attr:`Broker.flow_refusals` for the run's record. A reply with a label whose sink redacts
+leaves its str and bytes values in :attr:`Broker.secrets`, within a budget; one that does not
+fit sets :attr:`Broker.redaction_exhausted`, and ``redact`` withholds from then on.
 
 The broker does no IO and keeps no clock: durations are given to it.
 :class:`Broker` has three verbs: :meth:`Broker.admit` a call, :meth:`Broker.answer`
@@ -56,10 +58,11 @@ run (which starts the counts afresh).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from jaild.daemon.core.disclosure import UNKNOWN_TOOL
 from jaild.errors import RemoteProtocolError
 from jaild.policy.flow import MAX_SECRET_BYTES, MAX_SECRETS, FlowRules, strings_of
 from jaild.policy.schema import Limits
@@ -307,6 +310,7 @@ class Broker:
             (``Policy.needs_approval``).
         validators: the shared schema cache (a fresh one if omitted).
         flow: the policy's information-flow rules (none if omitted).
+        labels: the labels the jail holds from its start (a restored state's).
     """
 
     def __init__(
@@ -316,13 +320,20 @@ class Broker:
         approval_required: Callable[[str], bool] = lambda _: False,
         validators: Validators | None = None,
         flow: FlowRules | None = None,
+        *,
+        labels: Iterable[str] = (),
     ) -> None:
         self._validators = validators if validators is not None else Validators()
         self.in_flight: dict[int, tuple[str, int]] = {}  # call id -> (tool name, args' bytes)
-        self.labels: set[str] = set()  # the jail's: every run of it, never reset
-        self.secrets: dict[str, str] = {}  # strings of replies with a redacting label -> it
+        # the jail's: held from its start (a restored state's), every run of it, never reset
+        self.labels: set[str] = set(labels)
+        # str and bytes values of replies with a redacting label -> it
+        self.secrets: dict[str | bytes, str] = {}
         self._secret_budget = [MAX_SECRETS, MAX_SECRET_BYTES]
         self.flow = flow if flow is not None else FlowRules()
+        # A reply's values did not fit the budget, or labels came without their values (a
+        # restored state's): ``redact`` cannot be done, it withholds, for the jail's life.
+        self.redaction_exhausted = bool(self.labels and self.flow.redacting(self.labels))
         self.set_job(tools, limits, approval_required)
         self.new_run()
 
@@ -379,6 +390,8 @@ class Broker:
                 else:
                     approval = True
         if refusal is not None:
+            if name not in self._tools:  # the jail's word: never recorded, nor audited
+                name = UNKNOWN_TOOL
             self._log(name, 0.0, refusal[0])
             return Refused(call_id, name, *refusal)
         size = len(args)
@@ -486,15 +499,21 @@ class Broker:
         )
 
     def _keep_secrets(self, ok: bool, value: Any, label: str) -> None:
-        """The strings of a reply whose label redacts: what the job's end replaces."""
-        found: set[str] = set()
+        """The str and bytes values of a reply whose label redacts: what the job's end
+        replaces. One that does not fit the budget exhausts the redaction (fails closed:
+        from then on ``redact`` withholds)."""
+        if self.redaction_exhausted:
+            return
+        found: set[str | bytes] = set()
         if ok:
             try:
-                strings_of(unpack(bytes(value)), found, self._secret_budget)
+                fitted = strings_of(unpack(bytes(value)), found, self._secret_budget)
             except RemoteProtocolError:
                 return  # undecodable: no strings the jail's runtime could read either
         else:
-            strings_of(str(value[1]), found, self._secret_budget)
+            fitted = strings_of(str(value[1]), found, self._secret_budget)
+        if not fitted:
+            self.redaction_exhausted = True
         for secret in found:
             self.secrets.setdefault(secret, label)
 

@@ -134,6 +134,11 @@ class JobSpec:
     snapshot: bool = False  # a session's run that takes its snapshot (the result) instead
     restore: bytes | None = None  # a fresh session's first run: restore this snapshot
     released: frozenset[str] = frozenset()  # labels whose withholding spares this caller
+    # Labels held from the jail's start, before any of its code or a byte of ``restore``
+    # runs: a restored (forked, resumed, continued) state's. The machine's broker is made
+    # holding them, and a run that restores state is refused in a jail that does not hold
+    # its ``labels`` (docs/security.md, "Paths that carry jail-chosen bytes").
+    labels: frozenset[str] = frozenset()
 
 
 class Phase(enum.Enum):
@@ -551,7 +556,7 @@ class _CallDesk:
         if isinstance(verdict, Refused):
             return [
                 *self.reply(call.call_id, False, (verdict.error_type, verdict.message)),
-                ObserveCall(None, call.name, verdict.error_type, 0.0, len(call.args)),
+                ObserveCall(None, verdict.name, verdict.error_type, 0.0, len(call.args)),
             ]
         return verdict.message
 
@@ -611,7 +616,7 @@ class JobMachine:
         self._digest = seccomp_digest
         self.conn = Connection(Role.SUPERVISOR, frame_limit(spec))
         self.broker = Broker(spec.job.tools, spec.limits, spec.policy.needs_approval, validators,
-                             flow_rules(spec.policy))
+                             flow_rules(spec.policy), labels=spec.labels)
         self.calls = _CallDesk(self.broker, self.conn)
         self.evidence = Evidence(cpu_limit_s=float(spec.limits.cpu_time_s))
         self._facts = _Facts()
@@ -680,6 +685,11 @@ class JobMachine:
             raise LocalProtocolError(f"{event.job.job_id}: the jail already serves a job")
         if self.phase in (Phase.CLOSED, Phase.SETTLING):
             raise LocalProtocolError(f"{event.job.job_id}: the jail is {self.phase.value}")
+        if not event.job.labels <= self.broker.labels:
+            # restored state in a jail started without its labels: never run it
+            raise LocalProtocolError(
+                f"{event.job.job_id}: the jail does not hold the labels "
+                f"{sorted(event.job.labels - self.broker.labels)} its state carries")
         spec = self.spec = self._job = event.job
         self.broker.set_job(spec.job.tools, spec.limits, spec.policy.needs_approval,
                             flow_rules(spec.policy))

@@ -32,16 +32,18 @@ starts when ``RunCode`` is sent. Every frame from the jail is hostile input: see
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from jaild.daemon.core import disclosure
 from jaild.daemon.core.broker import Admitted, Validators
 from jaild.daemon.core.classify import STATUSES, Evidence, classify, parse_termination
 from jaild.daemon.core.machine import (
@@ -96,9 +98,9 @@ from jaild.daemon.jails.launch.handle import JailHandle, Launcher
 from jaild.daemon.jails.launch.spawned import SpawnLauncher
 from jaild.daemon.jails.launch.zygotes import ZygoteSet
 from jaild.daemon.jails.run_account import RunAccount
-from jaild.errors import ConnectionLost, RemoteProtocolError
+from jaild.errors import ConnectionLost
 from jaild.policy.compile import JOB_UIDS, HostLayout, harden
-from jaild.policy.flow import redact_text, redact_value
+from jaild.policy.redact import Budget, RedactionFailed, Redactor
 from jaild.policy.schema import Policy
 from jaild.protocol.messages import ErrorInfo, Harden, pack, unpack
 from jaild.protocol.records import JobRecord
@@ -177,6 +179,81 @@ OutputSink = Callable[[str, str, bytes], None]
 """(job_id, "stdout"|"stderr", bytes) -> None."""
 Outcome = tuple[JobRecord, bytes | None, dict[str, bytes]]
 """A run's record, its packed result (None unless ok) and its downloaded files."""
+REDACT_TIME_S = 10.0
+"""How long the redaction of one run's result, output and error may take (in a worker
+thread, :func:`_redact_run`): past it they are withheld."""
+REDACT_THREADS = 4
+"""Redaction's own worker threads: however busy redacting, the daemon still makes jails'
+cgroups and loads snapshots on the event loop's default executor."""
+
+
+@functools.cache
+def _redaction_threads() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(REDACT_THREADS, "jaild-redact")
+
+
+@dataclass
+class _Unredacted:
+    """A run's end whose result, output or error waits for redaction: its outcome, not yet
+    the caller's (:meth:`JailedJob._settle` redacts it off the event loop, then hands it on).
+    ``redact``: what to redact (``result``, ``output``); ``stdout``/``stderr``: the run's
+    bytes as the jail wrote them (the record holds them decoded)."""
+
+    record: JobRecord
+    result: bytes | None
+    downloads: dict[str, bytes]
+    redact: tuple[str, ...]
+    stdout: bytes
+    stderr: bytes
+    secrets: dict[str | bytes, str]
+    redactor: Redactor | None  # the jail's, if built for these secrets already
+    final: bool
+
+
+def _redact_run(run: _Unredacted, time_s: float) -> tuple[Redactor, JobRecord, bytes | None]:
+    """``run``'s record and result redacted (a worker thread's work: no loop state).
+
+    Raises:
+        RedactionFailed: too deep, too much, or longer than ``time_s``.
+        Exception: anything else that stops it (a result that does not unpack or pack).
+    """
+    budget = Budget(deadline=time.monotonic() + time_s, clock=time.monotonic)
+    redactor = run.redactor or Redactor(run.secrets)
+    budget.check_time()
+    record, result = run.record, run.result
+    if "result" in run.redact and result is not None:
+        result = pack(redactor.value(unpack(result), budget))
+    if "output" in run.redact:
+        out = redactor.data(run.stdout, budget).decode("utf-8", "replace")
+        err = redactor.data(run.stderr, budget).decode("utf-8", "replace")
+        error = record.error
+        if error is not None:
+            error = replace(error, message=redactor.text(error.message, budget),
+                            traceback=redactor.text(error.traceback, budget))
+        record = replace(record, stdout=out, stderr=err, error=error)
+    return redactor, record, result
+
+
+def _withheld_instead(run: _Unredacted) -> tuple[JobRecord, bytes | None]:
+    """``run``'s record and result when its redaction failed: what it covered, withheld."""
+    record, result = run.record, run.result
+    if "result" in run.redact:
+        result = None
+    changes: dict[str, Any] = {}
+    if "output" in run.redact:  # (a result is redacted only when the run ended ok)
+        changes["stdout"] = changes["stderr"] = ""
+        if record.error is not None:
+            changes["error"] = replace(record.error, message=_WITHHELD_ERROR, traceback="")
+    flow = record.flow
+    if flow is not None:
+        changes["flow"] = replace(
+            flow, withheld=tuple(sorted({*flow.withheld, *run.redact})),
+            redacted=tuple(r for r in flow.redacted if r not in run.redact),
+            redaction=flow.redaction or "failed")
+    return replace(record, **changes), result
+
+
+_WITHHELD_ERROR = "(withheld: the job holds a label whose rule withholds its output)"
 
 
 @dataclass
@@ -321,7 +398,8 @@ class JailedJob:
         self._done = asyncio.Event()  # the jail is gone (JailEnded)
         self._on_done: list[Callable[[], None]] = []  # called soon after _done is set
         self._settled = asyncio.Event()  # it was hardened (Ready), or it is gone
-        self._outcome_wait: asyncio.Future[Outcome] = self._loop.create_future()
+        self._outcome_wait: asyncio.Future[Outcome | _Unredacted] = self._loop.create_future()
+        self._redactor: tuple[int, Redactor] | None = None  # for the secrets held: (count, it)
         self.ready_at: float | None = None
         # network.mode = "egress": the jail's door (made once it is hardened, before any
         # job code), served by a door of each run's own
@@ -401,7 +479,7 @@ class JailedJob:
     async def run(self) -> JobRecord:
         try:
             await self._launch()
-            record, _, _ = await self._outcome_wait
+            record, _, _ = await self._settle(await self._outcome_wait)
             return record
         finally:
             # after the caller has sent the record: killing what is left is not on its path
@@ -422,7 +500,29 @@ class JailedJob:
         self._take_job(spec, route_tool, output, trace)
         self._outcome_wait = self._loop.create_future()
         self._feed(Assign(spec))
-        return await self._outcome_wait
+        return await self._settle(await self._outcome_wait)
+
+    async def _settle(self, ended: Outcome | _Unredacted) -> Outcome:
+        """A run's outcome, redacted first if its labels say so: in a worker thread of
+        redaction's own (:data:`REDACT_THREADS`), so the event loop (every other job, every
+        tenant) goes on meanwhile, within :data:`REDACT_TIME_S` of its start -- past it, or
+        if it fails, what it covers is withheld. The caller has the outcome only once it is
+        done (a session's next run, which waits for it, cannot start before)."""
+        if not isinstance(ended, _Unredacted):
+            return ended
+        try:
+            # the thread's own deadline bounds it (checked once a window of the search)
+            redactor, record, result = await self._loop.run_in_executor(
+                _redaction_threads(), _redact_run, ended, REDACT_TIME_S)
+        except Exception as exc:  # RedactionFailed, anything else: fail closed
+            if not isinstance(exc, RedactionFailed):
+                log.exception("job %s: redaction failed; withheld instead", ended.record.job_id)
+            record, result = _withheld_instead(ended)
+        else:
+            self._redactor = (len(ended.secrets), redactor)
+        if ended.final:
+            self._run.result = result
+        return record, result, ended.downloads
 
     def outcome(self) -> tuple[str, dict[str, Any] | None]:
         """How the jail ended, or stands: ``(status, error)``."""
@@ -528,13 +628,21 @@ class JailedJob:
         """The labels the jail's job (a session: the session) holds."""
         return frozenset(self._machine.broker.labels)
 
-    def add_labels(self, labels: Iterable[str]) -> None:
-        """Labels the jail holds from the start: a restored snapshot's."""
-        self._machine.broker.labels.update(labels)
-
     def withheld(self, how: str = "withhold") -> dict[str, str]:
         """What its labels withhold (``how = "redact"``: redact) from this run's caller:
-        result, output, downloads, each with the label that says so."""
+        result, output, downloads, each with the label that says so. Once the jail's
+        redaction is exhausted (:attr:`Broker.redaction_exhausted`), what they redact is
+        withheld instead."""
+        out = self._sinks(how)
+        if self._machine.broker.redaction_exhausted:
+            if how == "redact":
+                return {}
+            if how == "withhold":
+                out = {**self._sinks("redact"), **out}
+        return out
+
+    def _sinks(self, how: str) -> dict[str, str]:
+        """What the labels' rules say ``how`` of for this run's caller, as written."""
         broker = self._machine.broker
         if not broker.labels or not broker.flow.sinks:
             return {}
@@ -551,39 +659,32 @@ class JailedJob:
         labels = sorted(self._machine.broker.labels)
         if not labels and not tally.flow_refusals:
             return None
-        return {"labels": labels, "refusals": list(tally.flow_refusals),
-                "withheld": sorted(self.withheld()), "redacted": sorted(self.withheld("redact"))}
+        withheld, redacted = sorted(self.withheld()), sorted(self.withheld("redact"))
+        if self.spec.snapshot:  # its result is the session's state: it stays in the daemon
+            withheld = [w for w in withheld if w != "result"]
+            redacted = [r for r in redacted if r != "result"]
+        flow: dict[str, Any] = {"labels": labels, "refusals": list(tally.flow_refusals),
+                                "withheld": withheld, "redacted": redacted}
+        if self._machine.broker.redaction_exhausted and self._sinks("redact"):
+            flow["redaction"] = "exhausted"
+        return flow
 
     def _apply_flow(self, flow: dict[str, Any], tally: Tally,
                     error: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Withhold and redact what the run's labels say, before anyone can read it.
-        Returns the record's error (its message and traceback are output too)."""
-        withheld, redacted = flow["withheld"], flow["redacted"]
+        """Withhold what the run's labels say, before anyone can read it (what they redact
+        is redacted later, off the event loop: :meth:`_settle`). Returns the record's error
+        (its message and traceback are output too)."""
+        withheld = flow["withheld"]
         run = self._run
         if "result" in withheld:
             run.result = None
         if "downloads" in withheld:
             run.withhold_files()
-        secrets = self._machine.broker.secrets
-        if "result" in redacted and run.result is not None:
-            try:
-                run.result = pack(redact_value(unpack(run.result), secrets))
-            except (RemoteProtocolError, ValueError):
-                run.result = None  # what cannot be redacted is withheld
-                flow["withheld"] = sorted({*withheld, "result"})
         if "output" in withheld:
             tally.stdout.clear()
             tally.stderr.clear()
-        elif "output" in redacted:
-            for stream in (tally.stdout, tally.stderr):
-                text = redact_text(stream.decode("utf-8", "replace"), secrets)
-                stream[:] = text.encode()
         if error is not None and ("output" in withheld or "result" in withheld):
-            error = {**error, "message": "(withheld: the job holds a label whose rule "
-                     "withholds its output)", "traceback": ""}
-        elif error is not None and "output" in redacted:
-            error = {**error, "message": redact_text(str(error.get("message", "")), secrets),
-                     "traceback": redact_text(str(error.get("traceback") or ""), secrets)}
+            error = {**error, "message": _WITHHELD_ERROR, "traceback": ""}
         return error
 
     def _route_call(self, action: RouteCall) -> None:
@@ -740,16 +841,32 @@ class JailedJob:
         egress = self._end_egress_run()
         flow = self._flow_record(action.tally)
         error = action.error
+        redact: tuple[str, ...] = ()
         if flow is not None and (flow["withheld"] or flow["redacted"]):
             error = self._apply_flow(flow, action.tally, error)
+            redact = tuple(r for r in flow["redacted"] if r not in flow["withheld"])
+        # what output redaction needs: the bytes the jail wrote (the record decodes them)
+        stdout = bytes(action.tally.stdout) if "output" in redact else b""
+        stderr = bytes(action.tally.stderr) if "output" in redact else b""
         record = self._run.record(self.spec, action.status, error, action.tally, egress, flow)
-        outcome = (record, self._run.result, self._run.downloads)
+        if flow is not None:  # what the rest of the record may say (core/disclosure.py)
+            record = disclosure.caller_view(record, disclosure.literal_hosts(self.spec.policy))
+        ended: Outcome | _Unredacted = (record, self._run.result, self._run.downloads)
+        if redact:  # the caller has it once redacted (:meth:`_settle`, off the event loop)
+            secrets = self._machine.broker.secrets
+            cached = self._redactor
+            ended = _Unredacted(
+                record, self._run.result, self._run.downloads, redact, stdout, stderr,
+                dict(secrets), cached[1] if cached and cached[0] == len(secrets) else None,
+                action.final)
+            if action.final:
+                self._run.result = None  # until then
         if not action.final:  # a session's jail waits for its next run
             self._output = None
             self._route_tool = None
             self._run.reset()
         if not self._outcome_wait.done():
-            self._outcome_wait.set_result(outcome)
+            self._outcome_wait.set_result(ended)
 
 
 _PERFORM: dict[type[Any], Callable[[JailedJob, Any], None]] = {

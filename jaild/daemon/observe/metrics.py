@@ -7,7 +7,8 @@ refused, a tool call ended, the number of open sessions changed). Each hook upda
 prometheus-client metrics in a registry of this instance's own -- never the process-wide
 default one, so several instances (unit tests) never share or clash. Pool sizes are not
 pushed: the ``pools`` callable given to :meth:`Metrics.start` is read when the registry is
-collected (a scrape, or :meth:`Metrics.summary`). Tool calls are the one hook on a hot path
+collected (a scrape, or :meth:`Metrics.summary`); so are durable runs and their journals
+(the callable given to :meth:`Metrics.approvals`). Tool calls are the one hook on a hot path
 (a job may make thousands, each a round trip the jail waits for): :meth:`Metrics.tool_call`
 only notes a call, and the noted calls are counted in batches of :data:`TOOL_CALL_BATCH`,
 and before anyone reads a registry (its first collector flushes them), so what a scrape or
@@ -372,6 +373,19 @@ class Metrics:
             registry=r,
         )
         self._sessions = Gauge("jaild_sessions_open", "Sessions open now.", registry=r)
+        self._durable_runs = Gauge(
+            "jaild_durable_runs",
+            "Runs under a policy with [approvals] park_after_s now, live or parked.",
+            registry=r,
+        )
+        self._parked_runs = Gauge(
+            "jaild_parked_runs", "Runs parked for approval now (waiting on disk).", registry=r
+        )
+        self._journal_bytes = Gauge(
+            "jaild_approval_journal_bytes",
+            "Bytes the durable runs' journals hold on disk now (every principal's).",
+            registry=r,
+        )
         self._start_time = Gauge(
             "jaild_start_time_seconds", "When the daemon started (Unix time).", registry=r
         )
@@ -516,6 +530,13 @@ class Metrics:
         """How many sessions are open now."""
         self._sessions.set(count)
 
+    def approvals(self, usage: Callable[[], tuple[int, int, int]]) -> None:
+        """Read ``usage()`` -- (durable runs, of which parked, their journals' bytes) -- when
+        the registry is collected."""
+        self._durable_runs.set_function(lambda: usage()[0])
+        self._parked_runs.set_function(lambda: usage()[1])
+        self._journal_bytes.set_function(lambda: usage()[2])
+
     # ------------------------------------------------------------------ summary
 
     def summary(self) -> dict[str, Any]:
@@ -527,7 +548,8 @@ class Metrics:
             buckets, as Prometheus's ``histogram_quantile``; None when empty);
             ``cpu_s`` {policy: {user, system}}; ``tool_calls`` {policy: {tool: {outcome:
             n}}}; ``tool_latency`` {policy: {tool: {...as latency}}}; ``refused`` {code: n};
-            ``sessions_open``; ``pools`` {policy: {ready, target}}; ``started`` (Unix time);
+            ``sessions_open``; ``durable_runs``, ``parked_runs``, ``approval_journal_bytes``;
+            ``pools`` {policy: {ready, target}}; ``started`` (Unix time);
             ``endpoint`` ("http://host:port/metrics" or None).
         """
         self.flush_tool_calls()
@@ -537,6 +559,8 @@ class Metrics:
         tools: dict[str, dict[str, dict[str, int]]] = {}
         refused: dict[str, int] = {}
         sessions = 0
+        gauges = {"jaild_durable_runs": 0, "jaild_parked_runs": 0,
+                  "jaild_approval_journal_bytes": 0}
         for name, labels, value in samples:
             if name == "jaild_jobs_total":
                 jobs.setdefault(labels["policy"], {})[labels["status"]] = int(value)
@@ -549,6 +573,8 @@ class Metrics:
                 refused[labels["code"]] = int(value)
             elif name == "jaild_sessions_open":
                 sessions = int(value)
+            elif name in gauges:
+                gauges[name] = int(value)
         latency: dict[str, dict[str, dict[str, Any]]] = {}
         for key, family in (("duration_s", "jaild_job_duration_seconds"),
                             ("wall_s", "jaild_job_wall_seconds")):
@@ -567,6 +593,9 @@ class Metrics:
             "tool_latency": _sorted(tool_latency),
             "refused": _sorted(refused),
             "sessions_open": sessions,
+            "durable_runs": gauges["jaild_durable_runs"],
+            "parked_runs": gauges["jaild_parked_runs"],
+            "approval_journal_bytes": gauges["jaild_approval_journal_bytes"],
             "pools": {
                 name: {"ready": p.get("ready", 0), "target": p.get("target", 0)}
                 for name, p in sorted(self._pools.pools().items())
@@ -577,6 +606,7 @@ class Metrics:
 
     def _samples(self) -> Iterator[tuple[str, dict[str, str], float]]:
         for metric in (self._jobs, self._cpu, self._tool_calls, self._refused, self._sessions,
+                       self._durable_runs, self._parked_runs, self._journal_bytes,
                        self._duration, self._wall, self._tool_latency):
             for family in metric.collect():
                 for s in family.samples:
