@@ -260,3 +260,14 @@ def test_a_withheld_jobs_record_carries_none_of_the_jails_words(
         assert r.error["type"] == "Leak_e5f6" and r.error["lineno"] > 4000
         names = [call.name for call in r.record.tool_calls]
         assert names == ["(unknown)", "(unknown)"]
+
+
+def test_a_withholding_sessions_live_memory_is_not_a_channel(world: World) -> None:
+    """The jail sets its memory to a value of its choosing; ``jaild ps`` of a session whose
+    labels withhold shows it rounded up to a power of two (the unit test
+    test_disclosure.py holds the control: an unlabelled job's use is shown exact)."""
+    with Client(world.daemon.socket) as c, c.session("flow", tools=TOOLS) as s:
+        s.run("doc = tools.read_secret()\nhold = bytearray(37 * 1000 * 1000 + 12345)")
+        (row,) = [r for r in c.jobs() if r["id"] == s.id]
+    size = row["memory_bytes"]
+    assert size >= 37_000_000 and size & (size - 1) == 0

@@ -182,3 +182,19 @@ def test_record_table_names_the_fields_the_issue_found_leaking() -> None:
     for path in ("tool_calls[].name", "error.type", "error.lineno", "network_refused",
                  "egress.hosts", "flow.refusals[].target"):
         assert RECORD[path].closed is not Closed.KEEP
+
+
+def test_a_closed_jobs_live_use_is_bucketed_and_an_open_ones_exact() -> None:
+    """``jaild ps``, polled, would carry the jail's memory as a channel: closed while its
+    labels withhold (the control: labels that close nothing, or no labels, leave it)."""
+    withhold = parse_sink({"label": "secret", "output": "withhold"})
+    egress_only = parse_sink({"label": "private", "egress": []})
+    rules = compile_flow("flow", (), (withhold, egress_only), ("untrusted",), (), "refuse")
+    live = {"memory_bytes": 12_345_678, "cpu_s": 0.25, "pids": 3}
+    assert disclosure.closes(rules, {"secret"})
+    assert disclosure.close_live(live) == {"memory_bytes": 1 << 24, "cpu_s": 0.25, "pids": 4}
+    assert not disclosure.closes(rules, {"private"}) and not disclosure.closes(rules, set())
+    released = compile_flow("flow", (), (parse_sink(
+        {"label": "secret", "output": "withhold", "release_to": ["root"]}),),
+        ("untrusted",), (), "refuse")
+    assert disclosure.closes(released, {"secret"})  # release_to opens it to a caller only

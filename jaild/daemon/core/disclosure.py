@@ -15,8 +15,10 @@ model; to the audit log, traces and metrics -- has a value that someone *chose*:
   many requests it made, how large the files it left are).
 
 Each field of :data:`RECORD` (the :class:`~jaild.protocol.records.JobRecord`, its nested
-structs) and :data:`SNAPSHOT` (a :class:`~jaild.protocol.records.SnapshotEntry`) says who
-chooses it and what happens to it *when the record is closed* (:func:`close_record`):
+structs), :data:`SNAPSHOT` (a snapshot's entry), :data:`JOB_ENTRY` (a ``jaild ps`` row) and
+:data:`APPROVAL_ENTRY` (a call waiting for approval) says who chooses it and what happens to
+it *when the record is closed* (:func:`close_record`, :func:`close_snapshot`,
+:func:`close_live`):
 
 ==========  ==================================================================
 ``keep``    not the jail's choice, or already bounded to the few bits of the
@@ -54,9 +56,11 @@ from jaild.policy.flow import FlowRules
 from jaild.policy.schema import Policy
 from jaild.protocol.fields import Struct
 from jaild.protocol.records import (
+    ApprovalEntry,
     EgressRecord,
     FlowRecord,
     FlowRefusal,
+    JobEntry,
     JobError,
     JobRecord,
     SnapshotEntry,
@@ -209,6 +213,45 @@ SNAPSHOT: Mapping[str, Decision] = {
 """Every field of a :class:`SnapshotEntry` (snapshot, pause and fork replies, ``jaild
 snapshots``): closed when the session's labels close its result or output."""
 
+JOB_ENTRY: Mapping[str, Decision] = {
+    "id": _d("daemon", "keep", "the daemon's id"),
+    "kind": _d("daemon", "keep", "job or session"),
+    "policy": _d("daemon", "keep", "the policy admission chose"),
+    "uid": _d("daemon", "keep", "the owner's credentials"),
+    "client_pid": _d("daemon", "keep", "the owner's credentials"),
+    "state": _d("daemon", "keep", "the daemon's phase of it"),
+    "age_s": _d("daemon", "timing", "the daemon's clock"),
+    "session": _d("daemon", "keep", "the daemon's id"),
+    "runs": _d("daemon", "keep", "runs the client started"),
+    "running": _d("daemon", "keep", "whether the client's run is on"),
+    "idle_s": _d("daemon", "timing", "the daemon's clock"),
+    "expires_in_s": _d("daemon", "timing", "the daemon's clock"),
+    "memory_bytes": _d("jail", "bucket", "polled live, the jail's memory would be a channel "
+                       "of as many bits as the caller polls"),
+    "cpu_s": _d("kernel", "timing", "CPU time follows wall time for a busy jail"),
+    "pids": _d("jail", "bucket", "as memory_bytes"),
+    "pod": _d("daemon", "keep", "the owner's pod"),
+    "principal": _d("daemon", "keep", "the owner's certificate name"),
+}
+"""Every field of a :class:`JobEntry` (``jaild ps``): closed (:func:`close_live`) while the
+job's or session's labels withhold or redact a run's result or output."""
+
+APPROVAL_ENTRY: Mapping[str, Decision] = {
+    "job_id": _d("daemon", "keep", "the daemon's id"),
+    "call_id": _d("daemon", "keep", "the call's number"),
+    "tool": _d("client", "keep", "a declared tool (the broker refuses any other first)"),
+    "args": _d("jail", "sink", "the approvals sink: approve_tools and on_untrusted = "
+               "'approve' send the call to the policy's approvers, arguments and all -- "
+               "that is what they decide on (docs/using/flow.md: not closed)"),
+    "policy": _d("daemon", "keep", "the run's policy"),
+    "owner": _d("daemon", "keep", "the run's owner"),
+    "waiting_s": _d("daemon", "timing", "the daemon's clock"),
+    "parked": _d("daemon", "keep", "the daemon's state of it"),
+    "attached": _d("daemon", "keep", "the daemon's state of it"),
+    "session": _d("daemon", "keep", "the daemon's id"),
+}
+"""Every field of an :class:`ApprovalEntry` (``jaild approvals``): seen by approvers."""
+
 
 # --------------------------------------------------------------------------- coarsening
 
@@ -323,11 +366,7 @@ def operator_view(record: JobRecord, rules: FlowRules,
     flow = record.flow
     if flow is None or not flow.labels or closed(record):
         return caller_view(record, literal_hosts)
-    held = rules.withheld(frozenset(flow.labels), lambda _: False)
-    held.update(rules.withheld(frozenset(flow.labels), lambda _: False, "redact"))
-    if {"result", "output"} & set(held):
-        return close_record(record, literal_hosts)
-    return record
+    return close_record(record, literal_hosts) if closes(rules, flow.labels) else record
 
 
 def literal_hosts(policy: Policy) -> frozenset[str]:
@@ -342,6 +381,26 @@ def literal_hosts(policy: Policy) -> frozenset[str]:
         host, _, port = pattern.rpartition(":")
         out.add(host if host and port.isdigit() and "]" not in port else pattern)
     return frozenset(out)
+
+
+def close_live(usage: Mapping[str, Any]) -> dict[str, Any]:
+    """A jail's live use (``jaild ps``) as :data:`JOB_ENTRY` decides for a closed job."""
+    out = dict(usage)
+    for key in ("memory_bytes", "pids"):
+        if key in out:
+            out[key] = bucket(out[key])
+    return out
+
+
+def closes(rules: FlowRules, labels: Iterable[str]) -> bool:
+    """Do ``labels`` withhold or redact the result or the output from a caller no
+    ``release_to`` spares (the operator's view, and ``jaild ps``)?"""
+    held = frozenset(labels)
+    if not held or not rules.sinks:
+        return False
+    closing = {*rules.withheld(held, lambda _: False),
+               *rules.withheld(held, lambda _: False, "redact")}
+    return bool({"result", "output"} & closing)
 
 
 def close_snapshot(entry: SnapshotEntry) -> SnapshotEntry:
@@ -380,6 +439,8 @@ def field_paths(cls: type[Struct], prefix: str = "") -> list[str]:
 TABLES: Mapping[type[Struct], Mapping[str, Decision]] = {
     JobRecord: RECORD,
     SnapshotEntry: SNAPSHOT,
+    JobEntry: JOB_ENTRY,
+    ApprovalEntry: APPROVAL_ENTRY,
 }
 """The records a closed sink is given, each with its table (the test walks them)."""
 
@@ -397,8 +458,27 @@ CUSTOM: Mapping[str, Callable[..., Any]] = {
 """Where each ``custom`` decision is carried out (the test checks each has one)."""
 
 __all__ = [
-    "CUSTOM", "DAEMON_ERROR_TYPES", "OTHER_HOST", "RECORD", "SNAPSHOT", "TABLES",
-    "UNKNOWN_TOOL", "WITHHELD", "Chooser", "Closed", "Decision", "bucket", "caller_view",
-    "close_record", "close_snapshot", "closed", "field_paths", "literal_hosts",
+    "APPROVAL_ENTRY",
+    "CUSTOM",
+    "DAEMON_ERROR_TYPES",
+    "JOB_ENTRY",
+    "OTHER_HOST",
+    "RECORD",
+    "SNAPSHOT",
+    "TABLES",
+    "UNKNOWN_TOOL",
+    "WITHHELD",
+    "Chooser",
+    "Closed",
+    "Decision",
+    "bucket",
+    "caller_view",
+    "close_live",
+    "close_record",
+    "close_snapshot",
+    "closed",
+    "closes",
+    "field_paths",
+    "literal_hosts",
     "operator_view",
 ]

@@ -538,8 +538,14 @@ class JailedJob:
         return self._handle.host_view()
 
     def live_usage(self) -> dict[str, Any]:
-        """For ``jaild ps``: what the jail uses right now."""
-        return self._handle.live_usage()
+        """For ``jaild ps``: what the jail uses right now -- coarsened once its labels
+        withhold or redact a run's result or output (core/disclosure.py: polled, a jail's
+        memory would be a channel)."""
+        usage = self._handle.live_usage()
+        broker = self._machine.broker
+        if broker.labels and disclosure.closes(broker.flow, broker.labels):
+            return disclosure.close_live(usage)
+        return usage
 
     def pause_output(self) -> None:
         """Stop reading the jail's stdout/stderr (a slow client): the jail blocks on write."""
