@@ -27,11 +27,13 @@ from typing import Any
 from jaild.errors import EgressRuleError, PolicyError, SyscallNameError
 from jaild.policy.egress import DEFAULT_PORTS, EgressRules, Rule, parse_host
 from jaild.policy.flow import (
+    FlowGuard,
     FlowRules,
     FlowSink,
     FlowSource,
     check_labels,
     compile_flow,
+    parse_guard,
     parse_sink,
     parse_source,
 )
@@ -464,8 +466,9 @@ class Flow:
         "downloads, release_to}: what stays open once a job holds label -- egress: the hosts "
         "still reachable (absent: unchanged, []: none); deny_tools / approve_tools: tools "
         'refused / needing approval ("*": all); result, output, downloads: "allow" or '
-        '"withhold" (unless the caller is in release_to: users, uids, "@group", '
-        '"principal:NAME").',
+        '"withhold", and for result and output "redact" (the labelled values replaced; '
+        'withheld when redaction cannot finish) -- unless the caller is in release_to: '
+        'users, uids, "@group", "principal:NAME".',
     )
     untrusted: tuple[str, ...] = setting(
         ("untrusted",), "Labels that mark untrusted data (web content, mail from others).",
@@ -480,13 +483,22 @@ class Flow:
         "refuse", 'A protected tool called by a job holding untrusted data: "refuse" or '
         '"approve".', choice("refuse", "approve"),
     )
+    guard: tuple[FlowGuard, ...] = setting(
+        (),
+        "[[flow.guard]] tables {tool, trusted_args}: a protected tool (a glob) a job holding "
+        "untrusted data may still call when each argument named in trusted_args (its "
+        "destination: a recipient, an account, a URL) is a value the job had from a reply "
+        "carrying no untrusted label, read before it held one (the whole value, or a part "
+        "of one bounded by non-word characters); other arguments are not checked.",
+    )
 
 
 @functools.lru_cache(maxsize=64)
 def flow_rules(policy: Policy) -> FlowRules:
     """``policy``'s ``[flow]``, compiled (validated when the policy loaded)."""
     f = policy.flow
-    return compile_flow(policy.name, f.source, f.sink, f.untrusted, f.protect, f.on_untrusted)
+    return compile_flow(policy.name, f.source, f.sink, f.untrusted, f.protect, f.on_untrusted,
+                        f.guard)
 
 
 SECTIONS: dict[str, type] = {
@@ -686,8 +698,9 @@ def _value(path: str, key: str, tp: Any, raw: Any) -> Any:
             return tuple(_bind(path, f"{key}[{i}]", v) for i, v in enumerate(raw))
         if item_tp is Injection:
             return tuple(_injection(path, f"{key}[{i}]", v) for i, v in enumerate(raw))
-        if item_tp in (FlowSource, FlowSink):
-            parse = parse_source if item_tp is FlowSource else parse_sink
+        if item_tp in (FlowSource, FlowSink, FlowGuard):
+            parse = {FlowSource: parse_source, FlowSink: parse_sink,
+                     FlowGuard: parse_guard}[item_tp]
             out = []
             for i, v in enumerate(raw):
                 try:

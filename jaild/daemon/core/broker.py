@@ -57,6 +57,7 @@ run (which starts the counts afresh).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -64,7 +65,13 @@ from typing import Any
 
 from jaild.daemon.core.disclosure import UNKNOWN_TOOL
 from jaild.errors import RemoteProtocolError
-from jaild.policy.flow import MAX_SECRET_BYTES, MAX_SECRETS, FlowRules, strings_of
+from jaild.policy.flow import (
+    MAX_SECRET_BYTES,
+    MAX_SECRETS,
+    FlowRules,
+    TrustedValues,
+    strings_of,
+)
 from jaild.policy.schema import Limits
 from jaild.protocol import unpack
 from jaild.protocol.messages import ToolSpec
@@ -334,6 +341,10 @@ class Broker:
         # A reply's values did not fit the budget, or labels came without their values (a
         # restored state's): ``redact`` cannot be done, it withholds, for the jail's life.
         self.redaction_exhausted = bool(self.labels and self.flow.redacting(self.labels))
+        # what [[flow.guard]] checks: values from trusted replies before the first untrusted
+        # one (a restored state holding an untrusted label has none)
+        self.trusted = TrustedValues()
+        self.trusted.frozen = bool(self.labels & self.flow.untrusted)
         self.set_job(tools, limits, approval_required)
         self.new_run()
 
@@ -381,7 +392,8 @@ class Broker:
         approval = name in self._approval
         if refusal is None and self.labels:
             spec = self._tools[name]
-            verdict = self.flow.tool_verdict(frozenset(self.labels), name, spec.protected)
+            verdict = self.flow.tool_verdict(frozenset(self.labels), name, spec.protected,
+                                             self._guarded(spec, args))
             if verdict is not None:
                 self.flow_refused("tool" if verdict.refuse else "approval", verdict.label, name,
                                   verdict.code, verdict.message)
@@ -398,6 +410,27 @@ class Broker:
         self.tool_bytes += size
         self.in_flight[call_id] = (name, size)
         return Admitted(call_id, name, args, approval, self.timeout_s(name))
+
+    def _guarded(self, spec: ToolSpec, args: bytes) -> bool:
+        """Does a call of ``spec`` with packed ``args`` pass its ``[[flow.guard]]``: each
+        trusted argument absent, nil, or a value the job had from a trusted reply before it
+        held untrusted data? Positional arguments are named by the schema's order; what
+        cannot be told is not trusted."""
+        guard = self.flow.guard(spec.name) if self.flow.guards else None
+        if guard is None:
+            return False
+        try:
+            positional, named = unpack(args)
+        except (RemoteProtocolError, TypeError, ValueError):
+            return False
+        if not isinstance(positional, list) or not isinstance(named, dict):
+            return False
+        order = list((spec.parameters or {}).get("properties") or ())
+        if len(positional) > len(order):
+            return False
+        given = {**dict(zip(order, positional, strict=False)), **named}
+        return all(given.get(arg) is None or self.trusted.holds(given[arg])
+                   for arg in guard.trusted_args)
 
     def flow_refused(self, sink: str, label: str, target: str, code: str,
                      reason: str = "") -> None:
@@ -463,6 +496,12 @@ class Broker:
             return None
         name, args_bytes = entry
         added: frozenset[str] = frozenset()
+        if replied and self.flow.guards and not self.trusted.frozen:
+            if self.reply_labels(name, labels) & self.flow.untrusted:
+                self.trusted.frozen = True  # from here on the job may be the attacker's
+            elif ok:
+                with contextlib.suppress(RemoteProtocolError):
+                    self.trusted.add_reply(unpack(bytes(value)))
         if replied and (labels or self._labelling):
             carried = self.reply_labels(name, labels)
             added = carried - self.labels
