@@ -162,83 +162,50 @@ def parse_sink(raw: Any) -> FlowSink:
 
 
 @dataclass(frozen=True)
-class FlowGuard:
-    """One ``[[flow.guard]]``: a protected ``tool`` (a glob) stays callable by a job holding
-    untrusted data when each of its ``trusted_args`` is a value the job had from a trusted
-    reply before it held any (:class:`TrustedValues`)."""
+class FlowPlan:
+    """One ``[[flow.plan]]``: a protected ``tool`` (a glob) that a job holding untrusted data
+    may still call -- once per *intent* the job declared before it held any, and only with
+    the values that intent pinned for every argument of ``pin`` (see :class:`Intent`)."""
 
     tool: str
-    trusted_args: tuple[str, ...]
+    pin: tuple[str, ...]
 
     def describe(self) -> str:
-        return (f"{self.tool}: callable with untrusted data held when "
-                f"{', '.join(self.trusted_args)} came from trusted replies read before it")
+        return (f"{self.tool}: callable with untrusted data held as the job planned it "
+                f"before, {', '.join(self.pin)} as planned")
 
 
-def parse_guard(raw: Any) -> FlowGuard:
-    """One ``[[flow.guard]]`` table. Raises ValueError naming the key."""
+def parse_plan(raw: Any) -> FlowPlan:
+    """One ``[[flow.plan]]`` table. Raises ValueError naming the key."""
     if not isinstance(raw, dict):
-        raise ValueError("must be a table {tool, trusted_args}")
-    unknown = set(raw) - {"tool", "trusted_args"}
+        raise ValueError("must be a table {tool, pin}")
+    unknown = set(raw) - {"tool", "pin"}
     if unknown:
-        raise ValueError(f"{min(unknown)}: unknown key; accepts tool, trusted_args")
+        raise ValueError(f"{min(unknown)}: unknown key; accepts tool, pin")
     tool = raw.get("tool")
     if not isinstance(tool, str) or not tool:
         raise ValueError(f"tool: must be a tool name or glob, got {tool!r}")
-    args = _strings(raw.get("trusted_args"), "trusted_args")
-    if not args:
-        raise ValueError("trusted_args: must name at least one argument (a tool with none "
-                         "to check stays protected: leave it out of [[flow.guard]])")
-    return FlowGuard(tool, args)
+    return FlowPlan(tool, _strings(raw.get("pin", []), "pin"))
 
 
-MIN_PART_CHARS = 4
-"""A value shorter than this is trusted only if it *is* a whole trusted string, never as a
-part of one (``"a"`` is in every sentence)."""
-MAX_TRUSTED_VALUES = 4096
-MAX_TRUSTED_BYTES = 4 << 20
+INTEND_TOOL = "@intend"
+"""The name the jail's ``tools.intend(tool, **pinned)`` calls: answered by the broker, never
+routed (no tool host's tool can have it: tool names are identifiers)."""
+MAX_INTENTS = 64
 
 
-class TrustedValues:
-    """The strings a job had from trusted replies *before it held an untrusted label* --
-    the planner's view: nothing an attacker wrote had reached the job yet, so no value here
-    can be the attacker's choice. Frozen at the first untrusted label (later replies may
-    answer calls the attacker steered); bounded (past the bound nothing more is trusted:
-    guarded calls are refused, never let through)."""
+@dataclass
+class Intent:
+    """A call the job planned before it read untrusted data: its tool and the values it
+    pinned. Used at most once, by the first protected call after the taint that matches."""
 
-    def __init__(self) -> None:
-        self.values: set[str] = set()
-        self._budget = [MAX_TRUSTED_VALUES, MAX_TRUSTED_BYTES]
-        self.frozen = False
+    tool: str
+    pinned: dict[str, Any]
+    used: bool = False
 
-    def add_reply(self, value: Any) -> None:
-        """The strings of a trusted reply (an unpacked value), while not frozen."""
-        if self.frozen:
-            return
-        found: set[str | bytes] = set()
-        fits = strings_of(value, found, self._budget, min_chars=1)
-        self.values.update(v for v in found if isinstance(v, str))
-        if not fits:
-            self.frozen = True
-
-    def holds(self, value: Any) -> bool:
-        """Is ``value`` (a string, or a list of strings) trusted: each one a whole trusted
-        string, or (at least :data:`MIN_PART_CHARS` long) a part of one bounded by
-        non-word characters (an address in a sentence)."""
-        items = value if isinstance(value, (list, tuple)) else [value]
-        if not items:
-            return True
-        for item in items:
-            if not isinstance(item, str) or not item:
-                return False
-            if item in self.values:
-                continue
-            if len(item) < MIN_PART_CHARS:
-                return False
-            part = re.compile(r"(?<!\w)" + re.escape(item) + r"(?!\w)")
-            if not any(part.search(text) for text in self.values if len(text) > len(item)):
-                return False
-        return True
+    def matches(self, tool: str, given: Mapping[str, Any]) -> bool:
+        return (not self.used and tool == self.tool
+                and all(given.get(k) == v for k, v in self.pinned.items()))
 
 
 @dataclass(frozen=True)
@@ -261,7 +228,7 @@ class FlowRules:
     protect: tuple[str, ...] = ()
     on_untrusted: str = "refuse"
     policy: str = ""
-    guards: tuple[FlowGuard, ...] = ()
+    plans: tuple[FlowPlan, ...] = ()
 
     @property
     def active(self) -> bool:
@@ -276,17 +243,17 @@ class FlowRules:
         """The sink rules of the labels held."""
         return [sink for label in sorted(set(labels)) for sink in self.sinks.get(label, ())]
 
-    def guard(self, tool: str) -> FlowGuard | None:
-        """The ``[[flow.guard]]`` of ``tool`` (the first that names it), if any."""
-        return next((g for g in self.guards if fnmatch.fnmatchcase(tool, g.tool)), None)
+    def plan(self, tool: str) -> FlowPlan | None:
+        """The ``[[flow.plan]]`` of ``tool`` (the first that names it), if any."""
+        return next((p for p in self.plans if fnmatch.fnmatchcase(tool, p.tool)), None)
 
     def tool_verdict(self, labels: frozenset[str], tool: str, protected: bool = False,
-                     guarded: bool = False) -> ToolVerdict | None:
+                     planned: Any = lambda: False) -> ToolVerdict | None:
         """A call of ``tool`` by a job holding ``labels``: refused, needing approval, or
         None (the flow rules leave it alone). A refusal wins over an approval.
-        ``guarded``: the call passed its tool's ``[[flow.guard]]`` (its trusted arguments
-        came from trusted replies before the job held untrusted data), so integrity lets it
-        through; the sinks' rules still apply."""
+        ``planned()``: asked only when integrity would stop the call -- does it match an
+        intent the job declared before it held untrusted data (and use it up)? Then
+        integrity lets it through; the sinks' rules still apply."""
         approve: ToolVerdict | None = None
         for sink in self.closing(labels):
             if _matches(tool, sink.deny_tools):
@@ -297,9 +264,9 @@ class FlowRules:
                 approve = ToolVerdict(False, "flow_approval", sink.label, (
                     f"{tool} needs approval for a job holding label {sink.label!r} (policy "
                     f"{self.policy!r}, [[flow.sink]] label = {sink.label!r}: approve_tools)"))
-        if (protected or _matches(tool, self.protect)) and not guarded:
+        if protected or _matches(tool, self.protect):
             tainted = sorted(labels & self.untrusted)
-            if tainted:
+            if tainted and not planned():
                 verdict = ToolVerdict(self.on_untrusted == "refuse", "integrity", tainted[0], (
                     f"{tool} is protected: its arguments must not depend on untrusted data, "
                     f"and this job holds {tainted[0]!r} (policy {self.policy!r}, flow.protect; "
@@ -348,7 +315,7 @@ class FlowRules:
         """Every rule in words."""
         lines = [f"results of {s.tool} carry {', '.join(s.labels)}" for s in self.sources]
         lines += [sink.describe() for sinks in self.sinks.values() for sink in sinks]
-        lines += [guard.describe() for guard in self.guards]
+        lines += [plan.describe() for plan in self.plans]
         if self.protect:
             lines.append(f"{', '.join(self.protect)}: "
                          f"{'refused' if self.on_untrusted == 'refuse' else 'need approval'} "
@@ -356,8 +323,7 @@ class FlowRules:
         return lines
 
 
-def strings_of(value: Any, out: set[str | bytes], budget: list[int],
-               min_chars: int = MIN_REDACTED_CHARS) -> bool:
+def strings_of(value: Any, out: set[str | bytes], budget: list[int]) -> bool:
     """Collect the str and bytes values (at least :data:`MIN_REDACTED_CHARS` characters or
     bytes long; not a map's keys) of an unpacked reply into ``out``, within ``budget`` =
     [values left, bytes left (UTF-8)], which it spends; iteratively (a reply may be deep).
@@ -371,7 +337,7 @@ def strings_of(value: Any, out: set[str | bytes], budget: list[int],
     while stack:
         item = stack.pop()
         if isinstance(item, (str, bytes)):
-            if len(item) >= min_chars and item not in out:
+            if len(item) >= MIN_REDACTED_CHARS and item not in out:
                 size = len(item.encode("utf-8", "surrogatepass") if isinstance(item, str)
                            else item)
                 if budget[0] < 1 or budget[1] < size:
@@ -393,16 +359,16 @@ def _matches(tool: str, patterns: Iterable[str]) -> bool:
 
 def compile_flow(policy: str, sources: tuple[FlowSource, ...], sinks: tuple[FlowSink, ...],
                  untrusted: tuple[str, ...], protect: tuple[str, ...],
-                 on_untrusted: str, guards: tuple[FlowGuard, ...] = ()) -> FlowRules:
+                 on_untrusted: str, plans: tuple[FlowPlan, ...] = ()) -> FlowRules:
     by_label: dict[str, list[FlowSink]] = {}
     for sink in sinks:
         by_label.setdefault(sink.label, []).append(sink)
     return FlowRules(sources, {k: tuple(v) for k, v in by_label.items()},
-                     frozenset(untrusted), protect, on_untrusted, policy, guards)
+                     frozenset(untrusted), protect, on_untrusted, policy, plans)
 
 
 __all__ = [
-    "LABEL", "MAX_LABELS", "FlowGuard", "FlowRules", "FlowSink", "FlowSource", "ToolVerdict",
-    "TrustedValues", "check_labels", "compile_flow", "parse_guard", "parse_sink",
-    "parse_source",
+    "INTEND_TOOL", "LABEL", "MAX_INTENTS", "MAX_LABELS", "FlowPlan", "FlowRules", "FlowSink",
+    "FlowSource", "Intent", "ToolVerdict", "check_labels", "compile_flow", "parse_plan",
+    "parse_sink", "parse_source",
 ]

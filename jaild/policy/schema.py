@@ -27,13 +27,13 @@ from typing import Any
 from jaild.errors import EgressRuleError, PolicyError, SyscallNameError
 from jaild.policy.egress import DEFAULT_PORTS, EgressRules, Rule, parse_host
 from jaild.policy.flow import (
-    FlowGuard,
+    FlowPlan,
     FlowRules,
     FlowSink,
     FlowSource,
     check_labels,
     compile_flow,
-    parse_guard,
+    parse_plan,
     parse_sink,
     parse_source,
 )
@@ -483,13 +483,12 @@ class Flow:
         "refuse", 'A protected tool called by a job holding untrusted data: "refuse" or '
         '"approve".', choice("refuse", "approve"),
     )
-    guard: tuple[FlowGuard, ...] = setting(
+    plan: tuple[FlowPlan, ...] = setting(
         (),
-        "[[flow.guard]] tables {tool, trusted_args}: a protected tool (a glob) a job holding "
-        "untrusted data may still call when each argument named in trusted_args (its "
-        "destination: a recipient, an account, a URL) is a value the job had from a reply "
-        "carrying no untrusted label, read before it held one (the whole value, or a part "
-        "of one bounded by non-word characters); other arguments are not checked.",
+        "[[flow.plan]] tables {tool, pin}: a protected tool (a glob) that a job holding "
+        "untrusted data may still call, once per intent it declared before it held any "
+        "(tools.intend(tool, **values)), with the values that intent pinned; pin: the "
+        "arguments every intent must pin (the others may be anything).",
     )
 
 
@@ -498,7 +497,7 @@ def flow_rules(policy: Policy) -> FlowRules:
     """``policy``'s ``[flow]``, compiled (validated when the policy loaded)."""
     f = policy.flow
     return compile_flow(policy.name, f.source, f.sink, f.untrusted, f.protect, f.on_untrusted,
-                        f.guard)
+                        f.plan)
 
 
 SECTIONS: dict[str, type] = {
@@ -698,9 +697,9 @@ def _value(path: str, key: str, tp: Any, raw: Any) -> Any:
             return tuple(_bind(path, f"{key}[{i}]", v) for i, v in enumerate(raw))
         if item_tp is Injection:
             return tuple(_injection(path, f"{key}[{i}]", v) for i, v in enumerate(raw))
-        if item_tp in (FlowSource, FlowSink, FlowGuard):
+        if item_tp in (FlowSource, FlowSink, FlowPlan):
             parse = {FlowSource: parse_source, FlowSink: parse_sink,
-                     FlowGuard: parse_guard}[item_tp]
+                     FlowPlan: parse_plan}[item_tp]
             out = []
             for i, v in enumerate(raw):
                 try:

@@ -31,7 +31,8 @@ from jaild.protocol import pack, unpack
 from jaild.protocol.messages import JailCallTool, ToolSpec
 from jaild.runtime.channel import Channel
 
-_DISCOVERY = ("discover", "schema", "search")
+_DISCOVERY = ("discover", "schema", "search", "intend")
+_INTEND = "@intend"  # jaild.policy.flow.INTEND_TOOL (the runtime imports no policy code)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -127,6 +128,8 @@ class Tools:
 
     def __init__(self, specs: tuple[ToolSpec, ...], channel: Channel, payload_limit: int) -> None:
         self._tools = {s.name: Tool(s, channel, payload_limit) for s in specs}
+        self._planner = Tool(ToolSpec(name="intend"), channel, payload_limit)
+        self._planner.name = _INTEND  # not a tool name a host can give: the daemon's own
         # attribute spellings: "list-events" may be written list_events
         self._aliases = {n.replace("-", "_"): n for n in self._tools if "-" in n}
 
@@ -152,6 +155,17 @@ class Tools:
         if name in _DISCOVERY and name not in self._tools:
             return getattr(self, "_" + name)
         return self._lookup(name)
+
+    # -- planning (docs/using/flow.md, "Plans"): answered by the daemon, no host round trip
+
+    def _intend(self, tool: str, /, **pinned: Any) -> Any:
+        """Plan a call of ``tool`` (a protected one, under a policy's ``[[flow.plan]]``)
+        before the job reads untrusted data, pinning some of its arguments' values: once
+        the job holds untrusted data, one call of ``tool`` with those values may still go
+        through. Awaitable inside ``async`` code, like a tool call."""
+        if tool not in self._tools:
+            raise self._unknown(tool)
+        return self._planner(tool, **pinned)
 
     # -- discovery (no host round trip)
 

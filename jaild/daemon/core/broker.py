@@ -57,7 +57,6 @@ run (which starts the counts afresh).
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -66,14 +65,16 @@ from typing import Any
 from jaild.daemon.core.disclosure import UNKNOWN_TOOL
 from jaild.errors import RemoteProtocolError
 from jaild.policy.flow import (
+    INTEND_TOOL,
+    MAX_INTENTS,
     MAX_SECRET_BYTES,
     MAX_SECRETS,
     FlowRules,
-    TrustedValues,
+    Intent,
     strings_of,
 )
 from jaild.policy.schema import Limits
-from jaild.protocol import unpack
+from jaild.protocol import pack, unpack
 from jaild.protocol.messages import ToolSpec
 from jaild.protocol.records import MAX_CALL_RECORDS
 
@@ -97,6 +98,15 @@ class Refused:
     name: str
     error_type: str
     message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """Answer the call with ``ToolReturned(value)`` now: the broker's own (an intent)."""
+
+    call_id: int
+    name: str
+    value: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,10 +351,8 @@ class Broker:
         # A reply's values did not fit the budget, or labels came without their values (a
         # restored state's): ``redact`` cannot be done, it withholds, for the jail's life.
         self.redaction_exhausted = bool(self.labels and self.flow.redacting(self.labels))
-        # what [[flow.guard]] checks: values from trusted replies before the first untrusted
-        # one (a restored state holding an untrusted label has none)
-        self.trusted = TrustedValues()
-        self.trusted.frozen = bool(self.labels & self.flow.untrusted)
+        # [[flow.plan]]: the calls the job planned before it held untrusted data
+        self.intents: list[Intent] = []
         self.set_job(tools, limits, approval_required)
         self.new_run()
 
@@ -380,20 +388,23 @@ class Broker:
         """Calls in the log, listed or only counted."""
         return len(self.entries) + self.omitted
 
-    def admit(self, call_id: int, name: str, args: bytes) -> Admitted | Refused | Violation:
+    def admit(self, call_id: int, name: str,
+              args: bytes) -> Admitted | Answered | Refused | Violation:
         """Decide a ``CallTool`` from the jail: route it, refuse it, or kill the job.
 
         A refusal is logged here; an admitted call is in flight until answered or withdrawn.
         """
         if call_id in self.in_flight:
             return Violation(f"the jail reused call id {call_id} while in flight")
+        if name == INTEND_TOOL:
+            return self._intend(call_id, args)
         refusal = self._refusal(name, args)
         self.calls_made += 1
         approval = name in self._approval
         if refusal is None and self.labels:
             spec = self._tools[name]
             verdict = self.flow.tool_verdict(frozenset(self.labels), name, spec.protected,
-                                             self._guarded(spec, args))
+                                             lambda: self._planned(spec, args))
             if verdict is not None:
                 self.flow_refused("tool" if verdict.refuse else "approval", verdict.label, name,
                                   verdict.code, verdict.message)
@@ -411,13 +422,49 @@ class Broker:
         self.in_flight[call_id] = (name, size)
         return Admitted(call_id, name, args, approval, self.timeout_s(name))
 
-    def _guarded(self, spec: ToolSpec, args: bytes) -> bool:
-        """Does a call of ``spec`` with packed ``args`` pass its ``[[flow.guard]]``: each
-        trusted argument absent, nil, or a value the job had from a trusted reply before it
-        held untrusted data? Positional arguments are named by the schema's order; what
-        cannot be told is not trusted."""
-        guard = self.flow.guard(spec.name) if self.flow.guards else None
-        if guard is None:
+    def _intend(self, call_id: int, args: bytes) -> Answered | Refused:
+        """``tools.intend(tool, **pinned)``: a call the job plans before it reads untrusted
+        data (:class:`~jaild.policy.flow.Intent`), answered here, never routed."""
+        self.calls_made += 1
+
+        def refused(code: str, why: str) -> Refused:
+            self._log(INTEND_TOOL, 0.0, code)
+            return Refused(call_id, INTEND_TOOL, code, why)
+
+        if self.calls_made > self.limits.tool_calls:
+            return refused("quota_exceeded", f"this job made its {self.limits.tool_calls} tool "
+                           "calls, refused ones included (limits.tool_calls)")
+        try:
+            (tool,), pinned = unpack(args)
+        except (RemoteProtocolError, TypeError, ValueError):
+            return refused("invalid_arguments", "intend(tool, **pinned): one tool name, then "
+                           "the arguments' values by name")
+        if not isinstance(tool, str) or tool not in self._tools or not isinstance(pinned, dict):
+            return refused("unknown_tool", f"no tool named {tool!r} to plan")
+        plan = self.flow.plan(tool)
+        if plan is None:
+            return refused("invalid_arguments", f"{tool} has no [[flow.plan]] in policy "
+                           f"{self.flow.policy!r}: it cannot be planned")
+        missing = [arg for arg in plan.pin if arg not in pinned]
+        if missing:
+            return refused("invalid_arguments", f"an intent for {tool} must pin "
+                           f"{', '.join(plan.pin)} (policy {self.flow.policy!r}, "
+                           f"[[flow.plan]] pin); missing: {', '.join(missing)}")
+        tainted = sorted(self.labels & self.flow.untrusted)
+        if tainted:
+            return refused("integrity", f"intents are declared before the job reads untrusted "
+                           f"data, and this job holds {tainted[0]!r}")
+        if len(self.intents) >= MAX_INTENTS:
+            return refused("quota_exceeded", f"at most {MAX_INTENTS} intents a job")
+        self.intents.append(Intent(tool, dict(pinned)))
+        self._log(INTEND_TOOL, 0.0, None)
+        return Answered(call_id, INTEND_TOOL, pack(len(self.intents)))
+
+    def _planned(self, spec: ToolSpec, args: bytes) -> bool:
+        """Does a call of ``spec`` with packed ``args`` match an unused intent (then it is
+        used up)? Positional arguments are named by the schema's order; what cannot be told
+        matches nothing."""
+        if not self.intents:
             return False
         try:
             positional, named = unpack(args)
@@ -429,8 +476,11 @@ class Broker:
         if len(positional) > len(order):
             return False
         given = {**dict(zip(order, positional, strict=False)), **named}
-        return all(given.get(arg) is None or self.trusted.holds(given[arg])
-                   for arg in guard.trusted_args)
+        for intent in self.intents:
+            if intent.matches(spec.name, given):
+                intent.used = True
+                return True
+        return False
 
     def flow_refused(self, sink: str, label: str, target: str, code: str,
                      reason: str = "") -> None:
@@ -496,12 +546,6 @@ class Broker:
             return None
         name, args_bytes = entry
         added: frozenset[str] = frozenset()
-        if replied and self.flow.guards and not self.trusted.frozen:
-            if self.reply_labels(name, labels) & self.flow.untrusted:
-                self.trusted.frozen = True  # from here on the job may be the attacker's
-            elif ok:
-                with contextlib.suppress(RemoteProtocolError):
-                    self.trusted.add_reply(unpack(bytes(value)))
         if replied and (labels or self._labelling):
             carried = self.reply_labels(name, labels)
             added = carried - self.labels

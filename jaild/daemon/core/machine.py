@@ -91,7 +91,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from jaild.daemon.core.broker import Admitted, Answer, Broker, Refused, Validators
+from jaild.daemon.core.broker import Admitted, Answer, Answered, Broker, Refused, Validators
 from jaild.daemon.core.classify import Evidence, KillReason, classify
 from jaild.daemon.core.peer import Tenant
 from jaild.errors import LocalProtocolError, RemoteProtocolError
@@ -553,6 +553,11 @@ class _CallDesk:
         verdict = self._broker.admit(call.call_id, call.name, call.args)
         if isinstance(verdict, Admitted):
             return [RouteCall(verdict)]
+        if isinstance(verdict, Answered):  # the broker's own: an intent (flow.plan)
+            return [
+                *self.reply(call.call_id, True, verdict.value),
+                ObserveCall(None, verdict.name, "ok", 0.0, len(call.args)),
+            ]
         if isinstance(verdict, Refused):
             return [
                 *self.reply(call.call_id, False, (verdict.error_type, verdict.message)),
