@@ -164,28 +164,38 @@ def parse_sink(raw: Any) -> FlowSink:
 @dataclass(frozen=True)
 class FlowPlan:
     """One ``[[flow.plan]]``: a protected ``tool`` (a glob) that a job holding untrusted data
-    may still call -- once per *intent* the job declared before it held any, and only with
-    the values that intent pinned for every argument of ``pin`` (see :class:`Intent`)."""
+    may still call -- once per *intent* the job declared before it held any, with every
+    argument as that intent pinned it, except the ``free`` ones (see :class:`Intent`)."""
 
     tool: str
-    pin: tuple[str, ...]
+    free: tuple[str, ...] = ()
 
     def describe(self) -> str:
-        return (f"{self.tool}: callable with untrusted data held as the job planned it "
-                f"before, {', '.join(self.pin)} as planned")
+        free = f" ({', '.join(self.free)} may follow the data)" if self.free else ""
+        return (f"{self.tool}: callable with untrusted data held exactly as the job planned "
+                f"it before{free}")
+
+    def pins(self, intended: Mapping[str, Any], schema: Mapping[str, Any]) -> dict[str, Any]:
+        """What an intent pins: the values it names, and every other argument of the tool's
+        ``schema`` that is not free as *absent* (None: the call must not give it)."""
+        pinned = dict(intended)
+        for arg in (schema.get("properties") or ()):
+            if arg not in pinned and arg not in self.free:
+                pinned[arg] = None
+        return pinned
 
 
 def parse_plan(raw: Any) -> FlowPlan:
     """One ``[[flow.plan]]`` table. Raises ValueError naming the key."""
     if not isinstance(raw, dict):
-        raise ValueError("must be a table {tool, pin}")
-    unknown = set(raw) - {"tool", "pin"}
+        raise ValueError("must be a table {tool, free}")
+    unknown = set(raw) - {"tool", "free"}
     if unknown:
-        raise ValueError(f"{min(unknown)}: unknown key; accepts tool, pin")
+        raise ValueError(f"{min(unknown)}: unknown key; accepts tool, free")
     tool = raw.get("tool")
     if not isinstance(tool, str) or not tool:
         raise ValueError(f"tool: must be a tool name or glob, got {tool!r}")
-    return FlowPlan(tool, _strings(raw.get("pin", []), "pin"))
+    return FlowPlan(tool, _strings(raw.get("free", []), "free"))
 
 
 INTEND_TOOL = "@intend"

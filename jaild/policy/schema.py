@@ -485,10 +485,10 @@ class Flow:
     )
     plan: tuple[FlowPlan, ...] = setting(
         (),
-        "[[flow.plan]] tables {tool, pin}: a protected tool (a glob) that a job holding "
+        "[[flow.plan]] tables {tool, free}: a protected tool (a glob) that a job holding "
         "untrusted data may still call, once per intent it declared before it held any "
-        "(tools.intend(tool, **values)), with the values that intent pinned; pin: the "
-        "arguments every intent must pin (the others may be anything).",
+        "(tools.intend(tool, **values)), with every argument as the intent pinned it (one "
+        "it did not name: absent) -- except the free ones, which may follow the data.",
     )
 
 

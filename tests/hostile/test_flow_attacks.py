@@ -96,7 +96,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         "flow": POLICY.format(port=port, extra=""),
         "flow-park": POLICY.format(port=port, extra=PARK),
         "planned": GUARD.format(plan='[[flow.plan]]\ntool = "send_money"\n'
-                                'pin = ["recipient"]'),
+                                'free = ["amount"]'),
         "unplanned": GUARD.format(plan=""),
     }, with_repo_policies=False)
     try:

@@ -1,5 +1,6 @@
 """[[flow.plan]] and intents: a protected tool stays callable by a job holding untrusted data
-once per intent the job declared *before* it held any, with the values the intent pinned.
+once per intent the job declared *before* it held any, with every argument as the intent
+pinned it (one it did not name: absent), except the plan's free ones.
 Each case beside its control: the same call without an intent (or without the plan) is
 refused (integrity), as is one the attacker's data chose (another value, a second call,
 an intent declared after the taint)."""
@@ -27,7 +28,7 @@ def broker(planned: bool = True) -> Broker:
     rules = compile_flow(
         "bank", (FlowSource("read_file", ("untrusted",)),), (), ("untrusted",),
         ("send_money", "delete_file"), "refuse",
-        (parse_plan({"tool": "send_money", "pin": ["recipient"]}),) if planned else ())
+        (parse_plan({"tool": "send_money", "free": ["amount"]}),) if planned else ())
     return Broker(TOOLS, Limits(), flow=rules)
 
 
@@ -67,6 +68,7 @@ def test_what_the_attacker_chooses_does_not_match_a_plan() -> None:
     intend(b, 1, "send_money", recipient="GB29NWBK60161331926819")
     call(b, 2, "read_file")
     for args in ({"recipient": "UK99ATTACKER0000", "amount": 1.0}, {"amount": 1.0}):
+        # (the second: the recipient absent, where the intent pinned one)
         refused = call(b, 3, "send_money", **args)
         assert isinstance(refused, Refused) and refused.error_type == "integrity", args
     late = intend(b, 4, "send_money", recipient="UK99ATTACKER0000")  # after the taint
@@ -75,9 +77,14 @@ def test_what_the_attacker_chooses_does_not_match_a_plan() -> None:
     assert isinstance(intend(broker(), 1, "delete_file", file_id="13"), Refused)
 
 
-def test_an_intent_must_pin_what_the_plan_says() -> None:
-    refused = intend(broker(), 1, "send_money", amount=5.0)
-    assert isinstance(refused, Refused) and "must pin recipient" in refused.message
+def test_an_argument_the_intent_did_not_name_is_pinned_absent_unless_free() -> None:
+    """An intent that names no recipient pins it *absent*: a call giving one (any one) does
+    not match. The free amount may be anything."""
+    b = broker()
+    intend(b, 1, "send_money", amount=5.0)
+    call(b, 2, "read_file")
+    refused = call(b, 3, "send_money", recipient="UK99ATTACKER0000", amount=5.0)
+    assert isinstance(refused, Refused) and refused.error_type == "integrity"
     assert isinstance(intend(broker(), 1, "nope", x=1), Refused)
     bad = broker().admit(1, INTEND_TOOL, b"\xc1")
     assert isinstance(bad, Refused) and bad.error_type == "invalid_arguments"
@@ -91,11 +98,11 @@ def test_a_job_that_read_nothing_untrusted_needs_no_plan() -> None:
 def test_a_plan_in_a_policy_file_and_its_errors() -> None:
     policy = load_policy_text(
         '[flow]\nprotect = ["send_money"]\n[[flow.plan]]\ntool = "send_*"\n'
-        'pin = ["recipient"]\n', "bank.toml")
+        'free = ["amount"]\n', "bank.toml")
     rules = flow_rules(policy)
     assert rules.plan("send_money") is not None and rules.plan("read_file") is None
     assert any("send_*: callable" in line for line in rules.describe())
-    for bad, why in [('pin = "recipient"', "pin: must be a list"),
+    for bad, why in [('free = "amount"', "free: must be a list"),
                      ('who = 1', "who: unknown key")]:
         with pytest.raises(PolicyError) as failed:
             load_policy_text(f'[[flow.plan]]\ntool = "t"\n{bad}\n', "bank.toml")

@@ -445,18 +445,13 @@ class Broker:
         if plan is None:
             return refused("invalid_arguments", f"{tool} has no [[flow.plan]] in policy "
                            f"{self.flow.policy!r}: it cannot be planned")
-        missing = [arg for arg in plan.pin if arg not in pinned]
-        if missing:
-            return refused("invalid_arguments", f"an intent for {tool} must pin "
-                           f"{', '.join(plan.pin)} (policy {self.flow.policy!r}, "
-                           f"[[flow.plan]] pin); missing: {', '.join(missing)}")
         tainted = sorted(self.labels & self.flow.untrusted)
         if tainted:
             return refused("integrity", f"intents are declared before the job reads untrusted "
                            f"data, and this job holds {tainted[0]!r}")
         if len(self.intents) >= MAX_INTENTS:
             return refused("quota_exceeded", f"at most {MAX_INTENTS} intents a job")
-        self.intents.append(Intent(tool, dict(pinned)))
+        self.intents.append(Intent(tool, plan.pins(pinned, self._tools[tool].parameters or {})))
         self._log(INTEND_TOOL, 0.0, None)
         return Answered(call_id, INTEND_TOOL, pack(len(self.intents)))
 
