@@ -5,6 +5,8 @@
 #   make test-hosts  the same on a Debian 12 systemd/cgroup v2 guest under QEMU (hosts/)
 #   make install     the system install (/opt/jaild, /etc/jaild, the systemd units)
 #   make tools-venv  checkov and kubernetes-validate in .venv-tools (the manifests' checks)
+#   make agentdojo-venv  jaild with the [agentdojo] extra in .venv-agentdojo (evals/agentdojo)
+#   make eval-agentdojo  the model-free AgentDojo evaluation, into evals/agentdojo/report.md
 #   make uninstall   undoes it, keeping the operator's own policies (PURGE=1: everything)
 #   make image       jaild's OCI image, offline from Debian's packages and PyPI (image/):
 #                    build/jaild-image.oci.tar and localhost/jaild:VERSION in podman
@@ -29,6 +31,10 @@ PYTEST_ARGS ?=
 # The tools that check deploy/kubernetes (tests/unit/test_manifests.py), in a venv of their own:
 # checkov's dependency tree is large and is no part of jaild.
 TOOLS_VENV ?= .venv-tools
+# The model-free AgentDojo harness (evals/agentdojo) in a venv of its own: agentdojo brings
+# the model SDKs, langchain and deepdiff, which neither jaild nor its test venv needs.
+AGENTDOJO_VENV ?= .venv-agentdojo
+EVAL_AGENTDOJO_ARGS ?=
 
 # Where `make install` puts jaild and `make uninstall` takes it from, and where bin-link puts
 # `jaild` on root's PATH. The units (ExecStart=/opt/jaild/venv/bin/jaild) and the daemon's
@@ -43,7 +49,7 @@ POLICY_MANIFEST := $(OPT_DIR)/shipped-policies.sha256
 DEV_JAILD := $(abspath $(VENV))/bin/jaild
 PURGE ?=
 
-.PHONY: all print-% setup setup-and-tools venv-test bin-link tools-venv k8s-policies demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install install-policies uninstall jail-env clean distclean test-hosts hosts-packages image image-packages test-packages
+.PHONY: all print-% setup setup-and-tools venv-test bin-link tools-venv agentdojo-venv eval-agentdojo k8s-policies demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install install-policies uninstall jail-env clean distclean test-hosts hosts-packages image image-packages test-packages
 
 all: setup
 
@@ -126,8 +132,9 @@ demo: $(STAMPS)/venv-core jail-env bin-link
 
 # The container tests' image (make image) is built by the suite itself, beside the tests
 # before them (tests/conftest.py: ImageBuild); here only its tools are installed.
-test: setup-and-tools image-packages test-packages
-	JAILD_TOOLS_VENV=$(abspath $(TOOLS_VENV)) $(PY) -m pytest --durations=25 $(PYTEST_ARGS)
+test: setup-and-tools image-packages test-packages agentdojo-venv
+	JAILD_TOOLS_VENV=$(abspath $(TOOLS_VENV)) JAILD_AGENTDOJO_VENV=$(abspath $(AGENTDOJO_VENV)) \
+	  $(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 
 unit: setup-and-tools
 	JAILD_TOOLS_VENV=$(abspath $(TOOLS_VENV)) $(PY) -m pytest tests/unit $(PYTEST_ARGS)
@@ -147,6 +154,23 @@ $(STAMPS)/tools-venv: $(STAMPS)/apt deploy/kubernetes/requirements-check.txt
 	$(TOOLS_VENV)/bin/python -m pip install --quiet -r deploy/kubernetes/requirements-check.txt
 	@touch $@
 
+# jaild (editable, without the test extras) and the [agentdojo] extra, for evals/agentdojo and
+# tests/integration/test_agentdojo.py (which runs the harness with this venv's python);
+# reinstalled when pyproject.toml changes.
+agentdojo-venv: $(STAMPS)/agentdojo-venv
+
+$(STAMPS)/agentdojo-venv: $(STAMPS)/apt pyproject.toml
+	@test -x $(AGENTDOJO_VENV)/bin/python || $(PYTHON) -m venv $(AGENTDOJO_VENV)
+	$(AGENTDOJO_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(AGENTDOJO_VENV)/bin/python -m pip install --quiet -e '.[agentdojo]'
+	@mkdir -p $(STAMPS) && touch $@
+
+# The full model-free AgentDojo run (all four suites, every mode): evals/agentdojo/report.md
+# and results.json. The daemon it starts uses the jail environment of `make setup`.
+eval-agentdojo: setup agentdojo-venv
+	$(AGENTDOJO_VENV)/bin/python -m evals.agentdojo --out evals/agentdojo/report.md \
+	  --json evals/agentdojo/results.json $(EVAL_AGENTDOJO_ARGS)
+
 # kustomize reads no file outside deploy/kubernetes, so the ConfigMap of policies is made from
 # copies of policies/*.toml kept there; this copies them again (a test fails while they
 # differ; a new policy also needs its line in deploy/kubernetes/kustomization.yaml).
@@ -154,8 +178,8 @@ k8s-policies:
 	rm -f deploy/kubernetes/policies/*.toml
 	cp policies/*.toml deploy/kubernetes/policies/
 
-integration: setup image-packages test-packages
-	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+integration: setup image-packages test-packages agentdojo-venv
+	JAILD_AGENTDOJO_VENV=$(abspath $(AGENTDOJO_VENV)) $(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
 # What only the tests use, not jaild (so not `make setup`'s APT_PACKAGES): the network test
 # bed of tests/fleet.py -- HAProxy in front of daemons in network namespaces (haproxy), its
@@ -258,8 +282,9 @@ image-packages: $(STAMPS)/apt
 	fi
 
 lint: setup
-	$(VENV)/bin/ruff check jaild tests examples bench hosts
+	$(VENV)/bin/ruff check jaild tests examples bench hosts evals
 	$(VENV)/bin/mypy --strict bench/*.py
+	$(VENV)/bin/mypy --strict evals
 	$(VENV)/bin/mypy
 
 # System install: the package into /opt/jaild, policies into /etc/jaild, units into systemd.
@@ -366,4 +391,4 @@ clean:
 distclean: clean
 	@link=$(BIN_DIR)/jaild; if [ "$$(readlink "$$link")" = "$(DEV_JAILD)" ]; then \
 	  rm -f "$$link" && echo "removed $$link (-> this checkout's $(DEV_JAILD))"; fi
-	rm -rf $(VENV) $(TOOLS_VENV) $(STAMPS)
+	rm -rf $(VENV) $(TOOLS_VENV) $(AGENTDOJO_VENV) $(STAMPS)
