@@ -142,7 +142,7 @@ unit: setup-and-tools
 # The venv (with the jail environments) and the manifests' tools venv, side by side: neither
 # needs the other, and on a fresh machine each is ~40 s of pip.
 setup-and-tools:
-	@$(MAKE) --no-print-directory -j2 --output-sync=target setup tools-venv
+	@$(MAKE) --no-print-directory -j3 --output-sync=target setup tools-venv agentdojo-venv
 
 # checkov and kubernetes-validate, for tests/unit/test_manifests.py; reinstalled when their
 # requirements change.
@@ -154,15 +154,20 @@ $(STAMPS)/tools-venv: $(STAMPS)/apt deploy/kubernetes/requirements-check.txt
 	$(TOOLS_VENV)/bin/python -m pip install --quiet -r deploy/kubernetes/requirements-check.txt
 	@touch $@
 
-# jaild (editable, without the test extras) and the [agentdojo] extra, for evals/agentdojo and
-# tests/integration/test_agentdojo.py (which runs the harness with this venv's python);
-# reinstalled when pyproject.toml changes.
+# jaild's dependencies and the [agentdojo] extra, for evals/agentdojo and
+# tests/integration/test_agentdojo.py (which runs the harness with this venv's python, from
+# the checkout: jaild itself is imported from there, never built into this venv, so that
+# making it beside the development venv -- setup-and-tools -- builds nothing in the tree
+# twice at once); reinstalled when pyproject.toml changes.
 agentdojo-venv: $(STAMPS)/agentdojo-venv
 
 $(STAMPS)/agentdojo-venv: $(STAMPS)/apt pyproject.toml
 	@test -x $(AGENTDOJO_VENV)/bin/python || $(PYTHON) -m venv $(AGENTDOJO_VENV)
 	$(AGENTDOJO_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(AGENTDOJO_VENV)/bin/python -m pip install --quiet -e '.[agentdojo]'
+	$(PYTHON) -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	  print("\n".join(p["dependencies"] + p["optional-dependencies"]["agentdojo"]))' \
+	  > $(AGENTDOJO_VENV)/requirements.txt
+	$(AGENTDOJO_VENV)/bin/python -m pip install --quiet -r $(AGENTDOJO_VENV)/requirements.txt
 	@mkdir -p $(STAMPS) && touch $@
 
 # The full model-free AgentDojo run (all four suites, every mode): evals/agentdojo/report.md

@@ -1,8 +1,9 @@
 """A private ``jaild serve`` for one evaluation: its own socket and policy directory in a
 temporary directory, stopped (SIGTERM, then SIGKILL after a grace period) and removed at the
 end -- the way bench/jaildrun.py's ``PrivateDaemon`` and the tests' ``start_daemon`` run
-theirs. It is ``sys.executable -m jaild``: the harness's venv has jaild installed editable,
-so the daemon is this checkout's."""
+theirs. It is ``sys.executable -m jaild`` with this checkout first on ``PYTHONPATH``: the
+harness's venv holds jaild's dependencies, not jaild (``make agentdojo-venv``), so the daemon
+is this checkout's."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from types import TracebackType
 
 from jaild.client import Client
 from jaild.errors import DaemonUnavailable
+
+REPO = Path(__file__).resolve().parents[2]
+"""The checkout the harness runs from: the daemon's jaild."""
 
 
 class DaemonFailed(RuntimeError):
@@ -50,7 +54,9 @@ class PrivateDaemon:
                     [sys.executable, "-m", "jaild", "serve", "--socket", self.socket,
                      "--policies", str(directory), "--log-level", self._log_level],
                     stdout=log, stderr=subprocess.STDOUT,
-                    env={k: v for k, v in os.environ.items() if k != "JAILD_SOCKET"},
+                    env={**{k: v for k, v in os.environ.items() if k != "JAILD_SOCKET"},
+                         "PYTHONPATH": os.pathsep.join(
+                             [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])},
                 )
             self._wait_serving()
         except BaseException:
