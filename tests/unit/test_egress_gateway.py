@@ -593,3 +593,69 @@ def test_a_reason_phrase_is_one_line_of_printable_ascii() -> None:
 
     assert _reason_phrase("a\r\nb\x00c\u00e9d") == b"a??b?c?d"
     assert len(_reason_phrase("x" * 5000)) == MAX_REASON_CHARS
+
+
+# --------------------------------------------------------------------------- labels
+
+
+class _Held(http.server.BaseHTTPRequestHandler):
+    """Answers once the test opens ``gate``; tells it (``received``) the request is in."""
+
+    received: threading.Event
+    gate: threading.Event
+
+    def do_GET(self) -> None:
+        self.received.set()
+        self.gate.wait(guard(10))
+        self.send_response(200)
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_label_cuts_what_can_still_send_and_leaves_a_sent_request_its_answer() -> None:
+    """A label arriving while a plain request waits for its answer cuts nothing: the request
+    is all sent, and that connection carries nothing more of the jail's (one request a
+    connection) -- so its answer comes in and nothing is recorded as cut (before, it raced:
+    the connection was still tracked until the answer had been written). The control: a
+    tunnel open at that moment is cut, and recorded."""
+    from jaild.policy.flow import compile_flow, parse_sink
+
+    received, gate = threading.Event(), threading.Event()
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), type("Held", (_Held,), {"received": received, "gate": gate}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    labels: set[str] = set()
+    refused: list[tuple[str, ...]] = []
+    rules = compile_flow("web", (), (parse_sink({"label": "private", "egress": []}),),
+                         ("untrusted",), (), "refuse")
+    try:
+        with tcp_echo() as echo, Door(door(
+                [f"127.0.0.1:{port}", f"127.0.0.1:{echo}"], flow=rules,
+                labels=lambda: frozenset(labels),
+                on_flow_refused=lambda *a: refused.append(a))) as d:
+            answer: list[tuple[int, bytes]] = []
+            client = threading.Thread(
+                target=lambda: answer.append(urlopen(d.url, f"http://127.0.0.1:{port}/x")))
+            client.start()
+            with socket.create_connection(("127.0.0.1", d.port), timeout=guard(10)) as tunnel:
+                tunnel.sendall(f"CONNECT 127.0.0.1:{echo} HTTP/1.1\r\n"
+                               f"Host: 127.0.0.1:{echo}\r\n\r\n".encode())
+                assert tunnel.recv(4096).startswith(b"HTTP/1.1 200")
+                assert received.wait(guard(10))  # the request is in: the answer waits
+                labels.add("private")
+                d.loop.call_soon_threadsafe(d.door.recheck)
+                assert tunnel.recv(4096) == b""  # the tunnel is cut (the control)
+                gate.set()
+                client.join(guard(10))
+            assert answer == [(200, b"ok")]
+            assert [(r[0], r[3]) for r in refused] == [("egress", "flow_cut")]
+            assert refused[0][2] == f"127.0.0.1:{echo}"
+    finally:
+        gate.set()
+        server.shutdown()
+        server.server_close()

@@ -539,6 +539,9 @@ class EgressDoor:
                 h11.Request(method=request.method, target=target.encode(), headers=[
                     (b"host", url.netloc.encode()), *headers, (b"connection", b"close")]),
                 conn, reader, writer, up_reader, up_writer, summary,
+                # the request is all sent: nothing more of the jail's goes this way (one
+                # request a connection), so a label arriving now has nothing to cut
+                sent=lambda: self._live.discard(live),
             )
         finally:
             self._live.discard(live)
@@ -553,14 +556,16 @@ class EgressDoor:
         up_reader: asyncio.StreamReader,
         up_writer: asyncio.StreamWriter,
         summary: dict[str, Any],
+        sent: Callable[[], None] = lambda: None,
     ) -> None:
-        """``request`` (its head, re-written) to the host, the jail's body behind it, then
-        the host's response back to the jail."""
+        """``request`` (its head, re-written) to the host, the jail's body behind it
+        (``sent()`` once it all is), then the host's response back to the jail."""
         up = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
         head = up.send(request) or b""
         self._count(len(head), out=True)
         up_writer.write(head)
         await self._relay_body(conn, reader, up, up_writer, out=True)
+        sent()
         await self._relay_response(up, up_reader, conn, writer, summary)
 
     async def _relay_body(
