@@ -31,6 +31,11 @@ CGROUP = Path("/sys/fs/cgroup/system.slice/jaild.service")
 JOBS = CGROUP / "jaild"
 SPAWN_POLICY = Path("/etc/jaild/policies/hosts-spawn.toml")
 SPAWN = "hosts-spawn"
+CONNECT_S = 300.0
+"""How long a connection may wait for the daemon's Welcome: a service that socket activation
+starts answers once its policies' self-tests have passed, which under emulation (QEMU's TCG,
+on a busy host) took longer than the client's default 30 s. This bounds only a daemon that
+hangs."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,7 +56,7 @@ def spawn_policy() -> Iterator[None]:
 
 
 def run(code: str, policy: str = "default", **kwargs: object) -> JobResult:
-    with Client(SOCKET) as c:
+    with Client(SOCKET, connect_timeout_s=CONNECT_S) as c:
         return c.run(code, policy, **kwargs)  # type: ignore[arg-type]
 
 
@@ -127,7 +132,7 @@ def test_a_job_ends_with_each_status(policy: str, status: str, code: str,
 
 def test_a_job_cancelled_by_its_client_ends_cancelled_and_its_cgroup_goes() -> None:
     seen = threading.Event()
-    with Client(SOCKET) as c:
+    with Client(SOCKET, connect_timeout_s=CONNECT_S) as c:
         job = c.submit("import time\nprint('up', flush=True)\ntime.sleep(600)",
                        on_stdout=lambda _t: seen.set())
         assert seen.wait(120), "the job never started"
@@ -167,7 +172,7 @@ class Held:
         self.up = threading.Event()
         self.result: JobResult | None = None
         self.job_id = ""
-        self.client = Client(SOCKET)
+        self.client = Client(SOCKET, connect_timeout_s=CONNECT_S)
         self.client.__enter__()
         self.job = self.client.submit("import time\nprint('up', flush=True)\ntime.sleep(600)",
                                       policy, on_stdout=lambda _t: self.up.set())

@@ -22,6 +22,11 @@ from jaild.client import Client, JobResult
 
 SOCKET = "/run/jaild/jaild.sock"
 UNIT = "jaild.service"
+CONNECT_S = 300.0
+"""How long a connection may wait for the daemon's Welcome: a service that socket activation
+starts answers once its policies' self-tests have passed, which under emulation (QEMU's TCG,
+on a busy host) took longer than the client's default 30 s. This bounds only a daemon that
+hangs."""
 CGROUP = Path("/sys/fs/cgroup/system.slice/jaild.service")
 SECURITY_LOG = Path(os.environ.get("JAILD_HOSTS_SHARE", "/mnt/hosts")) / "security-score.txt"
 
@@ -48,7 +53,7 @@ def now() -> str:
 
 
 def run(code: str, **kwargs: object) -> JobResult:
-    with Client(SOCKET) as c:
+    with Client(SOCKET, connect_timeout_s=CONNECT_S) as c:
         return c.run(code, **kwargs)  # type: ignore[arg-type]
 
 
@@ -90,7 +95,7 @@ class Running:
 
     def _run(self, code: str) -> None:
         try:
-            with Client(SOCKET) as c:
+            with Client(SOCKET, connect_timeout_s=CONNECT_S) as c:
                 job = c.submit(code, on_stdout=lambda _t: self.started.set())
                 self.job_id = job.job_id
                 self.result = job.result(900)
@@ -134,7 +139,7 @@ def test_everything_lives_inside_the_services_delegated_cgroup() -> None:
         # and nothing of jaild sits at the top of the hierarchy
         assert not [p for p in Path("/sys/fs/cgroup").iterdir() if p.name.startswith("jaild")]
     finally:
-        with Client(SOCKET) as c:
+        with Client(SOCKET, connect_timeout_s=CONNECT_S) as c:
             c.kill(job.job_id)
         job.join()
 
@@ -167,7 +172,7 @@ def test_stop_with_jobs_running_cancels_them_then_start_returns_once_jobs_can_ru
 
 def test_restart_while_clients_are_connected() -> None:
     systemctl("start", UNIT)
-    idle = Client(SOCKET)
+    idle = Client(SOCKET, connect_timeout_s=CONNECT_S)
     idle.__enter__()
     job = Running()
     systemctl("restart", UNIT)
@@ -209,7 +214,7 @@ def test_every_policy_works_under_the_units_hardening() -> None:
     leaves every installed policy able to start jails, broker a host tool call, and keep a
     session's state between runs."""
     systemctl("start", UNIT)
-    with Client(SOCKET) as c:
+    with Client(SOCKET, connect_timeout_s=CONNECT_S) as c:
         names = [p["name"] for p in c.policies() if p["available"]]
         assert set(names) >= {"default", "strict", "data"}, names
         for name in names:
@@ -270,7 +275,7 @@ def test_a_daemon_started_by_hand_gets_its_scope_with_dbus_stopped(tmp_path: Pat
             wait_for(lambda: os.path.exists(sock) or proc.poll() is not None, 300,
                      "the daemon's socket")
             assert proc.poll() is None, proc.communicate()[0]
-            with Client(sock) as c:
+            with Client(sock, connect_timeout_s=CONNECT_S) as c:
                 r = c.run("6 * 7")
             assert r.status == "ok" and r.result == 42, (r.status, r.error)
         finally:
