@@ -98,7 +98,7 @@ from jaild.errors import (
     QuotaExceeded,
     UnknownJob,
 )
-from jaild.policy.schema import Policy, flow_rules, user_matches
+from jaild.policy.schema import Policy, user_matches
 from jaild.protocol.messages import (
     ApprovalPending,
     JobDescription,
@@ -685,8 +685,7 @@ class Approvals:
         """A continued run's record: to the operator's sinks as ``policy``'s flow rules
         close it (core/disclosure.py), then to its host."""
         observers = self.observers
-        seen = record if policy is None else disclosure.operator_view(
-            record, flow_rules(policy), disclosure.literal_hosts(policy))
+        seen = record if policy is None else disclosure.operator_view(record, policy)
         observers.audit.job(host.peer, seen)
         observers.accounting.job(host.peer.principal, seen, uploaded, len(downloads))
         observers.metrics.job_finished(seen, host.peer.uid)

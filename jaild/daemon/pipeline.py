@@ -42,7 +42,6 @@ from jaild.daemon.observe import Observers
 from jaild.daemon.registry import ClientConnection, LiveJob, Registry
 from jaild.daemon.sessions import Sessions, check_room
 from jaild.errors import JaildError
-from jaild.policy.schema import flow_rules
 from jaild.protocol.messages import JobFinished, RunJob
 from jaild.protocol.records import JobRecord
 
@@ -175,17 +174,15 @@ class Pipeline:
             if durable is not None and self.approvals is not None:
                 if durable.parked:
                     if placed.trace is not None:
-                        placed.trace.finish(disclosure.operator_view(
-                            record, flow_rules(spec.policy),
-                            disclosure.literal_hosts(spec.policy)), placed.mode)
+                        placed.trace.finish(disclosure.operator_view(record, spec.policy),
+                                            placed.mode)
                     return
                 self.approvals.ended(durable)
             if sess is not None:
                 record = sess.run_entry(record)
             # audited before the client can see the result; the operator's sinks get the
             # record as no release_to spares it (core/disclosure.py)
-            seen = disclosure.operator_view(record, flow_rules(spec.policy),
-                                            disclosure.literal_hosts(spec.policy))
+            seen = disclosure.operator_view(record, spec.policy)
             self.audit(client, seen, uploaded=len(spec.job.files), downloaded=len(downloads))
             client.send(JobFinished(job_id=job_id, record=record, result=result, files=downloads))
             if placed.trace is not None:  # its spans, once the record is out

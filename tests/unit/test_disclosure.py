@@ -20,6 +20,7 @@ from jaild.daemon.core.disclosure import (
     field_paths,
 )
 from jaild.policy.flow import compile_flow, parse_sink
+from jaild.policy.schema import load_policy_text
 from jaild.protocol.records import (
     EgressRecord,
     FileEntry,
@@ -63,6 +64,8 @@ def test_the_field_walk_sees_a_field_added_to_a_nested_record() -> None:
                  "flow.refusals[].target", "files_skipped[].path", "usage.pids_peak"):
         assert path in paths
 
+
+POLICY = load_policy_text("", "flow.toml")
 
 JAIL_WORDS = ("Leak_type", "leak.example", "leak_file", "refused-target.example")
 
@@ -137,7 +140,7 @@ def test_closed_is_when_the_result_or_the_output_is_withheld_or_redacted() -> No
     for withheld, redacted, expected in [((), (), False), (("downloads",), (), False),
                                          (("result",), (), True), ((), ("output",), True)]:
         flow = FlowRecord(labels=("x",), refusals=(), withheld=withheld, redacted=redacted)
-        view = disclosure.caller_view(dataclasses.replace(record, flow=flow))
+        view = disclosure.caller_view(dataclasses.replace(record, flow=flow), POLICY)
         assert disclosure.closed(dataclasses.replace(record, flow=flow)) is expected
         assert (view.error.type == disclosure.WITHHELD) is expected  # type: ignore[union-attr]
 
@@ -145,15 +148,15 @@ def test_closed_is_when_the_result_or_the_output_is_withheld_or_redacted() -> No
 def test_the_operator_sees_the_record_closed_when_any_unreleased_caller_would() -> None:
     """A caller in release_to gets the record open; the audit log, traces and metrics get
     it as a caller not released would -- closed."""
-    sink = parse_sink({"label": "private", "result": "withhold", "release_to": ["root"]})
-    rules = compile_flow("flow", (), (sink,), ("untrusted",), (), "refuse")
+    policy = load_policy_text('[[flow.sink]]\nlabel = "private"\nresult = "withhold"\n'
+                              'release_to = ["root"]\n', "flow.toml")
     released = dataclasses.replace(hostile_record(), flow=FlowRecord(
         labels=("private",), refusals=(), withheld=(), redacted=()))
-    assert disclosure.caller_view(released) is released  # the released caller: open
-    seen = disclosure.operator_view(released, rules)
+    assert disclosure.caller_view(released, policy) is released  # the released caller: open
+    seen = disclosure.operator_view(released, policy)
     assert seen.error is not None and seen.error.type == disclosure.WITHHELD
     unlabelled = dataclasses.replace(released, flow=None)  # the control: nothing held
-    assert disclosure.operator_view(unlabelled, rules) is unlabelled
+    assert disclosure.operator_view(unlabelled, policy) is unlabelled
 
 
 def test_a_snapshot_entry_closed_has_its_size_bucketed_and_no_digest() -> None:
@@ -170,8 +173,6 @@ def test_bucket() -> None:
 
 
 def test_literal_hosts_are_the_policys_names_without_a_wildcard() -> None:
-    from jaild.policy.schema import load_policy_text
-
     policy = load_policy_text('[network]\nmode = "egress"\n[egress]\nallow = '
                               '["api.example.com", "*.cdn.example", "pypi.org:443"]\n', "p.toml")
     assert disclosure.literal_hosts(policy) == {"api.example.com", "pypi.org"}

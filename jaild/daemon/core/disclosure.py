@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaild.policy.flow import FlowRules
-from jaild.policy.schema import Policy
+from jaild.policy.schema import Policy, flow_rules
 from jaild.protocol.fields import Struct
 from jaild.protocol.records import (
     ApprovalEntry,
@@ -353,22 +354,27 @@ def close_record(record: JobRecord, literal_hosts: Iterable[str] = ()) -> JobRec
     )
 
 
-def caller_view(record: JobRecord, literal_hosts: Iterable[str] = ()) -> JobRecord:
-    """The record for its caller: closed if its flow closed the result or output."""
-    return close_record(record, literal_hosts) if closed(record) else record
+def caller_view(record: JobRecord, policy: Policy) -> JobRecord:
+    """The record for its caller under ``policy``: closed if its flow closed the result or
+    output. A record without a flow is returned as it is, at once (most jobs)."""
+    if record.flow is None or not closed(record):
+        return record
+    return close_record(record, literal_hosts(policy))
 
 
-def operator_view(record: JobRecord, rules: FlowRules,
-                  literal_hosts: Iterable[str] = ()) -> JobRecord:
+def operator_view(record: JobRecord, policy: Policy) -> JobRecord:
     """The record for the audit log, traces and metrics: as a caller no ``release_to``
     spares would see it (the withholding itself is the caller's; these sinks get the
     closed fields whenever any caller's view would be closed)."""
     flow = record.flow
-    if flow is None or not flow.labels or closed(record):
-        return caller_view(record, literal_hosts)
-    return close_record(record, literal_hosts) if closes(rules, flow.labels) else record
+    if flow is None:
+        return record
+    if closed(record) or closes(flow_rules(policy), flow.labels):
+        return close_record(record, literal_hosts(policy))
+    return record
 
 
+@functools.lru_cache(maxsize=64)
 def literal_hosts(policy: Policy) -> frozenset[str]:
     """The hosts ``policy`` names without a wildcard (its egress allow-list and its flow
     sinks' ``egress``): naming one of them in a record says nothing the policy did not."""

@@ -855,8 +855,7 @@ class JailedJob:
         stdout = bytes(action.tally.stdout) if "output" in redact else b""
         stderr = bytes(action.tally.stderr) if "output" in redact else b""
         record = self._run.record(self.spec, action.status, error, action.tally, egress, flow)
-        if flow is not None:  # what the rest of the record may say (core/disclosure.py)
-            record = disclosure.caller_view(record, disclosure.literal_hosts(self.spec.policy))
+        record = disclosure.caller_view(record, self.spec.policy)  # core/disclosure.py
         ended: Outcome | _Unredacted = (record, self._run.result, self._run.downloads)
         if redact:  # the caller has it once redacted (:meth:`_settle`, off the event loop)
             secrets = self._machine.broker.secrets
