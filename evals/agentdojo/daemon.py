@@ -18,7 +18,7 @@ from pathlib import Path
 from types import TracebackType
 
 from jaild.client import Client
-from jaild.errors import DaemonUnavailable
+from jaild.errors import ConnectionLost, DaemonUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
 """The checkout the harness runs from: the daemon's jaild."""
@@ -83,11 +83,12 @@ class PrivateDaemon:
             if self._proc.poll() is not None:
                 raise DaemonFailed(f"jaild exited with {self._proc.returncode}: "
                                    f"{self.log_tail()}")
-            try:
-                with Client(self.socket, connect_timeout_s=5) as client:
+            try:  # Welcome comes once the self-tests pass: wait for it up to the deadline
+                with Client(self.socket, connect_timeout_s=max(
+                        1.0, deadline - time.monotonic())) as client:
                     served = {p["name"]: p for p in client.policies()}
                 break
-            except DaemonUnavailable:
+            except (DaemonUnavailable, ConnectionLost):
                 if time.monotonic() > deadline:
                     raise DaemonFailed(f"jaild did not serve within {self._start_timeout_s:.0f}"
                                        f" s: {self.log_tail()}") from None
