@@ -467,11 +467,10 @@ class Sessions:
         policy = self.catalog().policies.get(entry.policy)
         if policy is None:
             return disclosure.close_snapshot(entry)  # its rules are not known: closed
-        rules, labels = flow_rules(policy), frozenset(entry.labels)
-        released = flow_released(policy, client.peer)
-        closing = {*rules.withheld(labels, lambda label: label in released),
-                   *rules.withheld(labels, lambda label: label in released, "redact")}
-        return disclosure.close_snapshot(entry) if {"result", "output"} & closing else entry
+        if disclosure.closes(flow_rules(policy), entry.labels,
+                             flow_released(policy, client.peer)):
+            return disclosure.close_snapshot(entry)
+        return entry
 
     def delete_snapshot(self, client: ClientConnection, snapshot_id: str) -> None:
         """Raises UnknownSnapshot: none of the client's principal has that id (a paused

@@ -398,14 +398,16 @@ def close_live(usage: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def closes(rules: FlowRules, labels: Iterable[str]) -> bool:
-    """Do ``labels`` withhold or redact the result or the output from a caller no
-    ``release_to`` spares (the operator's view, and ``jaild ps``)?"""
+def closes(rules: FlowRules, labels: Iterable[str],
+           released: frozenset[str] = frozenset()) -> bool:
+    """Do ``labels`` withhold or redact the result or the output from a caller whom
+    ``release_to`` spares the ``released`` labels (none: the operator's view, and ``jaild
+    ps``)?"""
     held = frozenset(labels)
     if not held or not rules.sinks:
         return False
-    closing = {*rules.withheld(held, lambda _: False),
-               *rules.withheld(held, lambda _: False, "redact")}
+    closing = {*rules.withheld(held, released.__contains__),
+               *rules.withheld(held, released.__contains__, "redact")}
     return bool({"result", "output"} & closing)
 
 
