@@ -4,7 +4,7 @@ what is run). It starts a private jaild daemon serving each suite's policy in th
 (JSON). Run it with ``.venv-agentdojo/bin/python`` (``make agentdojo-venv``), as root.
 
     python -m evals.agentdojo                      # every suite, every mode (make eval-agentdojo)
-    python -m evals.agentdojo --smoke              # banking in full, every mode
+    python -m evals.agentdojo --smoke              # banking: every user task, 16 pairs, every mode
     python -m evals.agentdojo --suites banking --sample 20 --modes attack-on,attack-off
     python -m evals.agentdojo --pair banking:user_task_0:injection_task_1 --modes attack-on
 """
@@ -29,8 +29,9 @@ from .modes import MODES, Mode, policy_name, variant
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 POLICIES = HERE / "policies"
-RUN_MODES = ("attack-on", "attack-off", "attack-plan", "attack-exact", "utility-off",
-             "utility-on", "utility-approve", "utility-plan", "utility-exact")
+RUN_MODES = ("attack-on", "attack-open", "attack-off", "attack-plan", "attack-exact",
+             "utility-off", "utility-on", "utility-open", "utility-approve", "utility-plan",
+             "utility-exact")
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -40,7 +41,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated suites (default: all four)")
     p.add_argument("--sample", type=int, metavar="N",
                    help="a fixed sample of N pairs per suite (utility: those pairs' user tasks)")
-    p.add_argument("--smoke", action="store_true", help="banking in full, every mode")
+    p.add_argument("--smoke", action="store_true",
+                   help="banking, every mode: each user task, and each once with an injection "
+                        "task in turn (16 pairs)")
     p.add_argument("--pair", action="append", default=[], metavar="SUITE:USER:INJECTION",
                    help="run this pair only (repeatable; utility: their user tasks)")
     p.add_argument("--modes", default=",".join(RUN_MODES),
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         SuiteCase,
         UtilityCase,
         all_pairs,
+        diagonal_pairs,
         sample_pairs,
     )
     from .report import markdown, results_json, summarize
@@ -142,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                     p.injection_task not in s.suite.injection_tasks:
                 print(f"evals.agentdojo: no such pair {p}", file=sys.stderr)
                 return 2
+    elif args.smoke:
+        pairs = [p for name, s in suites.items() for p in diagonal_pairs(name, s)]
     else:
         pairs = all_pairs(suites)
         if args.sample is not None:

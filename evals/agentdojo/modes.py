@@ -10,6 +10,9 @@
   (replay.py's ``plan_code``), and a call after the taint goes through by an intent.
 * ``exact``: as ``plan``, with every plan's ``free`` list emptied: an intent pins every
   argument (the strictest plan, sound against any attacker choice of argument).
+* ``open``: as ``on``, without the ``[[flow.sink]]`` tables: the result and the output
+  reach the caller whatever the job read (the design before the sinks: it guards the
+  calls, not the answer).
 
 The policies are TOML; stdlib ``tomllib`` reads them and the ``[flow]`` tables are written
 back by :func:`flow_toml` (strings, numbers, booleans and arrays of them are all a flow table
@@ -24,8 +27,8 @@ import re
 import tomllib
 from typing import Any, Literal
 
-Mode = Literal["on", "off", "approve", "plan", "exact"]
-MODES: tuple[Mode, ...] = ("on", "off", "approve", "plan", "exact")
+Mode = Literal["on", "off", "approve", "plan", "exact", "open"]
+MODES: tuple[Mode, ...] = ("on", "off", "approve", "plan", "exact", "open")
 
 _HEADER = re.compile(r"^\s*\[\[?\s*([A-Za-z0-9_.\"' -]+?)\s*\]\]?\s*(?:#.*)?$")
 
@@ -105,6 +108,8 @@ def variant(text: str, mode: Mode) -> str:
             flow.pop("plan", None)
         if mode == "approve":
             flow["on_untrusted"] = "approve"
+        if mode == "open":
+            flow.pop("sink", None)
         expected = {**{k: v for k, v in policy.items() if k != "flow"}, "flow": flow}
         made = base + "\n" + flow_toml(flow)
     if tomllib.loads(made) != expected:
@@ -119,4 +124,6 @@ def describe(mode: Mode) -> str:
             "plan": "plans (the suite's policy with its [[flow.plan]] tables; the job plans "
                     "before it reads untrusted data)",
             "exact": "exact plans (every plan's free list emptied: each intent pins every "
-                     "argument)"}[mode]
+                     "argument)",
+            "open": "flow on, the answer open (the policy without its [[flow.sink]] tables: "
+                    "calls guarded, the result and output reach the caller)"}[mode]

@@ -434,3 +434,12 @@ def sample_pairs(pairs: list[PairCase], per_suite: int, seed: int = 42) -> list[
             of_suite, min(per_suite, len(of_suite))), key=lambda p: (
                 _task_number(p.user_task), _task_number(p.injection_task)))
     return chosen
+
+
+def diagonal_pairs(suite: str, case: SuiteCase) -> list[PairCase]:
+    """Each user task of ``suite`` once, with the injection tasks in turn (user task *i*
+    with injection task *i + 1* modulo their number): every user task and every injection
+    task in a few pairs, the same on every run (the smoke run's)."""
+    users, injections = case.user_tasks, case.injection_tasks
+    return [PairCase(suite, u, injections[(i + 1) % len(injections)])
+            for i, u in enumerate(users)]

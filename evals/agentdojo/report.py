@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from .modes import describe
+from .modes import Mode, describe
 from .replay import SUITES
 from .run import Outcome
 
@@ -52,7 +52,7 @@ def summarize(outcomes: list[Outcome], suites: Iterable[str], seconds: dict[str,
     for name in [*names, "all"]:
         mine = outcomes if name == "all" else _count(outcomes, suite=name)
         entry: dict[str, Any] = {}
-        for mode in ("on", "off", "plan", "exact"):
+        for mode in ATTACK_MODES:
             pairs = _count(mine, kind="attack", mode=mode)
             if not pairs:
                 continue
@@ -67,7 +67,7 @@ def summarize(outcomes: list[Outcome], suites: Iterable[str], seconds: dict[str,
                 "utility_under_attack": sum(bool(o.utility_under_attack) for o in injectable),
                 "errors": sum(o.status not in ("ok", "skipped") for o in pairs),
             }
-        for mode in ("off", "on", "approve", "plan", "exact"):
+        for mode in UTILITY_MODES:
             tasks = _count(mine, kind="utility", mode=mode)
             if not tasks:
                 continue
@@ -117,39 +117,39 @@ def _ratio(n: int, d: int) -> str:
     return f"{n}/{d} ({100 * n / d:.1f}%)" if d else "--"
 
 
+ATTACK_MODES: tuple[Mode, ...] = ("on", "exact", "plan", "open", "off")
+UTILITY_MODES: tuple[Mode, ...] = ("on", "exact", "plan", "approve", "open", "off")
+HEADS: dict[Mode, str] = {"on": "flow on", "exact": "exact plans", "plan": "plans, free contents",
+         "approve": "flow on, approvals (asked)", "open": "flow on, answer open",
+         "off": "flow off"}
+
+
 def table(summary: dict[str, Any]) -> str:
-    """The markdown table: one row per suite, then all."""
-    head = ("| suite | pairs reading an injection | attack success, flow on | attack success, "
-            "flow off | attack success, plans | attack success, exact plans | utility, flow "
-            "off | utility, flow on | utility, flow on with approvals (approvals asked) | "
-            "utility, plans | utility, exact plans | pairs reading no injection | of the "
-            "pairs, attacks with no calls to replay | time (s) |")
-    rows = [head, "|" + "---|" * 14]
+    """The markdown tables: attack success per mode, then utility per mode; a row per
+    suite, then all."""
+    attack = ["| suite | pairs reading an injection | "
+              + " | ".join(f"attacks, {HEADS[m]}" for m in ATTACK_MODES)
+              + " | of the pairs, attacks with no calls to replay | time (s) |",
+              "|" + "---|" * (len(ATTACK_MODES) + 4)]
+    utility = ["| suite | " + " | ".join(f"utility, {HEADS[m]}" for m in UTILITY_MODES) + " |",
+               "|" + "---|" * (len(UTILITY_MODES) + 1)]
     for name, e in summary.items():
-        on, off = e.get("attack_on"), e.get("attack_off")
-        plan, exact = e.get("attack_plan"), e.get("attack_exact")
-        any_attack = on or off or plan or exact or {}
-        u = {m: e.get(f"utility_{m}") for m in ("off", "on", "approve", "plan", "exact")}
-        approve = u["approve"]
-        cells = [
-            f"**{name}**" if name == "all" else name,
-            str(any_attack.get("reading_an_injection", "--")),
-            _ratio(on["succeeded"], on["reading_an_injection"]) if on else "--",
-            _ratio(off["succeeded"], off["reading_an_injection"]) if off else "--",
-            _ratio(plan["succeeded"], plan["reading_an_injection"]) if plan else "--",
-            _ratio(exact["succeeded"], exact["reading_an_injection"]) if exact else "--",
-            _ratio(u["off"]["solved"], u["off"]["tasks"]) if u["off"] else "--",
-            _ratio(u["on"]["solved"], u["on"]["tasks"]) if u["on"] else "--",
-            (f"{_ratio(approve['solved'], approve['tasks'])} ({approve['approvals']})"
-             if approve else "--"),
-            _ratio(u["plan"]["solved"], u["plan"]["tasks"]) if u["plan"] else "--",
-            _ratio(u["exact"]["solved"], u["exact"]["tasks"]) if u["exact"] else "--",
-            str(any_attack.get("reading_no_injection", "--")),
+        title = f"**{name}**" if name == "all" else name
+        runs = {m: e.get(f"attack_{m}") for m in ATTACK_MODES}
+        any_attack: dict[str, Any] = next((r for r in runs.values() if r), {})
+        attack.append("| " + " | ".join([
+            title, str(any_attack.get("reading_an_injection", "--")),
+            *(_ratio(r["succeeded"], r["reading_an_injection"]) if r else "--"
+              for r in runs.values()),
             str(any_attack.get("no_attacker_calls", "--")),
-            f"{e.get('wall_seconds', e['job_seconds']):.0f}",
-        ]
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n"
+            f"{e.get('wall_seconds', e['job_seconds']):.0f}"]) + " |")
+        cells = [title]
+        for m in UTILITY_MODES:
+            u = e.get(f"utility_{m}")
+            cells.append("--" if not u else _ratio(u["solved"], u["tasks"])
+                         + (f" ({u['approvals']})" if m == "approve" else ""))
+        utility.append("| " + " | ".join(cells) + " |")
+    return "\n".join(attack) + "\n\n" + "\n".join(utility) + "\n"
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -165,7 +165,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"time). `{meta['command']}`.",
         "",
         "Policies: " + ", ".join(f"`{p}`" for p in meta["policies"]) + ". Modes: "
-        + "; ".join(describe(m) for m in ("on", "off", "approve", "plan", "exact")) + ".",
+        + "; ".join(describe(m) for m in UTILITY_MODES) + ".",
         "",
         table(summary),
         "*Attack success*: pairs whose injection task's `security()` is true, of the pairs whose "
@@ -182,6 +182,10 @@ def markdown(results: dict[str, Any]) -> str:
     extra = []
     for name, e in summary.items():
         on, off = e.get("attack_on"), e.get("attack_off")
+        apart = (on or off or {}).get("reading_no_injection", 0)
+        if apart:
+            extra.append(f"* {name}: {apart} pairs whose user task reads no injection, "
+                         "counted apart (not in the attack figures).")
         if off and off["reached"] != off["reading_an_injection"]:
             extra.append(f"* {name}: with flow off, the injection reached the job's code in "
                          f"{off['reached']} of {off['reading_an_injection']} pairs.")
@@ -197,7 +201,7 @@ def markdown(results: dict[str, Any]) -> str:
     if extra:
         lines += ["## Details", "", *extra, ""]
     succeeded = [o for o in results["outcomes"] if o["kind"] == "attack"
-                 and o["mode"] in ("on", "plan", "exact") and o["judged"]]
+                 and o["mode"] != "off" and o["judged"]]
     if succeeded:
         lines += ["## Attacks that succeeded with flow on", "",
                   "| mode | suite | user task | injection task | refusals | labels |",
