@@ -280,11 +280,16 @@ class RunOptions(TypedDict, total=False):
     approve: Approver | None
     """The approval callback for this run's tools marked ``approval`` (default: the
     session's, if it has one, else the client's); without one such calls are denied."""
+    labels: Iterable[str]
+    """Information-flow labels the job holds from its first instruction, as if a tool
+    result had carried them (in a session: added to the session's): pass on what the code's
+    author read -- a model that saw a labelled result (``result.flow["labels"]``) writes the
+    next job (docs/using/flow.md, "Labels a caller passes on")."""
 
 
 RUN_OPTION_DEFAULTS: dict[str, Any] = {
     "timeout": None, "limits": None, "on_stdout": None, "on_stderr": None,
-    "filename": "<job>", "files": None, "download": (), "approve": None,
+    "filename": "<job>", "files": None, "download": (), "approve": None, "labels": (),
 }
 """What each of :class:`RunOptions` is when not given."""
 
@@ -369,9 +374,11 @@ class AsyncSession:
         max_lifetime_s: float | None,
         from_snapshot: str | None = None,
         pause_after_s: float | None = None,
+        labels: Iterable[str] = (),
     ) -> None:
         self._client = client
         self.policy = policy
+        self._labels = tuple(sorted(set(labels)))
         self.from_snapshot = from_snapshot
         self._pause_after_s = pause_after_s
         self.paused = False
@@ -408,6 +415,7 @@ class AsyncSession:
                 traceparent=tracing.current_traceparent(),
                 from_snapshot=self.from_snapshot,
                 pause_after_s=self._pause_after_s,
+                labels=self._labels,
             )
         )
         self.id = answer.session_id
@@ -925,6 +933,7 @@ class AsyncClient:
             limits=wanted,
             session_id=session_id,
             traceparent=tracing.current_traceparent(),  # the caller's span, if it has one
+            labels=tuple(sorted(set(run["labels"]))),
         )
         try:
             await self._send(msg)
@@ -1068,6 +1077,7 @@ class AsyncClient:
         max_lifetime_s: float | None = None,
         pause_after_s: float | None = None,
         approve: Approver | None = None,
+        labels: Iterable[str] = (),
     ) -> AsyncSession:
         """A session: one jail kept for many runs that share variables, functions and imports.
 
@@ -1090,6 +1100,8 @@ class AsyncClient:
                 policy's ``[session] pause_after_s``.
             approve: the approval callback for the runs' tools marked ``approval``
                 (default: the client's); without one such calls are denied.
+            labels: information-flow labels the session holds from its start (as a run's
+                ``labels``: what the caller passes on of what it read).
 
         Returns:
             An :class:`AsyncSession`, not yet open.
@@ -1100,7 +1112,7 @@ class AsyncClient:
         """
         session = AsyncSession(
             self, policy, normalize_tools(tools), dict(limits or {}), idle_s, max_lifetime_s,
-            pause_after_s=pause_after_s,
+            pause_after_s=pause_after_s, labels=labels,
         )
         session.approve = approve
         return session
@@ -1649,6 +1661,7 @@ class Client:
         max_lifetime_s: float | None = None,
         pause_after_s: float | None = None,
         approve: Approver | None = None,
+        labels: Iterable[str] = (),
     ) -> Session:
         """A session: one jail kept for many runs that share variables, functions and imports.
 
@@ -1671,6 +1684,8 @@ class Client:
                 policy's ``[session] pause_after_s``.
             approve: the approval callback for the runs' tools marked ``approval``
                 (default: the client's); without one such calls are denied.
+            labels: information-flow labels the session holds from its start (as a run's
+                ``labels``: what the caller passes on of what it read).
 
         Returns:
             A :class:`Session`, not yet open.
@@ -1683,7 +1698,7 @@ class Client:
             self,
             self._client.session(
                 policy, tools, limits=limits, idle_s=idle_s, max_lifetime_s=max_lifetime_s,
-                pause_after_s=pause_after_s, approve=approve,
+                pause_after_s=pause_after_s, approve=approve, labels=labels,
             ),
         )
 

@@ -564,29 +564,33 @@ class _Executor:
         self._session: AsyncSession | None = None
         self._turns = asyncio.Lock()  # a session runs one job at a time
 
-    async def _open_session(self) -> AsyncSession:
+    async def _open_session(self, labels: tuple[str, ...]) -> AsyncSession:
         session = self._client.session(self._cm.policy, self._cm.tools,
-                                       limits=self._cm.limits, approve=self._cm.approve)
+                                       limits=self._cm.limits, approve=self._cm.approve,
+                                       labels=labels)
         await session.open()
         self._session = session
         return session
 
-    async def run(self, code: str) -> tuple[JobResult, float]:
+    async def run(self, code: str, labels: Iterable[str] = ()) -> tuple[JobResult, float]:
+        """Run ``code``, holding ``labels`` from its start (what the model that wrote it
+        has read: :meth:`CodeMode.run` passes them on)."""
         cm = self._cm
+        held = tuple(sorted(set(labels)))
         started = time.perf_counter()
         if not self._use_session:
             job = await self._client.run(code, cm.policy, cm.tools, timeout=cm.timeout,
-                                         limits=cm.limits, approve=cm.approve)
+                                         limits=cm.limits, approve=cm.approve, labels=held)
         else:
             async with self._turns:
                 session = self._session
                 if session is None or session.closed is not None:
-                    session = await self._open_session()
+                    session = await self._open_session(held)
                 try:
-                    job = await session.run(code, timeout=cm.timeout)
+                    job = await session.run(code, timeout=cm.timeout, labels=held)
                 except SessionClosed:  # it went idle between our check and the run
-                    session = await self._open_session()
-                    job = await session.run(code, timeout=cm.timeout)
+                    session = await self._open_session(held)
+                    job = await session.run(code, timeout=cm.timeout, labels=held)
         elapsed = time.perf_counter() - started
         cm.metrics.record_execution(job, elapsed)
         return job, elapsed
@@ -785,8 +789,12 @@ class CodeMode:
                     {"role": "system", "content": self.system_prompt},
                     {"role": "user", "content": task},
                 ]
+                # the labels of every run whose record the model reads back (the feedback):
+                # each later attempt holds them from its start, so what a labelled result
+                # said cannot reach a protected call through the model's next code
+                seen: set[str] = set()
                 for number in range(1, self.max_retries + 2):
-                    attempt = await self._attempt(number, llm, executor, messages)
+                    attempt = await self._attempt(number, llm, executor, messages, seen)
                     if attempt.job is not None:
                         last_job = attempt.job
                     attempts.append(attempt)
@@ -819,6 +827,7 @@ class CodeMode:
         llm: AsyncOpenAI,
         executor: _Executor,
         messages: list[ChatCompletionMessageParam],
+        seen: set[str],
     ) -> Attempt:
         """One attempt: ask the model (a ``chat`` span), then run its code in jaild (the
         job's spans, made by the daemon, join this attempt's span through its traceparent).
@@ -852,8 +861,10 @@ class CodeMode:
             elif syntax is not None:
                 attempt.status, attempt.error = "syntax_error", syntax
             else:
-                job, attempt.execution_s = await executor.run(code)
+                job, attempt.execution_s = await executor.run(code, seen)
                 attempt.job = job
+                if job.flow:
+                    seen.update(job.flow.get("labels", ()))
                 attempt.status, attempt.error = job.status, job.error
             attempt_span.set({"jaild.codemode.status": attempt.status,
                               "jaild.codemode.code_chars": len(code)})

@@ -305,12 +305,27 @@ def tool_result(record: dict[str, Any], note: str = "") -> Any:
 
 @dataclass
 class _McpSession:
-    """The jaild session behind one MCP session (``--persistent``)."""
+    """What the server keeps of one MCP session: the labels its model has read, and (with
+    ``--persistent``) the jaild session behind it."""
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     jail: AsyncSession | None = None
     client: AsyncClient | None = None
     """The daemon connection the jail's session belongs to."""
+    labels: set[str] = field(default_factory=set)
+    """Every label of every run whose record went back to this MCP session's client (a
+    model read it): each later run holds them from its start (docs/using/flow.md)."""
+
+
+def _held(state: _McpSession | None) -> tuple[str, ...]:
+    return tuple(sorted(state.labels)) if state is not None else ()
+
+
+def _read(state: _McpSession | None, result: JobResult) -> JobResult:
+    """``result`` goes to the MCP client's model: its labels are the session's from now."""
+    if state is not None and result.flow:
+        state.labels.update(result.flow.get("labels", ()))
+    return result
 
 
 class JaildMcpServer:
@@ -438,33 +453,42 @@ class JaildMcpServer:
         return session_id, getattr(getattr(ctx, "session", None), "_connection", None)
 
     async def run_python(self, code: str, ctx: Any = None) -> Any:
-        """Run ``code`` (in the MCP session's jaild session when persistent)."""
-        key, connection = self._session_key(ctx) if self.persistent else (None, None)
+        """Run ``code`` (in the MCP session's jaild session when persistent). Each run holds
+        the labels of every earlier run of the same MCP session from its start: the model
+        that read those results writes this code (an MCP client without a session -- plain
+        stateless HTTP -- is not told apart, and its runs start clean; each record's
+        ``flow.labels`` says what it read)."""
+        key, connection = self._session_key(ctx)
+        state = self._state(key, connection) if key is not None else None
         approve = _approver(ctx)
         try:
-            if key is None:
+            if state is None or not self.persistent:
                 client = await self._jaild()
                 try:
                     result = await client.run(code, self.policy, self.tools,
                                               timeout=self.timeout_s, filename="<run_python>",
-                                              approve=approve)
+                                              approve=approve, labels=_held(state))
                 except ConnectionLost:
                     await self._drop_client(client)
                     raise
-                return tool_result(record_of(result))
-            return await self._run_in_session(key, connection, code, approve)
+                return tool_result(record_of(_read(state, result)))
+            return await self._run_in_session(state, code, approve)
         except JaildError as exc:
             return tool_result(refused_record(exc.code, exc.message))
 
-    async def _run_in_session(
-        self, key: Any, connection: Any, code: str, approve: Approver | None = None
-    ) -> Any:
+    def _state(self, key: Any, connection: Any) -> _McpSession:
+        """The MCP session's state, made at its first call (dropped when it ends)."""
         state = self._sessions.get(key)
         if state is None:
             state = self._sessions[key] = _McpSession()
             exit_stack = getattr(connection, "exit_stack", None)
             if isinstance(exit_stack, contextlib.AsyncExitStack):
                 exit_stack.push_async_callback(self._end_session, key)
+        return state
+
+    async def _run_in_session(
+        self, state: _McpSession, code: str, approve: Approver | None = None
+    ) -> Any:
         async with state.lock:
             note = ""
             if state.jail is not None and state.jail.closed is not None:
@@ -474,18 +498,20 @@ class JaildMcpServer:
             if state.jail is None:
                 state.client = await self._jaild()
                 try:
-                    state.jail = await state.client.session(self.policy, self.tools).open()
+                    state.jail = await state.client.session(
+                        self.policy, self.tools, labels=_held(state)).open()
                 except ConnectionLost:
                     await self._drop_client(state.client)
                     raise
             try:
                 result = await state.jail.run(code, timeout=self.timeout_s,
-                                              filename="<run_python>", approve=approve)
+                                              filename="<run_python>", approve=approve,
+                                              labels=_held(state))
             except ConnectionLost:
                 if state.client is not None:
                     await self._drop_client(state.client)
                 raise
-            return tool_result(record_of(result), note)
+            return tool_result(record_of(_read(state, result)), note)
 
     async def _end_session(self, key: Any) -> None:
         state = self._sessions.pop(key, None)

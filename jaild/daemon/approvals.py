@@ -194,6 +194,7 @@ class DurableRun:
     session_terms: dict[str, Any] | None = None  # what re-opens it after its connection went
     before: bytes | None = None  # the session's state before the run (memory only)
     before_labels: tuple[str, ...] = ()  # the session's labels then
+    hold: tuple[str, ...] = ()  # the caller's (RunJob.labels): its continuation holds them too
     state_id: str | None = None  # once parked: ``before`` in the snapshot store
     _replay_upto: int = 0  # calls of the current jail answered from the journal
     _replay_offset: int = 0  # where in the journal's file the next replayed entry starts
@@ -464,6 +465,7 @@ class DurableRun:
             "dispatched": self.dispatched,
             "parked_at": self.parked_at,
             "resumes": self.resumes,
+            "hold": list(self.hold),
             "session": None if self.session_id is None else {
                 "id": self.session_id, "terms": self.session_terms, "state": self.state_id},
         }
@@ -501,9 +503,11 @@ class Approvals:
         return policy.approvals.park_after_s > 0
 
     def track(self, job_id: str, host: ClientConnection, policy: Policy, job: JobDescription,
-              requested: dict[str, float], session: JailSession | None = None) -> DurableRun:
+              requested: dict[str, float], session: JailSession | None = None,
+              hold: frozenset[str] = frozenset()) -> DurableRun:
         run = DurableRun(job_id, host.peer.principal.key, str(host.peer.principal), policy, job,
-                         dict(requested), host=host, journal=Journal(self._path(job_id, "journal")))
+                         dict(requested), host=host, journal=Journal(self._path(job_id, "journal")),
+                         hold=tuple(sorted(hold)))
         if session is not None:
             terms = session.terms
             run.session_id = session.id
@@ -650,7 +654,7 @@ class Approvals:
         run.continuing = True
         run.restart_jail()
         spec = JobSpec(run.job_id, policy, limits, run.job, tenant=host.peer.principal.key,
-                       released=flow_released(policy, host.peer))
+                       released=flow_released(policy, host.peer), hold=frozenset(run.hold))
         jail = JailedJob(spec, env, run.route, run.output,
                          jail_id=f"{run.job_id}-r{run.resumes}")
         run.jail = jail
@@ -867,6 +871,7 @@ class Approvals:
             journal=journal,
             dispatched=bool(data["dispatched"]), parked=True, parked_at=data["parked_at"],
             resumes=int(data["resumes"]),
+            hold=tuple(str(label) for label in data.get("hold", ())),
         )
         run.service = self
         if data["held"] is not None:

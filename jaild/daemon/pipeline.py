@@ -131,7 +131,7 @@ class Pipeline:
         approvals = self.approvals
         if approvals is not None and approvals.durable(admitted.policy):
             durable = approvals.track(job_id, client, admitted.policy, admitted.job,
-                                      dict(req.limits), session=sess)
+                                      dict(req.limits), session=sess, hold=admitted.labels)
             route, output = durable.route, durable.output
         placed = placement.place(
             admitted, job_id, route, output, env, self.served.pools, sess,

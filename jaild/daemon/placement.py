@@ -87,6 +87,7 @@ def _spec(job: AdmittedJob, job_id: str, tenant: Tenant | None, keep: bool = Fal
         keep=keep,
         tenant=tenant,
         released=released,
+        hold=job.labels,
     )
 
 

@@ -183,11 +183,11 @@ class Sessions:
             if trace is not None:
                 trace.ended(None, refusal.code)
             raise
-        labels: frozenset[str] = frozenset()
+        labels = terms.labels  # the caller's (OpenSession.labels)
         try:
             if req.from_snapshot is not None:
                 entry = self.store.entry(client.peer.principal.key, req.from_snapshot)
-                labels = frozenset(entry.labels)
+                labels |= frozenset(entry.labels)
                 if entry.policy != terms.policy.name:
                     raise BadRequest(
                         f"snapshot {entry.id} was taken under policy {entry.policy!r}; a "
@@ -718,7 +718,7 @@ class Sessions:
         limits = admission.limits_for(sess.policy, {**sess.terms.requested, **run.requested})
         spec = JobSpec(run.job_id, sess.policy, limits, run.job, keep=True,
                        tenant=host.peer.principal.key,
-                       released=flow_released(sess.policy, host.peer))
+                       released=flow_released(sess.policy, host.peer), hold=frozenset(run.hold))
         placed = placement.Placed(spec, sess.jail, run.route, run.output, sess)
         self.registry.add_job(LiveJob(run.job_id, sess.jail, host, sess, memory_mb=0))
         assert self.run_placed is not None

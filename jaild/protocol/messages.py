@@ -60,6 +60,7 @@ from jaild.protocol.fields import (
     struct,
 )
 from jaild.protocol.records import (
+    MAX_JOB_LABELS,
     ApprovalEntry,
     DaemonStats,
     JobEntry,
@@ -95,6 +96,9 @@ _files = map_of(_path, _payload, 1 << 16)
 """Files for the jail's working directory: relative path -> contents (checked by the daemon
 against the policy's ``[files]`` limits; the in-jail runtime checks the paths again)."""
 _patterns = list_of(string(4096, min_len=1), 256)
+
+_held_labels = list_of(string(64, min_len=1, pattern=LABEL), MAX_JOB_LABELS)
+"""``RunJob.labels``, ``OpenSession.labels``: every label a job can hold."""
 
 
 class Message(Struct):
@@ -217,6 +221,11 @@ class RunJob(Message):
     limits: dict[str, float] = field(_limits, default_factory=dict)
     session_id: str | None = field(optional(_session_id), default=None)
     traceparent: str | None = field(optional(_traceparent), default=None)
+    labels: tuple[str, ...] = field(_held_labels, default=())
+    """Labels the job holds from its first instruction (a session's run: added to the
+    session's), as if a tool result had carried them: what a caller passes on of what it
+    read -- a model that saw a labelled result writes the next job (docs/using/flow.md).
+    Labels only close things, so a caller may add any."""
 
 
 @struct
@@ -237,6 +246,8 @@ class OpenSession(Message):
     pause_after_s: float | None = field(optional(number(0.001, 1 << 31)), default=None)
     """Pause the session to disk after this long without a run (its jail is released; the
     next run restores it). None: the policy's ``session.pause_after_s``."""
+    labels: tuple[str, ...] = field(_held_labels, default=())
+    """Labels the session holds from its start (beside a snapshot's): as ``RunJob.labels``."""
 
 
 @struct

@@ -104,6 +104,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                      'approve = ["send_email"]\n[approvals]\npark_after_s = 0.5\n'
                      '[[flow.source]]\ntool = "read_mail"\nlabels = ["private"]\n'
                      '[[flow.sink]]\nlabel = "private"\negress = []\n',
+        # the same rules with a warm pool: a jail made before its job takes the job's labels
+        "flow-pooled": POLICY.format(port=port, on_untrusted="refuse")
+                       + "[pool]\nmin = 1\nmax = 1\n",
     }, with_repo_policies=False)
     try:
         yield World(handle, port, seen)
@@ -566,3 +569,83 @@ def test_a_parked_session_keeps_its_labels(world: World) -> None:
         after = s.run('get("127.0.0.1", "/park-after")')
         assert str(after.result).startswith("403") and "label 'private'" in after.result
     assert "/park-after" not in world.seen
+
+
+SEND = """
+try:
+    out = tools.send_email(to="bob@example.com", body="hi")
+except ToolError as e:
+    out = e.error_type
+out
+"""
+
+
+@pytest.mark.parametrize("policy", ["flow", "flow-pooled"])
+def test_a_job_given_labels_holds_them_from_its_first_instruction(
+        world: World, policy: str) -> None:
+    """``RunJob.labels``: what a caller passes on of what it read (a model that saw an
+    untrusted result writes the next job). The job holds them before its first line: a
+    protected call is refused, egress closed, a result withheld -- and the same jobs
+    without them pass (the control). Under a pooled policy the job's jail was made before
+    it, holding nothing: it takes them when it is given the job, before the code."""
+    given = run(world, SEND, policy, labels=["untrusted"])
+    assert given.status == "ok" and given.result == "integrity", (given.status, given.error)
+    assert list(given.record.flow.labels) == ["untrusted"]
+    control = run(world, SEND, policy)
+    assert control.status == "ok" and control.result == "sent to bob@example.com"
+    assert control.record.flow is None
+    closed = run(world, 'get("127.0.0.1", "/given-private")', policy, labels=["private"])
+    assert str(closed.result).startswith("403") and "label 'private'" in closed.result
+    opened = run(world, 'get("127.0.0.1", "/given-control")', policy)
+    assert opened.result == 200
+    held = run(world, '"the answer"', policy, labels=["secret"])
+    assert held.status == "ok" and held.result is None
+    assert list(held.record.flow.withheld) == ["downloads", "output", "result"]
+    assert "/given-private" not in world.seen and "/given-control" in world.seen
+
+
+def test_a_session_given_labels_holds_them_and_a_run_adds_its_own(world: World) -> None:
+    """``OpenSession.labels`` hold from the session's start; a run's ``labels`` are added
+    to the session's, before the run's code, and stay for its later runs (the control: a
+    session given none sends)."""
+    with Client(world.daemon.socket) as c:
+        with c.session("flow", tools=TOOLS, labels=["untrusted"]) as s:
+            assert s.run(SEND).result == "integrity"
+        with c.session("flow", tools=TOOLS) as s:
+            s.run(GET.format(port=world.port))
+            assert s.run('get("127.0.0.1", "/ses-before")').result == 200  # the control
+            r = s.run('get("127.0.0.1", "/ses-given")', labels=["private"])
+            assert str(r.result).startswith("403") and list(r.record.flow.labels) == [
+                "private"]
+            later = s.run('get("127.0.0.1", "/ses-later")')
+            assert str(later.result).startswith("403")
+            assert s.run(SEND).result == "sent to bob@example.com"  # private is not untrusted
+            assert s.run(SEND, labels=["untrusted"]).result == "integrity"
+    assert "/ses-before" in world.seen
+    assert "/ses-given" not in world.seen and "/ses-later" not in world.seen
+
+
+def test_a_parked_run_given_labels_continues_holding_them(world: World) -> None:
+    """A one-shot run given ``labels`` parks at a call waiting for approval; its
+    continuation, in a fresh jail, holds them too (the control: the same run given none
+    reaches the host after the approval)."""
+    from tests.integration.test_durable_approvals import wait_for
+
+    code = GET.format(port=world.port) + """
+tools.send_email(to="bob@example.com", body="hi")
+get("127.0.0.1", PATH)
+"""
+    with Client(world.daemon.socket) as c:
+        for labels, path in ((["private"], "/parked-given"), ([], "/parked-control")):
+            job = c.submit(code.replace("PATH", repr(path)), "flow-park", tools=TOOLS,
+                           labels=labels)
+            entry = wait_for(lambda: [a for a in c.approvals()  # noqa: B023
+                                      if a["parked"] and a["job_id"] == job.job_id])[0]
+            c.approve(job.job_id, entry["call_id"], True)  # type: ignore[index]
+            r = job.result(timeout=guard(60))
+            assert r.status == "ok", (r.status, r.error)
+            if labels:
+                assert str(r.result).startswith("403") and list(r.record.flow.labels) == labels
+            else:
+                assert r.result == 200 and r.record.flow is None
+    assert "/parked-given" not in world.seen and "/parked-control" in world.seen

@@ -35,8 +35,12 @@ T = TypeVar("T")
 def md(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
     from tests.conftest import start_daemon, sweep_cgroups
 
-    handle = start_daemon(tmp_path_factory.mktemp("mcp"),
-                          {"guarded": '[access]\napprove = ["demo.add"]\n'})
+    handle = start_daemon(tmp_path_factory.mktemp("mcp"), {
+        "guarded": '[access]\napprove = ["demo.add"]\n',
+        # search results are untrusted text; add is protected from it
+        "flowed": '[flow]\nprotect = ["demo.add"]\n[[flow.source]]\n'
+                  'tool = "demo.search_repositories"\nlabels = ["untrusted"]\n',
+    })
     yield handle
     assert handle.stop() == 0, handle.log()[-3000:]
     sweep_cgroups(handle)
@@ -477,3 +481,40 @@ def test_approvals_are_asked_of_the_mcp_client(
 
     result = _drive(argv, tmp_path / "approve2.log", no_elicitation)
     assert result.structured_content["result"] == ["denied", "denied"]
+
+
+ADD = ("try:\n    out = await tools.demo.add(a=1, b=2)\n"
+       "except ToolError as e:\n    out = e.error_type\nout")
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_what_the_model_read_holds_in_its_later_runs(
+    md: DaemonHandle, servers_json: Path, tmp_path: Path, persistent: bool
+) -> None:
+    """Prompt injection across calls: the MCP client's model reads an untrusted result, then
+    writes the next run_python. That run holds the label from its start, so the protected
+    tool is refused (``integrity``); in a new MCP session, nothing read, it runs (the
+    control). One-shot and persistent alike (the persistent one's jaild session could end
+    and be reopened: it is opened holding them too)."""
+    extra = ("--persistent",) if persistent else ()
+
+    async def read_then_add(session: Any) -> Any:
+        before = await _run(session, ADD)
+        read = await _run(session, "await tools.demo.search_repositories(query='a', limit=1)")
+        after = await _run(session, ADD)
+        return before, read, after
+
+    before, read, after = _drive(
+        _jaild_mcp(md.socket, "--tools", str(servers_json), "--policy", "flowed", *extra),
+        tmp_path / "log", read_then_add)
+    assert before.structured_content["result"] == 3, _text(before)  # the control
+    assert read.structured_content["flow"]["labels"] == ["untrusted"], _text(read)
+    assert after.structured_content["result"] == "integrity", _text(after)
+    assert after.structured_content["flow"]["labels"] == ["untrusted"]
+
+    async def add_only(session: Any) -> Any:
+        return await _run(session, ADD)
+
+    fresh = _drive(_jaild_mcp(md.socket, "--tools", str(servers_json), "--policy", "flowed",
+                              *extra), tmp_path / "log2", add_only)
+    assert fresh.structured_content["result"] == 3, _text(fresh)

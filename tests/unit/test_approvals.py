@@ -99,6 +99,7 @@ def test_a_parked_run_is_read_back_as_it_was_written(tmp_path: Path) -> None:
     r.held = Held(2, 9, "send", b"\x04", 12.5)
     r.parked, r.parked_at = True, 10**10  # far in the future: not past max_wait_s
     r.decision = (True, "fine", "uid 0")
+    r.hold = ("untrusted", "user:alice")  # the caller's labels: its continuation holds them
     svc.save(r)
     again = service(tmp_path, pol)
     assert again.load() == 1
@@ -110,6 +111,7 @@ def test_a_parked_run_is_read_back_as_it_was_written(tmp_path: Path) -> None:
     assert back.decision == (True, "fine", "uid 0") and back.parked and back.host is None
     assert back.job.tools[0].name == "send" and back.requested == {"wall_time_s": 5}
     assert back.session_id is None and again.states() == set()
+    assert back.hold == ("untrusted", "user:alice")
 
 
 def test_a_parked_session_run_keeps_what_re_opens_its_session(tmp_path: Path) -> None:

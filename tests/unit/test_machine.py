@@ -395,6 +395,25 @@ def test_pooled_jail_gets_its_job_later() -> None:
     assert record(sim, "pool-1").status == "ok"
 
 
+def test_a_jail_made_before_its_job_takes_the_jobs_labels_before_its_code() -> None:
+    """``JobSpec.hold`` (``RunJob.labels``): a pooled jail, made holding nothing, holds the
+    job's labels once assigned -- ``Relabeled`` comes before the code is sent; a fresh jail
+    is made holding them. A job without them leaves the jail as it was (the control)."""
+    sim = Sim(spec("pool-3"), has_job=False)
+    ready(sim)
+    given = dataclasses.replace(spec("pool-3"), hold=frozenset({"untrusted"}))
+    out = sim.assign(given)
+    assert sim.kinds(out)[:3] == ["Relabeled", "StartRun", "SendToJail"]
+    assert sim.m.broker.labels == {"untrusted"}
+    plain = Sim(spec("pool-4"), has_job=False)
+    ready(plain)
+    assert "Relabeled" not in plain.kinds(plain.assign(spec("pool-4")))
+    assert plain.m.broker.labels == set()
+    fresh = JobMachine(dataclasses.replace(spec("j9"), hold=frozenset({"private"})),
+                       has_job=True, harden=HARDEN, seccomp_digest=DIGEST)
+    assert fresh.broker.labels == {"private"}
+
+
 def test_pooled_jail_that_died_gives_no_record_until_assigned() -> None:
     sim = Sim(spec("pool-2"), has_job=False)
     ready(sim)

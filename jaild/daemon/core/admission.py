@@ -114,6 +114,7 @@ class AdmittedJob:
     policy: Policy
     limits: Limits
     job: JobDescription  # the client's, whole (a session's run: with the session's tools)
+    labels: frozenset[str] = frozenset()  # the caller's: held from the start (RunJob.labels)
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ class SessionTerms:
     idle_s: float
     max_lifetime_s: float
     pause_after_s: float = 0.0  # 0: never paused when idle
+    labels: frozenset[str] = frozenset()  # the caller's: held from the start (OpenSession.labels)
 
 
 # --------------------------------------------------------------------------- connections
@@ -392,7 +394,7 @@ def admit_job(catalog: Catalog, peer: Peer, req: RunJob) -> AdmittedJob:
     check_code(policy, job.code)
     limits = limits_for(policy, req.limits)
     check_files(policy, job.files, job.download)
-    return AdmittedJob(policy, limits, job)
+    return AdmittedJob(policy, limits, job, frozenset(req.labels))
 
 
 def admit_session_run(terms: SessionTerms, session_id: str, req: RunJob) -> AdmittedJob:
@@ -418,7 +420,7 @@ def admit_session_run(terms: SessionTerms, session_id: str, req: RunJob) -> Admi
     check_files(policy, job.files, job.download)
     if job.tools != terms.tools:
         job = dataclasses.replace(job, tools=terms.tools)
-    return AdmittedJob(policy, limits, job)
+    return AdmittedJob(policy, limits, job, frozenset(req.labels))
 
 
 def admit_session(
@@ -472,6 +474,7 @@ def admit_session(
         idle_s=req.idle_s if req.idle_s is not None else idle_s,
         max_lifetime_s=req.max_lifetime_s if req.max_lifetime_s is not None else lifetime_s,
         pause_after_s=pause_after_s,
+        labels=frozenset(req.labels),
     )
 
 

@@ -484,6 +484,16 @@ class Broker:
             self.flow_refusals.append({"sink": sink, "label": label, "target": target[:1024],
                                        "code": code, "reason": reason[:1024]})
 
+    def hold(self, labels: Iterable[str]) -> frozenset[str]:
+        """Hold ``labels`` from now on (a caller's, ``RunJob.labels``); the ones new to the
+        jail. Their values are not here to redact, so a redacting one exhausts redaction:
+        ``redact`` withholds (as for a restored state's labels)."""
+        added = frozenset(labels) - self.labels
+        self.labels |= added
+        if added and self.flow.redacting(added):
+            self.redaction_exhausted = True
+        return added
+
     def reply_labels(self, name: str, labels: tuple[str, ...] = ()) -> frozenset[str]:
         """The labels a reply of tool ``name`` carries: the policy's, the spec's, its own."""
         spec = self._tools.get(name)

@@ -139,6 +139,11 @@ class JobSpec:
     # holding them, and a run that restores state is refused in a jail that does not hold
     # its ``labels`` (docs/security.md, "Paths that carry jail-chosen bytes").
     labels: frozenset[str] = frozenset()
+    # Labels the caller asked the job to hold (``RunJob.labels``, ``OpenSession.labels``):
+    # what it passes on of what it read. A fresh jail's broker is made holding them; a jail
+    # made before its job (pooled, or a session's for its next run) takes them at
+    # ``Assign``, before the job's code is sent.
+    hold: frozenset[str] = frozenset()
 
 
 class Phase(enum.Enum):
@@ -621,7 +626,7 @@ class JobMachine:
         self._digest = seccomp_digest
         self.conn = Connection(Role.SUPERVISOR, frame_limit(spec))
         self.broker = Broker(spec.job.tools, spec.limits, spec.policy.needs_approval, validators,
-                             flow_rules(spec.policy), labels=spec.labels)
+                             flow_rules(spec.policy), labels=spec.labels | spec.hold)
         self.calls = _CallDesk(self.broker, self.conn)
         self.evidence = Evidence(cpu_limit_s=float(spec.limits.cpu_time_s))
         self._facts = _Facts()
@@ -699,7 +704,9 @@ class JobMachine:
         self.broker.set_job(spec.job.tools, spec.limits, spec.policy.needs_approval,
                             flow_rules(spec.policy))
         self._set_limits(spec)
-        actions: list[Action] = [  # what the jail printed between runs is this run's
+        added = self.broker.hold(spec.hold)  # before its code: what they close, closed
+        actions: list[Action] = [Relabeled(added)] if added else []
+        actions += [  # what the jail printed between runs is this run's
             ForwardOutput(stream, bytes(kept))
             for stream, kept in (("stdout", self.tally.stdout), ("stderr", self.tally.stderr))
             if kept
