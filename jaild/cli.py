@@ -141,6 +141,7 @@ async def _run_job(
             filename=filename,
             files=args.uploads,
             download=bool(args.download_dir),
+            labels=args.label,
         )
 
 
@@ -873,6 +874,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tools", help="a Python file whose public functions become tools")
     p.add_argument("--timeout", type=float, help="wall-clock seconds (at most the policy's)")
     p.add_argument("--json", action="store_true", help="print only the result record, as JSON")
+    p.add_argument("--label", action="append", default=[], metavar="LABEL",
+                   help="an information-flow label the job holds from its first line "
+                        "(repeatable; what the code's author read: docs/using/flow.md)")
     files_args(p)
     p.add_argument("-c", dest="code", help="code to run")
     p.add_argument("file", nargs="?", help="file to run ('-' for stdin)")

@@ -55,6 +55,18 @@ def test_run_json_prints_exactly_the_record(daemon: DaemonHandle) -> None:
     assert (record["status"], record["result"], record["stdout"]) == ("ok", 42, "hi\n")
 
 
+def test_run_passes_labels_on(daemon: DaemonHandle) -> None:
+    """``--label``: the job holds it from its first line (its record says so); without it,
+    the same job holds none (the control)."""
+    given = json.loads(jaild("run", "--socket", daemon.socket, "--json", "--label", "untrusted",
+                             "--label", "user:alice", "-c", "1").stdout)
+    assert given["status"] == "ok" and given["flow"]["labels"] == ["untrusted", "user:alice"]
+    plain = json.loads(jaild("run", "--socket", daemon.socket, "--json", "-c", "1").stdout)
+    assert plain["status"] == "ok" and plain.get("flow") is None
+    bad = jaild("run", "--socket", daemon.socket, "--json", "--label", "Not A Label", "-c", "1")
+    assert bad.returncode != 0 and "labels" in bad.stderr, (bad.returncode, bad.stderr)
+
+
 @pytest.mark.parametrize(
     ("code", "status", "exit_code"),
     [("1/0", "error", 1), ("import time\ntime.sleep(9)", "timeout", 3),

@@ -639,8 +639,8 @@ get("127.0.0.1", PATH)
         for labels, path in ((["private"], "/parked-given"), ([], "/parked-control")):
             job = c.submit(code.replace("PATH", repr(path)), "flow-park", tools=TOOLS,
                            labels=labels)
-            entry = wait_for(lambda: [a for a in c.approvals()  # noqa: B023
-                                      if a["parked"] and a["job_id"] == job.job_id])[0]
+            entry = wait_for(lambda job_id=job.job_id: [
+                a for a in c.approvals() if a["parked"] and a["job_id"] == job_id])[0]
             c.approve(job.job_id, entry["call_id"], True)  # type: ignore[index]
             r = job.result(timeout=guard(60))
             assert r.status == "ok", (r.status, r.error)
