@@ -412,14 +412,23 @@ def test_a_session_on_a_lost_node_raises_session_lost_the_others_go_on() -> None
 
 def test_a_draining_node_gets_no_new_jobs() -> None:
     async def test() -> None:
+        held = Held()
         async with nodes("draining", "b") as n, AsyncFleet(
                 ["draining", "b"], client_factory=n.client) as fleet:
             assert (await fleet.run("1")).status == "ok"  # both serve
             drain = asyncio.ensure_future(n.fakes["draining"].daemon.drain(30))
             await until(lambda: n.fakes["draining"].daemon._draining is not None, "the drain")
+            # a job held on b: the least-loaded node is then the draining one, so the fleet
+            # asks it first (unless it already refused this job) -- a tie would be broken at
+            # random, and four jobs could all go to b without asking it
+            on_b = await fleet.submit(held.code("b"), tools=[held.hold])
+            await until(lambda: held.calls["b"] == 1, "the held job in its tool call")
+            assert on_b.node == "b"
             results = [await fleet.run("6 * 7") for _ in range(4)]
             assert {(r.node, r.result) for r in results} == {("b", 42)}
-            assert fleet.stats()[0].refused_busy >= 1
+            assert fleet.stats()[0].refused_busy >= 1  # asked, and it refused
+            held.release.set()
+            assert (await on_b.result()).status == "ok"
             await drain
 
     run(test)
