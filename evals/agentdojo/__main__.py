@@ -29,9 +29,10 @@ from .modes import MODES, Mode, policy_name, variant
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 POLICIES = HERE / "policies"
-RUN_MODES = ("attack-on", "attack-open", "attack-off", "attack-plan", "attack-exact",
-             "utility-off", "utility-on", "utility-open", "utility-approve", "utility-plan",
-             "utility-exact")
+RUN_MODES = ("attack-on", "attack-exact", "attack-plan", "attack-open", "attack-open_exact",
+             "attack-open_plan", "attack-off", "utility-on", "utility-exact", "utility-plan",
+             "utility-approve", "utility-open", "utility-open_exact", "utility-open_plan",
+             "utility-off")
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         utility = [UtilityCase(name, u) for name, s in suites.items() for u in s.user_tasks]
     wanted: list[tuple[Kind, Mode]] = []
     for m in args.mode_list:
-        kind, mode = m.split("-")
+        kind, mode = m.split("-", 1)
         wanted.append(("attack" if kind == "attack" else "utility",
                        next(x for x in MODES if x == mode)))
 

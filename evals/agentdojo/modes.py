@@ -10,9 +10,9 @@
   (replay.py's ``plan_code``), and a call after the taint goes through by an intent.
 * ``exact``: as ``plan``, with every plan's ``free`` list emptied: an intent pins every
   argument (the strictest plan, sound against any attacker choice of argument).
-* ``open``: as ``on``, without the ``[[flow.sink]]`` tables: the result and the output
-  reach the caller whatever the job read (the design before the sinks: it guards the
-  calls, not the answer).
+* ``open``, ``open_exact``, ``open_plan``: as ``on``, ``exact``, ``plan``, without the
+  ``[[flow.sink]]`` tables: the result and the output reach the caller whatever the job
+  read (the design before the sinks: it guards the calls, not the answer).
 
 The policies are TOML; stdlib ``tomllib`` reads them and the ``[flow]`` tables are written
 back by :func:`flow_toml` (strings, numbers, booleans and arrays of them are all a flow table
@@ -27,8 +27,14 @@ import re
 import tomllib
 from typing import Any, Literal
 
-Mode = Literal["on", "off", "approve", "plan", "exact", "open"]
-MODES: tuple[Mode, ...] = ("on", "off", "approve", "plan", "exact", "open")
+Mode = Literal["on", "off", "approve", "plan", "exact", "open", "open_exact", "open_plan"]
+MODES: tuple[Mode, ...] = ("on", "off", "approve", "plan", "exact", "open", "open_exact",
+                           "open_plan")
+
+
+def planning(mode: Mode) -> bool:
+    """Does a job of ``mode`` plan (``tools.intend``) before it reads untrusted data?"""
+    return mode in ("plan", "exact", "open_plan", "open_exact")
 
 _HEADER = re.compile(r"^\s*\[\[?\s*([A-Za-z0-9_.\"' -]+?)\s*\]\]?\s*(?:#.*)?$")
 
@@ -100,15 +106,15 @@ def variant(text: str, mode: Mode) -> str:
         made = base
     else:
         flow = dict(policy.get("flow", {}))
-        if mode == "exact":
+        if mode in ("exact", "open_exact"):
             flow["plan"] = [{**p, "free": []} for p in flow.get("plan", [])]
             if not flow["plan"]:
                 del flow["plan"]
-        else:
+        elif mode != "open_plan":
             flow.pop("plan", None)
         if mode == "approve":
             flow["on_untrusted"] = "approve"
-        if mode == "open":
+        if mode.startswith("open"):
             flow.pop("sink", None)
         expected = {**{k: v for k, v in policy.items() if k != "flow"}, "flow": flow}
         made = base + "\n" + flow_toml(flow)
@@ -126,4 +132,6 @@ def describe(mode: Mode) -> str:
             "exact": "exact plans (every plan's free list emptied: each intent pins every "
                      "argument)",
             "open": "flow on, the answer open (the policy without its [[flow.sink]] tables: "
-                    "calls guarded, the result and output reach the caller)"}[mode]
+                    "calls guarded, the result and output reach the caller)",
+            "open_exact": "exact plans, the answer open",
+            "open_plan": "plans, the answer open"}[mode]

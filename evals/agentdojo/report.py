@@ -117,11 +117,14 @@ def _ratio(n: int, d: int) -> str:
     return f"{n}/{d} ({100 * n / d:.1f}%)" if d else "--"
 
 
-ATTACK_MODES: tuple[Mode, ...] = ("on", "exact", "plan", "open", "off")
-UTILITY_MODES: tuple[Mode, ...] = ("on", "exact", "plan", "approve", "open", "off")
-HEADS: dict[Mode, str] = {"on": "flow on", "exact": "exact plans", "plan": "plans, free contents",
-         "approve": "flow on, approvals (asked)", "open": "flow on, answer open",
-         "off": "flow off"}
+ATTACK_MODES: tuple[Mode, ...] = ("on", "exact", "plan", "open", "open_exact", "open_plan",
+                                  "off")
+UTILITY_MODES: tuple[Mode, ...] = ("on", "exact", "plan", "approve", "open", "open_exact",
+                                   "open_plan", "off")
+HEADS: dict[Mode, str] = {
+    "on": "flow on", "exact": "exact plans", "plan": "plans, free contents",
+    "approve": "flow on, approvals (asked)", "open": "answer open",
+    "open_exact": "answer open, exact plans", "open_plan": "answer open, plans", "off": "flow off"}
 
 
 def table(summary: dict[str, Any]) -> str:

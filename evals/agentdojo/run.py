@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from jaild.client import Client, JobResult
 
-from .modes import Mode, policy_name
+from .modes import Mode, planning, policy_name
 from .replay import (
     PairCase,
     SuiteCase,
@@ -123,7 +123,7 @@ class Runner:
         started = time.perf_counter()
         title = f"AgentDojo {case.suite} {case.user_task}: its ground truth"
         request = None
-        if mode in ("plan", "exact"):
+        if planning(mode):
             untrusted, planned = self._predicates(case.suite)
             code = plan_code(title, calls, task.GROUND_TRUTH_OUTPUT, untrusted=untrusted,
                              planned=planned)
@@ -161,7 +161,7 @@ class Runner:
                  "the user task's ground truth, and the attacker's from the first injected "
                  "result on")
         request = None
-        if mode in ("plan", "exact"):
+        if planning(mode):
             untrusted, planned = self._predicates(case.suite)
             code = plan_code(title, calls, task.GROUND_TRUTH_OUTPUT, untrusted=untrusted,
                              planned=planned, attacker=attacker,
