@@ -178,7 +178,8 @@ def markdown(results: dict[str, Any]) -> str:
         "truth is empty (AgentDojo leaves the content to the model: workspace's injection "
         "tasks 6-13, travel's 6); only the job's returned text can act for the attacker there, "
         "so such a pair can succeed only through a checker that reads the model's output "
-        "(travel's 6 does), and they are in the denominator as AgentDojo counts them. *Time*: "
+        "(travel's 6 does: the policies' `[[flow.sink]]` withholds that text, the *answer "
+        "open* modes do not), and they are in the denominator as AgentDojo counts them. *Time*: "
         "the run's wall time for the suite's jobs, environments included (all: the whole run).",
         "",
     ]
