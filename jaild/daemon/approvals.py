@@ -85,7 +85,7 @@ import msgpack
 
 from jaild.daemon.core import admission, disclosure
 from jaild.daemon.core.peer import Peer
-from jaild.daemon.flowgate import flow_released
+from jaild.daemon.flowgate import flow_released, names
 from jaild.daemon.jails.job import CallReply, JailedJob, JobSpec, Reply
 from jaild.daemon.journal import ApprovalQuota, Journal, Journaled
 from jaild.daemon.registry import ClientConnection, LiveJob, Registry
@@ -98,7 +98,7 @@ from jaild.errors import (
     QuotaExceeded,
     UnknownJob,
 )
-from jaild.policy.schema import Policy, user_matches
+from jaild.policy.schema import Policy
 from jaild.protocol.messages import (
     ApprovalPending,
     JobDescription,
@@ -560,10 +560,7 @@ class Approvals:
             return own
         if own and "owner" in approvers:
             return True
-        if principal.kind == "cert":
-            return f"principal:{principal.name}" in approvers
-        users = [a for a in approvers if a != "owner" and not a.startswith("principal:")]
-        return user_matches(users, peer.uid, (peer.gid, *peer.groups))
+        return names([a for a in approvers if a != "owner"], peer)
 
     def decide(self, peer: Peer, job_id: str, call_id: int, allow: bool, reason: str) -> None:
         """An ``ApproveCall``.

@@ -88,6 +88,17 @@ def _absolute(v: Any) -> str | None:
     return None if v == "" or str(v).startswith("/") else f"must be an absolute path, got {v!r}"
 
 
+def _kubelet_roots(v: Any) -> str | None:
+    from jaild.daemon.identity import normalize_root
+
+    for root in v:
+        try:
+            normalize_root(root)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
 def _listeners(v: Any) -> str | None:
     for entry in v:
         try:
@@ -251,6 +262,16 @@ class AccessFile:
         "How long a client of a pod the daemon's watch has not seen yet waits for it before "
         "it is refused.",
         between(0.0, 60.0),
+    )
+    kubelet_cgroup_roots: tuple[str, ...] = setting(
+        (),
+        'With identity "kubernetes": the cgroup paths where the kubelet\'s hierarchy starts '
+        '(its --cgroup-root: "/" for /kubepods and /kubepods.slice; kind\'s "/kubelet", '
+        '"/kubelet.slice"); a pod\'s names anywhere else name no pod (a process can make '
+        "them in a subtree delegated to it). Empty: found at start -- the kubelet's "
+        "hierarchy at the top of the cgroup file system or up to two levels down, else \"/\". "
+        "Each must be owned by root and writable by nobody else, or the daemon does not start.",
+        _kubelet_roots,
     )
 
 
@@ -482,6 +503,7 @@ class DaemonConfig:
     kubernetes_ca_file: str = SERVICE_ACCOUNT + "/ca.crt"
     node_name: str = ""
     pod_wait_s: float = 2.0
+    kubelet_cgroup_roots: tuple[str, ...] = ()  # see AccessFile
     max_jobs: int = 512
     max_jobs_per_connection: int = 256
     max_connections: int = 1024

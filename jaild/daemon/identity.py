@@ -156,28 +156,55 @@ def _systemd(prefix: str, parts: list[str]) -> PodRef | None:
     return PodRef(pod["uid"].replace("_", "-"), container["cid"], _qos(qos), "systemd")
 
 
-def pod_of_path(path: str) -> PodRef | None:
+DEFAULT_ROOTS = ("/",)
+"""Where the kubelet's hierarchy starts by default (its ``--cgroup-root``): ``/kubepods``,
+``/kubepods.slice``."""
+
+
+def normalize_root(root: str) -> str:
+    """A kubelet cgroup root as :func:`pod_of_path` compares it: absolute, no trailing
+    slash (but ``/``), no empty, ``.`` or ``..`` component. Raises ValueError."""
+    if not root.startswith("/"):
+        raise ValueError(f"{root!r} is not an absolute cgroup path")
+    parts = [p for p in root.split("/")[1:] if p != ""]
+    if any(p in (".", "..") for p in parts) or "\n" in root:
+        raise ValueError(f"{root!r} has a '.' or '..' component")
+    return "/" + "/".join(parts)
+
+
+def pod_of_path(path: str, roots: tuple[str, ...] = DEFAULT_ROOTS) -> PodRef | None:
     """The pod and container a cgroup path names, or None. The first component that starts
     a kubelet hierarchy (``kubepods``, ``kubepods.slice``, ``<root>-kubepods.slice``, or the
-    flat ``...-pod<uid>.slice:<runtime>:<id>``) decides: what follows it must be the
-    kubelet's names exactly, down to the container (what is below that is ignored)."""
+    flat ``...-pod<uid>.slice:<runtime>:<id>``) decides: it must sit exactly at one of
+    ``roots`` (normalized, :func:`normalize_root`: where the kubelet's hierarchy starts, a
+    directory only root can write), and what follows it must be the kubelet's names
+    exactly, down to the container (what is below that is ignored). A kubelet's names
+    anywhere else -- below a subtree a process made itself (a systemd-delegated
+    ``user@UID.service``, a rootless container's) -- name no pod."""
     if not path.startswith("/"):
         return None
     parts = path.split("/")[1:]
     for i, part in enumerate(parts):
-        if part == "kubepods":
+        cgroupfs = part == "kubepods"
+        root = None if cgroupfs else _SD_ROOT.fullmatch(part)
+        flat = None if cgroupfs or root else _SD_FLAT.fullmatch(part)
+        if not (cgroupfs or root or flat):
+            continue
+        if "/" + "/".join(parts[:i]) not in roots:
+            return None  # a kubelet's name outside the kubelet's root
+        if cgroupfs:
             return _cgroupfs(parts[i + 1:])
-        if root := _SD_ROOT.fullmatch(part):
+        if root:
             return _systemd(root["prefix"], parts[i + 1:])
-        if flat := _SD_FLAT.fullmatch(part):
-            if not _rest_ok(parts[i + 1:]):
-                return None
-            return PodRef(flat["uid"].replace("_", "-"), flat["cid"], _qos(flat["qos"]),
-                          "systemd")
+        assert flat is not None
+        if not _rest_ok(parts[i + 1:]):
+            return None
+        return PodRef(flat["uid"].replace("_", "-"), flat["cid"], _qos(flat["qos"]),
+                      "systemd")
     return None
 
 
-def pod_of_cgroup(proc_cgroup: str) -> PodRef | None:
+def pod_of_cgroup(proc_cgroup: str, roots: tuple[str, ...] = DEFAULT_ROOTS) -> PodRef | None:
     """The pod a process is in, from the text of its ``/proc/<pid>/cgroup``; None if it is in
     none (or the text is malformed: a line that is not ``N:controllers:path``, a hierarchy
     twice, lines naming different pods or containers).
@@ -204,7 +231,7 @@ def pod_of_cgroup(proc_cgroup: str) -> PodRef | None:
         if "kubepods" not in path:
             continue  # the common case, a host process: no need to look closer
         if hierarchy == "0" or _PLACING_CONTROLLERS & set(controllers.split(",")):
-            ref = pod_of_path(path)
+            ref = pod_of_path(path, roots)
             if ref is not None:
                 found.add(ref)
     return found.pop() if len(found) == 1 else None
@@ -214,6 +241,119 @@ def in_kubepods(proc_cgroup: str) -> bool:
     """Does the text name a kubelet cgroup at all (parsed or not)? A process for which this
     holds but :func:`pod_of_cgroup` gives None is in a pod we cannot name: refuse it."""
     return "kubepods" in proc_cgroup
+
+
+# --- where the kubelet's hierarchy starts (checked at the daemon's start) ----------------
+
+CGROUP_MOUNT = "/sys/fs/cgroup"
+_KUBELET_TOP = re.compile("kubepods|(?:[a-z0-9]+-)*kubepods\\.slice", re.ASCII)
+
+
+def cgroup_bases(mount: str = CGROUP_MOUNT) -> list[str]:
+    """The directories a cgroup path is read below: cgroup v2's mount, or v1's hierarchies
+    that place containers (memory, pids, name=systemd) that are mounted."""
+    if os.path.exists(os.path.join(mount, "cgroup.controllers")):
+        return [mount]
+    return [os.path.join(mount, h) for h in ("memory", "pids", "systemd")
+            if os.path.isdir(os.path.join(mount, h))]
+
+
+def root_problem(directory: str) -> str | None:
+    """Why ``directory`` (a kubelet hierarchy's top, on the cgroup file system) cannot
+    anchor pods: a process that could write it could make a pod's names there. None: it is
+    owned by root and nobody else may write it (or it does not exist)."""
+    try:
+        st = os.stat(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot stat {directory}: {e.strerror}"
+    if st.st_uid != 0:
+        return f"{directory} is owned by uid {st.st_uid}, not root"
+    if st.st_mode & 0o022:
+        return f"{directory} is writable by its group or others (mode {st.st_mode & 0o777:o})"
+    return None
+
+
+def detect_roots(bases: list[str]) -> tuple[list[str], list[str]]:
+    """The kubelet cgroup roots found below ``bases`` (a kubelet hierarchy's top --
+    ``kubepods``, ``kubepods.slice``, ``<p>-kubepods.slice`` -- at the top or up to two
+    levels down), and why each one refused was (:func:`root_problem`)."""
+    found: set[str] = set()
+    refused: list[str] = []
+    for base in bases:
+        frontier = [("/", base)]
+        for _depth in range(3):
+            deeper = []
+            for root, directory in frontier:
+                try:
+                    names = [e.name for e in os.scandir(directory) if e.is_dir()]
+                except OSError:
+                    continue
+                for name in names:
+                    if _KUBELET_TOP.fullmatch(name):
+                        why = root_problem(os.path.join(directory, name))
+                        if why is None:
+                            found.add(root)
+                        else:
+                            refused.append(why)
+                    else:
+                        deeper.append((f"{root.rstrip('/')}/{name}", os.path.join(directory,
+                                                                                  name)))
+            frontier = deeper
+    return sorted(found), refused
+
+
+def check_roots(roots: tuple[str, ...], bases: list[str]) -> str | None:
+    """Why one of the configured ``roots`` cannot anchor pods (a kubelet hierarchy's top
+    below it that another user could write), or None."""
+    for root in roots:
+        for base in bases:
+            directory = os.path.join(base, root.lstrip("/"))
+            try:
+                names = [e.name for e in os.scandir(directory) if e.is_dir()]
+            except OSError:
+                continue
+            for name in names:
+                if _KUBELET_TOP.fullmatch(name):
+                    why = root_problem(os.path.join(directory, name))
+                    if why is not None:
+                        return f"{root}: {why}"
+    return None
+
+
+PROC_CGROUP_INIT_INO = 0xEFFFFFFB
+"""The inode of the initial cgroup namespace (the kernel's ``include/linux/proc_ns.h``)."""
+
+
+def cgroup_namespace_problem(self_ns_ino: int | None = None,
+                             self_cgroup: str | None = None) -> str | None:
+    """Why this process's cgroup namespace hides the paths pods are told apart by, or None.
+    In the initial namespace every path is the host's. In another (a container's own), a
+    process outside it reads as ``/../../kubepods/...``, and the daemon sits at its root
+    (``/``): pods' paths are not the kubelet's names. A nested namespace the daemon is
+    placed *in* (a node that is itself a container, as kind's) reads its own path below the
+    kubelet's, and is let be. The arguments stand for ``/proc/self/ns/cgroup``'s inode and
+    ``/proc/self/cgroup``'s text (tests)."""
+    try:
+        ino = self_ns_ino if self_ns_ino is not None else os.stat("/proc/self/ns/cgroup").st_ino
+        if self_cgroup is None:
+            with open("/proc/self/cgroup") as f:
+                self_cgroup = f.read()
+        text = self_cgroup
+    except OSError as e:
+        return f"cannot read this process's cgroup namespace: {e.strerror}"
+    if ino == PROC_CGROUP_INIT_INO:
+        return None
+    paths = [line.split(":", 2)[2] for line in text.splitlines() if line.count(":") >= 2
+             and (line.startswith("0::") or _PLACING_CONTROLLERS
+                  & set(line.split(":", 2)[1].split(",")))]
+    if any(p.startswith("/..") for p in paths) or (paths and all(p == "/" for p in paths)):
+        return ("the daemon runs at the root of a cgroup namespace of its own, where other "
+                "processes' cgroup paths are not the kubelet's names: run it in the host's "
+                "cgroup namespace (podman/docker --cgroupns=host; a pod shares the node's "
+                "unless its runtime gives it one)")
+    return None
 
 
 # --- the peer's cgroup, read safely ------------------------------------------------------
@@ -301,15 +441,28 @@ def peer_inode(conn: socket.socket) -> int:
     return 0
 
 
-def _holds(pid: int, link: str) -> bool:
+MAX_PEER_FDS = 4096
+"""The most descriptors of a connecting process looked through for its end of the
+connection (a readlink each, ~4 us): past it the process is refused, not waited for -- a
+client holding a million descriptors must not hold the daemon's event loop for seconds."""
+
+
+def _holds(pid: int, link: str, most: int | None = None) -> bool:
+    limit = MAX_PEER_FDS if most is None else most
     try:
         with os.scandir(f"/proc/{pid}/fd") as fds:
-            for fd in fds:
+            for n, fd in enumerate(fds):
+                if n >= limit:
+                    raise PeerUnverified(
+                        f"the connecting process (pid {pid}) holds more than {limit} "
+                        "descriptors; its end of the connection is not looked for past them")
                 with contextlib.suppress(OSError):  # closed as we looked
                     if os.readlink(fd.path) == link:
                         return True
     except FileNotFoundError:
         return False
+    except PeerUnverified:
+        raise
     except OSError as e:
         raise PeerUnverified(f"cannot read /proc/{pid}/fd: {e}") from None
     return False

@@ -59,10 +59,36 @@ class Principals(Protocol):
 class PodPrincipals:
     """Pods as principals (``access.identity = "kubernetes"``); see the module docstring."""
 
-    def __init__(self, config: DaemonConfig, directory: identity.PodDirectory | None) -> None:
+    def __init__(self, config: DaemonConfig, directory: identity.PodDirectory | None,
+                 roots: tuple[str, ...] = identity.DEFAULT_ROOTS) -> None:
         self.outside = config.outside_pods
         self.wait_s = config.pod_wait_s
         self.directory = directory
+        self.roots = roots  # where the kubelet's hierarchy starts: pods are read there only
+
+    @staticmethod
+    def kubelet_roots(config: DaemonConfig, bases: list[str] | None = None) -> tuple[str, ...]:
+        """The kubelet cgroup roots pods are read at: ``access.kubelet_cgroup_roots``,
+        checked, or those found (``/`` if none is).
+
+        Raises:
+            ValueError: a configured root below which another user could write, or the
+                daemon's cgroup namespace hides the host's paths.
+        """
+        problem = identity.cgroup_namespace_problem()
+        if problem is not None:
+            raise ValueError(problem)
+        bases = identity.cgroup_bases() if bases is None else bases
+        if config.kubelet_cgroup_roots:
+            roots = tuple(identity.normalize_root(r) for r in config.kubelet_cgroup_roots)
+            why = identity.check_roots(roots, bases)
+            if why is not None:
+                raise ValueError(f"access.kubelet_cgroup_roots: {why}")
+            return roots
+        found, refused = identity.detect_roots(bases)
+        for why in refused:
+            log.warning("a kubelet cgroup hierarchy is not used to tell pods apart: %s", why)
+        return tuple(found) or identity.DEFAULT_ROOTS
 
     @classmethod
     def from_config(cls, config: DaemonConfig) -> PodPrincipals:
@@ -78,7 +104,7 @@ class PodPrincipals:
                 api, token_file=config.kubernetes_token_file or None,
                 ca_file=config.kubernetes_ca_file or None, node_name=node,
             )
-        return cls(config, directory)
+        return cls(config, directory, cls.kubelet_roots(config))
 
     def start(self) -> None:
         if self.directory is not None:
@@ -105,11 +131,13 @@ class PodPrincipals:
             text = identity.peer_cgroup(sock, peer.pid)
         except identity.PeerUnverified as exc:
             raise PermissionDenied(f"cannot verify the connecting process: {exc}") from None
-        ref = identity.pod_of_cgroup(text)
+        ref = identity.pod_of_cgroup(text, self.roots)
         if ref is None and identity.in_kubepods(text):  # a pod's, but not as the kubelet names
             raise PermissionDenied(
-                f"{who} is in a kubepods cgroup whose name does not say which pod (a static "
-                "pod, or a name jaild does not know): refused rather than taken for the node's"
+                f"{who} is in a kubepods cgroup whose name does not say which pod (outside "
+                f"the kubelet's cgroup root, {', '.join(self.roots)}: access."
+                "kubelet_cgroup_roots; a static pod; or a name jaild does not know): refused "
+                "rather than taken for the node's"
             )
         if ref is None:
             if self.outside == "uid":
@@ -144,6 +172,10 @@ def principals(config: DaemonConfig) -> PodPrincipals | None:
     """
     if config.identity != "kubernetes":
         return None
+    try:
+        PodPrincipals.kubelet_roots(config)  # checked first: its own message
+    except ValueError as exc:
+        raise StartupError(f'access.identity = "kubernetes": {exc}') from None
     try:
         return PodPrincipals.from_config(config)
     except (identity.KubeAPIError, ValueError) as exc:

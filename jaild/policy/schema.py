@@ -435,7 +435,9 @@ class Approvals:
     approvers: tuple[str, ...] = setting(
         (),
         'Who may decide calls (ApproveCall, `jaild approve`): "*", user names, uids, "@group", '
-        '"principal:NAME" (a network client), "owner" (the run\'s own). Empty: the run\'s '
+        '"principal:NAME" (a network client), "pod:NAMESPACE/NAME" and '
+        '"serviceaccount:NAMESPACE/NAME" (pods, globs: a pod is never matched by a uid or a '
+        'group, which it chooses itself), "owner" (the run\'s own). Empty: the run\'s '
         "owner only. Root always may.",
     )
     max_wait_s: float = setting(
@@ -468,7 +470,8 @@ class Flow:
         'refused / needing approval ("*": all); result, output, downloads: "allow" or '
         '"withhold", and for result and output "redact" (the labelled values replaced; '
         'withheld when redaction cannot finish) -- unless the caller is in release_to: '
-        'users, uids, "@group", "principal:NAME".',
+        'users, uids, "@group", "principal:NAME", "pod:NAMESPACE/NAME", '
+        '"serviceaccount:NAMESPACE/NAME" (pods: never by uid or group).',
     )
     untrusted: tuple[str, ...] = setting(
         ("untrusted",), "Labels that mark untrusted data (web content, mail from others).",

@@ -75,12 +75,22 @@ class Kubelet:
         self.tops = [Path(f"/sys/fs/cgroup/{h}{own[h].rstrip('/')}/{top}".replace("//", "/"))
                      for h in HIERARCHIES]
 
-    def place(self, pod: Pod) -> None:
-        for top in self.tops:
-            (top / pod.path.lstrip("/")).mkdir(parents=True)
+    @property
+    def roots(self) -> list[str]:
+        """Where this kubelet's hierarchy starts, as the daemon is told
+        (``access.kubelet_cgroup_roots``): each top, as a cgroup path."""
+        return sorted({"/" + str(top.relative_to(Path("/sys/fs/cgroup", h)))
+                       for top, h in zip(self.tops, HIERARCHIES, strict=True)})
 
-    def procs_files(self, pod: Pod) -> list[str]:
-        return [f"{top}{pod.path}/cgroup.procs" for top in self.tops]
+    def place(self, pod: Pod, below: str = "") -> None:
+        """Make ``pod``'s container cgroups (``below``: under ``<top>/below`` instead of at
+        the top -- a subtree of its own, where a forger names them)."""
+        for top in self.tops:
+            (top / below / pod.path.lstrip("/")).mkdir(parents=True)
+
+    def procs_files(self, pod: Pod, below: str = "") -> list[str]:
+        under = f"/{below}" if below else ""
+        return [f"{top}{under}{pod.path}/cgroup.procs" for top in self.tops]
 
     def remove(self) -> None:
         for top in self.tops:
@@ -123,18 +133,18 @@ CLIENT = textwrap.dedent("""
 """)
 
 
-def in_pod(kubelet: Kubelet | None, pod: Pod | None, *argv: str) -> list[str]:
+def in_pod(kubelet: Kubelet | None, pod: Pod | None, *argv: str, below: str = "") -> list[str]:
     """``argv`` run inside ``pod``'s container cgroup (None: where the test runs)."""
     if pod is None or kubelet is None:
         return list(argv)
-    moves = " && ".join(f"echo $$ > {f}" for f in kubelet.procs_files(pod))
+    moves = " && ".join(f"echo $$ > {f}" for f in kubelet.procs_files(pod, below))
     return ["sh", "-c", f'{moves} && exec "$@"', "sh", *argv]
 
 
 def client(kubelet: Kubelet | None, pod: Pod | None, sock: str, action: str,
-           *args: str) -> subprocess.Popen[str]:
+           *args: str, below: str = "") -> subprocess.Popen[str]:
     return subprocess.Popen(
-        in_pod(kubelet, pod, sys.executable, "-c", CLIENT, sock, action, *args),
+        in_pod(kubelet, pod, sys.executable, "-c", CLIENT, sock, action, *args, below=below),
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
@@ -170,22 +180,25 @@ kubernetes_ca_file = ""
 node_name = "{node}"
 outside_pods = "{outside}"
 pod_wait_s = 5
+kubelet_cgroup_roots = {roots}
 [limits]
 max_jobs_per_uid = 2
 """
 
 
 @pytest.fixture
-def pods_daemon(tmp_path: Path, api: FakeKubeAPI) -> Iterator[DaemonHandle]:
-    handle = daemon_for(tmp_path, api.url, "refuse")
+def pods_daemon(tmp_path: Path, api: FakeKubeAPI, kubelet: Kubelet) -> Iterator[DaemonHandle]:
+    handle = daemon_for(tmp_path, api.url, "refuse", kubelet.roots)
     yield handle
     handle.stop()
     sweep_cgroups(handle)
 
 
-def daemon_for(tmp_path: Path, url: str, outside: str) -> DaemonHandle:
+def daemon_for(tmp_path: Path, url: str, outside: str,
+               roots: list[str] | None = None) -> DaemonHandle:
     path = tmp_path / "jaild.toml"
-    path.write_text(PODS_CONFIG.format(url=url, node=NODE, outside=outside))
+    path.write_text(PODS_CONFIG.format(url=url, node=NODE, outside=outside,
+                                       roots=json.dumps(roots or ["/"])))
     return start_daemon(tmp_path / "d", {"default": "[limits]\nwall_time_s = 90\n"},
                         with_repo_policies=False, args=("--config", str(path)))
 
@@ -359,3 +372,28 @@ def test_a_forged_hello_changes_nothing(
                           capture_output=True, text=True, timeout=guard(120), check=False)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1]) == ["agents/honest"]
+
+
+def test_a_pods_cgroup_names_forged_in_a_subtree_are_refused(
+    pods_daemon: DaemonHandle, api: FakeKubeAPI, kubelet: Kubelet
+) -> None:
+    """Issue 43's forgery: a process that can make cgroups of its own (here: a subtree
+    beside the kubelet's root, as a delegated ``user@UID.service`` is) names one exactly as
+    the kubelet names the victim pod's container, moves in and connects. The kubelet's root
+    is anchored (``access.kubelet_cgroup_roots``): refused, naming it -- while the victim,
+    in its real cgroup, is served as itself (the control)."""
+    victim = new_pod("victim", "cgroupfs")
+    api.add_pod(make_pod(victim.uid, victim.name, victim.namespace))
+    kubelet.place(victim)
+    served = result(client(kubelet, victim, pods_daemon.socket, "run"))
+    assert served["run"] == ["ok", "42"], served
+    assert served["ps_self"] == [], served  # its own run is over
+    forged = Pod(victim.uid, victim.name, victim.namespace, "cgroupfs",
+                 uuid.uuid4().hex * 2)  # the victim's pod uid, a container of the forger's
+    for driver in ("cgroupfs", "systemd"):
+        fake = Pod(forged.uid, forged.name, forged.namespace, driver, forged.container)
+        kubelet.place(fake, below=f"mine-{driver}")
+        refused = result(client(kubelet, fake, pods_daemon.socket, "run",
+                                below=f"mine-{driver}"))
+        assert refused["error"][0] == "permission_denied", refused
+        assert "outside the kubelet's cgroup root" in refused["error"][1], refused

@@ -6,6 +6,7 @@ test_identity_peer.py."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from jaild.daemon.identity import (
     PodInfo,
     PodRef,
     in_kubepods,
+    normalize_root,
     pod_of_cgroup,
     pod_of_path,
 )
@@ -49,25 +51,42 @@ GOOD = [
      f"crio-{CID}.scope", ref("burstable", "systemd")),
     (f"/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{UID_}.slice/"
      f"docker-{CID}.scope", ref("besteffort", "systemd")),
-    # the kubelet's root nested somewhere (a kubelet in a container, minikube, a test's own
-    # cgroup) and kind's --cgroup-root=/kubelet (systemd names get its prefix)
-    (f"/docker/{CID2}/kubepods/burstable/pod{UID}/{CID}", ref()),
-    (f"/system.slice/containerd.service/kubepods/besteffort/pod{UID}/{CID}", ref("besteffort")),
-    (f"/docker/{CID2}/kubepods.slice/kubepods-burstable.slice/"
-     f"kubepods-burstable-pod{UID_}.slice/cri-containerd-{CID}.scope", ref("burstable", "systemd")),
-    (f"/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-besteffort.slice/"
-     f"kubelet-kubepods-besteffort-pod{UID_}.slice/cri-containerd-{CID}.scope",
-     ref("besteffort", "systemd")),
     # containerd's systemd-style path made without systemd (one flat component)
-    (f"/system.slice/containerd.service/kubepods-besteffort-pod{UID_}.slice:cri-containerd:{CID}",
-     ref("besteffort", "systemd")),
     (f"/kubepods-pod{UID_}.slice:crio:{CID}", ref("guaranteed", "systemd")),
     # a sub-cgroup below the container (systemd in the container, a nested runtime)
     (f"/kubepods/burstable/pod{UID}/{CID}/init.scope", ref()),
     (f"/kubepods.slice/kubepods-pod{UID_}.slice/cri-containerd-{CID}.scope/a/b",
      ref("guaranteed", "systemd")),
-    # seen from a cgroup namespace whose root is elsewhere
-    (f"/../../kubepods/burstable/pod{UID}/{CID}", ref()),
+]
+
+# The kubelet's root nested somewhere (a kubelet in a container, minikube, kind's
+# --cgroup-root=/kubelet, containerd's flat systemd form without systemd): a pod only where
+# that root is configured (access.kubelet_cgroup_roots), never by default.
+NESTED = [
+    (f"/docker/{CID2}/kubepods/burstable/pod{UID}/{CID}", f"/docker/{CID2}", ref()),
+    (f"/system.slice/containerd.service/kubepods/besteffort/pod{UID}/{CID}",
+     "/system.slice/containerd.service", ref("besteffort")),
+    (f"/docker/{CID2}/kubepods.slice/kubepods-burstable.slice/"
+     f"kubepods-burstable-pod{UID_}.slice/cri-containerd-{CID}.scope", f"/docker/{CID2}",
+     ref("burstable", "systemd")),
+    (f"/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-besteffort.slice/"
+     f"kubelet-kubepods-besteffort-pod{UID_}.slice/cri-containerd-{CID}.scope",
+     "/kubelet.slice", ref("besteffort", "systemd")),
+    (f"/system.slice/containerd.service/kubepods-besteffort-pod{UID_}.slice:cri-containerd:{CID}",
+     "/system.slice/containerd.service", ref("besteffort", "systemd")),
+]
+
+# A process that can make cgroups of its own (a systemd-delegated user@UID.service, a
+# rootless container) names them as the kubelet would, below its own subtree: no pod, by
+# default or with the real roots configured.
+FORGED = [
+    f"/user.slice/user-1000.slice/user@1000.service/kubepods/burstable/pod{UID}/{CID}",
+    f"/user.slice/user-1000.slice/user@1000.service/app.slice/kubepods.slice/"
+    f"kubepods-burstable.slice/kubepods-burstable-pod{UID_}.slice/cri-containerd-{CID}.scope",
+    f"/system.slice/podman-rootless.scope/kubepods/pod{UID}/{CID}",
+    f"/user.slice/user-1000.slice/user@1000.service/kubepods-pod{UID_}.slice:crio:{CID}",
+    # seen from a cgroup namespace whose root is elsewhere (the daemon refuses to start there)
+    f"/../../kubepods/burstable/pod{UID}/{CID}",
 ]
 
 BAD = [
@@ -115,6 +134,33 @@ BAD = [
 def test_kubelet_names(path: str, expected: PodRef) -> None:
     assert pod_of_path(path) == expected
     assert pod_of_cgroup(f"4:memory:{path}\n") == expected
+
+
+@pytest.mark.parametrize(("path", "root", "expected"), NESTED)
+def test_a_nested_kubelet_root_names_pods_only_where_configured(
+        path: str, root: str, expected: PodRef) -> None:
+    assert pod_of_path(path) is None and pod_of_cgroup(f"4:memory:{path}\n") is None
+    assert pod_of_path(path, ("/", root)) == expected
+    assert pod_of_cgroup(f"4:memory:{path}\n", (root,)) == expected
+
+
+@pytest.mark.parametrize("path", FORGED)
+def test_a_kubelets_names_in_a_subtree_of_ones_own_name_no_pod(path: str) -> None:
+    real = ("/", "/kubelet.slice", "/system.slice/containerd.service")
+    assert pod_of_path(path) is None and pod_of_path(path, real) is None
+    assert pod_of_cgroup(f"4:memory:{path}\n", real) is None
+    assert in_kubepods(f"4:memory:{path}\n")  # so the caller refuses it, not a host process
+    # the control: the same names at the kubelet's root are the pod
+    tail = path[path.index("kubepods"):]
+    assert pod_of_path("/" + tail) is not None
+
+
+def test_roots_are_normalized_and_checked() -> None:
+    assert normalize_root("/kubelet/") == "/kubelet" and normalize_root("/") == "/"
+    assert normalize_root("//a//b") == "/a/b"
+    for bad in ("kubelet", "/a/../b", "/a/./b"):
+        with pytest.raises(ValueError):
+            normalize_root(bad)
 
 
 @pytest.mark.parametrize("path", BAD)
@@ -204,7 +250,8 @@ def test_malformed_texts() -> None:
         assert pod_of_cgroup(text) is None, text[:80]
     # a path may hold colons (the flat systemd form): only the first two split
     flat = f"0::/system.slice/containerd.service/kubepods-pod{UID_}.slice:cri-containerd:{CID}\n"
-    assert pod_of_cgroup(flat) == ref("guaranteed", "systemd")
+    assert pod_of_cgroup(flat, ("/system.slice/containerd.service",)) == ref("guaranteed",
+                                                                            "systemd")
 
 
 # --- the pod directory -------------------------------------------------------------------
@@ -437,3 +484,40 @@ def test_malformed_pods_are_ignored(api: FakeKubeAPI, pods: PodDirectory) -> Non
     api.add_pod(make_pod(UID, "good"))
     started(pods)
     assert [p.name for p in pods.pods()] == ["good"]
+
+
+# --- where the kubelet's hierarchy starts -------------------------------------------------
+
+def test_a_private_cgroup_namespace_is_refused_a_nested_or_initial_one_is_not() -> None:
+    from jaild.daemon.identity import PROC_CGROUP_INIT_INO, cgroup_namespace_problem
+
+    assert cgroup_namespace_problem(PROC_CGROUP_INIT_INO, "0::/\n") is None  # the host's
+    # a container's own namespace: the daemon at its root, others at /../..
+    assert "cgroup namespace of its own" in (cgroup_namespace_problem(5, "0::/\n") or "")
+    assert cgroup_namespace_problem(5, "4:memory:/../x\n1:name=systemd:/\n")
+    # a node that is itself a container (kind): placed below the kubelet's names
+    assert cgroup_namespace_problem(
+        5, f"0::/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-pod{UID_}.slice/"
+           f"cri-containerd-{CID}.scope\n") is None
+
+
+def test_roots_are_found_and_one_another_user_could_write_is_not(tmp_path: Path) -> None:
+    """``detect_roots``: the kubelet's hierarchy at the top or nested; a top owned by another
+    user, or writable by others, is refused (a process could make a pod's names there)."""
+    from jaild.daemon.identity import check_roots, detect_roots
+
+    base = tmp_path / "cg"
+    (base / "kubepods" / "burstable").mkdir(parents=True)
+    (base / "kubelet.slice" / "kubelet-kubepods.slice").mkdir(parents=True)
+    (base / "user.slice" / "user-1000.slice" / "kubepods").mkdir(parents=True)
+    for d in (base, base / "kubepods", base / "kubelet.slice",
+              base / "kubelet.slice" / "kubelet-kubepods.slice", base / "user.slice"):
+        os.chmod(d, 0o755)
+    os.chown(base / "user.slice" / "user-1000.slice" / "kubepods", 1000, 1000)
+    found, refused = detect_roots([str(base)])
+    assert found == ["/", "/kubelet.slice"], (found, refused)
+    assert any("owned by uid 1000" in why for why in refused), refused
+    assert check_roots(("/", "/kubelet.slice"), [str(base)]) is None
+    os.chmod(base / "kubepods", 0o777)
+    assert "writable by its group or others" in (check_roots(("/",), [str(base)]) or "")
+    assert detect_roots([str(base)])[0] == ["/kubelet.slice"]

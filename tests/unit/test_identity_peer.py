@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from jaild.daemon import identity
 from jaild.daemon.identity import (
     PeerUnverified,
     PodRef,
@@ -277,6 +278,12 @@ class KubeCgroups:
             d.mkdir(parents=True, exist_ok=True)
             (d / "cgroup.procs").write_text(str(pid))
 
+    @property
+    def roots(self) -> tuple[str, ...]:
+        """Where these tests' kubelet hierarchy starts, in each hierarchy (configured, as a
+        nested kubelet's root is: access.kubelet_cgroup_roots)."""
+        return tuple(sorted({self.path_of(m, "x").removesuffix("/x") for m in self.tops}))
+
     def path_of(self, mount: str, path: str) -> str:
         """What /proc/<pid>/cgroup shows for ``<top>/path``."""
         return "/" + str((self.tops[mount] / path).relative_to(f"/sys/fs/cgroup/{mount}"))
@@ -328,10 +335,11 @@ def test_a_client_in_a_pods_cgroups(kube_cgroups: KubeCgroups, listener: socket.
     p = client(listener, processes, lambda pid: kube_cgroups.place(pid, path))
     text = Path(f"/proc/{p.pid}/cgroup").read_text()
     assert f":memory:{kube_cgroups.path_of('memory', path)}\n" in text  # the setup worked
-    assert pod_of_cgroup(text) == expected
+    assert pod_of_cgroup(text, kube_cgroups.roots) == expected
     with accept(listener) as conn:
         for peerpidfd in (True, False):
-            assert pod_of_cgroup(peer_cgroup(conn, p.pid, peerpidfd=peerpidfd)) == expected
+            text = peer_cgroup(conn, p.pid, peerpidfd=peerpidfd)
+            assert pod_of_cgroup(text, kube_cgroups.roots) == expected
 
 
 def test_only_the_memory_hierarchy(kube_cgroups: KubeCgroups, listener: socket.socket,
@@ -342,7 +350,8 @@ def test_only_the_memory_hierarchy(kube_cgroups: KubeCgroups, listener: socket.s
                                               ("memory",)))
     with accept(listener) as conn:
         text = peer_cgroup(conn, p.pid)
-    assert pod_of_cgroup(text) == PodRef(UID, CID, "besteffort", "cgroupfs")
+    assert pod_of_cgroup(text, kube_cgroups.roots) == PodRef(UID, CID, "besteffort",
+                                                             "cgroupfs")
 
 
 def test_hierarchies_that_disagree(kube_cgroups: KubeCgroups, listener: socket.socket,
@@ -354,7 +363,8 @@ def test_hierarchies_that_disagree(kube_cgroups: KubeCgroups, listener: socket.s
     p = client(listener, processes, place)
     with accept(listener) as conn:
         text = peer_cgroup(conn, p.pid)
-    assert pod_of_cgroup(text) is None and in_kubepods(text)  # refused, not a host process
+    # refused, not a host process
+    assert pod_of_cgroup(text, kube_cgroups.roots) is None and in_kubepods(text)
 
 
 def test_a_host_process(listener: socket.socket, processes: list[subprocess.Popen[str]]) -> None:
@@ -362,3 +372,38 @@ def test_a_host_process(listener: socket.socket, processes: list[subprocess.Pope
     with accept(listener) as conn:
         text = peer_cgroup(conn, p.pid)
     assert pod_of_cgroup(text) is None and not in_kubepods(text)
+
+
+def test_the_descriptor_scan_is_bounded(listener: socket.socket,
+                                        processes: list[subprocess.Popen[str]],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client holding more descriptors than the scan looks through is refused, naming the
+    bound, instead of holding the daemon's loop while each is read; the same client under a
+    bound above its count is verified (the control)."""
+    p = client(listener, processes, lambda pid: None)
+    with accept(listener) as conn:
+        held = len(os.listdir(f"/proc/{p.pid}/fd"))
+        assert peer_cgroup(conn, p.pid)  # the control: found within the default bound
+        monkeypatch.setattr(identity, "MAX_PEER_FDS", held - 1)
+        with pytest.raises(PeerUnverified, match=f"more than {held - 1} descriptors"):
+            peer_cgroup(conn, p.pid)
+
+
+def test_a_pods_names_in_a_subtree_of_ones_own_are_not_the_pod(
+        kube_cgroups: KubeCgroups, listener: socket.socket,
+        processes: list[subprocess.Popen[str]]) -> None:
+    """The forgery of issue 43: a process that can make cgroups of its own names one as the
+    kubelet names the victim's container, below its own subtree, and moves in. Read with the
+    kubelet's root configured, it names no pod (and is in a kubepods cgroup: refused, not
+    taken for a host process); the real pod, at the root, is the pod (the control)."""
+    forged = f"mine/kubepods/burstable/pod{UID}/{CID}"
+    cid2 = secrets.token_hex(32)
+    real = f"kubepods/burstable/pod{UID}/{cid2}"
+    attacker = client(listener, processes, lambda pid: kube_cgroups.place(pid, forged))
+    victim = client(listener, processes, lambda pid: kube_cgroups.place(pid, real))
+    with accept(listener) as first, accept(listener) as second:
+        texts = {peer_pid(c): peer_cgroup(c, peer_pid(c)) for c in (first, second)}
+    assert pod_of_cgroup(texts[attacker.pid], kube_cgroups.roots) is None
+    assert in_kubepods(texts[attacker.pid])
+    assert pod_of_cgroup(texts[victim.pid], kube_cgroups.roots) == PodRef(
+        UID, cid2, "burstable", "cgroupfs")
