@@ -29,15 +29,20 @@ NODE = "node-a"
 
 
 def make_pod(uid: str, name: str, namespace: str = "default", node: str = NODE,
-             service_account: str = "default", phase: str = "Running") -> dict[str, Any]:
-    """A pod object as the API returns it (the fields the directory reads, and a few more)."""
+             service_account: str = "default", phase: str = "Running",
+             containers: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A pod object as the API returns it (the fields the directory reads, and a few more);
+    ``containers``: the ids its status reports (``containerd://<id>``)."""
     return {
         "kind": "Pod", "apiVersion": "v1",
         "metadata": {"uid": uid, "name": name, "namespace": namespace,
                      "labels": {"app": name}, "resourceVersion": ""},
         "spec": {"nodeName": node, "serviceAccountName": service_account,
-                 "containers": [{"name": "main", "image": "python:3.11"}]},
-        "status": {"phase": phase},
+                 "containers": [{"name": f"c{i}", "image": "python:3.11"}
+                                for i in range(max(1, len(containers)))]},
+        "status": {"phase": phase, "containerStatuses": [
+            {"name": f"c{i}", "containerID": f"containerd://{cid}", "ready": True}
+            for i, cid in enumerate(containers)]},
     }
 
 

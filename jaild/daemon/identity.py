@@ -526,6 +526,24 @@ class PodInfo:
     service_account: str
     node: str
     phase: str
+    containers: frozenset[str] = frozenset()
+    """The ids (64 hex, without the runtime's ``containerd://``) of the pod's containers,
+    init and ephemeral ones too, as its status reports them (a container appears there once
+    the runtime has made it)."""
+
+
+_CONTAINER_ID = re.compile(f"[a-z0-9-]+://(?P<cid>{_CID})", re.ASCII)
+_STATUS_LISTS = ("containerStatuses", "initContainerStatuses", "ephemeralContainerStatuses")
+
+
+def _containers(status: Any) -> frozenset[str]:
+    out = set()
+    for key in _STATUS_LISTS:
+        for entry in status.get(key) or ():
+            m = _CONTAINER_ID.fullmatch(str((entry or {}).get("containerID") or ""))
+            if m:
+                out.add(m["cid"])
+    return frozenset(out)
 
 
 def _pod(obj: Any) -> tuple[PodInfo, bool] | None:
@@ -534,7 +552,8 @@ def _pod(obj: Any) -> tuple[PodInfo, bool] | None:
         meta, spec, status = obj["metadata"], obj.get("spec") or {}, obj.get("status") or {}
         info = PodInfo(uid=meta["uid"], namespace=meta["namespace"], name=meta["name"],
                        service_account=spec.get("serviceAccountName") or "default",
-                       node=spec.get("nodeName") or "", phase=status.get("phase") or "")
+                       node=spec.get("nodeName") or "", phase=status.get("phase") or "",
+                       containers=_containers(status))
     except (KeyError, TypeError, AttributeError):
         return None
     fields = (info.uid, info.namespace, info.name, info.service_account, info.node, info.phase)
@@ -615,6 +634,21 @@ class PodDirectory:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._stopping.is_set():
                     return None
+                self._changed.wait(left)
+
+    def has_container(self, pod_uid: str, container_id: str, wait_s: float = 0.0) -> bool:
+        """Does the API report ``container_id`` as one of the pod's containers? One not yet
+        reported (the runtime made it, the status has not come through the watch) is waited
+        for up to ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        with self._changed:
+            while True:
+                info = self._pods.get(pod_uid)
+                if info is not None and container_id in info.containers:
+                    return True
+                left = deadline - time.monotonic()
+                if info is None or left <= 0 or self._stopping.is_set():
+                    return False
                 self._changed.wait(left)
 
     def deleted(self, pod_uid: str) -> bool:

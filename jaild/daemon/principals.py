@@ -159,6 +159,12 @@ class PodPrincipals:
             )
         if self.directory.deleted(ref.pod_uid):  # deleted while we waited
             raise PermissionDenied(f"{who}: its pod {ref.pod_uid} is deleted or terminating")
+        if not self.directory.has_container(ref.pod_uid, ref.container_id, self.wait_s):
+            raise PermissionDenied(
+                f"{who}: its cgroup names container {ref.container_id[:12]} of pod "
+                f"{pod.namespace}/{pod.name}, which the Kubernetes API does not report as one "
+                f"of that pod's containers (waited {self.wait_s:g} s, access.pod_wait_s)"
+            )
         return Principal(
             "pod", peer.uid, pod.uid, pod.namespace, pod.name, pod.service_account
         )

@@ -209,7 +209,8 @@ def test_two_pods_of_one_uid_are_two_tenants(
     a = new_pod("agent-a", "cgroupfs")
     b = new_pod("agent-b", "systemd")
     for pod in (a, b):
-        api.add_pod(make_pod(pod.uid, pod.name, pod.namespace, service_account="codemode"))
+        api.add_pod(make_pod(pod.uid, pod.name, pod.namespace, service_account="codemode",
+                             containers=(pod.container,)))
         kubelet.place(pod)
     holder_a = client(kubelet, a, pods_daemon.socket, "hold", "3")
     try:
@@ -242,7 +243,7 @@ def test_a_deleted_pod_is_refused_and_a_known_one_served(
     pods_daemon: DaemonHandle, api: FakeKubeAPI, kubelet: Kubelet
 ) -> None:
     pod = new_pod("agent-gone", "cgroupfs")
-    api.add_pod(make_pod(pod.uid, pod.name, pod.namespace))
+    api.add_pod(make_pod(pod.uid, pod.name, pod.namespace, containers=(pod.container,)))
     kubelet.place(pod)
     served = result(client(kubelet, pod, pods_daemon.socket, "run"))
     assert served["run"] == ["ok", "42"], served  # the control: the same pod, known
@@ -326,7 +327,7 @@ def test_a_recycled_pid_cannot_borrow_another_pods_identity(
     is served."""
     a, b = new_pod("attacker", "cgroupfs"), new_pod("victim", "systemd")
     for pod in (a, b):
-        api.add_pod(make_pod(pod.uid, pod.name, pod.namespace))
+        api.add_pod(make_pod(pod.uid, pod.name, pod.namespace, containers=(pod.container,)))
         kubelet.place(pod)
     victim = result(client(kubelet, b, pods_daemon.socket, "run"))
     assert victim["run"] == ["ok", "42"], victim  # the control
@@ -358,7 +359,7 @@ def test_a_forged_hello_changes_nothing(
     """The Hello's free-text client name is the only thing a client says of itself: claim
     another pod, or root, in it, and the jobs are still the client's own pod's."""
     pod = new_pod("honest", "cgroupfs")
-    api.add_pod(make_pod(pod.uid, pod.name, pod.namespace))
+    api.add_pod(make_pod(pod.uid, pod.name, pod.namespace, containers=(pod.container,)))
     kubelet.place(pod)
     code = textwrap.dedent("""
         import json, sys
@@ -383,7 +384,8 @@ def test_a_pods_cgroup_names_forged_in_a_subtree_are_refused(
     is anchored (``access.kubelet_cgroup_roots``): refused, naming it -- while the victim,
     in its real cgroup, is served as itself (the control)."""
     victim = new_pod("victim", "cgroupfs")
-    api.add_pod(make_pod(victim.uid, victim.name, victim.namespace))
+    api.add_pod(make_pod(victim.uid, victim.name, victim.namespace,
+                         containers=(victim.container,)))
     kubelet.place(victim)
     served = result(client(kubelet, victim, pods_daemon.socket, "run"))
     assert served["run"] == ["ok", "42"], served
@@ -397,3 +399,22 @@ def test_a_pods_cgroup_names_forged_in_a_subtree_are_refused(
                                 below=f"mine-{driver}"))
         assert refused["error"][0] == "permission_denied", refused
         assert "outside the kubelet's cgroup root" in refused["error"][1], refused
+
+
+def test_a_container_the_api_does_not_report_is_refused(
+    pods_daemon: DaemonHandle, api: FakeKubeAPI, kubelet: Kubelet
+) -> None:
+    """A container cgroup in a real pod's cgroup, at the kubelet's root, that the pod's
+    status does not list (made by a process with rights over the kubelet's hierarchy, not by
+    the runtime) is refused after access.pod_wait_s, naming it; the pod's own container is
+    served (the control)."""
+    pod = new_pod("listed", "systemd")
+    api.add_pod(make_pod(pod.uid, pod.name, pod.namespace, containers=(pod.container,)))
+    kubelet.place(pod)
+    served = result(client(kubelet, pod, pods_daemon.socket, "run"))
+    assert served["run"] == ["ok", "42"], served
+    stray = Pod(pod.uid, pod.name, pod.namespace, "systemd", uuid.uuid4().hex * 2)
+    kubelet.place(stray)
+    refused = result(client(kubelet, stray, pods_daemon.socket, "run"))
+    assert refused["error"][0] == "permission_denied", refused
+    assert "does not report as one of that pod's containers" in refused["error"][1], refused

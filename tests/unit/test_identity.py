@@ -302,6 +302,19 @@ def started(d: PodDirectory) -> PodDirectory:
     return d
 
 
+def test_a_pods_containers_are_the_ones_its_status_reports(
+        api: FakeKubeAPI, pods: PodDirectory) -> None:
+    api.add_pod(make_pod(UID, "web-0", containers=(CID,)))
+    started(pods)
+    assert pods.has_container(UID, CID)  # containerd://<id> in containerStatuses
+    assert not pods.has_container(UID, CID2)  # another container of no pod's
+    assert not pods.has_container(UID2, CID)  # a pod not known
+    bare = make_pod(UID2, "starting")  # its container not made yet: waited for, then no
+    api.add_pod(bare)
+    until(lambda: pods.get(UID2) is not None, "the added pod", WAIT)
+    assert not pods.has_container(UID2, CID2, wait_s=0.05)
+
+
 def test_list_then_watch(api: FakeKubeAPI, pods: PodDirectory) -> None:
     api.add_pod(make_pod(UID, "web-0", service_account="web"))
     api.add_pod(make_pod(UID3, "elsewhere", node="node-b"))  # another node's pod: not ours
