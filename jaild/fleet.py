@@ -436,6 +436,13 @@ class AsyncFleet:
         def connect_to(endpoint: str) -> AsyncClient:
             return AsyncClient(endpoint, **client_options)
 
+        if client_factory is None:  # a mistake in the options is named now, per endpoint
+            for endpoint in dict.fromkeys(self.endpoints):
+                try:
+                    connect_to(endpoint)
+                except (ValueError, TypeError, JaildError) as exc:
+                    message = exc.message if isinstance(exc, JaildError) else str(exc)
+                    raise ValueError(f"fleet endpoint {endpoint!r}: {message}") from None
         self._factory = client_factory or connect_to
         self._slots = [Slot(i, self.endpoints[i % len(self.endpoints)])
                        for i in range(connections)]
@@ -789,7 +796,13 @@ class AsyncFleet:
         delay = RECONNECT_MIN_S
         try:
             while not self._closing:
-                client = self._factory(slot.endpoint)
+                try:
+                    client = self._factory(slot.endpoint)
+                except Exception as exc:  # the factory's own mistake: no retry will mend it
+                    slot.last_error = str(exc) or type(exc).__name__
+                    log.warning("connection %d (%s): %s", slot.index, slot.endpoint,
+                                slot.last_error)
+                    break
                 try:
                     if not await self._connect(client):
                         break  # the fleet closes

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import inspect
 import random
+import re
 import socket
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -176,6 +177,13 @@ def test_the_constructor_refuses_what_cannot_work() -> None:
         AsyncFleet("/run/jaild/jaild.sock")
     with pytest.raises(TypeError, match="not both"):
         AsyncFleet(["a"], client_factory=AsyncClient, name="x")
+    # the clients' options wrong for an endpoint: named now, not an InvalidStateError later
+    with pytest.raises(ValueError, match=re.escape(
+            "fleet endpoint 'tls://127.0.0.1:9': a tls:// address needs this client's")):
+        AsyncFleet(["tls://127.0.0.1:9"])
+    with pytest.raises(ValueError, match=re.escape(
+            "fleet endpoint '/run/x.sock': cert, key, ca and tls are for a tls:// address")):
+        AsyncFleet(["/run/x.sock", "tls://127.0.0.1:9"], cert="/c.pem", key="/k.pem")
     assert len(AsyncFleet(["a"]).stats()) == 3  # one load-balanced address: 3 connections
     assert [s.endpoint for s in AsyncFleet(["a", "b"], connections=4).stats()] == [
         "a", "b", "a", "b"]
@@ -452,3 +460,19 @@ def test_a_name_becomes_one_endpoint_per_address_it_resolves_to(
     monkeypatch.setattr(socket, "getaddrinfo", nothing)
     with pytest.raises(DaemonUnavailable, match="does not resolve"):
         endpoints_of("tls://jaild.agents.svc:7443")
+
+
+def test_a_factory_that_fails_closes_its_connection_and_the_fleet_names_why() -> None:
+    """A client_factory raising (its own mistake) is not retried forever nor lost in the
+    task group: the connection closes with the error, and a fleet with no other says it."""
+    def broken(endpoint: str) -> AsyncClient:
+        raise ValueError(f"no way to reach {endpoint}")
+
+    async def main() -> str:
+        fleet = AsyncFleet(["x"], client_factory=broken)
+        with pytest.raises(DaemonUnavailable) as refused:
+            await fleet.connect()
+        assert [s.state for s in fleet.stats()] == ["closed"] * 3
+        return refused.value.message
+
+    assert "no way to reach x" in asyncio.run(main())
