@@ -1557,6 +1557,11 @@ class Client:
             raise
 
     @property
+    def lost(self) -> JaildError | None:
+        """As :attr:`AsyncClient.lost`: why the connection is over; None while it is up."""
+        return self._client.lost
+
+    @property
     def socket_path(self) -> str:
         return self._client.socket_path
 

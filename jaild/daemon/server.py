@@ -887,7 +887,8 @@ class Daemon:
     def stopping(self) -> bool:
         return self._stopping
 
-    def serve_connection(self, transport: asyncio.Transport, peer: Peer, pending: Any) -> None:
+    def serve_connection(self, transport: asyncio.Transport, peer: Peer,
+                         pending: Any) -> ServedConnection:
         """A network client whose TLS handshake succeeded: served as the principal its
         certificate names (``peer``), admitted or refused as any connection is. ``pending``:
         what arrived since the handshake (:func:`jaild.daemon.tls.replay`)."""
@@ -895,6 +896,7 @@ class Daemon:
         transport.set_protocol(session)
         session.connection_made(transport)
         tls.replay(session, pending)
+        return session
 
     def connected(self, session: ServedConnection) -> None:
         """A connection was accepted and its peer is known: admit it and let it converse,

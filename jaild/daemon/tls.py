@@ -31,14 +31,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import os
 import ssl
+import time
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 
 from jaild.daemon.config import DaemonConfig, parse_listener
 from jaild.daemon.core.peer import Peer
@@ -67,7 +71,31 @@ class Server(typing.Protocol):
 
     def serve_connection(
         self, transport: asyncio.Transport, peer: Peer, pending: _Pending
-    ) -> None: ...
+    ) -> Served: ...
+
+
+class Served(typing.Protocol):
+    """A served connection, as the listeners end one (:class:`jaild.daemon.server.
+    ServedConnection`)."""
+
+    closed: bool
+    peer: Peer
+
+    def send_error(self, err: typing.Any, ref: int | None = None,
+                   job_id: str | None = None) -> None: ...
+
+    def close(self, why: str = ...) -> None: ...
+
+
+@dataclass
+class _Live:
+    """A connection served over TLS, with the certificate it was let in with: it ends when
+    that certificate expires or its CA leaves ``tls.client_ca``."""
+
+    session: Served
+    leaf: x509.Certificate
+    address: str
+    timer: asyncio.TimerHandle | None = None
 
 log = logging.getLogger("jaild")
 
@@ -197,6 +225,7 @@ class TlsListeners:
         self.servers: list[asyncio.AbstractServer] = []
         self.addresses: list[tuple[str, int]] = []  # where each listener listens (port 0: chosen)
         self.handshakes: set[asyncio.Task[None]] = set()
+        self.live: dict[int, _Live] = {}  # id(session) -> its certificate
         self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -249,7 +278,50 @@ class TlsListeners:
         self.context = context
         self._stamp = self.files.stamp()
         log.info("TLS certificates reloaded (%s)", ", ".join(self.files.paths))
+        self.recheck()
         return True
+
+    def recheck(self) -> None:
+        """End every live connection whose certificate's CA is no longer in
+        ``tls.client_ca`` (as it reads now), or whose certificate has expired. A certificate
+        counts as the CA's when one of the file's certificates issued it directly (the
+        client's chain is not kept after the handshake: list intermediates in the file)."""
+        try:
+            cas = x509.load_pem_x509_certificates(Path(self.files.paths[2]).read_bytes())
+        except (OSError, ValueError) as exc:
+            log.error("TLS client CA not read, live connections not rechecked: %s", exc)
+            cas = None
+        now = datetime.datetime.now(datetime.UTC)
+        for live in list(self.live.values()):
+            if live.session.closed:
+                self._forget(live)
+            elif live.leaf.not_valid_after_utc <= now:
+                self._expire(live, "expired")
+            elif cas is not None and not any(_issued_by(live.leaf, ca) for ca in cas):
+                self._expire(live, "ca_removed")
+
+    def _expire(self, live: _Live, reason: str) -> None:
+        """End ``live``'s connection: an ``Error`` first, then its jobs are cancelled and
+        it closes; audited and counted as a refusal."""
+        self._forget(live)
+        session = live.session
+        if session.closed:
+            return
+        why = {"expired": "its client certificate expired at "
+                          f"{live.leaf.not_valid_after_utc:%Y-%m-%d %H:%M:%S} UTC",
+               "ca_removed": "the CA that issued its client certificate is no longer trusted "
+                             "(tls.client_ca)"}[reason]
+        err = PermissionDenied(f"the connection from {live.address} ends: {why}")
+        session.send_error(err)
+        session.close(err.message)
+        self.daemon.metrics.tls_refused(reason)
+        if self.daemon.refused(session.peer, err.code, err.message, tls_reason=reason):
+            log.warning("%s", err.message)
+
+    def _forget(self, live: _Live) -> None:
+        self.live.pop(id(live.session), None)
+        if live.timer is not None:
+            live.timer.cancel()
 
     async def _watch_files(self) -> None:
         while True:
@@ -257,7 +329,11 @@ class TlsListeners:
             stamp = self.files.stamp()
             if stamp != self._stamp:
                 self._stamp = stamp  # a broken file is reported once, not every period
-                self.reload()
+                if self.reload():
+                    continue
+            for live in list(self.live.values()):  # the closed ones' entries go
+                if live.session.closed:
+                    self._forget(live)
 
     # ------------------------------------------------------------------ connections
 
@@ -299,7 +375,11 @@ class TlsListeners:
                           f"the client certificate cannot be read: {exc}")
             return
         peer = Peer.of_certificate(name, address)
-        self.daemon.serve_connection(tls, peer, pending)
+        session = self.daemon.serve_connection(tls, peer, pending)
+        live = _Live(session, x509.load_der_x509_certificate(der), address)
+        left = live.leaf.not_valid_after_utc.timestamp() - time.time()
+        live.timer = loop.call_later(max(0.0, left), self._expire, live, "expired")
+        self.live[id(session)] = live
 
     def _refused(self, address: str, reason: str, cls: Callable[[str], Exception],
                  text: str) -> None:
@@ -309,6 +389,14 @@ class TlsListeners:
         peer = Peer.of_certificate("", address)
         if self.daemon.refused(peer, code, str(err), tls_reason=reason):
             log.warning("%s", err)
+
+
+def _issued_by(leaf: x509.Certificate, ca: x509.Certificate) -> bool:
+    try:
+        leaf.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
 
 
 def _address(transport: asyncio.BaseTransport) -> str:

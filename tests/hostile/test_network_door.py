@@ -259,3 +259,68 @@ def test_a_renewed_certificate_is_served_without_a_restart(door: TlsDaemon, pki:
     assert served_serial(door, pki) == again.certificate.serial_number
     with door.client() as c:
         assert c.run(f"{secrets.randbelow(100)} + 0").status == "ok"
+
+
+# ------------------------------------------------------------------ what ends a connection
+
+
+@pytest.fixture
+def two_cas(tmp_path: Path) -> Iterator[tuple[TlsDaemon, Path, Issued, Pki]]:
+    """A daemon of its own (and a PKI of its own: the module's server certificate is
+    rewritten by the renewal test) whose tls.client_ca trusts two CAs (a file of both): the
+    PKI's, and another whose client ``dave`` it returns; and the file, to change."""
+    from tests.tls import CertAuthority
+
+    pki = make_pki(tmp_path / "pki")
+    other = CertAuthority(tmp_path / "other", "other test CA")
+    dave = other.client("dave", uri=spiffe_id("dave"))
+    bundle = tmp_path / "client-ca.pem"
+    bundle.write_bytes(Path(pki.ca.cert).read_bytes() + Path(other.cert).read_bytes())
+    d = start_tls_daemon(tmp_path / "d", pki, principals=("spiffe://jaild.test/agent/*",),
+                         tls={"client_ca": str(bundle), "reload_s": 0.3})
+    try:
+        yield d, bundle, dave, pki
+    finally:
+        assert d.stop() == 0, d.handle.log()[-3000:]
+
+
+def test_a_connection_ends_when_its_certificate_expires(door: TlsDaemon, pki: Pki) -> None:
+    """A client let in with a certificate valid for a few more seconds is served, then its
+    connection ends at the certificate's expiry -- an Error naming it, its job cancelled --
+    while a connection of a certificate still valid goes on (the control)."""
+    import datetime
+
+    life = guard(6)  # long enough for the handshake and a job on a loaded machine
+    ends = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=life)
+    carol = pki.ca.client("carol", uri=spiffe_id("carol"), not_after=ends)
+    with door.client(carol) as short, door.client() as control:
+        assert short.run("1 + 1").result == 2  # served while valid
+        job = short.submit("import time\ntime.sleep(600)")
+        until(lambda: short.lost is not None, "the connection ended at the expiry",
+              timeout=life + 30)
+        assert datetime.datetime.now(datetime.UTC) >= ends - datetime.timedelta(seconds=1)
+        assert "client certificate expired" in short.lost.message, short.lost
+        with pytest.raises(Exception):  # noqa: B017 -- its job is gone with the connection
+            job.result(timeout=guard(10))
+        assert control.run("2 + 2").result == 4
+    (line,) = [r for r in door.audit() if r.get("tls_reason") == "expired"
+               and spiffe_id("carol") in str(r.get("principal", "")) + str(r.get("message", ""))]
+    assert line
+
+
+def test_a_connection_ends_when_its_ca_is_no_longer_trusted(
+        two_cas: tuple[TlsDaemon, Path, Issued, Pki]) -> None:
+    """tls.client_ca changed to leave out the CA that issued a live connection's
+    certificate: at the reload, that connection ends (an Error naming it); one whose CA is
+    still there goes on (the control). A new connection of the dropped CA is refused in its
+    handshake, as before."""
+    d, bundle, dave, pki = two_cas
+    with d.client(dave) as dropped, d.client() as kept:
+        assert dropped.run("1").result == 1 and kept.run("1").result == 1
+        bundle.write_bytes(Path(pki.ca.cert).read_bytes())  # the other CA leaves
+        until(lambda: dropped.lost is not None, "the connection of the dropped CA ended")
+        assert "no longer trusted" in dropped.lost.message, dropped.lost
+        assert kept.run("2").result == 2
+    with pytest.raises(PermissionDenied, match="refused this client's certificate"):
+        d.client(dave)
+    assert [r for r in d.audit() if r.get("tls_reason") == "ca_removed"]
