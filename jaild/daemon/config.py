@@ -310,6 +310,13 @@ class LimitsFile:
         "below max_connections.",
         between(1, 1 << 20),
     )
+    max_handshakes_per_source: int = setting(
+        16,
+        "TLS handshakes at once from one source address (daemon.listen): past it a new "
+        "connection from there is closed before a byte of TLS, so one host cannot hold "
+        "every handshake slot (max_connections) from the others.",
+        between(1, 1 << 20),
+    )
     stream_buffer_bytes: int = setting(
         1 << 20,
         "Output buffered for one slow client before its jobs' slow_client rule applies.",
@@ -508,6 +515,7 @@ class DaemonConfig:
     max_jobs_per_connection: int = 256
     max_connections: int = 1024
     max_connections_per_uid: int = 128
+    max_handshakes_per_source: int = 16
     stream_buffer_bytes: int = 1 << 20
     max_frame_bytes: int = 80 << 20
     max_frame_bytes_per_uid: int = 0

@@ -30,6 +30,7 @@ pre-``Hello`` limits (64 KiB frames, the handshake timeout) are the same.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime
 import logging
@@ -226,6 +227,7 @@ class TlsListeners:
         self.addresses: list[tuple[str, int]] = []  # where each listener listens (port 0: chosen)
         self.handshakes: set[asyncio.Task[None]] = set()
         self.live: dict[int, _Live] = {}  # id(session) -> its certificate
+        self.by_source: collections.Counter[str] = collections.Counter()  # handshakes per host
         self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -264,6 +266,8 @@ class TlsListeners:
             self._watch.cancel()
         for task in list(self.handshakes):
             task.cancel()
+        for live in list(self.live.values()):
+            self._forget(live)
 
     # ------------------------------------------------------------------ certificates
 
@@ -339,13 +343,28 @@ class TlsListeners:
 
     def accepted(self, transport: asyncio.Transport) -> None:
         address = _address(transport)
+        source = _source(transport)
         if self.daemon.stopping or len(self.handshakes) >= self.config.max_connections:
             transport.abort()  # past the limit: before a byte of TLS is spent on it
             self._refused(address, "busy", PermissionDenied, "too many TLS handshakes at once")
             return
+        if self.by_source[source] >= self.config.max_handshakes_per_source:
+            transport.abort()
+            self._refused(address, "busy", PermissionDenied,
+                          f"{self.config.max_handshakes_per_source} TLS handshakes from "
+                          f"{source} at once already (limits.max_handshakes_per_source)")
+            return
+        self.by_source[source] += 1
         task = asyncio.get_running_loop().create_task(self._handshake(transport, address))
         self.handshakes.add(task)
-        task.add_done_callback(self.handshakes.discard)
+
+        def done(task: asyncio.Task[None]) -> None:
+            self.handshakes.discard(task)
+            self.by_source[source] -= 1
+            if not self.by_source[source]:
+                del self.by_source[source]
+
+        task.add_done_callback(done)
 
     async def _handshake(self, transport: asyncio.Transport, address: str) -> None:
         loop = asyncio.get_running_loop()
@@ -397,6 +416,12 @@ def _issued_by(leaf: x509.Certificate, ca: x509.Certificate) -> bool:
     except (ValueError, TypeError, InvalidSignature):
         return False
     return True
+
+
+def _source(transport: asyncio.BaseTransport) -> str:
+    """The host a connection comes from (its address without the port)."""
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
 
 
 def _address(transport: asyncio.BaseTransport) -> str:

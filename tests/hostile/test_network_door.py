@@ -324,3 +324,38 @@ def test_a_connection_ends_when_its_ca_is_no_longer_trusted(
     with pytest.raises(PermissionDenied, match="refused this client's certificate"):
         d.client(dave)
     assert [r for r in d.audit() if r.get("tls_reason") == "ca_removed"]
+
+
+def test_one_source_cannot_hold_every_handshake_slot(tmp_path: Path) -> None:
+    """A host that opens connections and never handshakes holds at most
+    ``limits.max_handshakes_per_source`` slots; its next connection is closed at once
+    (audited ``busy`` naming the limit), while a client from another address is let in and
+    served (the control) -- the slots are per source, not one pool it could fill."""
+    pki = make_pki(tmp_path / "pki")
+    d = start_tls_daemon(tmp_path / "d", pki, principals=("spiffe://jaild.test/agent/*",),
+                         limits={"max_handshakes_per_source": 3,
+                                 "handshake_timeout_s": guard(60)})
+    try:
+        host, port = host_and_port(d)
+        silent = []
+        for _ in range(3):
+            s = socket.create_connection((host, port), timeout=guard(10))
+            silent.append(s)
+        until(lambda: len(silent) == 3 and d.handle.proc.poll() is None, "3 silent connections")
+        with socket.create_connection((host, port), timeout=guard(10)) as fourth:
+            assert fourth.recv(1) == b""  # closed by the daemon before any TLS
+        until(lambda: any("max_handshakes_per_source" in str(r.get("message", ""))
+                          for r in d.audit()), "the fourth connection's refusal audited")
+        other = socket.socket(socket.AF_INET)
+        other.bind(("127.0.0.2", 0))  # another source (the loopback network is 127/8)
+        other.settimeout(guard(10))
+        other.connect((host, port))
+        with client_context(pki.ca.cert, pki.client).wrap_socket(
+                other, server_hostname="localhost") as tls:
+            conn = Connection(Role.CLIENT, 1 << 24)
+            tls.sendall(conn.send(Hello(protocol=PROTOCOL_VERSION, client="other-host")))
+            assert isinstance(read_message(tls, conn), Welcome)
+        for s in silent:
+            s.close()
+    finally:
+        assert d.stop() == 0, d.handle.log()[-3000:]
