@@ -400,6 +400,13 @@ class LimitsFile:
     snapshot_max_count: int = setting(
         64, "Snapshots and paused sessions one principal may keep at once.", between(1, 1 << 20)
     )
+    snapshot_total_quota_mb: int = setting(
+        16384,
+        "Disk every principal's snapshots and paused sessions may hold together, MiB: "
+        "principals are cheap (a network one is a certificate), so the per-principal quota "
+        "alone does not bound the store. 0: no bound but the disk's.",
+        between(0, 1 << 30),
+    )
     approvals_parked_max_count: int = setting(
         32,
         "Runs one principal may have parked for approval at once (policies with "
@@ -538,6 +545,7 @@ class DaemonConfig:
     max_zygotes: int = 16
     zygote_idle_s: float = 600.0
     snapshot_quota_mb: int = 1024
+    snapshot_total_quota_mb: int = 16384
     snapshot_max_count: int = 64
     approvals_parked_max_count: int = 32
     approvals_journal_quota_mb: int = 256

@@ -332,7 +332,8 @@ class Sessions:
         if self._store is None:
             config = self.config
             self._store = SnapshotStore(config.snapshot_dir, config.snapshot_quota_mb << 20,
-                                        config.snapshot_max_count)
+                                        config.snapshot_max_count,
+                                        total_bytes=config.snapshot_total_quota_mb << 20)
         return self._store
 
     def _idle(self, client: ClientConnection, session_id: str) -> JailSession:

@@ -73,13 +73,16 @@ class Usage:
 
 
 class SnapshotStore:
-    """See the module docstring. ``quota_bytes`` / ``max_count``: per principal."""
+    """See the module docstring. ``quota_bytes`` / ``max_count``: per principal;
+    ``total_bytes``: the whole store's (0: none), so that many principals -- a network
+    principal is as cheap as a certificate -- cannot fill the disk between them."""
 
     def __init__(self, root: str, quota_bytes: int, max_count: int,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, *, total_bytes: int = 0) -> None:
         self.root = root
         self.quota_bytes = quota_bytes
         self.max_count = max_count
+        self.total_bytes = total_bytes
         self._clock = clock
         os.makedirs(root, mode=0o700, exist_ok=True)
         self._check_dir(root)
@@ -105,6 +108,12 @@ class SnapshotStore:
             raise QuotaExceeded(
                 f"this snapshot is {len(blob)} bytes and the principal's snapshots hold "
                 f"{usage.bytes}; the quota is {self.quota_bytes} bytes (snapshot_quota_mb)")
+        if self.total_bytes and self.total() + len(blob) > self.total_bytes:
+            # how full, and with whose, is the others' business: only that it is
+            raise QuotaExceeded(
+                f"this snapshot is {len(blob)} bytes and the daemon's snapshot store has no "
+                "room for it (snapshot_total_quota_mb, every principal's together): delete "
+                "one of yours, or wait for others' to expire")
         now = self._clock()
         entry = SnapshotEntry(
             id=new_snapshot_id(), policy=policy, bytes=len(blob), created=now,
@@ -159,6 +168,12 @@ class SnapshotStore:
         """Raises UnknownSnapshot as :meth:`entry`."""
         self.entry(owner, snapshot_id)
         self._remove(os.path.join(self.root, _owner_dir(owner)), snapshot_id)
+
+    def total(self) -> int:
+        """The bytes every principal's unexpired snapshots and paused sessions hold."""
+        now = self._clock()
+        return sum(e.bytes for directory in self._owner_dirs()
+                   for e in self._entries(directory, None) if e.expires > now)
 
     def usage(self, owner: Tenant) -> Usage:
         kept = list(self._entries(os.path.join(self.root, _owner_dir(owner)), owner))

@@ -72,6 +72,24 @@ def test_quota_of_bytes_and_of_count(tmp_path: Path) -> None:
     assert s.usage(1).bytes == 100
 
 
+def test_the_whole_store_has_a_quota_beside_each_principals(tmp_path: Path) -> None:
+    """Many principals, each within its own quota, cannot fill the disk between them: past
+    the store's total the save is refused, naming the setting and not the others' usage;
+    an expired snapshot no longer counts; each principal's own quota still applies (the
+    control: below the total, a new principal saves)."""
+    clock = Clock()
+    s = SnapshotStore(str(tmp_path / "snaps"), 100, 4, clock, total_bytes=250)
+    for owner in ("cert-a", "cert-b"):
+        save(s, owner, b"x" * 100, ttl=10)
+    save(s, "cert-c", b"x" * 50)  # 250: exactly the total
+    with pytest.raises(QuotaExceeded, match="snapshot_total_quota_mb") as full:
+        save(s, "cert-d", b"x")
+    assert "cert-a" not in full.value.message and "200" not in full.value.message
+    clock.now += 11  # a's and b's expire
+    save(s, "cert-d", b"x" * 100)
+    assert s.total() == 150
+
+
 def test_a_snapshot_expires_at_its_ttl(tmp_path: Path) -> None:
     clock = Clock()
     s = store(tmp_path, clock)
