@@ -199,6 +199,8 @@ class Slot:
     cool_until: float = 0.0
     gone: asyncio.Future[None] | None = None
     """Resolved when the fleet finds the connection broken before its link closed."""
+    retiring: bool = False
+    """Its endpoint is no longer discovered: no new work; closed once its work has ended."""
 
     @property
     def load(self) -> int:
@@ -235,7 +237,8 @@ def choose(slots: Iterable[Slot], refused: Collection[int], now: float,
     """The slot for the next try of a job: up, not in ``refused`` (indexes of slots that
     refused it this round), not cooling down if any is not, least load; ties at random.
     None: no slot is left this round."""
-    candidates = [s for s in slots if s.state == "up" and s.index not in refused]
+    candidates = [s for s in slots if s.state == "up" and not s.retiring
+                  and s.index not in refused]
     if not candidates:
         return None
 
@@ -410,15 +413,24 @@ class AsyncFleet:
         max_attempts: int = 3,
         place_timeout_s: float = 30.0,
         client_factory: Callable[[str], AsyncClient] | None = None,
+        discover: Callable[[], Sequence[str]] | None = None,
+        rediscover_s: float = 30.0,
         **client_options: Any,
     ) -> None:
         if isinstance(endpoints, str):
             raise TypeError("endpoints is a sequence of addresses, not one string")
+        if discover is not None and connections is not None:
+            raise TypeError("a fleet that discovers its endpoints keeps one connection to "
+                            "each: give discover= or connections=, not both")
+        if rediscover_s <= 0:
+            raise ValueError(f"rediscover_s must be above 0, got {rediscover_s}")
+        self._discover = discover
+        self.rediscover_s = rediscover_s
         self.endpoints = tuple(endpoints)
         if not self.endpoints:
             raise ValueError("a fleet needs at least one endpoint")
         if connections is None:
-            connections = (len(self.endpoints) if len(self.endpoints) > 1
+            connections = (len(self.endpoints) if len(self.endpoints) > 1 or discover
                            else SINGLE_ENDPOINT_CONNECTIONS)
         if connections < len(self.endpoints):
             raise ValueError(f"connections={connections} would leave endpoints unused: "
@@ -452,6 +464,7 @@ class AsyncFleet:
         self._stop: asyncio.Future[None] | None = None
         self._waker: asyncio.Future[None] | None = None
         self._closing = False
+        self._rediscover: asyncio.Event | None = None
 
     async def __aenter__(self) -> AsyncFleet:
         await self.connect()
@@ -489,6 +502,9 @@ class AsyncFleet:
         tried = [loop.create_future() for _ in self._slots]
         for slot, first in zip(self._slots, tried, strict=True):
             self._tasks.create_task(self._keep(slot, first), name=f"jaild.fleet:{slot.index}")
+        if self._discover is not None:
+            self._rediscover = asyncio.Event()
+            self._tasks.create_task(self._track(self._discover), name="jaild.fleet:discover")
         await asyncio.gather(*tried)
         if not any(s.state == "up" for s in self._slots):
             error = self._unavailable("could be reached")
@@ -505,6 +521,8 @@ class AsyncFleet:
         self._closing = True
         assert self._stop is not None
         self._stop.set_result(None)
+        if self._rediscover is not None:
+            self._rediscover.set()  # the discovery task sees the fleet close
         self._wake()
         await asyncio.shield(self._holder)
 
@@ -795,7 +813,7 @@ class AsyncFleet:
         assert self._stop is not None
         delay = RECONNECT_MIN_S
         try:
-            while not self._closing:
+            while not self._closing and not slot.retiring:
                 try:
                     client = self._factory(slot.endpoint)
                 except Exception as exc:  # the factory's own mistake: no retry will mend it
@@ -826,13 +844,15 @@ class AsyncFleet:
                 self._wake()
                 await self._until_lost(slot, client)
                 slot.state = "down"
-                if self._closing:
+                if self._closing or slot.retiring:
                     await client.close()
                     break
                 why = client.lost or ConnectionLost("the connection was closed")
                 slot.connections_lost += 1
                 slot.last_error = why.message
                 log.info("connection %d (%s) lost: %s", slot.index, slot.endpoint, why.message)
+                if self._rediscover is not None:  # a node gone may be a node moved: look now
+                    self._rediscover.set()
                 for session in list(slot.sessions):
                     session._node_lost(why)
                 await client.close()
@@ -842,6 +862,59 @@ class AsyncFleet:
             slot.client = None
             if not tried.done():
                 tried.set_result(None)
+
+    async def _track(self, discover: Callable[[], Sequence[str]]) -> None:
+        """Every ``rediscover_s``, and at once when a connection is lost, ask ``discover``
+        for the endpoints (in a thread: it may resolve names): connect to each new one, and
+        retire each one gone -- no new work goes there, its jobs and sessions end where they
+        are (none is run again because of it), then its connection closes."""
+        assert self._rediscover is not None and self._tasks is not None
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.rediscover_s):
+                    await self._rediscover.wait()
+            self._rediscover.clear()
+            if self._closing:
+                break
+            try:
+                found = list(dict.fromkeys(await asyncio.to_thread(discover)))
+            except Exception as exc:  # a name that does not resolve now: keep what we have
+                log.warning("fleet discovery failed, the endpoints stay as they were: %s",
+                            exc)
+                continue
+            if not found:
+                log.warning("fleet discovery found no endpoint; the endpoints stay as they were")
+                continue
+            current = {s.endpoint: s for s in self._slots
+                       if not s.retiring and s.state != "closed"}
+            for endpoint in found:
+                if endpoint not in current:
+                    slot = Slot(len(self._slots), endpoint)
+                    self._slots.append(slot)
+                    log.info("fleet: endpoint %s discovered", endpoint)
+                    self._tasks.create_task(self._keep(slot, loop.create_future()),
+                                            name=f"jaild.fleet:{slot.index}")
+            for endpoint, slot in current.items():
+                if endpoint not in found:
+                    slot.retiring = True
+                    log.info("fleet: endpoint %s gone from discovery: retired once its %d "
+                             "jobs and sessions end", endpoint, slot.load)
+                    self._tasks.create_task(self._retire(slot),
+                                            name=f"jaild.fleet:{slot.index}:retire")
+            self._endpoints_now()
+
+    async def _retire(self, slot: Slot) -> None:
+        """Close a retiring connection once nothing of the fleet's runs on it."""
+        while slot.load and not self._closing and slot.state == "up":
+            await self._sleep(0.05)
+        if slot.gone is not None and not slot.gone.done():
+            slot.gone.set_result(None)  # its _keep closes it and stops
+        self._wake()
+
+    def _endpoints_now(self) -> None:
+        self.endpoints = tuple(dict.fromkeys(s.endpoint for s in self._slots
+                                             if not s.retiring))
 
     async def _connect(self, client: AsyncClient) -> bool:
         """Connect ``client``, unless the fleet closes first (False; then it is closed)."""
@@ -1254,11 +1327,11 @@ class FleetSession:
 def endpoints_of(address: str) -> list[str]:
     """Every endpoint a ``tls://NAME:PORT`` address names: one ``tls://IP:PORT`` per address
     ``NAME`` resolves to -- a Kubernetes *headless* Service's name resolves to each ready
-    daemon pod's -- in the resolver's order, without repeats. Resolved once, when called:
-    a fleet made from them keeps those nodes (make a new fleet to see pods that came or
-    went). Pass ``server_name=NAME`` to the fleet, so each daemon's certificate is checked
-    for the Service's name rather than for a pod's address. Any other address is returned
-    as it is.
+    daemon pod's -- in the resolver's order, without repeats. Resolved when called: give it
+    to a fleet as ``discover=lambda: endpoints_of(address)`` too, and the fleet follows the
+    pods that come and go. Pass ``server_name=NAME`` to the fleet, so each daemon's
+    certificate is checked for the Service's name rather than for a pod's address. Any
+    other address is returned as it is.
 
     Raises:
         DaemonUnavailable: the name does not resolve.

@@ -476,3 +476,57 @@ def test_a_factory_that_fails_closes_its_connection_and_the_fleet_names_why() ->
         return refused.value.message
 
     assert "no way to reach x" in asyncio.run(main())
+
+
+def test_a_fleet_follows_discovery_and_retires_a_node_only_once_its_work_ends() -> None:
+    """``discover=``: a node that appears takes work; a node that leaves discovery takes no
+    new work, its held job ends where it runs (run once, not again), then its connection
+    closes. Without discover the fleet keeps what it was given (the control)."""
+    async def test() -> None:
+        held = Held()
+        found = ["a"]
+        async with nodes("a", "b") as n, AsyncFleet(
+                ["a"], client_factory=n.client, discover=lambda: list(found),
+                rediscover_s=0.05) as fleet:
+            on_a = await fleet.submit(held.code("a"), tools=[held.hold])
+            await until(lambda: held.calls["a"] == 1, "the job on a in its tool call")
+            found[:] = ["b"]  # a rollout: a's pod replaced by b
+            await until(lambda: any(s.endpoint == "b" and s.state == "up"
+                                    for s in fleet.stats()), "b connected")
+            results = [await fleet.run("6 * 7") for _ in range(3)]
+            assert {(r.node, r.result) for r in results} == {("b", 42)}
+            assert [s.state for s in fleet.stats() if s.endpoint == "a"] == ["up"]  # still busy
+            held.release.set()
+            done = await on_a.result()
+            assert (done.status, done.node, done.attempt) == ("ok", "a", 1)
+            assert held.calls["a"] == 1  # run once, not again because a was retired
+            await until(lambda: [s.state for s in fleet.stats() if s.endpoint == "a"]
+                        == ["closed"], "a's connection closed once its job ended")
+            assert fleet.endpoints == ("b",)
+        async with nodes("a", "b") as n, AsyncFleet(["a"], client_factory=n.client) as still:
+            await asyncio.sleep(0.2)  # the control: nothing is asked, nothing changes
+            assert [s.endpoint for s in still.stats()] == ["a"] * 3
+
+    run(test)
+
+
+def test_discovery_that_fails_or_finds_nothing_keeps_the_endpoints() -> None:
+    async def test() -> None:
+        calls = 0
+
+        def flaky() -> list[str]:
+            nonlocal calls
+            calls += 1
+            if calls % 2:
+                raise OSError("name does not resolve")
+            return []
+
+        async with nodes("a") as n, AsyncFleet(["a"], client_factory=n.client, discover=flaky,
+                                               rediscover_s=0.02) as fleet:
+            await until(lambda: calls >= 4, "discovery asked a few times")
+            assert (await fleet.run("1")).result == 1
+            assert [(s.endpoint, s.state) for s in fleet.stats()] == [("a", "up")]
+        with pytest.raises(TypeError, match="discover= or connections="):
+            AsyncFleet(["a"], discover=flaky, connections=2)
+
+    run(test)
