@@ -334,3 +334,41 @@ def test_a_privileged_container_passes_the_same_checks(served: Container, image:
     for name in ("capabilities", "/proc unmasked", "cgroupfs writable", "namespaces"):
         assert any(line.lstrip().startswith("ok") and name in line
                    for line in doctor.stdout.splitlines()), doctor.stdout + doctor.stderr
+
+
+def test_snapshots_outlive_the_container_with_the_daemonsets_state_volume(
+        image: str, tmp_path: Path) -> None:
+    """The DaemonSet mounts a node directory at ``/var/lib/jaild/snapshots`` and
+    ``/var/lib/jaild/parked`` (deploy/kubernetes/daemonset.yaml): a container replaced --
+    a restart in Kubernetes is a new container, a rollout a new pod -- keeps the snapshots,
+    and the new one restores them. Without the volume they are gone with the container's
+    writable layer (the control). Both pairs side by side: two starts' time, not four."""
+    from jaild.errors import UnknownSnapshot
+
+    state = tmp_path / "state"
+    for sub in ("snapshots", "parked"):
+        (state / sub).mkdir(parents=True)
+    volume = ("-v", f"{state / 'snapshots'}:/var/lib/jaild/snapshots",
+              "-v", f"{state / 'parked'}:/var/lib/jaild/parked")
+    first = {"kept": start(image, *volume, wait=False), "lost": start(image, wait=False)}
+    second: dict[str, Container] = {}
+    try:
+        ids = {}
+        for which, container in first.items():
+            container.wait_serving()
+            with Client(container.socket) as c, c.session() as s:
+                s.run("x = 41")
+                ids[which] = s.snapshot()["id"]
+        for container in first.values():
+            podman("rm", "-f", "-t", "0", container.name)
+        second = {"kept": start(image, *volume, wait=False), "lost": start(image, wait=False)}
+        for container in second.values():
+            container.wait_serving()
+        with Client(second["kept"].socket) as c, c.restore(ids["kept"]) as s:
+            assert s.run("x + 1").result == 42  # the state, in a new container
+        with Client(second["lost"].socket) as c, pytest.raises(UnknownSnapshot):
+            with c.restore(ids["lost"]) as s:
+                s.run("x")
+    finally:
+        for container in (*first.values(), *second.values()):
+            remove(container)
