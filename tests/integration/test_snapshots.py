@@ -60,7 +60,9 @@ def sd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
 
 @pytest.fixture
 def restartable(tmp_path: Path) -> Iterator[Callable[[], DaemonHandle]]:
-    """``restart()``: (re)start a daemon on one socket; the last is stopped at the end."""
+    """``restart()``: (re)start a daemon on one socket; the last is stopped at the end. It
+    serves the one policy its test uses: each policy served costs every start a zygote and a
+    self-test."""
     handles: list[DaemonHandle] = []
 
     def restart() -> DaemonHandle:
@@ -69,7 +71,7 @@ def restartable(tmp_path: Path) -> Iterator[Callable[[], DaemonHandle]]:
             socket = handles[-1].socket
             assert handles[-1].stop() == 0, handles[-1].log()[-3000:]
             sweep_cgroups(handles[-1])
-        handles.append(start(tmp_path / "d", socket))
+        handles.append(start(tmp_path / "d", socket, {"snap": POLICIES["snap"]}))
         return handles[-1]
 
     yield restart
