@@ -33,10 +33,12 @@ T = TypeVar("T")
 
 @pytest.fixture(scope="module")
 def md(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
-    from tests.conftest import start_daemon, sweep_cgroups
+    from tests.conftest import policy_texts, start_daemon, sweep_cgroups
 
     handle = start_daemon(tmp_path_factory.mktemp("mcp"),
-                          {"guarded": '[access]\napprove = ["demo.add"]\n'})
+                          {**policy_texts("default", "web"),
+                           "guarded": '[access]\napprove = ["demo.add"]\n'},
+                          with_repo_policies=False)
     yield handle
     assert handle.stop() == 0, handle.log()[-3000:]
     sweep_cgroups(handle)
