@@ -30,6 +30,7 @@ from tests.conftest import (
     DaemonHandle,
     ForeignClient,
     guard,
+    policy_texts,
     start_daemon,
     sweep_cgroups,
 )
@@ -439,7 +440,8 @@ def world_daemon(world_dir: Path, tmp_path: Path) -> Iterator[Callable[[], Daemo
     def make() -> DaemonHandle:
         os.chmod(world_dir, 0o755)
         config = write_config(tmp_path, '[daemon]\nsocket_group = "nogroup"\n')
-        handle = start_daemon(world_dir / "d", args=("--config", config))
+        handle = start_daemon(world_dir / "d", policy_texts("default"), with_repo_policies=False,
+                              args=("--config", config))
         os.chmod(world_dir / "d", 0o755)
         started.append(handle)
         return handle
