@@ -635,6 +635,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sleep-jobs", type=int, help="concurrent sleeping jobs (500; quick 50)")
     p.add_argument("--deadline-runs", type=int,
                    help="jobs cut by a 0.5 s wall-clock limit (30; quick 5)")
+    p.add_argument("--levels", type=lambda v: [int(n) for n in v.split(",")],
+                   help=f"concurrent clients per throughput row, comma-separated "
+                        f"({','.join(map(str, LEVELS))}); bubblewrap's rows run "
+                        f"{','.join(map(str, CPU_LEVELS))} whatever this says")
     p.add_argument("--fairness-runs", type=int,
                    help="uid 65534's jobs per fairness phase (100; quick 10)")
     p.add_argument("--pyodide-dir", default=baselines.DEFAULT_PYODIDE_DIR,
@@ -662,7 +666,7 @@ def main(argv: list[str]) -> int:
         pyodide_runs=pick(args.pyodide_runs, 5, 2),
         warm_pause_s=0.020,
         seconds_per_level=pick(args.seconds, 4.0, 1.0),
-        levels=LEVELS,
+        levels=args.levels or LEVELS,
         tool_calls=pick(args.tool_calls, 1000, 200),
         tool_window=100,
         sleep_jobs=pick(args.sleep_jobs, 500, 50),

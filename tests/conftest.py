@@ -334,6 +334,15 @@ def free_socket(directory: Path) -> str:
     return sock
 
 
+def policy_texts(*names: str) -> dict[str, str]:
+    """The named policies as :func:`start_daemon` serves them with ``with_repo_policies``
+    (tests/policies' file where both have one), for a daemon that serves only what its test
+    uses: each policy served costs every start a zygote and a self-test (a daemon with all
+    13 starts in ~2.6 s here, with one in ~1.1 s)."""
+    return {name: ((TEST_POLICIES if (TEST_POLICIES / f"{name}.toml").exists() else
+                    REPO_POLICIES) / f"{name}.toml").read_text() for name in names}
+
+
 def start_daemon(directory: Path, policies: dict[str, str] | None = None, *,
                  with_repo_policies: bool = True, extra_env: dict[str, str] | None = None,
                  args: tuple[str, ...] = (), wait: bool = True,

@@ -30,10 +30,12 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path, world_dir:
     # Its temporary directories go in a TMPDIR of its own (traversable by the jailed uid, as
     # /tmp is), which must be empty after: every run of make test left a jaild-bench-stages-*
     # in /tmp, unseen among other suites' and benches' entries there.
+    # Two throughput levels of the four (1 and 16, a CPU target's): every row's code runs; 64
+    # clients of full-nsjail spawns alone were 9 s of the smoke run on two cores.
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "bench" / "compare.py"), "--quick", "--runs", "4",
          "--seconds", "0.3", "--tool-calls", "50", "--sleep-jobs", "20", "--deadline-runs", "3",
-         "--out", str(out)],
+         "--fairness-runs", "4", "--levels", "1,16", "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, "TMPDIR": str(world_dir)},
     )
@@ -89,6 +91,7 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path, world_dir:
     for key in ("nsjail", "bwrap", "spawn", "cold", "warm"):
         runs = results["throughput"][key]
         assert runs and all(t["cpu_s"] > 0 and t["cpu_per_job_s"] > 0 for t in runs), key
+        assert [t["concurrency"] for t in runs] == ([16, 64] if key == "bwrap" else [1, 16]), key
     assert results["jail_pages"] > 0
     if shutil.which("perf"):
         breakdown = results["breakdown"]

@@ -366,9 +366,9 @@ def test_snapshots_outlive_the_container_with_the_daemonsets_state_volume(
             container.wait_serving()
         with Client(second["kept"].socket) as c, c.restore(ids["kept"]) as s:
             assert s.run("x + 1").result == 42  # the state, in a new container
-        with Client(second["lost"].socket) as c, pytest.raises(UnknownSnapshot):
-            with c.restore(ids["lost"]) as s:
-                s.run("x")
+        with Client(second["lost"].socket) as c, pytest.raises(UnknownSnapshot), \
+                c.restore(ids["lost"]) as s:
+            s.run("x")
     finally:
         for container in (*first.values(), *second.values()):
             remove(container)

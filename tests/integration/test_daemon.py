@@ -19,7 +19,7 @@ import pytest
 from jaild.client import Client
 from jaild.errors import BadRequest, PermissionDenied, UnknownPolicy
 from jaild.protocol import PROTOCOL_VERSION
-from tests.conftest import REPO, DaemonHandle, guard, start_daemon
+from tests.conftest import REPO, DaemonHandle, guard, policy_texts, start_daemon
 
 pytestmark = pytest.mark.integration
 
@@ -206,7 +206,7 @@ def test_daemon_refuses_a_policy_whose_env_is_missing(tmp_path: Path) -> None:
 
 def test_stale_socket_is_replaced_but_a_live_one_is_not(private_daemon: Callable[..., DaemonHandle],
                                                        tmp_path: Path) -> None:
-    first = private_daemon()
+    first = private_daemon(policy_texts("default"), with_repo_policies=False)
     # A second daemon on the same socket must refuse: someone is listening.
     clash = subprocess.run(
         [sys.executable, "-m", "jaild", "serve", "--socket", first.socket, "--policies",
@@ -253,7 +253,7 @@ def test_the_daemon_serves_jobs_and_tool_calls_on_either_event_loop(
         private_daemon: Callable[..., DaemonHandle], tmp_path: Path, event_loop: str) -> None:
     config = tmp_path / "jaild.toml"
     config.write_text(f'[daemon]\nevent_loop = "{event_loop}"\n')
-    d = private_daemon(args=("--config", str(config)))
+    d = private_daemon(policy_texts("default"), with_repo_policies=False, args=("--config", str(config)))
     serving = [line for line in d.log().splitlines() if " serving " in line]
     assert serving and serving[0].endswith(f"; {event_loop}"), serving
     with Client(d.socket, event_loop="asyncio") as c:
@@ -277,7 +277,7 @@ def test_the_daemon_asks_for_a_short_slice_and_its_jails_keep_the_kernels_defaul
         private_daemon: Callable[..., DaemonHandle], tmp_path: Path) -> None:
     from jaild.daemon import sched
 
-    d = private_daemon()  # the default: daemon.sched_slice_us = 100
+    d = private_daemon(policy_texts("default"), with_repo_policies=False)  # the default: daemon.sched_slice_us = 100
     said = [line for line in d.log().splitlines() if "scheduling: " in line]
     default, asked = _slices()
     if asked != 100_000:  # before 6.12 the request does nothing, and the daemon says so
@@ -301,7 +301,7 @@ def test_the_daemon_asks_for_a_short_slice_and_its_jails_keep_the_kernels_defaul
     # and 0 leaves the kernel's default for the daemon too
     config = tmp_path / "jaild.toml"
     config.write_text("[daemon]\nsched_slice_us = 0\n")
-    off = private_daemon(args=("--config", str(config)))
+    off = private_daemon(policy_texts("default"), with_repo_policies=False, args=("--config", str(config)))
     assert "scheduling: the kernel's default slice" in off.log()
     assert sched.slice_ns(off.proc.pid) == default
 

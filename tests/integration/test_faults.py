@@ -27,6 +27,7 @@ from tests.conftest import (
     TEST_POLICIES,
     DaemonHandle,
     guard,
+    policy_texts,
     proc_stat,
     start_daemon,
     until,
@@ -66,7 +67,7 @@ def write_config(directory: Path, text: str) -> str:
 
 
 def test_kill_9_leaves_no_jail_alive_and_the_next_start_sweeps(tmp_path: Path) -> None:
-    d = start_daemon(tmp_path)
+    d = start_daemon(tmp_path, policy_texts("default"), with_repo_policies=False)
     release = threading.Event()
     started = threading.Barrier(21, timeout=guard(60))
 
@@ -190,8 +191,11 @@ def _read_until_closed(sock: socket.socket, timeout: float = 60) -> bytes:
 
 @pytest.fixture
 def tuned(private_daemon: Callable[..., DaemonHandle], tmp_path: Path) -> Callable[..., DaemonHandle]:
-    def make(config: str) -> DaemonHandle:
-        return private_daemon(args=("--config", write_config(tmp_path, config)))
+    """``make(config, *policies)``: a daemon with that configuration, serving ``policies``
+    (default: the default policy)."""
+    def make(config: str, *policies: str) -> DaemonHandle:
+        return private_daemon(policy_texts(*(policies or ("default",))), with_repo_policies=False,
+                              args=("--config", write_config(tmp_path, config)))
     return make
 
 
@@ -305,7 +309,8 @@ def test_an_nsjail_that_ignores_sigterm_is_killed(private_daemon: Callable[..., 
     stubborn = world_dir / "nsjail"
     stubborn.write_text(f"#!/bin/sh\ntrap '' TERM\n{locate_nsjail(None)} \"$@\"\n")
     stubborn.chmod(0o755)
-    d = private_daemon(args=("--nsjail", str(stubborn)))
+    d = private_daemon(policy_texts("default", "spawn"), with_repo_policies=False,
+                       args=("--nsjail", str(stubborn)))
     with Client(d.socket) as c:
         seen = threading.Event()
         # sleeps far past the liveness guard below: only the escalation can end it in time
@@ -394,7 +399,7 @@ def test_a_burst_of_500_jobs_loses_none(tuned: Callable[..., DaemonHandle]) -> N
     # (500 jails of 128 MiB are 62.5 GiB of memory limits: overcommitting the host, which
     # the memory ceiling refuses unless configured, as here; the jobs use a few MiB each)
     d = tuned("[limits]\nmax_jobs = 1024\nmax_jobs_per_connection = 512\n"
-              "max_memory_mb = 131072\n")
+              "max_memory_mb = 131072\n", "default", "strict")
 
     async def burst() -> dict[str, int]:
         clients = [AsyncClient(d.socket) for _ in range(4)]

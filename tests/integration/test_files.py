@@ -122,12 +122,14 @@ def test_collection_limits_skip_with_reasons(sd_files: DaemonHandle) -> None:
 
 @pytest.fixture(scope="module")
 def sd_files(tmp_path_factory: pytest.TempPathFactory) -> DaemonHandle:
-    from tests.conftest import start_daemon, sweep_cgroups
+    from tests.conftest import policy_texts, start_daemon, sweep_cgroups
 
     handle = start_daemon(
         tmp_path_factory.mktemp("files"),
-        {"smallfiles": "[files]\nmax_files = 4\nmax_bytes = 1024\nmax_depth = 3\n"
+        {**policy_texts("default"),
+         "smallfiles": "[files]\nmax_files = 4\nmax_bytes = 1024\nmax_depth = 3\n"
                        "max_name_chars = 32\nmax_path_chars = 64\n"},
+        with_repo_policies=False,
     )
     yield handle  # type: ignore[misc]
     assert handle.stop() == 0

@@ -218,7 +218,8 @@ def test_a_pooled_jail_serves_one_job_only(daemon: DaemonHandle) -> None:
 def test_limits_count_from_the_jobs_start_not_the_jails(private_daemon: object) -> None:
     # A pooled jail that waited longer than the wall-time limit still gives its job the
     # whole limit: the clock starts with the job.
-    d = private_daemon(policies={"quick": '[limits]\nwall_time_s = 3\n[pool]\nmin = 1\nmax = 1\n'})  # type: ignore[operator]
+    d = private_daemon(policies={"quick": '[limits]\nwall_time_s = 3\n[pool]\nmin = 1\nmax = 1\n'},  # type: ignore[operator]
+                       with_repo_policies=False)
 
     def ready() -> int:
         with d.client() as c:

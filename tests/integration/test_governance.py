@@ -18,7 +18,7 @@ from jaild import tool
 from jaild.client import Client
 from jaild.errors import BadRequest
 from jaild.toolspec import HostTool
-from tests.conftest import DaemonHandle, guard, start_daemon, sweep_cgroups
+from tests.conftest import DaemonHandle, guard, policy_texts, start_daemon, sweep_cgroups
 from tests.integration.test_faults import write_config
 
 pytestmark = pytest.mark.integration
@@ -34,7 +34,8 @@ def gd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
     directory = tmp_path_factory.mktemp("governance")
     audit = directory / "audit.jsonl"
     config = write_config(directory, f'[daemon]\naudit_log = "{audit}"\n')
-    handle = start_daemon(directory, POLICIES, args=("--config", config))
+    handle = start_daemon(directory, {**policy_texts("default"), **POLICIES},
+                          with_repo_policies=False, args=("--config", config))
     handle.audit_path = audit  # type: ignore[attr-defined]
     yield handle
     assert handle.stop() == 0, handle.log()[-3000:]

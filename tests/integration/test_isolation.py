@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from jaild.client import Client
-from tests.conftest import REPO, DaemonHandle, guard, run_unjailed
+from tests.conftest import REPO, DaemonHandle, guard, policy_texts, run_unjailed
 
 pytestmark = pytest.mark.integration
 
@@ -195,7 +195,8 @@ def test_the_jail_runs_as_an_unprivileged_uid_outside(daemon: DaemonHandle, clie
 
 
 def test_clean_environment(private_daemon: Callable[..., DaemonHandle]) -> None:
-    d = private_daemon(extra_env={"JAILD_CANARY": "host-secret"})
+    d = private_daemon(policy_texts("default"), with_repo_policies=False,
+                       extra_env={"JAILD_CANARY": "host-secret"})
     daemon_env = Path(f"/proc/{d.proc.pid}/environ").read_bytes()
     assert b"JAILD_CANARY=host-secret" in daemon_env  # control: the daemon has it
     r = d.run("import os\ndict(os.environ)")

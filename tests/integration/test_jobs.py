@@ -23,7 +23,7 @@ from jaild.protocol.messages import (
     encode,
     unpack,
 )
-from tests.conftest import DaemonHandle, RawClient, guard, wait_for_zygote
+from tests.conftest import DaemonHandle, RawClient, guard, policy_texts, wait_for_zygote
 
 pytestmark = pytest.mark.integration
 
@@ -338,7 +338,8 @@ def test_a_job_sent_with_hello_in_one_write_runs(
     inside jaild and the job's pooled jail outlived it."""
     config = tmp_path / "jaild.toml"
     config.write_text(f'[daemon]\nevent_loop = "{event_loop}"\n')
-    d = private_daemon({}, with_repo_policies=True, args=("--config", str(config)))
+    d = private_daemon(policy_texts("default"), with_repo_policies=False,
+                       args=("--config", str(config)))
     for attempt in range(20):
         raw = RawClient(d.socket)
         with raw.sock:

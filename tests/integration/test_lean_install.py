@@ -64,7 +64,8 @@ def test_the_lean_install_brings_the_package_and_none_of_the_extras(lean: Path) 
 
 def test_the_lean_client_runs_a_job_with_a_tool_on_the_lean_daemon(
         lean: Path, private_daemon: Callable[..., DaemonHandle]) -> None:
-    handle = private_daemon(python=str(lean / "python"))
+    handle = private_daemon({"default": (REPO_POLICIES / "default.toml").read_text()},
+                            with_repo_policies=False, python=str(lean / "python"))
     job = _python(lean, """
 import sys
 from jaild import Client

@@ -33,14 +33,15 @@ T = TypeVar("T")
 
 @pytest.fixture(scope="module")
 def md(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
-    from tests.conftest import start_daemon, sweep_cgroups
+    from tests.conftest import policy_texts, start_daemon, sweep_cgroups
 
     handle = start_daemon(tmp_path_factory.mktemp("mcp"), {
+        **policy_texts("default", "web"),
         "guarded": '[access]\napprove = ["demo.add"]\n',
         # search results are untrusted text; add is protected from it
         "flowed": '[flow]\nprotect = ["demo.add"]\n[[flow.source]]\n'
                   'tool = "demo.search_repositories"\nlabels = ["untrusted"]\n',
-    })
+    }, with_repo_policies=False)
     yield handle
     assert handle.stop() == 0, handle.log()[-3000:]
     sweep_cgroups(handle)

@@ -17,7 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaild.client import Client
 from jaild.errors import UnknownPolicy
-from tests.conftest import REPO_POLICIES, DaemonHandle, guard, start_daemon, sweep_cgroups
+from tests.conftest import (
+    REPO_POLICIES,
+    DaemonHandle,
+    guard,
+    policy_texts,
+    start_daemon,
+    sweep_cgroups,
+)
 from tests.integration.test_faults import write_config
 
 pytestmark = pytest.mark.integration
@@ -55,7 +62,8 @@ def md(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonHandle,
     directory = tmp_path_factory.mktemp("metrics")
     port = free_port()
     config = write_config(directory, f'[daemon]\nmetrics_address = "127.0.0.1:{port}"\n')
-    handle = start_daemon(directory, args=("--config", config))
+    handle = start_daemon(directory, policy_texts("default"), with_repo_policies=False,
+                          args=("--config", config))
     yield handle, Scraper(port)
     assert handle.stop() == 0, handle.log()[-3000:]
     sweep_cgroups(handle)

@@ -15,7 +15,7 @@ import pytest
 from jaild.client import Client
 from jaild.daemon.jails.staging import locate_nsjail
 from jaild.errors import PolicyUnavailable
-from tests.conftest import STATE_DIR, TEST_POLICIES, DaemonHandle, guard
+from tests.conftest import STATE_DIR, TEST_POLICIES, DaemonHandle, guard, policy_texts
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +53,8 @@ def test_a_jail_with_the_host_network_is_refused(private_daemon: Callable[..., D
     assert out.returncode == 1
     # a zygote policy: the zygote is checked from the host before it may fork a jail
     assert "FAIL  zygote" in out.stdout and "shares the daemon's net namespace" in out.stdout
-    d = private_daemon(args=("--nsjail", fake))
+    d = private_daemon(policy_texts("default", "spawn"), with_repo_policies=False,
+                       args=("--nsjail", fake))
     with pytest.raises(PolicyUnavailable, match="shares the daemon's net namespace"):
         d.run("1")
     # a spawn policy: the probe job sees the host's interfaces
@@ -80,7 +81,8 @@ def test_an_env_that_cannot_harden_is_refused_and_others_still_serve(
     d = private_daemon(policies={
         "noprctl": f'[python]\nenv = "{env}"\n',
         "noprctl-spawn": f'[python]\nenv = "{env}"\n[pool]\nmode = "spawn"\n',
-    })
+        **policy_texts("default"),
+    }, with_repo_policies=False)
     with pytest.raises(PolicyUnavailable, match="ModuleNotFoundError: No module named 'prctl'"):
         d.run("1", policy="noprctl")  # its zygote cannot start
     with pytest.raises(PolicyUnavailable, match="runtime did not come up: ModuleNotFoundError"):
@@ -93,7 +95,8 @@ def test_a_jail_without_a_user_namespace_is_caught_by_the_host_view(
     # Without a user namespace of its own the jail lives in the host's, which root owns: its
     # kernel quotas are root's. Only the host can see whose namespace it is.
     fake = lying_nsjail(world_dir, "--disable_clone_newuser")
-    d = private_daemon(args=("--nsjail", fake))
+    d = private_daemon(policy_texts("default", "spawn"), with_repo_policies=False,
+                       args=("--nsjail", fake))
     with pytest.raises(PolicyUnavailable, match=r"user namespace not root's: owned by host uids \[0\]"):
         d.run("1", policy="spawn")
     # a zygote policy: caught before any jail is forked (by the zygote itself, first thing)

@@ -31,9 +31,10 @@ SESSIONS = {
 
 @pytest.fixture(scope="module")
 def sd(tmp_path_factory: pytest.TempPathFactory) -> DaemonHandle:
-    from tests.conftest import start_daemon, sweep_cgroups
+    from tests.conftest import policy_texts, start_daemon, sweep_cgroups
 
-    handle = start_daemon(tmp_path_factory.mktemp("sessions"), SESSIONS)
+    handle = start_daemon(tmp_path_factory.mktemp("sessions"),
+                          {**policy_texts("default", "spawn"), **SESSIONS}, with_repo_policies=False)
     yield handle  # type: ignore[misc]
     assert handle.stop() == 0, handle.log()[-3000:]
     sweep_cgroups(handle)
@@ -332,7 +333,7 @@ def test_other_users_cannot_see_or_kill(world_daemon: Callable[[], DaemonHandle]
 @pytest.fixture
 def world_daemon(world_dir: Path, tmp_path: Path) -> Callable[[], DaemonHandle]:
     """A daemon whose socket uid 65534 (group nogroup) may reach."""
-    from tests.conftest import start_daemon, sweep_cgroups
+    from tests.conftest import policy_texts, start_daemon, sweep_cgroups
     from tests.integration.test_faults import write_config
 
     started: list[DaemonHandle] = []
@@ -340,7 +341,8 @@ def world_daemon(world_dir: Path, tmp_path: Path) -> Callable[[], DaemonHandle]:
     def make() -> DaemonHandle:
         os.chmod(world_dir, 0o755)
         config = write_config(tmp_path, '[daemon]\nsocket_group = "nogroup"\n')
-        handle = start_daemon(world_dir / "d", args=("--config", config))
+        handle = start_daemon(world_dir / "d", policy_texts("default"), with_repo_policies=False,
+                              args=("--config", config))
         os.chmod(world_dir / "d", 0o755)
         started.append(handle)
         return handle

@@ -30,6 +30,7 @@ from tests.conftest import (
     DaemonHandle,
     ForeignClient,
     guard,
+    policy_texts,
     start_daemon,
     sweep_cgroups,
 )
@@ -60,7 +61,9 @@ def sd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
 
 @pytest.fixture
 def restartable(tmp_path: Path) -> Iterator[Callable[[], DaemonHandle]]:
-    """``restart()``: (re)start a daemon on one socket; the last is stopped at the end."""
+    """``restart()``: (re)start a daemon on one socket; the last is stopped at the end. It
+    serves the one policy its test uses: each policy served costs every start a zygote and a
+    self-test."""
     handles: list[DaemonHandle] = []
 
     def restart() -> DaemonHandle:
@@ -69,7 +72,7 @@ def restartable(tmp_path: Path) -> Iterator[Callable[[], DaemonHandle]]:
             socket = handles[-1].socket
             assert handles[-1].stop() == 0, handles[-1].log()[-3000:]
             sweep_cgroups(handles[-1])
-        handles.append(start(tmp_path / "d", socket))
+        handles.append(start(tmp_path / "d", socket, {"snap": POLICIES["snap"]}))
         return handles[-1]
 
     yield restart
@@ -437,7 +440,8 @@ def world_daemon(world_dir: Path, tmp_path: Path) -> Iterator[Callable[[], Daemo
     def make() -> DaemonHandle:
         os.chmod(world_dir, 0o755)
         config = write_config(tmp_path, '[daemon]\nsocket_group = "nogroup"\n')
-        handle = start_daemon(world_dir / "d", args=("--config", config))
+        handle = start_daemon(world_dir / "d", policy_texts("default"), with_repo_policies=False,
+                              args=("--config", config))
         os.chmod(world_dir / "d", 0o755)
         started.append(handle)
         return handle

@@ -13,7 +13,7 @@ import pytest
 
 from jaild.client import Client
 from jaild.errors import BadRequest
-from tests.conftest import REPO_POLICIES, DaemonHandle, guard
+from tests.conftest import REPO_POLICIES, DaemonHandle, guard, policy_texts
 
 pytestmark = pytest.mark.integration
 
@@ -170,7 +170,7 @@ def test_jail_that_cannot_start_is_an_internal_error(private_daemon: Callable[..
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_daemon_shutdown_cancels_running_jobs(private_daemon: Callable[..., DaemonHandle],
                                               sig: int) -> None:
-    d = private_daemon()
+    d = private_daemon(policy_texts("default"), with_repo_policies=False)
     results = []
     seen = threading.Event()
 

@@ -41,6 +41,7 @@ from tests.conftest import (
     TEST_POLICIES,
     DaemonHandle,
     free_socket,
+    policy_texts,
     require_jail_host,
     start_daemon,
     wait_listening,
@@ -143,7 +144,8 @@ def test_notify_ready_then_stopping_with_graceful_cancel(tmp_path: Path) -> None
     require_jail_host()
     address = str(tmp_path / "notify.sock")
     with notify_socket(address) as notify:
-        handle = start_daemon(tmp_path / "d", extra_env={"NOTIFY_SOCKET": address}, wait=False)
+        handle = start_daemon(tmp_path / "d", policy_texts("default"), with_repo_policies=False,
+                              extra_env={"NOTIFY_SOCKET": address}, wait=False)
         try:
             wait_listening(handle.socket, handle.proc, handle.log_path)
             fields, sender = receive(notify)
@@ -197,8 +199,8 @@ def test_unreachable_notify_socket_is_harmless(tmp_path: Path) -> None:
     """A NOTIFY_SOCKET nobody listens on (systemd gone) must not stop the daemon
     from starting, serving or stopping cleanly."""
     dead = str(tmp_path / "nobody-listens.sock")
-    serve_once_and_stop(start_daemon(tmp_path / "d", extra_env={"NOTIFY_SOCKET": dead},
-                                     wait=False))
+    serve_once_and_stop(start_daemon(tmp_path / "d", policy_texts("default"), with_repo_policies=False,
+                                     extra_env={"NOTIFY_SOCKET": dead}, wait=False))
 
 
 # ---------------------------------------------------------------- socket activation
@@ -297,7 +299,7 @@ def test_socket_activation(tmp_path: Path) -> None:
 def test_foreign_listen_fds_are_ignored(tmp_path: Path) -> None:
     """LISTEN_FDS meant for another process (LISTEN_PID is not ours) must not be used:
     the daemon binds its own socket and still owns (and removes) it."""
-    serve_once_and_stop(start_daemon(tmp_path / "d",
+    serve_once_and_stop(start_daemon(tmp_path / "d", policy_texts("default"), with_repo_policies=False,
                                      extra_env={"LISTEN_PID": "1", "LISTEN_FDS": "1"},
                                      wait=False))
 

@@ -21,7 +21,7 @@ from opentelemetry.trace import format_span_id, format_trace_id
 
 from jaild.client import Client
 from jaild.codemode import CodeMode
-from tests.conftest import DaemonHandle, guard, start_daemon
+from tests.conftest import DaemonHandle, guard, policy_texts, start_daemon
 from tests.integration.test_codemode import ChatServer, py
 from tests.otlp import Receiver, SpanRecord, daemon_environment, encode, otlp_json
 
@@ -42,8 +42,9 @@ def receiver() -> Iterator[Receiver]:
 
 @pytest.fixture(scope="module")
 def traced(receiver: Receiver, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
-    """A daemon (repository and test policies) tracing to ``receiver``."""
-    handle = start_daemon(tmp_path_factory.mktemp("traced"), extra_env=daemon_environment(receiver))
+    """A daemon (the default and tiny policies) tracing to ``receiver``."""
+    handle = start_daemon(tmp_path_factory.mktemp("traced"), policy_texts("default", "tiny"),
+                          with_repo_policies=False, extra_env=daemon_environment(receiver))
     yield handle
     assert handle.stop() == 0, handle.log()[-3000:]
 
@@ -218,7 +219,7 @@ def test_the_daemon_exports_what_is_queued_when_it_stops(
     receiver = Receiver().start()
     try:
         env = {**daemon_environment(receiver), "OTEL_BSP_SCHEDULE_DELAY": "600000"}  # 10 min
-        d = private_daemon(extra_env=env)
+        d = private_daemon(policy_texts("default"), with_repo_policies=False, extra_env=env)
         r = d.run("1 + 1")
         assert r.result == 2
         assert not any(s.name == "jaild.job" for s in receiver.spans())  # still queued

@@ -21,6 +21,7 @@ from tests.conftest import (
     DaemonHandle,
     RawClient,
     guard,
+    policy_texts,
     proc_stat,
     start_daemon,
     sweep_cgroups,
@@ -46,7 +47,8 @@ FLOOD_BYTES = 64 * 65536
 def ud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
     directory = tmp_path_factory.mktemp("usage")
     config = write_config(directory, "[limits]\nstream_buffer_bytes = 65536\n")
-    handle = start_daemon(directory, POLICIES, args=("--config", config))
+    handle = start_daemon(directory, {**policy_texts("default", "spawn"), **POLICIES},
+                          with_repo_policies=False, args=("--config", config))
     yield handle
     assert handle.stop() == 0, handle.log()[-3000:]
     sweep_cgroups(handle)
@@ -122,7 +124,7 @@ def test_host_tool_time_does_not_count_against_the_jails_cpu(ud: DaemonHandle) -
 
 
 def test_totals_per_policy_and_uid(tmp_path: Path) -> None:
-    d = start_daemon(tmp_path)
+    d = start_daemon(tmp_path, policy_texts("default", "spawn"), with_repo_policies=False)
     try:
         with Client(d.socket) as c:
             c.run("print('ab')\n1", tools={"t": lambda: 1})
