@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -398,6 +399,57 @@ def test_the_agent_runs_with_no_privilege_at_all(rendered: Rendered) -> None:
             "effect": "NoSchedule"} in pod["tolerations"]
 
 
+def test_the_admission_policys_cel_admits_the_agent_and_refuses_each_forbidden_pod(
+        rendered: Rendered) -> None:
+    """The example ValidatingAdmissionPolicy's expressions, evaluated by a CEL
+    implementation (cel-python, in the tools venv; no API server runs here): the example
+    agent passes every validation (the control), and each forbidden change to it is refused
+    by its own validation, and only by it."""
+    agent = one(rendered.examples, "Deployment")["spec"]["template"]["spec"]
+    pods: dict[str, Obj] = {"agent": {"spec": agent}}
+
+    def variant(name: str, change: Callable[[Obj], None]) -> None:
+        spec = copy.deepcopy(agent)
+        change(spec)
+        pods[name] = {"spec": spec}
+
+    def set_in(path: list[str], value: object) -> Callable[[Obj], None]:
+        def change(spec: Obj) -> None:
+            target = spec
+            for key in path[:-1]:
+                target = target[int(key)] if isinstance(target, list) else target[key]
+            target[path[-1]] = value
+        return change
+
+    variant("root", set_in(["securityContext", "runAsUser"], 0))
+    variant("container-root", set_in(["containers", "0", "securityContext", "runAsUser"], 0))
+    variant("no-run-as-non-root", lambda s: s["securityContext"].pop("runAsNonRoot"))
+    variant("privileged", set_in(["containers", "0", "securityContext", "privileged"], True))
+    variant("caps", set_in(["containers", "0", "securityContext", "capabilities"],
+                           {"add": ["SYS_ADMIN"]}))
+    variant("host-pid", set_in(["hostPID"], True))
+    variant("other-hostpath", lambda s: s["volumes"].append(
+        {"name": "etc", "hostPath": {"path": "/etc"}}))
+    variant("socket-writable", lambda s: [m.update(readOnly=False) for c in s["containers"]
+                                          for m in c["volumeMounts"]])
+    proc = subprocess.run(
+        [tool("python"), str(REPO / "tests" / "cel_admission.py"),
+         str(REPO / "deploy" / "kubernetes" / "examples" / "admission-policy.yaml")],
+        input=json.dumps(pods), capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed = json.loads(proc.stdout)
+    assert failed["agent"] == [], failed["agent"]
+    expected = {
+        "root": "agents run as non-root", "container-root": "agents run as non-root",
+        "no-run-as-non-root": "agents run as non-root",
+        "privileged": "no privileged containers", "caps": "no privileged containers",
+        "host-pid": "no host namespaces", "other-hostpath": "the only hostPath volume",
+        "socket-writable": "the /run/jaild hostPath must be mounted readOnly",
+    }
+    for name, start in expected.items():
+        assert len(failed[name]) == 1 and failed[name][0].startswith(start), (name, failed[name])
+
+
 def test_the_agents_namespace_admits_hostpath_and_has_a_quota(rendered: Rendered) -> None:
     labels = one(rendered.examples, "Namespace")["metadata"]["labels"]
     # baseline (and restricted) forbid hostPath volumes: only privileged admits the agent
@@ -423,7 +475,7 @@ def test_the_requirements_pin_lower_bounds() -> None:
     lines = [line.split("#")[0].strip()
              for line in (K8S / "requirements-check.txt").read_text().splitlines()]
     names = {re.split(r"[<>=]", line)[0]: line for line in lines if line}
-    assert set(names) == {"checkov", "kubernetes-validate"}
+    assert set(names) == {"checkov", "kubernetes-validate", "cel-python"}
     assert all(">=" in line for line in names.values()), names
 
 
