@@ -275,10 +275,21 @@ def root_problem(directory: str) -> str | None:
     return None
 
 
+def _kubelet_tops(directory: str) -> tuple[list[str], list[str]]:
+    """``directory``'s subdirectories: (those that are a kubelet hierarchy's top --
+    ``kubepods``, ``kubepods.slice``, ``<p>-kubepods.slice`` --, the others); none if it
+    cannot be read."""
+    try:
+        names = [e.name for e in os.scandir(directory) if e.is_dir()]
+    except OSError:
+        return [], []
+    tops = [n for n in names if _KUBELET_TOP.fullmatch(n)]
+    return tops, [n for n in names if n not in tops]
+
+
 def detect_roots(bases: list[str]) -> tuple[list[str], list[str]]:
-    """The kubelet cgroup roots found below ``bases`` (a kubelet hierarchy's top --
-    ``kubepods``, ``kubepods.slice``, ``<p>-kubepods.slice`` -- at the top or up to two
-    levels down), and why each one refused was (:func:`root_problem`)."""
+    """The kubelet cgroup roots found below ``bases`` (a kubelet hierarchy's top at the top
+    or up to two levels down), and why each one refused was (:func:`root_problem`)."""
     found: set[str] = set()
     refused: list[str] = []
     for base in bases:
@@ -286,20 +297,15 @@ def detect_roots(bases: list[str]) -> tuple[list[str], list[str]]:
         for _depth in range(3):
             deeper = []
             for root, directory in frontier:
-                try:
-                    names = [e.name for e in os.scandir(directory) if e.is_dir()]
-                except OSError:
-                    continue
-                for name in names:
-                    if _KUBELET_TOP.fullmatch(name):
-                        why = root_problem(os.path.join(directory, name))
-                        if why is None:
-                            found.add(root)
-                        else:
-                            refused.append(why)
+                tops, others = _kubelet_tops(directory)
+                for name in tops:
+                    why = root_problem(os.path.join(directory, name))
+                    if why is None:
+                        found.add(root)
                     else:
-                        deeper.append((f"{root.rstrip('/')}/{name}", os.path.join(directory,
-                                                                                  name)))
+                        refused.append(why)
+                deeper += [(f"{root.rstrip('/')}/{n}", os.path.join(directory, n))
+                           for n in others]
             frontier = deeper
     return sorted(found), refused
 
@@ -310,15 +316,10 @@ def check_roots(roots: tuple[str, ...], bases: list[str]) -> str | None:
     for root in roots:
         for base in bases:
             directory = os.path.join(base, root.lstrip("/"))
-            try:
-                names = [e.name for e in os.scandir(directory) if e.is_dir()]
-            except OSError:
-                continue
-            for name in names:
-                if _KUBELET_TOP.fullmatch(name):
-                    why = root_problem(os.path.join(directory, name))
-                    if why is not None:
-                        return f"{root}: {why}"
+            for name in _kubelet_tops(directory)[0]:
+                why = root_problem(os.path.join(directory, name))
+                if why is not None:
+                    return f"{root}: {why}"
     return None
 
 
