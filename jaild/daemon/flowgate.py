@@ -15,17 +15,17 @@ from jaild.policy.schema import Policy, user_matches
 
 def names(entries: Iterable[str], peer: Peer) -> bool:
     """Does a list of who (``[[flow.sink]] release_to``, ``[approvals] approvers``) name
-    ``peer``? ``"*"`` names everyone. A network client: ``principal:NAME``. A pod:
+    ``peer``? A network client: ``principal:NAME`` only. A pod: ``"*"``,
     ``pod:NAMESPACE/NAME`` or ``serviceaccount:NAMESPACE/NAME`` (globs) -- never a uid, a
     user name or a group, which a pod chooses for itself (``runAsUser``,
-    ``supplementalGroups``). A local process: user names, uids, ``@group``."""
+    ``supplementalGroups``). A local process: ``"*"``, user names, uids, ``@group``."""
     entries = list(entries)
-    if "*" in entries:
-        return True
     principal = peer.principal
     if principal.kind == "cert":
         return f"principal:{principal.name}" in entries
     if principal.kind == "pod":
+        if "*" in entries:
+            return True
         if not principal.namespace:  # known by its uid alone: no name to match
             return False
         pod = f"{principal.namespace}/{principal.name}"

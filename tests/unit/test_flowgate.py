@@ -41,3 +41,5 @@ def test_a_pod_known_by_its_uid_alone_has_no_name_to_match() -> None:
 def test_network_clients_by_principal_only() -> None:
     cert = Peer.of_certificate("ci", "10.0.0.1:5")
     assert names(["principal:ci"], cert) and not names(["principal:cd", "0", "root"], cert)
+    assert not names(["*"], cert)  # "*" is every local user and pod, as it always was
+    assert names(["*"], Peer(pid=10, uid=1234, gid=1234))
