@@ -251,7 +251,9 @@ def after_idle(runs: int, pause_s: float) -> Latency:
 
 
 def _tool_daemon(path: str, jail: socket.socket, ready: int) -> None:
-    """The "daemon" of a tool call: the jail's call to the client, the answer back."""
+    """The "daemon" of a tool call: the jail's call to the client, the answer back. Says
+    ``x`` on ``ready`` once it listens, and ``c`` once it has accepted the client (the
+    client's own ``x`` says only that its connect returned: the accept may come later)."""
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
@@ -267,6 +269,7 @@ def _tool_daemon(path: str, jail: socket.socket, ready: int) -> None:
             framer = _Framer(from_client)
             if not started.done():
                 started.set_result(framer)
+                os.write(ready, b"c")
             return framer
 
         def from_jail(_: asyncio.Transport, message: object) -> None:
@@ -333,8 +336,11 @@ def tool_shape(runs: int) -> Latency:
                 finally:
                     os._exit(0)
             pids.append(pid)
-            if os.read(ready_r, 1) != b"x":
-                raise BenchError("the tool floor's client did not start")
+            # the client connected (its x) and the daemon accepted it (its c), in either
+            # order: only then may the first call go, or it reaches a daemon with no client
+            said = os.read(ready_r, 1) + os.read(ready_r, 1)
+            if sorted(said) != sorted(b"xc"):
+                raise BenchError("the tool floor's client did not start or was not accepted")
             stream = jail_end.makefile("rb")
             samples = []
             for i in range(WARMUP + runs):
