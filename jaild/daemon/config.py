@@ -230,6 +230,16 @@ class AccessFile:
         'itself) is refused ("refuse") or served as its uid ("uid").',
         choice("refuse", "uid"),
     )
+    tenant: str = setting(
+        "pod",
+        'With identity "kubernetes": whose a pod\'s jobs, sessions, snapshots and parked runs '
+        'are (its share, its `ps`, what it may restore, resume and approve): "pod", the pod '
+        "itself (a replacement pod is a new tenant); \"serviceaccount\", the pod's service "
+        "account in its namespace (every pod of it is one tenant, sharing one share and "
+        "seeing each other's jobs; a replacement reaches what its predecessor left). "
+        'Needs the Kubernetes API (not kubernetes_api = "none").',
+        choice("pod", "serviceaccount"),
+    )
     kubernetes_api: str = setting(
         "",
         'With identity "kubernetes": where the pods\' namespaces and service accounts come '
@@ -512,6 +522,7 @@ class DaemonConfig:
     liveness_timeout_s: float = 30.0
     identity: str = "uid"  # "uid" or "kubernetes": see AccessFile
     outside_pods: str = "refuse"
+    tenant: str = "pod"  # "pod" or "serviceaccount": see AccessFile
     kubernetes_api: str = ""
     kubernetes_token_file: str = SERVICE_ACCOUNT + "/token"
     kubernetes_ca_file: str = SERVICE_ACCOUNT + "/ca.crt"

@@ -23,6 +23,10 @@ With ``access.identity = "kubernetes"`` it is the client's pod (:class:`PodPrinc
    ``kubernetes_api = "none"`` a pod is known by its uid alone (no namespace, no service
    account: policies that name namespaces refuse it).
 
+4. **Which tenant.** The pod (``access.tenant = "pod"``), or its service account
+   (``"serviceaccount"``: :attr:`Principal.key` is then the account's, so every pod of it
+   -- a Deployment's replacement pod too -- owns the same snapshots, parked runs and share).
+
 A client in no pod's cgroup (a process on the node itself) is refused, or served as its uid
 (``access.outside_pods``). Every refusal names the pid and the reason.
 
@@ -62,6 +66,7 @@ class PodPrincipals:
     def __init__(self, config: DaemonConfig, directory: identity.PodDirectory | None,
                  roots: tuple[str, ...] = identity.DEFAULT_ROOTS) -> None:
         self.outside = config.outside_pods
+        self.by_account = config.tenant == "serviceaccount"
         self.wait_s = config.pod_wait_s
         self.directory = directory
         self.roots = roots  # where the kubelet's hierarchy starts: pods are read there only
@@ -166,7 +171,8 @@ class PodPrincipals:
                 f"of that pod's containers (waited {self.wait_s:g} s, access.pod_wait_s)"
             )
         return Principal(
-            "pod", peer.uid, pod.uid, pod.namespace, pod.name, pod.service_account
+            "pod", peer.uid, pod.uid, pod.namespace, pod.name, pod.service_account,
+            by_account=self.by_account,
         )
 
 
@@ -178,6 +184,11 @@ def principals(config: DaemonConfig) -> PodPrincipals | None:
     """
     if config.identity != "kubernetes":
         return None
+    if config.tenant == "serviceaccount" and config.kubernetes_api == "none":
+        raise StartupError(
+            'access.tenant = "serviceaccount": a pod\'s service account comes from the '
+            'Kubernetes API, and access.kubernetes_api = "none" (set it, or tenant = "pod")'
+        )
     try:
         PodPrincipals.kubelet_roots(config)  # checked first: its own message
     except ValueError as exc:

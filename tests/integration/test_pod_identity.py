@@ -123,6 +123,13 @@ CLIENT = textwrap.dedent("""
                 sys.stdin.readline()
                 for j in jobs:
                     c.kill(j.job_id)
+            elif action == "snap":
+                with c.session() as s:
+                    s.run("x = 41")
+                    out["snap"] = s.snapshot()["id"]
+            elif action == "restore":
+                with c.restore(sys.argv[3]) as s:
+                    out["restored"] = s.run("x + 1").result
             else:
                 r = c.run("print(6 * 7)")
                 out["run"] = [r.status, r.stdout.strip()]
@@ -179,6 +186,7 @@ kubernetes_token_file = ""
 kubernetes_ca_file = ""
 node_name = "{node}"
 outside_pods = "{outside}"
+tenant = "{tenant}"
 pod_wait_s = 5
 kubelet_cgroup_roots = {roots}
 [limits]
@@ -195,9 +203,9 @@ def pods_daemon(tmp_path: Path, api: FakeKubeAPI, kubelet: Kubelet) -> Iterator[
 
 
 def daemon_for(tmp_path: Path, url: str, outside: str,
-               roots: list[str] | None = None) -> DaemonHandle:
+               roots: list[str] | None = None, tenant: str = "pod") -> DaemonHandle:
     path = tmp_path / "jaild.toml"
-    path.write_text(PODS_CONFIG.format(url=url, node=NODE, outside=outside,
+    path.write_text(PODS_CONFIG.format(url=url, node=NODE, outside=outside, tenant=tenant,
                                        roots=json.dumps(roots or ["/"])))
     return start_daemon(tmp_path / "d", {"default": "[limits]\nwall_time_s = 90\n"},
                         with_repo_policies=False, args=("--config", str(path)))
@@ -237,6 +245,37 @@ def test_two_pods_of_one_uid_are_two_tenants(
             holder_a.stdin.write("\n")
             holder_a.stdin.flush()
         holder_a.communicate(timeout=guard(60))
+
+
+@pytest.mark.parametrize("tenant", ["serviceaccount", "pod"])
+def test_a_replacement_pod_restores_its_predecessors_snapshot_where_accounts_are_tenants(
+    tmp_path: Path, api: FakeKubeAPI, kubelet: Kubelet, tenant: str
+) -> None:
+    """``access.tenant = "serviceaccount"``: a Deployment's replacement pod (another pod, the
+    same service account) restores the snapshot its deleted predecessor took; a pod of
+    another service account does not. The control: with pods as tenants (the default) the
+    replacement is a stranger too."""
+    handle = daemon_for(tmp_path, api.url, "refuse", kubelet.roots, tenant=tenant)
+    try:
+        old, new = new_pod("agent-5d8f-x1", "cgroupfs"), new_pod("agent-5d8f-y2", "systemd")
+        other = new_pod("agent-other", "cgroupfs")
+        for pod, account in ((old, "codemode"), (new, "codemode"), (other, "reporting")):
+            api.add_pod(make_pod(pod.uid, pod.name, pod.namespace, service_account=account,
+                                 containers=(pod.container,)))
+            kubelet.place(pod)
+        taken = result(client(kubelet, old, handle.socket, "snap"))
+        assert str(taken.get("snap", "")).startswith("snap-"), taken
+        api.delete_pod(old.uid)  # the rollout replaces it
+        replacement = result(client(kubelet, new, handle.socket, "restore", str(taken["snap"])))
+        stranger = result(client(kubelet, other, handle.socket, "restore", str(taken["snap"])))
+        assert stranger["error"][0] == "unknown_snapshot", stranger
+        if tenant == "serviceaccount":
+            assert replacement["restored"] == 42, replacement
+        else:
+            assert replacement["error"][0] == "unknown_snapshot", replacement
+    finally:
+        handle.stop()
+        sweep_cgroups(handle)
 
 
 def test_a_deleted_pod_is_refused_and_a_known_one_served(

@@ -536,6 +536,32 @@ def test_two_pods_of_one_uid_are_two_tenants() -> None:
             "(limits.max_connections_per_uid 2)", connect, a, [a, a])
 
 
+def test_pods_of_one_service_account_are_one_tenant_where_accounts_are_tenants() -> None:
+    """``access.tenant = "serviceaccount"``: two pods of one account share one key (one
+    share, one owner of snapshots and parked runs), named as the account; another account
+    in the namespace, or the same account name in another namespace, is another tenant.
+    The control: the same pods as pods are two."""
+    a, b = (dataclasses.replace(p, by_account=True) for p in (POD_A, POD_B))
+    assert a.key == b.key and POD_A.key != POD_B.key
+    assert a.key.startswith("sa-") and a.key != POD_A.key
+    assert a.key != dataclasses.replace(a, service_account="reporting").key
+    assert a.key != dataclasses.replace(a, namespace="web").key
+    assert str(a) == "pod agents/agent-a"  # the audit still names the pod
+    refused(Busy, "service account agents/codemode holds 4 jobs and sessions, its share "
+            "(limits.max_jobs_per_uid 4); retry when one ends",
+            admission.check_capacity, b, load(daemon=(4, 256), uid=(4, 256)), CAPS, 64)
+
+
+def test_service_accounts_as_tenants_need_the_api() -> None:
+    from jaild.daemon.config import DaemonConfig
+    from jaild.daemon.principals import principals
+    from jaild.errors import StartupError
+
+    config = DaemonConfig(identity="kubernetes", kubernetes_api="none", tenant="serviceaccount")
+    with pytest.raises(StartupError, match=r'access.tenant = "serviceaccount".*"none"'):
+        principals(config)
+
+
 def test_a_policy_admits_pods_by_namespace_and_service_account() -> None:
     policy = load_policy_text(
         '[access]\nnamespaces = ["agents"]\nservice_accounts = ["agents/codemode"]\n',

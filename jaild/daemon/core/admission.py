@@ -167,7 +167,7 @@ def admit_connection(
     mine = sum(1 for other in others if other.principal.key == peer.principal.key)
     if mine >= max_connections_per_uid:
         raise Busy(
-            f"{peer.principal} already has {mine} connections, the limit per "
+            f"{peer.principal.tenant} already has {mine} connections, the limit per "
             f"{peer.principal.kind} (limits.max_connections_per_uid {max_connections_per_uid})"
         )
 
@@ -223,13 +223,13 @@ def check_capacity(who: Principal, load: Load, caps: Capacity, memory_mb: int) -
         )
     if load.uid.jails >= caps.max_jobs_per_uid:
         raise Busy(
-            f"{who} holds {load.uid.jails} jobs and sessions, its share "
+            f"{who.tenant} holds {load.uid.jails} jobs and sessions, its share "
             f"(limits.max_jobs_per_uid {caps.max_jobs_per_uid}); retry when one ends"
         )
     mine = load.uid.memory_mb + memory_mb
     if mine > caps.max_memory_mb_per_uid:
         raise Busy(
-            f"{who}'s memory limits would reach {_mib(mine)} ({load.uid.memory_mb} MiB "
+            f"{who.tenant}'s memory limits would reach {_mib(mine)} ({load.uid.memory_mb} MiB "
             f"held + {memory_mb} MiB for this one), over its share "
             f"(limits.max_memory_mb_per_uid {caps.max_memory_mb_per_uid}); retry when one ends"
         )

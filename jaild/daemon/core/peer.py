@@ -38,6 +38,9 @@ class Principal:
     namespace: str = ""
     name: str = ""
     service_account: str = ""
+    by_account: bool = False
+    """A pod's principal whose tenant is its service account, not the pod
+    (``access.tenant = "serviceaccount"``): every pod of one service account is one tenant."""
 
     @classmethod
     def of_uid(cls, uid: int) -> Principal:
@@ -56,7 +59,18 @@ class Principal:
             return self.uid
         if self.kind == "cert":
             return "cert-" + hashlib.sha256(self.name.encode()).hexdigest()[:16]
+        if self.by_account:
+            account = f"{self.namespace}/{self.service_account}"
+            return "sa-" + hashlib.sha256(account.encode()).hexdigest()[:16]
         return f"pod-{self.pod_uid}"
+
+    @property
+    def tenant(self) -> str:
+        """The tenant in words (what shares and ownership are counted by): the principal,
+        or a pod's service account where the service account is the tenant."""
+        if self.by_account:
+            return f"service account {self.namespace}/{self.service_account}"
+        return str(self)
 
     @property
     def admin(self) -> bool:
