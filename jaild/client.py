@@ -720,6 +720,9 @@ class AsyncClient:
         self._transport: asyncio.Transport | None = None
         self._link: _Link | None = None
         self._welcome: asyncio.Future[Message | None] | None = None  # during the handshake
+        self.node = ""
+        """The node the daemon keeps its state on, as its ``Welcome`` named it ("" before
+        connecting, or from a daemon that does not name it)."""
         self._refs = itertools.count(1)
         self._accepting: dict[int, tuple[asyncio.Future[str], _Job]] = {}
         self._requests: dict[int, asyncio.Future[Any]] = {}
@@ -761,6 +764,7 @@ class AsyncClient:
                 raise error_from_wire(welcome.code, welcome.message)
             if not isinstance(welcome, Welcome):
                 raise ConnectionLost("the daemon closed the connection during the handshake")
+            self.node = welcome.node
         except BaseException:
             self._transport.close()
             await self._link.closed()
@@ -1560,6 +1564,11 @@ class Client:
     def lost(self) -> JaildError | None:
         """As :attr:`AsyncClient.lost`: why the connection is over; None while it is up."""
         return self._client.lost
+
+    @property
+    def node(self) -> str:
+        """As :attr:`AsyncClient.node`: the node the daemon keeps its state on."""
+        return self._client.node
 
     @property
     def socket_path(self) -> str:

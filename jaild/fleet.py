@@ -52,6 +52,16 @@ its tool handlers see the attempt in :func:`current_attempt`. A RunJob sent on a
 lost before the daemon accepted it counts the same way (it may have started). A session
 lives on one node and never moves: its next run raises :class:`~jaild.errors.SessionLost`.
 
+**State on nodes.** A snapshot and a parked run live on the node that made them (its daemon's
+state directory), and only that node's daemon can restore or resume them. The fleet gives
+their ids out as *references* that name the node -- ``ID@NODE`` (:func:`state_ref`), the
+node as its daemon's ``Welcome`` names it (``access.node_name``; in a DaemonSet the
+Kubernetes node) -- and sends :meth:`AsyncFleet.restore`, :meth:`AsyncFleet.resume_run`,
+:meth:`AsyncFleet.approve` and :meth:`AsyncFleet.delete_snapshot` to a connection of that
+node, whatever its address is now: a rolled daemon on a new address is the same node, and
+a request waits up to ``place_timeout_s`` for a connection to it (a node that is gone takes
+its state with it: :class:`~jaild.errors.DaemonUnavailable` names it).
+
 **Tasks.** Everything the fleet runs by itself -- the slots' connection loops and one task
 per job that follows it to its end (and places it again) -- runs in one ``TaskGroup``,
 held from :meth:`AsyncFleet.connect` to :meth:`AsyncFleet.close`.
@@ -83,7 +93,15 @@ from typing import Any, Literal, TypeVar, Unpack
 
 from jaild import loops, tracing
 from jaild.address import parse_address
-from jaild.client import Approver, AsyncClient, AsyncJob, AsyncSession, JobResult, RunOptions
+from jaild.client import (
+    Approver,
+    AsyncClient,
+    AsyncJob,
+    AsyncSession,
+    JobResult,
+    OutputCallback,
+    RunOptions,
+)
 from jaild.errors import (
     Busy,
     ConnectionLost,
@@ -94,6 +112,8 @@ from jaild.errors import (
     SessionClosed,
     SessionLost,
     ShuttingDown,
+    UnknownJob,
+    UnknownSnapshot,
 )
 from jaild.toolspec import HostTool, normalize_tools
 
@@ -203,6 +223,14 @@ class Slot:
     """Its endpoint is no longer discovered: no new work; closed once its work has ended."""
 
     @property
+    def node(self) -> str:
+        """The node of the daemon at the other end, as its ``Welcome`` named it (its
+        endpoint if it did not); "" while not connected."""
+        if self.client is None:
+            return ""
+        return self.client.node or self.endpoint
+
+    @property
     def load(self) -> int:
         """Jobs in flight plus sessions open: each holds a jail on the node."""
         return self.in_flight + sum(1 for s in self.sessions if s.closed is None)
@@ -230,6 +258,25 @@ def retry_delay_s(round_index: int) -> float:
     """How long a job waits after round ``round_index`` (0, 1, ...) in which every
     connection refused it (before jitter: the fleet waits between half and all of it)."""
     return min(RETRY_MAX_S, RETRY_MIN_S * 2.0 ** round_index)
+
+
+def state_ref(ident: str, node: str) -> str:
+    """A snapshot's or a parked run's id as a fleet gives it out: ``ID@NODE``, naming the
+    node that holds it (ids have no ``@``)."""
+    return f"{ident}@{node}"
+
+
+def split_ref(ref: str) -> tuple[str, str]:
+    """``(id, node)`` of a reference :func:`state_ref` made.
+
+    Raises:
+        ValueError: ``ref`` names no node (a daemon's bare id, not the fleet's).
+    """
+    ident, at, node = ref.partition("@")
+    if not at or not ident or not node:
+        raise ValueError(f"{ref!r} is not a fleet's reference to state on a node: ID@NODE, "
+                         "as the fleet gave it out (a daemon's bare id names no node)")
+    return ident, node
 
 
 def choose(slots: Iterable[Slot], refused: Collection[int], now: float,
@@ -323,6 +370,12 @@ class AsyncFleetJob:
     def node(self) -> str:
         """The endpoint of the current attempt's connection."""
         return self._slot.endpoint
+
+    @property
+    def ref(self) -> str:
+        """The current attempt's job id with its node (``JOB_ID@NODE``): what
+        :meth:`AsyncFleet.approve` and :meth:`AsyncFleet.resume_run` take, once it parks."""
+        return state_ref(self._job.job_id, self._slot.node)
 
     @property
     def connection(self) -> int:
@@ -624,7 +677,152 @@ class AsyncFleet:
         return AsyncFleetSession(self, policy, normalize_tools(tools), dict(limits or {}),
                                  idle_s, max_lifetime_s, approve)
 
+    # ------------------------------------------------------------------ state on nodes
+
+    def restore(
+        self,
+        snapshot_ref: str,
+        tools: Mapping[str, Any] | Iterable[Any] | None = None,
+        *,
+        policy: str | None = None,
+        limits: Mapping[str, float] | None = None,
+        idle_s: float | None = None,
+        max_lifetime_s: float | None = None,
+        approve: Approver | None = None,
+    ) -> AsyncFleetSession:
+        """A session whose state is the snapshot's (:meth:`AsyncClient.restore
+        <jaild.client.AsyncClient.restore>`), opened on the node that holds it
+        (``snapshot_ref``: ``SNAPSHOT_ID@NODE``, as :meth:`AsyncFleetSession.snapshot` and
+        :meth:`snapshots` give it). Not yet open: ``async with fleet.restore(ref) as s``.
+
+        Raises:
+            ValueError: ``snapshot_ref`` names no node (at once).
+            On opening: UnknownSnapshot; DaemonUnavailable (no connection to its node
+                within ``place_timeout_s``).
+        """
+        ident, node = split_ref(snapshot_ref)
+        return AsyncFleetSession(self, policy or "", normalize_tools(tools),
+                                 dict(limits or {}), idle_s, max_lifetime_s, approve,
+                                 restore=(ident, node), pinned_policy=policy)
+
+    async def snapshots(self) -> list[dict[str, Any]]:
+        """The caller's snapshots on every node the fleet is connected to: each entry as
+        :meth:`AsyncClient.snapshots <jaild.client.AsyncClient.snapshots>` gives it, its
+        ``id`` a reference (``SNAPSHOT_ID@NODE``) and its ``node`` named."""
+        entries: dict[str, dict[str, Any]] = {}
+        for slot in self._one_per_endpoint():
+            assert slot.client is not None
+            node = slot.node
+            for entry in await slot.client.snapshots():
+                ref = state_ref(entry["id"], node)
+                entries[ref] = {**entry, "id": ref, "node": node}
+        return list(entries.values())
+
+    async def delete_snapshot(self, snapshot_ref: str) -> None:
+        """Delete a snapshot on its node (UnknownSnapshot: none of the caller's there)."""
+        ident, node = split_ref(snapshot_ref)
+        await self._on_node(node, f"snapshot {ident}",
+                            lambda client: client.delete_snapshot(ident))
+
+    async def approvals(self) -> list[dict[str, Any]]:
+        """The tool calls waiting for the caller's approval on every node the fleet is
+        connected to: as :meth:`AsyncClient.approvals
+        <jaild.client.AsyncClient.approvals>`, each ``job_id`` a reference
+        (``JOB_ID@NODE``) and its ``node`` named."""
+        found: dict[tuple[str, int], dict[str, Any]] = {}
+        for slot in self._one_per_endpoint():
+            assert slot.client is not None
+            node = slot.node
+            for entry in await slot.client.approvals():
+                ref = state_ref(entry["job_id"], node)
+                found[(ref, entry["call_id"])] = {**entry, "job_id": ref, "node": node}
+        return list(found.values())
+
+    async def approve(self, job_ref: str, call_id: int, allow: bool = True,
+                      reason: str = "") -> None:
+        """Decide a call waiting for approval, on its run's node (``job_ref``: ``JOB_ID@NODE``,
+        as :meth:`approvals` and :attr:`AsyncFleetJob.ref` give it).
+
+        Raises:
+            ValueError: ``job_ref`` names no node. UnknownJob, PermissionDenied: as
+                :meth:`AsyncClient.approve <jaild.client.AsyncClient.approve>`.
+                DaemonUnavailable: no connection to its node within ``place_timeout_s``.
+        """
+        ident, node = split_ref(job_ref)
+        await self._on_node(node, f"job {ident}",
+                            lambda client: client.approve(ident, call_id, allow, reason))
+
+    async def resume_run(
+        self,
+        job_ref: str,
+        tools: Mapping[str, Any] | Iterable[Any] | None = None,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        approve: Approver | None = None,
+    ) -> AsyncFleetJob:
+        """Host the tools of a parked run on its node (:meth:`AsyncClient.resume_run
+        <jaild.client.AsyncClient.resume_run>`; ``job_ref``: ``JOB_ID@NODE``). The run is
+        never placed again: if its node is lost, it raises ``NodeLost``.
+
+        Raises:
+            ValueError: ``job_ref`` names no node. UnknownJob, BadRequest: as
+                ``AsyncClient.resume_run``. DaemonUnavailable: no connection to its node
+                within ``place_timeout_s``.
+        """
+        ident, node = split_ref(job_ref)
+        host_tools = normalize_tools(tools)
+        slot, job = await self._on_node(
+            node, f"parked run {ident}",
+            lambda client: client.resume_run(ident, host_tools, on_stdout=on_stdout,
+                                             on_stderr=on_stderr, approve=approve))
+        slot.in_flight += 1
+        fleet_job = AsyncFleetJob(slot, job, 1, False)
+        self._connected().create_task(self._follow(fleet_job, "", "", host_tools, {}),
+                                      name=f"jaild.fleet:{ident}")
+        return fleet_job
+
     # ------------------------------------------------------------------ internals
+
+    def _one_per_endpoint(self) -> list[Slot]:
+        """A slot that is up for each endpoint (several connections to one daemon list its
+        state once)."""
+        self._connected()
+        slots: dict[str, Slot] = {}
+        for slot in self._slots:
+            if slot.state == "up" and slot.client is not None and slot.client.lost is None:
+                slots.setdefault(slot.endpoint, slot)
+        return list(slots.values())
+
+    async def _on_node(self, node: str, what: str,
+                       send: Callable[[AsyncClient], Awaitable[T]]) -> tuple[Slot, T]:
+        """``send`` on a connection to ``node``, waiting up to ``place_timeout_s`` for one to
+        be up (a node whose daemon restarts, or moved to a new address the fleet has yet to
+        discover). Where two endpoints name one node (daemons on one host that name none),
+        each is tried while it answers that ``what`` is not its."""
+        deadline = time.monotonic() + self.place_timeout_s
+        while True:
+            candidates = [s for s in self._one_per_endpoint()
+                          if s.node == node and not s.retiring]
+            if candidates:
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                seen = ", ".join(sorted({s.node for s in self._one_per_endpoint()})) or "none"
+                raise DaemonUnavailable(
+                    f"node {node}, which holds {what}, has no connection of the fleet up "
+                    f"within {self.place_timeout_s:g} s (nodes connected: {seen}); state on a "
+                    "node lost is lost with it")
+            await self._pause(min(0.25, deadline - now))
+        last: JaildError | None = None
+        for slot in candidates:
+            assert slot.client is not None
+            try:
+                return slot, await send(slot.client)
+            except (UnknownSnapshot, UnknownJob) as exc:
+                last = exc
+        assert last is not None
+        raise last
 
     def _connected(self) -> asyncio.TaskGroup:
         if self._tasks is None or self._closing:
@@ -966,8 +1164,12 @@ class AsyncFleetSession:
 
     def __init__(self, fleet: AsyncFleet, policy: str, tools: dict[str, HostTool],
                  limits: dict[str, float], idle_s: float | None,
-                 max_lifetime_s: float | None, approve: Approver | None) -> None:
+                 max_lifetime_s: float | None, approve: Approver | None, *,
+                 restore: tuple[str, str] | None = None,
+                 pinned_policy: str | None = None) -> None:
         self._fleet = fleet
+        self._restore = restore  # (snapshot id, node): opened there, from it
+        self._pinned_policy = pinned_policy
         self.policy = policy
         self._tools = tools
         self._limits = limits
@@ -1010,14 +1212,28 @@ class AsyncFleetSession:
         if self._session is not None:
             raise RuntimeError("this session was opened already")
 
-        async def open_on(client: AsyncClient) -> AsyncSession:
-            session = client.session(self.policy, self._tools, limits=self._limits,
-                                     idle_s=self._idle_s, max_lifetime_s=self._max_lifetime_s,
-                                     approve=self._approve)
-            return await session.open()
+        if self._restore is not None:
+            ident, node = self._restore
 
-        slot, session = await self._fleet._place(open_on, side_effects=False)
-        slot.in_flight -= 1  # a session counts as one of the slot's sessions instead
+            async def restore_on(client: AsyncClient) -> AsyncSession:
+                session = client.restore(ident, self._tools, policy=self._pinned_policy,
+                                         limits=self._limits, idle_s=self._idle_s,
+                                         max_lifetime_s=self._max_lifetime_s,
+                                         approve=self._approve)
+                return await session.open()
+
+            slot, session = await self._fleet._on_node(node, f"snapshot {ident}", restore_on)
+            self.policy = session.policy or self.policy
+        else:
+            async def open_on(client: AsyncClient) -> AsyncSession:
+                session = client.session(self.policy, self._tools, limits=self._limits,
+                                         idle_s=self._idle_s,
+                                         max_lifetime_s=self._max_lifetime_s,
+                                         approve=self._approve)
+                return await session.open()
+
+            slot, session = await self._fleet._place(open_on, side_effects=False)
+            slot.in_flight -= 1  # a session counts as one of the slot's sessions instead
         self._slot, self._session = slot, session
         slot.sessions.add(self)
         return self
@@ -1061,6 +1277,23 @@ class AsyncFleetSession:
             self._fleet._follow(fleet_job, code, self.policy, {}, options),
             name=f"jaild.fleet:{job.job_id}")
         return fleet_job
+
+    async def snapshot(self, ttl_s: float | None = None) -> dict[str, Any]:
+        """Snapshot the session's state on its node (:meth:`AsyncSession.snapshot
+        <jaild.client.AsyncSession.snapshot>`): the entry, its ``id`` a reference
+        (``SNAPSHOT_ID@NODE``) that :meth:`AsyncFleet.restore` takes, its ``node`` named.
+
+        Raises:
+            SessionLost: the session's node was lost. JaildError: as ``AsyncSession.snapshot``.
+        """
+        session = self._open()
+        assert self._slot is not None
+        try:
+            entry = await session.snapshot(ttl_s)
+        except (ConnectionLost, SessionClosed) as exc:
+            raise self._translated(exc) from exc
+        node = self._slot.node
+        return {**entry, "id": state_ref(entry["id"], node), "node": node}
 
     async def upload(self, files: Any) -> JobResult:
         """Put files into the working directory (see ``AsyncSession.upload``)."""
@@ -1212,6 +1445,51 @@ class Fleet:
             policy, tools, limits=limits, idle_s=idle_s, max_lifetime_s=max_lifetime_s,
             approve=approve))
 
+    def restore(
+        self,
+        snapshot_ref: str,
+        tools: Mapping[str, Any] | Iterable[Any] | None = None,
+        *,
+        policy: str | None = None,
+        limits: Mapping[str, float] | None = None,
+        idle_s: float | None = None,
+        max_lifetime_s: float | None = None,
+        approve: Approver | None = None,
+    ) -> FleetSession:
+        """See :meth:`AsyncFleet.restore`; ``with fleet.restore(ref) as s: s.run(...)``."""
+        return FleetSession(self, self._fleet.restore(
+            snapshot_ref, tools, policy=policy, limits=limits, idle_s=idle_s,
+            max_lifetime_s=max_lifetime_s, approve=approve))
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        """See :meth:`AsyncFleet.snapshots`."""
+        return self._call(self._fleet.snapshots())
+
+    def delete_snapshot(self, snapshot_ref: str) -> None:
+        """See :meth:`AsyncFleet.delete_snapshot`."""
+        self._call(self._fleet.delete_snapshot(snapshot_ref))
+
+    def approvals(self) -> list[dict[str, Any]]:
+        """See :meth:`AsyncFleet.approvals`."""
+        return self._call(self._fleet.approvals())
+
+    def approve(self, job_ref: str, call_id: int, allow: bool = True, reason: str = "") -> None:
+        """See :meth:`AsyncFleet.approve`."""
+        self._call(self._fleet.approve(job_ref, call_id, allow, reason))
+
+    def resume_run(
+        self,
+        job_ref: str,
+        tools: Mapping[str, Any] | Iterable[Any] | None = None,
+        *,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        approve: Approver | None = None,
+    ) -> FleetJob:
+        """See :meth:`AsyncFleet.resume_run`."""
+        return FleetJob(self, self._call(self._fleet.resume_run(
+            job_ref, tools, on_stdout=on_stdout, on_stderr=on_stderr, approve=approve)))
+
     def stats(self) -> list[ConnectionStats]:
         """See :meth:`AsyncFleet.stats`."""
 
@@ -1253,6 +1531,11 @@ class FleetJob:
     @property
     def node(self) -> str:
         return self._job.node
+
+    @property
+    def ref(self) -> str:
+        """See :attr:`AsyncFleetJob.ref`."""
+        return self._job.ref
 
     @property
     def attempt(self) -> int:
@@ -1312,6 +1595,10 @@ class FleetSession:
     def run(self, code: str, **options: Unpack[RunOptions]) -> JobResult:
         """See :meth:`AsyncFleetSession.run`."""
         return self._fleet._call(self._session.run(code, **options))
+
+    def snapshot(self, ttl_s: float | None = None) -> dict[str, Any]:
+        """See :meth:`AsyncFleetSession.snapshot`."""
+        return self._fleet._call(self._session.snapshot(ttl_s))
 
     def upload(self, files: Any) -> JobResult:
         return self._fleet._call(self._session.upload(files))

@@ -13,6 +13,8 @@ import dataclasses
 import functools
 import hashlib
 import os
+import re
+import socket
 import tomllib
 import typing
 from dataclasses import dataclass
@@ -86,6 +88,15 @@ def _slice(v: Any) -> str | None:
 
 def _absolute(v: Any) -> str | None:
     return None if v == "" or str(v).startswith("/") else f"must be an absolute path, got {v!r}"
+
+
+_NODE_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?")
+
+
+def _node_name(v: Any) -> str | None:
+    if v == "" or _NODE_NAME.fullmatch(str(v)):
+        return None
+    return f"must be a node's name (a DNS name: letters, digits, '.', '-', '_'; 1..253), got {v!r}"
 
 
 def _kubelet_roots(v: Any) -> str | None:
@@ -258,8 +269,11 @@ class AccessFile:
     )
     node_name: str = setting(
         "",
-        "The node whose pods the daemon watches; \"\": $JAILD_NODE_NAME (the DaemonSet sets "
-        "it from spec.nodeName), else the host name.",
+        "The node the daemon is on: whose pods it watches, and the name it gives its clients "
+        "(Welcome.node: a fleet routes a snapshot's restore and a parked run's resume to "
+        "it); \"\": $JAILD_NODE_NAME (the DaemonSet sets it from spec.nodeName), else the host "
+        "name.",
+        _node_name,
     )
     principals: tuple[str, ...] = setting(
         ("*",),
@@ -650,6 +664,13 @@ class DaemonConfig:
     def snapshot_dir(self) -> str:
         """Where this daemon keeps snapshots: ``<state_dir>/snapshots/<instance>``."""
         return os.path.join(self.state_dir, "snapshots", self.instance)
+
+    @property
+    def node(self) -> str:
+        """The node this daemon keeps state on, as it names itself to clients and the pods'
+        watch: ``access.node_name``, else ``$JAILD_NODE_NAME``, else the host name."""
+        name = self.node_name or os.environ.get("JAILD_NODE_NAME") or socket.gethostname()
+        return name[:253]  # Welcome.node's bound (a node's name is a DNS name: never longer)
 
     @property
     def instance(self) -> str:

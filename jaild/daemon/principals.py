@@ -38,7 +38,6 @@ gives 0 for a client outside it, and the client is refused ("its pid is not visi
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from typing import Protocol
 
@@ -97,7 +96,7 @@ class PodPrincipals:
 
     @classmethod
     def from_config(cls, config: DaemonConfig) -> PodPrincipals:
-        node = config.node_name or os.environ.get("JAILD_NODE_NAME") or socket.gethostname()
+        node = config.node
         api = config.kubernetes_api
         directory: identity.PodDirectory | None
         if api == "none":

@@ -312,7 +312,8 @@ class ServedConnection(asyncio.Protocol):
                     self._greeted = True
                     if self._handshake_timer is not None:
                         self._handshake_timer.cancel()
-                    self.send(Welcome(protocol=PROTOCOL_VERSION, daemon=f"jaild/{__version__}"))
+                    self.send(Welcome(protocol=PROTOCOL_VERSION, daemon=f"jaild/{__version__}",
+                                      node=self.daemon.config.node))
                     self._watch_liveness()
                     continue
                 self._dispatch(event)

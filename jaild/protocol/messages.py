@@ -174,6 +174,10 @@ class Welcome(Message):
     TYPE = "Welcome"
     protocol: int = field(integer(0, 1 << 16))
     daemon: str = field(string(256), default="")
+    node: str = field(string(253), default="")
+    """The node whose state the daemon keeps (``access.node_name``, else
+    ``$JAILD_NODE_NAME``, else the host name): a fleet routes a snapshot's restore and a
+    parked run's resume to it. "" from a daemon that predates it."""
 
 
 @struct

@@ -27,9 +27,10 @@ POLICIES = {"default": "[limits]\nwall_time_s = 30\n"}
 Factory = Callable[..., DaemonHandle]
 
 
-def daemons(private_daemon: Factory, tmp_path: Path, *configs: str) -> list[DaemonHandle]:
+def daemons(private_daemon: Factory, tmp_path: Path, *configs: str,
+            policies: dict[str, str] = POLICIES) -> list[DaemonHandle]:
     """One daemon per config (``jaild.toml`` text; "" for none), started side by side, each
-    serving only ``default``."""
+    serving only ``policies`` (``default``)."""
     handles = []
     for i, text in enumerate(configs):
         args: tuple[str, ...] = ()
@@ -37,7 +38,7 @@ def daemons(private_daemon: Factory, tmp_path: Path, *configs: str) -> list[Daem
             path = tmp_path / f"jaild{i}.toml"
             path.write_text(text)
             args = ("--config", str(path))
-        handles.append(private_daemon(POLICIES, with_repo_policies=False, args=args, wait=False))
+        handles.append(private_daemon(policies, with_repo_policies=False, args=args, wait=False))
     for handle in handles:
         wait_listening(handle.socket, handle.proc, handle.log_path)
         handle.subtree_dirs  # noqa: B018 -- where it placed itself, remembered while it runs
@@ -204,3 +205,91 @@ def test_a_draining_node_gets_no_new_jobs(private_daemon: Factory, tmp_path: Pat
     assert {(r.status, r.result) for r in results} == {("ok", 1)}
     assert draining.proc.wait(guard(60)) == 0
     assert "drained: every running job finished" in draining.log()
+
+
+DURABLE = ('[pool]\nmax = 0\n[limits]\nwall_time_s = 900\n[access]\napprove = ["send"]\n'
+           '[approvals]\npark_after_s = 0.5\n')
+PARKING = """\
+found = tools.search("x")
+sent = tools.send(found)
+(found, sent)
+"""
+
+
+def holder_args(tmp_path: Path, holder: DaemonHandle, ds: list[DaemonHandle]) -> tuple[str, ...]:
+    """The config ``daemons`` gave ``holder`` (its node's name)."""
+    return ("--config", str(tmp_path / f"jaild{ds.index(holder)}.toml"))
+
+
+class Sender:
+    """A parking run's tools, counting the calls the host really makes."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def search(self, q: str) -> list[str]:
+        return [q, "hit"]
+
+    def send(self, found: list[str]) -> str:
+        self.sent += 1
+        return f"sent {found}"
+
+
+def test_snapshots_and_parked_runs_are_reached_on_the_node_that_holds_them(
+    private_daemon: Factory, tmp_path: Path
+) -> None:
+    """State lives on one node: the fleet names the node in the references it gives out
+    (``ID@NODE``) and sends restore, approve and resume there -- from another fleet (a
+    replaced agent), and after the node's daemon restarted. The control: the other node's
+    daemon knows none of it (a fleet that picked a connection by load would fail half the
+    time, and every one of the four restores here must land)."""
+    from jaild.errors import UnknownJob, UnknownSnapshot
+
+    ds = daemons(private_daemon, tmp_path, '[access]\nnode_name = "node-a"\n',
+                 '[access]\nnode_name = "node-b"\n',
+                 policies={**POLICIES, "durable": DURABLE})
+    sockets = {"node-a": ds[0].socket, "node-b": ds[1].socket}
+    sender = Sender()
+    with Fleet(list(sockets.values())) as fleet:
+        sessions = [fleet.session().open() for _ in range(4)]  # least load: two per node
+        refs = []
+        for i, session in enumerate(sessions):
+            session.run(f"x = {i}")
+            refs.append(session.snapshot()["id"])
+        for session in sessions:
+            session.close()
+        assert sorted(r.split("@")[1] for r in refs) == ["node-a"] * 2 + ["node-b"] * 2, refs
+        assert sorted(e["id"] for e in fleet.snapshots()) == sorted(refs)
+        parking = fleet.submit(PARKING, "durable", tools=[sender.search, sender.send])
+        until(lambda: any(a["parked"] for a in fleet.approvals()), "the run to park")
+        [waiting] = fleet.approvals()
+        assert waiting["job_id"] == parking.ref and waiting["node"] == parking.ref.split("@")[1]
+    # another fleet, as a replacement agent pod would make: it finds and reaches each one
+    with Fleet(list(sockets.values())) as fleet:
+        for i, ref in enumerate(refs):
+            with fleet.restore(ref) as again:
+                assert again.run("x").result == i, ref
+        ident, node = waiting["job_id"].split("@")
+        other = sockets["node-b" if node == "node-a" else "node-a"]
+        with Client(other) as stranger:  # the control: the other node knows none of it
+            with pytest.raises(UnknownJob):
+                stranger.approve(ident, waiting["call_id"])
+            for ref in refs:
+                if not ref.endswith("@" + node):
+                    continue
+                with pytest.raises(UnknownSnapshot), stranger.restore(ref.split("@")[0]) as s:
+                    s.run("x")
+        fleet.approve(waiting["job_id"], waiting["call_id"], True, "fine")
+        resumed = fleet.resume_run(waiting["job_id"], [sender.search, sender.send])
+        assert resumed.result(guard(60)).result == [["x", "hit"], "sent ['x', 'hit']"]
+        assert sender.sent == 1
+        with pytest.raises(ValueError, match="ID@NODE"):
+            fleet.restore(refs[0].split("@")[0])  # a daemon's bare id names no node
+        # the node's daemon restarts (a rollout: the same node, its state on its volume)
+        holder = ds[0] if refs[0].endswith("@node-a") else ds[1]
+        assert holder.stop() == 0
+        restarted = private_daemon({**POLICIES, "durable": DURABLE}, with_repo_policies=False,
+                                   args=holder_args(tmp_path, holder, ds), socket=holder.socket)
+        assert restarted.socket == holder.socket
+        with fleet.restore(refs[0]) as again:  # waits for the connection to be made again
+            assert again.run("x").result == 0

@@ -25,7 +25,14 @@ import pytest
 
 from jaild.client import AsyncClient
 from jaild.daemon.config import DaemonConfig
-from jaild.errors import Busy, DaemonUnavailable, NodeLost, SessionLost, UnknownPolicy
+from jaild.errors import (
+    Busy,
+    DaemonUnavailable,
+    NodeLost,
+    SessionLost,
+    UnknownPolicy,
+    UnknownSnapshot,
+)
 from jaild.fleet import (
     COOL_MAX_S,
     COOL_MIN_S,
@@ -38,6 +45,8 @@ from jaild.fleet import (
     current_attempt,
     for_attempt,
     retry_delay_s,
+    split_ref,
+    state_ref,
 )
 from jaild.testing import FakeDaemon, fake_daemon
 from jaild.toolspec import normalize_tools, tool
@@ -528,5 +537,39 @@ def test_discovery_that_fails_or_finds_nothing_keeps_the_endpoints() -> None:
             assert [(s.endpoint, s.state) for s in fleet.stats()] == [("a", "up")]
         with pytest.raises(TypeError, match="discover= or connections="):
             AsyncFleet(["a"], discover=flaky, connections=2)
+
+    run(test)
+
+
+# ----------------------------------------------------------------------------- state on nodes
+
+
+def test_a_reference_names_the_node_and_a_bare_id_is_refused() -> None:
+    assert split_ref(state_ref("snap-0f3a", "node-a")) == ("snap-0f3a", "node-a")
+    assert split_ref(state_ref("job-1", "tls://10.0.0.7:7070")) == ("job-1", "tls://10.0.0.7:7070")
+    for bare in ("snap-0f3a", "@node-a", "snap-0f3a@"):
+        with pytest.raises(ValueError, match="ID@NODE"):
+            split_ref(bare)
+
+
+def test_state_on_a_node_with_no_connection_is_unavailable_naming_the_node() -> None:
+    """The fleet waits ``place_timeout_s`` for a connection to the node that holds the state,
+    then names it and the nodes it does have; the control: the node it is connected to is
+    reached at once (a fake daemon names its node as its config says)."""
+
+    async def test() -> None:
+        config = DaemonConfig(socket_path="<jaild.testing>", probe_policies=False,
+                              node_name="node-a")
+        snap = "snap-" + "0" * 32
+        async with nodes("a", configs={"a": config}) as n, AsyncFleet(
+                ["a"], connections=1, client_factory=n.client, place_timeout_s=0.2) as fleet:
+            assert await fleet.snapshots() == []
+            assert await fleet.approvals() == []
+            with pytest.raises(DaemonUnavailable, match=re.escape(
+                    f"node node-b, which holds snapshot {snap}, has no connection of the fleet "
+                    "up within 0.2 s (nodes connected: node-a)")):
+                await fleet.delete_snapshot(f"{snap}@node-b")
+            with pytest.raises(UnknownSnapshot):  # reached: it has no such snapshot
+                await fleet.delete_snapshot(f"{snap}@node-a")
 
     run(test)
