@@ -99,9 +99,12 @@ class Kubelet:
 
 
 CLIENT = textwrap.dedent("""
-    import json, sys
+    import json, sys, time
     from jaild.client import Client
     from jaild.errors import JaildError
+    def search(q): return [q]
+    def send(found): return f"sent {found}"
+    TOOLS = [search, send]
     sock, action = sys.argv[1], sys.argv[2]
     out = {}
     try:
@@ -130,6 +133,14 @@ CLIENT = textwrap.dedent("""
             elif action == "restore":
                 with c.restore(sys.argv[3]) as s:
                     out["restored"] = s.run("x + 1").result
+            elif action == "park":  # a run whose second call waits for approval, then parks
+                job = c.submit("tools.send(tools.search('x'))", "durable", tools=TOOLS)
+                while not any(a["parked"] for a in c.approvals()):
+                    time.sleep(0.05)
+                out["parked"] = [job.job_id, c.approvals()[0]["call_id"]]
+            elif action == "resume":  # the daemon's word, not the approvals list's
+                c.approve(sys.argv[3], int(sys.argv[4]), True, "fine")
+                out["resumed"] = c.resume_run(sys.argv[3], TOOLS).result(60).result
             else:
                 r = c.run("print(6 * 7)")
                 out["run"] = [r.status, r.stdout.strip()]
@@ -202,13 +213,22 @@ def pods_daemon(tmp_path: Path, api: FakeKubeAPI, kubelet: Kubelet) -> Iterator[
     sweep_cgroups(handle)
 
 
+DURABLE = ('[pool]\nmax = 0\n[limits]\nwall_time_s = 900\n[access]\napprove = ["send"]\n'
+           '[approvals]\npark_after_s = 0.5\n')
+"""Runs whose ``send`` waits for approval, parked half a second after it asks."""
+
+
 def daemon_for(tmp_path: Path, url: str, outside: str,
-               roots: list[str] | None = None, tenant: str = "pod") -> DaemonHandle:
+               roots: list[str] | None = None, tenant: str = "pod",
+               durable: bool = False) -> DaemonHandle:
     path = tmp_path / "jaild.toml"
     path.write_text(PODS_CONFIG.format(url=url, node=NODE, outside=outside, tenant=tenant,
                                        roots=json.dumps(roots or ["/"])))
-    return start_daemon(tmp_path / "d", {"default": "[limits]\nwall_time_s = 90\n"},
-                        with_repo_policies=False, args=("--config", str(path)))
+    policies = {"default": "[limits]\nwall_time_s = 90\n"}
+    if durable:
+        policies["durable"] = DURABLE
+    return start_daemon(tmp_path / "d", policies, with_repo_policies=False,
+                        args=("--config", str(path)))
 
 
 def test_two_pods_of_one_uid_are_two_tenants(
@@ -248,14 +268,15 @@ def test_two_pods_of_one_uid_are_two_tenants(
 
 
 @pytest.mark.parametrize("tenant", ["serviceaccount", "pod"])
-def test_a_replacement_pod_restores_its_predecessors_snapshot_where_accounts_are_tenants(
+def test_a_replacement_pod_reaches_its_predecessors_state_where_accounts_are_tenants(
     tmp_path: Path, api: FakeKubeAPI, kubelet: Kubelet, tenant: str
 ) -> None:
     """``access.tenant = "serviceaccount"``: a Deployment's replacement pod (another pod, the
-    same service account) restores the snapshot its deleted predecessor took; a pod of
-    another service account does not. The control: with pods as tenants (the default) the
-    replacement is a stranger too."""
-    handle = daemon_for(tmp_path, api.url, "refuse", kubelet.roots, tenant=tenant)
+    same service account) restores the snapshot its deleted predecessor took, and approves
+    and resumes the run it left parked; a pod of another service account does neither. The
+    control: with pods as tenants (the default) the replacement is a stranger too."""
+    handle = daemon_for(tmp_path, api.url, "refuse", kubelet.roots, tenant=tenant,
+                        durable=True)
     try:
         old, new = new_pod("agent-5d8f-x1", "cgroupfs"), new_pod("agent-5d8f-y2", "systemd")
         other = new_pod("agent-other", "cgroupfs")
@@ -265,14 +286,22 @@ def test_a_replacement_pod_restores_its_predecessors_snapshot_where_accounts_are
             kubelet.place(pod)
         taken = result(client(kubelet, old, handle.socket, "snap"))
         assert str(taken.get("snap", "")).startswith("snap-"), taken
+        left = result(client(kubelet, old, handle.socket, "park"))
+        assert "parked" in left, left
         api.delete_pod(old.uid)  # the rollout replaces it
-        replacement = result(client(kubelet, new, handle.socket, "restore", str(taken["snap"])))
-        stranger = result(client(kubelet, other, handle.socket, "restore", str(taken["snap"])))
+        snap, (run, call) = str(taken["snap"]), left["parked"]  # type: ignore[misc]
+        stranger = result(client(kubelet, other, handle.socket, "restore", snap))
         assert stranger["error"][0] == "unknown_snapshot", stranger
+        stranger = result(client(kubelet, other, handle.socket, "resume", run, str(call)))
+        assert stranger["error"][0] == "unknown_job", stranger
+        restored = result(client(kubelet, new, handle.socket, "restore", snap))
+        resumed = result(client(kubelet, new, handle.socket, "resume", run, str(call)))
         if tenant == "serviceaccount":
-            assert replacement["restored"] == 42, replacement
+            assert restored["restored"] == 42, restored
+            assert resumed["resumed"] == "sent ['x']", resumed
         else:
-            assert replacement["error"][0] == "unknown_snapshot", replacement
+            assert restored["error"][0] == "unknown_snapshot", restored
+            assert resumed["error"][0] == "unknown_job", resumed
     finally:
         handle.stop()
         sweep_cgroups(handle)
