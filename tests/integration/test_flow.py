@@ -649,3 +649,35 @@ get("127.0.0.1", PATH)
             else:
                 assert r.result == 200 and r.record.flow is None
     assert "/parked-given" not in world.seen and "/parked-control" in world.seen
+
+
+def test_a_parked_session_run_continues_holding_the_labels_the_session_was_given(
+        world: World) -> None:
+    """A session opened with ``labels`` (``OpenSession.labels``, nothing read inside it)
+    parks a run at a call waiting for approval; the run's continuation -- a fresh jail from
+    the session's state before the run, the run replayed -- and the session's later runs
+    hold them (the control: the same session given none reaches the host after the
+    approval)."""
+    from tests.integration.test_durable_approvals import wait_for
+
+    with Client(world.daemon.socket) as c:
+        for labels, path in ((["private"], "/ses-parked-given"), ([], "/ses-parked-control")):
+            with c.session("flow-park", tools=TOOLS, labels=labels) as s:
+                s.run(GET.format(port=world.port))
+                job = s.submit('tools.send_email(to="bob@example.com", body="hi")\n'
+                               f'get("127.0.0.1", {path!r})')
+                entry = wait_for(lambda job_id=job.job_id: [
+                    a for a in c.approvals() if a["parked"] and a["job_id"] == job_id])[0]
+                c.approve(job.job_id, entry["call_id"], True)  # type: ignore[index]
+                r = job.result(timeout=guard(60))
+                assert r.status == "ok", (r.status, r.error)
+                later = s.run(f'get("127.0.0.1", {path + "-later"!r})')
+                if labels:
+                    assert str(r.result).startswith("403") and list(r.record.flow.labels) == \
+                        labels
+                    assert str(later.result).startswith("403"), later.result
+                else:
+                    assert r.result == 200 and r.record.flow is None
+                    assert later.result == 200
+    assert "/ses-parked-given" not in world.seen and "/ses-parked-given-later" not in world.seen
+    assert "/ses-parked-control" in world.seen and "/ses-parked-control-later" in world.seen
