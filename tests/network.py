@@ -89,9 +89,10 @@ def tls_config(directory: Path, pki: Pki, *, listen: str = "tls://127.0.0.1:0",
                principals: tuple[str, ...] = ("*",), liveness_s: float | None = None,
                metrics: str | None = None, limits: dict[str, object] | None = None,
                tls: dict[str, object] | None = None,
-               daemon: dict[str, object] | None = None) -> tuple[Path, Path]:
+               daemon: dict[str, object] | None = None,
+               access: dict[str, object] | None = None) -> tuple[Path, Path]:
     """A daemon config file with a TLS listener: (its path, its audit log's path).
-    ``limits``, ``tls``, ``daemon``: more keys of those sections."""
+    ``limits``, ``tls``, ``daemon``, ``access``: more keys of those sections."""
     directory.mkdir(parents=True, exist_ok=True)
     audit = directory / "audit.jsonl"
     own: dict[str, object] = {"listen": [listen], "audit_log": str(audit), **(daemon or {})}
@@ -99,7 +100,7 @@ def tls_config(directory: Path, pki: Pki, *, listen: str = "tls://127.0.0.1:0",
         own["metrics_address"] = metrics
     sections: dict[str, dict[str, object]] = {
         "daemon": own,
-        "access": {"principals": list(principals)},
+        "access": {"principals": list(principals), **(access or {})},
         "tls": {"cert": pki.server.cert, "key": pki.server.key, "client_ca": pki.ca.cert,
                 **(tls or {})},
         "limits": {**({"liveness_timeout_s": liveness_s} if liveness_s is not None else {}),

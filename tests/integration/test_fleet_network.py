@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from jaild.client import Client
-from jaild.errors import ConnectionLost, NodeLost
+from jaild.errors import ConnectionLost, DaemonUnavailable, NodeLost
 from jaild.fleet import AsyncFleet, Fleet, current_attempt
 from tests.conftest import guard, until
 from tests.fleet import Testbed, in_netns, require_testbed_host
@@ -81,12 +81,15 @@ class Fleetbed:
         self.bed, self.pki, self.directory = bed, pki, directory
         self.nodes: dict[int, Node] = {}
 
-    def start(self, i: int, liveness_s: float = LIVENESS_S, **config: object) -> Node:
+    def start(self, i: int, liveness_s: float = LIVENESS_S, port: int = PORT,
+              **config: object) -> Node:
+        """Node ``i``'s daemon, named ``node<i>`` (``access.node_name``), listening on
+        ``port`` of its station's address."""
         station = self.bed.node(i)
         directory = self.directory / f"node{i}"
         d = start_tls_daemon(
             directory, self.pki, wrapper=tuple(station.nsenter()),
-            listen=f"tls://{station.address}:{PORT}",
+            listen=f"tls://{station.address}:{port}", access={"node_name": f"node{i}"},
             metrics=f"{station.address}:{METRICS_PORT}", liveness_s=liveness_s, **config,
         )
         node = self.nodes[i] = Node(i, d, directory, liveness_s)
@@ -362,6 +365,38 @@ def test_a_drain_sends_new_jobs_elsewhere_while_the_running_job_ends(fb: Fleetbe
             return bool(back.job_ids() & ran)  # the audit is written a moment after
 
         until(node3_took_one, "node 3 takes jobs again", timeout=60)
+
+
+def test_a_node_rolled_to_a_new_address_takes_work_again_and_keeps_its_state(
+        fb: Fleetbed) -> None:
+    """A DaemonSet rollout gives a node's daemon a new address (its pod's); the node and the
+    state on it stay. A fleet that re-resolves its endpoints (``discover=``) connects to the
+    new address, runs jobs there, and restores the snapshot taken before the roll: its
+    reference names the node (``...@node1``), not an address. The control: a fleet given the
+    old address alone never reaches the node again."""
+    node = fb.nodes[1]
+    found = [fb.address(1)]
+    moved = f"tls://{fb.bed.node(1).address}:{PORT + 1}"
+    try:
+        with fb.fleet(nodes=(1,), discover=lambda: list(found), rediscover_s=0.2) as follows, \
+                fb.fleet(nodes=(1,), place_timeout_s=3) as stays:
+            with follows.session() as s:
+                s.run("x = 41")
+                ref = s.snapshot()["id"]
+            assert ref.endswith("@node1"), ref
+            node.daemon.handle.proc.send_signal(signal.SIGTERM)  # the old pod goes ...
+            assert node.daemon.handle.proc.wait(timeout=guard(30)) == 0
+            fb.start(1, node.liveness_s, port=PORT + 1, **NODE_CONFIG)  # type: ignore[arg-type]
+            found[:] = [moved]  # ... and the Service's name now resolves to the new one
+            ran = follows.run("6 * 7")
+            assert (ran.status, ran.result, ran.node) == ("ok", 42, moved)
+            with follows.restore(ref) as again:
+                assert again.run("x + 1").result == 42
+            with pytest.raises(DaemonUnavailable):  # the control: nobody at the old address
+                stays.run("6 * 7")
+    finally:
+        fb.nodes[1].daemon.handle.stop()
+        restart(fb, 1)  # back on its address, for the tests after this one
 
 
 # ------------------------------------------------------------------ scaling
