@@ -38,6 +38,9 @@ class Principal:
     namespace: str = ""
     name: str = ""
     service_account: str = ""
+    slots: int = 0
+    """A pod's request of ``access.slot_resource``: the jobs and sessions it may hold at once
+    (admission); 0: it requests none, and the ``limits`` apply."""
 
     @classmethod
     def of_uid(cls, uid: int) -> Principal:
