@@ -30,16 +30,22 @@ NODE = "node-a"
 
 def make_pod(uid: str, name: str, namespace: str = "default", node: str = NODE,
              service_account: str = "default", phase: str = "Running",
-             containers: tuple[str, ...] = ()) -> dict[str, Any]:
+             containers: tuple[str, ...] = (), slots: int = 0,
+             slot_resource: str = "jaild.dev/slots") -> dict[str, Any]:
     """A pod object as the API returns it (the fields the directory reads, and a few more);
-    ``containers``: the ids its status reports (``containerd://<id>``)."""
+    ``containers``: the ids its status reports (``containerd://<id>``); ``slots``: its first
+    container's request (= limit) of ``slot_resource``, as an agent's (0: none)."""
+    specs: list[dict[str, Any]] = [{"name": f"c{i}", "image": "python:3.11"}
+                                   for i in range(max(1, len(containers)))]
+    if slots:
+        specs[0]["resources"] = {"requests": {slot_resource: str(slots)},
+                                 "limits": {slot_resource: str(slots)}}
     return {
         "kind": "Pod", "apiVersion": "v1",
         "metadata": {"uid": uid, "name": name, "namespace": namespace,
                      "labels": {"app": name}, "resourceVersion": ""},
         "spec": {"nodeName": node, "serviceAccountName": service_account,
-                 "containers": [{"name": f"c{i}", "image": "python:3.11"}
-                                for i in range(max(1, len(containers)))]},
+                 "containers": specs},
         "status": {"phase": phase, "containerStatuses": [
             {"name": f"c{i}", "containerID": f"containerd://{cid}", "ready": True}
             for i, cid in enumerate(containers)]},

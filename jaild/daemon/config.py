@@ -110,6 +110,17 @@ def _kubelet_roots(v: Any) -> str | None:
     return None
 
 
+_EXTENDED_RESOURCE = re.compile(
+    r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?", re.ASCII)
+
+
+def _slot_resource(v: Any) -> str | None:
+    if v == "" or (isinstance(v, str) and _EXTENDED_RESOURCE.fullmatch(v)
+                   and not v.split("/")[0].endswith("kubernetes.io")):
+        return None
+    return f'must be "" or an extended resource name such as "jaild.dev/slots", got {v!r}'
+
+
 def _listeners(v: Any) -> str | None:
     for entry in v:
         try:
@@ -296,6 +307,15 @@ class AccessFile:
         "hierarchy at the top of the cgroup file system or up to two levels down, else \"/\". "
         "Each must be owned by root and writable by nobody else, or the daemon does not start.",
         _kubelet_roots,
+    )
+    slot_resource: str = setting(
+        "jaild.dev/slots",
+        'With identity "kubernetes": the extended resource whose request is a pod\'s jail '
+        "slots (a device plugin advertises the node's; docs/running/kubernetes.md). A pod "
+        "that requests it holds at most that many jobs and sessions at once, in place of "
+        "`limits.max_jobs_per_uid`; a pod that does not is served by the `limits`. \"\": "
+        "requests are not read.",
+        _slot_resource,
     )
 
 
@@ -543,6 +563,7 @@ class DaemonConfig:
     node_name: str = ""
     pod_wait_s: float = 2.0
     kubelet_cgroup_roots: tuple[str, ...] = ()  # see AccessFile
+    slot_resource: str = "jaild.dev/slots"  # see AccessFile
     max_jobs: int = 512
     max_jobs_per_connection: int = 256
     max_connections: int = 1024

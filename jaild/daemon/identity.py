@@ -31,7 +31,8 @@ change (moving a process between cgroups takes privilege over both). So:
    processes may linger through the grace period, and no new work is taken from them.
    Deletion is final (a uid is never reused). A pod not yet seen may be waited for
    (:meth:`PodDirectory.get` with ``wait_s``): the pod object exists before its containers
-   start, but the watch may lag.
+   start, but the watch may lag. The pod's spec also says how many jail slots it requests
+   (:func:`pod_slots`: an extended resource a device plugin advertises, ``access.slot_resource``).
 
 The cost of :func:`peer_cgroup`, measured on this project's 2-core test host (kernel 6.18,
 under load from other tests): 35-60 us a call, the same with SO_PEERPIDFD or ``pidfd_open``,
@@ -531,6 +532,9 @@ class PodInfo:
     """The ids (64 hex, without the runtime's ``containerd://``) of the pod's containers,
     init and ephemeral ones too, as its status reports them (a container appears there once
     the runtime has made it)."""
+    slots: int = 0
+    """How many of the slot resource (``access.slot_resource``) the pod requests
+    (:func:`pod_slots`); 0: none, or not read."""
 
 
 _CONTAINER_ID = re.compile(f"[a-z0-9-]+://(?P<cid>{_CID})", re.ASCII)
@@ -547,15 +551,71 @@ def _containers(status: Any) -> frozenset[str]:
     return frozenset(out)
 
 
-def _pod(obj: Any) -> tuple[PodInfo, bool] | None:
-    """A pod object as (PodInfo, ended?) -- ended: deleting or finished; None if malformed."""
+_QUANTITY = re.compile(
+    r"\+?(?P<n>[0-9]+)(?:(?P<suffix>[KMGTPE]i|[kMGTPE])|[eE]\+?(?P<exp>[0-9]{1,2}))?", re.ASCII)
+_SUFFIXES = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def _whole_quantity(value: Any) -> int:
+    """A Kubernetes quantity that is a whole number (what an extended resource must be:
+    "2", "1k", "1e3" as the API may write them back), as an int.
+
+    Raises:
+        ValueError: not a whole, non-negative quantity ("500m", "1.5", "x").
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    m = _QUANTITY.fullmatch(str(value))
+    if m is None:
+        raise ValueError(f"not a whole quantity: {value!r}")
+    scale = _SUFFIXES[m["suffix"]] if m["suffix"] else 10 ** int(m["exp"] or 0)
+    return int(m["n"]) * scale
+
+
+def pod_slots(spec: Any, resource: str) -> int:
+    """How many of the extended resource ``resource`` a pod's ``spec`` requests, as the
+    scheduler and a ResourceQuota count it: its containers' requests (a container's limit
+    where it gives no request: an extended resource's request equals its limit) added up,
+    sidecars (init containers with ``restartPolicy: Always``) with them, or an init
+    container's with the sidecars started before it, whichever is more. 0: none requested,
+    or ``resource`` is "".
+
+    Raises:
+        ValueError: a request that is not a whole quantity.
+    """
+    if not resource:
+        return 0
+
+    def of(container: Any) -> int:
+        resources = (container or {}).get("resources") or {}
+        for kind in ("requests", "limits"):
+            value = (resources.get(kind) or {}).get(resource)
+            if value is not None:
+                return _whole_quantity(value)
+        return 0
+
+    regular = sum(of(c) for c in spec.get("containers") or ())
+    sidecars = peak = 0
+    for init in spec.get("initContainers") or ():
+        if (init or {}).get("restartPolicy") == "Always":
+            sidecars += of(init)
+            peak = max(peak, sidecars)
+        else:
+            peak = max(peak, sidecars + of(init))
+    return max(regular + sidecars, peak)
+
+
+def _pod(obj: Any, slot_resource: str = "") -> tuple[PodInfo, bool] | None:
+    """A pod object as (PodInfo, ended?) -- ended: deleting or finished; None if malformed.
+    ``slot_resource``: the extended resource whose request is the pod's slots."""
     try:
         meta, spec, status = obj["metadata"], obj.get("spec") or {}, obj.get("status") or {}
         info = PodInfo(uid=meta["uid"], namespace=meta["namespace"], name=meta["name"],
                        service_account=spec.get("serviceAccountName") or "default",
                        node=spec.get("nodeName") or "", phase=status.get("phase") or "",
-                       containers=_containers(status))
-    except (KeyError, TypeError, AttributeError):
+                       containers=_containers(status), slots=pod_slots(spec, slot_resource))
+    except (KeyError, TypeError, AttributeError, ValueError):
         return None
     fields = (info.uid, info.namespace, info.name, info.service_account, info.node, info.phase)
     if not all(isinstance(f, str) for f in fields) or not _UID_FORM.fullmatch(info.uid):
@@ -572,13 +632,14 @@ class PodDirectory:
 
     def __init__(self, api_url: str, node_name: str, token_file: str | None = None,
                  ca_file: str | None = None, *, watch_timeout_s: int = 300,
-                 backoff_s: tuple[float, float] = (0.2, 30.0), remember_deleted: int = 10000
-                 ) -> None:
+                 backoff_s: tuple[float, float] = (0.2, 30.0), remember_deleted: int = 10000,
+                 slot_resource: str = "") -> None:
         url = urllib.parse.urlsplit(api_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"not an http(s) URL: {api_url!r}")
         self.api_url, self.node_name = api_url, node_name
         self.token_file, self.ca_file = token_file, ca_file
+        self.slot_resource = slot_resource  # whose request is a pod's slots ("": not read)
         self._https, self._host = url.scheme == "https", url.hostname
         self._port = url.port or (443 if self._https else 80)
         self._watch_timeout_s, self._backoff_s = watch_timeout_s, backoff_s
@@ -766,7 +827,7 @@ class PodDirectory:
         rv = listed["metadata"]["resourceVersion"]
         pods, ended = {}, []
         for obj in listed.get("items") or []:
-            if (pod := _pod(obj)) is None or pod[0].node != self.node_name:
+            if (pod := _pod(obj, self.slot_resource)) is None or pod[0].node != self.node_name:
                 continue
             if pod[1]:
                 ended.append(pod[0].uid)
@@ -808,7 +869,7 @@ class PodDirectory:
                 self._rv = rv
             if kind not in ("ADDED", "MODIFIED", "DELETED"):
                 return  # BOOKMARK: only its resourceVersion
-            if (pod := _pod(obj)) is None:
+            if (pod := _pod(obj, self.slot_resource)) is None:
                 log.warning("pods: a malformed pod in a %s event, ignored", kind)
                 return
             info, ended = pod

@@ -22,8 +22,11 @@ With ``access.identity = "kubernetes"`` it is the client's pod (:class:`PodPrinc
    waited for up to ``access.pod_wait_s``; a deleted or terminating pod is refused. With
    ``kubernetes_api = "none"`` a pod is known by its uid alone (no namespace, no service
    account: policies that name namespaces refuse it).
-
-4. **Which tenant.** The pod (``access.tenant = "pod"``), or its service account
+4. **How many jails.** The same pod object says how many of ``access.slot_resource`` the pod
+   requests (:func:`jaild.daemon.identity.pod_slots`); the principal carries it
+   (``Principal.slots``) and admission holds the pod to it. A pod known by its uid alone
+   requests none.
+5. **Which tenant.** The pod (``access.tenant = "pod"``), or its service account
    (``"serviceaccount"``: :attr:`Principal.key` is then the account's, so every pod of it
    -- a Deployment's replacement pod too -- owns the same snapshots, parked runs and share).
 
@@ -102,11 +105,13 @@ class PodPrincipals:
         if api == "none":
             directory = None
         elif api == "":
-            directory = identity.PodDirectory.in_cluster(node)
+            directory = identity.PodDirectory.in_cluster(
+                node, slot_resource=config.slot_resource)
         else:
             directory = identity.PodDirectory(
                 api, token_file=config.kubernetes_token_file or None,
                 ca_file=config.kubernetes_ca_file or None, node_name=node,
+                slot_resource=config.slot_resource,
             )
         return cls(config, directory, cls.kubelet_roots(config))
 
@@ -172,6 +177,7 @@ class PodPrincipals:
         return Principal(
             "pod", peer.uid, pod.uid, pod.namespace, pod.name, pod.service_account,
             by_account=self.by_account,
+            slots=pod.slots,
         )
 
 

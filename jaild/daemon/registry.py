@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from jaild.daemon.core import admission
-from jaild.daemon.core.peer import Peer, Tenant
+from jaild.daemon.core.peer import Peer, Principal, Tenant
 from jaild.daemon.core.records import with_session
 from jaild.daemon.jails.job import CallReply, JailedJob
 from jaild.errors import Busy, JaildError, SessionClosed, SessionPaused
@@ -248,19 +248,25 @@ class Registry:
             return len(self._jobs)
         return sum(1 for j in self._jobs.values() if j.owner is owner)
 
-    def held(self, tenant: Tenant | None = None) -> admission.Held:
-        """The jails held (of connections of the principal ``tenant``) and their memory
-        limits: one-shot jobs running and sessions open; a session's run is its session's
-        jail."""
+    def held(self, tenant: Tenant | None = None, *, pod_uid: str = "") -> admission.Held:
+        """The jails held (of connections of the principal ``tenant``; with ``pod_uid``, of
+        that pod's, whatever its key) and their memory limits: one-shot jobs running and
+        sessions open; a session's run is its session's jail."""
+
+        def mine(principal: Principal) -> bool:
+            if pod_uid:
+                return principal.kind == "pod" and principal.pod_uid == pod_uid
+            return tenant is None or principal.key == tenant
+
         jails = memory = 0
         for live in self._jobs.values():
-            if live.session is None and (tenant is None or live.owner.peer.principal.key == tenant):
+            if live.session is None and mine(live.owner.peer.principal):
                 jails += 1
                 memory += live.memory_mb
         for sess in self._sessions.values():
             if not sess.holds_jail:
                 continue
-            if tenant is None or sess.owner.peer.principal.key == tenant:
+            if mine(sess.owner.peer.principal):
                 jails += 1
                 memory += sess.terms.jail_limits.memory_mb
         return admission.Held(jails, memory)

@@ -96,6 +96,7 @@ def capacity(config: DaemonConfig) -> admission.Capacity:
         max_memory_mb=config.memory_ceiling_mb,
         max_memory_mb_per_uid=config.memory_mb_per_uid,
         memory_overcommit=config.memory_overcommit,
+        slot_resource=config.slot_resource,
     )
 
 
@@ -113,6 +114,7 @@ def check_room(
         daemon=registry.held(),
         uid=registry.held(who.key),
         on_connection=on_connection,
+        pod_jails=registry.held(pod_uid=who.pod_uid).jails if who.slots else 0,
     )
     admission.check_capacity(who, load, capacity(config), memory_mb)
 

@@ -9,7 +9,8 @@ its own: its own share (the n+1-th jail is refused ``busy`` naming the pod, the 
 is not), its own ``ps`` and ``stats``. A deleted pod is refused; a client in no pod is
 refused (and served as its uid where so configured); a pid recycled into another pod's
 process cannot borrow that pod's identity; nothing a client says in its ``Hello`` changes
-whom it is served as.
+whom it is served as. A pod that requests jail slots (``access.slot_resource``) holds that
+many jails at once; one that requests none gets the configured share.
 """
 
 from __future__ import annotations
@@ -486,3 +487,55 @@ def test_a_container_the_api_does_not_report_is_refused(
     refused = result(client(kubelet, stray, pods_daemon.socket, "run"))
     assert refused["error"][0] == "permission_denied", refused
     assert "does not report as one of that pod's containers" in refused["error"][1], refused
+
+
+def release(*holders: subprocess.Popen[str]) -> None:
+    """Let holders (``client(..., "hold", N)``) kill their jobs and exit."""
+    for holder in holders:
+        if holder.stdin:
+            holder.stdin.write("\n")
+            holder.stdin.flush()
+    for holder in holders:
+        holder.communicate(timeout=guard(60))
+
+
+def held_now(holder: subprocess.Popen[str]) -> dict[str, object]:
+    """What a holder started and was refused, once it has tried them all."""
+    line = holder.stdout.readline() if holder.stdout else ""
+    assert line, holder.stderr.read() if holder.stderr else "no output"
+    return json.loads(line)  # type: ignore[no-any-return]
+
+
+def test_a_pod_over_its_slot_request_is_refused_busy_naming_it(
+    pods_daemon: DaemonHandle, api: FakeKubeAPI, kubelet: Kubelet
+) -> None:
+    """A pod that requests 1 jaild.dev/slots (the extended resource a device plugin
+    advertises; access.slot_resource's default) holds one jail at a time: its second
+    concurrent job is refused busy naming the request. The control: a pod of the same uid
+    that requests none, beside it, runs two at once (limits.max_jobs_per_uid = 2, the
+    daemon's config). And a pod that requests 3 holds 3: its request takes the place of
+    that share."""
+    one = new_pod("agent-one-slot", "cgroupfs")
+    plain = new_pod("agent-no-request", "systemd")
+    three = new_pod("agent-three-slots", "cgroupfs")
+    for pod, slots in ((one, 1), (plain, 0), (three, 3)):
+        api.add_pod(make_pod(pod.uid, pod.name, pod.namespace, containers=(pod.container,),
+                             slots=slots))
+        kubelet.place(pod)
+    holders = []
+    try:
+        holders.append(client(kubelet, one, pods_daemon.socket, "hold", "2"))
+        held = held_now(holders[-1])
+        assert held["started"] == 1, held
+        assert held["refused"] == [
+            "busy", "pod agents/agent-one-slot holds 1 jobs and sessions, its request "
+            "jaild.dev/slots: 1; retry when one ends, or request more"], held
+        # the control: no request, the configured share (2), while the first pod holds its one
+        holders.append(client(kubelet, plain, pods_daemon.socket, "hold", "2"))
+        held = held_now(holders[-1])
+        assert held["started"] == 2 and "refused" not in held, held
+        holders.append(client(kubelet, three, pods_daemon.socket, "hold", "3"))
+        held = held_now(holders[-1])
+        assert held["started"] == 3 and "refused" not in held, held
+    finally:
+        release(*holders)

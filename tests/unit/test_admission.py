@@ -146,6 +146,44 @@ def test_a_uid_at_its_share_of_memory_is_refused_and_another_uid_is_not() -> Non
     admission.check_capacity(Principal.of_uid(1001), load(daemon=(2, 448)), CAPS, 128)
 
 
+def pod(name: str, slots: int = 0) -> Principal:
+    return Principal("pod", 1000, f"uid-of-{name}", "agents", name, "default", slots=slots)
+
+
+def test_a_pod_over_its_slot_request_is_refused_naming_it() -> None:
+    one = pod("agent-a", slots=1)
+    # the control: the same pod holding nothing is admitted
+    admission.check_capacity(one, dataclasses.replace(load(daemon=(3, 256)), pod_jails=0),
+                             CAPS, 64)
+    held = dataclasses.replace(load(daemon=(3, 256), uid=(1, 64)), pod_jails=1)
+    refused(Busy, "pod agents/agent-a holds 1 jobs and sessions, its request "
+            "jaild.dev/slots: 1; retry when one ends, or request more",
+            admission.check_capacity, one, held, CAPS, 64)
+    named = dataclasses.replace(CAPS, slot_resource="example.com/jails")
+    refused(Busy, "pod agents/agent-a holds 1 jobs and sessions, its request "
+            "example.com/jails: 1; retry when one ends, or request more",
+            admission.check_capacity, one, held, named, 64)
+
+
+def test_a_pods_slot_request_takes_the_place_of_the_share_of_jails() -> None:
+    # six slots: a fifth jail is admitted past max_jobs_per_uid (4), as the scheduler granted
+    six = dataclasses.replace(load(daemon=(4, 256), uid=(4, 256)), pod_jails=4)
+    admission.check_capacity(pod("agent-b", slots=6), six, CAPS, 64)
+    # the control: a pod that requests no slots is held to the share as before
+    refused(Busy, "pod agents/agent-b holds 4 jobs and sessions, its share "
+            "(limits.max_jobs_per_uid 4); retry when one ends",
+            admission.check_capacity, pod("agent-b"), six, CAPS, 64)
+    # its memory share and the daemon's limits still apply
+    refused(Busy, "pod agents/agent-b's memory limits would reach 768 MiB (256 MiB held + "
+            "512 MiB for this one), over its share (limits.max_memory_mb_per_uid 512); "
+            "retry when one ends",
+            admission.check_capacity, pod("agent-b", slots=6), six, CAPS, 512)
+    full = dataclasses.replace(load(daemon=(8, 512), uid=(4, 256)), pod_jails=4)
+    refused(Busy, "8 jobs and sessions open, the daemon's limit (limits.max_jobs 8); "
+            "retry later",
+            admission.check_capacity, pod("agent-b", slots=6), full, CAPS, 1)
+
+
 def test_the_daemon_at_its_jail_limit_refuses_everyone() -> None:
     refused(Busy, "8 jobs and sessions open, the daemon's limit (limits.max_jobs 8); retry later",
             admission.check_capacity, Principal.of_uid(1001), load(daemon=(8, 512)), CAPS, 1)

@@ -41,6 +41,10 @@ def write(tmp_path: Path, text: str) -> str:
          "limits.approvals_parked_max_count: must be between 1 and 1048576, got 0"),
         ("[limits]\napprovals_journal_quota_mb = 1.5",
          "limits.approvals_journal_quota_mb: must be an integer, got 1.5"),
+        ("[access]\nslot_resource = 'slots'",
+         "access.slot_resource: must be \"\" or an extended resource name such as "
+         "\"jaild.dev/slots\", got 'slots'"),
+        ("[access]\nslot_resource = 'kubernetes.io/cpu'", "access.slot_resource: must be"),
     ],
 )
 def test_config_errors_name_file_key_and_reason(tmp_path: Path, text: str, message: str) -> None:
@@ -64,6 +68,11 @@ def test_precedence_defaults_file_environment_flags(tmp_path: Path,
                              "approvals_journal_quota_mb = 1\n")
     cfg = DaemonConfig.from_sources(quotas)
     assert (cfg.approvals_parked_max_count, cfg.approvals_journal_quota_mb) == (2, 1)
+    assert cfg.slot_resource == "jaild.dev/slots"  # the default
+    slots = write(tmp_path, '[access]\nslot_resource = "example.com/jails"\n')
+    assert DaemonConfig.from_sources(slots).slot_resource == "example.com/jails"
+    assert DaemonConfig.from_sources(write(tmp_path, '[access]\nslot_resource = ""\n')
+                                     ).slot_resource == ""
     monkeypatch.setenv("JAILD_SOCKET", "/env.sock")
     assert DaemonConfig.from_sources(path).socket_path == "/env.sock"
     assert DaemonConfig.from_sources(path, socket_path="/flag.sock").socket_path == "/flag.sock"

@@ -6,6 +6,7 @@ test_identity_peer.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from jaild.daemon.identity import (
     normalize_root,
     pod_of_cgroup,
     pod_of_path,
+    pod_slots,
 )
 from tests.conftest import guard, until
 from tests.k8s_fake import NODE, FakeKubeAPI, make_pod
@@ -497,6 +499,75 @@ def test_malformed_pods_are_ignored(api: FakeKubeAPI, pods: PodDirectory) -> Non
     api.add_pod(make_pod(UID, "good"))
     started(pods)
     assert [p.name for p in pods.pods()] == ["good"]
+
+
+# --- how many jail slots a pod requests ---------------------------------------------------
+
+SLOTS = "jaild.dev/slots"
+
+
+def container(requests: dict[str, object] | None = None, limits: dict[str, object] | None = None,
+              restart: str | None = None) -> dict[str, object]:
+    c: dict[str, object] = {"name": "c", "resources": {}}
+    if requests is not None:
+        c["resources"] = {"requests": requests}
+    if limits is not None:
+        c["resources"] = {**c["resources"], "limits": limits}  # type: ignore[dict-item]
+    if restart is not None:
+        c["restartPolicy"] = restart
+    return c
+
+
+@pytest.mark.parametrize(("spec", "slots"), [
+    ({"containers": [{"name": "c"}]}, 0),  # no resources at all
+    ({"containers": [container({"cpu": "1", "memory": "1Gi"})]}, 0),  # others only
+    ({"containers": [container({SLOTS: "2"}, {SLOTS: "2"})]}, 2),  # requests = limits
+    ({"containers": [container(limits={SLOTS: "3"})]}, 3),  # the limit alone: the request
+    ({"containers": [container({SLOTS: "1"}), container({SLOTS: "2"}), {"name": "x"}]}, 3),
+    ({"containers": [container({"example.com/slots": "5"})]}, 0),  # another resource
+    ({"containers": [container({SLOTS: "1k"})]}, 1000),  # as the API may write it back
+    ({"containers": [container({SLOTS: "2e1"})]}, 20),
+    ({"containers": [container({SLOTS: 4})]}, 4),
+    # an init container runs alone, before the others: the larger of the two counts
+    ({"containers": [container({SLOTS: "1"})], "initContainers": [container({SLOTS: "3"})]}, 3),
+    ({"containers": [container({SLOTS: "2"})], "initContainers": [container({SLOTS: "1"})]}, 2),
+    # a sidecar (restartPolicy Always) runs beside them: it adds
+    ({"containers": [container({SLOTS: "2"})],
+      "initContainers": [container({SLOTS: "1"}, restart="Always"),
+                         container({SLOTS: "2"})]}, 3),
+])
+def test_a_pods_slots_are_what_the_scheduler_counts(spec: dict[str, object], slots: int) -> None:
+    assert pod_slots(spec, SLOTS) == slots
+    assert pod_slots(spec, "") == 0  # access.slot_resource = "": not read
+
+
+@pytest.mark.parametrize("quantity", ["500m", "1.5", "-1", "two", ""])
+def test_a_slot_request_that_is_not_a_whole_number_is_malformed(quantity: str) -> None:
+    with pytest.raises(ValueError, match="not a whole quantity"):
+        pod_slots({"containers": [container({SLOTS: quantity})]}, SLOTS)
+
+
+def test_the_directory_reads_each_pods_slots(api: FakeKubeAPI, token_file: Path,
+                                             tmp_path: Path) -> None:
+    api.add_pod(make_pod(UID, "agent", slots=2))
+    api.add_pod(make_pod(UID2, "plain"))
+    bad = make_pod(UID3, "bad", slots=1)
+    bad["spec"]["containers"][0]["resources"]["requests"][SLOTS] = "500m"
+    api.add_pod(bad)
+    ca = str(tmp_path / "ca.pem") if api.scheme == "https" else None
+    reading = PodDirectory(api.url, NODE, str(token_file), ca, slot_resource=SLOTS)
+    ignoring = PodDirectory(api.url, NODE, str(token_file), ca)  # slot_resource "": not read
+    try:
+        started(reading)
+        started(ignoring)
+        assert reading.get(UID) == dataclasses.replace(info(UID, "agent"), slots=2)
+        assert reading.get(UID2) == info(UID2, "plain")  # requests none: 0
+        assert reading.get(UID3) is None  # a request the API would refuse: malformed
+        assert ignoring.get(UID) == info(UID, "agent")  # the control: the same pod, unread
+        assert ignoring.get(UID3) is not None
+    finally:
+        reading.stop()
+        ignoring.stop()
 
 
 # --- where the kubelet's hierarchy starts -------------------------------------------------

@@ -6,11 +6,14 @@ against the JSON schemas of several Kubernetes minors, strictly (an unknown fiel
 kubernetes-validate, and scanned by checkov; both come from the tools venv that
 ``make tools-venv`` makes (``.venv-tools``, or ``$JAILD_TOOLS_VENV``), not jaild's own. Each
 has a positive control: a copy broken on purpose must be caught. checkov's findings may be
-skipped only by annotations on the DaemonSet, each with its reason.
+skipped only by annotations on jaild's two DaemonSets (the daemon and the device plugin that
+advertises its jail slots), each with its reason.
 
 The rest holds the manifests to what the daemon reads: the config ConfigMap is a valid
 jaild.toml whose drain fits in the pod's grace period, the policies ConfigMap is the
-repository's policies/*.toml, the agent example runs with no privilege at all.
+repository's policies/*.toml, the device plugin advertises the daemon's jail slots and mounts
+its socket directory read-only, the agent example runs with no privilege at all and no
+hostPath, requesting a slot.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from typing import Any
 import pytest
 
 from jaild.daemon.config import load_config_file
+from jaild.policy.schema import load_policy_text
 
 REPO = Path(__file__).resolve().parent.parent.parent
 K8S = REPO / "deploy" / "kubernetes"
@@ -45,6 +48,8 @@ SANDBOX_LABEL = ("jaild.io/sandbox", "true")
 # daemon.socket_group is "users": gid 100 in Debian's base-passwd (the image is Debian's).
 USERS_GID = 100
 IMAGE = "localhost/jaild:latest"
+SLOTS = "jaild.dev/slots"  # access.slot_resource's default, the device plugin's resource
+SKIPPABLE = {("DaemonSet", "jaild"), ("DaemonSet", "jaild-slots")}  # jaild's two DaemonSets
 
 Obj = dict[str, Any]
 
@@ -124,8 +129,9 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
 
 
 def one(docs: list[Obj], kind: str, name: str | None = None) -> Obj:
+    """The one object of ``kind`` whose name starts with ``name`` (ending in NUL: is it)."""
     found = [d for d in docs if d["kind"] == kind
-             and (name is None or d["metadata"]["name"].startswith(name))]
+             and (name is None or (d["metadata"]["name"] + "\0").startswith(name))]
     assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
     return found[0]
 
@@ -164,7 +170,7 @@ def test_every_object_is_valid_for_each_minor_strictly(rendered: Rendered,
 def test_the_validator_catches_a_misspelt_field(rendered: Rendered, tmp_path: Path) -> None:
     """Positive control: a field that does not exist, and one of the wrong type, fail."""
     docs = copy.deepcopy(rendered.base)
-    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    pod = one(docs, "DaemonSet", "jaild\0")["spec"]["template"]["spec"]
     pod["terminationGracePeriodSecond"] = pod.pop("terminationGracePeriodSeconds")
     bad = tmp_path / "misspelt.yaml"
     write_docs(bad, docs)
@@ -206,12 +212,15 @@ def test_checkov_finds_nothing_but_the_daemonsets_reasoned_skips(rendered: Rende
     assert not failed, "checkov's findings:\n" + findings(failed)
     skipped = results["skipped_checks"]
     assert skipped, "the DaemonSet's skips were not seen: is checkov reading its annotations?"
-    wrong = [c for c in skipped if not c["resource"].startswith("DaemonSet.jaild-system.jaild")]
-    assert not wrong, "skipped off the DaemonSet:\n" + findings(wrong)
+    allowed = {f"{kind}.jaild-system.{name}" for kind, name in SKIPPABLE}
+    wrong = [c for c in skipped if c["resource"] not in allowed]
+    assert not wrong, "skipped off jaild's DaemonSets:\n" + findings(wrong)
     # what checkov skipped is what the annotations name (their reasons: the test below)
-    annotations = one(rendered.base, "DaemonSet")["metadata"]["annotations"]
-    named = {v.partition("=")[0] for k, v in annotations.items() if SKIP.fullmatch(k)}
-    assert {c["check_id"] for c in skipped} == named
+    for kind, name in SKIPPABLE:
+        annotations = one(rendered.base, kind, name + "\0")["metadata"]["annotations"]
+        named = {v.partition("=")[0] for k, v in annotations.items() if SKIP.fullmatch(k)}
+        assert {c["check_id"] for c in skipped
+                if c["resource"] == f"{kind}.jaild-system.{name}"} == named, name
 
 
 def test_checkov_catches_a_privileged_agent(rendered: Rendered, tmp_path: Path) -> None:
@@ -232,7 +241,7 @@ REASONED = re.compile(r"(CKV2?_K8S_\d+)=(.{20,})")
 
 
 def skip_problems(docs: list[Obj]) -> list[str]:
-    """Skip annotations anywhere but the DaemonSet jaild, or without a reason."""
+    """Skip annotations anywhere but jaild's DaemonSets, or without a reason."""
     problems = []
     for d in docs:
         places = [d["metadata"].get("annotations") or {}]
@@ -243,8 +252,8 @@ def skip_problems(docs: list[Obj]) -> list[str]:
             for key, value in found.items():
                 if not SKIP.fullmatch(key):
                     continue
-                if (d["kind"], d["metadata"]["name"]) != ("DaemonSet", "jaild"):
-                    problems.append(f"{where}: {key} (skips belong on the DaemonSet only)")
+                if (d["kind"], d["metadata"]["name"]) not in SKIPPABLE:
+                    problems.append(f"{where}: {key} (skips belong on jaild's DaemonSets only)")
                 elif not REASONED.fullmatch(value):
                     problems.append(f"{where}: {key}={value!r} gives no reason")
     return problems
@@ -252,14 +261,15 @@ def skip_problems(docs: list[Obj]) -> list[str]:
 
 def test_skips_are_on_the_daemonset_only_each_with_a_reason(rendered: Rendered) -> None:
     assert skip_problems(rendered.every) == []
-    skips = one(rendered.base, "DaemonSet")["metadata"]["annotations"]
-    ids = [v.partition("=")[0] for k, v in skips.items() if SKIP.fullmatch(k)]
-    assert len(ids) == len(set(ids)), f"a check skipped twice: {ids}"
+    for _kind, name in SKIPPABLE:
+        skips = one(rendered.base, "DaemonSet", name + "\0")["metadata"]["annotations"]
+        ids = [v.partition("=")[0] for k, v in skips.items() if SKIP.fullmatch(k)]
+        assert len(ids) == len(set(ids)), f"a check skipped twice: {ids}"
 
     # positive control: a skip on the agent, and one with no reason, are both named
     docs = copy.deepcopy(rendered.base + rendered.examples)
     one(docs, "Deployment")["metadata"]["annotations"] = {"checkov.io/skip1": "CKV_K8S_16=x" * 3}
-    one(docs, "DaemonSet")["metadata"]["annotations"]["checkov.io/skip99"] = "CKV_K8S_8"
+    one(docs, "DaemonSet", "jaild\0")["metadata"]["annotations"]["checkov.io/skip99"] = "CKV_K8S_8"
     assert len(skip_problems(docs)) == 2, skip_problems(docs)
 
 
@@ -272,7 +282,7 @@ def configmap_data(docs: list[Obj], name: str) -> dict[str, str]:
 
 
 def daemon_pod(rendered: Rendered) -> Obj:
-    pod: Obj = one(rendered.base, "DaemonSet")["spec"]["template"]["spec"]
+    pod: Obj = one(rendered.base, "DaemonSet", "jaild\0")["spec"]["template"]["spec"]
     return pod
 
 
@@ -319,7 +329,7 @@ def test_the_config_is_valid_and_the_grace_period_outlasts_the_drain(
 
 
 def test_the_daemonset(rendered: Rendered) -> None:
-    ds = one(rendered.base, "DaemonSet")
+    ds = one(rendered.base, "DaemonSet", "jaild\0")
     pod = ds["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["image"] == IMAGE
@@ -372,103 +382,195 @@ def test_everything_in_jaild_system_and_the_rbac_reads_pods_only(rendered: Rende
 # ---------------------------------------------------------------------------- the examples
 
 
-def test_the_agent_runs_with_no_privilege_at_all(rendered: Rendered) -> None:
+# Pod Security's "restricted" level, as the Kubernetes documentation lists it (Pod Security
+# Standards): no API server runs here to admit the agent, so its rules are checked field by field.
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                      "persistentVolumeClaim", "projected", "secret"}
+
+
+def restricted_problems(pod: Obj) -> list[str]:
+    """What Pod Security's restricted level (which contains baseline) refuses in ``pod``."""
+    problems = [f"{k}: true" for k in ("hostPID", "hostIPC", "hostNetwork") if pod.get(k)]
+    for volume in pod.get("volumes", []):
+        kinds = set(volume) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            problems.append(f"volume {volume['name']}: {sorted(kinds)}")
+    context = pod.get("securityContext", {})
+    for c in pod["containers"] + pod.get("initContainers", []):
+        sc, name = c.get("securityContext", {}), c["name"]
+        if sc.get("privileged"):
+            problems.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{name}: allowPrivilegeEscalation not false")
+        if not sc.get("runAsNonRoot", context.get("runAsNonRoot")):
+            problems.append(f"{name}: runAsNonRoot not true")
+        if 0 in (sc.get("runAsUser"), context.get("runAsUser")):
+            problems.append(f"{name}: runAsUser 0")
+        seccomp = sc.get("seccompProfile", context.get("seccompProfile", {}))
+        if seccomp.get("type") not in ("RuntimeDefault", "Localhost"):
+            problems.append(f"{name}: seccompProfile {seccomp}")
+        capabilities = sc.get("capabilities", {})
+        if "ALL" not in capabilities.get("drop", []):
+            problems.append(f"{name}: capabilities not dropped")
+        if set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            problems.append(f"{name}: capabilities added {capabilities['add']}")
+        if any("hostPort" in port for port in c.get("ports", [])):
+            problems.append(f"{name}: hostPort")
+    return problems
+
+
+def agent_pod(docs: list[Obj]) -> Obj:
+    pod: Obj = one(docs, "Deployment")["spec"]["template"]["spec"]
+    return pod
+
+
+def test_the_agent_runs_with_no_privilege_no_hostpath_and_a_slot(rendered: Rendered) -> None:
     deployment = one(rendered.examples, "Deployment")
     assert deployment["metadata"]["namespace"] == "agents"
-    pod = deployment["spec"]["template"]["spec"]
+    pod = agent_pod(rendered.examples)
     assert pod["automountServiceAccountToken"] is False
-    assert not any(pod.get(k) for k in ("hostPID", "hostIPC", "hostNetwork"))
+    assert restricted_problems(pod) == []
+    assert not [v for v in pod["volumes"] if "hostPath" in v]  # the slot mounts the socket
     context = pod["securityContext"]
     assert context["runAsNonRoot"] is True and context["runAsUser"] > 0
-    assert context["seccompProfile"] == {"type": "RuntimeDefault"}
     assert USERS_GID in context["supplementalGroups"]  # the socket's group
-    host_paths = {v["name"]: v["hostPath"] for v in pod["volumes"] if "hostPath" in v}
-    assert host_paths == {"jaild-socket": {"path": SOCKET_DIR, "type": "Directory"}}
-    for container in pod["containers"]:
-        sc = container["securityContext"]
-        assert sc["allowPrivilegeEscalation"] is False
-        assert sc["readOnlyRootFilesystem"] is True
-        assert sc.get("privileged", False) is False
-        assert sc["capabilities"] == {"drop": ["ALL"]}
-        assert "limits" in container["resources"]
-        for mount in container["volumeMounts"]:
-            if mount["name"] in host_paths:
-                assert mount["mountPath"] == SOCKET_DIR and mount["readOnly"] is True
+    (container,) = pod["containers"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    # one jail slot, requested = limit; the socket's directory comes with it, not as a volume
+    resources = container["resources"]
+    assert resources["requests"][SLOTS] == resources["limits"][SLOTS] == "1"
+    assert SOCKET_DIR not in {m["mountPath"] for m in container["volumeMounts"]}
+    assert {"name": "JAILD_SOCKET", "value": f"{SOCKET_DIR}/jaild.sock"} in container["env"]
     assert pod["nodeSelector"] == dict([SANDBOX_LABEL])
     assert {"key": SANDBOX_LABEL[0], "operator": "Equal", "value": SANDBOX_LABEL[1],
             "effect": "NoSchedule"} in pod["tolerations"]
 
+    # positive control: the agent as it was (the socket by hostPath), and as root, are named
+    old = copy.deepcopy(pod)
+    old["volumes"].append({"name": "jaild-socket",
+                           "hostPath": {"path": SOCKET_DIR, "type": "Directory"}})
+    old["securityContext"]["runAsUser"] = 0
+    assert restricted_problems(old) == [
+        "volume jaild-socket: ['hostPath']", "agent: runAsUser 0"], restricted_problems(old)
 
-def test_the_admission_policys_cel_admits_the_agent_and_refuses_each_forbidden_pod(
+
+def test_the_admission_policys_cel_refuses_slots_outside_the_agents_namespaces(
         rendered: Rendered) -> None:
-    """The example ValidatingAdmissionPolicy's expressions, evaluated by a CEL
+    """The example ValidatingAdmissionPolicy's expression, evaluated by a CEL
     implementation (cel-python, in the tools venv; no API server runs here): the example
-    agent passes every validation (the control), and each forbidden change to it is refused
-    by its own validation, and only by it."""
-    agent = one(rendered.examples, "Deployment")["spec"]["template"]["spec"]
-    pods: dict[str, Obj] = {"agent": {"spec": agent}}
-
-    def variant(name: str, change: Callable[[Obj], None]) -> None:
-        spec = copy.deepcopy(agent)
-        change(spec)
-        pods[name] = {"spec": spec}
-
-    def set_in(path: list[str], value: object) -> Callable[[Obj], None]:
-        def change(spec: Obj) -> None:
-            target = spec
-            for key in path[:-1]:
-                target = target[int(key)] if isinstance(target, list) else target[key]
-            target[path[-1]] = value
-        return change
-
-    variant("root", set_in(["securityContext", "runAsUser"], 0))
-    variant("container-root", set_in(["containers", "0", "securityContext", "runAsUser"], 0))
-    variant("no-run-as-non-root", lambda s: s["securityContext"].pop("runAsNonRoot"))
-    variant("privileged", set_in(["containers", "0", "securityContext", "privileged"], True))
-    variant("caps", set_in(["containers", "0", "securityContext", "capabilities"],
-                           {"add": ["SYS_ADMIN"]}))
-    variant("host-pid", set_in(["hostPID"], True))
-    variant("other-hostpath", lambda s: s["volumes"].append(
-        {"name": "etc", "hostPath": {"path": "/etc"}}))
-    variant("socket-writable", lambda s: [m.update(readOnly=False) for c in s["containers"]
-                                          for m in c["volumeMounts"]])
+    agent, which requests a slot, is refused, and so is a pod asking for one in an init
+    container's limits; the same agent without the request is admitted (the control). Its
+    binding applies it to every namespace but those labelled jaild.io/agents=true."""
+    agent = agent_pod(rendered.examples)
+    without = copy.deepcopy(agent)
+    for kind in ("requests", "limits"):
+        del without["containers"][0]["resources"][kind][SLOTS]
+    init = copy.deepcopy(without)
+    init["initContainers"] = [{"name": "init", "image": "x",
+                               "resources": {"limits": {SLOTS: "1"}}}]
+    pods = {name: {"spec": spec} for name, spec in
+            (("agent", agent), ("without", without), ("init", init))}
     proc = subprocess.run(
         [tool("python"), str(REPO / "tests" / "cel_admission.py"),
          str(REPO / "deploy" / "kubernetes" / "examples" / "admission-policy.yaml")],
         input=json.dumps(pods), capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     failed = json.loads(proc.stdout)
-    assert failed["agent"] == [], failed["agent"]
-    expected = {
-        "root": "agents run as non-root", "container-root": "agents run as non-root",
-        "no-run-as-non-root": "agents run as non-root",
-        "privileged": "no privileged containers", "caps": "no privileged containers",
-        "host-pid": "no host namespaces", "other-hostpath": "the only hostPath volume",
-        "socket-writable": "the /run/jaild hostPath must be mounted readOnly",
-    }
-    for name, start in expected.items():
-        assert len(failed[name]) == 1 and failed[name][0].startswith(start), (name, failed[name])
+    assert failed["without"] == [], failed["without"]
+    for name in ("agent", "init"):
+        assert len(failed[name]) == 1, (name, failed[name])
+        assert failed[name][0].startswith(
+            f"only pods in namespaces labelled jaild.io/agents=true may request {SLOTS}")
 
-
-def test_the_agents_namespace_admits_hostpath_and_has_a_quota(rendered: Rendered) -> None:
-    labels = one(rendered.examples, "Namespace")["metadata"]["labels"]
-    # baseline (and restricted) forbid hostPath volumes: only privileged admits the agent
-    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
-    assert labels["pod-security.kubernetes.io/warn"] == "restricted"
-    # the admission policy that takes back part of what "privileged" gives up applies here
+    # where it applies: the binding's selector, read as the API server reads NotIn
     binding = one(rendered.examples, "ValidatingAdmissionPolicyBinding")
-    selector = binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"]
-    assert selector.items() <= labels.items()
     policy = one(rendered.examples, "ValidatingAdmissionPolicy")
     assert binding["spec"]["policyName"] == policy["metadata"]["name"]
-    assert any(f"'{SOCKET_DIR}'" in v["expression"] for v in policy["spec"]["validations"])
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    selector = binding["spec"]["matchResources"]["namespaceSelector"]
+    assert set(selector) == {"matchExpressions"}
+    (rule,) = selector["matchExpressions"]
+    assert rule["operator"] == "NotIn"
+
+    def bound(labels: dict[str, str]) -> bool:
+        return labels.get(rule["key"]) not in rule["values"]
+
+    agents = one(rendered.examples, "Namespace")["metadata"]["labels"]
+    assert not bound(agents)  # the agents' namespace may request slots
+    assert bound({}) and bound({"jaild.io/agents": "false"})  # every other namespace may not
+
+
+def test_the_agents_namespace_is_restricted_and_its_quota_caps_slots(
+        rendered: Rendered) -> None:
+    labels = one(rendered.examples, "Namespace")["metadata"]["labels"]
+    # no hostPath in the agents: Pod Security's strictest level admits them
+    for mode in ("enforce", "warn", "audit"):
+        assert labels[f"pod-security.kubernetes.io/{mode}"] == "restricted"
     cluster_wide = {"Namespace", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
     for d in rendered.examples:
         assert d["metadata"].get("namespace") == (None if d["kind"] in cluster_wide
                                                   else "agents"), d["metadata"]
     quota = one(rendered.examples, "ResourceQuota")
     assert quota["metadata"]["namespace"] == "agents"
-    assert {"limits.memory", "limits.cpu", "pods"} <= set(quota["spec"]["hard"])
+    hard = quota["spec"]["hard"]
+    assert {"limits.memory", "limits.cpu", "pods"} <= set(hard)
+    # an extended resource is quota'd by its request only: the "requests." prefix
+    assert f"requests.{SLOTS}" in hard and f"limits.{SLOTS}" not in hard and SLOTS not in hard
+    deployment = one(rendered.examples, "Deployment")
+    per_pod = int(agent_pod(rendered.examples)["containers"][0]["resources"]["requests"][SLOTS])
+    assert deployment["spec"]["replicas"] * per_pod <= int(hard[f"requests.{SLOTS}"])
+
+
+# ---------------------------------------------------------------------------- the slots
+
+
+def test_the_device_plugin_advertises_the_daemons_slots_and_mounts_the_socket_read_only(
+        rendered: Rendered, tmp_path: Path) -> None:
+    """squat/generic-device-plugin, as the base runs it: the resource is access.slot_resource
+    (its domain and device name), its count the jails of the default policy the daemon's
+    memory admits (at most limits.max_jobs), its one path the
+    socket's directory, bind-mounted read-only at the same path (the plugin sees it there:
+    the path it hands the kubelet is the one it globbed)."""
+    ds = one(rendered.base, "DaemonSet", "jaild-slots\0")
+    pod = ds["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    image, _, tag = container["image"].rpartition(":")
+    assert image == "ghcr.io/squat/generic-device-plugin" and tag == "0.1.0"  # a release
+    args = container["args"]
+    domain = [a.partition("=")[2] for a in args if a.startswith("--domain=")]
+    (device_text,) = [args[i + 1] for i, a in enumerate(args) if a == "--device"]
+    (tmp_path / "device.yaml").write_text(device_text)
+    (device,) = load_yaml(tmp_path / "device.yaml")
+    config = tmp_path / "jaild.toml"
+    config.write_text(configmap_data(rendered.base, "jaild-config")["jaild.toml"])
+    sections = load_config_file(str(config))
+    access, limits = sections["access"], sections["limits"]
+    assert access.slot_resource == SLOTS == f"{domain[0]}/{device['name']}"
+    (group,) = device["groups"]
+    # the node's slots are the daemon's jails: as many of the default policy's as its memory
+    # admits (a pod granted a slot is not then refused for memory the daemon as a whole lacks)
+    default = load_policy_text(configmap_data(rendered.base, "jaild-policies")["default.toml"],
+                               "default")
+    admitted = int(limits.max_memory_mb * limits.memory_overcommit)
+    assert group["count"] == admitted // default.limits.memory_mb, (group["count"], admitted)
+    assert group["count"] <= limits.max_jobs
+    assert group["paths"] == [{"path": SOCKET_DIR, "type": "Mount", "readOnly": True}]
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert mounts[SOCKET_DIR]["readOnly"] is True
+    assert volumes[mounts[SOCKET_DIR]["name"]]["hostPath"]["path"] == SOCKET_DIR
+    plugins = "/var/lib/kubelet/device-plugins"
+    assert volumes[mounts[plugins]["name"]]["hostPath"]["path"] == plugins
+    # no more than it needs: not privileged, no capability, no token, no host namespaces
+    sc = container["securityContext"]
+    assert sc.get("privileged", False) is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert pod["automountServiceAccountToken"] is False
+    assert not any(pod.get(k) for k in ("hostPID", "hostIPC", "hostNetwork"))
+    # on the nodes the daemon runs on, and only there
+    daemon = daemon_pod(rendered)
+    assert pod["nodeSelector"] == daemon["nodeSelector"]
+    assert pod["tolerations"] == daemon["tolerations"]
 
 
 def test_the_requirements_pin_lower_bounds() -> None:
@@ -499,7 +601,7 @@ def test_the_network_overlay_adds_a_tls_listener_and_nothing_else(
     assert network["access"].pop("principals")
     assert network == base
     # the listener's port is the pod's port "tls", and the Service and NetworkPolicy name it
-    pod = one(rendered.network, "DaemonSet")["spec"]["template"]["spec"]
+    pod = one(rendered.network, "DaemonSet", "jaild\0")["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     port = int(daemon.listen[0].rpartition(":")[2])
     assert {"name": "tls", "containerPort": port, "protocol": "TCP"} in container["ports"]

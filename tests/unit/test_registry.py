@@ -6,7 +6,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from jaild.daemon.core.peer import Peer
+from jaild.daemon.core.peer import Peer, Principal
 from jaild.daemon.registry import LiveJob, Registry
 
 
@@ -47,6 +47,26 @@ def test_sessions_belong_to_their_connection_and_count_per_uid() -> None:
     assert [s.id for s in reg.sessions(owner=b)] == ["ses-3"]
     reg.remove_session(reg.sessions(owner=a)[0])
     assert reg.session_count(1000) == 1
+
+
+def test_what_a_pod_holds_is_counted_by_its_pod_uid() -> None:
+    """A pod's slot request is held against its jails by pod uid (admission), whatever its
+    tenant key; a uid's principal of the same uid is not that pod."""
+    def of_pod(pod_uid: str) -> Any:
+        who = Principal("pod", 1000, pod_uid, "agents", "a", "default", slots=2)
+        return SimpleNamespace(peer=Peer(pid=1, uid=1000, gid=1000, principal=who))
+
+    reg = Registry()
+    pod_a, pod_a2, pod_b, host = of_pod("uid-a"), of_pod("uid-a"), of_pod("uid-b"), conn(1000)
+    reg.add_job(LiveJob("job-1", jail(), pod_a, memory_mb=64))
+    reg.add_job(LiveJob("job-2", jail(), pod_b, memory_mb=64))
+    reg.add_job(LiveJob("job-3", jail(), host, memory_mb=64))
+    held = SimpleNamespace(id="ses-1", owner=pod_a2, holds_jail=True,
+                           terms=SimpleNamespace(jail_limits=SimpleNamespace(memory_mb=128)))
+    reg.add_session(held)
+    assert (reg.held(pod_uid="uid-a").jails, reg.held(pod_uid="uid-a").memory_mb) == (2, 192)
+    assert reg.held(pod_uid="uid-b").jails == 1
+    assert reg.held(1000).jails == 1 and reg.held().jails == 4  # the uid's, everyone's
 
 
 def test_drained_waits_for_jobs_and_retiring_jails() -> None:

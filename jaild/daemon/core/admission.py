@@ -22,7 +22,8 @@ a connection           peer allowed; connections; connections/uid  ``None``
 ``OpenSession``        as ``RunJob``'s policy and tools; sessions   :class:`SessionTerms`
                        enabled; limits; idle and lifetime only
                        tighten; sessions per uid
-capacity               jobs on the connection; the uid's jails and   ``None``
+capacity               jobs on the connection; the uid's jails (a    ``None``
+                       pod's: its slot request, if any) and
                        memory; the daemon's jails and memory
 =====================  ==========================================  ====================
 
@@ -43,6 +44,13 @@ they really use) times ``memory_overcommit`` (a limit is a ceiling, not a use). 
 pool's jail counts once a job takes it: until then it runs no user code and holds a few
 MiB, not its limit (the subtree's kernel limit covers that). A request past any of these is
 refused ``busy``, naming the limit; nothing waits in a queue.
+
+A pod that requests jail slots (the extended resource ``access.slot_resource``, which a
+device plugin advertises so that the scheduler places pods where slots are free and a
+ResourceQuota caps a namespace's) holds at most that many jails, counted by its pod uid
+(``Principal.slots``, ``Load.pod_jails``), in place of ``max_jobs_per_uid``: the scheduler
+gave it those slots. Its memory share and the daemon's limits apply as to anyone. A pod
+that requests none is held to ``max_jobs_per_uid`` as before.
 
 Whether a peer may use a policy (``access.users``) can name users and groups,
 which resolves through NSS: the :class:`Catalog` takes that test as a function
@@ -182,6 +190,7 @@ class Capacity:
     max_memory_mb: int
     max_memory_mb_per_uid: int
     memory_overcommit: float = 1.0  # the limits may add up to this x max_memory_mb
+    slot_resource: str = "jaild.dev/slots"  # access.slot_resource: named in a pod's refusal
 
 
 @dataclass(frozen=True)
@@ -200,6 +209,7 @@ class Load:
     daemon: Held  # everyone's jails
     uid: Held  # the requesting principal's (its uid's, or its pod's)
     on_connection: int | None = None  # jobs running on the connection (None: not limited)
+    pod_jails: int = 0  # jails held by the requesting pod, by its pod uid (if it has slots)
 
 
 def _mib(mb: int) -> str:
@@ -211,7 +221,8 @@ def check_capacity(who: Principal, load: Load, caps: Capacity, memory_mb: int) -
     the connection's jobs, the principal's jails, its memory, the daemon's jails, the
     daemon's memory (the jails' limits). A uid (or pod) at its share is refused; the
     rest of the daemon stays for the others. The ``*_per_uid`` limits are per principal:
-    per pod where pods are the tenants (``access.identity = "kubernetes"``).
+    per pod where pods are the tenants (``access.identity = "kubernetes"``). A pod that
+    requests slots (``who.slots``) is held to them in place of ``max_jobs_per_uid``.
 
     Raises:
         Busy: naming the limit reached (its config key) and the numbers.
@@ -221,7 +232,13 @@ def check_capacity(who: Principal, load: Load, caps: Capacity, memory_mb: int) -
             f"{load.on_connection} jobs running on this connection, the limit per connection "
             f"(limits.max_jobs_per_connection {caps.max_jobs_per_connection})"
         )
-    if load.uid.jails >= caps.max_jobs_per_uid:
+    if who.slots > 0:
+        if load.pod_jails >= who.slots:
+            raise Busy(
+                f"{who} holds {load.pod_jails} jobs and sessions, its request "
+                f"{caps.slot_resource}: {who.slots}; retry when one ends, or request more"
+            )
+    elif load.uid.jails >= caps.max_jobs_per_uid:
         raise Busy(
             f"{who.tenant} holds {load.uid.jails} jobs and sessions, its share "
             f"(limits.max_jobs_per_uid {caps.max_jobs_per_uid}); retry when one ends"

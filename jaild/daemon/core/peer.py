@@ -41,6 +41,9 @@ class Principal:
     by_account: bool = False
     """A pod's principal whose tenant is its service account, not the pod
     (``access.tenant = "serviceaccount"``): every pod of one service account is one tenant."""
+    slots: int = 0
+    """A pod's request of ``access.slot_resource``: the jobs and sessions it may hold at once
+    (admission); 0: it requests none, and the ``limits`` apply."""
 
     @classmethod
     def of_uid(cls, uid: int) -> Principal:
