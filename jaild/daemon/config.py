@@ -300,7 +300,7 @@ class TlsFile:
         'CAs that may name only some principals, each "FILE=PATTERN": a client certificate '
         "a CA of FILE (a PEM bundle) issued directly is let in only when its principal "
         "matches the glob PATTERN (one CA per tenant, e.g. "
-        '"/etc/jaild/client-cas/agents.crt=spiffe://cluster.local/ns/agents/*"). List a '
+        '"/etc/jaild/client-cas/agents.crt=spiffe://cluster.local/ns/agents/sa/*"). List a '
         "file again for another pattern. With any, every client certificate must be issued "
         "directly by a CA listed here or in client_ca, and no CA may be in both.",
         _scoped_cas,

@@ -1,11 +1,14 @@
-"""deploy/kubernetes: the Kustomize base and its examples, rendered, validated and scanned.
+"""deploy/kubernetes: the Kustomize base and its examples, rendered, validated and scanned;
+deploy/kubernetes-network too, alone and with each of its components (the client-certificate
+recipes) in an overlay as a user would write it.
 
 ``kubectl kustomize`` renders both (kubectl with kustomize is on the project's machines; where
 it is missing the tests fail and say how to install it). Every object rendered is validated
 against the JSON schemas of several Kubernetes minors, strictly (an unknown field fails), by
 kubernetes-validate, and scanned by checkov; both come from the tools venv that
 ``make tools-venv`` makes (``.venv-tools``, or ``$JAILD_TOOLS_VENV``), not jaild's own. Each
-has a positive control: a copy broken on purpose must be caught. checkov's findings may be
+has a positive control: a copy broken on purpose must be caught. cert-manager's custom
+resources are validated against its CRD schemas, vendored (tests/schemas/cert-manager). checkov's findings may be
 skipped only by annotations on the DaemonSet, each with its reason.
 
 The rest holds the manifests to what the daemon reads: the config ConfigMap is a valid
