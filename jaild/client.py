@@ -1454,13 +1454,14 @@ def client_context(cert: str | None, key: str | None, ca: str | None) -> ssl.SSL
 
 def _tls_refusal(exc: ConnectionLost, address: str) -> PermissionDenied:
     """A TLS connection dropped before ``Welcome``: the daemon refused this client's
-    certificate (none, expired, not yet valid, or signed by a CA it does not trust) and
-    says which only in its audit log -- a refused client learns nothing it could probe
-    with."""
+    certificate (none, expired, not yet valid, signed by a CA it does not trust, or naming
+    a principal its CA may not name) and says which only in its audit log -- a refused
+    client learns nothing it could probe with."""
     return PermissionDenied(
         f"the daemon at {address} refused this client's certificate during the TLS "
-        f"handshake ({exc.message}): is it signed by the CA the daemon trusts "
-        "(tls.client_ca), and valid now? The daemon's audit log names the reason."
+        f"handshake ({exc.message}): is it signed by a CA the daemon trusts "
+        "(tls.client_ca, or tls.scoped_client_cas for the name it carries), and valid now? "
+        "The daemon's audit log names the reason."
     )
 
 

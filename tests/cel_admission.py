@@ -1,7 +1,9 @@
-"""Run by tests/unit/test_manifests.py in the tools venv (cel-python): evaluate the example
-ValidatingAdmissionPolicy's CEL (its variables, then each validation) against the pods given
-as JSON on stdin -- ``{"name": pod, ...}`` -- and print, as JSON, the messages of the
-validations each pod fails. No API server can run here; this is the policy's own expressions
+"""Run by tests/unit/test_manifests.py in the tools venv (cel-python): evaluate a
+ValidatingAdmissionPolicy's CEL (its variables, then each validation) against the objects
+given as JSON on stdin -- ``{"name": object, ...}``, where an entry that is
+``{"object": ..., "request": ...}`` gives the admission request too (``request.namespace``,
+``request.userInfo``) -- and print, as JSON, the messages of the validations each fails
+(a ``messageExpression``'s, evaluated). No API server can run here; this is the policy's own expressions
 evaluated by a CEL implementation, as an API server would."""
 
 from __future__ import annotations
@@ -22,18 +24,27 @@ def main() -> None:
     env = celpy.Environment()
     variables_src = [(v["name"], env.program(env.compile(v["expression"])))
                      for v in spec.get("variables", [])]
-    checks = [(v["message"], env.program(env.compile(v["expression"])))
+    checks = [(v.get("message", ""),
+               env.program(env.compile(v["messageExpression"]))
+               if "messageExpression" in v else None,
+               env.program(env.compile(v["expression"])))
               for v in spec["validations"]]
     out: dict[str, list[str]] = {}
-    for name, pod in json.load(sys.stdin).items():
-        activation: dict[str, Any] = {"object": celpy.json_to_cel(pod)}
+    for name, given in json.load(sys.stdin).items():
+        if "object" in given:
+            activation: dict[str, Any] = {"object": celpy.json_to_cel(given["object"]),
+                                          "request": celpy.json_to_cel(given["request"])}
+        else:  # a pod alone
+            activation = {"object": celpy.json_to_cel(given)}
         variables = celpy.celtypes.MapType({})
         for var, program in variables_src:
             value = program.evaluate({**activation, "variables": variables})
             variables = celpy.celtypes.MapType(
                 {**variables, celpy.celtypes.StringType(var): value})
-        out[name] = [message for message, program in checks
-                     if not bool(program.evaluate({**activation, "variables": variables}))]
+        context = {**activation, "variables": variables}
+        out[name] = [str(expression.evaluate(context)) if expression is not None else message
+                     for message, expression, program in checks
+                     if not bool(program.evaluate(context))]
     json.dump(out, sys.stdout)
 
 

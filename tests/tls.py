@@ -106,6 +106,27 @@ class CertAuthority:
         Path(self.cert).write_bytes(self.certificate.public_bytes(serialization.Encoding.PEM))
         _write_key(self.directory / f"{stem}-key.pem", self._key)
 
+    def intermediate(self, directory: Path, name: str) -> CertAuthority:
+        """A CA whose certificate this CA signs (``basicConstraints CA:TRUE``): an
+        intermediate, its files in ``directory``."""
+        sub = CertAuthority(directory, name)
+        public = sub.certificate.public_key()
+        now = _now()
+        sub.certificate = (
+            x509.CertificateBuilder().subject_name(sub.certificate.subject)
+            .issuer_name(self.certificate.subject).public_key(public)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                self._key.public_key()), critical=False)
+            .sign(self._key, hashes.SHA256())
+        )
+        Path(sub.cert).write_bytes(sub.certificate.public_bytes(serialization.Encoding.PEM))
+        return sub
+
     def issue(self, stem: str, common_name: str, *, sans: Sequence[x509.GeneralName] = (),
               usage: Sequence[x509.ObjectIdentifier] = (),
               not_before: datetime.datetime | None = None,

@@ -99,6 +99,14 @@ def _node_name(v: Any) -> str | None:
     return f"must be a node's name (a DNS name: letters, digits, '.', '-', '_'; 1..253), got {v!r}"
 
 
+def _scoped_cas(v: Any) -> str | None:
+    for entry in v:
+        path, equals, pattern = str(entry).partition("=")
+        if not equals or not path.startswith("/") or not pattern:
+            return f'each entry must be "/ABSOLUTE/FILE=PRINCIPAL-PATTERN", got {entry!r}'
+    return None
+
+
 def _kubelet_roots(v: Any) -> str | None:
     from jaild.daemon.identity import normalize_root
 
@@ -328,8 +336,18 @@ class TlsFile:
     client_ca: str = setting(
         "",
         "The CA bundle (PEM) that signs client certificates: only clients with a "
-        "certificate it verifies are let in.",
+        "certificate it verifies are let in. Its CAs may name any principal.",
         _absolute,
+    )
+    scoped_client_cas: tuple[str, ...] = setting(
+        (),
+        'CAs that may name only some principals, each "FILE=PATTERN": a client certificate '
+        "a CA of FILE (a PEM bundle) issued directly is let in only when its principal "
+        "matches the glob PATTERN (one CA per tenant, e.g. "
+        '"/etc/jaild/client-cas/agents.crt=spiffe://cluster.local/ns/agents/sa/*"). List a '
+        "file again for another pattern. With any, every client certificate must be issued "
+        "directly by a CA listed here or in client_ca, and no CA may be in both.",
+        _scoped_cas,
     )
     reload_s: float = setting(
         30.0,
@@ -508,11 +526,16 @@ def load_config_file(path: str) -> dict[str, Any]:
         )
     daemon, tls = sections["daemon"], sections["tls"]
     if daemon.listen:
-        for key in ("cert", "key", "client_ca"):
+        for key in ("cert", "key"):
             if not getattr(tls, key):
                 raise PolicyError(
                     path, f"tls.{key}", "must be set: daemon.listen has a TLS listener"
                 )
+        if not tls.client_ca and not tls.scoped_client_cas:
+            raise PolicyError(
+                path, "tls.client_ca", "must be set (or tls.scoped_client_cas): daemon.listen "
+                "has a TLS listener, and its clients' certificates need a CA to verify them"
+            )
     return sections
 
 
@@ -552,6 +575,7 @@ class DaemonConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
+    tls_scoped_client_cas: tuple[str, ...] = ()  # "FILE=PATTERN": see TlsFile
     tls_reload_s: float = 30.0
     liveness_timeout_s: float = 30.0
     identity: str = "uid"  # "uid" or "kubernetes": see AccessFile

@@ -10,7 +10,8 @@ connection to :meth:`TlsListeners._handshake`, which runs the TLS handshake
 accepted after it, and a connection mid-handshake keeps the one it began with.
 
 The context admits TLS 1.3 only and requires a client certificate verified against
-``tls.client_ca`` (OpenSSL checks the chain and its validity dates). A handshake that fails
+``tls.client_ca`` and the files of ``tls.scoped_client_cas`` together (OpenSSL checks the
+chain and its validity dates). A handshake that fails
 -- no certificate, another CA, expired or not yet valid, an older TLS version, bytes that are
 not TLS at all, or nothing within ``limits.handshake_timeout_s`` -- is refused there: it
 never reaches the protocol. Each refusal is audited (the client's address and OpenSSL's
@@ -18,6 +19,16 @@ reason: for a certificate that failed verification, OpenSSL keeps no copy of it 
 and counted (``jaild_refused_requests_total{code}``, ``jaild_tls_refused_connections_total
 {reason}``); at most ``limits.max_connections`` handshakes run at once, and past that a new
 connection is closed at once.
+
+Which principals a CA may name (:class:`ClientTrust`): a CA of ``tls.client_ca``, any; a CA
+of ``tls.scoped_client_cas``, only those its pattern matches -- one CA per tenant
+(a Kubernetes namespace's own cert-manager Issuer) cannot mint another tenant's principal.
+OpenSSL does not say which anchor verified a chain (Python's ``ssl`` on 3.11 gives no chain),
+so where any CA is scoped the daemon requires the certificate to be issued directly by a
+listed CA and judges it by the CAs that did: a certificate no listed CA issued directly (a
+scoped CA's key made an intermediate of its own, say), or whose principal no issuing CA
+may name, is refused right after the handshake (``tls_reason`` ``ca_removed`` or
+``out_of_scope``), before the protocol begins.
 
 A connection whose handshake succeeded becomes a :class:`~jaild.daemon.server.
 ServedConnection` like any Unix-socket one, with a :class:`~jaild.daemon.core.peer.Peer`
@@ -44,6 +55,7 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
 
 from jaild.daemon.config import DaemonConfig, parse_listener
 from jaild.daemon.core.peer import Peer
@@ -54,6 +66,7 @@ from jaild.errors import (
     StartupError,
     UnsupportedVersion,
 )
+from jaild.policy.schema import principal_matches
 
 if typing.TYPE_CHECKING:
     from jaild.daemon.observe.metrics import Metrics
@@ -95,6 +108,7 @@ class _Live:
 
     session: Served
     leaf: x509.Certificate
+    principal: str
     address: str
     timer: asyncio.TimerHandle | None = None
 
@@ -113,8 +127,102 @@ def principal_of(der: bytes) -> str:
     return cert.subject.rfc4514_string()
 
 
-def server_context(cert: str, key: str, client_ca: str) -> ssl.SSLContext:
-    """TLS 1.3 only, a client certificate required and verified against ``client_ca``.
+@dataclass(frozen=True)
+class Anchor:
+    """A CA that signs clients, and which principals its certificates may name."""
+
+    ca: x509.Certificate
+    principals: tuple[str, ...] | None
+    """Glob patterns (``tls.scoped_client_cas``); None: any (``tls.client_ca``)."""
+    source: str
+    """The setting and file it came from, for messages."""
+
+
+@dataclass(frozen=True)
+class ClientTrust:
+    """The CAs that sign clients (``tls.client_ca`` and ``tls.scoped_client_cas``), each
+    with the principals it may name. Pure: :meth:`refusal` judges a verified certificate."""
+
+    anchors: tuple[Anchor, ...]
+
+    @property
+    def scoped(self) -> bool:
+        """Is any CA limited to some principals? Then every certificate is judged by the
+        CAs that issued it directly, at the handshake."""
+        return any(a.principals is not None for a in self.anchors)
+
+    def pem(self) -> str:
+        """Every CA, for OpenSSL's verification (which principal a CA may name is checked
+        after it, by :meth:`refusal`)."""
+        return "".join(a.ca.public_bytes(serialization.Encoding.PEM).decode()
+                       for a in self.anchors)
+
+    def refusal(self, leaf: x509.Certificate, principal: str) -> tuple[str, str] | None:
+        """None if ``leaf`` (verified), naming ``principal``, may be served; else (reason,
+        what is wrong): ``ca_removed``, no CA listed issued it directly; ``out_of_scope``,
+        none of the CAs that did may name ``principal``."""
+        issuers = [a for a in self.anchors if _issued_by(leaf, a.ca)]
+        if not issuers:
+            return "ca_removed", (
+                "no CA of tls.client_ca or tls.scoped_client_cas issued the client "
+                f"certificate ({leaf.issuer.rfc4514_string()}) directly")
+        if any(a.principals is None or principal_matches(a.principals, principal)
+               for a in issuers):
+            return None
+        allowed = sorted({p for a in issuers for p in a.principals or ()})
+        return "out_of_scope", (
+            f"the client certificate names {principal!r}, and its CA "
+            f"({issuers[0].ca.subject.rfc4514_string()}, {issuers[0].source}) may name only "
+            f"{', '.join(allowed)}")
+
+
+def scoped_entry(entry: str) -> tuple[str, str]:
+    """``"FILE=PATTERN"`` (``tls.scoped_client_cas``) -> (file, pattern)."""
+    path, _, pattern = entry.partition("=")
+    return path, pattern
+
+
+def load_client_trust(client_ca: str, scoped: typing.Sequence[str] = ()) -> ClientTrust:
+    """The CAs of ``client_ca`` (any principal) and of each ``scoped`` ``"FILE=PATTERN"``.
+
+    Raises:
+        StartupError: a file cannot be read, holds no certificate, or a CA is both in
+            ``client_ca`` and scoped (where it could name any principal all the same).
+    """
+    anchors: list[Anchor] = []
+    files: list[tuple[str, tuple[str, ...] | None, str]] = []
+    if client_ca:
+        files.append((client_ca, None, f"tls.client_ca {client_ca}"))
+    patterns: dict[str, list[str]] = {}
+    for entry in scoped:
+        path, pattern = scoped_entry(entry)
+        patterns.setdefault(path, []).append(pattern)
+    for path, found in patterns.items():
+        files.append((path, tuple(found), f"tls.scoped_client_cas {path}"))
+    for path, principals, source in files:
+        try:
+            cas = x509.load_pem_x509_certificates(Path(path).read_bytes())
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"{source}: cannot be used: {exc}") from None
+        anchors += [Anchor(ca, principals, source) for ca in cas]
+    unscoped = {_identity(a.ca) for a in anchors if a.principals is None}
+    for a in anchors:
+        if a.principals is not None and _identity(a.ca) in unscoped:
+            raise StartupError(
+                f"{a.source}: the CA {a.ca.subject.rfc4514_string()} is in tls.client_ca "
+                "too, where it may name any principal: take it out of one of them")
+    return ClientTrust(tuple(anchors))
+
+
+def _identity(ca: x509.Certificate) -> tuple[bytes, bytes]:
+    """A CA as a verifier sees it: its name and key (a renewal with the same key is the
+    same CA)."""
+    return ca.subject.public_bytes(), ca.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def server_context(cert: str, key: str, trust: ClientTrust) -> ssl.SSLContext:
+    """TLS 1.3 only, a client certificate required and verified against ``trust``'s CAs.
 
     Raises:
         StartupError: a file cannot be read or used (named, with OpenSSL's reason).
@@ -126,8 +234,8 @@ def server_context(cert: str, key: str, client_ca: str) -> ssl.SSLContext:
     what = f"tls.cert {cert} / tls.key {key}"
     try:
         ctx.load_cert_chain(cert, key)
-        what = f"tls.client_ca {client_ca}"
-        ctx.load_verify_locations(client_ca)
+        what = "tls.client_ca / tls.scoped_client_cas"
+        ctx.load_verify_locations(cadata=trust.pem())
     except (OSError, ssl.SSLError, ValueError) as exc:
         raise StartupError(f"{what}: cannot be used: {exc}") from None
     return ctx
@@ -168,9 +276,10 @@ def refusal_reason(exc: BaseException) -> tuple[str, type[Exception], str]:
 
 @dataclass
 class _Files:
-    """The three files a context is made of, and when each last changed."""
+    """The files a context is made of (the certificate, its key, the clients' CAs), and
+    when each last changed."""
 
-    paths: tuple[str, str, str]
+    paths: tuple[str, ...]
 
     def stamp(self) -> tuple[tuple[int, int], ...]:
         out = []
@@ -220,8 +329,11 @@ class TlsListeners:
     def __init__(self, config: DaemonConfig, daemon: Server) -> None:
         self.config = config
         self.daemon = daemon
-        self.files = _Files((config.tls_cert, config.tls_key, config.tls_client_ca))
-        self.context = server_context(*self.files.paths)
+        scoped = config.tls_scoped_client_cas
+        self.files = _Files((config.tls_cert, config.tls_key,
+                             *([config.tls_client_ca] if config.tls_client_ca else []),
+                             *dict.fromkeys(scoped_entry(e)[0] for e in scoped)))
+        self.trust, self.context = self._load()
         self._stamp = self.files.stamp()
         self.servers: list[asyncio.AbstractServer] = []
         self.addresses: list[tuple[str, int]] = []  # where each listener listens (port 0: chosen)
@@ -275,34 +387,34 @@ class TlsListeners:
         """Make a new context from the files as they are now; new connections get it. A
         context that cannot be made keeps the old one (logged). True: reloaded."""
         try:
-            context = server_context(*self.files.paths)
+            self.trust, self.context = self._load()
         except StartupError as exc:
             log.error("TLS certificates not reloaded, the old ones stay in use: %s", exc)
             return False
-        self.context = context
         self._stamp = self.files.stamp()
         log.info("TLS certificates reloaded (%s)", ", ".join(self.files.paths))
         self.recheck()
         return True
 
+    def _load(self) -> tuple[ClientTrust, ssl.SSLContext]:
+        config = self.config
+        trust = load_client_trust(config.tls_client_ca, config.tls_scoped_client_cas)
+        return trust, server_context(config.tls_cert, config.tls_key, trust)
+
     def recheck(self) -> None:
         """End every live connection whose certificate's CA is no longer in
-        ``tls.client_ca`` (as it reads now), or whose certificate has expired. A certificate
-        counts as the CA's when one of the file's certificates issued it directly (the
+        ``tls.client_ca`` or ``tls.scoped_client_cas`` (as they were read last), whose CA
+        may no longer name its principal, or whose certificate has expired. A certificate
+        counts as the CA's when one of the files' certificates issued it directly (the
         client's chain is not kept after the handshake: list intermediates in the file)."""
-        try:
-            cas = x509.load_pem_x509_certificates(Path(self.files.paths[2]).read_bytes())
-        except (OSError, ValueError) as exc:
-            log.error("TLS client CA not read, live connections not rechecked: %s", exc)
-            cas = None
         now = datetime.datetime.now(datetime.UTC)
         for live in list(self.live.values()):
             if live.session.closed:
                 self._forget(live)
             elif live.leaf.not_valid_after_utc <= now:
                 self._expire(live, "expired")
-            elif cas is not None and not any(_issued_by(live.leaf, ca) for ca in cas):
-                self._expire(live, "ca_removed")
+            elif (refusal := self.trust.refusal(live.leaf, live.principal)) is not None:
+                self._expire(live, refusal[0])
 
     def _expire(self, live: _Live, reason: str) -> None:
         """End ``live``'s connection: an ``Error`` first, then its jobs are cancelled and
@@ -314,7 +426,9 @@ class TlsListeners:
         why = {"expired": "its client certificate expired at "
                           f"{live.leaf.not_valid_after_utc:%Y-%m-%d %H:%M:%S} UTC",
                "ca_removed": "the CA that issued its client certificate is no longer trusted "
-                             "(tls.client_ca)"}[reason]
+                             "(tls.client_ca)",
+               "out_of_scope": "the CA that issued its client certificate may no longer "
+                               f"name {live.principal!r} (tls.scoped_client_cas)"}[reason]
         err = PermissionDenied(f"the connection from {live.address} ends: {why}")
         session.send_error(err)
         session.close(err.message)
@@ -393,9 +507,15 @@ class TlsListeners:
             self._refused(address, "handshake_failed", PermissionDenied,
                           f"the client certificate cannot be read: {exc}")
             return
+        leaf = x509.load_der_x509_certificate(der)
+        refusal = self.trust.refusal(leaf, name) if self.trust.scoped else None
+        if refusal is not None:  # before a byte of the protocol: refused as in the handshake
+            tls.abort()
+            self._refused(address, refusal[0], PermissionDenied, refusal[1])
+            return
         peer = Peer.of_certificate(name, address)
         session = self.daemon.serve_connection(tls, peer, pending)
-        live = _Live(session, x509.load_der_x509_certificate(der), address)
+        live = _Live(session, leaf, name, address)
         left = live.leaf.not_valid_after_utc.timestamp() - time.time()
         live.timer = loop.call_later(max(0.0, left), self._expire, live, "expired")
         self.live[id(session)] = live
@@ -442,4 +562,5 @@ def replay(connection: asyncio.Protocol, pending: _Pending) -> None:
         connection.connection_lost(pending.lost[0])
 
 
-__all__ = ["TlsListeners", "principal_of", "refusal_reason", "replay", "server_context"]
+__all__ = ["Anchor", "ClientTrust", "TlsListeners", "load_client_trust", "principal_of",
+           "refusal_reason", "replay", "scoped_entry", "server_context"]

@@ -1,13 +1,16 @@
-"""deploy/kubernetes: the Kustomize base and its examples, rendered, validated and scanned.
+"""deploy/kubernetes: the Kustomize base and its examples, rendered, validated and scanned;
+deploy/kubernetes-network too, alone and with each of its components (the client-certificate
+recipes) in an overlay as a user would write it.
 
 ``kubectl kustomize`` renders both (kubectl with kustomize is on the project's machines; where
 it is missing the tests fail and say how to install it). Every object rendered is validated
 against the JSON schemas of several Kubernetes minors, strictly (an unknown field fails), by
 kubernetes-validate, and scanned by checkov; both come from the tools venv that
 ``make tools-venv`` makes (``.venv-tools``, or ``$JAILD_TOOLS_VENV``), not jaild's own. Each
-has a positive control: a copy broken on purpose must be caught. checkov's findings may be
-skipped only by annotations on jaild's two DaemonSets (the daemon and the device plugin that
-advertises its jail slots), each with its reason.
+has a positive control: a copy broken on purpose must be caught. cert-manager's custom
+resources are validated against its CRD schemas, vendored (tests/schemas/cert-manager).
+checkov's findings may be skipped only by annotations on jaild's two DaemonSets (the daemon
+and the device plugin that advertises its jail slots), each with its reason.
 
 The rest holds the manifests to what the daemon reads: the config ConfigMap is a valid
 jaild.toml whose drain fits in the pod's grace period, the policies ConfigMap is the
@@ -37,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent.parent
 K8S = REPO / "deploy" / "kubernetes"
 EXAMPLES = K8S / "examples"
 NETWORK = REPO / "deploy" / "kubernetes-network"
+COMPONENTS = NETWORK / "components"  # kind: Component, each rendered in an overlay of its own
 TOOLS_VENV = Path(os.environ.get("JAILD_TOOLS_VENV") or REPO / ".venv-tools")
 
 # kubectl on the machines is v1.32: it and the two minors before it, always; and the newest
@@ -106,26 +110,74 @@ def write_docs(path: Path, docs: list[Obj]) -> None:
     path.write_text("".join("---\n" + json.dumps(d, indent=1) + "\n" for d in docs))
 
 
+RENDERS = ("base", "examples", "network", "namespace-cas", "spiffe")
+
+
 @dataclass
 class Rendered:
-    directory: Path  # base.yaml, examples.yaml and network.yaml, as kubectl kustomize wrote them
+    directory: Path  # <name>.yaml for each of RENDERS, as kubectl kustomize wrote them
     base: list[Obj]
     examples: list[Obj]
     network: list[Obj]  # the base with the TLS listener (deploy/kubernetes-network)
+    namespace_cas: list[Obj]  # network + components/namespace-cas
+    spiffe: list[Obj]  # network + components/spiffe + an agent elsewhere (spiffe_agent)
 
     @property
     def every(self) -> list[Obj]:
-        return self.base + self.examples + self.network
+        return self.base + self.examples + self.network + self.namespace_cas + self.spiffe
+
+    @property
+    def files(self) -> list[Path]:
+        return [self.directory / f"{name}.yaml" for name in RENDERS]
+
+
+def overlay(directory: Path, component: str, extra: tuple[Obj, ...] = ()) -> Path:
+    """An overlay as a user would write it, in ``directory``: deploy/kubernetes-network and
+    ``extra`` (objects of the user's own) as resources, ``components/<component>`` as a
+    component. Paths relative: kustomize takes no absolute ones."""
+    directory.mkdir()
+    resources = [os.path.relpath(NETWORK, directory)]
+    if extra:
+        write_docs(directory / "extra.yaml", list(extra))
+        resources.append("extra.yaml")
+    (directory / "kustomization.yaml").write_text(json.dumps({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": resources,
+        "components": [os.path.relpath(COMPONENTS / component, directory)]}))
+    return directory
+
+
+def spiffe_agent(examples: list[Obj]) -> Obj:
+    """The example agent as a network client elsewhere (namespace trainers, no socket, no
+    sandbox node), labelled for the SPIFFE component's patch."""
+    agent = copy.deepcopy(one(examples, "Deployment"))
+    agent["metadata"].update(name="trainer", namespace="trainers")
+    agent["metadata"]["labels"]["jaild.io/svid"] = "true"
+    pod = agent["spec"]["template"]["spec"]
+    for key in ("nodeSelector", "tolerations"):
+        pod.pop(key)
+    pod["securityContext"].pop("supplementalGroups")
+    pod["volumes"] = [v for v in pod["volumes"] if "hostPath" not in v]
+    (container,) = pod["containers"]
+    container["volumeMounts"] = [m for m in container["volumeMounts"]
+                                 if m["mountPath"] != SOCKET_DIR]
+    container["env"] = [{"name": "JAILD_SOCKET", "value": "tls://jaild.jaild-system.svc:7443"}]
+    return agent
 
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
     out = tmp_path_factory.mktemp("rendered")
+    overlays = tmp_path_factory.mktemp("overlays")
     (out / "base.yaml").write_text(render(K8S))
     (out / "examples.yaml").write_text(render(EXAMPLES))
     (out / "network.yaml").write_text(render(NETWORK))
-    return Rendered(out, load_yaml(out / "base.yaml"), load_yaml(out / "examples.yaml"),
-                    load_yaml(out / "network.yaml"))
+    examples = load_yaml(out / "examples.yaml")
+    (out / "namespace-cas.yaml").write_text(
+        render(overlay(overlays / "namespace-cas", "namespace-cas")))
+    (out / "spiffe.yaml").write_text(
+        render(overlay(overlays / "spiffe", "spiffe", (spiffe_agent(examples),))))
+    return Rendered(out, *(load_yaml(out / f"{name}.yaml") for name in RENDERS))
 
 
 def one(docs: list[Obj], kind: str, name: str | None = None) -> Obj:
@@ -157,14 +209,53 @@ def validate(files: list[Path], version: str) -> subprocess.CompletedProcess[str
                 *map(str, files)])
 
 
+def built_in(doc: Obj) -> bool:
+    """A kind of Kubernetes itself (kubernetes-validate's), not a custom resource."""
+    group = doc["apiVersion"].rpartition("/")[0]
+    return "." not in group or group.endswith(".k8s.io")
+
+
 def test_every_object_is_valid_for_each_minor_strictly(rendered: Rendered,
                                                        versions: list[str]) -> None:
-    files = [rendered.directory / f"{name}.yaml" for name in ("base", "examples", "network")]
+    """Kubernetes' own kinds; the custom resources (cert-manager's): the test below."""
     for version in versions:
-        out = validate(files, version)
+        out = validate(rendered.files, version)
         assert out.returncode == 0, f"Kubernetes {version}:\n{out.stdout}{out.stderr}"
         passed = re.findall(r"passed for resource", out.stdout)
-        assert len(passed) == len(rendered.every), f"Kubernetes {version}:\n{out.stdout}"
+        assert len(passed) == len([d for d in rendered.every if built_in(d)]), (
+            f"Kubernetes {version}:\n{out.stdout}")
+
+
+def validate_custom(files: list[Path]) -> list[tuple[str, str, list[str]]]:
+    out = run([tool("python"), str(REPO / "tests" / "crd_validate.py"), *map(str, files)])
+    assert out.returncode == 0, out.stderr
+    return [tuple(entry) for entry in json.loads(out.stdout)]  # type: ignore[misc]
+
+
+def test_every_custom_resource_is_valid_against_its_vendored_schema_strictly(
+        rendered: Rendered, tmp_path: Path) -> None:
+    """cert-manager's Certificates and Issuers, against the CRD schemas of a pinned release
+    (tests/schemas/cert-manager: no network at test time), an unknown field failing."""
+    custom = [d for d in rendered.every if not built_in(d)]
+    assert {d["kind"] for d in custom} == {"Certificate", "Issuer"}
+    results = validate_custom(rendered.files)
+    assert len(results) == len(custom)
+    assert [r for r in results if r[2]] == []
+
+    # positive controls: a misspelt field, a wrong type, a kind with no schema
+    docs = copy.deepcopy(rendered.namespace_cas)
+    ca = one(docs, "Certificate", "jaild-client-ca")
+    ca["spec"]["isCa"] = ca["spec"].pop("isCA")
+    one(docs, "Issuer", "jaild-client")["spec"]["ca"]["secretName"] = 7
+    issuer = copy.deepcopy(one(docs, "Issuer", "jaild-client"))
+    issuer["kind"] = "ClusterIssuer"
+    bad = tmp_path / "bad.yaml"
+    write_docs(bad, [*docs, issuer])
+    failed = {(kind, name): errors for kind, name, errors in validate_custom([bad]) if errors}
+    assert set(failed) == {("Certificate", "jaild-client-ca"), ("Issuer", "jaild-client"),
+                           ("ClusterIssuer", "jaild-client")}, failed
+    assert "isCa" in str(failed[("Certificate", "jaild-client-ca")])
+    assert "secretName" in str(failed[("Issuer", "jaild-client")])
 
 
 def test_the_validator_catches_a_misspelt_field(rendered: Rendered, tmp_path: Path) -> None:
@@ -628,3 +719,186 @@ def test_the_network_overlay_adds_a_tls_listener_and_nothing_else(
     base_pod = daemon_pod(rendered)
     assert pod["hostPID"] == base_pod["hostPID"]
     assert container["securityContext"] == base_pod["containers"][0]["securityContext"]
+
+
+# ---------------------------------------------------------------------------- client certificates
+
+
+def component_config(rendered: Rendered, docs: list[Obj], tmp_path: Path) -> tuple[Obj, Any]:
+    """A component's jaild.toml: (its TOML, jaild's own reading of its [tls]), after checking
+    it is the network overlay's with tls.client_ca replaced by tls.scoped_client_cas."""
+    import tomllib
+
+    text = configmap_data(docs, "jaild-config")["jaild.toml"]
+    config = tmp_path / "jaild.toml"
+    config.write_text(text)
+    tls = load_config_file(str(config))["tls"]  # jaild's own validation
+    network = tomllib.loads(configmap_data(rendered.network, "jaild-config")["jaild.toml"])
+    mine = tomllib.loads(text)
+    assert network["tls"].pop("client_ca")
+    assert mine["tls"].pop("scoped_client_cas")
+    assert mine == network
+    return mine, tls
+
+
+def mounted(pod: Obj, path: str) -> Obj:
+    """The volume the file ``path`` is in, in the pod's one container."""
+    (container,) = pod["containers"]
+    (mount,) = [m for m in container["volumeMounts"]
+                if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert mount.get("readOnly") is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return volume
+
+
+def test_namespace_cas_one_ca_per_tenant_namespace_bound_to_it(
+        rendered: Rendered, tmp_path: Path) -> None:
+    """components/namespace-cas: each scoped CA file is a tenant namespace's, mounted from
+    the ConfigMap jaild-client-cas, and may name that namespace's service accounts only; the
+    namespace has its own CA and a namespaced Issuer of it; no ClusterIssuer anywhere."""
+    docs = rendered.namespace_cas
+    _, tls = component_config(rendered, docs, tmp_path)
+    assert tls.client_ca == ""
+    pod = one(docs, "DaemonSet", "jaild\0")["spec"]["template"]["spec"]
+    cas = one(docs, "ConfigMap", "jaild-client-cas-")
+    tenants = []
+    for entry in tls.scoped_client_cas:
+        path, _, pattern = entry.partition("=")
+        namespace = Path(path).stem
+        tenants.append(namespace)
+        assert pattern == f"spiffe://cluster.local/ns/{namespace}/sa/*", entry
+        assert mounted(pod, path)["configMap"]["name"] == cas["metadata"]["name"]
+        assert Path(path).name in cas["data"]
+        # the namespace's CA, and the Issuer of it that its Certificates can reference
+        (ca,) = [d for d in docs if d["kind"] == "Certificate"
+                 and d["metadata"]["namespace"] == namespace and d["spec"].get("isCA")]
+        issuers = [d for d in docs if d["kind"] == "Issuer" and d["metadata"]["namespace"]
+                   == namespace and d["spec"].get("ca", {}).get("secretName")
+                   == ca["spec"]["secretName"]]
+        assert len(issuers) == 1
+        assert ca["spec"]["privateKey"]["rotationPolicy"] == "Never"  # the daemon's copy holds
+    assert tenants == ["agents"]
+    assert not [d for d in docs if d["kind"] == "ClusterIssuer"]
+    for cert in (d for d in docs if d["kind"] == "Certificate"):
+        assert cert["spec"]["issuerRef"]["kind"] == "Issuer", cert["metadata"]
+    # the daemon's own certificate: the Secret the network overlay mounts
+    (server,) = [d for d in docs if d["kind"] == "Certificate"
+                 and d["metadata"]["name"] == "jaild"]
+    assert server["metadata"]["namespace"] == "jaild-system"
+    assert server["spec"]["secretName"] == mounted(pod, tls.cert)["secret"]["secretName"]
+    assert server["spec"]["usages"] == ["server auth"]
+    # the certificate policy applies where the NetworkPolicy lets clients knock
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", "jaild-client-certificates")
+    knock = one(docs, "NetworkPolicy", "jaild-tls")["spec"]["ingress"][0]["from"][0]
+    assert binding["spec"]["matchResources"]["namespaceSelector"] == knock["namespaceSelector"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+
+
+def test_namespace_cas_the_shipped_config_refuses_another_namespaces_principal(
+        rendered: Rendered, tmp_path: Path) -> None:
+    """The component's tls.scoped_client_cas, as the daemon reads it, with a test CA in the
+    file's place: agents' CA naming agents' service account is let in (the control), naming
+    another namespace's is refused. The placeholder shipped in the file's place is no CA:
+    the daemon refuses to start on it rather than trust anyone."""
+    from jaild.daemon.tls import load_client_trust
+    from jaild.errors import StartupError
+    from tests.tls import CertAuthority
+
+    _, tls = component_config(rendered, rendered.namespace_cas, tmp_path)
+    ca = CertAuthority(tmp_path / "agents", "agents CA")
+    (entry,) = tls.scoped_client_cas
+    path, _, pattern = entry.partition("=")
+    trust = load_client_trust("", [f"{ca.cert}={pattern}"])
+    own, other = "spiffe://cluster.local/ns/agents/sa/agent", "spiffe://cluster.local/ns/x/sa/a"
+    assert trust.refusal(ca.client("a", uri=own).certificate, own) is None
+    refused = trust.refusal(ca.client("b", uri=other).certificate, other)
+    assert refused is not None and refused[0] == "out_of_scope"
+
+    placeholder = tmp_path / "placeholder.crt"
+    placeholder.write_text(configmap_data(rendered.namespace_cas, "jaild-client-cas")[
+        Path(path).name])
+    with pytest.raises(StartupError, match="cannot be used"):
+        load_client_trust("", [f"{placeholder}={pattern}"])
+
+
+def test_namespace_cas_the_certificate_policys_cel_keeps_each_namespace_to_its_own(
+        rendered: Rendered) -> None:
+    """The component's ValidatingAdmissionPolicy, evaluated by cel-python (no API server):
+    the tenant's own client Certificate is admitted in its namespace (the control), the
+    same Certificate naming another namespace is refused -- and admitted in that other
+    namespace, its own (the control that the namespace, not the name, decides); a
+    CertificateRequest only cert-manager's controller may create."""
+    cert = one(rendered.namespace_cas, "Certificate", "agent-jaild-client")
+    namespace = cert["metadata"]["namespace"]
+    other = "spiffe://cluster.local/ns/payments/sa/agent"
+
+    def request(ns: str, user: str = "alice@example.org") -> Obj:
+        return {"namespace": ns, "userInfo": {"username": user}}
+
+    def variant(ns: str, **spec: object) -> Obj:
+        changed = copy.deepcopy(cert)
+        changed["spec"].update(spec)
+        return {"object": changed, "request": request(ns)}
+
+    cases: dict[str, Obj] = {
+        "own": {"object": cert, "request": request(namespace)},
+        "other-uri": variant(namespace, uris=[other]),
+        "other-uri-second": variant(namespace, uris=[cert["spec"]["uris"][0], other]),
+        "other-uri-in-its-namespace": variant("payments", uris=[other]),
+        "look-alike-namespace": variant(
+            namespace, uris=[f"spiffe://cluster.local/ns/{namespace}-x/sa/agent"]),
+        "other-cn": variant(namespace, commonName=other),
+        "dns-only": variant(namespace, uris=None, dnsNames=["svc.example"]),
+        "request-by-user": {"object": {"kind": "CertificateRequest", "spec": {}},
+                            "request": request(namespace)},
+        "request-by-cert-manager": {
+            "object": {"kind": "CertificateRequest", "spec": {}},
+            "request": request(namespace, "system:serviceaccount:cert-manager:cert-manager")},
+    }
+    cases["dns-only"]["object"]["spec"].pop("uris")
+    proc = subprocess.run(
+        [tool("python"), str(REPO / "tests" / "cel_admission.py"),
+         str(COMPONENTS / "namespace-cas" / "certificate-policy.yaml")],
+        input=json.dumps(cases), capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed = json.loads(proc.stdout)
+    for admitted in ("own", "other-uri-in-its-namespace", "dns-only", "request-by-cert-manager"):
+        assert failed[admitted] == [], (admitted, failed[admitted])
+    expected = {"other-uri": "spec.uris", "other-uri-second": "spec.uris",
+                "look-alike-namespace": "spec.uris", "other-cn": "spec.commonName",
+                "request-by-user": "only cert-manager's controller"}
+    for name, says in expected.items():
+        assert len(failed[name]) == 1 and says in failed[name][0], (name, failed[name])
+    assert f"namespace {namespace} may name only" in failed["other-uri"][0]
+
+
+def test_spiffe_the_daemon_trusts_the_trust_domain_and_agents_get_their_svid(
+        rendered: Rendered, tmp_path: Path) -> None:
+    """components/spiffe: the daemon's scoped CA is the driver's ca.crt, in a CSI volume of
+    its own pod, for this trust domain's service accounts only; a labelled agent gets the
+    driver's volume and the client's variables naming its files; the daemon's service
+    account may create CertificateRequests in jaild-system and nothing more."""
+    docs = rendered.spiffe
+    _, tls = component_config(rendered, docs, tmp_path)
+    assert tls.client_ca == ""
+    (entry,) = tls.scoped_client_cas
+    path, _, pattern = entry.partition("=")
+    assert pattern == "spiffe://cluster.local/ns/*/sa/*"
+    assert pattern == configmap_data(rendered.network, "jaild-config")["jaild.toml"].split(
+        "principals = [\"")[1].split("\"")[0]  # the overlay's access.principals
+    pod = one(docs, "DaemonSet", "jaild\0")["spec"]["template"]["spec"]
+    driver = {"driver": "spiffe.csi.cert-manager.io", "readOnly": True}
+    assert mounted(pod, path)["csi"] == driver
+    agent = one(docs, "Deployment", "trainer")["spec"]["template"]["spec"]
+    (container,) = agent["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    for name in ("JAILD_TLS_CERT", "JAILD_TLS_KEY"):
+        assert mounted(agent, env[name])["csi"] == driver, name
+    assert Path(env["JAILD_TLS_CERT"]).name == "tls.crt"
+    role = one(docs, "Role", "jaild-svid")
+    assert role["rules"] == [{"apiGroups": ["cert-manager.io"],
+                              "resources": ["certificaterequests"], "verbs": ["create"]}]
+    binding = one(docs, "RoleBinding", "jaild-svid")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "jaild", "namespace": "jaild-system"}]
+    assert not [d for d in docs if d["kind"] in ("Certificate", "Issuer", "ClusterIssuer")]

@@ -349,7 +349,7 @@ class Metrics:
             "jaild_tls_refused_connections",
             "Network connections refused before the protocol began, by reason (no_certificate, "
             "unknown_ca, expired, not_yet_valid, protocol_version, not_tls, handshake_timeout, "
-            "handshake_failed, principal).",
+            "handshake_failed, principal, ca_removed, out_of_scope).",
             ["reason"],
             registry=r,
         )
