@@ -1,4 +1,5 @@
-"""MkDocs hooks (mkdocs.yml: hooks): pages whose text lives outside docs/.
+"""MkDocs hooks (mkdocs.yml: hooks): pages whose text lives outside docs/, and the API
+page's cross-references.
 
 ``proto/PROTOCOL.md`` (the protocol spec) and ``ARCHITECTURE.md`` (the one-page tour, at the
 root where newcomers look) stay where they are and stay the only copy: this hook adds each to
@@ -8,6 +9,11 @@ A relative link in such a file is written for the file where it lives (``docs/se
 from ``ARCHITECTURE.md``); the page is served from ``docs/``, so each link that resolves
 inside ``docs/`` is rewritten relative to the page. A link that leaves ``docs/`` is left as
 it is, and the strict build reports it.
+
+The docstrings cross-reference as Sphinx does (``:meth:`AsyncClient.submit```,
+``:class:`~jaild.errors.Busy```, ``:attr:`lost <AsyncClient.lost>```), which mkdocstrings
+shows verbatim. :func:`resolve_roles` turns each into the name it shows -- a link to its
+entry where the page documents exactly one object of that name, plain code otherwise.
 """
 
 from __future__ import annotations
@@ -58,3 +64,37 @@ def on_files(files: Files, config: MkDocsConfig, **kwargs: Any) -> Files:
             File.generated(config, page, content=rebase_links(text, source, page, docs_dir))
         )
     return files
+
+
+ROLE = re.compile(
+    r":(?:py:)?(?:meth|class|func|attr|mod|data|exc|obj):<code>(~?)([^<]*?)</code>"
+)
+IDS = re.compile(r'\bid="(jaild\.[A-Za-z0-9_.]+)"')
+
+
+def resolve_roles(html: str) -> str:
+    """``html`` with each Sphinx role rendered as the name it shows (``~a.b.C``: ``C``;
+    ``text <target>``: ``text``), linked to the one entry of the page it names."""
+    ids = set(IDS.findall(html))
+
+    def entry(target: str) -> str | None:
+        found = [i for i in ids if i == target or i.endswith("." + target)]
+        return found[0] if len(found) == 1 else None
+
+    def render(match: re.Match[str]) -> str:
+        tilde, text = match.group(1), match.group(2).strip()
+        shown, target = text, text
+        named = re.fullmatch(r"(.*?)\s*&lt;([^&]+)&gt;", text)
+        if named:
+            shown, target = named.group(1), named.group(2)
+        elif tilde:
+            shown = text.rsplit(".", 1)[-1]
+        anchor = entry(target.lstrip("~"))
+        code = f"<code>{shown}</code>"
+        return f'<a href="#{anchor}">{code}</a>' if anchor else code
+
+    return ROLE.sub(render, html)
+
+
+def on_page_content(html: str, **kwargs: Any) -> str:
+    return resolve_roles(html)

@@ -48,6 +48,10 @@ def test_the_site_builds_strictly_outside_the_checkout(tmp_path: Path) -> None:
     for name in ["jaild.client.Client", "jaild.client.AsyncClient", "jaild.client.JobResult",
                  "jaild.client.Session", "jaild.errors", "jaild.testing"]:
         assert f'id="{name}"' in api, name
+    # the docstrings' Sphinx roles, rendered as the names they show, linked where the page
+    # documents the one object they name (docs/hooks.py: resolve_roles)
+    assert not re.search(r":(meth|class|func|attr|mod|data|exc):<code>", api), "a raw role"
+    assert '<a href="#jaild.client.AsyncClient.submit"><code>AsyncClient.submit</code></a>' in api
     assert not (site / "hooks.py").exists()
     after = {p for p in (REPO / "site", REPO / "docs/__pycache__") if p.exists()}
     assert after == before, f"the build left {after - before} in the checkout"
@@ -110,3 +114,20 @@ def test_relative_links_outside_the_site_point_at_files(name: str) -> None:
             )
         checked += 1
     assert checked, f"{name}: no relative link found (the check would prove nothing)"
+
+
+def test_a_role_shows_its_name_and_links_only_an_object_the_page_names_once() -> None:
+    sys.path.insert(0, str(REPO / "docs"))
+    try:
+        from hooks import resolve_roles
+    finally:
+        sys.path.pop(0)
+    page = ('<h3 id="jaild.client.Client"></h3><h3 id="jaild.client.Client.run"></h3>'
+            '<h3 id="jaild.fleet.Fleet.run"></h3>')
+    assert resolve_roles(page + ":class:<code>~jaild.client.Client</code>").endswith(
+        '<a href="#jaild.client.Client"><code>Client</code></a>')
+    assert resolve_roles(page + ":meth:<code>its run &lt;Client.run&gt;</code>").endswith(
+        '<a href="#jaild.client.Client.run"><code>its run</code></a>')
+    # two objects end in ".run": the name alone links neither
+    assert resolve_roles(page + ":meth:<code>run</code>").endswith("<code>run</code>")
+    assert resolve_roles(":mod:<code>jaild.loops</code>") == "<code>jaild.loops</code>"
