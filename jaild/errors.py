@@ -31,6 +31,7 @@ uses it.
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 MAX_DISPLAY_CHARS = 512
@@ -123,10 +124,14 @@ class BadRequest(JaildError):
 
 
 class UnknownPolicy(JaildError):
+    """The daemon serves no policy of that name (``jaild policies`` lists those it does)."""
+
     code = "unknown_policy"
 
 
 class UnknownJob(JaildError):
+    """No job, session or waiting call of that id is yours (another principal's is unknown too)."""
+
     code = "unknown_job"
 
 
@@ -137,6 +142,8 @@ class PolicyUnavailable(JaildError):
 
 
 class UnknownSession(JaildError):
+    """No open session of that id on this connection."""
+
     code = "unknown_session"
 
 
@@ -155,6 +162,9 @@ class SessionClosed(JaildError):
 
 
 class PermissionDenied(JaildError):
+    """Who you are may not do this: connect, use the policy, approve the call; the
+    message names the rule."""
+
     code = "permission_denied"
 
 
@@ -192,6 +202,8 @@ class Busy(JaildError):
 
 
 class ShuttingDown(JaildError):
+    """The daemon is stopping and takes no new work; another daemon (or this one, restarted) may."""
+
     code = "shutting_down"
 
 
@@ -573,3 +585,38 @@ def error_line(error: JaildError) -> str:
     if isinstance(error, DaemonUnavailable):
         return error.message
     return f"{error.code}: {error.message}"
+
+
+# ----------------------------------------------------------------------------- the reference
+
+MET_OUTSIDE_THE_TREE: tuple[type[Exception], ...] = (
+    ToolError, UnknownToolError, ToolCallDenied, UploadError, UnsafePath, ProviderError,
+    ConfigError, MissingExtra, EnvError, EnvUsageError, StartupError,
+)
+"""What a user meets that is not a :class:`JaildError`: in the jail (a tool's failure), in
+the client (a file to upload), in a front end (a provider, an extra, ``jaild env``) and at
+the daemon's start."""
+
+
+def reference_markdown() -> str:
+    """Every error a user meets, as a Markdown table: its class, its wire code (if it
+    crosses the wire), the exit status of a ``jaild`` command that meets it, and its meaning
+    (the first line of its docstring). docs/using/errors.md holds it; a test keeps it in
+    sync (``scripts/update_doc_references.py`` writes it)."""
+    import re  # here: the in-jail runtime imports this module, and needs no regex
+
+    def tree(cls: type[JaildError]) -> list[type[JaildError]]:
+        found = [cls]
+        for sub in cls.__subclasses__():
+            found += tree(sub)
+        return found
+
+    rows = ["| exception | wire code | exit status | what it means |", "|---|---|---|---|"]
+    for cls in (*tree(JaildError), *MET_OUTSIDE_THE_TREE):
+        code = getattr(cls, "code", "") if cls in ERROR_CLASSES.values() else ""
+        meaning = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+        meaning = re.sub(r":[a-z]+:`~?([^`<]*?)(?:\s*<[^>]*>)?`", r"``\1``", meaning)
+        meaning = meaning.replace("|", "\\|").replace("``", "`")
+        rows.append(f"| `{cls.__module__}.{cls.__qualname__}` | {f'`{code}`' if code else '--'} "
+                    f"| {exit_code_for(cls.__new__(cls))} | {meaning} |")
+    return "\n".join(rows) + "\n"

@@ -131,3 +131,13 @@ def test_a_role_shows_its_name_and_links_only_an_object_the_page_names_once() ->
     # two objects end in ".run": the name alone links neither
     assert resolve_roles(page + ":meth:<code>run</code>").endswith("<code>run</code>")
     assert resolve_roles(":mod:<code>jaild.loops</code>") == "<code>jaild.loops</code>"
+
+
+def test_the_errors_page_lists_every_error_as_the_code_does() -> None:
+    from jaild.errors import ERROR_CLASSES, reference_markdown
+
+    page = (REPO / "docs/using/errors.md").read_text(encoding="utf-8")
+    assert reference_markdown() in page, "run: python scripts/update_doc_references.py"
+    for code, cls in ERROR_CLASSES.items():  # every wire code, with its class's meaning
+        row = next(line for line in page.splitlines() if f"`{code}`" in line)
+        assert cls.__name__ in row and not row.endswith("|  |"), row
