@@ -31,7 +31,6 @@ uses it.
 
 from __future__ import annotations
 
-import re
 from typing import ClassVar
 
 MAX_DISPLAY_CHARS = 512
