@@ -15,6 +15,8 @@ import hashlib
 import os
 import re
 import socket
+import sys
+import sysconfig
 import tomllib
 import typing
 from dataclasses import dataclass
@@ -39,13 +41,27 @@ JAIL_UID_BASE = 0x4000_0000
 """Outside uids/gids of jails: 1073741824 + (per-daemon block) * 65536 + slot."""
 
 
+def installed_policies_dir() -> str | None:
+    """The shipped policies a package install put beside it (pyproject.toml's data files:
+    ``<the install's data directory>/share/jaild/policies``), if it did."""
+    for root in dict.fromkeys((sysconfig.get_path("data"), sys.prefix)):
+        found = Path(root, "share", "jaild", "policies")
+        if found.is_dir():
+            return str(found)
+    return None
+
+
 def default_policies_dir() -> str:
+    """``$JAILD_POLICIES``; else ``/etc/jaild/policies`` (``make install``'s); else the
+    checkout's ``policies/``; else those the package shipped (a ``pip install``)."""
     env = os.environ.get("JAILD_POLICIES")
     if env:
         return env
     if os.path.isdir(SYSTEM_POLICIES):
         return SYSTEM_POLICIES
-    return str(SOURCE_POLICIES)
+    if SOURCE_POLICIES.is_dir():
+        return str(SOURCE_POLICIES)
+    return installed_policies_dir() or str(SOURCE_POLICIES)
 
 
 def default_state_dir() -> str:
@@ -176,7 +192,8 @@ class DaemonFile:
     policies_dir: str = setting(
         "",
         f"Directory of policy files; empty: {SYSTEM_POLICIES} if it exists, else the source "
-        "checkout's policies/ (as with no config file).",
+        "checkout's policies/, else the shipped ones a pip install put in "
+        "<prefix>/share/jaild/policies (as with no config file).",
         _absolute,
     )
     state_dir: str = setting(

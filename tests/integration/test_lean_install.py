@@ -34,6 +34,7 @@ def lean(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
+    shutil.copytree(REPO / "policies", src / "policies")
     shutil.copytree(REPO / "jaild", src / "jaild",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     base = getattr(sys, "_base_executable", "") or os.path.realpath(sys.executable)
@@ -87,6 +88,26 @@ def test_jaild_run_starts_a_private_daemon_from_the_lean_install(lean: Path) -> 
                          capture_output=True, text=True, timeout=guard(120), cwd=lean,
                          check=False)
     assert (run.returncode, run.stdout) == (0, "42\n"), run.stderr
+
+
+def test_the_lean_install_ships_the_policies_and_its_daemon_serves_them(lean: Path) -> None:
+    """A ``pip install`` puts the shipped policies beside the package, and a daemon of that
+    install finds them with no ``--policies`` (where no ``/etc/jaild/policies`` or checkout
+    comes first: the control is the path it names, under the venv)."""
+    found = _python(lean, "from jaild.daemon.config import installed_policies_dir as d, "
+                          "default_policies_dir as p; print(d()); print(p())")
+    assert found.returncode == 0, found.stderr
+    shipped, default = found.stdout.split("\n")[:2]
+    assert shipped == str(lean.parent / "share/jaild/policies"), shipped
+    assert sorted(p.name for p in Path(shipped).glob("*.toml")) == sorted(
+        p.name for p in REPO_POLICIES.glob("*.toml"))
+    if not Path("/etc/jaild/policies").is_dir():  # make install's would come first
+        assert default == shipped
+        env = {k: v for k, v in os.environ.items() if k != "JAILD_POLICIES"}
+        run = subprocess.run([str(lean / "jaild"), "run", "--state-dir", STATE_DIR, "-c",
+                              "print(6 * 7)"], capture_output=True, text=True, env=env,
+                             timeout=guard(120), cwd=lean, check=False)
+        assert (run.returncode, run.stdout) == (0, "42\n"), run.stderr
 
 
 @pytest.mark.parametrize(("argv", "line"), [
