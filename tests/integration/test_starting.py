@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -87,14 +88,14 @@ def gate(fail: bool = False) -> Iterator[tuple[str, Any]]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def held_daemon(directory: Path, nsjail: str, limits: str = "") -> DaemonHandle:
+def held_daemon(directory: Path, nsjail: str, config_text: str = "") -> DaemonHandle:
     """A daemon serving the default policy with the gated ``nsjail``, once its Welcome says
     it is starting its zygotes (every Welcome before says it is starting: the gate is shut)."""
     args: tuple[str, ...] = ("--nsjail", nsjail)
-    if limits:
+    if config_text:
         config = directory / "jaild.toml"
         directory.mkdir(parents=True, exist_ok=True)
-        config.write_text(f"[limits]\n{limits}\n")
+        config.write_text(config_text)
         args += ("--config", str(config))
     handle = start_daemon(directory, policy_texts("default"), with_repo_policies=False,
                           args=args, wait=False)
@@ -161,8 +162,9 @@ def run_in_thread(client: Client, code: str) -> tuple[threading.Thread, dict[str
     return thread, out
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_starting_daemon_welcomes_answers_and_runs_the_job_once_ready(
-        tmp_path: Path) -> None:
+        tmp_path: Path, loop: str) -> None:
     """Held at its gate, the daemon says Welcome at once (starting, with what is pending and
     the bound), answers policies and stats on the very connection whose job waits -- the
     job's request went first, and no JobAccepted comes before those answers -- and its
@@ -170,7 +172,7 @@ def test_a_starting_daemon_welcomes_answers_and_runs_the_job_once_ready(
     library's), Welcome says nothing of starting, and the probe passes: the control that
     the same daemon, probe and jobs are fine once it is ready."""
     with gate() as (nsjail, open_gate):
-        daemon = held_daemon(tmp_path / "d", nsjail)
+        daemon = held_daemon(tmp_path / "d", nsjail, f'[daemon]\nevent_loop = "{loop}"\n')
         try:
             raw = Raw(daemon.socket)
             raw.send(Hello(protocol=PROTOCOL_VERSION, client="test-starting"))
@@ -213,6 +215,9 @@ def test_a_starting_daemon_welcomes_answers_and_runs_the_job_once_ready(
             assert isinstance(ready, Welcome) and ready.starting is None
             probe = jaild_policies(daemon.socket)
             assert probe.returncode == 0 and probe.stderr == "", probe
+            served = re.search(r"jaild \S+ serving .*; (\w+)$",
+                               Path(daemon.log_path).read_text(errors="replace"), re.M)
+            assert served is not None and served.group(1) == loop  # on the loop asked for
         finally:
             open_gate()
             daemon.stop()
@@ -224,7 +229,7 @@ def test_past_its_bound_a_waiting_job_gets_starting_naming_what_is_pending(
     came, so the bound must pass), a job gets the typed ``Starting``, naming what is pending
     and the bound. Control: the same client's same job, once the gate is open, runs."""
     with gate() as (nsjail, open_gate):
-        daemon = held_daemon(tmp_path / "d", nsjail, "startup_wait_s = 1")
+        daemon = held_daemon(tmp_path / "d", nsjail, "[limits]\nstartup_wait_s = 1\n")
         try:
             with Client(daemon.socket) as client:
                 assert client.starting == {"pending": PENDING, "wait_s": 1.0}
@@ -269,7 +274,9 @@ def test_a_policy_that_fails_while_a_job_waits_refuses_it(tmp_path: Path) -> Non
             daemon.stop()
 
 
-def test_a_start_that_fails_after_serving_tells_its_client_why(tmp_path: Path) -> None:
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_start_that_fails_after_serving_tells_its_client_why(tmp_path: Path,
+                                                              loop: str) -> None:
     """A start that fails once the socket is served (here: its nsjail is missing, found
     only after the socket serves) tells the client that connected -- the one whose
     connection activated it, so it waits from before the start -- why, a DaemonUnavailable
@@ -286,11 +293,13 @@ def test_a_start_that_fails_after_serving_tells_its_client_why(tmp_path: Path) -
     pdir.mkdir()
     (pdir / "default.toml").write_text(policy_texts("default")["default"])
     missing = str(tmp_path / "no-nsjail")
+    config = tmp_path / "jaild.toml"  # the answer to the backlog is a socket of the loop's
+    config.write_text(f'[daemon]\nevent_loop = "{loop}"\n')
     with open(tmp_path / "jaild.log", "wb") as log_file:
         proc, kill_group = activator(
             [ACTIVATE, "-l", sock_path, sys.executable, "-m", "jaild", "serve", "--socket",
              sock_path, "--policies", str(pdir), "--state-dir", STATE_DIR,
-             "--nsjail", missing], log_file, sock_path, tmp_path)
+             "--nsjail", missing, "--config", str(config)], log_file, sock_path, tmp_path)
         try:
             def first_contact() -> Any:
                 with Client(sock_path) as client:
@@ -317,7 +326,7 @@ def test_a_start_that_fails_while_a_job_waits_tells_it_why(tmp_path: Path) -> No
     with gate() as (nsjail, open_gate):
         daemon = held_daemon(
             tmp_path / "d", nsjail,
-            f'startup_wait_s = 300\n[daemon]\nlisten = ["tls://127.0.0.1:0"]\n'
+            f'[daemon]\nlisten = ["tls://127.0.0.1:0"]\n'
             f'[tls]\ncert = "{missing}"\nkey = "{missing}"\nclient_ca = "{missing}"')
         try:
             raw = Raw(daemon.socket)
