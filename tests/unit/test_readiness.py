@@ -3,13 +3,18 @@ tells a client, which requests wait; and the ``starting`` error as the client re
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from jaild.daemon.config import DaemonConfig
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jaild.daemon.config import DaemonConfig, load_config_file
 from jaild.daemon.core.readiness import TRANSITIONS, WAITING, Phase, Readiness, must_wait
 from jaild.errors import (
     ERROR_CLASSES,
     EXIT_UNAVAILABLE,
+    PolicyError,
     Starting,
     error_from_wire,
     exit_code_for,
@@ -124,6 +129,36 @@ def test_the_starting_error_crosses_the_wire_as_itself() -> None:
     assert exit_code_for(rebuilt) == EXIT_UNAVAILABLE
 
 
-def test_the_wait_bound_is_a_setting_with_a_default() -> None:
+@given(st.lists(st.tuples(st.sampled_from(list(Phase)),
+                          st.lists(st.sampled_from(["default", "web", "data"]), max_size=3)),
+                max_size=12))
+def test_any_sequence_of_moves_keeps_the_table_and_what_is_told(
+        moves: list[tuple[Phase, list[str]]]) -> None:
+    """Whatever a start tries: only the table's moves are made, a terminal phase stays, and
+    Welcome says starting exactly while the daemon is starting, naming its phase."""
+    readiness = Readiness(wait_s=7)
+    for phase, policies in moves:
+        before = readiness.phase
+        if phase in TRANSITIONS[before]:
+            readiness.advance(phase, policies)
+            assert readiness.phase is phase and readiness.policies == tuple(sorted(policies))
+        else:
+            with pytest.raises(ValueError):
+                readiness.advance(phase, policies)
+            assert readiness.phase is before
+        told = readiness.welcome()
+        assert (told is not None) == readiness.starting == (readiness.phase not in TERMINAL)
+        if told is not None:
+            assert told.pending.startswith(readiness.phase.value) and told.wait_s == 7
+
+
+def test_the_wait_bound_is_a_setting_read_from_the_config_file(tmp_path: Path) -> None:
     assert DaemonConfig().startup_wait_s == 300.0
+    good = tmp_path / "good.toml"
+    good.write_text("[limits]\nstartup_wait_s = 5\n")
+    assert load_config_file(str(good))["limits"].startup_wait_s == 5
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[limits]\nstartup_wait_s = 7200\n")  # over an hour: refused, named
+    with pytest.raises(PolicyError, match=r"limits\.startup_wait_s"):
+        load_config_file(str(bad))
     assert Readiness(DaemonConfig(startup_wait_s=0).startup_wait_s).timed_out().message
