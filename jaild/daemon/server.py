@@ -85,7 +85,7 @@ from jaild.daemon.approvals import Approvals
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
 from jaild.daemon.core.peer import Peer, Principal, Tenant
-from jaild.daemon.core.readiness import Phase, Readiness, must_wait
+from jaild.daemon.core.readiness import Phase, Readiness, check_waiting, must_wait
 from jaild.daemon.jails.job import CallReply, JailedJob, JailEnvironment
 from jaild.daemon.jails.pool import JailPool
 from jaild.daemon.journal import ApprovalQuota
@@ -936,9 +936,17 @@ class Daemon:
     def wait_until_ready(self, session: ServedConnection, msg: Message) -> None:
         """A request that waits while the daemon starts (``must_wait``): refused at once if
         it would be refused anyway (an unknown policy, one not the peer's, one whose zygote
-        failed already, a looser limit), else held until the daemon is ready -- for
-        ``limits.startup_wait_s`` at most, then answered ``starting``."""
+        failed already, a looser limit) or if too many wait already (``busy``), else held
+        until the daemon is ready -- for ``limits.startup_wait_s`` at most, then answered
+        ``starting``."""
         if self._refuse_early(session, msg):
+            return
+        try:
+            check_waiting(sum(w.session is session for w in self._waiting), len(self._waiting),
+                          self.config.max_jobs_per_connection, self.config.max_jobs)
+        except JaildError as busy:
+            self.refused(session.peer, busy.code, busy.message)
+            session.send_error(busy, ref=getattr(msg, "ref", None))
             return
         waiting = _Waiting(session, msg)
         waiting.timer = asyncio.get_running_loop().call_later(

@@ -346,3 +346,30 @@ def test_a_start_that_fails_while_a_job_waits_tells_it_why(tmp_path: Path) -> No
         finally:
             open_gate()
             daemon.stop()
+
+
+def test_no_more_requests_wait_than_may_run(tmp_path: Path) -> None:
+    """With limits.max_jobs_per_connection = 1, a connection's second job while the daemon
+    starts is refused busy at once, naming the limit (as it would be while both ran); the
+    first still waits and runs once the gate opens -- the control that the refusal is the
+    cap's, not the start's."""
+    with gate() as (nsjail, open_gate):
+        daemon = held_daemon(tmp_path / "d", nsjail, "[limits]\nmax_jobs_per_connection = 1\n")
+        try:
+            raw = Raw(daemon.socket)
+            raw.send(Hello(protocol=PROTOCOL_VERSION, client="test-starting"))
+            assert isinstance(raw.next(), Welcome)
+            raw.send(RunJob(ref=1, job=JobDescription(code="6*7"), policy="default"),
+                     RunJob(ref=2, job=JobDescription(code="7*8"), policy="default"))
+            busy = raw.next()
+            assert isinstance(busy, Error) and busy.ref == 2 and busy.code == "busy", busy
+            assert "limits.max_jobs_per_connection 1" in busy.message, busy
+            open_gate()
+            accepted, finished = raw.next(), raw.next()
+            assert isinstance(accepted, JobAccepted) and accepted.ref == 1, accepted
+            assert isinstance(finished, JobFinished) and finished.record.status == "ok"
+            assert finished.result is not None and unpack(finished.result) == 42
+            raw.close()
+        finally:
+            open_gate()
+            daemon.stop()

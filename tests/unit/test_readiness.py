@@ -10,10 +10,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaild.daemon.config import DaemonConfig, load_config_file
-from jaild.daemon.core.readiness import TRANSITIONS, WAITING, Phase, Readiness, must_wait
+from jaild.daemon.core.readiness import (
+    TRANSITIONS,
+    WAITING,
+    Phase,
+    Readiness,
+    check_waiting,
+    must_wait,
+)
 from jaild.errors import (
     ERROR_CLASSES,
     EXIT_UNAVAILABLE,
+    Busy,
     PolicyError,
     Starting,
     error_from_wire,
@@ -162,3 +170,11 @@ def test_the_wait_bound_is_a_setting_read_from_the_config_file(tmp_path: Path) -
     with pytest.raises(PolicyError, match=r"limits\.startup_wait_s"):
         load_config_file(str(bad))
     assert Readiness(DaemonConfig(startup_wait_s=0).startup_wait_s).timed_out().message
+
+
+def test_as_many_requests_may_wait_as_may_run() -> None:
+    check_waiting(on_connection=255, in_all=511, per_connection=256, total=512)  # control
+    with pytest.raises(Busy, match=r"limits\.max_jobs_per_connection 256"):
+        check_waiting(on_connection=256, in_all=256, per_connection=256, total=512)
+    with pytest.raises(Busy, match=r"limits\.max_jobs 512"):
+        check_waiting(on_connection=0, in_all=512, per_connection=256, total=512)

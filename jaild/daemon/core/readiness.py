@@ -11,7 +11,8 @@ daemon starts gets its ``Welcome`` at once, with ``starting`` (a
 needs a jail waits); requests that need no jail (policies, stats, ps, ping) are answered at
 once; requests that need a jail, or the state start-up loads (:data:`WAITING`), wait until
 the daemon is ready, for ``limits.startup_wait_s`` at most, then get ``starting``
-(:meth:`Readiness.timed_out`), which names what the daemon is still doing.
+(:meth:`Readiness.timed_out`), which names what the daemon is still doing. As many may wait
+as may run (:func:`check_waiting`).
 
 The start's phases are :class:`Phase`, the moves between them :data:`TRANSITIONS` (data, as
 the job machine's are): forward only, some skipped (no self-tests when they are off), and
@@ -26,6 +27,7 @@ import enum
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from jaild.errors import Busy
 from jaild.errors import Starting as StartingError
 from jaild.protocol.messages import (
     ApproveCall,
@@ -84,6 +86,28 @@ def must_wait(msg: Message) -> bool:
     return isinstance(msg, WAITING)
 
 
+def check_waiting(on_connection: int, in_all: int, per_connection: int, total: int) -> None:
+    """Room for one more waiting request, beside ``on_connection`` waiting on its connection
+    and ``in_all`` in the daemon? As many may wait as may run: ``per_connection``
+    (``limits.max_jobs_per_connection``) and ``total`` (``limits.max_jobs``) -- a waiting
+    request holds its frame as a running job holds its code, so a client cannot pile up
+    more of them while the daemon starts than it could while it serves.
+
+    Raises:
+        Busy: naming the limit reached.
+    """
+    if on_connection >= per_connection:
+        raise Busy(
+            f"{on_connection} requests of this connection already wait for the daemon to "
+            f"start, the limit per connection (limits.max_jobs_per_connection {per_connection})"
+        )
+    if in_all >= total:
+        raise Busy(
+            f"{in_all} requests already wait for the daemon to start, its limit "
+            f"(limits.max_jobs {total}); retry once it is ready"
+        )
+
+
 @dataclass
 class Readiness:
     """A daemon's start, as its clients see it (see the module docstring).
@@ -140,4 +164,4 @@ class Readiness:
         )
 
 
-__all__ = ["TRANSITIONS", "WAITING", "Phase", "Readiness", "must_wait"]
+__all__ = ["TRANSITIONS", "WAITING", "Phase", "Readiness", "check_waiting", "must_wait"]
