@@ -975,7 +975,9 @@ class Daemon:
         with contextlib.suppress(ValueError):
             self._waiting.remove(waiting)
         err = self.readiness.timed_out()
-        self.metrics.refused(err.code)
+        if self.refused(waiting.session.peer, err.code, err.message):
+            log.info("%s from %s waited %g s for the start: %s", waiting.msg.TYPE,
+                     waiting.session.who, self.readiness.wait_s, self.readiness.pending())
         waiting.session.send_error(err, ref=getattr(waiting.msg, "ref", None))
 
     def _progress(self, phase: Phase, policies: Collection[str]) -> None:
@@ -1012,6 +1014,8 @@ class Daemon:
                 each.timer.cancel()
         if isinstance(exc, (StartupError, JaildError)):
             reason = str(exc)
+        elif isinstance(exc, asyncio.CancelledError):
+            reason = "it was stopped while it started"
         else:
             reason = f"it failed inside jaild ({type(exc).__name__}); its log says more"
         for session in list(self.registry.connections):
