@@ -229,8 +229,8 @@ class PrivateDaemon:
         return self._log.read_text(errors="replace")[-chars:].strip()
 
     def _wait_serving(self, timeout_s: float = 600) -> None:
-        """Until the daemon answers Hello (it accepts connections earlier, during its
-        self-tests), then check that it serves the policy."""
+        """Until the daemon answers Hello and is ready (it answers Hello earlier, during its
+        self-tests, saying it is starting), then check that it serves the policy."""
         assert self._proc is not None
         deadline = time.monotonic() + timeout_s
         while True:
@@ -248,10 +248,18 @@ class PrivateDaemon:
                 except OSError:
                     pass
             time.sleep(0.05)
-        with Client(self.socket) as c:
-            for p in c.policies():
-                if p["name"] == self.policy and p.get("available") is False:
-                    raise BenchError(f"policy not served: {p.get('problems')}")
+        while True:  # it answers Hello while starting: measure only once it is ready
+            with Client(self.socket) as c:
+                if c.starting is None:
+                    policies = c.policies()
+                    break
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                raise BenchError(f"jaild was not ready within {timeout_s:.0f} s: "
+                                 f"{self.log_tail()}")
+            time.sleep(0.05)
+        for p in policies:
+            if p["name"] == self.policy and p.get("available") is False:
+                raise BenchError(f"policy not served: {p.get('problems')}")
 
     def _wait_tls_listener(self, timeout_s: float = 60) -> str:
         """The TLS listener's address: the daemon's one TCP socket listening on loopback,

@@ -69,7 +69,8 @@ CONTROL = 'tools.send_email(to="bob@example.com", body="Lunch at noon?")'
 
 
 def connect(socket: str, wait_s: float = 120.0) -> Client:
-    """The daemon's client, once it is ready (it may still be starting)."""
+    """The daemon's client, once its socket is there (a daemon still starting welcomes us at
+    once, and our jobs wait until it is ready)."""
     deadline = time.monotonic() + wait_s
     while True:
         try:

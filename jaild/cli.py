@@ -587,9 +587,32 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_policies(args: argparse.Namespace) -> int:
-    policies = _ask(args, lambda c: c.policies())
-    if policies is None:
+    """The policies a daemon serves. A daemon still starting lists them too, but the command
+    then says so and exits as for ``starting`` (69): what probes readiness with it (the
+    DaemonSet's exec probes) reads a starting daemon as not ready."""
+    from jaild.errors import Starting
+
+    said: list[dict[str, Any] | None] = []
+
+    def ask(client: Any) -> Any:
+        answer = client.policies()
+        said.append(client.starting)
+        return answer
+
+    policies = _ask(args, ask)
+    starting = said[0] if said else None
+    if policies is not None:
+        _print_policies(policies)
+    if starting is None:
         return 0
+    not_ready = Starting(
+        f"the daemon is still starting ({starting['pending']}); a job waits up to "
+        f"{starting['wait_s']:g} s for it (limits.startup_wait_s)")
+    print(error_line(not_ready), file=sys.stderr)
+    return exit_code_for(not_ready)
+
+
+def _print_policies(policies: list[dict[str, Any]]) -> None:
     for p in policies:
         lim = p.get("limits", {})
         print(f"{p['name']:<12} {p.get('description', '')}")
@@ -607,7 +630,6 @@ def cmd_policies(args: argparse.Namespace) -> int:
             )
         if p.get("available") is False:
             print(f"{'':<12} NOT SERVED: {p.get('problems')}")
-    return 0
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

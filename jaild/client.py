@@ -723,6 +723,7 @@ class AsyncClient:
         self.node = ""
         """The node the daemon keeps its state on, as its ``Welcome`` named it ("" before
         connecting, or from a daemon that does not name it)."""
+        self._starting: dict[str, Any] | None = None  # Welcome.starting
         self._refs = itertools.count(1)
         self._accepting: dict[int, tuple[asyncio.Future[str], _Job]] = {}
         self._requests: dict[int, asyncio.Future[Any]] = {}
@@ -765,6 +766,7 @@ class AsyncClient:
             if not isinstance(welcome, Welcome):
                 raise ConnectionLost("the daemon closed the connection during the handshake")
             self.node = welcome.node
+            self._starting = welcome.starting.to_wire() if welcome.starting else None
         except BaseException:
             self._transport.close()
             await self._link.closed()
@@ -852,7 +854,9 @@ class AsyncClient:
 
         Raises:
             JaildError: the daemon refused the job (``UnknownPolicy``, ``PolicyUnavailable``,
-                ``BadRequest`` for looser limits, ``PermissionDenied``, ``Busy``, ...), or
+                ``BadRequest`` for looser limits, ``PermissionDenied``, ``Busy``, ...;
+                ``Starting``: the daemon was still starting when its
+                ``limits.startup_wait_s`` had passed -- until then the job waits), or
                 the connection failed (``ConnectionLost``).
             TypeError, ValueError: a tool that is not callable, a bad or repeated tool
                 name, or a file in ``files`` that cannot be uploaded (``UploadError``);
@@ -882,7 +886,9 @@ class AsyncClient:
 
         Raises:
             JaildError: the daemon refused the job (``UnknownPolicy``, ``PolicyUnavailable``,
-                ``BadRequest`` for looser limits, ``PermissionDenied``, ``Busy``, ...), or
+                ``BadRequest`` for looser limits, ``PermissionDenied``, ``Busy``, ...;
+                ``Starting``: the daemon was still starting when its
+                ``limits.startup_wait_s`` had passed -- until then the job waits), or
                 the connection failed (``ConnectionLost``).
             TypeError, ValueError: a tool that is not callable, a bad or repeated tool
                 name, or a file in ``files`` that cannot be uploaded (``UploadError``);
@@ -1138,6 +1144,15 @@ class AsyncClient:
         """Why this client's connection is over (its ``ConnectionLost``, or the error that
         ended it); None while it is up."""
         return self._broken
+
+    @property
+    def starting(self) -> dict[str, Any] | None:
+        """What the daemon said in its ``Welcome`` if it was still starting then: ``pending``
+        (what it was doing, in words) and ``wait_s`` (how long a job, session, restore or
+        approval waits for it to be ready; past that it raises
+        :class:`~jaild.errors.Starting`). None: it was ready. Said once, at connect: a
+        daemon starting then may be ready by now."""
+        return self._starting
 
     async def wait_closed(self) -> None:
         """Until the connection has closed: the daemon closed it, it broke, it was found
@@ -1572,6 +1587,11 @@ class Client:
         return self._client.node
 
     @property
+    def starting(self) -> dict[str, Any] | None:
+        """As :attr:`AsyncClient.starting`: the daemon was still starting at connect."""
+        return self._client.starting
+
+    @property
     def socket_path(self) -> str:
         return self._client.socket_path
 
@@ -1614,7 +1634,9 @@ class Client:
 
         Raises:
             JaildError: the daemon refused the job (``UnknownPolicy``, ``PolicyUnavailable``,
-                ``BadRequest`` for looser limits, ``PermissionDenied``, ``Busy``, ...), or
+                ``BadRequest`` for looser limits, ``PermissionDenied``, ``Busy``, ...;
+                ``Starting``: the daemon was still starting when its
+                ``limits.startup_wait_s`` had passed -- until then the job waits), or
                 the connection failed (``ConnectionLost``).
             TypeError, ValueError: a tool that is not callable, a bad or repeated tool
                 name, or a file in ``files`` that cannot be uploaded (``UploadError``);
@@ -1643,7 +1665,9 @@ class Client:
 
         Raises:
             JaildError: the daemon refused the job (``UnknownPolicy``, ``PolicyUnavailable``,
-                ``BadRequest`` for looser limits, ``PermissionDenied``, ``Busy``, ...), or
+                ``BadRequest`` for looser limits, ``PermissionDenied``, ``Busy``, ...;
+                ``Starting``: the daemon was still starting when its
+                ``limits.startup_wait_s`` had passed -- until then the job waits), or
                 the connection failed (``ConnectionLost``).
             TypeError, ValueError: a tool that is not callable, a bad or repeated tool
                 name, or a file in ``files`` that cannot be uploaded (``UploadError``);

@@ -206,6 +206,15 @@ class ShuttingDown(JaildError):
     code = "shutting_down"
 
 
+class Starting(JaildError):
+    """The daemon is still starting (its zygotes, self-tests or pools are not up yet) and a
+    request that needs a jail waited for it as long as the daemon lets one wait
+    (``limits.startup_wait_s``, also told in ``Welcome.starting``). The message names what
+    the daemon is still doing and the bound; retry later."""
+
+    code = "starting"
+
+
 class PolicyError(JaildError):
     """A policy file is invalid. The message names file, key path and reason."""
 
@@ -518,6 +527,7 @@ ERROR_CLASSES: dict[str, type[JaildError]] = {
         PermissionDenied,
         Busy,
         ShuttingDown,
+        Starting,
         DaemonUnavailable,
         ConnectionLost,
     )
@@ -542,14 +552,15 @@ EXIT_USAGE = 2
 EXIT_REFUSED = 65
 """The daemon answered and refused the request (unknown policy, looser limits, busy, ...)."""
 EXIT_UNAVAILABLE = 69
-"""No usable daemon: none at the socket, it went away, it is shutting down, it speaks
-another protocol, or a private daemon could not start."""
+"""No usable daemon: none at the socket, it went away, it is shutting down or still
+starting, it speaks another protocol, or a private daemon could not start."""
 
 EXIT_CODES: dict[type[Exception], int] = {
     JaildError: EXIT_REFUSED,
     DaemonUnavailable: EXIT_UNAVAILABLE,
     ConnectionLost: EXIT_UNAVAILABLE,
     ShuttingDown: EXIT_UNAVAILABLE,
+    Starting: EXIT_UNAVAILABLE,
     RemoteProtocolError: EXIT_UNAVAILABLE,
     ProviderError: EXIT_FAILURE,
     ConfigError: EXIT_USAGE,

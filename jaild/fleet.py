@@ -112,6 +112,7 @@ from jaild.errors import (
     SessionClosed,
     SessionLost,
     ShuttingDown,
+    Starting,
     UnknownJob,
     UnknownSnapshot,
 )
@@ -136,8 +137,9 @@ RETRY_MAX_S = 1.0
 SINGLE_ENDPOINT_CONNECTIONS = 3
 """Connections to a single (load-balanced) endpoint: its balancer spreads them."""
 
-REFUSALS: tuple[type[JaildError], ...] = (Busy, ShuttingDown)
-"""The refusals that send a job to another connection: "not here, not now"."""
+REFUSALS: tuple[type[JaildError], ...] = (Busy, ShuttingDown, Starting)
+"""The refusals that send a job to another connection: "not here, not now" (``Starting``: a
+daemon still starting past its ``limits.startup_wait_s``)."""
 
 # ----------------------------------------------------------------------------- the attempt
 

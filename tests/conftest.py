@@ -38,6 +38,7 @@ from jaild.daemon.config import DaemonConfig, default_state_dir
 # fail with "AST constructor recursion depth mismatch". Importing it first avoids that.
 from jaild.daemon.jails.cgroups import Cgroups, daemon_subtree_dirs, detect
 from jaild.daemon.uidblock import flock_holders, lock_path
+from jaild.errors import JaildError
 from jaild.policy.compile import CgroupLayout
 from jaild.protocol import (
     NEED_DATA,
@@ -276,10 +277,33 @@ def wait_for_zygote(client: Client, policy: str) -> None:
     until(forked, f"a job of policy {policy} forked from its zygote")
 
 
+def welcome(path: str, timeout: float) -> Message | None:
+    """The daemon's answer to a Hello on ``path`` (its Welcome, or the Error refusing us);
+    None if nothing (yet) answers there."""
+    conn = Connection(Role.CLIENT, 1 << 16)
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.settimeout(max(0.1, timeout))
+            s.connect(path)
+            s.sendall(conn.send(Hello(protocol=PROTOCOL_VERSION, client="wait")))
+            while True:
+                event = conn.next_event()
+                if isinstance(event, Message):
+                    return event
+                if event is not NEED_DATA:
+                    return None
+                data = s.recv(1 << 16)
+                conn.receive_data(data)
+                if not data:
+                    return None
+        except (OSError, JaildError):
+            return None
+
+
 def wait_listening(path: str, proc: subprocess.Popen[bytes], log_path: str,
                    timeout: float = 60) -> None:
-    """Wait until the daemon *serves*: it answers Hello (the socket accepts connections
-    earlier, while the daemon still runs its self-tests)."""
+    """Wait until the daemon *serves*: its Welcome no longer says it is starting (it
+    answers Hello earlier, while its zygotes, self-tests and pools start: core/readiness.py)."""
     deadline = time.monotonic() + guard(timeout)
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -287,15 +311,9 @@ def wait_listening(path: str, proc: subprocess.Popen[bytes], log_path: str,
                 f"jaild exited with {proc.returncode} before serving:\n"
                 + Path(log_path).read_text(errors="replace")
             )
-        with socket.socket(socket.AF_UNIX) as s:
-            try:
-                s.settimeout(max(0.1, deadline - time.monotonic()))
-                s.connect(path)
-                s.sendall(HELLO)
-                if s.recv(4):
-                    return
-            except OSError:
-                pass
+        answer = welcome(path, deadline - time.monotonic())
+        if answer is not None and not (isinstance(answer, Welcome) and answer.starting):
+            return  # ready; or it refuses us (an Error), which is the test's to see
         time.sleep(0.05)
     raise AssertionError("jaild did not start serving in time")
 

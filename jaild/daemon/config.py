@@ -425,6 +425,14 @@ class LimitsFile:
     shutdown_grace_s: float = setting(
         10.0, "How long shutdown waits for cancelled jobs.", between(0.1, 600)
     )
+    startup_wait_s: float = setting(
+        300.0,
+        "While the daemon starts (it serves its socket before its zygotes, self-tests and "
+        "warm pools are up), how long a request that needs a jail waits for it to be ready; "
+        "past it the request gets the error `starting`, naming what is still pending. "
+        "Clients read it in Welcome. 0: such a request gets `starting` at once.",
+        between(0, 3600),
+    )
     liveness_timeout_s: float = setting(
         30.0,
         "A client the daemon has read nothing from for this long (it pings an idle one every "
@@ -617,6 +625,7 @@ class DaemonConfig:
     frame_timeout_s: float = 30.0
     kill_grace_s: float = 1.0
     shutdown_grace_s: float = 10.0
+    startup_wait_s: float = 300.0
     # fairness and the memory ceiling: 0 means derived (see the properties below)
     max_jobs_per_uid: int = 0
     max_memory_mb: int = 0

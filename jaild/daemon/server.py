@@ -3,12 +3,22 @@
 Theory of operation
 -------------------
 Lifecycle: :meth:`Daemon.start` (:mod:`jaild.daemon.startup`: load and check every
-policy -- refusing to start on any error --, claim the socket, prepare the cgroup
-subtree and sweep what a crash left, stage the runtime, seal one nsjail config per
-policy, start zygotes, self-tests and pools, serve, notify systemd) ->
+policy -- refusing to start on any error --, claim the socket, check the host, prepare
+the cgroup subtree and serve the socket, sweep what a crash left, stage the runtime,
+seal one nsjail config per policy, start zygotes, self-tests and pools; then load the
+runs parked for approval and the snapshots, open the network listeners; ready: notify
+systemd) ->
 :meth:`Daemon.serve_forever` -> :meth:`Daemon.stop` (stop accepting, cancel running
 jobs so they end ``cancelled``, close sessions, wait for the records to reach their
 clients, close connections, remove the socket and the cgroup subtree).
+
+While it starts, the daemon answers at once (:mod:`jaild.daemon.core.readiness`): a
+client's ``Hello`` gets ``Welcome`` saying it is starting; requests that need no jail are
+answered; those that need one wait in :attr:`Daemon._waiting`, in arrival order, until
+it is ready (then dispatched as if they had just come), for ``limits.startup_wait_s`` at
+most (then ``starting``); one whose policy admission refuses -- at once, or when its
+zygote or self-test fails meanwhile -- gets that refusal. A start that fails tells every
+connection why (``daemon_unavailable``) and closes it.
 
 Each connection is a :class:`ServedConnection` wrapping the sans-IO
 :class:`~jaild.protocol.Connection`. Its life is one :class:`asyncio.TaskGroup`:
@@ -66,7 +76,7 @@ import struct
 import time
 import typing
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Collection, Coroutine
 from typing import Any
 
 from jaild import __version__
@@ -75,6 +85,7 @@ from jaild.daemon.approvals import Approvals
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
 from jaild.daemon.core.peer import Peer, Principal, Tenant
+from jaild.daemon.core.readiness import Phase, Readiness, check_waiting, must_wait
 from jaild.daemon.jails.job import CallReply, JailedJob, JailEnvironment
 from jaild.daemon.jails.pool import JailPool
 from jaild.daemon.journal import ApprovalQuota
@@ -90,6 +101,7 @@ from jaild.daemon.sessions import Sessions, check_room
 from jaild.daemon.tls import TlsListeners
 from jaild.errors import (
     ConnectionLost,
+    DaemonUnavailable,
     FrameTooLarge,
     InternalError,
     JaildError,
@@ -313,7 +325,8 @@ class ServedConnection(asyncio.Protocol):
                     if self._handshake_timer is not None:
                         self._handshake_timer.cancel()
                     self.send(Welcome(protocol=PROTOCOL_VERSION, daemon=f"jaild/{__version__}",
-                                      node=self.daemon.config.node))
+                                      node=self.daemon.config.node,
+                                      starting=self.daemon.readiness.welcome()))
                     self._watch_liveness()
                     continue
                 self._dispatch(event)
@@ -581,8 +594,22 @@ class ServedConnection(asyncio.Protocol):
 
     # ------------------------------------------------------------------ requests
 
+    def go_on(self, msg: Message) -> None:
+        """Dispatch a request that waited for the daemon to be ready (its connection may
+        have ended meanwhile: then nothing)."""
+        if self.closed:
+            return
+        try:
+            self._dispatch(msg)
+        except Exception:  # a jaild bug: this connection ends, its jobs end as usual
+            log.exception("connection of %s failed inside jaild", self.who)
+            self.close()
+
     def _dispatch(self, msg: Message) -> None:
         daemon = self.daemon
+        if daemon.readiness.starting and must_wait(msg):  # until ready (core/readiness.py)
+            daemon.wait_until_ready(self, msg)
+            return
         if isinstance(msg, RunJob):
             try:
                 daemon.submit(self, msg)
@@ -730,6 +757,15 @@ class ServedConnection(asyncio.Protocol):
 
 
 
+@dataclasses.dataclass
+class _Waiting:
+    """A request that waits for a starting daemon (:mod:`jaild.daemon.core.readiness`)."""
+
+    session: ServedConnection
+    msg: Message
+    timer: asyncio.TimerHandle | None = None  # when it has waited limits.startup_wait_s
+
+
 class Daemon:
     """See the module docstring."""
 
@@ -791,6 +827,11 @@ class Daemon:
         # Whom clients are served as, where it is not their uid (access.identity): at start
         self.principals: Principals | None = None
         self.listeners: TlsListeners | None = None  # daemon.listen: at start
+        # Ready from the start when given what it serves with (jaild.testing); else once
+        # start() is done. Requests that need a jail wait meanwhile, in arrival order.
+        self.readiness = Readiness(config.startup_wait_s,
+                                   Phase.READY if served is not None else Phase.STAGING)
+        self._waiting: list[_Waiting] = []
 
     # What is told of it (see :class:`~jaild.daemon.observe.Observers`).
 
@@ -855,10 +896,23 @@ class Daemon:
         self.principals = principals(self.config)  # StartupError: the API cannot be named
         if self.principals is not None:  # the pod watch catches up while the jails start
             self.principals.start()
-        await startup.start(
-            self.config, self.served, self.metrics, self._tool_called, self.protocol,
-            only_policies, on_egress=self._egress_request,
-        )
+        try:
+            await startup.start(
+                self.config, self.served, self.metrics, self._tool_called, self.protocol,
+                only_policies, on_egress=self._egress_request, progress=self._progress,
+            )
+            await self._start_state()
+        except BaseException as exc:  # whoever connected meanwhile is told why
+            self._start_failed(exc)
+            raise
+        self._serving = True
+        self._ready()
+        systemd.notify(f"READY=1\nSTATUS=serving {len(self.policies)} policies")
+
+    async def _start_state(self) -> None:
+        """After start-up proper: the runs parked for approval, the snapshots, the network
+        listeners."""
+        self._progress(Phase.STATE, ())
         parked = self.approvals.load()
         if os.path.isdir(self.config.snapshot_dir):  # expired ones, and the paused sessions'
             gone = await asyncio.to_thread(self.sessions.store.sweep, True,
@@ -868,14 +922,109 @@ class Daemon:
         if parked:
             log.info("%d parked runs wait for approval (jaild approvals)", parked)
         if self.config.listen:
+            self._progress(Phase.LISTENERS, ())
             try:
                 self.listeners = TlsListeners(self.config, self)
                 await self.listeners.start()
-            except StartupError:
+            except StartupError as exc:
                 self.listeners = None
+                self._start_failed(exc)
                 await self.stop()
                 raise
-        self._serving = True
+
+    # ------------------------------------------------------------------ readiness
+
+    def wait_until_ready(self, session: ServedConnection, msg: Message) -> None:
+        """A request that waits while the daemon starts (``must_wait``): refused at once if
+        it would be refused anyway (an unknown policy, one not the peer's, one whose zygote
+        failed already, a looser limit) or if too many wait already (``busy``), else held
+        until the daemon is ready -- for ``limits.startup_wait_s`` at most, then answered
+        ``starting``."""
+        if self._refuse_early(session, msg):
+            return
+        try:
+            check_waiting(sum(w.session is session for w in self._waiting), len(self._waiting),
+                          self.config.max_jobs_per_connection, self.config.max_jobs)
+        except JaildError as busy:
+            self.refused(session.peer, busy.code, busy.message)
+            session.send_error(busy, ref=getattr(msg, "ref", None))
+            return
+        waiting = _Waiting(session, msg)
+        waiting.timer = asyncio.get_running_loop().call_later(
+            self.readiness.wait_s, self._waited, waiting)
+        self._waiting.append(waiting)
+
+    def _refuse_early(self, session: ServedConnection, msg: Message) -> bool:
+        """Refuse a waiting job or session now if admission would (True: refused)."""
+        if not isinstance(msg, (RunJob, OpenSession)):
+            return False
+        try:
+            if isinstance(msg, RunJob):
+                admission.admit_job(self.catalog(), session.peer, msg)
+            else:
+                admission.choose_policy(self.catalog(), session.peer, msg.policy, msg.tools)
+        except JaildError as exc:
+            if self.refused(session.peer, exc.code, exc.message, policy=msg.policy):
+                log.info("refused %s from %s while starting: %s: %s", msg.TYPE, session.who,
+                         exc.code, exc.message)
+            session.send_error(exc, ref=msg.ref)
+            return True
+        return False
+
+    def _waited(self, waiting: _Waiting) -> None:
+        """A request waited ``limits.startup_wait_s``: it gets ``starting``."""
+        with contextlib.suppress(ValueError):
+            self._waiting.remove(waiting)
+        err = self.readiness.timed_out()
+        if self.refused(waiting.session.peer, err.code, err.message):
+            log.info("%s from %s waited %g s for the start: %s", waiting.msg.TYPE,
+                     waiting.session.who, self.readiness.wait_s, self.readiness.pending())
+        waiting.session.send_error(err, ref=getattr(waiting.msg, "ref", None))
+
+    def _progress(self, phase: Phase, policies: Collection[str]) -> None:
+        """The start moved on: refuse now the waiting requests of a policy that can no
+        longer be served (its zygote or self-test failed meanwhile)."""
+        self.readiness.advance(phase, policies)
+        log.debug("starting: %s", self.readiness.pending())
+        for waiting in list(self._waiting):
+            if waiting.session.closed or self._refuse_early(waiting.session, waiting.msg):
+                self._waiting.remove(waiting)
+                if waiting.timer is not None:
+                    waiting.timer.cancel()
+
+    def _ready(self) -> None:
+        """Ready: the requests that waited go on, in the order they came."""
+        self.readiness.advance(Phase.READY)
+        waiting, self._waiting = self._waiting, []
+        for each in waiting:
+            if each.timer is not None:
+                each.timer.cancel()
+        for each in waiting:
+            each.session.go_on(each.msg)
+
+    def _start_failed(self, exc: BaseException) -> None:
+        """The start failed after the socket was served: every connection is told why (as
+        :func:`~jaild.daemon.startup.answer_waiting` tells those it never served) -- its
+        waiting requests fail with it -- and closed."""
+        if not self.readiness.starting:
+            return
+        self.readiness.advance(Phase.FAILED)
+        waiting, self._waiting = self._waiting, []
+        for each in waiting:
+            if each.timer is not None:
+                each.timer.cancel()
+        if isinstance(exc, (StartupError, JaildError)):
+            reason = str(exc)
+        elif isinstance(exc, asyncio.CancelledError):
+            reason = "it was stopped while it started"
+        else:
+            reason = f"it failed inside jaild ({type(exc).__name__}); its log says more"
+        for session in list(self.registry.connections):
+            assert isinstance(session, ServedConnection)
+            told = session.peer.uid == os.geteuid()
+            session.send_error(DaemonUnavailable(
+                startup.cannot_start(self.config.socket_path, reason, told)))
+            session.close("the daemon failed to start")
 
     async def serve_forever(self) -> None:
         await self._stopped.wait()

@@ -13,19 +13,27 @@ listing every reason) at the first step that fails:
    the daemon's privilege (:func:`~jaild.daemon.selftest.privilege_checks`: an
    unprivileged container fails closed, with the doctor's words) -- and start the
    metrics listener (a busy port refuses the start before any jail exists);
-4. prepare the cgroup subtree (v2: move the daemon into the cgroup it owns) and
-   sweep what a crashed daemon left;
+4. prepare the cgroup subtree (v2: move the daemon into the cgroup it owns), and
+   **serve the socket**: from here a client that connects gets its ``Welcome`` at once,
+   saying the daemon is starting; what needs no jail is answered, what needs one waits
+   for readiness, for ``limits.startup_wait_s`` at most
+   (:mod:`jaild.daemon.core.readiness`; ``progress`` is told each phase); then sweep what
+   a crashed daemon left;
 5. find nsjail and setpriv (which starts every nsjail as the host uid that is to own
    its jail's user namespace, with the daemon's capabilities as ambient ones, see
    :func:`jaild.daemon.jails.launch.spawned.as_owner`), become a child subreaper, stage the
    runtime, seal one nsjail config per policy in a memfd, compile the seccomp programs;
 6. start the zygotes (a policy whose zygote does not come up is not served), run
    the policies' self-tests (one that fails is not served), start the warm pools;
-7. serve the socket and tell systemd ``READY=1``.
+7. log what it serves. The daemon (``server.Daemon.start``) then loads the runs parked
+   for approval and the snapshots, opens its network listeners, is ready -- the requests
+   that waited go on -- and only then tells systemd ``READY=1``.
 
 Everything it makes is kept in one :class:`Served`; a failed start undoes what it
 made (the subtree is ours, since we hold the socket), and :meth:`Served.release`
-undoes it at stop.
+undoes it at stop. A start that fails before it serves answers the connections waiting
+in the socket's backlog with the reason (:func:`answer_waiting`); one that fails after
+leaves its connections to the daemon, which tells them the same.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import shutil
 import socket
 import stat
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +60,7 @@ from jaild import __version__, loops
 from jaild.daemon import systemd
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core.peer import Tenant
+from jaild.daemon.core.readiness import Phase
 from jaild.daemon.egress.service import EgressService, certifi_bundles
 from jaild.daemon.egress.service import Observer as EgressObserver
 from jaild.daemon.jails.cgroups import Cgroups, detect
@@ -74,7 +83,14 @@ from jaild.daemon.selftest import (
     uid_block_check,
 )
 from jaild.daemon.uidblock import UidBlockClaim, claim_uid_block
-from jaild.errors import CgroupError, DaemonUnavailable, PolicyError, StartupError, ZygoteError
+from jaild.errors import (
+    CgroupError,
+    DaemonUnavailable,
+    JaildError,
+    PolicyError,
+    StartupError,
+    ZygoteError,
+)
 from jaild.policy.compile import JOB_UIDS, HostLayout, nsjail_config
 from jaild.policy.schema import Policy, check_policy_files, policy_files, resolve_env
 from jaild.policy.seccomp import build_spec
@@ -93,6 +109,10 @@ ZYGOTE_UIDS = 65536 - JOB_UIDS
 ProtocolFactory = Callable[[], asyncio.Protocol]
 """A new client connection's protocol (the daemon's
 :class:`~jaild.daemon.server.ServedConnection`)."""
+
+Progress = Callable[[Phase, Collection[str]], None]
+"""Told each phase of the start once the socket is served, with the policies it concerns
+(the daemon's :class:`~jaild.daemon.core.readiness.Readiness`)."""
 
 
 @dataclass
@@ -183,8 +203,10 @@ async def start(
     protocol: ProtocolFactory,
     only_policies: set[str] | None = None,
     on_egress: EgressObserver = lambda *_: None,
+    progress: Progress = lambda *_: None,
 ) -> None:
-    """Steps 1-7 of the module docstring; ``only_policies``: a private daemon's.
+    """Steps 1-7 of the module docstring; ``only_policies``: a private daemon's;
+    ``progress``: told each phase once the socket is served.
 
     Raises:
         StartupError: why the daemon cannot start.
@@ -223,8 +245,9 @@ async def start(
                 cgroups.subtree_dirs()[0],
             )
         try:
-            await _start_jails(config, served, cgroups, on_tool_call, only_policies, on_egress)
             served.server = await asyncio.get_running_loop().create_unix_server(protocol, sock=sock)
+            await _start_jails(config, served, cgroups, on_tool_call, only_policies, on_egress,
+                               progress)
         except BaseException:
             # We hold the socket, so the subtree is ours: a failed start leaves none of it.
             pools, served.pools = list(served.pools.values()), {}
@@ -237,8 +260,10 @@ async def start(
         metrics.stop()
         if served.uid_block is not None:  # a failed start gives its block up at once
             served.uid_block.release()
-        if isinstance(exc, StartupError):
+        if isinstance(exc, (StartupError, JaildError)):  # those never accepted: the backlog
             answer_waiting(sock, config.socket_path, exc.message)
+        if served.server is not None:  # those accepted: the daemon tells them
+            served.server.close()
         sock.close()
         raise
     where = config.socket_path if served.socket_inode else f"{sock.getsockname()} (activated)"
@@ -254,7 +279,6 @@ async def start(
         layout.subtree,
         loops.name(asyncio.get_running_loop()),
     )
-    systemd.notify(f"READY=1\nSTATUS=serving {len(served.policies)} policies")
 
 
 async def _start_jails(
@@ -264,6 +288,7 @@ async def _start_jails(
     on_tool_call: ToolObserver,
     only_policies: set[str] | None,
     on_egress: EgressObserver,
+    progress: Progress,
 ) -> None:
     """Steps 4-6: the environment every jail shares, then zygotes, self-tests, pools."""
     served.swept = cgroups.sweep()
@@ -333,8 +358,11 @@ async def _start_jails(
                 if n not in only_policies
             }
         )
+    progress(Phase.ZYGOTES, [n for n, p in served.policies.items()
+                             if p.pool.mode == "zygote" and n not in served.unavailable])
     await _start_zygotes(config, served, host, nsjail)
     if config.probe_policies:
+        progress(Phase.SELF_TESTS, [n for n in served.policies if n not in served.unavailable])
         await probe_policies(config, served)
     _start_pools(served)
 
@@ -481,6 +509,16 @@ def listening_socket(config: DaemonConfig, served: Served) -> socket.socket:
     return sock
 
 
+def cannot_start(path: str, reason: str, told: bool) -> str:
+    """What a client of a daemon whose start failed reads: the reason (``told``: the
+    client runs as the daemon's own uid), or, since it describes the host, where to find
+    it."""
+    if told:
+        return f"the jaild daemon at {path} cannot start: {reason}"
+    return (f"the jaild daemon at {path} cannot start; its log says why "
+            "(journalctl -u jaild, or its stderr)")
+
+
 def answer_waiting(sock: socket.socket, path: str, reason: str) -> int:
     """A start that failed after the socket was claimed: answer each connection waiting in
     its backlog -- a client that connected while the daemon was starting, or the one whose
@@ -491,9 +529,8 @@ def answer_waiting(sock: socket.socket, path: str, reason: str) -> int:
 
     Non-blocking throughout: a frame this small fits an empty socket buffer, and what the
     client sent (its Hello) is read and dropped first, so that it can read the frame."""
-    told = f"the jaild daemon at {path} cannot start: {reason}"
-    withheld = (f"the jaild daemon at {path} cannot start; its log says why "
-                "(journalctl -u jaild, or its stderr)")
+    told = cannot_start(path, reason, told=True)
+    withheld = cannot_start(path, reason, told=False)
     frames = {
         told: encode_frame(encode(Error(code=DaemonUnavailable.code, message=told[:65536])),
                            HANDSHAKE_FRAME_BYTES),

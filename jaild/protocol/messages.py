@@ -70,7 +70,7 @@ from jaild.protocol.records import (
     SnapshotEntry,
 )
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 MAX_CODE_CHARS = 1 << 20
 MAX_DESCRIPTION_CHARS = 8192
@@ -170,6 +170,18 @@ class Hello(Message):
 
 
 @struct
+class Starting(Struct):
+    """A daemon still starting (``Welcome.starting``): it answers at once, but a request
+    that needs a jail waits until it is ready, for ``wait_s`` at most, and then gets
+    ``Error{ref, "starting"}`` (PROTOCOL.md section 4)."""
+
+    pending: str = field(string(1024, min_len=1))
+    """What the daemon is still doing, in words (its zygotes, self-tests...)."""
+    wait_s: float = field(number(0, 3600))
+    """How long such a request waits at most (the daemon's ``limits.startup_wait_s``)."""
+
+
+@struct
 class Welcome(Message):
     TYPE = "Welcome"
     protocol: int = field(integer(0, 1 << 16))
@@ -178,6 +190,9 @@ class Welcome(Message):
     """The node whose state the daemon keeps (``access.node_name``, else
     ``$JAILD_NODE_NAME``, else the host name): a fleet routes a snapshot's restore and a
     parked run's resume to it. "" from a daemon that predates it."""
+    starting: Starting | None = field(optional(nested(Starting)), default=None)
+    """Nil: the daemon is ready. Else what it still does and how long a request that needs
+    a jail waits for it."""
 
 
 @struct

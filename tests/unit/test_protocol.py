@@ -101,6 +101,7 @@ from jaild.protocol.messages import (
     SnapshotList,
     SnapshotSession,
     SnapshotTaken,
+    Starting,
     Stats,
     ToolSpec,
     Welcome,
@@ -257,6 +258,9 @@ SAMPLES: dict[str, list[Message]] = {
     "daemon->client": [
         Welcome(protocol=PROTOCOL_VERSION),
         Welcome(protocol=PROTOCOL_VERSION, daemon="jaild/0.1.0"),
+        Welcome(protocol=PROTOCOL_VERSION, daemon="jaild/0.1.0",
+                starting=Starting(pending="running the self-tests of policies default",
+                                  wait_s=300.0)),
         JobAccepted(ref=1, job_id=JOB),
         JobAccepted(ref=1, job_id=JOB, session_id="ses-0123456789abcdef"),
         JobOutput(job_id=JOB, stream="stdout", data=b"hello\n"),

@@ -91,6 +91,7 @@ from jaild.protocol.messages import (
     SnapshotList,
     SnapshotSession,
     SnapshotTaken,
+    Starting,
     Stats,
     ToolSpec,
     Welcome,
@@ -415,7 +416,10 @@ STRATEGIES: dict[type[Message], st.SearchStrategy[Message]] = {
         ClientToolFailed,
         {"job_id": job_id, "call_id": ref, "error_type": text(1, 256), "message": text()},
     ),
-    Welcome: message(Welcome, {"protocol": version}, {"daemon": text(max_size=256)}),
+    Welcome: message(Welcome, {"protocol": version}, {
+        "daemon": text(max_size=256),
+        "starting": st.none() | st.builds(Starting, pending=text(1, 1024),
+                                          wait_s=st.floats(0, 3600))}),
     JobAccepted: message(JobAccepted, {"ref": ref, "job_id": job_id},
                          {"session_id": session_id}),
     JobOutput: message(
