@@ -339,8 +339,9 @@ def test_a_start_that_fails_while_a_job_waits_tells_it_why(tmp_path: Path) -> No
             told = raw.next()
             assert isinstance(told, Error) and told.ref is None, told
             assert told.code == DaemonUnavailable.code, told
+            # the first of the TLS files it could not read, named (the CAs are read first)
             assert told.message.startswith(
-                f"the jaild daemon at {daemon.socket} cannot start: tls.cert {missing}"), told
+                f"the jaild daemon at {daemon.socket} cannot start: tls.client_ca {missing}"), told
             raw.close()
             assert daemon.proc.wait(timeout=guard(60)) == 1
         finally:
