@@ -32,10 +32,11 @@ JOBS = CGROUP / "jaild"
 SPAWN_POLICY = Path("/etc/jaild/policies/hosts-spawn.toml")
 SPAWN = "hosts-spawn"
 CONNECT_S = 300.0
-"""How long a connection may wait for the daemon's Welcome: a service that socket activation
-starts answers once its policies' self-tests have passed, which under emulation (QEMU's TCG,
-on a busy host) took longer than the client's default 30 s. This bounds only a daemon that
-hangs."""
+"""How long a connection may wait for the daemon's Welcome. A service that socket activation
+starts answers as soon as it serves (its jobs then wait for its self-tests, up to
+limits.startup_wait_s), but getting that far -- Python's imports, the policies, the host
+checks -- took over the client's default 30 s under emulation (QEMU's TCG, on a busy host).
+This bounds only a daemon that hangs."""
 
 
 @pytest.fixture(scope="module", autouse=True)

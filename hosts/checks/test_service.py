@@ -23,10 +23,11 @@ from jaild.client import Client, JobResult
 SOCKET = "/run/jaild/jaild.sock"
 UNIT = "jaild.service"
 CONNECT_S = 300.0
-"""How long a connection may wait for the daemon's Welcome: a service that socket activation
-starts answers once its policies' self-tests have passed, which under emulation (QEMU's TCG,
-on a busy host) took longer than the client's default 30 s. This bounds only a daemon that
-hangs."""
+"""How long a connection may wait for the daemon's Welcome. A service that socket activation
+starts answers as soon as it serves (its jobs then wait for its self-tests, up to
+limits.startup_wait_s), but getting that far -- Python's imports, the policies, the host
+checks -- took over the client's default 30 s under emulation (QEMU's TCG, on a busy host).
+This bounds only a daemon that hangs."""
 CGROUP = Path("/sys/fs/cgroup/system.slice/jaild.service")
 SECURITY_LOG = Path(os.environ.get("JAILD_HOSTS_SHARE", "/mnt/hosts")) / "security-score.txt"
 
