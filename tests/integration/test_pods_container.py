@@ -6,7 +6,7 @@ same file on cgroup v2 (``make test-hosts``, its "containers" suite).
 
 The daemon's container is made from ``deploy/kubernetes/daemonset.yaml`` as read here
 (:func:`daemonset_run_options`): privileged, the host's pid namespace (``hostPID``), the host's
-cgroup namespace (a privileged container's under the kubelet), its env (``JAILD_CONFIG``, the
+cgroup namespace (which pods as tenants needs), its env (``JAILD_CONFIG``, the
 node's name for ``JAILD_NODE_NAME``), its memory and CPU limits, its volume mounts -- the socket
 directory, the policies and ``jaild.toml`` as its ConfigMaps hold them (the base's own files),
 the state directory's two subPaths -- and what the kubelet adds to every pod: the service
@@ -116,21 +116,18 @@ class Cluster:
 
 
 def daemonset_run_options(cluster: Cluster, sockdir: Path, state: Path,
-                          config_dir: Path, stop_timeout: bool = True) -> list[str]:
+                          config_dir: Path) -> list[str]:
     """``podman run`` options for the DaemonSet's jaild container, read from its manifest.
-    ``config_dir`` holds the ConfigMap ``jaild-config``'s ``jaild.toml``; ``stop_timeout``:
-    the pod's ``terminationGracePeriodSeconds`` as podman's stop timeout (False: podman's
-    default, 10 s)."""
+    ``config_dir`` holds the ConfigMap ``jaild-config``'s ``jaild.toml``."""
     pod = daemonset()
     container = jaild_container(pod)
     assert container["securityContext"]["privileged"] is True
     assert pod["hostPID"] is True
     options = ["--privileged", "--pid=host",
-               # the kubelet's runtimes leave a privileged container in the host's cgroup
-               # namespace (containerd makes a private one only for unprivileged ones on v2)
-               "--cgroupns=host"]
-    if stop_timeout:
-        options += ["--stop-timeout", str(pod["terminationGracePeriodSeconds"])]
+               # what pods as tenants need (kubernetes.md, "The host's cgroup namespace");
+               # whether a runtime gives a privileged pod one of its own is not tried here
+               "--cgroupns=host",
+               "--stop-timeout", str(pod["terminationGracePeriodSeconds"])]
     limits = container["resources"]["limits"]
     assert limits["memory"].endswith("Gi")
     options += ["--memory", f"{int(limits['memory'][:-2])}g", "--cpus", str(limits["cpu"])]
@@ -190,8 +187,7 @@ class DaemonPod(Container):
         return int(podman("inspect", "-f", "{{.State.ExitCode}}", self.name).stdout)
 
 
-def start_daemon_pod(image: str, cluster: Cluster, *, outside_pods: str = "uid",
-                     stop_timeout: bool = True) -> DaemonPod:
+def start_daemon_pod(image: str, cluster: Cluster, *, outside_pods: str = "uid") -> DaemonPod:
     """The DaemonSet's container, its config the base's ``jaild.toml`` (with
     ``access.outside_pods`` set to ``outside_pods``: the base's is "uid")."""
     sockdir = world_tempdir("jaild-test-podsd-")
@@ -204,7 +200,7 @@ def start_daemon_pod(image: str, cluster: Cluster, *, outside_pods: str = "uid",
         base.replace('outside_pods = "uid"', f'outside_pods = "{outside_pods}"'))
     name = f"jaild-test-pods-{uuid.uuid4().hex[:8]}"
     podman("run", "-d", "--name", name,
-           *daemonset_run_options(cluster, sockdir, state, state / "config", stop_timeout))
+           *daemonset_run_options(cluster, sockdir, state, state / "config"))
     return DaemonPod(name, sockdir, state)
 
 
@@ -489,9 +485,18 @@ def agents(image: str, daemon_pod: DaemonPod,
             pod.remove()
 
 
-def audit_lines(container: Container, job_id: str) -> list[str]:
-    return [line for line in container.logs().splitlines()
-            if "audit: event=job " in line and f" job={job_id} " in line]
+def audit_line(container: Container, job_id: str) -> str:
+    """The job's audit record in the container's log, once conmon has written it there (it
+    copies the daemon's output to the log file on its own time)."""
+    deadline = time.monotonic() + guard(60)
+    while True:
+        lines = [line for line in container.logs().splitlines()
+                 if "audit: event=job " in line and f" job={job_id} " in line]
+        if lines or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert len(lines) == 1, (job_id, lines)
+    return lines[0]
 
 
 def wait_refusing(container: DaemonPod) -> str:
@@ -522,13 +527,14 @@ def stopping(container: Container) -> subprocess.Popen[str]:
 
 
 class KubeletStop(threading.Thread):
-    """How the kubelet ends a pod's container (containerd's CRI ``StopContainer``): the stop
-    signal to the container's first process alone, then, after the grace period, SIGKILL.
-    Not ``podman stop``: for a container in the host's pid namespace (``hostPID``) podman
-    sends the stop signal to *every* process of the container, the jails' included, which
-    ends the running jobs at once instead of draining them (tried: the job ended
-    ``internal_error``, "the zygote of policy 'default' died"). ``killed``: the grace period
-    ran out."""
+    """A pod's container ended as the kubelet asks its runtime to (CRI ``StopContainer``):
+    the stop signal to the container's first process (tini, which passes it on), then,
+    after the grace period, SIGKILL. Not ``podman stop``: for a container in the host's pid
+    namespace (``hostPID``) podman sends the stop signal to *every* process of the
+    container, the jails' included, which ends the running jobs at once instead of draining
+    them (tried: the job ended ``internal_error``, "the zygote of policy 'default' died").
+    Which processes a CRI runtime signals in a hostPID container is not tried here.
+    ``killed``: the grace period ran out."""
 
     def __init__(self, container: Container, grace_s: float) -> None:
         super().__init__(name="kubelet-stop", daemon=True)
@@ -620,7 +626,10 @@ def test_two_pods_of_one_uid_are_two_tenants(
         with Client(daemon_pod.socket) as host:
             rows = {(j["id"], j["pod"]) for j in host.jobs()}
             assert {(job, pod) for pod, job in held.items()} <= rows
-            assert host.run("print(6 * 7)").stdout.strip() == "42"
+            mine = host.run("print(6 * 7)")
+            assert mine.stdout.strip() == "42"
+        line = audit_line(daemon_pod, mine.job_id)
+        assert " uid=0 pid=" in line and " pod=" not in line, line  # as its uid, no pod
     finally:
         for pod in (a, b):
             pod.ask("kill")
@@ -632,7 +641,7 @@ def test_two_pods_of_one_uid_are_two_tenants(
     for pod in (a, b):
         ran = pod.ask("run")
         assert ran["status"] == "ok" and ran["stdout"] == "42", ran
-        (line,) = audit_lines(daemon_pod, ran["job"])
+        line = audit_line(daemon_pod, ran["job"])
         assert f" uid={AGENT_UID} pod={pod.pod} pod_uid={pod.uid} " in line, line
 
 
