@@ -677,6 +677,39 @@ def test_sigterm_drains_a_running_job_to_its_result(
     assert mounts_under(own) == []
 
 
+def test_podman_stop_of_a_hostpid_container_signals_its_jails_too(
+    image: str, cluster: Cluster,
+) -> None:
+    """Why the drain test stops the container as the kubelet asks its runtime to, and what
+    docs/running/kubernetes.md warns of: ``podman stop`` of a container in the host's pid
+    namespace sends SIGTERM to every process in it, so a job waiting in a tool call ends at
+    once -- its record comes while its tool has not answered -- instead of draining. The
+    control is the drain test: SIGTERM to the first process alone, the same job returns
+    ``ok`` once its tool answers."""
+    container = start_daemon_pod(image, cluster)
+    gate, entered = threading.Event(), threading.Event()
+
+    def tool() -> str:
+        entered.set()
+        gate.wait()
+        return "released"
+
+    try:
+        container.wait_serving()
+        with Client(container.socket) as client:
+            job = client.submit("print(await tools.gate())", tools={"gate": tool})
+            assert entered.wait(guard(60))
+            stop = stopping(container)
+            ended = job.result(timeout=guard(120))
+            assert not gate.is_set()
+        assert ended.status != "ok", ended
+        _out, err = stop.communicate(timeout=guard(120))
+        assert stop.returncode == 0, err
+    finally:
+        gate.set()
+        remove_daemon_pod(container)
+
+
 def test_sigkill_of_the_daemonsets_container_leaves_no_jail_cgroup_or_mount(
     image: str, cluster: Cluster,
 ) -> None:
