@@ -37,7 +37,11 @@ The cost of :func:`peer_cgroup`, measured on this project's 2-core test host (ke
 under load from other tests): 35-60 us a call, the same with SO_PEERPIDFD or ``pidfd_open``,
 for a client holding 4 fds -- a unix_diag round trip 10-17 us, reading /proc/<pid>/cgroup
 ~13 us, the fd scan ~4 us per fd the client holds (a readlink each: ~400 us for a client
-with 100 fds). :func:`pod_of_cgroup` adds ~5 us for a host process, ~17 us for a pod's.
+with 100 fds). :func:`pod_of_cgroup` adds ~5 us for a host process, ~17 us for a pod's. A
+client in a network namespace other than the daemon's -- every pod's -- adds a thread that
+enters it for the unix_diag query: :func:`peer_inode` took 250-1,600 us a call for such a
+client, 30-45 us for one in the daemon's namespace (2026-11-29, the same host, loaded by
+other work), once per connection.
 
 Kernel facts this relies on: ``SO_PEERPIDFD`` (6.5) gives a pidfd even for a peer already
 reaped from 6.16 on (pidfs; it then signals ESRCH), and fails with EINVAL for one on 6.5-6.15;
