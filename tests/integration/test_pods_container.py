@@ -705,6 +705,9 @@ def test_podman_stop_of_a_hostpid_container_signals_its_jails_too(
         assert ended.status != "ok", ended
         _out, err = stop.communicate(timeout=guard(120))
         assert stop.returncode == 0, err
+        # nor did the drain run its course: SIGTERM to the first process alone would have
+        # let it wait the 60 s for the tool, then cancel the job saying so
+        assert "drained for 60 s" not in container.logs()
     finally:
         gate.set()
         remove_daemon_pod(container)
