@@ -404,10 +404,12 @@ class AgentPod:
 
     def remove(self) -> None:
         """The container, then its pod's cgroups (podman's, conmon's and the test's)."""
+        # removed while it runs: an agent let go first (its stdin closed) exits at once, and
+        # podman's own clean-up of it raced this removal and left it behind
+        podman("rm", "-f", "-t", "0", self.container)
         with contextlib.suppress(OSError):
             if self.proc.stdin:
                 self.proc.stdin.close()
-        podman("rm", "-f", "-t", "0", self.container, check=False)
         self.proc.wait(timeout=guard(60))
         self.reader.join(guard(60))
         for stream in (self.proc.stdout, self.proc.stderr):
