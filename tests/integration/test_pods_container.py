@@ -455,10 +455,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     shutil.copy(ca.cert, account / "ca.crt")
     (account / "token").write_text(TOKEN)
     (account / "namespace").write_text("jaild-system")
-    with kubepods(), FakeKubeAPI(token=TOKEN, tls=(server.cert, server.key),
-                                 host=gateway) as api:
-        yield Cluster(api, account)
-    shutil.rmtree(account, ignore_errors=True)
+    try:
+        with kubepods(), FakeKubeAPI(token=TOKEN, tls=(server.cert, server.key),
+                                     host=gateway) as api:
+            yield Cluster(api, account)
+    finally:
+        shutil.rmtree(account, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
