@@ -81,7 +81,8 @@ SUITES = {
     "kernel": "tests/integration/test_statuses.py tests/integration/test_usage.py "
               "tests/integration/test_isolation.py tests/integration/test_fresh_jails.py",
     # jaild as a container's main process and pods as tenants, on v2 under systemd
-    "containers": "tests/integration/test_container.py tests/integration/test_pod_identity.py",
+    "containers": "tests/integration/test_container.py tests/integration/test_pod_identity.py "
+                  "tests/integration/test_pods_container.py",
     "none": "-",
 }
 

@@ -6,6 +6,8 @@ WATCH (chunked JSON lines) from a resourceVersion, with BOOKMARK events on deman
 ``ERROR`` event for a resourceVersion older than the kept history (:meth:`expire`), and
 watches that can be ended cleanly or dropped (:meth:`close_watches`). Bearer-token checked
 when ``token`` is set (401 otherwise); HTTPS when given a certificate (``tests/tls.py``).
+It listens on loopback, or on ``host`` (a container bridge's address, for a daemon in a
+container: ``tests/integration/test_pods_container.py``).
 
     with FakeKubeAPI(token="t0ken", tls=(cert, key)) as api:
         api.add_pod(make_pod("2c6b3a1e-8f7d-4c2a-9b1e-0a1b2c3d4e5f", "web-0"))
@@ -52,11 +54,21 @@ def make_pod(uid: str, name: str, namespace: str = "default", node: str = NODE,
     }
 
 
+class _Server(ThreadingHTTPServer):
+    """Binds with ``IP_FREEBIND``: an address not (yet) on this host -- a container
+    bridge's, which some network back ends make only with the first container -- is bound
+    all the same, and answers once it is there."""
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_IP, 15, 1)  # IP_FREEBIND (linux/in.h)
+        super().server_bind()
+
+
 class FakeKubeAPI:
     """The fake API server, serving in threads until :meth:`stop` (or the ``with`` ends)."""
 
     def __init__(self, token: str | None = None,
-                 tls: tuple[str, str] | None = None) -> None:
+                 tls: tuple[str, str] | None = None, host: str = "127.0.0.1") -> None:
         self.token = token  # the bearer token expected (None: no check); may be changed
         self._cond = threading.Condition()
         self._rv = 1000
@@ -73,7 +85,8 @@ class FakeKubeAPI:
         self.watch_versions: list[str] = []  # the resourceVersion each watch asked from
         self.unauthorized = 0
         self.active_watches = 0
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self.host = host
+        self._server = _Server((host, 0), self._handler_class())
         self._server.daemon_threads = True
         self.scheme = "http"
         if tls is not None:
@@ -87,7 +100,11 @@ class FakeKubeAPI:
 
     @property
     def url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self._server.server_address[1]}"
+        return f"{self.scheme}://{self.host}:{self.port}"
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
 
     def __enter__(self) -> FakeKubeAPI:
         return self

@@ -38,13 +38,21 @@ The cost of :func:`peer_cgroup`, measured on this project's 2-core test host (ke
 under load from other tests): 35-60 us a call, the same with SO_PEERPIDFD or ``pidfd_open``,
 for a client holding 4 fds -- a unix_diag round trip 10-17 us, reading /proc/<pid>/cgroup
 ~13 us, the fd scan ~4 us per fd the client holds (a readlink each: ~400 us for a client
-with 100 fds). :func:`pod_of_cgroup` adds ~5 us for a host process, ~17 us for a pod's.
+with 100 fds). :func:`pod_of_cgroup` adds ~5 us for a host process, ~17 us for a pod's. A
+client in a network namespace other than the daemon's -- every pod's -- adds a thread that
+enters it for the unix_diag query: :func:`peer_inode` took 250-1,600 us a call for such a
+client, 30-45 us for one in the daemon's namespace (2026-11-29, the same host, loaded by
+other work), once per connection.
 
 Kernel facts this relies on: ``SO_PEERPIDFD`` (6.5) gives a pidfd even for a peer already
 reaped from 6.16 on (pidfs; it then signals ESRCH), and fails with EINVAL for one on 6.5-6.15;
-before 6.5 it is ENOPROTOOPT and ``pidfd_open`` (5.3) is used. A cgroup's name cannot hold a
-newline (mkdir says EINVAL), so a line of /proc/<pid>/cgroup cannot be forged by a name; a
-hierarchy listed twice is refused anyway. "Holds the connection" means holds the client
+before 6.5 it is ENOPROTOOPT and ``pidfd_open`` (5.3) is used. The server's end of a Unix
+connection belongs to the client's network namespace, and unix_diag answers only about
+sockets of the asker's: the query is made from the connection's own namespace (``SIOCGSKNS``,
+4.9), since every pod has one of its own (found with the image under podman, each agent in a
+network namespace of its own: ``tests/integration/test_pods_container.py``). A cgroup's name
+cannot hold a newline (mkdir says EINVAL), so a line of /proc/<pid>/cgroup cannot be forged by
+a name; a hierarchy listed twice is refused anyway. "Holds the connection" means holds the client
 socket: a process that inherited it or was handed it holds it too; the credentials stay the
 connector's (``SO_PEERCRED``), and the check only rules out a pid number taken over by a
 process without the socket.
@@ -57,7 +65,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import errno
+import fcntl
 import http.client
 import json
 import logging
@@ -409,15 +419,64 @@ def _alive(pidfd: int) -> bool:
     return True
 
 
+SIOCGSKNS = 0x894C  # linux/sockios.h (4.9+): a descriptor of a socket's network namespace
+_CLONE_NEWNET = 0x40000000
+
+
+def _setns(fd: int, nstype: int) -> None:
+    setns = getattr(os, "setns", None)  # Python 3.12+
+    if setns is not None:
+        setns(fd, nstype)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, nstype) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def _diag_socket(conn: socket.socket) -> socket.socket:
+    """A NETLINK_SOCK_DIAG socket in the network namespace ``conn`` belongs to.
+
+    The server's end of a Unix connection is made in the *client's* network namespace
+    (the kernel's ``unix_stream_connect``), and unix_diag finds only the sockets of the
+    asking socket's namespace: a client in a pod has the pod's namespace, never the
+    daemon's (a pod's network namespace is its own, and the daemon's is its pod's or the
+    node's), so it is looked up from a socket made there -- by a short-lived thread that
+    enters the namespace (``setns`` changes the calling thread's alone)."""
+    nsfd = fcntl.ioctl(conn.fileno(), SIOCGSKNS)
+    try:
+        if os.fstat(nsfd).st_ino == os.stat("/proc/thread-self/ns/net").st_ino:
+            return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG)
+        made: list[socket.socket | OSError] = []
+
+        def make() -> None:
+            try:
+                _setns(nsfd, _CLONE_NEWNET)
+                made.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW,
+                                          _NETLINK_SOCK_DIAG))
+            except OSError as e:
+                made.append(e)
+
+        thread = threading.Thread(target=make, name="jaild-peer-netns")
+        thread.start()
+        thread.join()
+        if isinstance(made[0], OSError):
+            raise made[0]
+        return made[0]
+    finally:
+        os.close(nsfd)
+
+
 def peer_inode(conn: socket.socket) -> int:
     """The inode of the socket at the other end of ``conn`` (a connected AF_UNIX socket),
-    from the kernel's unix_diag; 0 if that end has been closed by every holder."""
+    from the kernel's unix_diag, asked in the namespace ``conn`` belongs to
+    (:func:`_diag_socket`); 0 if that end has been closed by every holder."""
     ino = os.fstat(conn.fileno()).st_ino
     req = _UNIX_DIAG_REQ.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, ino, _UDIAG_SHOW_PEER,
                               0xFFFFFFFF, 0xFFFFFFFF)
     hdr = _NLMSGHDR.pack(_NLMSGHDR.size + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0)
     try:
-        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG) as nl:
+        with _diag_socket(conn) as nl:
             nl.send(hdr + req)
             data = nl.recv(8192)
     except OSError as e:

@@ -539,3 +539,23 @@ def test_a_pod_over_its_slot_request_is_refused_busy_naming_it(
         assert held["started"] == 3 and "refused" not in held, held
     finally:
         release(*holders)
+
+
+def test_a_pods_client_in_a_network_namespace_of_its_own_is_served(
+    pods_daemon: DaemonHandle, api: FakeKubeAPI, kubelet: Kubelet
+) -> None:
+    """Every pod has a network namespace of its own, and the kernel makes the daemon's end of
+    a pod's connection in it: the daemon must ask unix_diag about it from there. Before it
+    did, such a client was refused ("unix_diag refused the lookup: No such file or
+    directory"), which the image under podman showed (test_pods_container.py); the other
+    tests here, clients in the daemon's own namespace, are the control."""
+    pod = new_pod("own-netns", "systemd")
+    api.add_pod(make_pod(pod.uid, pod.name, pod.namespace, containers=(pod.container,)))
+    kubelet.place(pod)
+    proc = subprocess.Popen(
+        in_pod(kubelet, pod, "unshare", "--net", sys.executable, "-c", CLIENT,
+               pods_daemon.socket, "run"),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    served = result(proc)
+    assert served.get("run") == ["ok", "42"], served
