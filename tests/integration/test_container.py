@@ -110,13 +110,16 @@ class Container:
         return Path(f"/sys/fs/cgroup/{controller}{self.cgroup_path}")
 
     def wait_serving(self) -> None:
+        """Until the daemon is ready: it answers early, with ``Welcome.starting`` set until
+        its zygotes and self-tests are done (as the DaemonSet's startup probe waits)."""
         deadline = time.monotonic() + guard(120)
         while time.monotonic() < deadline:
             assert self.running(), f"the jaild container stopped:\n{self.logs()}"
             if os.path.exists(self.socket):
                 with contextlib.suppress(OSError), Client(self.socket) as client:
                     client.policies()
-                    return
+                    if client.starting is None:
+                        return
             time.sleep(0.2)
         raise AssertionError(f"the jaild container did not serve in time:\n{self.logs()}")
 
