@@ -22,7 +22,7 @@ else). Its content:
 
 A closed file (what ``with open(...) as f`` leaves in ``f``) comes back as a
 :class:`ClosedFile` stand-in. What cannot be captured makes the snapshot fail naming it (a
-variable holding an open file,
+variable holding an open file (for reading too: never a copy of what is left of it),
 a generator, a socket, a thread; a symlink, FIFO or device in the working directory; more
 bytes than the policy allows), never a partial state. What does not survive by design:
 running tasks of the session's event loop and threads (none can be pickled; the names that
@@ -91,8 +91,16 @@ def _closed_file(name: object, mode: str) -> ClosedFile:
     return ClosedFile(name, mode)
 
 
+OPEN_FILES = (io.FileIO, io.BufferedReader, io.BufferedWriter, io.BufferedRandom,
+              io.TextIOWrapper)
+"""Files backed by a descriptor (``open()``'s): what a snapshot refuses while they are open;
+in-memory ones (``io.StringIO``, ``io.BytesIO``) are values and are captured."""
+
+
 def _dumper(cloudpickle: Any) -> Any:
-    """cloudpickle's ``dumps``, with closed files pickled as :class:`ClosedFile`."""
+    """cloudpickle's ``dumps``, with closed files pickled as :class:`ClosedFile` and open
+    ones refused."""
+    import pickle  # with cloudpickle, on first use: the runtime's start imports neither
 
     class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         def reducer_override(self, obj: Any) -> Any:
@@ -100,6 +108,11 @@ def _dumper(cloudpickle: Any) -> Any:
                 name = getattr(obj, "name", None)
                 name = name if isinstance(name, (str, int)) else None
                 return _closed_file, (name, str(getattr(obj, "mode", "")))
+            if isinstance(obj, OPEN_FILES) and obj not in (sys.stdin, sys.stdout, sys.stderr):
+                # cloudpickle would take a file open for reading as a StringIO of what is left
+                # of it: another object, with no file behind it. Refused, as a written one is.
+                raise pickle.PicklingError(
+                    f"an open file ({getattr(obj, 'name', '?')!r}) cannot be captured: close it")
             return super().reducer_override(obj)
 
     def dumps(obj: Any, protocol: int = 5) -> bytes:

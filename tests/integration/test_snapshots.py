@@ -249,16 +249,18 @@ def test_an_idle_session_pauses_by_itself(sd: DaemonHandle) -> None:
 
 def test_what_cannot_be_captured_fails_naming_it(sd: DaemonHandle) -> None:
     with Client(sd.socket) as c, c.session("snap") as s:
-        r = s.run("import threading\nf = open('scratch.txt', 'w')\ng = (i for i in [1])\n"
-                  "lock = threading.Lock()\nok = 1")
+        r = s.run("import threading, io\nf = open('scratch.txt', 'w')\ng = (i for i in [1])\n"
+                  "lock = threading.Lock()\nok = 1\nfr = open('scratch.txt')\n"
+                  "mem = io.StringIO('kept')")
         assert r.status == "ok", r.error
         with pytest.raises(SnapshotFailed) as caught:
             s.snapshot()
         message = str(caught.value)
-        for name in ("'f'", "'g'", "'lock'"):
+        # a file open for reading too (cloudpickle would make it a StringIO of its rest)
+        for name in ("'f'", "'g'", "'lock'", "'fr'"):
             assert name in message, message
-        assert "'ok'" not in message
-        s.run("del f, g, lock")
+        assert "'ok'" not in message and "'mem'" not in message  # an in-memory file is a value
+        s.run("del f, g, lock, fr")
         s.run("import os\nos.symlink('/etc/passwd', 'link')")
         with pytest.raises(SnapshotFailed, match="link"):
             s.snapshot()
