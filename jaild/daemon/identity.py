@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import errno
 import fcntl
 import http.client
@@ -84,6 +83,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from jaild.daemon.jails.netns import made_in
 from jaild.errors import KubeAPIError, KubeAPIGone, PeerUnverified
 
 log = logging.getLogger("jaild")
@@ -420,18 +420,6 @@ def _alive(pidfd: int) -> bool:
 
 
 SIOCGSKNS = 0x894C  # linux/sockios.h (4.9+): a descriptor of a socket's network namespace
-_CLONE_NEWNET = 0x40000000
-
-
-def _setns(fd: int, nstype: int) -> None:
-    setns = getattr(os, "setns", None)  # Python 3.12+
-    if setns is not None:
-        setns(fd, nstype)
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, nstype) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code))
 
 
 def _diag_socket(conn: socket.socket) -> socket.socket:
@@ -441,28 +429,14 @@ def _diag_socket(conn: socket.socket) -> socket.socket:
     (the kernel's ``unix_stream_connect``), and unix_diag finds only the sockets of the
     asking socket's namespace: a client in a pod has the pod's namespace, never the
     daemon's (a pod's network namespace is its own, and the daemon's is its pod's or the
-    node's), so it is looked up from a socket made there -- by a short-lived thread that
-    enters the namespace (``setns`` changes the calling thread's alone)."""
+    node's), so it is looked up from a socket made there
+    (:func:`jaild.daemon.jails.netns.made_in`)."""
     nsfd = fcntl.ioctl(conn.fileno(), SIOCGSKNS)
     try:
         if os.fstat(nsfd).st_ino == os.stat("/proc/thread-self/ns/net").st_ino:
             return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG)
-        made: list[socket.socket | OSError] = []
-
-        def make() -> None:
-            try:
-                _setns(nsfd, _CLONE_NEWNET)
-                made.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW,
-                                          _NETLINK_SOCK_DIAG))
-            except OSError as e:
-                made.append(e)
-
-        thread = threading.Thread(target=make, name="jaild-peer-netns")
-        thread.start()
-        thread.join()
-        if isinstance(made[0], OSError):
-            raise made[0]
-        return made[0]
+        return made_in(nsfd, lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW,
+                                                   _NETLINK_SOCK_DIAG))
     finally:
         os.close(nsfd)
 

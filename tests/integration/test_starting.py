@@ -142,6 +142,18 @@ class Raw:
         self.sock.close()
 
 
+def waiting_job(path: str) -> Raw:
+    """A connection to a held daemon whose job (ref 1, ``6*7``) waits: welcomed, the job
+    sent, and a listing asked after it answered (so the job's request is in)."""
+    raw = Raw(path)
+    raw.send(Hello(protocol=PROTOCOL_VERSION, client="test-starting"))
+    assert isinstance(raw.next(), Welcome)
+    raw.send(RunJob(ref=1, job=JobDescription(code="6*7"), policy="default"),
+             ListPolicies(ref=2))
+    assert isinstance(raw.next(), PolicyList)  # the job's request is in, waiting
+    return raw
+
+
 def jaild_policies(path: str) -> subprocess.CompletedProcess[str]:
     """The DaemonSet's exec probe (deploy/kubernetes/daemonset.yaml)."""
     return subprocess.run([sys.executable, "-m", "jaild", "policies", "--socket", path],
@@ -257,12 +269,7 @@ def test_a_policy_that_fails_while_a_job_waits_refuses_it(tmp_path: Path) -> Non
     with gate(fail=True) as (nsjail, open_gate):
         daemon = held_daemon(tmp_path / "d", nsjail)
         try:
-            raw = Raw(daemon.socket)
-            raw.send(Hello(protocol=PROTOCOL_VERSION, client="test-starting"))
-            assert isinstance(raw.next(), Welcome)
-            raw.send(RunJob(ref=1, job=JobDescription(code="6*7"), policy="default"),
-                     ListPolicies(ref=2))
-            assert isinstance(raw.next(), PolicyList)  # the job's request is in, waiting
+            raw = waiting_job(daemon.socket)
             open_gate()
             refused = raw.next()
             assert isinstance(refused, Error) and refused.ref == 1, refused
@@ -329,12 +336,7 @@ def test_a_start_that_fails_while_a_job_waits_tells_it_why(tmp_path: Path) -> No
             f'[daemon]\nlisten = ["tls://127.0.0.1:0"]\n'
             f'[tls]\ncert = "{missing}"\nkey = "{missing}"\nclient_ca = "{missing}"')
         try:
-            raw = Raw(daemon.socket)
-            raw.send(Hello(protocol=PROTOCOL_VERSION, client="test-starting"))
-            assert isinstance(raw.next(), Welcome)
-            raw.send(RunJob(ref=1, job=JobDescription(code="6*7"), policy="default"),
-                     ListPolicies(ref=2))
-            assert isinstance(raw.next(), PolicyList)  # the job's request is in, waiting
+            raw = waiting_job(daemon.socket)
             open_gate()
             told = raw.next()
             assert isinstance(told, Error) and told.ref is None, told

@@ -57,6 +57,7 @@ from urllib.parse import urlsplit
 
 import h11
 
+from jaild.daemon.jails.netns import made_in
 from jaild.errors import EgressRefusal as _Refusal
 from jaild.policy.egress import Address, EgressRules, parse_host
 from jaild.policy.flow import FlowRules
@@ -106,9 +107,6 @@ async def connect(
         return await asyncio.open_connection(str(address), port, limit=CHUNK)
 
 
-CLONE_NEWNET = 0x40000000
-
-
 def listen_in(netns: str, port: int, backlog: int = 128) -> socket.socket:
     """A TCP listener on ``127.0.0.1:port`` inside the network namespace at ``netns`` (such
     as ``/proc/PID/ns/net`` of a jail), for the daemon to serve.
@@ -116,41 +114,23 @@ def listen_in(netns: str, port: int, backlog: int = 128) -> socket.socket:
     A socket belongs to the namespace it was made in, whoever holds it later: the jail
     reaches this one on its own loopback, and nothing else of the host, while the daemon
     accepts on it from here. ``setns`` changes the namespace of one thread, so a thread of
-    its own enters the jail's namespace, makes the socket and ends -- it never comes back
-    into use in the wrong namespace."""
-    import ctypes
-    import threading
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    made: list[socket.socket] = []
-    failed: list[BaseException] = []
-
-    def enter_and_listen() -> None:
+    its own enters the jail's namespace, makes the socket and ends
+    (:func:`jaild.daemon.jails.netns.made_in`)."""
+    def listen() -> socket.socket:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                if libc.setns(fd, CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"setns({netns}): {os.strerror(err)}")
-            finally:
-                os.close(fd)
-            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                listener.bind(("127.0.0.1", port))
-                listener.listen(backlog)
-            except OSError:
-                listener.close()
-                raise
-            made.append(listener)
-        except BaseException as exc:
-            failed.append(exc)
+            listener.bind(("127.0.0.1", port))
+            listener.listen(backlog)
+        except OSError:
+            listener.close()
+            raise
+        return listener
 
-    thread = threading.Thread(target=enter_and_listen, name="jaild-egress-listen")
-    thread.start()
-    thread.join()
-    if failed:
-        raise failed[0]
-    return made[0]
+    fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return made_in(fd, listen, netns)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
