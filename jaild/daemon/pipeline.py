@@ -35,13 +35,14 @@ from jaild.daemon import placement
 from jaild.daemon.approvals import Approvals, DurableRun
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission, disclosure
+from jaild.daemon.core.parked import Phase
 from jaild.daemon.core.records import internal_error_record
 from jaild.daemon.flowgate import flow_released
-from jaild.daemon.jails.job import OutputSink, ToolRouter
+from jaild.daemon.jails.job import JailedJob, JobSpec, OutputSink, ToolRouter
 from jaild.daemon.observe import Observers
-from jaild.daemon.registry import ClientConnection, LiveJob, Registry
+from jaild.daemon.registry import ClientConnection, JailSession, LiveJob, Registry
 from jaild.daemon.sessions import Sessions, check_room
-from jaild.errors import JaildError
+from jaild.errors import JaildError, UnknownSnapshot
 from jaild.protocol.messages import JobFinished, RunJob
 from jaild.protocol.records import JobRecord
 
@@ -98,8 +99,6 @@ class Pipeline:
         self.catalog = catalog
         self._reaps = reap_orphans
         self.approvals = approvals
-        if sessions is not None:  # (a pipeline made only to reap has none)
-            sessions.run_placed = self.run_to_record  # a parked session run goes on
 
     def submit(self, client: ClientConnection, req: RunJob) -> None:
         """Admit a RunJob, place it and start it. Raises the JaildError the client gets
@@ -172,7 +171,7 @@ class Pipeline:
                 record = internal_error_record(spec.job_id, spec.policy, spec.limits, exc)
                 result, downloads = None, {}
             if durable is not None and self.approvals is not None:
-                if durable.parked:
+                if durable.life.parked:
                     if placed.trace is not None:
                         placed.trace.finish(disclosure.operator_view(record, spec.policy),
                                             placed.mode)
@@ -189,14 +188,77 @@ class Pipeline:
                 placed.trace.finish(seen, placed.mode)
         finally:
             self.registry.remove_job(job_id)
-            if sess is not None:
-                self.sessions.run_ended(sess)
-            else:
+            if sess is None:
                 self.reap_orphans()
-            if durable is not None and durable.parked and self.approvals is not None:
-                self.approvals.jail_released(durable)  # a decision that came meanwhile
+            approvals = self.approvals
+            if durable is not None and approvals is not None and durable.life.parked \
+                    and approvals.jail_released(durable):
+                self.continue_run(durable, durable.host, None)  # decided meanwhile
         if sess is not None:
-            self.sessions.after_run(sess, job_id, record)
+            why = record.error.message if record.error is not None else ""
+            self.sessions.run_ended(sess, job_id, record.status, why)
+
+    # -- the continuation of a run parked for approval (jaild.daemon.approvals)
+
+    def continue_run(self, run: DurableRun, host: ClientConnection | None,
+                     ref: int | None) -> None:
+        """A parked run was decided and has a ``host``: it goes on in a fresh jail -- a
+        one-shot run's own, a session run's its session's, brought back with the state from
+        before the run -- which replays it (:mod:`jaild.daemon.approvals`), then on to its
+        record like any run (:meth:`run_to_record`). The one path for both. Refused (no room,
+        the state gone), it stays parked and ``host`` is told; ``ResumeRun`` again later."""
+        assert host is not None
+        if self.registry.job(run.job_id) is not None:
+            return  # its parked jail is still ending: run_to_record goes on from there
+        policy = self.catalog().policies.get(run.policy.name, run.policy)
+        sess = None
+        try:
+            if run.session_id is None:
+                limits = admission.limits_for(policy, run.requested)
+                check_room(self.registry, self.config, host.peer.principal, limits.memory_mb)
+            else:
+                sess = self.sessions.reopen_for(run, host, policy)
+                limits = admission.limits_for(policy, {**sess.terms.requested,
+                                                       **run.requested})
+        except JaildError as exc:
+            if run.session_id is not None:
+                run.host = None  # ResumeRun again, from any of the owner's connections
+            host.send_error(exc, ref=ref, job_id=None if ref is not None else run.job_id)
+            return
+        run.policy = policy
+        run.life.continue_()
+        admitted = admission.AdmittedJob(policy, limits, run.job, frozenset(run.hold))
+        spec = placement.run_spec(admitted, run.job_id, host.peer.principal.key,
+                                  keep=sess is not None,
+                                  released=flow_released(policy, host.peer))
+        host.start(self._continued(run, host, spec, sess))
+
+    async def _continued(self, run: DurableRun, host: ClientConnection, spec: JobSpec,
+                         sess: JailSession | None) -> None:
+        if sess is not None:
+            failed = await self.sessions.restore_for(sess, run)
+            if failed is not None:
+                if run.life.phase is Phase.CONTINUING:
+                    run.life.set_back()  # it stays parked: ResumeRun again
+                    run.host = None
+                host.send_error(failed, job_id=run.job_id)
+                if isinstance(failed, UnknownSnapshot) and self.approvals is not None \
+                        and run.life.phase is not Phase.ENDED:
+                    self.approvals.drop(run, f"its session's state is gone: {failed.message}")
+                return
+            jail = sess.jail
+            memory_mb = 0  # the session holds its jail
+        else:
+            env = self.served.env
+            assert env is not None
+            jail = JailedJob(spec, env, run.route, run.output,
+                             jail_id=f"{run.job_id}-r{run.life.resumes}")
+            memory_mb = spec.limits.memory_mb
+        run.restart_jail(jail)
+        placed = placement.Placed(spec, jail, run.route, run.output, sess)
+        self.registry.add_job(LiveJob(run.job_id, jail, host, sess, memory_mb=memory_mb))
+        log.info("approvals: run %s continued", run.job_id)
+        await self.run_to_record(host, placed, run)
 
     def audit(
         self, client: ClientConnection, record: JobRecord, uploaded: int = 0, downloaded: int = 0

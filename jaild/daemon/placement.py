@@ -25,15 +25,18 @@ here to the record.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from jaild.daemon.core.admission import AdmittedJob
+from jaild.daemon.core.admission import AdmittedJob, SessionTerms
 from jaild.daemon.core.peer import Tenant
 from jaild.daemon.jails.job import JailedJob, JailEnvironment, JobSpec, OutputSink, ToolRouter
 from jaild.daemon.jails.pool import JailPool, poolable
+from jaild.policy.schema import Policy
+from jaild.protocol.messages import JobDescription
 from jaild.protocol.records import JobRecord
 from jaild.tracing import JobTrace
 
@@ -77,18 +80,43 @@ class Placed:
         return record, self.jail.result, self.jail.downloads
 
 
-def _spec(job: AdmittedJob, job_id: str, tenant: Tenant | None, keep: bool = False,
-          released: frozenset[str] = frozenset()) -> JobSpec:
-    return JobSpec(
-        job_id=job_id,
-        policy=job.policy,
-        limits=job.limits,
-        job=job.job,
-        keep=keep,
-        tenant=tenant,
-        released=released,
-        hold=job.labels,
-    )
+# -- every job spec the daemon makes is made here (the self-test's probe aside: startup.py)
+
+
+def run_spec(job: AdmittedJob, job_id: str, tenant: Tenant | None, *, keep: bool = False,
+             released: frozenset[str] = frozenset()) -> JobSpec:
+    """An admitted run's spec (``keep``: in a session's jail; a continuation of a parked
+    run is admitted again from what it was: :meth:`jaild.daemon.pipeline.Pipeline.continue_run`)."""
+    return JobSpec(job_id=job_id, policy=job.policy, limits=job.limits, job=job.job,
+                   keep=keep, tenant=tenant, released=released, hold=job.labels)
+
+
+def session_jail_spec(jail_id: str, terms: SessionTerms, tenant: Tenant | None,
+                      labels: frozenset[str]) -> JobSpec:
+    """A session's jail, made before its first run, holding ``labels`` from its start."""
+    return JobSpec(jail_id, terms.policy, terms.jail_limits,
+                   JobDescription(code="", filename="<session>", tools=terms.tools),
+                   keep=True, tenant=tenant, labels=labels)
+
+
+def op_spec(job_id: str, terms: SessionTerms, tenant: Tenant | None, *, snapshot: bool,
+            restore: bytes | None, labels: frozenset[str],
+            released: frozenset[str]) -> JobSpec:
+    """A snapshot (``snapshot``) or a restore (of ``restore``, whose labels are ``labels``)
+    in a session's jail: a run whose result may be as large as the policy's snapshots."""
+    policy = terms.policy
+    limits = dataclasses.replace(terms.limits, result_bytes=policy.session.snapshot_max_bytes)
+    what = "<snapshot>" if snapshot else "<restore>"
+    return JobSpec(job_id, policy, limits,
+                   JobDescription(code="", filename=what, tools=terms.tools), keep=True,
+                   tenant=tenant, snapshot=snapshot, restore=restore, released=released,
+                   labels=labels)
+
+
+def pool_spec(jail_id: str, policy: Policy, tenant: Tenant | None) -> JobSpec:
+    """A warm pool's jail, made before its job (which it takes at ``Assign``)."""
+    return JobSpec(jail_id, policy, policy.limits, JobDescription(code="", filename="<pool>"),
+                   tenant=tenant)
 
 
 def place(
@@ -110,18 +138,21 @@ def place(
     ``trace``: the job's trace (None: tracing is off), which its jail feeds; ``released``:
     the labels whose withholding spares this caller (its ``[[flow.sink]] release_to``)."""
     if session is not None:
-        spec = _spec(job, job_id, tenant, keep=True, released=released)
+        spec = run_spec(job, job_id, tenant, keep=True, released=released)
         return Placed(spec, session.jail, route_tool, output, session, trace=trace)
     pool = pools.get(job.policy.name)
     usable = pool is not None and poolable(job.policy, job.limits)
     pooled = pool.take(tenant) if pool is not None and usable else None
     if pooled is not None:
-        spec = _spec(job, pooled.jail_id, tenant, released=released)  # the pooled jail's id
+        spec = run_spec(job, pooled.jail_id, tenant, released=released)  # the pooled jail's id
         pooled.assign(spec, route_tool, output, trace)  # its code is on its way now
         return Placed(spec, pooled, route_tool, output, pooled=True, trace=trace)
-    spec = _spec(job, job_id, tenant, released=released)
+    spec = run_spec(job, job_id, tenant, released=released)
     jail = JailedJob(spec, env, route_tool, output, trace=trace)
     return Placed(spec, jail, route_tool, output, trace=trace)
 
 
-__all__ = ["Placed", "RunOutcome", "new_job_id", "place"]
+__all__ = [
+    "Placed", "RunOutcome", "new_job_id", "op_spec", "place", "pool_spec", "run_spec",
+    "session_jail_spec",
+]

@@ -31,15 +31,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from jaild.daemon.core import admission
 from jaild.daemon.core.peer import Peer, Principal, Tenant
 from jaild.daemon.core.records import with_session
+from jaild.daemon.core.session import Phase, SessionMachine, shown
 from jaild.daemon.jails.job import CallReply, JailedJob
-from jaild.errors import Busy, JaildError, SessionClosed, SessionPaused
+from jaild.errors import JaildError
 from jaild.policy.schema import Limits, Policy
 from jaild.protocol.messages import Message, ToolSpec
 from jaild.protocol.records import JobRecord
@@ -86,96 +87,77 @@ class LiveJob:
     memory_mb: int = 0  # its jail's memory limit (a session's run: 0, the session holds it)
 
 
-Close = Callable[["JailSession", str, str], None]
-
-
 class JailSession:
-    """A jail kept for a series of runs of one client."""
+    """A jail kept for a series of runs of one client: its life is its
+    :class:`~jaild.daemon.core.session.SessionMachine` (``machine``); this holds what the
+    driver (:class:`jaild.daemon.sessions.Sessions`) needs around it -- its owner, terms,
+    current jail, timers and clocks."""
 
     def __init__(
         self,
-        session_id: str,
         owner: ClientConnection,
         terms: admission.SessionTerms,
+        machine: SessionMachine,
         jail: JailedJob,
     ) -> None:
-        self.id = session_id
+        self.id = machine.session_id
         self.owner = owner
-        self.policy: Policy = terms.policy
-        self.limits: Limits = terms.limits
-        self.tools: tuple[ToolSpec, ...] = terms.tools
         self.terms = terms
+        self.machine = machine
         self.jail = jail
-        self.idle_s = terms.idle_s
-        self.max_lifetime_s = terms.max_lifetime_s
         self.created = time.time()
         self._opened = time.monotonic()
         self.last_used = time.monotonic()
-        self.busy: str | None = None  # the job id of the run in progress
-        self.closed: str | None = None  # why it ended
         self.idle_timer: asyncio.TimerHandle | None = None
         self.life_timer: asyncio.TimerHandle | None = None  # set once the jail is ready
-        self.pause_after_s = terms.pause_after_s  # 0: never paused when idle
         self.pause_timer: asyncio.TimerHandle | None = None
-        self.paused: str | None = None  # paused to disk: the id of its state's snapshot
-        self.parked_run: str | None = None  # paused with its run, which waits for approval
-        self.runs = 0  # the client's runs (snapshots and restores are not runs)
-        self.jails = 1  # jails it has had: a resumed session is in its second
 
-    def touch(self, close: Close, idle: bool = True) -> None:
-        """A run starts (idle=False: no idle expiry while it runs) or ends (idle clock
-        restarts; at its end ``close`` is called)."""
-        self.last_used = time.monotonic()
-        if self.idle_timer is not None:
-            self.idle_timer.cancel()
-            self.idle_timer = None
-        if idle:
-            self.idle_timer = asyncio.get_running_loop().call_later(
-                self.idle_s,
-                close,
-                self,
-                "idle",
-                f"no run for {self.idle_s:g} s (the session's idle limit)",
-            )
+    @property
+    def policy(self) -> Policy:
+        return self.terms.policy
+
+    @property
+    def limits(self) -> Limits:
+        return self.terms.limits
+
+    @property
+    def tools(self) -> tuple[ToolSpec, ...]:
+        return self.terms.tools
+
+    @property
+    def phase(self) -> Phase:
+        return self.machine.phase
+
+    def stop_timers(self, *, lifetime: bool = False) -> None:
+        """Stop the idle and pause timers (and, with ``lifetime``, the lifetime's)."""
+        timers = ("idle_timer", "pause_timer", "life_timer") if lifetime \
+            else ("idle_timer", "pause_timer")
+        for name in timers:
+            timer = getattr(self, name)
+            if timer is not None:
+                timer.cancel()
+                setattr(self, name, None)
 
     def reopened(self) -> None:
-        """Its jail is back after a parked run: its lifetime counts anew."""
+        """Its jail is (back) up: its lifetime counts anew."""
         self._opened = time.monotonic()
         self.last_used = self._opened
 
     def expires_in(self) -> float:
-        left = self.max_lifetime_s - (time.monotonic() - self._opened)
-        if self.busy is None:
-            left = min(left, self.idle_s - (time.monotonic() - self.last_used))
+        left = self.terms.max_lifetime_s - (time.monotonic() - self._opened)
+        if not self.machine.busy:
+            left = min(left, self.terms.idle_s - (time.monotonic() - self.last_used))
         return max(0.0, left)
-
-    def check_runnable(self) -> None:
-        """May a run start now?
-
-        Raises:
-            SessionClosed, Busy: naming why not.
-        """
-        if self.closed is not None:
-            raise SessionClosed(f"session {self.id} is closed: {self.closed}")
-        if self.busy is not None:
-            raise Busy(f"session {self.id} is running job {self.busy}; one run at a time")
-        if self.parked_run is not None:
-            raise Busy(f"session {self.id}'s run {self.parked_run} is parked for approval; the "
-                       "session goes on once the call is decided (jaild approvals)")
-        if self.paused is not None:
-            raise SessionPaused(f"session {self.id} is paused to disk; resume it first "
-                                "(ResumeSession)")
-        if self.life_timer is None:
-            raise Busy(f"session {self.id} is still starting; wait for SessionOpened")
 
     def run_entry(self, record: JobRecord) -> JobRecord:
         """``record`` as this session's run (with the status that ended it, if it did)."""
         closed = None if self.jail.alive else record.status
-        return with_session(record, self.id, self.runs, closed)
+        return with_session(record, self.id, self.machine.runs, closed)
 
     def ps_row(self, now: float) -> dict[str, Any]:
         """This session as ``jaild ps`` shows it."""
         owner = self.owner.peer
+        machine = self.machine
         return {
             "id": self.id,
             "kind": "session",
@@ -184,22 +166,20 @@ class JailSession:
             "principal": owner.principal.name if owner.principal.kind == "cert" else None,
             "pod": owner.principal.pod,
             "client_pid": owner.pid,
-            "state": "starting"
-            if self.life_timer is None
-            else ("running" if self.busy else "parked" if self.parked_run
-                  else "paused" if self.paused else "idle"),
+            "state": shown(machine.phase),
             "age_s": round(max(0.0, now - self.created), 3),  # the wall clock may step back
-            "runs": self.runs,
-            "running": self.busy,
+            "runs": machine.runs,
+            "running": machine.run if machine.phase is Phase.RUNNING else None,
             "idle_s": round(time.monotonic() - self.last_used, 3),
             "expires_in_s": round(self.expires_in(), 3),
-            **({} if self.paused else self.jail.live_usage()),
+            **(self.jail.live_usage() if machine.holds_jail else {}),
         }
 
     @property
     def holds_jail(self) -> bool:
-        """Not paused (or being resumed): its jail counts against the limits."""
-        return self.paused is None or self.busy is not None
+        """Not paused or parked (a session coming back holds its new jail): its jail counts
+        against the limits."""
+        return self.machine.holds_jail
 
 
 class Registry:
@@ -325,4 +305,4 @@ class Registry:
             self._drained.set()
 
 
-__all__ = ["LiveJob", "Registry"]
+__all__ = ["ClientConnection", "JailSession", "LiveJob", "Registry"]

@@ -80,24 +80,20 @@ from collections.abc import Collection, Coroutine
 from typing import Any
 
 from jaild import __version__
-from jaild.daemon import sched, startup, systemd, tls
-from jaild.daemon.approvals import Approvals
+from jaild.daemon import sched, startup, systemd, tls, wiring
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
 from jaild.daemon.core.peer import Peer, Principal, Tenant
 from jaild.daemon.core.readiness import Phase, Readiness, check_waiting, must_wait
 from jaild.daemon.jails.job import CallReply, JailedJob, JailEnvironment
 from jaild.daemon.jails.pool import JailPool
-from jaild.daemon.journal import ApprovalQuota
 from jaild.daemon.observe import Observers
 from jaild.daemon.observe.accounting import Accounting
 from jaild.daemon.observe.audit import AuditLog
 from jaild.daemon.observe.metrics import Metrics
-from jaild.daemon.pipeline import Pipeline
 from jaild.daemon.principals import Principals, principals
-from jaild.daemon.registry import JailSession, Registry
+from jaild.daemon.registry import JailSession
 from jaild.daemon.selftest import Check
-from jaild.daemon.sessions import Sessions, check_room
 from jaild.daemon.tls import TlsListeners
 from jaild.errors import (
     ConnectionLost,
@@ -691,11 +687,16 @@ class ServedConnection(asyncio.Protocol):
         approvals = self.daemon.approvals
         try:
             if isinstance(msg, ApproveCall):
-                approvals.decide(self.peer, msg.job_id, msg.call_id, msg.allow, msg.reason)
+                due = approvals.decide(self.peer, msg.job_id, msg.call_id, msg.allow,
+                                       msg.reason)
                 self.send(ApprovalRecorded(ref=msg.ref, job_id=msg.job_id, call_id=msg.call_id,
                                            allow=msg.allow))
+                if due is not None:  # parked and hosted: it goes on now
+                    self.daemon.pipeline.continue_run(due, due.host, None)
             elif isinstance(msg, ResumeRun):
-                approvals.resume(self, msg.ref, msg.job_id, {t.name for t in msg.tools})
+                due = approvals.resume(self, msg.ref, msg.job_id, {t.name for t in msg.tools})
+                if due is not None:  # decided already: it goes on now
+                    self.daemon.pipeline.continue_run(due, self, msg.ref)
             else:
                 self.send(ApprovalList(ref=msg.ref, approvals=tuple(approvals.pending(self.peer))))
         except JaildError as exc:
@@ -789,7 +790,6 @@ class Daemon:
         """
         self.config = config
         self.served = served or startup.Served()
-        self.registry = Registry()
         self._tracing_given = tracing is not None
         self.observers = Observers(
             audit=AuditLog(),  # its file once start() has read the config
@@ -797,22 +797,13 @@ class Daemon:
             metrics=Metrics(config.metrics_address, tool_labels=config.metrics_tool_labels),
             tracing=tracing or OFF,  # else on at start() if OTEL_* asks for it
         )
-        self.approvals = Approvals(
-            os.path.join(config.state_dir, "parked", config.instance), self.registry,
-            self.served, self.observers, self.catalog,
-            lambda peer, _, memory_mb: check_room(self.registry, config, peer.principal,
-                                                  memory_mb),
-            quota=ApprovalQuota(config.approvals_parked_max_count,
-                                config.approvals_journal_quota_mb << 20),
-        )
-        self.metrics.approvals(lambda: self.approvals.usage(None))
-        self.sessions = Sessions(config, self.registry, self.served, self.observers,
-                                 self.catalog)
-        self.sessions.approvals = self.approvals  # session runs parked for approval
-        self.approvals.sessions = self.sessions
-        self.pipeline = Pipeline(config, self.registry, self.sessions, self.served,
-                                 self.observers, self.catalog, reap_orphans=reap_orphans,
-                                 approvals=self.approvals)
+        parts = wiring.build(config, self.served, self.observers, self.catalog,
+                             reap_orphans=reap_orphans)  # the one place parts are joined
+        self.registry = parts.registry
+        self.parked_runs = parts.parked_runs
+        self.sessions = parts.sessions
+        self.approvals = parts.approvals
+        self.pipeline = parts.pipeline
         self._lingering: Counter[Tenant] = Counter()  # refused connections open, by principal
         self.frame_bytes: Counter[Tenant] = Counter()  # unfinished frames' bytes, by principal
         self._stopping = False
@@ -913,10 +904,10 @@ class Daemon:
         """After start-up proper: the runs parked for approval, the snapshots, the network
         listeners."""
         self._progress(Phase.STATE, ())
-        parked = self.approvals.load()
+        parked = self.approvals.load(self.catalog().policies)
         if os.path.isdir(self.config.snapshot_dir):  # expired ones, and the paused sessions'
             gone = await asyncio.to_thread(self.sessions.store.sweep, True,
-                                           self.approvals.states())
+                                           self.parked_runs.states())
             if gone:
                 log.info("deleted %d expired snapshots and paused sessions' states", gone)
         if parked:
@@ -1314,9 +1305,9 @@ class Daemon:
         }
         stats["pools"] = self.served.pool_summaries()
         stats["metrics"] = self.metrics.summary()
-        durable, parked, journal = self.approvals.usage(
+        durable, parked, journal = self.parked_runs.usage(
             None if who is None else who.key)  # the caller's principal's own, unless root
-        quota = self.approvals.quota
+        quota = self.parked_runs.quota
         stats["approvals"] = {
             "durable_runs": durable, "parked_runs": parked, "journal_bytes": journal,
             "max_parked_runs": quota.max_parked, "journal_quota_bytes": quota.journal_bytes}

@@ -2,37 +2,25 @@
 
 Theory of operation
 -------------------
-A session's states, and what moves it on:
-
-===========  ==================================  =========  =============================
-state        event                               next       action
-===========  ==================================  =========  =============================
-starting     its jail is ready                   idle       ``SessionOpened``; timers set
-starting     its jail does not start             (gone)     ``Error`` to its client
-idle         a ``RunJob`` is admitted            running    idle timer stopped
-running      the run's record is sent            idle       idle timer restarted
-running      the run ended the jail              closed     ``SessionClosed``
-idle         its jail ends between runs          closed     ``SessionClosed``
-running      a call waits past the policy's      parked     its jail ends; the state from
-             ``approvals.park_after_s``                     before the run waits on disk
-parked       the call decided, a host attached   running    a fresh jail restores the state
-                                                            and replays the run
-parked       the client leaves, shutdown         detached   the parked run keeps it (any
-                                                            of the owner's connections
-                                                            may ``ResumeRun`` it)
-any          idle or lifetime timer, the client  closed     its jail killed (a run in
-             closes or leaves, ``jaild kill``,              progress ends ``cancelled``)
-             shutdown                                       and discarded
-===========  ==================================  =========  =============================
+A session's life is a pure machine (:class:`~jaild.daemon.core.session.SessionMachine`: its
+phases, events and actions are tabled there). :class:`Sessions` is its driver: it turns
+requests and what the jails do into the machine's events, and carries out the actions the
+machine gives back -- timers, retiring and cancelling jails, deleting states, dropping a
+parked run, telling the client. It keeps no state of a session's life of its own.
 
 An open session holds a jail: it counts as one of its uid's jails, with its memory
 limit, against the uid's share and the daemon's limits (:func:`check_room`) from
-``OpenSession`` until it is closed, idle or running.
+``OpenSession`` until it is closed, idle or running; paused or parked, it holds disk only.
 
 The tasks of a session -- opening its jail, watching it between runs, discarding
 it at the end -- run in its owner connection's task group, so the connection is
 not done until its sessions' jails are. While a closed session's jail is being
 discarded it is *retiring* in the registry, and shutdown waits for it.
+
+A session whose run parks for approval (:mod:`jaild.daemon.approvals`) comes back for the
+run's continuation through :meth:`Sessions.reopen_for` and :meth:`Sessions.restore_for`,
+called by the pipeline's one continuation path
+(:meth:`jaild.daemon.pipeline.Pipeline.continue_run`).
 """
 
 from __future__ import annotations
@@ -42,21 +30,24 @@ import contextlib
 import dataclasses
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from jaild.daemon import placement
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission, disclosure
+from jaild.daemon.core import session as machine
 from jaild.daemon.core.peer import Principal
+from jaild.daemon.core.session import Op, Phase, SessionMachine, Start
 from jaild.daemon.flowgate import flow_released
-from jaild.daemon.jails.job import CallReply, JailedJob, JobSpec
+from jaild.daemon.jails.job import CallReply, JailedJob
 from jaild.daemon.observe import Observers
-from jaild.daemon.registry import ClientConnection, JailSession, LiveJob, Registry
+from jaild.daemon.parkedruns import ParkedRuns
+from jaild.daemon.registry import ClientConnection, JailSession, Registry
 from jaild.daemon.snapshots import SnapshotStore
 from jaild.errors import (
     BadRequest,
-    Busy,
     InternalError,
     JaildError,
     PermissionDenied,
@@ -66,25 +57,21 @@ from jaild.errors import (
 )
 from jaild.policy.schema import Policy, flow_rules
 from jaild.protocol.messages import (
-    JobDescription,
     OpenSession,
     PauseSession,
     ResumeSession,
     SessionOpened,
     SnapshotSession,
     SnapshotTaken,
-    ToolSpec,
 )
 from jaild.protocol.messages import SessionClosed as SessionClosedMsg
 from jaild.protocol.messages import SessionPaused as SessionPausedMsg
-from jaild.protocol.records import JobRecord, SessionInfo, SnapshotEntry
+from jaild.protocol.records import SessionInfo, SnapshotEntry
 from jaild.tracing import SessionTrace
 
 if TYPE_CHECKING:
-    from jaild.daemon.approvals import Approvals, DurableRun
+    from jaild.daemon.approvals import DurableRun
     from jaild.daemon.startup import Served
-
-    RunPlaced = Callable[[ClientConnection, placement.Placed, DurableRun], Awaitable[None]]
 
 
 def capacity(config: DaemonConfig) -> admission.Capacity:
@@ -134,7 +121,8 @@ def _no_output(job_id: str, stream: str, data: bytes) -> None:
 
 
 class Sessions:
-    """Opening, running in and closing sessions, for one daemon."""
+    """Opening, running in and closing sessions, for one daemon: the driver of their
+    machines."""
 
     def __init__(
         self,
@@ -143,18 +131,99 @@ class Sessions:
         served: Served,
         observers: Observers,
         catalog: Callable[[], admission.Catalog],
+        snapshots: Callable[[], SnapshotStore],
+        parked: ParkedRuns[DurableRun],
     ) -> None:
         """Sessions of the daemon whose settings are ``config``, kept in its ``registry``,
         made in the jail environment it ``served`` with, told to its ``observers``;
-        ``catalog``: the policies it serves now (admission's view)."""
+        ``catalog``: the policies it serves now (admission's view); ``snapshots``: its
+        snapshot store (made on first use); ``parked``: its durable runs (a session closed
+        with its run parked drops the run)."""
         self.config = config
         self.registry = registry
         self.served = served
         self.observers = observers
         self.catalog = catalog
-        self._store: SnapshotStore | None = None
-        self.approvals: Approvals | None = None  # the daemon's (parked session runs)
-        self.run_placed: RunPlaced | None = None  # the pipeline's run_to_record
+        self._snapshots = snapshots
+        self.parked_runs = parked
+
+    @property
+    def store(self) -> SnapshotStore:
+        """The daemon's snapshots (made on first use: ``config.snapshot_dir``)."""
+        return self._snapshots()
+
+    # -- the machine's driver
+
+    def _handle(self, sess: JailSession, event: machine.Event) -> None:
+        """Feed ``event`` to the session's machine and carry out its actions, in order.
+        Raises the refusal of a request the machine does not allow now."""
+        for action in sess.machine.handle(event):
+            self._do(sess, action)
+
+    def _do(self, sess: JailSession, action: machine.Action) -> None:
+        owner = sess.owner
+        match action:
+            case machine.Timers(idle=idle):
+                self._timers(sess, idle)
+            case machine.ArmLifetime():
+                if sess.life_timer is not None:
+                    sess.life_timer.cancel()
+                sess.reopened()
+                lifetime = sess.terms.max_lifetime_s
+                sess.life_timer = asyncio.get_running_loop().call_later(
+                    lifetime, self.close, sess, "lifetime",
+                    f"the session reached its maximum lifetime of {lifetime:g} s")
+            case machine.StopTimers():
+                sess.stop_timers(lifetime=True)
+            case machine.RetireJail(why=why):
+                owner.start(self._retire(sess.jail, why))
+            case machine.CancelJail(why=why):
+                sess.jail.cancel(why)
+            case machine.DeleteState(state_id=state_id):
+                with contextlib.suppress(JaildError, OSError):
+                    self.store.delete(owner.peer.principal.key, state_id)
+            case machine.DropParkedRun(job_id=job_id, why=why):
+                run = self.parked_runs.get(job_id)
+                if run is not None:
+                    self.parked_runs.drop(run, why)
+            case machine.Detach(job_id=job_id):
+                self._forget(sess)
+                self.observers.audit.session(owner.peer, "detached", sess.id, sess.policy.name,
+                                             reason=job_id)
+            case machine.Forget():
+                self._forget(sess)
+            case machine.Discard(why=why):
+                owner.start(self._retire(sess.jail, why))
+            case machine.SendClosed(reason=reason, message=message):
+                self.observers.audit.session(owner.peer, "closed", sess.id, sess.policy.name,
+                                             reason=reason)
+                owner.send(SessionClosedMsg(session_id=sess.id, reason=reason,
+                                            message=message[:4096]))
+
+    def _timers(self, sess: JailSession, idle: bool) -> None:
+        """The idle and pause clocks stop; with ``idle`` they start again (the pause clock
+        only for a session that pauses when idle and is idle)."""
+        sess.stop_timers()
+        sess.last_used = time.monotonic()
+        if not idle:
+            return
+        loop = asyncio.get_running_loop()
+        idle_s = sess.terms.idle_s
+        sess.idle_timer = loop.call_later(
+            idle_s, self.close, sess, "idle",
+            f"no run for {idle_s:g} s (the session's idle limit)")
+        pause_after_s = sess.terms.pause_after_s
+        if pause_after_s and sess.phase is Phase.IDLE:
+            sess.pause_timer = loop.call_later(pause_after_s, self._pause_idle, sess)
+
+    def close(self, sess: JailSession, reason: str, message: str) -> None:
+        """End a session: its jail is killed (a run in progress ends ``cancelled``), its
+        client is told; a paused session's state is deleted. Idempotent. A session whose
+        run is parked is detached instead when its client leaves or the daemon stops
+        (:data:`~jaild.daemon.core.session.DETACHING`); closed otherwise, it drops the run."""
+        self._handle(sess, machine.Close(reason, message))
+
+    # -- opening
 
     def runnable(self, client: ClientConnection, session_id: str) -> JailSession:
         """The client's session a ``RunJob`` names, if a run may start in it now.
@@ -166,7 +235,7 @@ class Sessions:
         if sess is None:
             raise UnknownSession(f"no open session {session_id} of this connection")
         admission.check_not_draining(self.catalog())
-        sess.check_runnable()
+        sess.machine.check_runnable()
         return sess
 
     def open(self, client: ClientConnection, req: OpenSession) -> None:
@@ -181,12 +250,7 @@ class Sessions:
         try:
             terms = admission.admit_session(self.catalog(), client.peer, req, mine)
             check_room(registry, self.config, client.peer.principal, terms.jail_limits.memory_mb)
-        except JaildError as refusal:
-            if trace is not None:
-                trace.ended(None, refusal.code)
-            raise
-        labels = terms.labels  # the caller's (OpenSession.labels)
-        try:
+            labels = terms.labels  # the caller's (OpenSession.labels)
             if req.from_snapshot is not None:
                 entry = self.store.entry(client.peer.principal.key, req.from_snapshot)
                 labels |= frozenset(entry.labels)
@@ -198,27 +262,24 @@ class Sessions:
             if trace is not None:
                 trace.ended(None, refusal.code)
             raise
-        session_id = "ses-" + secrets.token_hex(8)
-        sess = JailSession(session_id, client, terms,
-                           self._jail(session_id, terms, client, labels))
+        state = SessionMachine("ses-" + secrets.token_hex(8), labels=labels)
+        sess = JailSession(client, terms, state, self._jail(state.session_id, terms, client,
+                                                            state.labels))
         registry.add_session(sess)
         self.observers.metrics.sessions_open(registry.session_count())
         client.start(self._open(sess, req.ref, trace, req.from_snapshot))
 
     def _jail(self, jail_id: str, terms: admission.SessionTerms,
               client: ClientConnection, labels: frozenset[str]) -> JailedJob:
-        """A session's jail, holding ``labels`` from its start: the labels of the state it
-        will restore (a snapshot's, a paused or parked session's), so that no byte of that
-        state runs before its labels close what they close. Every path that brings state
-        into a fresh jail comes through here, and the jail's machine refuses a restore whose
-        labels its jail does not hold (:class:`jaild.daemon.core.machine.JobSpec`)."""
+        """A session's jail, holding ``labels`` from its start: the session's (its machine's
+        labels: the caller's and those of the state it will restore -- a snapshot's, a
+        paused or parked session's), so that no byte of that state runs before its labels
+        close what they close. Every path that brings state into a fresh jail comes through
+        here, and the jail's machine refuses a restore whose labels its jail does not hold
+        (:class:`jaild.daemon.core.machine.JobSpec`)."""
         env = self.served.env
         assert env is not None
-        spec = JobSpec(
-            jail_id, terms.policy, terms.jail_limits,
-            JobDescription(code="", filename="<session>", tools=terms.tools), keep=True,
-            tenant=client.peer.principal.key, labels=labels,
-        )
+        spec = placement.session_jail_spec(jail_id, terms, client.peer.principal.key, labels)
         return JailedJob(spec, env, None, None, jail_id=jail_id)
 
     async def _open(self, sess: JailSession, ref: int, trace: SessionTrace | None,
@@ -226,21 +287,13 @@ class Sessions:
         client = sess.owner
         failed = await self._start_jail(sess, from_snapshot)
         if failed is not None:
-            self._forget(sess)
+            self._handle(sess, machine.JailFailed(failed.message))
             sess.jail.cleanup()
             client.send_error(failed, ref=ref)
             if trace is not None:
                 trace.ended(sess.id, failed.code)
             return
-        loop = asyncio.get_running_loop()
-        sess.life_timer = loop.call_later(
-            sess.max_lifetime_s,
-            self.close,
-            sess,
-            "lifetime",
-            f"the session reached its maximum lifetime of {sess.max_lifetime_s:g} s",
-        )
-        self._touch(sess)
+        self._handle(sess, machine.JailReady())
         client.start(self._watch(sess, sess.jail))
         self.observers.accounting.session(client.peer.principal, sess.policy.name)
         self.observers.audit.session(client.peer, "opened", sess.id, sess.policy.name)
@@ -255,8 +308,8 @@ class Sessions:
             session_id=sess.id,
             record=SessionInfo(
                 policy=sess.policy.name,
-                idle_s=sess.idle_s,
-                max_lifetime_s=sess.max_lifetime_s,
+                idle_s=sess.terms.idle_s,
+                max_lifetime_s=sess.terms.max_lifetime_s,
                 limits=dataclasses.asdict(sess.limits),
             ),
         )
@@ -270,8 +323,8 @@ class Sessions:
         refused if they are not all held. Returns the error its client gets if either fails
         (the jail is then ending)."""
         ready = await sess.jail.prepare()
-        if not ready or sess.closed is not None:
-            detail = sess.closed or "the jail did not start"
+        if not ready or not sess.machine.open:
+            detail = sess.machine.closed or "the jail did not start"
             if not ready:
                 _, error = await sess.jail.ended()
                 error = error or {}
@@ -292,51 +345,24 @@ class Sessions:
 
     async def _watch(self, sess: JailSession, jail: JailedJob) -> None:
         """A session's jail that dies between runs (its code left a thread that broke the
-        channel protocol, a background process hit a limit) ends the session at once; one
-        released by a pause does not."""
+        channel protocol, a background process hit a limit) ends the session at once (the
+        machine: only an idle session's); one released by a pause does not."""
         status, error = await jail.ended()
-        if sess.closed is None and sess.busy is None and jail is sess.jail and not sess.paused:
-            why = (error or {}).get("message", "")
-            self.close(sess, status, f"the session's jail ended between runs: {why}")
+        if jail is sess.jail:
+            self._handle(sess, machine.JailDied(status, (error or {}).get("message", "")))
 
-    def _touch(self, sess: JailSession, idle: bool = True) -> None:
-        """A run (or snapshot) starts (``idle`` False) or ends: the idle clock, and the
-        pause clock of a session that pauses when idle."""
-        sess.touch(self.close, idle=idle)
-        if sess.pause_timer is not None:
-            sess.pause_timer.cancel()
-            sess.pause_timer = None
-        if idle and sess.pause_after_s and sess.paused is None and sess.closed is None:
-            sess.pause_timer = asyncio.get_running_loop().call_later(
-                sess.pause_after_s, self._pause_idle, sess)
+    # -- runs (the pipeline's)
 
     def run_started(self, sess: JailSession, job_id: str) -> None:
-        sess.busy = job_id
-        sess.runs += 1
-        self._touch(sess, idle=False)
+        self._handle(sess, machine.RunAsked(job_id))
 
-    def run_ended(self, sess: JailSession) -> None:
-        sess.busy = None
-
-    def after_run(self, sess: JailSession, job_id: str, record: JobRecord) -> None:
-        """A run's record was sent: the session goes on, or ends with its jail."""
-        if not sess.jail.alive:
-            why = f"run {job_id} ended the session: {record.error.message if record.error else ''}"
-            self.close(sess, record.status, why)
-        elif sess.closed is None:
-            self._touch(sess)
+    def run_ended(self, sess: JailSession, job_id: str, status: str, message: str) -> None:
+        """A run's record was sent: the session goes on, or ends with its jail. What its
+        jail holds now is the session's (its labels only grow)."""
+        self._handle(sess, machine.Labeled(sess.jail.labels))
+        self._handle(sess, machine.RunEnded(job_id, sess.jail.alive, status, message))
 
     # -- snapshots, forks, pauses (docs/using/sessions.md)
-
-    @property
-    def store(self) -> SnapshotStore:
-        """The daemon's snapshots (made on first use: ``config.snapshot_dir``)."""
-        if self._store is None:
-            config = self.config
-            self._store = SnapshotStore(config.snapshot_dir, config.snapshot_quota_mb << 20,
-                                        config.snapshot_max_count,
-                                        total_bytes=config.snapshot_total_quota_mb << 20)
-        return self._store
 
     def _idle(self, client: ClientConnection, session_id: str) -> JailSession:
         sess = self.registry.session(session_id, owner=client)
@@ -345,7 +371,7 @@ class Sessions:
         if not sess.policy.session.snapshots:
             raise PermissionDenied(f"policy {sess.policy.name!r} does not allow snapshots "
                                    "(session.snapshots = false)")
-        sess.check_runnable()
+        sess.machine.check_runnable()
         return sess
 
     def snapshot(self, client: ClientConnection, req: SnapshotSession) -> None:
@@ -356,7 +382,7 @@ class Sessions:
         if req.ttl_s is not None and req.ttl_s > most:
             raise BadRequest(f"ttl_s={req.ttl_s:g} is longer than policy {sess.policy.name!r} "
                              f"keeps snapshots ({most:g} s)")
-        self._begin_op(sess, "snapshot")
+        self._handle(sess, machine.OpAsked(Op.SNAPSHOT))
         client.start(self._snapshot(sess, req.ref, req.ttl_s or most))
 
     async def _snapshot(self, sess: JailSession, ref: int, ttl_s: float) -> None:
@@ -365,7 +391,7 @@ class Sessions:
             blob = await self._op(sess, snapshot=True)
             entry = await asyncio.to_thread(
                 self.store.save, client.peer.principal.key, blob, policy=sess.policy.name,
-                session=sess.id, ttl_s=ttl_s, labels=sess.jail.labels)
+                session=sess.id, ttl_s=ttl_s, labels=sess.machine.labels)
         except JaildError as exc:
             client.send_error(exc, ref=ref)
         else:
@@ -373,18 +399,18 @@ class Sessions:
                                          reason=entry.id)
             client.send(SnapshotTaken(ref=ref, snapshot=self._entry_view(entry, client)))
         finally:
-            self._end_op(sess)
+            self._op_ended(sess, None)
 
     def pause(self, client: ClientConnection, req: PauseSession) -> None:
         """Pause an idle session to disk now; answered SessionPaused (or Error)."""
         sess = self._idle(client, req.session_id)
-        self._begin_op(sess, "pause")
+        self._handle(sess, machine.OpAsked(Op.PAUSE))
         client.start(self._pause(sess, req.ref))
 
     def _pause_idle(self, sess: JailSession) -> None:
         sess.pause_timer = None
-        if sess.closed is None and sess.busy is None and sess.paused is None:
-            self._begin_op(sess, "pause")
+        if sess.phase is Phase.IDLE:
+            self._handle(sess, machine.OpAsked(Op.PAUSE))
             sess.owner.start(self._pause(sess, 0))
 
     async def _pause(self, sess: JailSession, ref: int) -> None:
@@ -394,22 +420,25 @@ class Sessions:
             blob = await self._op(sess, snapshot=True)
             entry = await asyncio.to_thread(
                 self.store.save, client.peer.principal.key, blob, policy=sess.policy.name,
-                session=sess.id, ttl_s=max(60.0, sess.max_lifetime_s), kind="pause",
-                labels=sess.jail.labels)
+                session=sess.id, ttl_s=max(60.0, sess.terms.max_lifetime_s), kind="pause",
+                labels=sess.machine.labels)
         except JaildError as exc:
             if ref:
                 client.send_error(exc, ref=ref)
             else:  # an idle pause that failed: the session stays as it was
                 log.warning("session %s was not paused: %s", sess.id, exc.message)
-            self._end_op(sess)
+            self._op_ended(sess, None)
             return
-        sess.paused = entry.id
-        jail = sess.jail
-        self._end_op(sess)
-        client.start(self._retire(jail, "session paused"))
+        self._op_ended(sess, entry.id)
         self.observers.audit.session(client.peer, "paused", sess.id, sess.policy.name)
         client.send(SessionPausedMsg(ref=ref, session_id=sess.id,
                                      bytes=self._entry_view(entry, client).bytes))
+
+    def _op_ended(self, sess: JailSession, state_id: str | None) -> None:
+        jail = sess.jail
+        status, error = ("ok", None) if jail.alive else jail.outcome()
+        self._handle(sess, machine.OpEnded(state_id, jail.alive, status,
+                                           (error or {}).get("message", "")))
 
     def resume(self, client: ClientConnection, req: ResumeSession) -> None:
         """Bring a paused session back in a fresh jail; answered SessionOpened (at once for
@@ -417,43 +446,33 @@ class Sessions:
         sess = self.registry.session(req.session_id, owner=client)
         if sess is None:
             raise UnknownSession(f"no open session {req.session_id} of this connection")
-        if sess.paused is None:
-            sess.check_runnable()
+        state = sess.machine
+        if state.phase is not Phase.PAUSED:
+            state.check_runnable()
             client.send(self._opened(sess, req.ref))
             return
-        if sess.parked_run is not None:
-            sess.check_runnable()  # Busy: its run waits for approval
-        if sess.busy is not None:
-            raise Busy(f"session {sess.id} is being resumed already")
+        assert state.state_id is not None
         admission.check_not_draining(self.catalog())
         check_room(self.registry, self.config, client.peer.principal,
                    sess.terms.jail_limits.memory_mb)
         try:
-            labels = frozenset(self.store.entry(client.peer.principal.key, sess.paused).labels)
+            labels = frozenset(self.store.entry(client.peer.principal.key, state.state_id).labels)
         except JaildError as exc:
             self.close(sess, "restore_failed", f"the paused session was not restored: "
                        f"{exc.message}")
             raise
-        sess.jails += 1
-        sess.jail = self._jail(f"{sess.id}-{sess.jails}", sess.terms, client, labels)
-        sess.busy = "resuming"
-        client.start(self._resume(sess, req.ref))
+        self._handle(sess, machine.ResumeAsked(labels))
+        sess.jail = self._jail(f"{sess.id}-{state.jails}", sess.terms, client, state.labels)
+        client.start(self._resume(sess, req.ref, state.state_id))
 
-    async def _resume(self, sess: JailSession, ref: int) -> None:
+    async def _resume(self, sess: JailSession, ref: int, state_id: str) -> None:
         client = sess.owner
-        snapshot_id = sess.paused
-        failed = await self._start_jail(sess, snapshot_id)
-        sess.busy = None
+        failed = await self._start_jail(sess, state_id)
         if failed is not None:
             client.send_error(failed, ref=ref)
-            self.close(sess, "restore_failed", f"the paused session was not restored: "
-                       f"{failed.message}")
+            self._handle(sess, machine.JailFailed(failed.message))
             return
-        sess.paused = None
-        if snapshot_id is not None:
-            with contextlib.suppress(JaildError):
-                self.store.delete(client.peer.principal.key, snapshot_id)
-        self._touch(sess)
+        self._handle(sess, machine.JailReady())
         client.start(self._watch(sess, sess.jail))
         self.observers.audit.session(client.peer, "resumed", sess.id, sess.policy.name)
         client.send(self._opened(sess, ref))
@@ -484,19 +503,6 @@ class Sessions:
                                   "session's state: close the session instead)")
         self.store.delete(owner, snapshot_id)
 
-    def _begin_op(self, sess: JailSession, what: str) -> None:
-        sess.busy = what
-        self._touch(sess, idle=False)
-
-    def _end_op(self, sess: JailSession) -> None:
-        sess.busy = None
-        if not sess.jail.alive and sess.paused is None:
-            status, error = sess.jail.outcome()  # memory_limit, timeout, ...: what ended it
-            why = (error or {}).get("message", "")
-            self.close(sess, status, f"the session's jail ended during a snapshot: {why}")
-        elif sess.closed is None:
-            self._touch(sess)
-
     async def _op(self, sess: JailSession, *, snapshot: bool = False,
                   restore: bytes | None = None, labels: frozenset[str] = frozenset()) -> bytes:
         """Run a snapshot (returns it) or a restore (of state carrying ``labels``) in the
@@ -508,15 +514,10 @@ class Sessions:
             SnapshotFailed: naming what stopped it (the jail's own words, or its status;
                 withheld as a run's would be).
         """
-        policy = sess.policy
-        limits = dataclasses.replace(sess.limits, result_bytes=policy.session.snapshot_max_bytes)
-        what = "<snapshot>" if snapshot else "<restore>"
-        spec = JobSpec(
-            placement.new_job_id(), policy, limits,
-            JobDescription(code="", filename=what, tools=sess.tools), keep=True,
-            tenant=sess.owner.peer.principal.key, snapshot=snapshot, restore=restore,
-            released=flow_released(policy, sess.owner.peer), labels=labels,
-        )
+        spec = placement.op_spec(
+            placement.new_job_id(), sess.terms, sess.owner.peer.principal.key,
+            snapshot=snapshot, restore=restore, labels=labels,
+            released=flow_released(sess.policy, sess.owner.peer))
         record, result, _ = await sess.jail.run_next(spec, _no_tools, _no_output)
         if record.status == "ok" and (result is not None or not snapshot):
             return result or b""
@@ -524,51 +525,11 @@ class Sessions:
         verb = "taken" if snapshot else "restored"
         raise SnapshotFailed(f"the snapshot was not {verb}: {why}")
 
-    def close(self, sess: JailSession, reason: str, message: str) -> None:
-        """End a session: its jail is killed (a run in progress ends ``cancelled``), its
-        client is told; a paused session's state is deleted. Idempotent.
-
-        A session whose run is parked for approval is *detached* instead when its client
-        leaves or the daemon stops (the parked run keeps its state, to go on later); closed
-        otherwise, it drops that run."""
-        if sess.closed is not None:
-            return
-        sess.closed = reason
-        for timer in (sess.idle_timer, sess.life_timer, sess.pause_timer):
-            if timer is not None:
-                timer.cancel()
-        parked = self._parked_run(sess)
-        if parked is not None and reason in ("disconnected", "shutdown"):
-            self._forget(sess)
-            self.observers.audit.session(sess.owner.peer, "detached", sess.id, sess.policy.name,
-                                         reason=parked.job_id)
-            return
-        if parked is not None and self.approvals is not None:
-            self.approvals.drop(parked, f"its session was closed ({reason})")
-        if sess.paused is not None:
-            with contextlib.suppress(JaildError, OSError):
-                self.store.delete(sess.owner.peer.principal.key, sess.paused)
-        if sess.busy is not None:
-            sess.jail.cancel(f"the session was closed ({reason}): {message}")
-        self._forget(sess)
-        sess.owner.start(self._discard(sess, f"session {reason}"))
-        self.observers.audit.session(sess.owner.peer, "closed", sess.id, sess.policy.name,
-                                     reason=reason)
-        sess.owner.send(SessionClosedMsg(session_id=sess.id, reason=reason, message=message[:4096]))
-
-    async def _discard(self, sess: JailSession, reason: str) -> None:
-        await self._retire(sess.jail, reason)
-
     async def _retire(self, jail: JailedJob, reason: str) -> None:
         async with self.registry.retiring():
             await jail.discard(reason)
 
     # -- session runs parked for approval (jaild.daemon.approvals; docs/using/tools.md)
-
-    def _parked_run(self, sess: JailSession) -> DurableRun | None:
-        if sess.parked_run is None or self.approvals is None:
-            return None
-        return self.approvals.session_run(sess.id)
 
     async def state_before(self, sess: JailSession, run: DurableRun) -> None:
         """Before a run that may park: the session's state (kept in memory, saved only if
@@ -577,112 +538,66 @@ class Sessions:
         if run.before is not None or run.state_id is not None:  # a continuation: restored
             return
         try:
-            run.before_labels = tuple(sess.jail.labels)
+            run.before_labels = tuple(sorted(sess.jail.labels))
             run.before = await self._op(sess, snapshot=True)
         except JaildError as exc:
             log.info("session %s: run %s cannot park (its state was not taken: %s); a call "
                      "needing approval waits live", sess.id, run.job_id, exc.message)
 
-    def keep_state(self, run: DurableRun) -> str | None:
-        """The run parks: its session's state before it goes to the snapshot store."""
-        blob = run.before
-        if blob is None or run.session_id is None:
-            return None
-        ttl_s = run.policy.approvals.max_wait_s + 86400.0
-        try:
-            entry = self.store.save(run.owner_key, blob, policy=run.policy.name,
-                                    session=run.session_id, ttl_s=ttl_s, kind="parked",
-                                    labels=run.before_labels)
-        except (JaildError, OSError) as exc:
-            log.warning("session %s: run %s waits live, not parked: its state was not saved "
-                        "(%s)", run.session_id, run.job_id, getattr(exc, "message", exc))
-            return None
-        run.before = None
-        return entry.id
-
     def parked(self, run: DurableRun) -> None:
         """The run parked: its session, if still here, is paused with it (its jail goes)."""
         sess = self.registry.session(run.session_id or "")
-        if sess is None or sess.closed is not None:
+        if sess is None or run.state_id is None:
             return
-        sess.paused = run.state_id
-        sess.parked_run = run.job_id
-        for timer in (sess.idle_timer, sess.life_timer, sess.pause_timer):
-            if timer is not None:
-                timer.cancel()
-        sess.pause_timer = None
-        sess.owner.start(self._retire(sess.jail, "session run parked"))
-        self.observers.audit.session(sess.owner.peer, "parked", sess.id, sess.policy.name,
-                                     reason=run.job_id)
+        self._handle(sess, machine.RunParked(run.job_id, run.state_id))
+        if sess.phase is Phase.PARKED:
+            self.observers.audit.session(sess.owner.peer, "parked", sess.id, sess.policy.name,
+                                         reason=run.job_id)
 
     def dropped(self, run: DurableRun) -> None:
-        """The parked run was dropped: its state goes; its session, if here, closes."""
-        with contextlib.suppress(JaildError, OSError):
-            if run.state_id is not None:
-                self.store.delete(run.owner_key, run.state_id)
+        """The parked run was dropped (its state with it): its session, if here, closes."""
         sess = self.registry.session(run.session_id or "")
-        if sess is not None and sess.parked_run == run.job_id:
-            sess.paused = None
-            sess.parked_run = None
-            self.close(sess, "parked_run_dropped",
-                       f"its run {run.job_id}, parked for approval, was dropped")
+        if sess is not None:
+            self._handle(sess, machine.ParkedRunDropped(run.job_id))
 
-    def run_done(self, run: DurableRun) -> None:
-        """A session run that had parked has ended: the state it parked with goes."""
-        if run.state_id is not None:
-            with contextlib.suppress(JaildError, OSError):
-                self.store.delete(run.owner_key, run.state_id)
-            run.state_id = None
+    def reopen_for(self, run: DurableRun, host: ClientConnection,
+                   policy: Policy) -> JailSession:
+        """A parked session run was decided and has a ``host``: its session (re-made on
+        ``host`` if it was detached, with the terms it was opened with) gets a fresh jail
+        holding the session's labels, to restore its state in (:meth:`restore_for`).
 
-    def continue_run(self, run: DurableRun, host: ClientConnection, ref: int | None) -> None:
-        """A parked session run was decided and has a host: its session (re-made on
-        ``host`` if it was detached) gets a fresh jail, the state from before the run is
-        restored there and the run replayed (:mod:`jaild.daemon.approvals`)."""
+        Raises:
+            JaildError: no room for the jail, or the state is gone (the run stays parked).
+        """
         assert run.session_id is not None and run.state_id is not None
-        policy = self.catalog().policies.get(run.policy.name, run.policy)
         sess = self.registry.session(run.session_id)
-        try:
-            terms = sess.terms if sess is not None else self._terms_of(run, policy)
-            check_room(self.registry, self.config, host.peer.principal,
-                       terms.jail_limits.memory_mb)
-            labels = frozenset(self.store.entry(run.owner_key, run.state_id).labels)
-        except JaildError as exc:  # it stays parked: ResumeRun again later
-            run.host = None
-            host.send_error(exc, job_id=run.job_id)
-            return
+        if sess is not None:
+            terms = sess.terms
+        else:
+            assert run.session_asked is not None
+            terms = admission.session_terms(policy, run.session_asked)
+        check_room(self.registry, self.config, host.peer.principal,
+                   terms.jail_limits.memory_mb)
+        labels = frozenset(self.store.entry(run.owner_key, run.state_id).labels)
+        jail_id = f"{run.session_id}-r{run.life.resumes + 1}"
         if sess is None:
-            sess = JailSession(run.session_id, host, terms,
-                               self._jail(f"{run.session_id}-r{run.resumes + 1}", terms, host,
-                                          labels))
-            sess.paused, sess.parked_run = run.state_id, run.job_id
-            sess.runs = int((run.session_terms or {}).get("run", 1))  # the run's number
+            state = SessionMachine(run.session_id, labels=labels, runs=run.session_run,
+                                   phase=Phase.PARKED, start=Start.CONTINUE,
+                                   state_id=run.state_id, parked_run=run.job_id)
+            sess = JailSession(host, terms, state, self._jail(jail_id, terms, host, labels))
             self.registry.add_session(sess)
             self.observers.metrics.sessions_open(self.registry.session_count())
+            self._handle(sess, machine.ContinueAsked(run.job_id, labels))
         else:
             sess.owner = host
-            sess.jails += 1
-            sess.jail = self._jail(f"{sess.id}-{sess.jails}", terms, host, labels)
-        run.policy = policy
-        run.continuing = True
-        sess.busy = run.job_id
-        host.start(self._continue_run(sess, run, host))
+            self._handle(sess, machine.ContinueAsked(run.job_id, labels))
+            sess.jail = self._jail(jail_id, terms, host, sess.machine.labels)
+        return sess
 
-    @staticmethod
-    def _terms_of(run: DurableRun, policy: Policy) -> admission.SessionTerms:
-        """The terms a detached session is re-made with (as it was opened)."""
-        saved = run.session_terms or {}
-        requested = {str(k): float(v) for k, v in dict(saved.get("requested", {})).items()}
-        limits = admission.limits_for(policy, requested)
-        return admission.SessionTerms(
-            policy=policy, limits=limits,
-            jail_limits=dataclasses.replace(limits, cpu_time_s=policy.session.cpu_time_s),
-            tools=tuple(ToolSpec.from_wire(t) for t in saved.get("tools", ())),
-            requested=requested, idle_s=float(saved.get("idle_s", policy.session.idle_s)),
-            max_lifetime_s=float(saved.get("max_lifetime_s", policy.session.max_lifetime_s)),
-            pause_after_s=float(saved.get("pause_after_s", 0.0)))
-
-    async def _continue_run(self, sess: JailSession, run: DurableRun,
-                            host: ClientConnection) -> None:
+    async def restore_for(self, sess: JailSession, run: DurableRun) -> JaildError | None:
+        """Restore the parked run's state in the session's fresh jail; None once it is up
+        (the session runs the continuation), else the error (the session is parked again,
+        its jail retired; the run stays parked)."""
         state = run.state_id
         assert state is not None
         try:
@@ -693,39 +608,15 @@ class Sessions:
         else:
             run.before_labels = entry.labels
             failed = await self._start_jail(sess, state, blob, entry.labels)
-        if failed is not None or sess.closed is not None:
-            run.continuing = False
-            run.host = None  # it stays parked: ResumeRun again
-            sess.busy = None
-            host.send_error(failed or InternalError(f"session {sess.id} was closed"),
-                            job_id=run.job_id)
-            if isinstance(failed, UnknownSnapshot) and self.approvals is not None:
-                self.approvals.drop(run, f"its session's state is gone: {failed.message}")
-            elif sess.owner is host and sess.closed is None:
-                self._forget(sess)  # detached again, as before the attempt
-                host.start(self._retire(sess.jail, "the parked run did not go on"))
-            return
-        run.before = blob
-        sess.paused = None
-        sess.parked_run = None
-        loop = asyncio.get_running_loop()
-        sess.reopened()
-        sess.life_timer = loop.call_later(
-            sess.max_lifetime_s, self.close, sess, "lifetime",
-            f"the session reached its maximum lifetime of {sess.max_lifetime_s:g} s")
-        host.start(self._watch(sess, sess.jail))
-        self.observers.audit.session(host.peer, "continued", sess.id, sess.policy.name,
-                                     reason=run.job_id)
-        run.restart_jail()
-        run.jail = sess.jail
-        limits = admission.limits_for(sess.policy, {**sess.terms.requested, **run.requested})
-        spec = JobSpec(run.job_id, sess.policy, limits, run.job, keep=True,
-                       tenant=host.peer.principal.key,
-                       released=flow_released(sess.policy, host.peer), hold=frozenset(run.hold))
-        placed = placement.Placed(spec, sess.jail, run.route, run.output, sess)
-        self.registry.add_job(LiveJob(run.job_id, sess.jail, host, sess, memory_mb=0))
-        assert self.run_placed is not None
-        await self.run_placed(host, placed, run)
+        if failed is None and sess.machine.open:
+            run.before = blob
+            self._handle(sess, machine.JailReady())
+            sess.owner.start(self._watch(sess, sess.jail))
+            self.observers.audit.session(sess.owner.peer, "continued", sess.id,
+                                         sess.policy.name, reason=run.job_id)
+            return None
+        self._handle(sess, machine.JailFailed(failed.message if failed else "closed"))
+        return failed or InternalError(f"session {sess.id} was closed")
 
     def _forget(self, sess: JailSession) -> None:
         registry = self.registry
@@ -733,4 +624,4 @@ class Sessions:
         self.observers.metrics.sessions_open(registry.session_count())
 
 
-__all__ = ["JailSession", "Sessions", "capacity", "check_room"]
+__all__ = ["Sessions", "capacity", "check_room"]

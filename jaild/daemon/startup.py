@@ -72,7 +72,7 @@ from jaild.daemon.jails.launch.zygotes import ZygoteSet
 from jaild.daemon.jails.pool import JailPool, TenantPools
 from jaild.daemon.jails.staging import ensure_traversable, locate_nsjail, stage_runtime
 from jaild.daemon.observe.metrics import Metrics
-from jaild.daemon.placement import new_job_id
+from jaild.daemon.placement import new_job_id, pool_spec
 from jaild.daemon.selftest import (
     INSPECT_TOOL,
     Check,
@@ -455,9 +455,8 @@ def _start_pools(served: Served) -> None:
         def make(tenant: Tenant | None, policy: Policy = policy) -> JailedJob:
             # named for the job that will take it: its cgroup cannot be renamed (v2)
             jail_id = new_job_id()
-            spec = JobSpec(jail_id, policy, policy.limits,
-                           JobDescription(code="", filename="<pool>"), tenant=tenant)
-            return JailedJob(spec, env, None, None, jail_id=jail_id)
+            return JailedJob(pool_spec(jail_id, policy, tenant), env, None, None,
+                             jail_id=jail_id)
 
         if zygotes.scope == "uid" and name in zygotes.policies:  # a pool per client uid
             pools = TenantPools(policy, make, zygotes)

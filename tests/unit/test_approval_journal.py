@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import stat
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,11 +13,11 @@ from typing import Any
 import msgpack
 import pytest
 
-from jaild.daemon.approvals import Approvals, DurableRun, Held
-from jaild.daemon.core.admission import Catalog
+from jaild.daemon.approvals import Approvals, DurableRun
+from jaild.daemon.core.parked import HeldCall, Phase, RunLife
 from jaild.daemon.jails.job import CallReply
 from jaild.daemon.journal import ApprovalQuota, Journal, Journaled
-from jaild.daemon.registry import Registry
+from jaild.daemon.parkedruns import ParkedRuns
 from jaild.errors import JournalDamaged, QuotaExceeded
 from jaild.policy.schema import load_policy_text
 from jaild.protocol.messages import JobDescription, ToolSpec
@@ -32,19 +31,30 @@ def policy() -> Any:
                             "/p/ops.toml")
 
 
+class NoSessions:
+    def parked(self, run: DurableRun) -> None:
+        pass
+
+    def dropped(self, run: DurableRun) -> None:
+        pass
+
+
 def service(tmp_path: Path, quota: ApprovalQuota | None = None) -> Approvals:
+    runs = ParkedRuns(str(tmp_path / "parked"), quota or ApprovalQuota(32, 1 << 20),
+                      lambda: None)  # type: ignore[arg-type,return-value]
+    return Approvals(runs, NoSessions())
+
+
+def load(svc: Approvals) -> int:
     pol = policy()
-    return Approvals(str(tmp_path / "parked"), Registry(), SimpleNamespace(env=None),  # type: ignore[arg-type]
-                     SimpleNamespace(), lambda: Catalog({pol.name: pol}), lambda *_: None,
-                     quota=quota or ApprovalQuota(32, 1 << 20))
+    return svc.load({pol.name: pol})
 
 
 def tracked(svc: Approvals, job_id: str, owner: int | str = 1000) -> DurableRun:
     r = DurableRun(job_id, owner, f"uid {owner}", policy(),
-                   JobDescription(code="x", tools=(ToolSpec(name="send"),)), {},
-                   journal=Journal(os.path.join(svc.directory, f"{job_id}.journal")))
-    r.service = svc
-    svc.runs[job_id] = r
+                   JobDescription(code="x", tools=(ToolSpec(name="send"),)), {}, svc,
+                   Journal(svc.runs.path(job_id, "journal")))
+    svc.runs.add(r)
     return r
 
 
@@ -168,17 +178,17 @@ def test_replies_go_to_disk_and_count_against_their_principal(tmp_path: Path) ->
     r = tracked(svc, "job-1")
     other = tracked(svc, "job-2", owner=65534)
     assert not (tmp_path / "parked").exists()  # nothing until the first reply
-    svc.journal_append(r, ENTRIES[0])
+    svc.runs.journal_append(r, ENTRIES[0])
     size = (tmp_path / "parked" / "job-1.journal").stat().st_size
     assert stat.S_IMODE((tmp_path / "parked").stat().st_mode) == 0o700
-    svc.journal_append(r, ENTRIES[1])
+    svc.runs.journal_append(r, ENTRIES[1])
     assert (tmp_path / "parked" / "job-1.journal").stat().st_size > size
-    svc.journal_append(other, ENTRIES[0])
-    assert svc.usage(1000) == (1, 0, r.journal.bytes)
-    assert svc.usage(None) == (2, 0, r.journal.bytes + other.journal.bytes)
+    svc.runs.journal_append(other, ENTRIES[0])
+    assert svc.runs.usage(1000) == (1, 0, r.journal.bytes)
+    assert svc.runs.usage(None) == (2, 0, r.journal.bytes + other.journal.bytes)
     svc.ended(r)  # its file goes, and its bytes from its principal's
     assert not (tmp_path / "parked" / "job-1.journal").exists()
-    assert svc.usage(1000) == (0, 0, 0) and svc.usage(None)[2] == other.journal.bytes
+    assert svc.runs.usage(1000) == (0, 0, 0) and svc.runs.usage(None)[2] == other.journal.bytes
 
 
 def test_a_reply_past_the_journal_quota_stops_its_run(tmp_path: Path) -> None:
@@ -210,7 +220,7 @@ async def _past_journal_quota(tmp_path: Path) -> None:
     assert r.journal.entries == 1  # the reply that did not fit was not written
     # control: another principal's run journals that same reply
     other = tracked(svc, "job-2", owner=65534)
-    svc.journal_append(other, Journaled("search", b"\x90", True, b"x" * 150))
+    svc.runs.journal_append(other, Journaled("search", b"\x90", True, b"x" * 150))
 
 
 def test_a_run_past_the_parked_count_is_refused_parking(tmp_path: Path) -> None:
@@ -240,7 +250,7 @@ async def _past_parked_count(tmp_path: Path) -> None:
     assert not (tmp_path / "parked" / "job-2.run").exists()
     assert [(j.name, j.ok) for j in two.journal] == [("send", False)]  # a replay answers it so
     assert three.parked  # control: another principal's run parks
-    assert svc.usage(1000)[:2] == (2, 1) and svc.usage(None)[:2] == (3, 2)
+    assert svc.runs.usage(1000)[:2] == (2, 1) and svc.runs.usage(None)[:2] == (3, 2)
 
 
 def test_a_parked_run_with_a_damaged_journal_is_dropped_at_start(
@@ -248,17 +258,16 @@ def test_a_parked_run_with_a_damaged_journal_is_dropped_at_start(
     svc = service(tmp_path)
     r = tracked(svc, "job-1")
     for e in ENTRIES:
-        svc.journal_append(r, e)
-    r.held = Held(2, 9, "send", b"\x90", 1.0)
-    r.parked, r.parked_at = True, 10**10
-    svc.save(r)
+        svc.runs.journal_append(r, e)
+    r.life = RunLife(Phase.PARKED, HeldCall(2, 9, "send", b"\x90", 1.0), parked_at=10**10)
+    svc.runs.save(r)
     good = service(tmp_path)
-    assert good.load() == 1 and list(good.runs["job-1"].journal) == ENTRIES
-    assert good.usage(1000) == (1, 1, r.journal.bytes)
+    assert load(good) == 1 and list(good.runs["job-1"].journal) == ENTRIES
+    assert good.runs.usage(1000) == (1, 1, r.journal.bytes)
     path = tmp_path / "parked" / "job-1.journal"
     path.write_bytes(path.read_bytes()[:5])
     with caplog.at_level(logging.WARNING, logger="jaild"):
-        assert service(tmp_path).load() == 0
+        assert load(service(tmp_path)) == 0
     assert "parked run job-1.run unreadable" in caplog.text and "cut short" in caplog.text
     assert list((tmp_path / "parked").iterdir()) == []
 
@@ -271,11 +280,10 @@ async def _damaged_replay(tmp_path: Path) -> None:
     svc = service(tmp_path)
     r = tracked(svc, "job-1")
     for e in ENTRIES:
-        svc.journal_append(r, e)
+        svc.runs.journal_append(r, e)
     Path(r.journal.path).write_bytes(b"\xc1" * r.journal.bytes)
     cancelled: list[str] = []
-    r.jail = SimpleNamespace(cancel=cancelled.append)  # type: ignore[assignment]
-    r.restart_jail()
+    r.restart_jail(SimpleNamespace(cancel=cancelled.append))  # type: ignore[arg-type]
     got: list[Any] = []
     r.route("job-1", 1, "search", b"\x91\xa1x", False).listen(got.append)
     await asyncio.sleep(0)
@@ -298,21 +306,21 @@ def test_a_run_file_of_format_1_has_its_journal_moved_to_disk(tmp_path: Path) ->
     }
     (directory / "job-1.run").write_bytes(msgpack.packb(old, use_bin_type=True))
     svc = service(tmp_path)
-    assert svc.load() == 1
+    assert load(svc) == 1
     back = svc.runs["job-1"]
     assert [(j.name, j.value) for j in back.journal] == [("search", b"\x02"),
                                                           ("send", ["E", "m"])]
     data = msgpack.unpackb((directory / "job-1.run").read_bytes(), raw=False)
-    assert data["format"] == 2 and data["journal"] == {"entries": 2,
-                                                       "bytes": back.journal.bytes}
-    assert service(tmp_path).load() == 1  # and read again in this format
+    assert data["format"] == 3
+    assert (data["journal_entries"], data["journal_bytes"]) == (2, back.journal.bytes)
+    assert load(service(tmp_path)) == 1  # and read again in this format
 
 
 def test_journals_of_runs_live_at_a_crash_go_at_start(tmp_path: Path) -> None:
     directory = tmp_path / "parked"
     directory.mkdir()
     (directory / "job-9.journal").write_bytes(Journaled("a", b"", True, b"").pack())
-    assert service(tmp_path).load() == 0
+    assert load(service(tmp_path)) == 0
     assert list(directory.iterdir()) == []
 
 

@@ -83,7 +83,9 @@ from jaild.policy.schema import (
     principal_matches,
     user_matches,
 )
-from jaild.protocol.messages import JobDescription, OpenSession, RunJob, ToolSpec
+from jaild.protocol.fields import Struct, list_of, map_of, nested, number, string, struct
+from jaild.protocol.fields import field as checked
+from jaild.protocol.messages import MAX_TOOLS, JobDescription, OpenSession, RunJob, ToolSpec
 from jaild.runtime.files import check_file_set
 
 SCHEMA_MESSAGE_CHARS = 1024
@@ -125,19 +127,76 @@ class AdmittedJob:
     labels: frozenset[str] = frozenset()  # the caller's: held from the start (RunJob.labels)
 
 
+@struct
+class SessionAsked(Struct):
+    """What a session was opened with beside its policy (``OpenSession``, admitted):
+    declared once, and kept with a run of it that parks (the parked run's file), so that a
+    session re-made for that run has the same terms (:func:`session_terms`)."""
+
+    idle_s: float = checked(number(0, 1 << 53))
+    max_lifetime_s: float = checked(number(0, 1 << 53))
+    pause_after_s: float = checked(number(0, 1 << 53), default=0.0)  # 0: never when idle
+    tools: tuple[ToolSpec, ...] = checked(list_of(nested(ToolSpec), MAX_TOOLS), default=())
+    requested: dict[str, float] = checked(
+        map_of(string(64, min_len=1), number(0, 1 << 53), 32), default_factory=dict)
+    """The limits asked for at open (each run adds its own)."""
+
+
 @dataclass(frozen=True)
 class SessionTerms:
-    """What a session is opened with (``OpenSession``, admitted)."""
+    """What a session is opened with (``OpenSession``, admitted): :func:`session_terms`."""
 
     policy: Policy
+    asked: SessionAsked
     limits: Limits  # its runs' limits unless they tighten them
     jail_limits: Limits  # the jail's own: the session's CPU rlimit in place of a run's
-    tools: tuple[ToolSpec, ...]
-    requested: Mapping[str, float]  # the limits asked for at open (each run adds its own)
-    idle_s: float
-    max_lifetime_s: float
-    pause_after_s: float = 0.0  # 0: never paused when idle
     labels: frozenset[str] = frozenset()  # the caller's: held from the start (OpenSession.labels)
+
+    @property
+    def tools(self) -> tuple[ToolSpec, ...]:
+        return self.asked.tools
+
+    @property
+    def requested(self) -> Mapping[str, float]:
+        return self.asked.requested
+
+    @property
+    def idle_s(self) -> float:
+        return self.asked.idle_s
+
+    @property
+    def max_lifetime_s(self) -> float:
+        return self.asked.max_lifetime_s
+
+    @property
+    def pause_after_s(self) -> float:
+        return self.asked.pause_after_s
+
+
+def session_terms(policy: Policy, asked: SessionAsked,
+                  labels: frozenset[str] = frozenset()) -> SessionTerms:
+    """The one rule that makes a session's terms from its policy and what was asked: at
+    ``OpenSession`` (:func:`admit_session`, which first refuses what is looser than the
+    policy) and when a session is re-made for its parked run (where the policy may have
+    been tightened since: each value is held to the policy's now).
+
+    Raises:
+        BadRequest: a requested limit the policy no longer allows.
+    """
+    session = policy.session
+    pause_after_s = asked.pause_after_s
+    if session.pause_after_s and pause_after_s > session.pause_after_s:
+        pause_after_s = session.pause_after_s
+    asked = dataclasses.replace(
+        asked, idle_s=min(asked.idle_s, session.idle_s),
+        max_lifetime_s=min(asked.max_lifetime_s, session.max_lifetime_s),
+        pause_after_s=pause_after_s)
+    limits = limits_for(policy, asked.requested)
+    return SessionTerms(
+        policy=policy, asked=asked, limits=limits,
+        # the jail's CPU rlimit covers the session; each run's cpu_time_s is watched apart
+        jail_limits=dataclasses.replace(limits, cpu_time_s=session.cpu_time_s),
+        labels=labels)
 
 
 # --------------------------------------------------------------------------- connections
@@ -453,7 +512,7 @@ def admit_session(
     policy = choose_policy(catalog, peer, req.policy, req.tools)
     if not policy.session.enabled:
         raise PermissionDenied(f"policy {policy.name!r} does not allow sessions")
-    limits = limits_for(policy, req.limits)
+    limits_for(policy, req.limits)  # a bad limit is refused first, as before
     idle_s = policy.session.idle_s
     lifetime_s = policy.session.max_lifetime_s
     for key, wanted, allowed in (
@@ -481,18 +540,11 @@ def admit_session(
             f"{peer.principal} has {open_of_uid} sessions open; policy {policy.name!r} "
             f"allows {policy.session.max_per_user} per user"
         )
-    return SessionTerms(
-        policy=policy,
-        limits=limits,
-        # the jail's CPU rlimit covers the session; each run's cpu_time_s is watched apart
-        jail_limits=dataclasses.replace(limits, cpu_time_s=policy.session.cpu_time_s),
-        tools=req.tools,
-        requested=dict(req.limits),
+    return session_terms(policy, SessionAsked(
         idle_s=req.idle_s if req.idle_s is not None else idle_s,
         max_lifetime_s=req.max_lifetime_s if req.max_lifetime_s is not None else lifetime_s,
-        pause_after_s=pause_after_s,
-        labels=frozenset(req.labels),
-    )
+        pause_after_s=pause_after_s, tools=req.tools, requested=dict(req.limits),
+    ), frozenset(req.labels))
 
 
 __all__ = [
@@ -501,6 +553,7 @@ __all__ = [
     "Catalog",
     "Held",
     "Load",
+    "SessionAsked",
     "SessionTerms",
     "admit_connection",
     "admit_job",
@@ -514,4 +567,5 @@ __all__ = [
     "choose_policy",
     "limits_for",
     "policy_allows",
+    "session_terms",
 ]

@@ -1,0 +1,80 @@
+"""Where the daemon's parts are made and joined: one place, in dependency order.
+
+Each part gets what it needs as it is made, and no part is joined to another by assigning
+an attribute afterwards. The order is the parts' dependencies (an arrow: "is given")::
+
+    registry, observers, catalog (the daemon's), snapshot store (made on first use)
+      -> parked runs (durable runs and their files; knows no session)
+        -> sessions (a session closed with its run parked drops the run)
+          -> approvals (told the sessions when a session's run parks or is dropped)
+            -> pipeline (every run to its record, a parked run's continuation too)
+
+so a session never calls the approvals, nor the approvals the pipeline: a continuation that
+a decision or a ``ResumeRun`` makes due is started by the server, which asks the approvals
+(:meth:`~jaild.daemon.approvals.Approvals.decide` returns the run) and then the pipeline
+(:meth:`~jaild.daemon.pipeline.Pipeline.continue_run`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from jaild.daemon.approvals import Approvals, DurableRun
+from jaild.daemon.config import DaemonConfig
+from jaild.daemon.core import admission
+from jaild.daemon.journal import ApprovalQuota
+from jaild.daemon.observe import Observers
+from jaild.daemon.parkedruns import ParkedRuns
+from jaild.daemon.pipeline import Pipeline
+from jaild.daemon.registry import Registry
+from jaild.daemon.sessions import Sessions
+from jaild.daemon.snapshots import SnapshotStore
+from jaild.daemon.startup import Served
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A daemon's parts that serve its requests, joined."""
+
+    registry: Registry
+    snapshots: Callable[[], SnapshotStore]
+    parked_runs: ParkedRuns[DurableRun]
+    sessions: Sessions
+    approvals: Approvals
+    pipeline: Pipeline
+
+
+def snapshot_store(config: DaemonConfig) -> Callable[[], SnapshotStore]:
+    """The daemon's snapshot store, made on first use (``config.snapshot_dir``)."""
+
+    @functools.cache
+    def store() -> SnapshotStore:
+        return SnapshotStore(config.snapshot_dir, config.snapshot_quota_mb << 20,
+                             config.snapshot_max_count,
+                             total_bytes=config.snapshot_total_quota_mb << 20)
+
+    return store
+
+
+def build(config: DaemonConfig, served: Served, observers: Observers,
+          catalog: Callable[[], admission.Catalog], *, reap_orphans: bool = True) -> Parts:
+    """The parts of a daemon of ``config`` (see the module docstring)."""
+    registry = Registry()
+    snapshots = snapshot_store(config)
+    parked_runs: ParkedRuns[DurableRun] = ParkedRuns(
+        os.path.join(config.state_dir, "parked", config.instance),
+        ApprovalQuota(config.approvals_parked_max_count,
+                      config.approvals_journal_quota_mb << 20),
+        snapshots)
+    observers.metrics.approvals(lambda: parked_runs.usage(None))
+    sessions = Sessions(config, registry, served, observers, catalog, snapshots, parked_runs)
+    approvals = Approvals(parked_runs, sessions)
+    pipeline = Pipeline(config, registry, sessions, served, observers, catalog,
+                        approvals=approvals, reap_orphans=reap_orphans)
+    return Parts(registry, snapshots, parked_runs, sessions, approvals, pipeline)
+
+
+__all__ = ["Parts", "build", "snapshot_store"]
