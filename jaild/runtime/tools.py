@@ -33,6 +33,7 @@ exception type and message (never its traceback).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 from collections.abc import Callable, Coroutine, Generator, Iterator
@@ -211,11 +212,13 @@ class AwaitableToolCall(Coroutine[Any, Any, Any]):
 
 def refuse_awaitable_result(value: Any, depth: int = 4) -> None:
     """Raise the :class:`TypeError` of :class:`AwaitableToolCall` if a job's result is one, or
-    holds one in a list, tuple, set or dict (keys and values) ``depth`` levels down: packing
-    would turn it into its ``repr`` and the job would silently return no value."""
+    holds one never awaited in a list, tuple, set or dict (keys and values) ``depth`` levels
+    down: packing would turn it into its ``repr`` and the job would silently return no value.
+    The walk is skipped while every call was awaited (the common case: a result of any size
+    costs nothing more)."""
     if isinstance(value, AwaitableToolCall):
         raise value.used_as_value("returned as the job's result")
-    if depth <= 0:
+    if depth <= 0 or not _unawaited:
         return
     if isinstance(value, dict):
         items: Any = [*value.keys(), *value.values()]
@@ -234,11 +237,12 @@ def report_unawaited(stream: IO[str] | None = None) -> list[str]:
     _unawaited.clear()
     out = sys.stderr if stream is None else stream
     for call in calls:
-        out.write(
-            f"jaild: {call._spelled}(...) was called but never awaited: this job runs in an "
-            f"event loop (it awaits somewhere), so the call returned an awaitable; write "
-            f"`await {call._spelled}(...)`\n"
-        )
+        with contextlib.suppress(Exception):  # the job may have closed or replaced stderr
+            out.write(
+                f"jaild: {call._spelled}(...) was called but never awaited: this job runs in "
+                f"an event loop (it awaits somewhere), so the call returned an awaitable; "
+                f"write `await {call._spelled}(...)`\n"
+            )
     return [call._spelled for call in calls]
 
 

@@ -259,3 +259,29 @@ def test_a_job_returning_an_awaitable_fails_and_one_that_awaits_succeeds() -> No
     assert out.ok and out.result is not None and unpack(out.result) == {"k": "v"}
     out = run('x = tools.f()\nx["k"]\n', "<job>", namespace(tools), 1 << 16)
     assert out.ok and out.result is not None and unpack(out.result) == "v"
+
+
+def test_a_closed_stderr_does_not_break_the_report() -> None:
+    tools, _ = make_tools()
+
+    async def job() -> None:
+        tools.f()
+
+    asyncio.run(job())
+    closed = io.StringIO()
+    closed.close()
+    assert report_unawaited(closed) == ["tools.f"]
+
+
+def test_a_result_is_walked_only_while_a_call_is_unawaited() -> None:
+    tools, _ = make_tools()
+
+    async def job() -> Any:
+        call = tools.f()
+        await call
+        return call
+
+    awaited = asyncio.run(job())
+    refuse_awaitable_result([awaited])  # every call awaited: not walked
+    with pytest.raises(TypeError, match="returned as the job's result"):
+        refuse_awaitable_result(awaited)  # itself: always refused
