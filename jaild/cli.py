@@ -633,8 +633,10 @@ def _print_policies(policies: list[dict[str, Any]]) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    """Host checks, then each policy's self-test in a private daemon; exit 1 on any failure."""
+    """Host checks, the leftovers of gone instances (removed with ``--clean``), then each
+    policy's self-test in a private daemon; exit 1 on any failure."""
     from jaild.daemon.jails.staging import locate_nsjail
+    from jaild.daemon.leftovers import clean, find_leftovers, leftover_checks
     from jaild.daemon.private import private_daemon
     from jaild.daemon.selftest import (
         Check,
@@ -664,6 +666,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         )
     sections.insert(0, ("host", [*host_checks(nsjail, policies, config.envs_dir),
                                  uid_block_check(config.uid_base)]))
+    # before this command's own daemon starts: what instances that are gone left behind
+    leftovers = find_leftovers(config)
+    cleaned = clean(leftovers) if args.clean and leftovers else None
+    sections.insert(1, ("leftovers", leftover_checks(leftovers, cleaned)))
 
     async def probe() -> dict[str, list[Check]]:
         async with private_daemon(config) as daemon:
@@ -951,6 +957,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check the host and self-test every policy")
     daemon_args(p)
     p.add_argument("--json", action="store_true", help="print every check's result as JSON")
+    p.add_argument("--clean", action="store_true",
+                   help="remove the cgroup trees and jail work directories of jaild instances "
+                        "that are gone (never a running one's)")
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("policies", help="list the policies a daemon serves")

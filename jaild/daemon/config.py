@@ -757,7 +757,13 @@ class DaemonConfig:
 
     @property
     def uid_base(self) -> int:
-        if self.instance == "jaild":
-            return JAIL_UID_BASE
-        block = int(hashlib.sha256(self.instance.encode()).hexdigest(), 16) % 4095 + 1
-        return JAIL_UID_BASE + block * 65536
+        return instance_uid_base(self.instance)
+
+
+def instance_uid_base(instance: str) -> int:
+    """The first jail uid of the instance named ``instance`` (``DaemonConfig.instance``):
+    ``jaild``'s is the default block, another's one of 4,095 picked by hashing its name."""
+    if instance == "jaild":
+        return JAIL_UID_BASE
+    block = int(hashlib.sha256(instance.encode()).hexdigest(), 16) % 4095 + 1
+    return JAIL_UID_BASE + block * 65536

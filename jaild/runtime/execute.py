@@ -27,6 +27,7 @@ from typing import Any
 
 from jaild.protocol import pack, unpack
 from jaild.protocol.messages import MAX_MESSAGE_CHARS, ErrorInfo, safe_text
+from jaild.runtime import tools
 
 CO_COROUTINE = inspect.CO_COROUTINE
 _FLAGS = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
@@ -213,6 +214,7 @@ def run(
             value = main()
             if inspect.isawaitable(value):
                 value = await_in_loop(value)
+        tools.refuse_awaitable_result(value)  # packed, it would be its repr: say so instead
     except SystemExit as exc:
         if exc.code in (None, 0):
             return Outcome(ok=True, result=pack(None))
@@ -225,6 +227,7 @@ def run(
                 loop.run_until_complete(loop.shutdown_asyncgens())
             asyncio.set_event_loop(None)
             loop.close()
+        tools.report_unawaited()  # a line on the job's stderr per call never awaited
     packed, error = pack_result(value, result_limit)
     if error is not None:
         return Outcome(ok=False, error=error)

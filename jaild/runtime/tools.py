@@ -13,18 +13,31 @@ A host tool of the same name wins the attribute (``tools.search`` is then that
 tool); the globals ``_discover``, ``_schema`` and ``_search`` (as codemode-lite
 names them) always mean discovery.
 
-A call made while an event loop runs in the calling thread returns an awaitable
-and is *already sent* (like a task), so gathered calls are in flight together
-on the host. A failing host handler surfaces as :class:`ToolError` carrying the
-host's exception type and message (never its traceback).
+The rule: write ``await tools.f()``: it always works. In a job that never awaits
+(no event loop running), a call also returns its value directly.
+
+A job with a top-level ``await`` anywhere runs its top level in an event loop, so
+there ``x = tools.f()`` is not the value. Such a call returns an
+:class:`AwaitableToolCall`: the request is *already sent* (like a task), so
+gathered calls are in flight together on the host, and ``await`` gives the value.
+Used as a value instead -- an attribute, an item, iteration, ``bool``, ``len``,
+``str``, formatting, arithmetic, a comparison, or as the job's result -- it
+raises a :class:`TypeError` saying to write ``await tools.f(...)``; one never
+awaited by the end of a run is named on the job's stderr
+(:func:`report_unawaited`). Discovery follows the same rule.
+
+A failing host handler surfaces as :class:`ToolError` carrying the host's
+exception type and message (never its traceback).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Iterator
-from typing import Any
+import sys
+from collections.abc import Callable, Coroutine, Generator, Iterator
+from typing import IO, Any, NoReturn
 
 from jaild.errors import ToolError, UnknownToolError
 from jaild.protocol import pack, unpack
@@ -40,6 +53,197 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
+
+
+def _spelling(name: str) -> str:
+    """How the job writes the call of tool ``name``: ``tools.github.search``,
+    ``tools["fetch-page"]``, ``tools.intend``."""
+    if name == _INTEND:
+        return "tools.intend"
+    if all(part.isidentifier() for part in name.split(".")):
+        return f"tools.{name}"
+    return f"tools[{name!r}]"
+
+
+_unawaited: dict[int, AwaitableToolCall] = {}
+"""The calls of this run not awaited yet, by ``id`` (kept alive until :func:`report_unawaited`,
+so a call dropped on the floor is still named)."""
+
+_CORO_ATTRIBUTES = frozenset(
+    {"cr_await", "cr_code", "cr_frame", "cr_running", "cr_origin", "cr_suspended",
+     "gi_code", "gi_frame", "gi_running", "gi_yieldfrom", "gi_suspended"}
+)
+"""What asyncio and inspect look up on a coroutine with ``hasattr``/``getattr`` defaults: an
+``AttributeError`` for these, not the job's ``TypeError``."""
+
+
+class AwaitableToolCall(Coroutine[Any, Any, Any]):
+    """A tool call made while an event loop runs: already sent; ``await`` it for the value.
+
+    A coroutine as far as asyncio is concerned (``gather``, ``create_task``, ``wait_for``
+    take it), and nothing else: every use as a value raises a :class:`TypeError` that says
+    to write ``await`` (see the module docstring)."""
+
+    __slots__ = ("_future", "_outcome", "_runner", "_spelled")
+
+    def __init__(
+        self, spelled: str, future: asyncio.Future[Any], outcome: Callable[[Any], Any]
+    ) -> None:
+        self._spelled = spelled
+        self._future = future
+        self._outcome = outcome
+        self._runner: Generator[Any, None, Any] | None = None
+        _unawaited[id(self)] = self
+
+    def _wait(self) -> Generator[Any, None, Any]:
+        _unawaited.pop(id(self), None)
+        return self._outcome((yield from self._future))
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._wait()
+
+    def send(self, value: Any) -> Any:
+        if self._runner is None:
+            self._runner = self._wait()
+        return self._runner.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        if self._runner is None:
+            self._runner = self._wait()
+        if val is None and tb is None:
+            return self._runner.throw(typ)
+        return self._runner.throw(typ, val, tb)  # the 3-argument form asyncio may still use
+
+    def close(self) -> None:
+        if self._runner is not None:
+            self._runner.close()
+
+    def __repr__(self) -> str:
+        return f"<awaitable call of {self._spelled}(...): write `await {self._spelled}(...)`>"
+
+    def used_as_value(self, how: str = "used as a value") -> TypeError:
+        """The error of a use as a value (``how``: what the job did with it)."""
+        return TypeError(
+            f"{self._spelled}(...) returned an awaitable, not its value, because this job runs "
+            f"in an event loop (it awaits somewhere), and the awaitable was {how}: write "
+            f"`await {self._spelled}(...)`"
+        )
+
+    def _refuse(self, how: str) -> NoReturn:
+        raise self.used_as_value(how)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in _CORO_ATTRIBUTES:  # protocol probes: asyncio's
+            raise AttributeError(name)
+        self._refuse(f"asked for its attribute {name!r}")
+
+    def __getitem__(self, key: Any) -> NoReturn:
+        self._refuse(f"subscripted ([{key!r}])")
+
+    def __setitem__(self, key: Any, value: Any) -> NoReturn:
+        self._refuse("assigned an item")
+
+    def __iter__(self) -> NoReturn:
+        self._refuse("iterated")
+
+    def __contains__(self, item: Any) -> NoReturn:
+        self._refuse("searched with `in`")
+
+    def __len__(self) -> NoReturn:
+        self._refuse("asked for its len()")
+
+    def __bool__(self) -> NoReturn:
+        self._refuse("tested for truth")
+
+    def __str__(self) -> NoReturn:
+        self._refuse("made a str (printed or formatted)")
+
+    def __format__(self, spec: str) -> NoReturn:
+        self._refuse("formatted")
+
+    def __bytes__(self) -> NoReturn:
+        self._refuse("made bytes")
+
+    def __int__(self) -> NoReturn:
+        self._refuse("made an int")
+
+    def __float__(self) -> NoReturn:
+        self._refuse("made a float")
+
+    def __index__(self) -> NoReturn:
+        self._refuse("used as an index")
+
+    def __eq__(self, other: object) -> NoReturn:
+        self._refuse("compared (==)")
+
+    def __ne__(self, other: object) -> NoReturn:
+        self._refuse("compared (!=)")
+
+    __hash__ = object.__hash__  # by identity: asyncio.gather keys its awaitables in a dict
+
+    def __lt__(self, other: Any) -> NoReturn:
+        self._refuse("compared (<)")
+
+    def __le__(self, other: Any) -> NoReturn:
+        self._refuse("compared (<=)")
+
+    def __gt__(self, other: Any) -> NoReturn:
+        self._refuse("compared (>)")
+
+    def __ge__(self, other: Any) -> NoReturn:
+        self._refuse("compared (>=)")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._refuse("called")
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        self._refuse("pickled")
+
+    def _arithmetic(self, *_: Any) -> NoReturn:
+        self._refuse("used in arithmetic")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _arithmetic
+    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = _arithmetic
+    __pow__ = __rpow__ = __matmul__ = __rmatmul__ = __divmod__ = __rdivmod__ = _arithmetic
+    __and__ = __rand__ = __or__ = __ror__ = __xor__ = __rxor__ = _arithmetic
+    __lshift__ = __rlshift__ = __rshift__ = __rrshift__ = _arithmetic
+    __neg__ = __pos__ = __abs__ = __invert__ = __round__ = _arithmetic
+
+
+def refuse_awaitable_result(value: Any, depth: int = 4) -> None:
+    """Raise the :class:`TypeError` of :class:`AwaitableToolCall` if a job's result is one, or
+    holds one never awaited in a list, tuple, set or dict (keys and values) ``depth`` levels
+    down: packing would turn it into its ``repr`` and the job would silently return no value.
+    The walk is skipped while every call was awaited (the common case: a result of any size
+    costs nothing more)."""
+    if isinstance(value, AwaitableToolCall):
+        raise value.used_as_value("returned as the job's result")
+    if depth <= 0 or not _unawaited:
+        return
+    if isinstance(value, dict):
+        items: Any = [*value.keys(), *value.values()]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = value
+    else:
+        return
+    for item in items:
+        refuse_awaitable_result(item, depth - 1)
+
+
+def report_unawaited(stream: IO[str] | None = None) -> list[str]:
+    """At the end of a run: one line on ``stream`` (the job's stderr) per tool call of the run
+    never awaited, then forget them. Returns the calls named (their spellings)."""
+    calls = list(_unawaited.values())
+    _unawaited.clear()
+    out = sys.stderr if stream is None else stream
+    for call in calls:
+        with contextlib.suppress(Exception):  # the job may have closed or replaced stderr
+            out.write(
+                f"jaild: {call._spelled}(...) was called but never awaited: this job runs in "
+                f"an event loop (it awaits somewhere), so the call returned an awaitable; "
+                f"write `await {call._spelled}(...)`\n"
+            )
+    return [call._spelled for call in calls]
 
 
 class Tool:
@@ -72,10 +276,7 @@ class Tool:
         )
         if loop is None:
             return self._outcome(self._channel.wait(waiter))
-        return self._await(waiter.future)
-
-    async def _await(self, future: asyncio.Future[Any]) -> Any:
-        return self._outcome(await future)
+        return AwaitableToolCall(_spelling(name), waiter.future, self._outcome)
 
     def _outcome(self, outcome: tuple[bool, Any]) -> Any:
         ok, value = outcome
@@ -85,16 +286,16 @@ class Tool:
         raise ToolError(self.name, error_type, message)
 
 
-def _answer(value: Any) -> Any:
-    """A discovery result: awaitable when an event loop runs in this thread (like a tool
-    call), the value itself otherwise."""
-    if _running_loop() is None:
+def _answer(value: Any, spelled: str) -> Any:
+    """A discovery result: an :class:`AwaitableToolCall` when an event loop runs in this
+    thread (like a tool call), the value itself otherwise. ``spelled``: how the job wrote
+    the call (``tools.discover``)."""
+    loop = _running_loop()
+    if loop is None:
         return value
-
-    async def ready() -> Any:
-        return value
-
-    return ready()
+    future = loop.create_future()
+    future.set_result(value)
+    return AwaitableToolCall(spelled, future, lambda answer: answer)
 
 
 def _summary(tool: Tool) -> dict[str, str]:
@@ -171,7 +372,7 @@ class Tools:
 
     def _discover(self) -> Any:
         """Every tool: ``[{"name", "description"}]`` (the first line of each description)."""
-        return _answer([_summary(self._tools[n]) for n in sorted(self._tools)])
+        return _answer([_summary(self._tools[n]) for n in sorted(self._tools)], "tools.discover")
 
     def _schema(self, name: str) -> Any:
         """One tool in full: ``{"name", "description", "parameters"}`` (a JSON schema)."""
@@ -179,7 +380,8 @@ class Tools:
         if tool is None:
             raise self._unknown(name)
         return _answer(
-            {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+            {"name": tool.name, "description": tool.description, "parameters": tool.parameters},
+            "tools.schema",
         )
 
     def _search(self, keyword: str) -> Any:
@@ -191,7 +393,7 @@ class Tools:
             for n, t in self._tools.items()
             if word in n.lower() or word in t.description.lower()
         ]
-        return _answer([_summary(self._tools[n]) for _, n in sorted(hits)])
+        return _answer([_summary(self._tools[n]) for _, n in sorted(hits)], "tools.search")
 
     def __getitem__(self, name: str) -> Tool:
         try:

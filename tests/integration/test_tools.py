@@ -278,3 +278,61 @@ def test_handler_error_with_unencodable_text_still_answers(client: Client) -> No
     code = "try:\n    await tools.weird()\nexcept ToolError as e:\n    result = e.message\nresult"
     r = client.run(code, tools={"weird": weird}, timeout=10)
     assert (r.status, r.result) == ("ok", "lone \\udc80 surrogate")
+
+
+# -- the value-vs-awaitable rule: `await tools.f()` always works; with no loop, a call is its
+# value; in a job that awaits elsewhere, a call used as a value says to write `await`
+
+
+def lookup() -> dict[str, str]:
+    return {"k": "v"}
+
+
+def test_a_call_used_as_a_value_in_a_job_that_awaits_says_to_write_await(client: Client) -> None:
+    code = 'x = tools.lookup()\nprint(x["k"])\ny = await tools.lookup()\n'
+    r = client.run(code, tools={"lookup": lookup})
+    assert r.status == "error" and r.error is not None and r.error["type"] == "TypeError"
+    assert r.error["message"] == (
+        "tools.lookup(...) returned an awaitable, not its value, because this job runs in an "
+        "event loop (it awaits somewhere), and the awaitable was subscripted (['k']): write "
+        "`await tools.lookup(...)`"
+    )
+    assert "line 2" in r.error["traceback"], r.error["traceback"]
+    # the call went out, never awaited: named on the job's stderr
+    assert "jaild: tools.lookup(...) was called but never awaited" in r.stderr, r.stderr
+
+
+def test_awaited_the_same_call_gives_its_value(client: Client) -> None:
+    code = 'x = await tools.lookup()\nprint(x["k"])\nawait tools.lookup()\n'
+    r = client.run(code, tools={"lookup": lookup})
+    assert (r.status, r.result, r.stdout, r.stderr) == ("ok", {"k": "v"}, "v\n", "")
+
+
+def test_a_job_that_never_awaits_gets_values(client: Client) -> None:
+    code = 'x = tools.lookup()\nprint(x["k"])\n[t["name"] for t in tools.discover()]'
+    r = client.run(code, tools={"lookup": lookup})
+    assert (r.status, r.result, r.stdout, r.stderr) == ("ok", ["lookup"], "v\n", "")
+
+
+def test_a_dropped_call_and_an_awaitable_result_are_loud(client: Client) -> None:
+    r = client.run("tools.lookup()\ny = await tools.lookup()\ny\n", tools={"lookup": lookup})
+    assert r.status == "ok" and r.result == {"k": "v"}
+    assert r.stderr.count("never awaited") == 1 and "tools.lookup(...)" in r.stderr, r.stderr
+    r = client.run("async def main():\n    return {'x': tools.lookup()}\n", tools={"lookup": lookup})
+    assert r.status == "error" and r.error is not None and r.error["type"] == "TypeError"
+    assert "returned as the job's result: write `await tools.lookup(...)`" in r.error["message"]
+
+
+def test_gathered_calls_are_concurrent_and_tasks_take_them(client: Client) -> None:
+    barrier = threading.Barrier(2, timeout=guard(10))
+
+    def meet(i: int) -> int:
+        barrier.wait()  # both calls in their handlers at once, or this times out
+        return i
+
+    code = ("import asyncio\n"
+            "task = asyncio.create_task(tools.meet(0))\n"
+            "both = await asyncio.gather(task, tools.meet(1))\n"
+            "both\n")
+    r = client.run(code, tools={"meet": meet})
+    assert (r.status, r.result) == ("ok", [0, 1]), r.error

@@ -78,3 +78,36 @@ def test_a_refused_job_of_a_burst_is_a_lost_result(share_mb: int, lost: int) -> 
                           max_memory_mb_per_uid=share_mb)
     with daemon_thread({"default": "[limits]\nmemory_mb = 256\n"}, config=config) as d:
         assert asyncio.run(soak.burst(d.socket_path, 4, 0)) == lost
+
+
+@pytest.mark.parametrize(
+    "samples",
+    [
+        [136, 136, 134, 132, 131, 130, 130],  # falling: what failed the equality check
+        [129] * 17,  # flat
+        [153, 129, 129, 129, 129],  # the warm-up's peak, then flat
+        [130, 131, 130, 132, 130, 131, 130, 131, 130],  # wobbling around a level
+        [130, 130, 130, 130, 130, 131],  # one descriptor up in the last sample alone
+        [140, 130, 131, 132, 133, 134],  # growing, but not past the warm-up's peak
+    ],
+)
+def test_descriptors_that_fall_hold_or_wobble_are_no_leak(samples: list[int]) -> None:
+    assert not soak.descriptors_grew(samples)
+
+
+@pytest.mark.parametrize(
+    "samples",
+    [
+        list(range(130, 147)),  # one more every sample, over a sequential run's 17
+        [129, 131, 133, 135, 137],  # the sessions: before them and after each of 4 parts
+        [130, 130, 130, 131, 132, 133, 134, 135, 136],  # flat, then climbing
+        [136, 130, 131, 133, 135, 137, 139, 141, 143],  # climbing past the warm-up's peak
+    ],
+)
+def test_descriptors_growing_across_the_run_are_a_leak(samples: list[int]) -> None:
+    assert soak.descriptors_grew(samples)
+
+
+def test_too_few_descriptor_samples_are_not_judged() -> None:
+    with pytest.raises(ValueError, match="needs 3 or more"):
+        soak.descriptors_grew([130, 131])
