@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from jaild.daemon.core.classify import pids_limit_note
+from jaild.policy.flow import FlowRules
 from jaild.policy.schema import Limits, Policy
 from jaild.protocol.messages import safe_text
 from jaild.protocol.records import (
@@ -267,7 +268,76 @@ def with_session(
     return dataclasses.replace(record, session=SessionRun(id=session_id, run=run, closed=closed))
 
 
+# -- what a run's labels decide at its end (docs/using/flow.md)
+
+WITHHELD_ERROR = "(withheld: the job holds a label whose rule withholds its output)"
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowEnd:
+    """What the information-flow rules decide at a run's end, for its caller: the record's
+    ``flow`` (None: no label held and nothing refused), what is withheld, and what is to be
+    redacted (off the event loop, by the driver) because it is not withheld."""
+
+    record: dict[str, Any] | None
+    withheld: frozenset[str] = frozenset()
+    redact: tuple[str, ...] = ()
+
+
+def flow_sinks(rules: FlowRules, labels: frozenset[str], released: frozenset[str],
+               exhausted: bool, how: str = "withhold") -> dict[str, str]:
+    """What ``labels`` withhold (``how = "redact"``: redact) from a caller whose
+    ``[[flow.sink]] release_to`` spares ``released``: result, output, downloads, each with
+    the label that says so. Once the jail's redaction is ``exhausted`` (its broker kept too
+    many values to redact), what they redact is withheld instead."""
+
+    def sinks(how: str) -> dict[str, str]:
+        if not labels or not rules.sinks:
+            return {}
+        return rules.withheld(labels, lambda label: label in released, how)
+
+    out = sinks(how)
+    if exhausted:
+        if how == "redact":
+            return {}
+        if how == "withhold":
+            out = {**sinks("redact"), **out}
+    return out
+
+
+def flow_at_end(rules: FlowRules, labels: frozenset[str], released: frozenset[str], *,
+                exhausted: bool, refusals: Iterable[Any], snapshot: bool) -> FlowEnd:
+    """The end-of-run decision (see :class:`FlowEnd`). A snapshot's result is the session's
+    state: it stays in the daemon, so no rule withholds or redacts it."""
+    refused = list(refusals)
+    if not labels and not refused:
+        return FlowEnd(None)
+    withheld = sorted(flow_sinks(rules, labels, released, exhausted))
+    redacted = sorted(flow_sinks(rules, labels, released, exhausted, "redact"))
+    if snapshot:
+        withheld = [w for w in withheld if w != "result"]
+        redacted = [r for r in redacted if r != "result"]
+    flow: dict[str, Any] = {"labels": sorted(labels), "refusals": refused,
+                            "withheld": withheld, "redacted": redacted}
+    if exhausted and flow_sinks(rules, labels, released, False, "redact"):
+        flow["redaction"] = "exhausted"
+    return FlowEnd(flow, frozenset(withheld), tuple(r for r in redacted if r not in withheld))
+
+
+def withheld_error(error: dict[str, Any] | None,
+                   withheld: frozenset[str]) -> dict[str, Any] | None:
+    """A run's error as its caller may see it: its message and traceback are output too, so
+    they go when the output or the result is withheld."""
+    if error is not None and ("output" in withheld or "result" in withheld):
+        return {**error, "message": WITHHELD_ERROR, "traceback": ""}
+    return error
+
+
 __all__ = [
+    "WITHHELD_ERROR",
+    "FlowEnd",
+    "flow_at_end",
+    "flow_sinks",
     "internal_error_record",
     "job_error",
     "job_error_of",
@@ -276,4 +346,5 @@ __all__ = [
     "run_usage",
     "tool_call",
     "with_session",
+    "withheld_error",
 ]

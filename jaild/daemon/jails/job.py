@@ -89,6 +89,7 @@ from jaild.daemon.core.machine import (
     ToolTimedOut,
     WithdrawCall,
 )
+from jaild.daemon.core.records import WITHHELD_ERROR, flow_at_end, flow_sinks, withheld_error
 from jaild.daemon.egress.gateway import EgressDoor
 from jaild.daemon.egress.service import EgressService
 from jaild.daemon.jails.cgroups import Cgroups, JobCgroup
@@ -243,7 +244,7 @@ def _withheld_instead(run: _Unredacted) -> tuple[JobRecord, bytes | None]:
     if "output" in run.redact:  # (a result is redacted only when the run ended ok)
         changes["stdout"] = changes["stderr"] = ""
         if record.error is not None:
-            changes["error"] = replace(record.error, message=_WITHHELD_ERROR, traceback="")
+            changes["error"] = replace(record.error, message=WITHHELD_ERROR, traceback="")
     flow = record.flow
     if flow is not None:
         changes["flow"] = replace(
@@ -253,7 +254,6 @@ def _withheld_instead(run: _Unredacted) -> tuple[JobRecord, bytes | None]:
     return replace(record, **changes), result
 
 
-_WITHHELD_ERROR = "(withheld: the job holds a label whose rule withholds its output)"
 
 
 @dataclass
@@ -403,9 +403,7 @@ class JailedJob:
         self.ready_at: float | None = None
         # network.mode = "egress": the jail's door (made once it is hardened, before any
         # job code), served by a door of each run's own
-        self._egress_listener: socket.socket | None = None
-        self._egress_run: tuple[EgressDoor, asyncio.Task[None]] | None = None
-        self._egress_stopping: asyncio.Task[None] | None = None  # the last run's door
+        self._egress = _Egress(env.egress, self._loop)
 
     # -- public
 
@@ -635,52 +633,19 @@ class JailedJob:
         return frozenset(self._machine.broker.labels)
 
     def withheld(self, how: str = "withhold") -> dict[str, str]:
-        """What its labels withhold (``how = "redact"``: redact) from this run's caller:
-        result, output, downloads, each with the label that says so. Once the jail's
-        redaction is exhausted (:attr:`Broker.redaction_exhausted`), what they redact is
-        withheld instead."""
-        out = self._sinks(how)
-        if self._machine.broker.redaction_exhausted:
-            if how == "redact":
-                return {}
-            if how == "withhold":
-                out = {**self._sinks("redact"), **out}
-        return out
-
-    def _sinks(self, how: str) -> dict[str, str]:
-        """What the labels' rules say ``how`` of for this run's caller, as written."""
+        """What its labels withhold (``how = "redact"``: redact) from this run's caller
+        (:func:`jaild.daemon.core.records.flow_sinks`)."""
         broker = self._machine.broker
-        if not broker.labels or not broker.flow.sinks:
-            return {}
-        released = self.spec.released
-        return broker.flow.withheld(frozenset(broker.labels), lambda label: label in released,
-                                    how)
+        return flow_sinks(broker.flow, frozenset(broker.labels), self.spec.released,
+                          broker.redaction_exhausted, how)
 
     def _relabeled(self, action: Relabeled) -> None:
-        run = self._egress_run
-        if run is not None:
-            run[0].recheck()
+        self._egress.recheck()
 
-    def _flow_record(self, tally: Tally) -> dict[str, Any] | None:
-        labels = sorted(self._machine.broker.labels)
-        if not labels and not tally.flow_refusals:
-            return None
-        withheld, redacted = sorted(self.withheld()), sorted(self.withheld("redact"))
-        if self.spec.snapshot:  # its result is the session's state: it stays in the daemon
-            withheld = [w for w in withheld if w != "result"]
-            redacted = [r for r in redacted if r != "result"]
-        flow: dict[str, Any] = {"labels": labels, "refusals": list(tally.flow_refusals),
-                                "withheld": withheld, "redacted": redacted}
-        if self._machine.broker.redaction_exhausted and self._sinks("redact"):
-            flow["redaction"] = "exhausted"
-        return flow
-
-    def _apply_flow(self, flow: dict[str, Any], tally: Tally,
-                    error: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Withhold what the run's labels say, before anyone can read it (what they redact
-        is redacted later, off the event loop: :meth:`_settle`). Returns the record's error
-        (its message and traceback are output too)."""
-        withheld = flow["withheld"]
+    def _apply_flow(self, withheld: frozenset[str], tally: Tally) -> None:
+        """Withhold what the run's labels say (:func:`~jaild.daemon.core.records.flow_at_end`),
+        before anyone can read it (what they redact is redacted later, off the event loop:
+        :meth:`_settle`)."""
         run = self._run
         if "result" in withheld:
             run.result = None
@@ -689,9 +654,6 @@ class JailedJob:
         if "output" in withheld:
             tally.stdout.clear()
             tally.stderr.clear()
-        if error is not None and ("output" in withheld or "result" in withheld):
-            error = {**error, "message": _WITHHELD_ERROR, "traceback": ""}
-        return error
 
     def _route_call(self, action: RouteCall) -> None:
         self._calls_out.route(action.call)
@@ -710,12 +672,19 @@ class JailedJob:
 
     def _ready(self, _: Ready) -> None:
         self.ready_at = time.monotonic()
-        self._open_egress()
+        if self.spec.policy.network.mode == "egress":
+            try:
+                self._egress.open(self._handle.jail_process())
+            except OSError as exc:
+                log.error("jail %s: cannot open its egress door: %s", self.jail_id, exc)
+                self._feed(StartFailed(f"cannot open the jail's egress door: {exc}"))
         self._settled.set()
 
     def _start_run(self, _: StartRun) -> None:
         self._run.run_started()
-        self._serve_egress()
+        broker = self._machine.broker
+        self._egress.serve(self.spec.policy, self.spec.job_id,
+                           lambda: frozenset(broker.labels), broker.flow_refused)
 
     def _stop_run_timers(self, _: StopRunTimers) -> None:
         for timer in self._run_timers:
@@ -744,7 +713,7 @@ class JailedJob:
         self._handle.close_channel()
 
     def _jail_ended(self, _: JailEnded) -> None:
-        self._close_egress()
+        self._egress.close()
         self._done.set()
         self._settled.set()
         callbacks, self._on_done = self._on_done, []
@@ -789,68 +758,19 @@ class JailedJob:
             self._loop.call_later(max(0.05, left / cores), self._watch_cpu)
         )
 
-    def _open_egress(self) -> None:
-        """An egress policy's jail, hardened: its door, on its own loopback (before any of a
-        job's code runs in it). A jail whose door cannot be made does not serve."""
-        egress = self._env.egress
-        if egress is None or self.spec.policy.network.mode != "egress":
-            return
-        pid = self._handle.jail_process()
-        try:
-            if pid is None:
-                raise OSError("the jail's process is not known")
-            self._egress_listener = egress.listener(pid)
-        except OSError as exc:
-            log.error("jail %s: cannot open its egress door: %s", self.jail_id, exc)
-            self._feed(StartFailed(f"cannot open the jail's egress door: {exc}"))
-
-    def _serve_egress(self) -> None:
-        """A run starts: a door of its own (quotas and usage per run) serves the jail."""
-        egress, listener = self._env.egress, self._egress_listener
-        if egress is None or listener is None:
-            return
-        broker = self._machine.broker
-        door = egress.door(self.spec.policy, self.spec.job_id,
-                           lambda: frozenset(broker.labels), broker.flow_refused)
-        task = self._loop.create_task(door.serve(listener), name=f"egress-{self.spec.job_id}")
-        task.add_done_callback(_egress_ended)
-        self._egress_run = (door, task)
-
-    def _end_egress_run(self) -> dict[str, Any] | None:
-        """The run is over: its door stops (its connections are cut); its usage."""
-        run, self._egress_run = self._egress_run, None
-        if run is None:
-            return None
-        door, task = run
-        task.cancel()
-        self._egress_stopping = task
-        return door.usage.to_wire()
-
-    def _close_egress(self) -> None:
-        """The jail is gone: its listener is closed once no door waits on it (closing a
-        descriptor the loop still watches could take a reused number's registration)."""
-        self._end_egress_run()
-        listener, self._egress_listener = self._egress_listener, None
-        if listener is None:
-            return
-        stopping = self._egress_stopping
-        if stopping is None or stopping.done():
-            listener.close()
-        else:
-            stopping.add_done_callback(lambda _: listener.close())
-
     def _emit(self, action: EmitRecord) -> None:
         """The job's (or run's) record, for whoever awaits it."""
         trace, self._trace = self._trace, None
         if trace is not None:
             trace.emitted(self._run.code_sent_at, self._run.code_ended_at)
-        egress = self._end_egress_run()
-        flow = self._flow_record(action.tally)
-        error = action.error
-        redact: tuple[str, ...] = ()
-        if flow is not None and (flow["withheld"] or flow["redacted"]):
-            error = self._apply_flow(flow, action.tally, error)
-            redact = tuple(r for r in flow["redacted"] if r not in flow["withheld"])
+        egress = self._egress.end_run()
+        broker = self._machine.broker
+        decided = flow_at_end(broker.flow, frozenset(broker.labels), self.spec.released,
+                              exhausted=broker.redaction_exhausted,
+                              refusals=action.tally.flow_refusals, snapshot=self.spec.snapshot)
+        flow, redact = decided.record, decided.redact
+        error = withheld_error(action.error, decided.withheld)
+        self._apply_flow(decided.withheld, action.tally)
         # what output redaction needs: the bytes the jail wrote (the record decodes them)
         stdout = bytes(action.tally.stdout) if "output" in redact else b""
         stderr = bytes(action.tally.stderr) if "output" in redact else b""
@@ -899,6 +819,67 @@ _PERFORM: dict[type[Any], Callable[[JailedJob, Any], None]] = {
     StartJail: JailedJob._start_jail,
 }
 """What :meth:`JailedJob._perform` does for each action of the machine."""
+
+
+class _Egress:
+    """A jail's egress (an egress policy's): its listener on the jail's own loopback, opened
+    once the jail is hardened (before any of a job's code runs in it), and a door of its own
+    per run (quotas and usage per run), given a read-only view of the labels the jail holds
+    (the broker's, which only the job machine changes)."""
+
+    def __init__(self, service: EgressService | None, loop: asyncio.AbstractEventLoop) -> None:
+        self._service = service
+        self._loop = loop
+        self._listener: socket.socket | None = None
+        self._run: tuple[EgressDoor, asyncio.Task[None]] | None = None
+        self._stopping: asyncio.Task[None] | None = None  # the last run's door
+
+    def open(self, pid: int | None) -> None:
+        """Raises OSError: the door cannot be made (the jail then does not serve)."""
+        if self._service is None:
+            return
+        if pid is None:
+            raise OSError("the jail's process is not known")
+        self._listener = self._service.listener(pid)
+
+    def serve(self, policy: Policy, job_id: str, labels: Callable[[], frozenset[str]],
+              refused: Callable[..., Any]) -> None:
+        """A run starts: its door serves the jail."""
+        service, listener = self._service, self._listener
+        if service is None or listener is None:
+            return
+        door = service.door(policy, job_id, labels, refused)
+        task = self._loop.create_task(door.serve(listener), name=f"egress-{job_id}")
+        task.add_done_callback(_egress_ended)
+        self._run = (door, task)
+
+    def recheck(self) -> None:
+        """The jail holds new labels: the run's door cuts what they close."""
+        if self._run is not None:
+            self._run[0].recheck()
+
+    def end_run(self) -> dict[str, Any] | None:
+        """The run is over: its door stops (its connections are cut); its usage."""
+        run, self._run = self._run, None
+        if run is None:
+            return None
+        door, task = run
+        task.cancel()
+        self._stopping = task
+        return door.usage.to_wire()
+
+    def close(self) -> None:
+        """The jail is gone: its listener is closed once no door waits on it (closing a
+        descriptor the loop still watches could take a reused number's registration)."""
+        self.end_run()
+        listener, self._listener = self._listener, None
+        if listener is None:
+            return
+        stopping = self._stopping
+        if stopping is None or stopping.done():
+            listener.close()
+        else:
+            stopping.add_done_callback(lambda _: listener.close())
 
 
 def _egress_ended(task: asyncio.Task[None]) -> None:
