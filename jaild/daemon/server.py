@@ -14,11 +14,11 @@ clients, close connections, remove the socket and the cgroup subtree).
 
 While it starts, the daemon answers at once (:mod:`jaild.daemon.core.readiness`): a
 client's ``Hello`` gets ``Welcome`` saying it is starting; requests that need no jail are
-answered; those that need one wait in :attr:`Daemon._waiting`, in arrival order, until
-it is ready (then dispatched as if they had just come), for ``limits.startup_wait_s`` at
-most (then ``starting``); one whose policy admission refuses -- at once, or when its
-zygote or self-test fails meanwhile -- gets that refusal. A start that fails tells every
-connection why (``daemon_unavailable``) and closes it.
+answered; those that need one wait (:class:`~jaild.daemon.waiting.WaitingRoom`), in arrival
+order, until it is ready (then dispatched as if they had just come), for
+``limits.startup_wait_s`` at most (then ``starting``); one whose policy admission refuses
+-- at once, or when its zygote or self-test fails meanwhile -- gets that refusal. A start
+that fails tells every connection why (``daemon_unavailable``) and closes it.
 
 Each connection is a :class:`ServedConnection` wrapping the sans-IO
 :class:`~jaild.protocol.Connection`. Its life is one :class:`asyncio.TaskGroup`:
@@ -83,8 +83,8 @@ from jaild import __version__
 from jaild.daemon import sched, startup, systemd, tls, wiring
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
-from jaild.daemon.core.peer import Peer, Principal, Tenant
-from jaild.daemon.core.readiness import Phase, Readiness, check_waiting, must_wait
+from jaild.daemon.core.peer import Peer, Tenant
+from jaild.daemon.core.readiness import Phase, Readiness, must_wait
 from jaild.daemon.jails.job import CallReply, JailedJob, JailEnvironment
 from jaild.daemon.jails.pool import JailPool
 from jaild.daemon.observe import Observers
@@ -105,48 +105,21 @@ from jaild.errors import (
     RemoteProtocolError,
     StartupError,
     UnknownJob,
-    UnknownSession,
 )
 from jaild.policy.schema import Policy
 from jaild.protocol import CLOSED, NEED_DATA, PROTOCOL_VERSION, Connection, Role
 from jaild.protocol.connection import HANDSHAKE_FRAME_BYTES
 from jaild.protocol.messages import (
-    ApprovalList,
-    ApprovalRecorded,
-    ApproveCall,
-    CancelJob,
     ClientCallTool,
     ClientToolFailed,
     ClientToolReturned,
-    CloseSession,
-    DeleteSnapshot,
     Error,
-    GetStats,
     JobAccepted,
-    JobList,
     JobOutput,
-    Kill,
-    Killed,
-    ListApprovals,
-    ListJobs,
-    ListPolicies,
-    ListSnapshots,
     Message,
-    OpenSession,
-    PauseSession,
     Ping,
-    PolicyList,
-    Pong,
-    ResumeRun,
-    ResumeSession,
-    RunJob,
-    SnapshotDeleted,
-    SnapshotList,
-    SnapshotSession,
-    Stats,
     Welcome,
 )
-from jaild.protocol.records import DaemonStats, JobEntry, PolicyEntry
 from jaild.tracing import OFF, Tracing
 
 log = logging.getLogger("jaild")
@@ -206,14 +179,12 @@ class ServedConnection(asyncio.Protocol):
             self.peer = peer
         self.conn = Connection(Role.DAEMON, daemon.config.max_frame_bytes)
         self.transport: asyncio.Transport | None = None
-        self.pending_calls: dict[tuple[str, int], CallReply] = {}
+        self.jobs = _JobLink(self)  # its tool calls and its jobs' output
         self.closed = False
         self._tasks: asyncio.TaskGroup | None = None  # the connection's scope, while it serves
         # work started before serve() began (see start); None once it has
         self._early: list[Coroutine[Any, Any, None]] | None = []
         self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._paused: set[JailedJob] = set()  # jobs whose output waits for this client
-        self._draining = False  # _drain_paused is on its way
         self._frame_held = 0  # this connection's share of daemon.frame_bytes[uid]
         # job id -> its JobAccepted's bytes, not yet written, and the timer that writes them
         self._held: dict[str, tuple[bytes, asyncio.TimerHandle]] = {}
@@ -326,7 +297,7 @@ class ServedConnection(asyncio.Protocol):
                     self._watch_liveness()
                     continue
                 self._dispatch(event)
-                if self._write_paused and self._buffered() > WRITE_BUFFER_HIGH:
+                if self._write_paused and self.buffered() > WRITE_BUFFER_HIGH:
                     self._reading_paused = True
                     if self.transport is not None:
                         self.transport.pause_reading()
@@ -449,13 +420,13 @@ class ServedConnection(asyncio.Protocol):
         with contextlib.suppress(JaildError):
             self.send(Error(code=err.code, message=err.message[:65536], ref=ref, job_id=job_id))
 
-    def _buffered(self) -> int:
+    def buffered(self) -> int:
         transport = self.transport
         if self.closed or transport is None or transport.is_closing():
             return 0
         return transport.get_write_buffer_size()
 
-    async def _drain(self) -> None:
+    async def drain(self) -> None:
         """Until the transport's buffer is below its low-water mark (or the connection is
         gone)."""
         if not self._write_paused or self.transport is None or self.transport.is_closing():
@@ -541,7 +512,7 @@ class ServedConnection(asyncio.Protocol):
     async def shut(self) -> None:
         """The daemon stops: what is buffered goes out (for a second at most), then close."""
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._drain(), timeout=1.0)
+            await asyncio.wait_for(self.drain(), timeout=1.0)
         self.close()
 
     def close(self, why: str = "the client disconnected") -> None:
@@ -562,18 +533,13 @@ class ServedConnection(asyncio.Protocol):
                 del daemon.frame_bytes[key]
             self._frame_held = 0
         daemon.registry.disconnect(self)
-        calls, self.pending_calls = self.pending_calls, {}
-        for reply in calls.values():
-            reply.lost()
+        self.jobs.close()  # its tool calls are lost, its paused jobs' output goes on
         daemon.approvals.park_held(self)  # its runs waiting for approval wait on disk
         daemon.approvals.detach(self)
         for live in daemon.registry.jobs(owner=self):
             live.jail.cancel(why)
         for sess in daemon.registry.sessions(owner=self):
             daemon.close_session(sess, "disconnected", why)
-        for job in self._paused:
-            job.resume_output()
-        self._paused.clear()
         for _, timer in self._held.values():
             timer.cancel()
         self._held.clear()
@@ -604,109 +570,57 @@ class ServedConnection(asyncio.Protocol):
     def _dispatch(self, msg: Message) -> None:
         daemon = self.daemon
         if daemon.readiness.starting and must_wait(msg):  # until ready (core/readiness.py)
-            daemon.wait_until_ready(self, msg)
-            return
-        if isinstance(msg, RunJob):
-            try:
-                daemon.submit(self, msg)
-            except JaildError as exc:
-                if daemon.refused(self.peer, exc.code, exc.message, policy=msg.policy):
-                    log.info("refused job from %s: %s: %s", self.who, exc.code, exc.message)
-                self.send_error(exc, ref=msg.ref)
+            daemon.waiting.wait(self, msg)
         elif isinstance(msg, (ClientToolReturned, ClientToolFailed)):
-            self._tool_replied(msg)
-        elif isinstance(msg, CancelJob):
-            live = daemon.registry.job(msg.job_id, owner=self)
-            if live is None:
-                self.send_error(
-                    UnknownJob(f"no running job {msg.job_id} of this connection"), job_id=msg.job_id
-                )
-            else:
-                live.jail.cancel("cancelled by the client")
-        elif isinstance(msg, OpenSession):
-            try:
-                daemon.open_session(self, msg)
-            except JaildError as exc:
-                daemon.refused(self.peer, exc.code, exc.message, policy=msg.policy)
-                self.send_error(exc, ref=msg.ref)
-        elif isinstance(msg, CloseSession):
-            sess = daemon.registry.session(msg.session_id, owner=self)
-            if sess is None:
-                self.send_error(
-                    UnknownSession(f"no open session {msg.session_id} of this connection")
-                )
-            else:
-                daemon.close_session(sess, "closed", "closed by the client")
-        elif isinstance(msg, (SnapshotSession, PauseSession, ResumeSession, ListSnapshots,
-                              DeleteSnapshot)):
-            self._snapshots(msg)
-        elif isinstance(msg, (ApproveCall, ResumeRun, ListApprovals)):
-            self._approvals(msg)
-        elif isinstance(msg, ListJobs):
-            jobs = tuple(map(JobEntry.from_wire, daemon.list_jobs(self.peer)))
-            self.send(JobList(ref=msg.ref, jobs=jobs))
-        elif isinstance(msg, Kill):
-            try:
-                kind = daemon.kill(self.peer, msg.id)
-            except JaildError as exc:
-                self.send_error(exc, ref=msg.ref)
-            else:
-                self.send(Killed(ref=msg.ref, id=msg.id, kind=kind))
-        elif isinstance(msg, GetStats):
-            who = None if self.peer.principal.admin else self.peer.principal
-            self.send(Stats(ref=msg.ref, stats=DaemonStats.from_wire(daemon.stats_wire(who))))
-        elif isinstance(msg, ListPolicies):
-            policies = tuple(map(PolicyEntry.from_wire, daemon.list_policies(self.peer)))
-            self.send(PolicyList(ref=msg.ref, policies=policies))
-        elif isinstance(msg, Ping):
-            self.send(Pong(seq=msg.seq))
-        # a Pong: read, so the client is alive (_received noted it); nothing more to do
+            self.jobs.replied(msg)
+        else:  # a request: what it does is jaild.daemon.requests (a Pong: nothing)
+            daemon.requests.handle(self, msg)
 
-    def _snapshots(self, msg: SnapshotSession | PauseSession | ResumeSession | ListSnapshots
-                   | DeleteSnapshot) -> None:
-        """Snapshots, pauses and resumes of this connection's sessions; the principal's
-        snapshots (docs/using/sessions.md)."""
-        sessions = self.daemon.sessions
-        try:
-            if isinstance(msg, SnapshotSession):
-                sessions.snapshot(self, msg)
-            elif isinstance(msg, PauseSession):
-                sessions.pause(self, msg)
-            elif isinstance(msg, ResumeSession):
-                sessions.resume(self, msg)
-            elif isinstance(msg, ListSnapshots):
-                self.send(SnapshotList(ref=msg.ref, snapshots=tuple(sessions.snapshots(self))))
-            else:
-                sessions.delete_snapshot(self, msg.snapshot_id)
-                self.send(SnapshotDeleted(ref=msg.ref, snapshot_id=msg.snapshot_id))
-        except JaildError as exc:
-            self.send_error(exc, ref=msg.ref)
+    def call_tool(
+        self, job_id: str, call_id: int, name: str, args: bytes, approval: bool = False
+    ) -> CallReply:
+        """Send a tool call to this client (see :meth:`_JobLink.call_tool`)."""
+        return self.jobs.call_tool(job_id, call_id, name, args, approval)
 
-    def _approvals(self, msg: ApproveCall | ResumeRun | ListApprovals) -> None:
-        """Decisions on calls waiting for approval, and parked runs (docs/using/tools.md)."""
-        approvals = self.daemon.approvals
-        try:
-            if isinstance(msg, ApproveCall):
-                due = approvals.decide(self.peer, msg.job_id, msg.call_id, msg.allow,
-                                       msg.reason)
-                self.send(ApprovalRecorded(ref=msg.ref, job_id=msg.job_id, call_id=msg.call_id,
-                                           allow=msg.allow))
-                if due is not None:  # parked and hosted: it goes on now
-                    self.daemon.pipeline.continue_run(due, due.host, None)
-            elif isinstance(msg, ResumeRun):
-                due = approvals.resume(self, msg.ref, msg.job_id, {t.name for t in msg.tools})
-                if due is not None:  # decided already: it goes on now
-                    self.daemon.pipeline.continue_run(due, self, msg.ref)
-            else:
-                self.send(ApprovalList(ref=msg.ref, approvals=tuple(approvals.pending(self.peer))))
-        except JaildError as exc:
-            self.send_error(exc, ref=msg.ref)
+    def output(self, job_id: str, stream: str, data: bytes) -> None:
+        """Stream a job's output (see :meth:`_JobLink.output`)."""
+        self.jobs.output(job_id, stream, data)
 
-    def _tool_replied(self, msg: ClientToolReturned | ClientToolFailed) -> None:
+
+class _JobLink:
+    """A connection's part in its jobs: the tool calls it hosts (sent out, their replies
+    routed back as soon as they are read) and the output it streams, held to its buffer."""
+
+    def __init__(self, conn: ServedConnection) -> None:
+        self._conn = conn
+        self.pending_calls: dict[tuple[str, int], CallReply] = {}
+        self._paused: set[JailedJob] = set()  # jobs whose output waits for this client
+        self._draining = False  # _drain_paused is on its way
+
+    def call_tool(
+        self, job_id: str, call_id: int, name: str, args: bytes, approval: bool = False
+    ) -> CallReply:
+        """Send a tool call to the client; its reply resolves the :class:`CallReply` as
+        soon as it is read (a ToolRouter). ``approval``: the client must ask its approval
+        callback before the handler."""
+        conn = self._conn
+        if conn.closed:
+            raise ConnectionLost("the client is gone")
+        key = (job_id, call_id)
+        reply = CallReply(functools.partial(self.pending_calls.pop, key, None))
+        self.pending_calls[key] = reply
+        conn.send(
+            ClientCallTool(job_id=job_id, call_id=call_id, name=name, args=args, approval=approval)
+        )
+        return reply
+
+    def replied(self, msg: ClientToolReturned | ClientToolFailed) -> None:
+        """A tool call's reply from the client."""
+        conn = self._conn
         reply = self.pending_calls.pop((msg.job_id, msg.call_id), None)
         if reply is None:
-            if self.daemon.registry.job(msg.job_id, owner=self) is None:
-                self.send_error(
+            if conn.daemon.registry.job(msg.job_id, owner=conn) is None:
+                conn.send_error(
                     UnknownJob(f"no job {msg.job_id} of this connection"), job_id=msg.job_id
                 )
             return  # a late answer for a call that already ended: harmless
@@ -715,28 +629,13 @@ class ServedConnection(asyncio.Protocol):
         else:
             reply.resolve(False, (msg.error_type, msg.message))
 
-    def call_tool(
-        self, job_id: str, call_id: int, name: str, args: bytes, approval: bool = False
-    ) -> CallReply:
-        """Send a tool call to this client; its reply resolves the :class:`CallReply` as
-        soon as it is read (a ToolRouter). ``approval``: the client must ask its approval
-        callback before the handler."""
-        if self.closed:
-            raise ConnectionLost("the client is gone")
-        key = (job_id, call_id)
-        reply = CallReply(functools.partial(self.pending_calls.pop, key, None))
-        self.pending_calls[key] = reply
-        self.send(
-            ClientCallTool(job_id=job_id, call_id=call_id, name=name, args=args, approval=approval)
-        )
-        return reply
-
     def output(self, job_id: str, stream: str, data: bytes) -> None:
         """Stream a job's output -- within the connection's buffer (``stream_buffer_bytes``).
         Past it, by the job's ``slow_client`` limit: its output is paused until the client
         reads (the jail blocks on write), or skipped on the stream (the record has it all)."""
-        live = self.daemon.registry.job(job_id, owner=self)
-        if live is not None and self._buffered() > self.daemon.config.stream_buffer_bytes:
+        conn = self._conn
+        live = conn.daemon.registry.job(job_id, owner=conn)
+        if live is not None and conn.buffered() > conn.daemon.config.stream_buffer_bytes:
             job = live.jail
             if job.spec.limits.slow_client == "truncate":
                 job.output_dropped(len(data))
@@ -745,26 +644,26 @@ class ServedConnection(asyncio.Protocol):
             self._paused.add(job)
             if not self._draining:
                 self._draining = True
-                self.start(self._drain_paused())
-        self.send(JobOutput(job_id=job_id, stream=stream, data=data))
+                conn.start(self._drain_paused())
+        conn.send(JobOutput(job_id=job_id, stream=stream, data=data))
 
     async def _drain_paused(self) -> None:
         with contextlib.suppress(Exception):
-            await self._drain()  # until the buffer is below half of stream_buffer_bytes
+            await self._conn.drain()  # until the buffer is below half of stream_buffer_bytes
         self._draining = False
+        self.resume()
+
+    def close(self) -> None:
+        """The connection is closing: its pending calls are lost, its paused jobs go on."""
+        calls, self.pending_calls = self.pending_calls, {}
+        for reply in calls.values():
+            reply.lost()
+        self.resume()
+
+    def resume(self) -> None:
         paused, self._paused = self._paused, set()
         for job in paused:
             job.resume_output()
-
-
-
-@dataclasses.dataclass
-class _Waiting:
-    """A request that waits for a starting daemon (:mod:`jaild.daemon.core.readiness`)."""
-
-    session: ServedConnection
-    msg: Message
-    timer: asyncio.TimerHandle | None = None  # when it has waited limits.startup_wait_s
 
 
 class Daemon:
@@ -798,12 +697,17 @@ class Daemon:
             tracing=tracing or OFF,  # else on at start() if OTEL_* asks for it
         )
         parts = wiring.build(config, self.served, self.observers, self.catalog,
-                             reap_orphans=reap_orphans)  # the one place parts are joined
+                             reap_orphans=reap_orphans,
+                             ready=served is not None)  # the one place parts are joined
         self.registry = parts.registry
         self.parked_runs = parts.parked_runs
         self.sessions = parts.sessions
         self.approvals = parts.approvals
         self.pipeline = parts.pipeline
+        self.requests = parts.requests
+        # Ready from the start when given what it serves with (jaild.testing); else once
+        # start() is done. Requests that need a jail wait meanwhile, in arrival order.
+        self.waiting = parts.waiting
         self._lingering: Counter[Tenant] = Counter()  # refused connections open, by principal
         self.frame_bytes: Counter[Tenant] = Counter()  # unfinished frames' bytes, by principal
         self._stopping = False
@@ -818,11 +722,6 @@ class Daemon:
         # Whom clients are served as, where it is not their uid (access.identity): at start
         self.principals: Principals | None = None
         self.listeners: TlsListeners | None = None  # daemon.listen: at start
-        # Ready from the start when given what it serves with (jaild.testing); else once
-        # start() is done. Requests that need a jail wait meanwhile, in arrival order.
-        self.readiness = Readiness(config.startup_wait_s,
-                                   Phase.READY if served is not None else Phase.STAGING)
-        self._waiting: list[_Waiting] = []
 
     # What is told of it (see :class:`~jaild.daemon.observe.Observers`).
 
@@ -897,7 +796,7 @@ class Daemon:
             self._start_failed(exc)
             raise
         self._serving = True
-        self._ready()
+        self.waiting.ready()
         systemd.notify(f"READY=1\nSTATUS=serving {len(self.policies)} policies")
 
     async def _start_state(self) -> None:
@@ -925,85 +824,19 @@ class Daemon:
 
     # ------------------------------------------------------------------ readiness
 
-    def wait_until_ready(self, session: ServedConnection, msg: Message) -> None:
-        """A request that waits while the daemon starts (``must_wait``): refused at once if
-        it would be refused anyway (an unknown policy, one not the peer's, one whose zygote
-        failed already, a looser limit) or if too many wait already (``busy``), else held
-        until the daemon is ready -- for ``limits.startup_wait_s`` at most, then answered
-        ``starting``."""
-        if self._refuse_early(session, msg):
-            return
-        try:
-            check_waiting(sum(w.session is session for w in self._waiting), len(self._waiting),
-                          self.config.max_jobs_per_connection, self.config.max_jobs)
-        except JaildError as busy:
-            self.refused(session.peer, busy.code, busy.message)
-            session.send_error(busy, ref=getattr(msg, "ref", None))
-            return
-        waiting = _Waiting(session, msg)
-        waiting.timer = asyncio.get_running_loop().call_later(
-            self.readiness.wait_s, self._waited, waiting)
-        self._waiting.append(waiting)
-
-    def _refuse_early(self, session: ServedConnection, msg: Message) -> bool:
-        """Refuse a waiting job or session now if admission would (True: refused)."""
-        if not isinstance(msg, (RunJob, OpenSession)):
-            return False
-        try:
-            if isinstance(msg, RunJob):
-                admission.admit_job(self.catalog(), session.peer, msg)
-            else:
-                admission.choose_policy(self.catalog(), session.peer, msg.policy, msg.tools)
-        except JaildError as exc:
-            if self.refused(session.peer, exc.code, exc.message, policy=msg.policy):
-                log.info("refused %s from %s while starting: %s: %s", msg.TYPE, session.who,
-                         exc.code, exc.message)
-            session.send_error(exc, ref=msg.ref)
-            return True
-        return False
-
-    def _waited(self, waiting: _Waiting) -> None:
-        """A request waited ``limits.startup_wait_s``: it gets ``starting``."""
-        with contextlib.suppress(ValueError):
-            self._waiting.remove(waiting)
-        err = self.readiness.timed_out()
-        if self.refused(waiting.session.peer, err.code, err.message):
-            log.info("%s from %s waited %g s for the start: %s", waiting.msg.TYPE,
-                     waiting.session.who, self.readiness.wait_s, self.readiness.pending())
-        waiting.session.send_error(err, ref=getattr(waiting.msg, "ref", None))
+    @property
+    def readiness(self) -> Readiness:
+        return self.waiting.readiness
 
     def _progress(self, phase: Phase, policies: Collection[str]) -> None:
-        """The start moved on: refuse now the waiting requests of a policy that can no
-        longer be served (its zygote or self-test failed meanwhile)."""
-        self.readiness.advance(phase, policies)
-        log.debug("starting: %s", self.readiness.pending())
-        for waiting in list(self._waiting):
-            if waiting.session.closed or self._refuse_early(waiting.session, waiting.msg):
-                self._waiting.remove(waiting)
-                if waiting.timer is not None:
-                    waiting.timer.cancel()
-
-    def _ready(self) -> None:
-        """Ready: the requests that waited go on, in the order they came."""
-        self.readiness.advance(Phase.READY)
-        waiting, self._waiting = self._waiting, []
-        for each in waiting:
-            if each.timer is not None:
-                each.timer.cancel()
-        for each in waiting:
-            each.session.go_on(each.msg)
+        self.waiting.progress(phase, policies)
 
     def _start_failed(self, exc: BaseException) -> None:
         """The start failed after the socket was served: every connection is told why (as
         :func:`~jaild.daemon.startup.answer_waiting` tells those it never served) -- its
         waiting requests fail with it -- and closed."""
-        if not self.readiness.starting:
+        if not self.waiting.failed():
             return
-        self.readiness.advance(Phase.FAILED)
-        waiting, self._waiting = self._waiting, []
-        for each in waiting:
-            if each.timer is not None:
-                each.timer.cancel()
         if isinstance(exc, (StartupError, JaildError)):
             reason = str(exc)
         elif isinstance(exc, asyncio.CancelledError):
@@ -1216,105 +1049,9 @@ class Daemon:
         return admission.Catalog(self.policies, self.unavailable, self._stopping,
                                  draining=self._draining)
 
-    def submit(self, session: ServedConnection, req: RunJob) -> None:
-        """Admit a RunJob and start it. Raises a JaildError the client gets as Error."""
-        self.pipeline.submit(session, req)
-
-    def open_session(self, client: ServedConnection, req: OpenSession) -> None:
-        """Open a session (answered by SessionOpened once its jail is ready)."""
-        self.sessions.open(client, req)
-
     def close_session(self, sess: JailSession, reason: str, message: str) -> None:
         """End a session (see :meth:`Sessions.close`). Idempotent."""
         self.sessions.close(sess, reason, message)
-
-    def pool_summary(self, policy: Policy, jails: bool = False) -> dict[str, Any]:
-        return self.served.pool_summary(policy, jails)
-
-    def list_policies(self, peer: Peer) -> list[dict[str, Any]]:
-        """The policies the peer may use, each with whether it is served and its pool."""
-        return [
-            {
-                **p.summary(),
-                "available": p.name not in self.unavailable,
-                "problems": self.unavailable.get(p.name, ""),
-                "pool": self.pool_summary(p, jails=peer.principal.admin),
-            }
-            for p in self.policies.values()
-            if admission.policy_allows(p, peer)
-        ]
-
-    # ------------------------------------------------------------------ ps, kill, stats
-
-    def list_jobs(self, peer: Peer) -> list[dict[str, Any]]:
-        """Running jobs and open sessions: all of them for root (on the host), else the
-        peer's principal's own (its uid's, or its pod's)."""
-        now = time.time()
-        out: list[dict[str, Any]] = []
-        mine = peer.principal.key
-        for live in self.registry.jobs():
-            job, owner = live.jail, live.owner.peer
-            if not peer.principal.admin and owner.principal.key != mine:
-                continue
-            out.append(
-                {
-                    "id": live.job_id,
-                    "kind": "job",
-                    "policy": job.spec.policy.name,
-                    "uid": owner.uid if owner.uid >= 0 else None,
-                    "principal": owner.principal.name if owner.principal.kind == "cert" else None,
-                    "pod": owner.principal.pod,
-                    "client_pid": owner.pid,
-                    "state": "running" if job.alive else "starting",
-                    "age_s": round(max(0.0, now - live.started), 3),  # the wall clock may step back
-                    "session": job.jail_id if job.jail_id.startswith("ses-") else None,
-                    **job.live_usage(),
-                }
-            )
-        out.extend(
-            sess.ps_row(now)
-            for sess in self.registry.sessions()
-            if peer.principal.admin or sess.owner.peer.principal.key == mine
-        )
-        return out
-
-    def kill(self, peer: Peer, ident: str) -> str:
-        """``jaild kill``: end a job or session of the peer's (any, for root)."""
-        sess = self.registry.session(ident)
-        live = self.registry.job(ident)
-        owner = sess.owner if sess is not None else (live.owner if live is not None else None)
-        if owner is None or (
-            not peer.principal.admin and owner.peer.principal.key != peer.principal.key
-        ):
-            raise UnknownJob(f"no running job or open session {ident} of {peer.principal}")
-        why = f"killed by {peer.principal} (jaild kill)"
-        self.audit.killed(peer, ident)
-        if sess is not None:
-            self.close_session(sess, "killed", why)
-            return "session"
-        assert live is not None
-        live.jail.cancel(why)
-        return "job"
-
-    def stats_wire(self, who: Principal | None) -> dict[str, Any]:
-        stats = self.accounting.to_wire(who)
-        stats["running"] = {
-            "jobs": self.registry.job_count(),
-            "sessions": self.registry.session_count(),
-            "connections": len(self.registry.connections),
-        }
-        stats["pools"] = self.served.pool_summaries()
-        stats["metrics"] = self.metrics.summary()
-        durable, parked, journal = self.parked_runs.usage(
-            None if who is None else who.key)  # the caller's principal's own, unless root
-        quota = self.parked_runs.quota
-        stats["approvals"] = {
-            "durable_runs": durable, "parked_runs": parked, "journal_bytes": journal,
-            "max_parked_runs": quota.max_parked, "journal_quota_bytes": quota.journal_bytes}
-        if who is not None:  # other users' tool names and counts are theirs
-            for key in ("tool_calls", "tool_latency"):
-                stats["metrics"].pop(key, None)
-        return stats
 
     def reap_orphans(self) -> list[int]:
         """Reap children that are not a running job's nsjail (see :class:`Pipeline`)."""
@@ -1337,8 +1074,7 @@ class Daemon:
     def refused(self, peer: Peer, code: str, message: str, **extra: Any) -> bool:
         """A connection or request was refused: counted, and audited -- rate-limited per
         uid (False: only counted, for the uid's ``refused_summary``)."""
-        self.metrics.refused(code)
-        return self.audit.refused(peer, code, message, **extra)
+        return self.requests.refused(peer, code, message, **extra)
 
 
 async def serve(config: DaemonConfig) -> None:

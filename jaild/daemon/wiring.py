@@ -8,11 +8,13 @@ an attribute afterwards. The order is the parts' dependencies (an arrow: "is giv
         -> sessions (a session closed with its run parked drops the run)
           -> approvals (told the sessions when a session's run parks or is dropped)
             -> pipeline (every run to its record, a parked run's continuation too)
+              -> requests (what each request of a client does: the dispatch table)
+                -> the waiting room (requests that wait for a starting daemon)
 
 so a session never calls the approvals, nor the approvals the pipeline: a continuation that
-a decision or a ``ResumeRun`` makes due is started by the server, which asks the approvals
-(:meth:`~jaild.daemon.approvals.Approvals.decide` returns the run) and then the pipeline
-(:meth:`~jaild.daemon.pipeline.Pipeline.continue_run`).
+a decision or a ``ResumeRun`` makes due is started by the requests' handler, which asks the
+approvals (:meth:`~jaild.daemon.approvals.Approvals.decide` returns the run) and then the
+pipeline (:meth:`~jaild.daemon.pipeline.Pipeline.continue_run`).
 """
 
 from __future__ import annotations
@@ -25,14 +27,17 @@ from dataclasses import dataclass
 from jaild.daemon.approvals import Approvals, DurableRun
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
+from jaild.daemon.core.readiness import Phase, Readiness
 from jaild.daemon.journal import ApprovalQuota
 from jaild.daemon.observe import Observers
 from jaild.daemon.parkedruns import ParkedRuns
 from jaild.daemon.pipeline import Pipeline
 from jaild.daemon.registry import Registry
+from jaild.daemon.requests import Requests
 from jaild.daemon.sessions import Sessions
 from jaild.daemon.snapshots import SnapshotStore
 from jaild.daemon.startup import Served
+from jaild.daemon.waiting import WaitingRoom
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,8 @@ class Parts:
     sessions: Sessions
     approvals: Approvals
     pipeline: Pipeline
+    requests: Requests
+    waiting: WaitingRoom
 
 
 def snapshot_store(config: DaemonConfig) -> Callable[[], SnapshotStore]:
@@ -60,8 +67,10 @@ def snapshot_store(config: DaemonConfig) -> Callable[[], SnapshotStore]:
 
 
 def build(config: DaemonConfig, served: Served, observers: Observers,
-          catalog: Callable[[], admission.Catalog], *, reap_orphans: bool = True) -> Parts:
-    """The parts of a daemon of ``config`` (see the module docstring)."""
+          catalog: Callable[[], admission.Catalog], *, reap_orphans: bool = True,
+          ready: bool = False) -> Parts:
+    """The parts of a daemon of ``config`` (see the module docstring); ``ready``: it
+    serves from the start (given what it serves with, as :mod:`jaild.testing` does)."""
     registry = Registry()
     snapshots = snapshot_store(config)
     parked_runs: ParkedRuns[DurableRun] = ParkedRuns(
@@ -74,7 +83,13 @@ def build(config: DaemonConfig, served: Served, observers: Observers,
     approvals = Approvals(parked_runs, sessions)
     pipeline = Pipeline(config, registry, sessions, served, observers, catalog,
                         approvals=approvals, reap_orphans=reap_orphans)
-    return Parts(registry, snapshots, parked_runs, sessions, approvals, pipeline)
+    requests = Requests(registry, pipeline, sessions, approvals, parked_runs, served, observers,
+                        catalog)
+    waiting = WaitingRoom(Readiness(config.startup_wait_s,
+                                    Phase.READY if ready else Phase.STAGING),
+                          config, catalog, requests.refused)
+    return Parts(registry, snapshots, parked_runs, sessions, approvals, pipeline, requests,
+                 waiting)
 
 
 __all__ = ["Parts", "build", "snapshot_store"]
