@@ -60,7 +60,7 @@ import h11
 from jaild.daemon.jails.netns import made_in
 from jaild.errors import EgressRefusal as _Refusal
 from jaild.policy.egress import Address, EgressRules, parse_host
-from jaild.policy.flow import FlowRules
+from jaild.policy.flow import ClosedSend, FlowCode, FlowRules
 
 if TYPE_CHECKING:
     from jaild.daemon.egress.ca import EgressCA
@@ -195,7 +195,8 @@ class EgressDoor:
         upstream_tls: ssl.SSLContext | None = None,
         flow: FlowRules | None = None,
         labels: Callable[[], frozenset[str]] = frozenset,
-        on_flow_refused: Callable[[str, str, str, str, str], None] = lambda *_: None,
+        on_flow_refused: Callable[[ClosedSend, str, str, FlowCode, str], None] = (
+            lambda *_: None),
     ) -> None:
         self.rules = rules
         self._flow = flow if flow is not None and flow.sinks else None
@@ -328,8 +329,8 @@ class EgressDoor:
         summary["host"] = canonical
         closed = self._flow_closed(canonical, port)
         if closed is not None:
-            self._on_flow_refused("egress", closed[0], f"{canonical}:{port}", "flow_egress",
-                                  closed[1])
+            self._on_flow_refused(ClosedSend.EGRESS, closed[0], f"{canonical}:{port}",
+                                  FlowCode.FLOW_EGRESS, closed[1])
             raise _Refusal(403, "flow", closed[1])
         return canonical
 
@@ -361,7 +362,7 @@ class EgressDoor:
                 continue
             self._live.discard(live)
             self.usage.refused["flow"] += 1
-            self._on_flow_refused("egress", closed[0], f"{host}:{port}", "flow_cut",
+            self._on_flow_refused(ClosedSend.EGRESS, closed[0], f"{host}:{port}", FlowCode.FLOW_CUT,
                                   f"the connection was cut: {closed[1]}")
             for side in (up_writer, writer):
                 side.transport.abort()
@@ -373,8 +374,8 @@ class EgressDoor:
         closed = self._flow_closed(host, port)
         if closed is not None:
             up_writer.close()
-            self._on_flow_refused("egress", closed[0], f"{host}:{port}", "flow_egress",
-                                  closed[1])
+            self._on_flow_refused(ClosedSend.EGRESS, closed[0], f"{host}:{port}",
+                                  FlowCode.FLOW_EGRESS, closed[1])
             raise _Refusal(403, "flow", closed[1])
         live = (writer, up_writer, host, port)
         self._live.add(live)
