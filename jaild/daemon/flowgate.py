@@ -6,10 +6,9 @@ gateway (egress) and the jail's end (result, output, downloads) enforce them.
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Iterable
 
-from jaild.daemon.core.peer import Peer
+from jaild.daemon.core.peer import ENTRY_PREFIXES, Peer, PrincipalKind
 from jaild.policy.schema import Policy, user_matches
 
 
@@ -18,23 +17,12 @@ def names(entries: Iterable[str], peer: Peer) -> bool:
     ``peer``? A network client: ``principal:NAME`` only. A pod: ``"*"``,
     ``pod:NAMESPACE/NAME`` or ``serviceaccount:NAMESPACE/NAME`` (globs) -- never a uid, a
     user name or a group, which a pod chooses for itself (``runAsUser``,
-    ``supplementalGroups``). A local process: ``"*"``, user names, uids, ``@group``."""
+    ``supplementalGroups``); both by the one matcher, :meth:`Principal.named_in`. A local
+    process: ``"*"``, user names, uids, ``@group``."""
     entries = list(entries)
-    principal = peer.principal
-    if principal.kind == "cert":
-        return f"principal:{principal.name}" in entries
-    if principal.kind == "pod":
-        if "*" in entries:
-            return True
-        if not principal.namespace:  # known by its uid alone: no name to match
-            return False
-        pod = f"{principal.namespace}/{principal.name}"
-        account = f"{principal.namespace}/{principal.service_account}"
-        return any(fnmatch.fnmatchcase(pod, e.removeprefix("pod:")) for e in entries
-                   if e.startswith("pod:")) or any(
-            fnmatch.fnmatchcase(account, e.removeprefix("serviceaccount:")) for e in entries
-            if e.startswith("serviceaccount:"))
-    plain = [e for e in entries if not e.startswith(("principal:", "pod:", "serviceaccount:"))]
+    if peer.principal.kind is not PrincipalKind.UID:
+        return peer.principal.named_in(entries)
+    plain = [e for e in entries if not e.startswith(ENTRY_PREFIXES)]
     return user_matches(plain, peer.uid, (peer.gid, *peer.groups))
 
 

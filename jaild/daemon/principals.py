@@ -46,7 +46,7 @@ from typing import Protocol
 
 from jaild.daemon import identity
 from jaild.daemon.config import DaemonConfig
-from jaild.daemon.core.peer import Peer, Principal
+from jaild.daemon.core.peer import Peer, Principal, PrincipalKind
 from jaild.errors import PermissionDenied, StartupError
 
 log = logging.getLogger("jaild")
@@ -156,7 +156,7 @@ class PodPrincipals:
                 '(access.outside_pods = "refuse")'
             )
         if self.directory is None:
-            return Principal("pod", peer.uid, ref.pod_uid)  # known by its uid alone
+            return Principal(PrincipalKind.POD, peer.uid, ref.pod_uid)  # known by its uid alone
         if self.directory.deleted(ref.pod_uid):
             raise PermissionDenied(f"{who}: its pod {ref.pod_uid} is deleted or terminating")
         pod = self.directory.get(ref.pod_uid, self.wait_s)
@@ -175,7 +175,7 @@ class PodPrincipals:
                 f"of that pod's containers (waited {self.wait_s:g} s, access.pod_wait_s)"
             )
         return Principal(
-            "pod", peer.uid, pod.uid, pod.namespace, pod.name, pod.service_account,
+            PrincipalKind.POD, peer.uid, pod.uid, pod.namespace, pod.name, pod.service_account,
             by_account=self.by_account,
             slots=pod.slots,
         )

@@ -235,7 +235,7 @@ class Registry:
 
         def mine(principal: Principal) -> bool:
             if pod_uid:
-                return principal.kind == "pod" and principal.pod_uid == pod_uid
+                return principal.in_pod(pod_uid)
             return tenant is None or principal.key == tenant
 
         jails = memory = 0

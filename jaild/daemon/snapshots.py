@@ -23,10 +23,10 @@ Each principal sees only its own snapshots: a lookup names the owner, and anothe
 principal's id is answered exactly as an unknown one (:class:`~jaild.errors.UnknownSnapshot`).
 Snapshots count against the principal's quota (bytes and count); each has a TTL
 (``expires``) after which :meth:`SnapshotStore.sweep` (at start, and on every save)
-deletes it. A paused session's state is a snapshot of ``kind = "pause"``; it is deleted
-when the session resumes or ends, and at start (its session did not survive the daemon).
-A session's state before a run parked for approval is of ``kind = "parked"``: it stays
-until that run ends or is dropped.
+deletes it. A paused session's state is a snapshot of ``kind = "pause"``
+(:class:`~jaild.protocol.records.SnapshotKind`); it is deleted when the session resumes or
+ends, and at start (its session did not survive the daemon). A session's state before a run
+parked for approval is of ``kind = "parked"``: it stays until that run ends or is dropped.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from jaild.daemon.core.peer import Tenant
 from jaild.errors import QuotaExceeded, UnknownSnapshot
-from jaild.protocol.records import SnapshotEntry
+from jaild.protocol.records import SnapshotEntry, SnapshotKind
 
 log = logging.getLogger("jaild")
 
@@ -91,12 +91,14 @@ class SnapshotStore:
     # -- public
 
     def save(self, owner: Tenant, blob: bytes, *, policy: str, session: str, ttl_s: float,
-             kind: str = "snapshot", labels: Iterable[str] = ()) -> SnapshotEntry:
+             kind: SnapshotKind | str = SnapshotKind.SNAPSHOT,
+             labels: Iterable[str] = ()) -> SnapshotEntry:
         """Keep ``blob`` for ``owner`` (``labels``: its session's information-flow labels,
         which a session restored from it starts with).
 
         Raises:
             QuotaExceeded: it would take the owner past its quota of bytes or snapshots.
+            ValueError: ``kind`` is not a :class:`SnapshotKind`'s word.
         """
         self.sweep()
         usage = self.usage(owner)
@@ -117,7 +119,7 @@ class SnapshotStore:
         now = self._clock()
         entry = SnapshotEntry(
             id=new_snapshot_id(), policy=policy, bytes=len(blob), created=now,
-            expires=now + ttl_s, session=session, kind=kind,
+            expires=now + ttl_s, session=session, kind=SnapshotKind(kind),
             sha256=hashlib.sha256(blob).hexdigest(), labels=tuple(sorted(labels)),
         )
         directory = os.path.join(self.root, _owner_dir(owner))
@@ -194,7 +196,8 @@ class SnapshotStore:
                 elif ext == "snap" and f"{stem}.json" not in names:
                     self._unlink(directory, name)  # its entry was never written
             for entry in self._entries(directory, None):
-                stale = entry.kind == "pause" or (entry.kind == "parked" and entry.id not in keep)
+                stale = entry.kind is SnapshotKind.PAUSE or (
+                    entry.kind is SnapshotKind.PARKED and entry.id not in keep)
                 if entry.expires <= now or (pauses_too and stale):
                     self._remove(directory, entry.id)
                     gone += 1

@@ -41,6 +41,7 @@ says -- a frame, a file, its output -- can add or remove one.
 
 from __future__ import annotations
 
+import enum
 import fnmatch
 import re
 from collections.abc import Iterable, Mapping
@@ -50,8 +51,63 @@ from typing import Any
 from jaild.protocol.fields import LABEL, MAX_LABELS
 
 LABEL_RE = re.compile(LABEL + r"\Z")
-DISPOSITIONS = ("allow", "withhold", "redact")
-SINKS = ("result", "output", "downloads")
+
+
+class Disposition(enum.StrEnum):
+    """What a ``[[flow.sink]]`` does to one of a run's :class:`Delivery` s once a job holds
+    its label (the word a policy writes: ``result = "withhold"``)."""
+
+    ALLOW = "allow"
+    WITHHOLD = "withhold"
+    REDACT = "redact"
+    """Every string and bytes value of a labelled reply replaced (result and output only)."""
+
+
+class Delivery(enum.StrEnum):
+    """What the daemon hands a run's caller at its end, which a sink may close (the keys of
+    :meth:`FlowRules.withheld`; ``FlowRecord.withheld`` and ``redacted``)."""
+
+    RESULT = "result"
+    OUTPUT = "output"
+    DOWNLOADS = "downloads"
+
+
+class FlowCode(enum.StrEnum):
+    """Why the flow rules closed a send (``FlowRefusal.code``; a refused tool call's
+    ``error_type``)."""
+
+    FLOW_DENIED = "flow_denied"
+    """A tool of a sink's ``deny_tools``."""
+    FLOW_APPROVAL = "flow_approval"
+    """A tool of a sink's ``approve_tools``: sent for approval."""
+    INTEGRITY = "integrity"
+    """A protected tool called by a job holding untrusted data."""
+    FLOW_EGRESS = "flow_egress"
+    """A gateway request to a host a sink's ``egress`` closes."""
+    FLOW_CUT = "flow_cut"
+    """A connection already open to such a host, cut when the label came."""
+
+
+class ClosedSend(enum.StrEnum):
+    """Which send the flow rules closed (``FlowRefusal.sink``)."""
+
+    EGRESS = "egress"
+    """A gateway request refused, or a connection cut."""
+    TOOL = "tool"
+    """A tool call refused."""
+    APPROVAL = "approval"
+    """A tool call sent for approval because of a label."""
+
+
+class OnUntrusted(enum.StrEnum):
+    """``flow.on_untrusted``: what a protected tool called with untrusted data held gets."""
+
+    REFUSE = "refuse"
+    APPROVE = "approve"
+
+
+DISPOSITIONS = tuple(Disposition)
+SINKS = tuple(Delivery)
 MIN_REDACTED_CHARS = 4
 """Shorter strings of a labelled reply are not redacted (they would blank every ``a``)."""
 MAX_SECRETS = 4096
@@ -76,9 +132,9 @@ class FlowSink:
     egress: tuple[str, ...] | None = None
     deny_tools: tuple[str, ...] = ()
     approve_tools: tuple[str, ...] = ()
-    result: str = "allow"
-    output: str = "allow"
-    downloads: str = "allow"
+    result: Disposition = Disposition.ALLOW
+    output: Disposition = Disposition.ALLOW
+    downloads: Disposition = Disposition.ALLOW
     release_to: tuple[str, ...] = ()
 
     def describe(self) -> str:
@@ -91,10 +147,11 @@ class FlowSink:
             parts.append("tools refused: " + ", ".join(self.deny_tools))
         if self.approve_tools:
             parts.append("tools needing approval: " + ", ".join(self.approve_tools))
-        for how in ("withhold", "redact"):
+        for how in (Disposition.WITHHOLD, Disposition.REDACT):
             held = [s for s in SINKS if getattr(self, s) == how]
             if held:
-                parts.append(" and ".join(held) + f" {how}{'e' if how == 'redact' else ''}d"
+                verb = f"{how}{'e' if how == Disposition.REDACT else ''}d"
+                parts.append(" and ".join(held) + f" {verb}"
                              + (f" (except for {', '.join(self.release_to)})"
                                 if self.release_to else ""))
         return f"once a job holds {self.label!r}: " + ("; ".join(parts) or "nothing closes")
@@ -153,11 +210,11 @@ def parse_sink(raw: Any) -> FlowSink:
             values[key] = _strings(raw[key], key)
     for key in SINKS:
         if key in raw:
-            allowed = DISPOSITIONS if key != "downloads" else DISPOSITIONS[:2]
-            if raw[key] not in allowed:
+            allowed = DISPOSITIONS if key != Delivery.DOWNLOADS else DISPOSITIONS[:2]
+            if not isinstance(raw[key], str) or raw[key] not in allowed:
                 raise ValueError(f"{key}: must be one of {', '.join(allowed)}, got "
                                  f"{raw[key]!r}")
-            values[key] = raw[key]
+            values[key] = Disposition(raw[key])
     return FlowSink(**values)
 
 
@@ -223,7 +280,7 @@ class ToolVerdict:
     """What the flow rules say of one call: refuse it, or ask for approval, and why."""
 
     refuse: bool
-    code: str  # flow_denied | integrity
+    code: FlowCode  # FLOW_DENIED | FLOW_APPROVAL | INTEGRITY
     label: str
     message: str
 
@@ -236,7 +293,7 @@ class FlowRules:
     sinks: Mapping[str, tuple[FlowSink, ...]] = field(default_factory=dict)
     untrusted: frozenset[str] = frozenset({"untrusted"})
     protect: tuple[str, ...] = ()
-    on_untrusted: str = "refuse"
+    on_untrusted: OnUntrusted = OnUntrusted.REFUSE
     policy: str = ""
     plans: tuple[FlowPlan, ...] = ()
 
@@ -267,17 +324,18 @@ class FlowRules:
         approve: ToolVerdict | None = None
         for sink in self.closing(labels):
             if _matches(tool, sink.deny_tools):
-                return ToolVerdict(True, "flow_denied", sink.label, (
+                return ToolVerdict(True, FlowCode.FLOW_DENIED, sink.label, (
                     f"{tool} is closed to a job holding label {sink.label!r} (policy "
                     f"{self.policy!r}, [[flow.sink]] label = {sink.label!r}: deny_tools)"))
             if approve is None and _matches(tool, sink.approve_tools):
-                approve = ToolVerdict(False, "flow_approval", sink.label, (
+                approve = ToolVerdict(False, FlowCode.FLOW_APPROVAL, sink.label, (
                     f"{tool} needs approval for a job holding label {sink.label!r} (policy "
                     f"{self.policy!r}, [[flow.sink]] label = {sink.label!r}: approve_tools)"))
         if protected or _matches(tool, self.protect):
             tainted = sorted(labels & self.untrusted)
             if tainted and not planned():
-                verdict = ToolVerdict(self.on_untrusted == "refuse", "integrity", tainted[0], (
+                verdict = ToolVerdict(
+                    self.on_untrusted == OnUntrusted.REFUSE, FlowCode.INTEGRITY, tainted[0], (
                     f"{tool} is protected: its arguments must not depend on untrusted data, "
                     f"and this job holds {tainted[0]!r} (policy {self.policy!r}, flow.protect; "
                     f"flow.on_untrusted = {self.on_untrusted!r})"))
@@ -302,10 +360,15 @@ class FlowRules:
         return None
 
     def withheld(self, labels: frozenset[str], released: Any,
-                 how: str = "withhold") -> dict[str, str]:
-        """Which of result/output/downloads are withheld (``how = "redact"``: redacted)
-        from the caller, each with the (first) label that says so. ``released(label)``: is
-        the caller in that label's sink's ``release_to``."""
+                 how: Disposition | str = Disposition.WITHHOLD) -> dict[str, str]:
+        """Which of result/output/downloads (:class:`Delivery`, the keys) are withheld
+        (``how = REDACT``: redacted) from the caller, each with the (first) label that says
+        so. ``released(label)``: is the caller in that label's sink's ``release_to``.
+
+        Raises:
+            ValueError: ``how`` is not a :class:`Disposition`'s word.
+        """
+        how = Disposition(how)
         out: dict[str, str] = {}
         for sink in self.closing(labels):
             if sink.release_to and released(sink.label):
@@ -319,7 +382,7 @@ class FlowRules:
         """Those of ``labels`` whose sinks redact something: a reply carrying one has its
         strings kept, to be redacted."""
         return frozenset(label for label in labels for sink in self.sinks.get(label, ())
-                         if "redact" in (sink.result, sink.output))
+                         if Disposition.REDACT in (sink.result, sink.output))
 
     def describe(self) -> list[str]:
         """Every rule in words."""
@@ -327,8 +390,9 @@ class FlowRules:
         lines += [sink.describe() for sinks in self.sinks.values() for sink in sinks]
         lines += [plan.describe() for plan in self.plans]
         if self.protect:
+            refused = self.on_untrusted == OnUntrusted.REFUSE
             lines.append(f"{', '.join(self.protect)}: "
-                         f"{'refused' if self.on_untrusted == 'refuse' else 'need approval'} "
+                         f"{'refused' if refused else 'need approval'} "
                          f"once a job holds {', '.join(sorted(self.untrusted))}")
         return lines
 
@@ -374,11 +438,12 @@ def compile_flow(policy: str, sources: tuple[FlowSource, ...], sinks: tuple[Flow
     for sink in sinks:
         by_label.setdefault(sink.label, []).append(sink)
     return FlowRules(sources, {k: tuple(v) for k, v in by_label.items()},
-                     frozenset(untrusted), protect, on_untrusted, policy, plans)
+                     frozenset(untrusted), protect, OnUntrusted(on_untrusted), policy, plans)
 
 
 __all__ = [
-    "INTEND_TOOL", "LABEL", "MAX_INTENTS", "MAX_LABELS", "FlowPlan", "FlowRules", "FlowSink",
-    "FlowSource", "Intent", "ToolVerdict", "check_labels", "compile_flow", "parse_plan",
+    "INTEND_TOOL", "LABEL", "MAX_INTENTS", "MAX_LABELS", "ClosedSend", "Delivery", "Disposition",
+    "FlowCode", "FlowPlan", "FlowRules", "FlowSink", "FlowSource", "Intent", "OnUntrusted",
+    "ToolVerdict", "check_labels", "compile_flow", "parse_plan",
     "parse_sink", "parse_source",
 ]

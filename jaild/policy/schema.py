@@ -31,6 +31,7 @@ from jaild.policy.flow import (
     FlowRules,
     FlowSink,
     FlowSource,
+    OnUntrusted,
     check_labels,
     compile_flow,
     parse_plan,
@@ -484,7 +485,7 @@ class Flow:
     )
     on_untrusted: str = setting(
         "refuse", 'A protected tool called by a job holding untrusted data: "refuse" or '
-        '"approve".', choice("refuse", "approve"),
+        '"approve".', choice(*OnUntrusted),
     )
     plan: tuple[FlowPlan, ...] = setting(
         (),

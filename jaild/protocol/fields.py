@@ -10,6 +10,7 @@ receive boundary in :mod:`jaild.protocol.messages` converts that into a
 from __future__ import annotations
 
 import dataclasses
+import enum
 import operator
 import re
 from collections.abc import Callable, Mapping
@@ -98,6 +99,7 @@ def string(max_len: int, *, min_len: int = 0, pattern: str | None = None) -> Che
     rx = re.compile(pattern) if pattern else None
 
     def check(path: str, v: Any) -> Any:
+        v = _plain(v)
         if type(v) is not str:
             raise _fail(path, f"expected a string, got {type(v).__name__}")
         if not min_len <= len(v) <= max_len:
@@ -154,15 +156,38 @@ def binary(max_len: int) -> Check:
     return describe(check, f"at most {show_number(max_len)} bytes")
 
 
+def _plain(v: Any) -> Any:
+    """A member of a :class:`enum.StrEnum` (a typed word of the daemon's, such as a flow
+    code) as the plain string it stands for: a struct holds what the wire carries. Nothing
+    off the wire is one (msgpack makes plain ``str``)."""
+    return v.value if isinstance(v, enum.StrEnum) else v
+
+
 def one_of(*values: str) -> Check:
     allowed = frozenset(values)
 
     def check(path: str, v: Any) -> Any:
+        v = _plain(v)
         if type(v) is not str or v not in allowed:
             raise _fail(path, f"expected one of {sorted(allowed)}, got {v!r}")
         return v
 
     return describe(check, "one of " + ", ".join(f"`{v}`" for v in values))
+
+
+E = TypeVar("E", bound=enum.StrEnum)
+
+
+def member_of(kind: type[E]) -> Check:
+    """One of the words of ``kind`` (a :class:`enum.StrEnum`), held as its member: the wire
+    carries the word, the field reads as the typed member. Checked as :func:`one_of` is,
+    with its message."""
+    words = one_of(*(member.value for member in kind))
+
+    def check(path: str, v: Any) -> Any:
+        return kind(words(path, v))
+
+    return describe(check, limit_of(words))
 
 
 def optional(inner: Check) -> Check:

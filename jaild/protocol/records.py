@@ -38,6 +38,7 @@ of the wire's meaning (a record with any other status is malformed).
 
 from __future__ import annotations
 
+import enum
 from typing import Any, ClassVar
 
 from jaild.errors import LocalProtocolError
@@ -59,6 +60,7 @@ from jaild.protocol.fields import (
     limit_of,
     list_of,
     map_of,
+    member_of,
     nested,
     number,
     one_of,
@@ -427,6 +429,19 @@ class ApprovalEntry(Report):
     """The session whose run it is (None: a one-shot run)."""
 
 
+class SnapshotKind(enum.StrEnum):
+    """What a kept snapshot holds (``SnapshotEntry.kind``; its value is the word on the wire
+    and in the store's files)."""
+
+    SNAPSHOT = "snapshot"
+    """One a client took (``Snapshot``): kept until it expires or is deleted."""
+    PAUSE = "pause"
+    """The state of a paused session: deleted when it resumes or ends."""
+    PARKED = "parked"
+    """A session's state before its run parked for approval: deleted when the run ends or
+    is dropped."""
+
+
 @struct
 class SnapshotEntry(Report):
     """A snapshot the daemon keeps (``SnapshotTaken``, ``SnapshotList``; ``jaild snapshots``)."""
@@ -441,7 +456,7 @@ class SnapshotEntry(Report):
     """Unix time the daemon deletes it."""
     session: str = field(_session_id)
     """The session it was taken from."""
-    kind: str = field(one_of("snapshot", "pause", "parked"), default="snapshot")
+    kind: SnapshotKind = field(member_of(SnapshotKind), default=SnapshotKind.SNAPSHOT)
     """``pause``: the state of a paused session (deleted when it resumes or ends);
     ``parked``: a session's state before its run parked for approval (deleted when the run
     ends or is dropped)."""
@@ -679,6 +694,7 @@ __all__ = [
     "SessionRun",
     "SkippedFile",
     "SnapshotEntry",
+    "SnapshotKind",
     "ToolCallEntry",
     "Usage",
     "UsageTotals",

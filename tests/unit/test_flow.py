@@ -7,6 +7,7 @@ import pytest
 
 from jaild.daemon.core.broker import Admitted, Broker, Refused
 from jaild.errors import PolicyError
+from jaild.policy.flow import ClosedSend, Delivery, Disposition, FlowCode, OnUntrusted
 from jaild.policy.schema import Limits, flow_rules, load_policy_text
 from jaild.protocol import pack
 from jaild.protocol.messages import ClientToolReturned, ToolSpec
@@ -159,3 +160,56 @@ def test_redaction_replaces_the_values_a_labelled_reply_held() -> None:
     found = set()
     assert not strings_of(["aaaa", "bbbb"], found, budget)  # bounded, and it says so
     assert len(found) == 1 and budget == [0, 0]
+
+
+# --------------------------------------------------------------------------- typed words
+
+
+def test_the_rules_words_are_typed_and_unchanged() -> None:
+    """Dispositions, deliveries, codes, sends and on_untrusted are StrEnums: each member is
+    the word a policy, a record and the wire carry."""
+    assert [str(d) for d in Disposition] == ["allow", "withhold", "redact"]
+    assert [str(d) for d in Delivery] == ["result", "output", "downloads"]
+    assert [str(c) for c in FlowCode] == [
+        "flow_denied", "flow_approval", "integrity", "flow_egress", "flow_cut"]
+    assert [str(s) for s in ClosedSend] == ["egress", "tool", "approval"]
+    assert [str(o) for o in OnUntrusted] == ["refuse", "approve"]
+    # the last sink (label "secret") redacts the output too
+    rules = flow_rules(load_policy_text(POLICY + 'output = "redact"\n', "/p/mail.toml"))
+    (secret,) = rules.sinks["secret"]
+    assert secret.result is Disposition.WITHHOLD and secret.output is Disposition.REDACT
+    assert secret.downloads is Disposition.ALLOW
+    assert rules.on_untrusted is OnUntrusted.REFUSE
+    denied = rules.tool_verdict(frozenset({"private"}), "post")
+    assert denied is not None and denied.code is FlowCode.FLOW_DENIED
+    held = rules.withheld(frozenset({"secret"}), lambda label: False)
+    assert held == {"result": "secret"} and list(held) == [Delivery.RESULT]
+    assert rules.withheld(frozenset({"secret"}), lambda label: False, "redact") == {
+        "output": "secret"}  # the word still does, for callers not typed yet
+    with pytest.raises(ValueError, match="'hide'"):
+        rules.withheld(frozenset({"secret"}), lambda label: False, "hide")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('[[flow.sink]]\nlabel = "p"\noutput = "scramble"\n',
+     "flow.sink[0].output: must be one of allow, withhold, redact, got 'scramble'"),
+    ('[[flow.sink]]\nlabel = "p"\ndownloads = "redact"\n',
+     "flow.sink[0].downloads: must be one of allow, withhold, got 'redact'"),
+    ('[[flow.sink]]\nlabel = "p"\nresult = ["withhold"]\n',
+     "flow.sink[0].result: must be one of allow, withhold, redact, got ['withhold']"),
+    ('[flow]\non_untrusted = "maybe"\n',
+     "flow.on_untrusted: must be one of refuse, approve; got 'maybe'"),
+])
+def test_an_unknown_word_is_the_same_clear_error(text: str, message: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        load_policy_text(text, "/p/x.toml")
+    assert message in str(info.value), str(info.value)
+
+
+def test_the_broker_records_a_refusal_in_the_typed_words() -> None:
+    b = broker()
+    call(b, 1, "read_mail")
+    assert isinstance(call(b, 2, "post"), Refused)
+    (refusal,) = b.flow_refusals
+    assert refusal["sink"] is ClosedSend.TOOL and refusal["code"] is FlowCode.FLOW_DENIED
+    assert refusal["sink"] == "tool" and refusal["code"] == "flow_denied"

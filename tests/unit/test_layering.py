@@ -68,6 +68,7 @@ PURE_MODULES = (
     "jaild.protocol.zygote_link",
     "jaild.policy.compile",
     "jaild.policy.egress",
+    "jaild.policy.flow",
     "jaild.policy.redact",
     "jaild.daemon.core.machine",
     "jaild.daemon.core.broker",
@@ -370,6 +371,9 @@ BREAKERS = [
     ("pure", "jaild.policy.compile", "import time\n"),
     ("pure", "jaild.policy.compile", "from jaild.daemon.jails.job import JailedJob\n"),
     ("pure", "jaild.policy.compile", "import importlib\nm = importlib.import_module('socket')\n"),
+    # the information-flow rules (ARCHITECTURE.md: pure)
+    ("pure", "jaild.policy.flow", "import asyncio\n"),
+    ("pure", "jaild.policy.flow", "def f():\n    import os\n    return os.environ\n"),
     ("wrappers", "jaild.runtime.evil", "def f():\n    import prctl\n"),
     ("wrappers", "jaild.daemon.evil", "from seccomp import SyscallFilter\n"),
     ("wrappers", "jaild.runtime.harden", "x = 1\n"),  # the wrapper no longer wraps it

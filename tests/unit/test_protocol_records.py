@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from jaild.client import JobResult
 from jaild.daemon.core import records as build
 from jaild.errors import LocalProtocolError, RemoteProtocolError
+from jaild.policy.flow import ClosedSend, FlowCode
 from jaild.policy.schema import load_policy_text
 from jaild.protocol.messages import (
     MAX_MESSAGE_CHARS,
@@ -25,6 +26,8 @@ from jaild.protocol.messages import (
     Stats,
     decode,
     encode,
+    pack,
+    unpack,
 )
 from jaild.protocol.records import (
     MAX_CALL_RECORDS,
@@ -32,6 +35,7 @@ from jaild.protocol.records import (
     STATUSES,
     DaemonStats,
     EgressRecord,
+    FlowRefusal,
     JobEntry,
     JobError,
     JobRecord,
@@ -39,6 +43,8 @@ from jaild.protocol.records import (
     PoolInfo,
     Report,
     SessionInfo,
+    SnapshotEntry,
+    SnapshotKind,
     ToolCallEntry,
 )
 
@@ -354,3 +360,30 @@ def test_the_client_result_shows_refused_network_attempts_only_when_there_were_s
         result = JobResult.from_wire(quiet, msgpack.packb(1))
         assert "network_refused" not in result.to_dict()
         assert "network_refused" not in quiet.to_dict()
+
+
+def test_a_typed_word_is_held_as_the_word_the_wire_carries() -> None:
+    """A daemon's typed word (a StrEnum member, such as a flow code) given to a field that
+    takes a string or one of some words is held as the plain string: the struct, its wire
+    form and the bytes packed are what the word would give."""
+    typed = FlowRefusal(sink=ClosedSend.EGRESS, label="private", target="example.com:443",
+                        code=FlowCode.FLOW_CUT)
+    plain = FlowRefusal(sink="egress", label="private", target="example.com:443",
+                        code="flow_cut")
+    assert type(typed.sink) is str and type(typed.code) is str
+    assert typed == plain and pack(typed.to_wire()) == pack(plain.to_wire())
+    with pytest.raises(LocalProtocolError, match="expected one of"):
+        FlowRefusal(sink=FlowCode.FLOW_CUT, label="private", target="x", code="flow_cut")
+
+
+def test_a_snapshot_kind_reads_as_its_member_and_goes_as_its_word() -> None:
+    base = {"id": "snap-" + "0" * 32, "policy": "p", "bytes": 1, "created": 1.0,
+            "expires": 2.0, "session": "ses-" + "0" * 32}
+    entry = SnapshotEntry.from_wire({**base, "kind": "parked"})
+    assert entry.kind is SnapshotKind.PARKED
+    assert SnapshotEntry.from_wire(base).kind is SnapshotKind.SNAPSHOT  # the default
+    assert unpack(pack(entry.to_wire()))["kind"] == "parked"
+    assert pack(entry.to_wire()) == pack({**entry.to_wire(), "kind": "parked"})
+    with pytest.raises(LocalProtocolError,
+                       match=r"expected one of \['parked', 'pause', 'snapshot'\], got 'held'"):
+        SnapshotEntry.from_wire({**base, "kind": "held"})

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import enum
 import importlib
 import inspect
 import itertools
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +108,10 @@ def parse_fields(cell: str) -> list[DocField]:
 
 
 def code_fields(cls: type[Struct]) -> list[DocField]:
+    """The fields as the wire has them: a field typed by a :class:`enum.StrEnum` (a typed
+    word, such as ``SnapshotEntry.kind``) is a ``str`` there, its default the word."""
     out = []
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         optional = f.name not in cls._required
         if not optional:
@@ -115,6 +120,11 @@ def code_fields(cls: type[Struct]) -> list[DocField]:
             default = f.default
         else:
             default = f.default_factory()  # type: ignore[misc]
+        kind = hints[f.name]
+        if isinstance(kind, type) and issubclass(kind, enum.StrEnum):
+            out.append(DocField(f.name, optional, "str",
+                                default.value if isinstance(default, enum.StrEnum) else default))
+            continue
         out.append(DocField(f.name, optional, str(f.type), default))
     return out
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from jaild.daemon.snapshots import SnapshotStore
-from jaild.errors import QuotaExceeded, UnknownSnapshot
+from jaild.errors import LocalProtocolError, QuotaExceeded, UnknownSnapshot
+from jaild.protocol.records import SnapshotEntry, SnapshotKind
 from tests.conftest import REPO, STATE_DIR
 
 
@@ -193,3 +194,30 @@ def test_the_runtime_round_trips_a_session(tmp_path: Path) -> None:
                           f"\n{ROUND_TRIP}"], capture_output=True, text=True, timeout=60,
                          check=False, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_kind_is_typed_in_the_daemon_and_a_word_in_its_file(tmp_path: Path) -> None:
+    s = store(tmp_path)
+    sid = save(s, 1, kind=SnapshotKind.PAUSE)
+    meta = next(Path(s.root).rglob(f"{sid}.json"))
+    assert json.loads(meta.read_text())["entry"]["kind"] == "pause"  # the file's word
+    (entry,) = s.entries(1)
+    assert entry.kind is SnapshotKind.PAUSE  # read back: the member
+    assert save(s, 1, kind="parked") and {e.kind for e in s.entries(1)} == {
+        SnapshotKind.PAUSE, SnapshotKind.PARKED}
+    with pytest.raises(ValueError, match="'nap'"):
+        save(s, 1, kind="nap")
+
+
+def test_an_entry_of_an_unknown_kind_read_back_is_refused_naming_it(tmp_path: Path) -> None:
+    s = store(tmp_path)
+    sid = save(s, 1)
+    meta = next(Path(s.root).rglob(f"{sid}.json"))
+    data = json.loads(meta.read_text())
+    with pytest.raises(LocalProtocolError,
+                       match=r"field 'kind': expected one of \['parked', 'pause', 'snapshot'\], got 'nap'"):
+        SnapshotEntry.from_wire({**data["entry"], "kind": "nap"})
+    data["entry"]["kind"] = "nap"
+    meta.write_text(json.dumps(data))
+    with pytest.raises(LocalProtocolError, match="got 'nap'"):  # the store's error, as before
+        s.load(1, sid)

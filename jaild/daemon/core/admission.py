@@ -65,7 +65,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaild.daemon.core.peer import Peer, Principal
+from jaild.daemon.core.peer import Peer, Principal, PrincipalKind
 from jaild.errors import (
     BadRequest,
     Busy,
@@ -99,11 +99,12 @@ def policy_allows(policy: Policy, peer: Peer) -> bool:
     pod, ``access.namespaces`` its namespace and ``access.service_accounts`` its service
     account; a network client, ``access.principals`` its certificate's principal."""
     who = peer.principal
-    if who.kind == "cert":  # a network client: no uid, its certificate's principal
+    if who.kind is PrincipalKind.CERT:  # a network client: no uid, its certificate's principal
         return policy.principal_allowed(who.name)
     if not policy.user_allowed(peer.uid, (peer.gid, *peer.groups)):
         return False
-    return who.kind != "pod" or policy.pod_allowed(who.namespace, who.service_account)
+    return (who.kind is not PrincipalKind.POD
+            or policy.pod_allowed(who.namespace, who.service_account))
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,7 @@ def admit_connection(
             client: its certificate's principal is not in ``allowed_principals``).
         Busy: the daemon, or the peer's uid, is at its connection limit.
     """
-    if peer.principal.kind == "cert":
+    if peer.principal.kind is PrincipalKind.CERT:
         if not principal_matches(allowed_principals, peer.principal.name):
             raise PermissionDenied(
                 f"{peer.principal} may not use this daemon (access.principals)"

@@ -69,6 +69,8 @@ from jaild.policy.flow import (
     MAX_INTENTS,
     MAX_SECRET_BYTES,
     MAX_SECRETS,
+    ClosedSend,
+    FlowCode,
     FlowRules,
     Intent,
     strings_of,
@@ -406,8 +408,8 @@ class Broker:
             verdict = self.flow.tool_verdict(frozenset(self.labels), name, spec.protected,
                                              lambda: self._planned(spec, args))
             if verdict is not None:
-                self.flow_refused("tool" if verdict.refuse else "approval", verdict.label, name,
-                                  verdict.code, verdict.message)
+                self.flow_refused(ClosedSend.TOOL if verdict.refuse else ClosedSend.APPROVAL,
+                                  verdict.label, name, verdict.code, verdict.message)
                 if verdict.refuse:
                     refusal = (verdict.code, verdict.message)
                 else:
@@ -447,8 +449,8 @@ class Broker:
                            f"{self.flow.policy!r}: it cannot be planned")
         tainted = sorted(self.labels & self.flow.untrusted)
         if tainted:
-            return refused("integrity", f"intents are declared before the job reads untrusted "
-                           f"data, and this job holds {tainted[0]!r}")
+            return refused(FlowCode.INTEGRITY, "intents are declared before the job reads "
+                           f"untrusted data, and this job holds {tainted[0]!r}")
         if len(self.intents) >= MAX_INTENTS:
             return refused("quota_exceeded", f"at most {MAX_INTENTS} intents a job")
         self.intents.append(Intent(tool, plan.pins(pinned, self._tools[tool].parameters or {})))
@@ -477,7 +479,7 @@ class Broker:
                 return True
         return False
 
-    def flow_refused(self, sink: str, label: str, target: str, code: str,
+    def flow_refused(self, sink: ClosedSend, label: str, target: str, code: FlowCode,
                      reason: str = "") -> None:
         """A send the job's labels closed (or sent for approval): for the run's record."""
         if len(self.flow_refusals) < MAX_CALL_RECORDS:

@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from jaild.policy.flow import FlowRules
+from jaild.policy.flow import ClosedSend, Delivery, Disposition, FlowRules
 from jaild.policy.schema import Policy, flow_rules
 from jaild.protocol.fields import Struct
 from jaild.protocol.records import (
@@ -268,7 +268,7 @@ def closed(record: JobRecord) -> bool:
     """Does the record's flow withhold or redact the result or the output?"""
     flow = record.flow
     return flow is not None and bool(
-        {"result", "output"} & {*flow.withheld, *flow.redacted})
+        {Delivery.RESULT, Delivery.OUTPUT} & {*flow.withheld, *flow.redacted})
 
 
 def _error(error: JobError | None) -> JobError | None:
@@ -315,7 +315,7 @@ MAX_CLOSED_REFUSALS = 16
 
 
 def _target(refusal: FlowRefusal, literal: frozenset[str]) -> str:
-    if refusal.sink == "egress":
+    if refusal.sink == ClosedSend.EGRESS:
         host = refusal.target.rsplit(":", 1)[0]
         return refusal.target if host in literal else WITHHELD
     return refusal.target  # a declared tool: the broker refuses unknown ones before flow
@@ -407,8 +407,8 @@ def closes(rules: FlowRules, labels: Iterable[str],
     if not held or not rules.sinks:
         return False
     closing = {*rules.withheld(held, released.__contains__),
-               *rules.withheld(held, released.__contains__, "redact")}
-    return bool({"result", "output"} & closing)
+               *rules.withheld(held, released.__contains__, Disposition.REDACT)}
+    return bool({Delivery.RESULT, Delivery.OUTPUT} & closing)
 
 
 def close_snapshot(entry: SnapshotEntry) -> SnapshotEntry:

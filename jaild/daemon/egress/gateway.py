@@ -34,7 +34,7 @@ listening socket made inside its network namespace and handed to the daemon (an
    ``403`` (kind ``flow``) naming the label and the rule. When a tool reply brings the job a
    label (before the jail can read it), :meth:`EgressDoor.recheck` cuts every connection
    already open to a host that label closes: a tunnel opened before the read carries nothing
-   after it.
+   after it. Both are the door's :class:`~jaild.daemon.egress.flowwatch.FlowWatch`.
 
 One door per job: its quotas and usage are the job's (a session's per run).
 """
@@ -57,6 +57,7 @@ from urllib.parse import urlsplit
 
 import h11
 
+from jaild.daemon.egress.flowwatch import FlowWatch, OnRefused
 from jaild.daemon.jails.netns import made_in
 from jaild.errors import EgressRefusal as _Refusal
 from jaild.policy.egress import Address, EgressRules, parse_host
@@ -105,6 +106,50 @@ async def connect(
     """A TCP connection to exactly this address (the gateway's default)."""
     async with asyncio.timeout(timeout_s):
         return await asyncio.open_connection(str(address), port, limit=CHUNK)
+
+
+async def dial(
+    host: str, port: int, rules: EgressRules, policy: str, resolver: Resolver,
+    connector: Connector, timeout_s: float,
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to ``host:port`` (gateway step 4): resolve once, check every address
+    against ``rules`` (``egress.deny_private``), dial the checked ones in order -- never the
+    name again.
+
+    Raises:
+        EgressRefusal: ``502`` unresolved or unreachable, ``403`` every address refused.
+    """
+    try:
+        literal: Address | None = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        literal = None
+    try:
+        addresses = [literal] if literal is not None else await resolver(host, port)
+    except OSError as exc:
+        raise _Refusal(502, "unresolved", f"cannot resolve {host}: {exc}") from None
+    allowed = []
+    reasons = []
+    for address in addresses:
+        why = rules.address_refusal(address)
+        if why is None:
+            allowed.append(address)
+        else:
+            reasons.append(why)
+    if not allowed:
+        why = "; ".join(reasons) or "it has no address"
+        raise _Refusal(
+            403, "private_address",
+            f"egress to {host}:{port} is not allowed by policy {policy!r}: {why} "
+            "(egress.deny_private)",
+        )
+    failures = []
+    for address in allowed:
+        try:
+            return await connector(address, port, timeout_s)
+        except (OSError, TimeoutError) as exc:
+            failures.append(f"{address}: {exc or type(exc).__name__}")
+    raise _Refusal(502, "unreachable", f"cannot connect to {host}:{port}: "
+                   + "; ".join(failures))
 
 
 def listen_in(netns: str, port: int, backlog: int = 128) -> socket.socket:
@@ -195,15 +240,10 @@ class EgressDoor:
         upstream_tls: ssl.SSLContext | None = None,
         flow: FlowRules | None = None,
         labels: Callable[[], frozenset[str]] = frozenset,
-        on_flow_refused: Callable[[str, str, str, str, str], None] = lambda *_: None,
+        on_flow_refused: OnRefused = lambda *_: None,
     ) -> None:
         self.rules = rules
-        self._flow = flow if flow is not None and flow.sinks else None
-        self._labels = labels
-        self._on_flow_refused = on_flow_refused
-        self._sink_rules: dict[tuple[str, ...], EgressRules] = {}
-        # the connections open to hosts: (jail side, host side, host, port)
-        self._live: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter, str, int]] = set()
+        self._watch = FlowWatch(rules, flow, labels, on_flow_refused)
         # canonical host -> (header, value): added on the host side, never seen in the jail
         self._injections = {
             str(parse_host(h)): [(k.lower().encode(), v.encode()) for k, v in headers]
@@ -326,95 +366,21 @@ class EgressDoor:
             )
         canonical = str(parse_host(host))
         summary["host"] = canonical
-        closed = self._flow_closed(canonical, port)
-        if closed is not None:
-            self._on_flow_refused("egress", closed[0], f"{canonical}:{port}", "flow_egress",
-                                  closed[1])
-            raise _Refusal(403, "flow", closed[1])
+        self._watch.check(canonical, port)
         return canonical
 
-    # ------------------------------------------------------------------ information flow
-
-    def _flow_closed(self, host: str, port: int) -> tuple[str, str] | None:
-        """(label, why) if a label the job holds closes ``host:port`` to it."""
-        flow = self._flow
-        if flow is None:
-            return None
-        labels = self._labels()
-        if not labels:
-            return None
-        return flow.egress_refusal(labels, host, port, self._sink_allows)
-
-    def _sink_allows(self, patterns: tuple[str, ...], host: str, port: int) -> bool:
-        rules = self._sink_rules.get(patterns)
-        if rules is None:
-            rules = EgressRules.parse(patterns, self.rules.ports, False)
-            self._sink_rules[patterns] = rules
-        return rules.target_refusal(host, port) is None
-
     def recheck(self) -> None:
-        """The job holds new labels: cut every open connection to a host they close."""
-        for live in list(self._live):
-            writer, up_writer, host, port = live
-            closed = self._flow_closed(host, port)
-            if closed is None:
-                continue
-            self._live.discard(live)
-            self.usage.refused["flow"] += 1
-            self._on_flow_refused("egress", closed[0], f"{host}:{port}", "flow_cut",
-                                  f"the connection was cut: {closed[1]}")
-            for side in (up_writer, writer):
-                side.transport.abort()
-
-    def _track(self, writer: asyncio.StreamWriter, up_writer: asyncio.StreamWriter, host: str,
-               port: int) -> tuple[asyncio.StreamWriter, asyncio.StreamWriter, str, int]:
-        """A connection to ``host`` is open: :meth:`recheck` may cut it. A label that came
-        while it was being dialled refuses it now."""
-        closed = self._flow_closed(host, port)
-        if closed is not None:
-            up_writer.close()
-            self._on_flow_refused("egress", closed[0], f"{host}:{port}", "flow_egress",
-                                  closed[1])
-            raise _Refusal(403, "flow", closed[1])
-        live = (writer, up_writer, host, port)
-        self._live.add(live)
-        return live
+        """The job holds new labels: cut every open connection to a host they close
+        (:meth:`FlowWatch.recheck`)."""
+        cut = self._watch.recheck()
+        if cut:
+            self.usage.refused["flow"] += cut
 
     async def _dial(
         self, host: str, port: int
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """Resolve once, check every address, dial the checked ones in order."""
-        try:
-            literal: Address | None = ipaddress.ip_address(host.strip("[]"))
-        except ValueError:
-            literal = None
-        try:
-            addresses = [literal] if literal is not None else await self._resolve(host, port)
-        except OSError as exc:
-            raise _Refusal(502, "unresolved", f"cannot resolve {host}: {exc}") from None
-        allowed = []
-        reasons = []
-        for address in addresses:
-            why = self.rules.address_refusal(address)
-            if why is None:
-                allowed.append(address)
-            else:
-                reasons.append(why)
-        if not allowed:
-            why = "; ".join(reasons) or "it has no address"
-            raise _Refusal(
-                403, "private_address",
-                f"egress to {host}:{port} is not allowed by policy {self.policy!r}: {why} "
-                "(egress.deny_private)",
-            )
-        failures = []
-        for address in allowed:
-            try:
-                return await self._connect(address, port, self._connect_timeout_s)
-            except (OSError, TimeoutError) as exc:
-                failures.append(f"{address}: {exc or type(exc).__name__}")
-        raise _Refusal(502, "unreachable", f"cannot connect to {host}:{port}: "
-                       + "; ".join(failures))
+        return await dial(host, port, self.rules, self.policy, self._resolve, self._connect,
+                          self._connect_timeout_s)
 
     async def _tunnel(
         self,
@@ -434,7 +400,7 @@ class EgressDoor:
             raise _Refusal(400, "bad_request",
                            "send the TLS handshake after the proxy's answer to CONNECT")
         up_reader, up_writer = await self._dial(host, port)
-        live = self._track(writer, up_writer, host, port)
+        live = self._watch.track(writer, up_writer, host, port)
         try:
             self.usage.hosts.add(host)
             writer.write(conn.send(h11.Response(status_code=200, headers=[],
@@ -449,7 +415,7 @@ class EgressDoor:
                 up_writer.write(early)
             await self._splice(reader, writer, up_reader, up_writer, summary)
         finally:
-            self._live.discard(live)
+            self._watch.forget(live)
             up_writer.close()
 
     async def _intercept(
@@ -509,7 +475,7 @@ class EgressDoor:
             raise _Refusal(400, "bad_request", f"bad port in {url.netloc!r}") from None
         host = self._admit(url.hostname, port, summary)
         up_reader, up_writer = await self._dial(host, port)
-        live = self._track(writer, up_writer, host, port)
+        live = self._watch.track(writer, up_writer, host, port)
         try:
             self.usage.hosts.add(host)
             target = (url.path or "/") + (f"?{url.query}" if url.query else "")
@@ -521,10 +487,10 @@ class EgressDoor:
                 conn, reader, writer, up_reader, up_writer, summary,
                 # the request is all sent: nothing more of the jail's goes this way (one
                 # request a connection), so a label arriving now has nothing to cut
-                sent=lambda: self._live.discard(live),
+                sent=lambda: self._watch.forget(live),
             )
         finally:
-            self._live.discard(live)
+            self._watch.forget(live)
             up_writer.close()
 
     async def _exchange(
@@ -766,6 +732,7 @@ __all__ = [
     "EgressQuota",
     "EgressUsage",
     "connect",
+    "dial",
     "listen_in",
     "resolve",
 ]

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jaild.daemon.egress.flowwatch import OnRefused
 from jaild.daemon.egress.gateway import EgressDoor, EgressQuota, listen_in
 from jaild.errors import StartupError
 from jaild.policy.compile import EGRESS_PORT
@@ -178,7 +179,7 @@ class EgressService:
 
     def door(self, policy: Policy, job_id: str,
              labels: Callable[[], frozenset[str]] = frozenset,
-             on_flow_refused: Callable[[str, str, str, str, str], None] = lambda *_: None,
+             on_flow_refused: OnRefused = lambda *_: None,
              ) -> EgressDoor:
         """A run's door: the policy's rules, a fresh quota and usage; ``labels``: what the
         job holds now (its flow rules close hosts by them)."""

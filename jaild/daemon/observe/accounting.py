@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaild.daemon.core.peer import Principal
+from jaild.daemon.core.peer import Principal, PrincipalKind
 from jaild.protocol.records import JobRecord, UsageTotals
 
 
@@ -76,9 +76,9 @@ class Accounting:
     since: float = field(default_factory=time.time)
 
     def _of(self, who: Principal) -> Totals:
-        if who.kind == "pod":
+        if who.kind is PrincipalKind.POD:
             return self.by_pod.setdefault(f"{who.pod}", Totals())
-        if who.kind == "cert":
+        if who.kind is PrincipalKind.CERT:
             return self.by_principal.setdefault(who.name, Totals())
         return self.by_uid.setdefault(who.uid, Totals())
 
@@ -98,14 +98,14 @@ class Accounting:
         """Everything for ``who`` None (root on the host); otherwise the policy totals and
         the principal's own: its uid's, its pod's, or its certificate's."""
         pod = who.pod if who is not None else None
-        mine = who.name if who is not None and who.kind == "cert" else None
+        mine = who.name if who is not None and who.kind is PrincipalKind.CERT else None
         return {
             "since": self.since,
             "policies": {name: t.to_wire() for name, t in sorted(self.by_policy.items())},
             "uids": {
                 str(u): t.to_wire()
                 for u, t in sorted(self.by_uid.items())
-                if who is None or (who.kind == "uid" and u == who.uid)
+                if who is None or (who.kind is PrincipalKind.UID and u == who.uid)
             },
             "pods": {
                 name: t.to_wire()

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaild.daemon.core.broker import REFUSALS
-from jaild.daemon.core.peer import Peer, Tenant
+from jaild.daemon.core.peer import Peer, PrincipalKind, Tenant
 from jaild.protocol.records import JobRecord
 
 log = logging.getLogger("jaild.daemon.observe.audit")
@@ -90,9 +90,9 @@ def _who(peer: Peer | None) -> dict[str, Any]:
     if peer is None:
         return {"uid": None}
     who = peer.principal
-    if who.kind == "cert":
+    if who.kind is PrincipalKind.CERT:
         return {"uid": None, "principal": who.name, "address": peer.address}
-    if who.kind != "pod":
+    if who.kind is not PrincipalKind.POD:
         return {"uid": peer.uid}
     return {
         "uid": peer.uid, "pod": who.pod, "pod_uid": who.pod_uid,
