@@ -37,6 +37,7 @@ from jaild.daemon.journal import ApprovalQuota, Journal, Journaled
 from jaild.daemon.snapshots import SnapshotStore
 from jaild.errors import JaildError
 from jaild.policy.schema import Policy
+from jaild.protocol.records import SnapshotKind
 
 log = logging.getLogger("jaild")
 
@@ -172,7 +173,7 @@ class ParkedRuns(Generic[DurableRun]):
         try:
             entry = self.snapshots().save(
                 run.owner_key, blob, policy=run.policy.name, session=run.session_id,
-                ttl_s=ttl_s, kind="parked", labels=run.before_labels)
+                ttl_s=ttl_s, kind=SnapshotKind.PARKED, labels=run.before_labels)
         except (JaildError, OSError) as exc:
             log.warning("session %s: run %s waits live, not parked: its state was not saved "
                         "(%s)", run.session_id, run.job_id, getattr(exc, "message", exc))

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from jaild.daemon.core import admission
-from jaild.daemon.core.peer import Peer, Principal, Tenant
+from jaild.daemon.core.peer import Peer, Principal, PrincipalKind, Tenant
 from jaild.daemon.core.records import with_session
 from jaild.daemon.core.session import Phase, SessionMachine, shown
 from jaild.daemon.jails.job import CallReply, JailedJob
@@ -163,7 +163,8 @@ class JailSession:
             "kind": "session",
             "policy": self.policy.name,
             "uid": owner.uid if owner.uid >= 0 else None,
-            "principal": owner.principal.name if owner.principal.kind == "cert" else None,
+            "principal": (owner.principal.name
+                          if owner.principal.kind is PrincipalKind.CERT else None),
             "pod": owner.principal.pod,
             "client_pid": owner.pid,
             "state": shown(machine.phase),

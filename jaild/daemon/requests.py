@@ -23,7 +23,7 @@ from typing import Any
 
 from jaild.daemon.approvals import Approvals
 from jaild.daemon.core import admission
-from jaild.daemon.core.peer import Peer, Principal
+from jaild.daemon.core.peer import Peer, Principal, PrincipalKind
 from jaild.daemon.observe import Observers
 from jaild.daemon.parkedruns import ParkedRuns
 from jaild.daemon.pipeline import Pipeline
@@ -190,7 +190,8 @@ class Requests:
                     "kind": "job",
                     "policy": job.spec.policy.name,
                     "uid": owner.uid if owner.uid >= 0 else None,
-                    "principal": owner.principal.name if owner.principal.kind == "cert" else None,
+                    "principal": (owner.principal.name
+                                  if owner.principal.kind is PrincipalKind.CERT else None),
                     "pod": owner.principal.pod,
                     "client_pid": owner.pid,
                     "state": "running" if job.alive else "starting",

@@ -83,7 +83,7 @@ from jaild import __version__
 from jaild.daemon import sched, startup, systemd, tls, wiring
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
-from jaild.daemon.core.peer import Peer, Tenant
+from jaild.daemon.core.peer import Peer, PrincipalKind, Tenant
 from jaild.daemon.core.readiness import Phase, Readiness, must_wait
 from jaild.daemon.jails.job import CallReply, JailedJob, JailEnvironment
 from jaild.daemon.jails.pool import JailPool
@@ -882,7 +882,7 @@ class Daemon:
             session.close()
             return
         if (self.principals is not None and session.transport is not None
-                and session.peer.principal.kind != "cert"):
+                and session.peer.principal.kind is not PrincipalKind.CERT):
             session.hold()
             scope.create_task(self._identified(session, self.principals, session.transport))
             return

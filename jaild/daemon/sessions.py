@@ -66,7 +66,7 @@ from jaild.protocol.messages import (
 )
 from jaild.protocol.messages import SessionClosed as SessionClosedMsg
 from jaild.protocol.messages import SessionPaused as SessionPausedMsg
-from jaild.protocol.records import SessionInfo, SnapshotEntry
+from jaild.protocol.records import SessionInfo, SnapshotEntry, SnapshotKind
 from jaild.tracing import SessionTrace
 
 if TYPE_CHECKING:
@@ -420,8 +420,8 @@ class Sessions:
             blob = await self._op(sess, snapshot=True)
             entry = await asyncio.to_thread(
                 self.store.save, client.peer.principal.key, blob, policy=sess.policy.name,
-                session=sess.id, ttl_s=max(60.0, sess.terms.max_lifetime_s), kind="pause",
-                labels=sess.machine.labels)
+                session=sess.id, ttl_s=max(60.0, sess.terms.max_lifetime_s),
+                kind=SnapshotKind.PAUSE, labels=sess.machine.labels)
         except JaildError as exc:
             if ref:
                 client.send_error(exc, ref=ref)
@@ -498,7 +498,7 @@ class Sessions:
         """Raises UnknownSnapshot: none of the client's principal has that id (a paused
         session's state is deleted by closing the session)."""
         owner = client.peer.principal.key
-        if self.store.entry(owner, snapshot_id).kind in ("pause", "parked"):
+        if self.store.entry(owner, snapshot_id).kind in (SnapshotKind.PAUSE, SnapshotKind.PARKED):
             raise UnknownSnapshot(f"no snapshot {snapshot_id} of yours (it is a paused "
                                   "session's state: close the session instead)")
         self.store.delete(owner, snapshot_id)

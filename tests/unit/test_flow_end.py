@@ -10,6 +10,7 @@ from jaild.daemon.core.records import (
     flow_sinks,
     withheld_error,
 )
+from jaild.policy.flow import Disposition
 from jaild.policy.schema import flow_rules, load_policy_text
 
 RULES = flow_rules(load_policy_text("""\
@@ -54,7 +55,7 @@ def test_exhausted_redaction_withholds_what_it_would_have_redacted() -> None:
     got = end({"secret"}, exhausted=True)
     assert got.withheld == {"result", "output"} and got.redact == ()
     assert got.record is not None and got.record["redaction"] == "exhausted"
-    assert flow_sinks(RULES, frozenset({"secret"}), frozenset(), True, "redact") == {}
+    assert flow_sinks(RULES, frozenset({"secret"}), frozenset(), True, Disposition.REDACT) == {}
 
 
 def test_a_snapshot_keeps_its_result_in_the_daemon() -> None:

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from jaild.daemon.core.classify import pids_limit_note
-from jaild.policy.flow import FlowRules
+from jaild.policy.flow import Delivery, Disposition, FlowRules
 from jaild.policy.schema import Limits, Policy
 from jaild.protocol.messages import safe_text
 from jaild.protocol.records import (
@@ -285,23 +285,23 @@ class FlowEnd:
 
 
 def flow_sinks(rules: FlowRules, labels: frozenset[str], released: frozenset[str],
-               exhausted: bool, how: str = "withhold") -> dict[str, str]:
+               exhausted: bool, how: Disposition = Disposition.WITHHOLD) -> dict[str, str]:
     """What ``labels`` withhold (``how = "redact"``: redact) from a caller whose
     ``[[flow.sink]] release_to`` spares ``released``: result, output, downloads, each with
     the label that says so. Once the jail's redaction is ``exhausted`` (its broker kept too
     many values to redact), what they redact is withheld instead."""
 
-    def sinks(how: str) -> dict[str, str]:
+    def sinks(how: Disposition) -> dict[str, str]:
         if not labels or not rules.sinks:
             return {}
         return rules.withheld(labels, lambda label: label in released, how)
 
     out = sinks(how)
     if exhausted:
-        if how == "redact":
+        if how is Disposition.REDACT:
             return {}
-        if how == "withhold":
-            out = {**sinks("redact"), **out}
+        if how is Disposition.WITHHOLD:
+            out = {**sinks(Disposition.REDACT), **out}
     return out
 
 
@@ -313,13 +313,13 @@ def flow_at_end(rules: FlowRules, labels: frozenset[str], released: frozenset[st
     if not labels and not refused:
         return FlowEnd(None)
     withheld = sorted(flow_sinks(rules, labels, released, exhausted))
-    redacted = sorted(flow_sinks(rules, labels, released, exhausted, "redact"))
+    redacted = sorted(flow_sinks(rules, labels, released, exhausted, Disposition.REDACT))
     if snapshot:
-        withheld = [w for w in withheld if w != "result"]
-        redacted = [r for r in redacted if r != "result"]
+        withheld = [w for w in withheld if w != Delivery.RESULT]
+        redacted = [r for r in redacted if r != Delivery.RESULT]
     flow: dict[str, Any] = {"labels": sorted(labels), "refusals": refused,
                             "withheld": withheld, "redacted": redacted}
-    if exhausted and flow_sinks(rules, labels, released, False, "redact"):
+    if exhausted and flow_sinks(rules, labels, released, False, Disposition.REDACT):
         flow["redaction"] = "exhausted"
     return FlowEnd(flow, frozenset(withheld), tuple(r for r in redacted if r not in withheld))
 
@@ -328,7 +328,7 @@ def withheld_error(error: dict[str, Any] | None,
                    withheld: frozenset[str]) -> dict[str, Any] | None:
     """A run's error as its caller may see it: its message and traceback are output too, so
     they go when the output or the result is withheld."""
-    if error is not None and ("output" in withheld or "result" in withheld):
+    if error is not None and (Delivery.OUTPUT in withheld or Delivery.RESULT in withheld):
         return {**error, "message": WITHHELD_ERROR, "traceback": ""}
     return error
 

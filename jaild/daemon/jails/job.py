@@ -101,6 +101,7 @@ from jaild.daemon.jails.launch.zygotes import ZygoteSet
 from jaild.daemon.jails.run_account import RunAccount
 from jaild.errors import ConnectionLost
 from jaild.policy.compile import JOB_UIDS, HostLayout, harden
+from jaild.policy.flow import Delivery, Disposition
 from jaild.policy.redact import Budget, RedactionFailed, Redactor
 from jaild.policy.schema import Policy
 from jaild.protocol.messages import ErrorInfo, Harden, pack, unpack
@@ -222,9 +223,9 @@ def _redact_run(run: _Unredacted, time_s: float) -> tuple[Redactor, JobRecord, b
     redactor = run.redactor or Redactor(run.secrets)
     budget.check_time()
     record, result = run.record, run.result
-    if "result" in run.redact and result is not None:
+    if Delivery.RESULT in run.redact and result is not None:
         result = pack(redactor.value(unpack(result), budget))
-    if "output" in run.redact:
+    if Delivery.OUTPUT in run.redact:
         out = redactor.data(run.stdout, budget).decode("utf-8", "replace")
         err = redactor.data(run.stderr, budget).decode("utf-8", "replace")
         error = record.error
@@ -238,10 +239,10 @@ def _redact_run(run: _Unredacted, time_s: float) -> tuple[Redactor, JobRecord, b
 def _withheld_instead(run: _Unredacted) -> tuple[JobRecord, bytes | None]:
     """``run``'s record and result when its redaction failed: what it covered, withheld."""
     record, result = run.record, run.result
-    if "result" in run.redact:
+    if Delivery.RESULT in run.redact:
         result = None
     changes: dict[str, Any] = {}
-    if "output" in run.redact:  # (a result is redacted only when the run ended ok)
+    if Delivery.OUTPUT in run.redact:  # (a result is redacted only when the run ended ok)
         changes["stdout"] = changes["stderr"] = ""
         if record.error is not None:
             changes["error"] = replace(record.error, message=WITHHELD_ERROR, traceback="")
@@ -621,8 +622,8 @@ class JailedJob:
         self._handle.write(action.data)
 
     def _forward_output(self, action: ForwardOutput) -> None:
-        if self._output is not None and "output" not in self.withheld() \
-                and "output" not in self.withheld("redact"):  # redacted: at the end, whole
+        if self._output is not None and Delivery.OUTPUT not in self.withheld() \
+                and Delivery.OUTPUT not in self.withheld(Disposition.REDACT):  # at the end
             self._output(self.spec.job_id, action.stream, action.data)
 
     # -- information flow (jaild.policy.flow; docs/using/flow.md)
@@ -632,7 +633,7 @@ class JailedJob:
         """The labels the jail's job (a session: the session) holds."""
         return frozenset(self._machine.broker.labels)
 
-    def withheld(self, how: str = "withhold") -> dict[str, str]:
+    def withheld(self, how: Disposition = Disposition.WITHHOLD) -> dict[str, str]:
         """What its labels withhold (``how = "redact"``: redact) from this run's caller
         (:func:`jaild.daemon.core.records.flow_sinks`)."""
         broker = self._machine.broker
@@ -647,11 +648,11 @@ class JailedJob:
         before anyone can read it (what they redact is redacted later, off the event loop:
         :meth:`_settle`)."""
         run = self._run
-        if "result" in withheld:
+        if Delivery.RESULT in withheld:
             run.result = None
-        if "downloads" in withheld:
+        if Delivery.DOWNLOADS in withheld:
             run.withhold_files()
-        if "output" in withheld:
+        if Delivery.OUTPUT in withheld:
             tally.stdout.clear()
             tally.stderr.clear()
 
@@ -772,8 +773,8 @@ class JailedJob:
         error = withheld_error(action.error, decided.withheld)
         self._apply_flow(decided.withheld, action.tally)
         # what output redaction needs: the bytes the jail wrote (the record decodes them)
-        stdout = bytes(action.tally.stdout) if "output" in redact else b""
-        stderr = bytes(action.tally.stderr) if "output" in redact else b""
+        stdout = bytes(action.tally.stdout) if Delivery.OUTPUT in redact else b""
+        stderr = bytes(action.tally.stderr) if Delivery.OUTPUT in redact else b""
         record = self._run.record(self.spec, action.status, error, action.tally, egress, flow)
         record = disclosure.caller_view(record, self.spec.policy)  # core/disclosure.py
         ended: Outcome | _Unredacted = (record, self._run.result, self._run.downloads)
