@@ -41,7 +41,7 @@ from jaild.daemon.flowgate import flow_released
 from jaild.daemon.jails.job import JailedJob, JobSpec, OutputSink, ToolRouter
 from jaild.daemon.observe import Observers
 from jaild.daemon.registry import ClientConnection, JailSession, LiveJob, Registry
-from jaild.daemon.sessions import Sessions, check_room
+from jaild.daemon.sessions import ParkedSessions, Sessions, check_room
 from jaild.errors import JaildError, UnknownSnapshot
 from jaild.protocol.messages import JobFinished, RunJob
 from jaild.protocol.records import JobRecord
@@ -85,6 +85,7 @@ class Pipeline:
         *,
         reap_orphans: bool = True,
         approvals: Approvals | None = None,
+        parked_sessions: ParkedSessions | None = None,
     ) -> None:
         """The pipeline of the daemon whose settings are ``config``: jobs kept in its
         ``registry``, session runs through its ``sessions``, jails from what it ``served``
@@ -99,6 +100,7 @@ class Pipeline:
         self.catalog = catalog
         self._reaps = reap_orphans
         self.approvals = approvals
+        self.parked_sessions = parked_sessions  # sessions' part in parked runs
 
     def submit(self, client: ClientConnection, req: RunJob) -> None:
         """Admit a RunJob, place it and start it. Raises the JaildError the client gets
@@ -160,7 +162,8 @@ class Pipeline:
         try:
             try:
                 if durable is not None and sess is not None:  # the state it may park with
-                    await self.sessions.state_before(sess, durable)
+                    assert self.parked_sessions is not None
+                    await self.parked_sessions.state_before(sess, durable)
                 record, result, downloads = await placed.run()
             except Exception as exc:  # a jaild bug: report it, keep serving
                 if sess is None:
@@ -217,7 +220,8 @@ class Pipeline:
                 limits = admission.limits_for(policy, run.requested)
                 check_room(self.registry, self.config, host.peer.principal, limits.memory_mb)
             else:
-                sess = self.sessions.reopen_for(run, host, policy)
+                assert self.parked_sessions is not None
+                sess = self.parked_sessions.reopen_for(run, host, policy)
                 limits = admission.limits_for(policy, {**sess.terms.requested,
                                                        **run.requested})
         except JaildError as exc:
@@ -236,7 +240,8 @@ class Pipeline:
     async def _continued(self, run: DurableRun, host: ClientConnection, spec: JobSpec,
                          sess: JailSession | None) -> None:
         if sess is not None:
-            failed = await self.sessions.restore_for(sess, run)
+            assert self.parked_sessions is not None
+            failed = await self.parked_sessions.restore_for(sess, run)
             if failed is not None:
                 if run.life.phase is Phase.CONTINUING:
                     run.life.set_back()  # it stays parked: ResumeRun again

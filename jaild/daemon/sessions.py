@@ -18,8 +18,8 @@ not done until its sessions' jails are. While a closed session's jail is being
 discarded it is *retiring* in the registry, and shutdown waits for it.
 
 A session whose run parks for approval (:mod:`jaild.daemon.approvals`) comes back for the
-run's continuation through :meth:`Sessions.reopen_for` and :meth:`Sessions.restore_for`,
-called by the pipeline's one continuation path
+run's continuation through :meth:`ParkedSessions.reopen_for` and
+:meth:`ParkedSessions.restore_for`, called by the pipeline's one continuation path
 (:meth:`jaild.daemon.pipeline.Pipeline.continue_run`).
 """
 
@@ -154,7 +154,7 @@ class Sessions:
 
     # -- the machine's driver
 
-    def _handle(self, sess: JailSession, event: machine.Event) -> None:
+    def handle(self, sess: JailSession, event: machine.Event) -> None:
         """Feed ``event`` to the session's machine and carry out its actions, in order.
         Raises the refusal of a request the machine does not allow now."""
         for action in sess.machine.handle(event):
@@ -221,7 +221,7 @@ class Sessions:
         client is told; a paused session's state is deleted. Idempotent. A session whose
         run is parked is detached instead when its client leaves or the daemon stops
         (:data:`~jaild.daemon.core.session.DETACHING`); closed otherwise, it drops the run."""
-        self._handle(sess, machine.Close(reason, message))
+        self.handle(sess, machine.Close(reason, message))
 
     # -- opening
 
@@ -263,13 +263,13 @@ class Sessions:
                 trace.ended(None, refusal.code)
             raise
         state = SessionMachine("ses-" + secrets.token_hex(8), labels=labels)
-        sess = JailSession(client, terms, state, self._jail(state.session_id, terms, client,
+        sess = JailSession(client, terms, state, self.make_jail(state.session_id, terms, client,
                                                             state.labels))
         registry.add_session(sess)
         self.observers.metrics.sessions_open(registry.session_count())
         client.start(self._open(sess, req.ref, trace, req.from_snapshot))
 
-    def _jail(self, jail_id: str, terms: admission.SessionTerms,
+    def make_jail(self, jail_id: str, terms: admission.SessionTerms,
               client: ClientConnection, labels: frozenset[str]) -> JailedJob:
         """A session's jail, holding ``labels`` from its start: the session's (its machine's
         labels: the caller's and those of the state it will restore -- a snapshot's, a
@@ -285,16 +285,16 @@ class Sessions:
     async def _open(self, sess: JailSession, ref: int, trace: SessionTrace | None,
                     from_snapshot: str | None = None) -> None:
         client = sess.owner
-        failed = await self._start_jail(sess, from_snapshot)
+        failed = await self.start_jail(sess, from_snapshot)
         if failed is not None:
-            self._handle(sess, machine.JailFailed(failed.message))
+            self.handle(sess, machine.JailFailed(failed.message))
             sess.jail.cleanup()
             client.send_error(failed, ref=ref)
             if trace is not None:
                 trace.ended(sess.id, failed.code)
             return
-        self._handle(sess, machine.JailReady())
-        client.start(self._watch(sess, sess.jail))
+        self.handle(sess, machine.JailReady())
+        client.start(self.watch(sess, sess.jail))
         self.observers.accounting.session(client.peer.principal, sess.policy.name)
         self.observers.audit.session(client.peer, "opened", sess.id, sess.policy.name)
         client.send(self._opened(sess, ref))
@@ -314,7 +314,7 @@ class Sessions:
             ),
         )
 
-    async def _start_jail(self, sess: JailSession, snapshot_id: str | None,
+    async def start_jail(self, sess: JailSession, snapshot_id: str | None,
                           blob: bytes | None = None,
                           labels: tuple[str, ...] = ()) -> JaildError | None:
         """Start the session's jail and, with ``snapshot_id``, restore that snapshot in it
@@ -337,30 +337,30 @@ class Sessions:
                 entry, blob = await asyncio.to_thread(
                     self.store.load, sess.owner.peer.principal.key, snapshot_id)
                 labels = entry.labels
-            await self._op(sess, restore=blob, labels=frozenset(labels))
+            await self.op(sess, restore=blob, labels=frozenset(labels))
         except JaildError as exc:
             sess.jail.cancel(f"the snapshot was not restored: {exc.message}")
             return exc
         return None
 
-    async def _watch(self, sess: JailSession, jail: JailedJob) -> None:
+    async def watch(self, sess: JailSession, jail: JailedJob) -> None:
         """A session's jail that dies between runs (its code left a thread that broke the
         channel protocol, a background process hit a limit) ends the session at once (the
         machine: only an idle session's); one released by a pause does not."""
         status, error = await jail.ended()
         if jail is sess.jail:
-            self._handle(sess, machine.JailDied(status, (error or {}).get("message", "")))
+            self.handle(sess, machine.JailDied(status, (error or {}).get("message", "")))
 
     # -- runs (the pipeline's)
 
     def run_started(self, sess: JailSession, job_id: str) -> None:
-        self._handle(sess, machine.RunAsked(job_id))
+        self.handle(sess, machine.RunAsked(job_id))
 
     def run_ended(self, sess: JailSession, job_id: str, status: str, message: str) -> None:
         """A run's record was sent: the session goes on, or ends with its jail. What its
         jail holds now is the session's (its labels only grow)."""
-        self._handle(sess, machine.Labeled(sess.jail.labels))
-        self._handle(sess, machine.RunEnded(job_id, sess.jail.alive, status, message))
+        self.handle(sess, machine.Labeled(sess.jail.labels))
+        self.handle(sess, machine.RunEnded(job_id, sess.jail.alive, status, message))
 
     # -- snapshots, forks, pauses (docs/using/sessions.md)
 
@@ -382,13 +382,13 @@ class Sessions:
         if req.ttl_s is not None and req.ttl_s > most:
             raise BadRequest(f"ttl_s={req.ttl_s:g} is longer than policy {sess.policy.name!r} "
                              f"keeps snapshots ({most:g} s)")
-        self._handle(sess, machine.OpAsked(Op.SNAPSHOT))
+        self.handle(sess, machine.OpAsked(Op.SNAPSHOT))
         client.start(self._snapshot(sess, req.ref, req.ttl_s or most))
 
     async def _snapshot(self, sess: JailSession, ref: int, ttl_s: float) -> None:
         client = sess.owner
         try:
-            blob = await self._op(sess, snapshot=True)
+            blob = await self.op(sess, snapshot=True)
             entry = await asyncio.to_thread(
                 self.store.save, client.peer.principal.key, blob, policy=sess.policy.name,
                 session=sess.id, ttl_s=ttl_s, labels=sess.machine.labels)
@@ -404,20 +404,20 @@ class Sessions:
     def pause(self, client: ClientConnection, req: PauseSession) -> None:
         """Pause an idle session to disk now; answered SessionPaused (or Error)."""
         sess = self._idle(client, req.session_id)
-        self._handle(sess, machine.OpAsked(Op.PAUSE))
+        self.handle(sess, machine.OpAsked(Op.PAUSE))
         client.start(self._pause(sess, req.ref))
 
     def _pause_idle(self, sess: JailSession) -> None:
         sess.pause_timer = None
         if sess.phase is Phase.IDLE:
-            self._handle(sess, machine.OpAsked(Op.PAUSE))
+            self.handle(sess, machine.OpAsked(Op.PAUSE))
             sess.owner.start(self._pause(sess, 0))
 
     async def _pause(self, sess: JailSession, ref: int) -> None:
         """Snapshot the session (kind ``pause``), then end its jail: it holds disk only."""
         client = sess.owner
         try:
-            blob = await self._op(sess, snapshot=True)
+            blob = await self.op(sess, snapshot=True)
             entry = await asyncio.to_thread(
                 self.store.save, client.peer.principal.key, blob, policy=sess.policy.name,
                 session=sess.id, ttl_s=max(60.0, sess.terms.max_lifetime_s),
@@ -437,7 +437,7 @@ class Sessions:
     def _op_ended(self, sess: JailSession, state_id: str | None) -> None:
         jail = sess.jail
         status, error = ("ok", None) if jail.alive else jail.outcome()
-        self._handle(sess, machine.OpEnded(state_id, jail.alive, status,
+        self.handle(sess, machine.OpEnded(state_id, jail.alive, status,
                                            (error or {}).get("message", "")))
 
     def resume(self, client: ClientConnection, req: ResumeSession) -> None:
@@ -461,19 +461,19 @@ class Sessions:
             self.close(sess, "restore_failed", f"the paused session was not restored: "
                        f"{exc.message}")
             raise
-        self._handle(sess, machine.ResumeAsked(labels))
-        sess.jail = self._jail(f"{sess.id}-{state.jails}", sess.terms, client, state.labels)
+        self.handle(sess, machine.ResumeAsked(labels))
+        sess.jail = self.make_jail(f"{sess.id}-{state.jails}", sess.terms, client, state.labels)
         client.start(self._resume(sess, req.ref, state.state_id))
 
     async def _resume(self, sess: JailSession, ref: int, state_id: str) -> None:
         client = sess.owner
-        failed = await self._start_jail(sess, state_id)
+        failed = await self.start_jail(sess, state_id)
         if failed is not None:
             client.send_error(failed, ref=ref)
-            self._handle(sess, machine.JailFailed(failed.message))
+            self.handle(sess, machine.JailFailed(failed.message))
             return
-        self._handle(sess, machine.JailReady())
-        client.start(self._watch(sess, sess.jail))
+        self.handle(sess, machine.JailReady())
+        client.start(self.watch(sess, sess.jail))
         self.observers.audit.session(client.peer, "resumed", sess.id, sess.policy.name)
         client.send(self._opened(sess, ref))
 
@@ -503,7 +503,7 @@ class Sessions:
                                   "session's state: close the session instead)")
         self.store.delete(owner, snapshot_id)
 
-    async def _op(self, sess: JailSession, *, snapshot: bool = False,
+    async def op(self, sess: JailSession, *, snapshot: bool = False,
                   restore: bytes | None = None, labels: frozenset[str] = frozenset()) -> bytes:
         """Run a snapshot (returns it) or a restore (of state carrying ``labels``) in the
         session's jail. The op is a run like any other: its record and error pass the flow
@@ -529,7 +529,23 @@ class Sessions:
         async with self.registry.retiring():
             await jail.discard(reason)
 
-    # -- session runs parked for approval (jaild.daemon.approvals; docs/using/tools.md)
+    def _forget(self, sess: JailSession) -> None:
+        registry = self.registry
+        registry.remove_session(sess)
+        self.observers.metrics.sessions_open(registry.session_count())
+
+
+class ParkedSessions:
+    """The sessions' part in their runs parked for approval (:mod:`jaild.daemon.approvals`):
+    the state taken before a run that may park, the session paused with its parked run or
+    closed with its dropped one (the approvals' :class:`~jaild.daemon.approvals.SessionHooks`),
+    and the session brought back for the run's continuation (the pipeline's
+    :meth:`~jaild.daemon.pipeline.Pipeline.continue_run`)."""
+
+    def __init__(self, sessions: Sessions) -> None:
+        self.sessions = sessions
+        self.registry = sessions.registry
+        self.observers = sessions.observers
 
     async def state_before(self, sess: JailSession, run: DurableRun) -> None:
         """Before a run that may park: the session's state (kept in memory, saved only if
@@ -539,7 +555,7 @@ class Sessions:
             return
         try:
             run.before_labels = tuple(sorted(sess.jail.labels))
-            run.before = await self._op(sess, snapshot=True)
+            run.before = await self.sessions.op(sess, snapshot=True)
         except JaildError as exc:
             log.info("session %s: run %s cannot park (its state was not taken: %s); a call "
                      "needing approval waits live", sess.id, run.job_id, exc.message)
@@ -549,7 +565,7 @@ class Sessions:
         sess = self.registry.session(run.session_id or "")
         if sess is None or run.state_id is None:
             return
-        self._handle(sess, machine.RunParked(run.job_id, run.state_id))
+        self.sessions.handle(sess, machine.RunParked(run.job_id, run.state_id))
         if sess.phase is Phase.PARKED:
             self.observers.audit.session(sess.owner.peer, "parked", sess.id, sess.policy.name,
                                          reason=run.job_id)
@@ -558,7 +574,7 @@ class Sessions:
         """The parked run was dropped (its state with it): its session, if here, closes."""
         sess = self.registry.session(run.session_id or "")
         if sess is not None:
-            self._handle(sess, machine.ParkedRunDropped(run.job_id))
+            self.sessions.handle(sess, machine.ParkedRunDropped(run.job_id))
 
     def reopen_for(self, run: DurableRun, host: ClientConnection,
                    policy: Policy) -> JailSession:
@@ -576,22 +592,23 @@ class Sessions:
         else:
             assert run.session_asked is not None
             terms = admission.session_terms(policy, run.session_asked)
-        check_room(self.registry, self.config, host.peer.principal,
+        check_room(self.registry, self.sessions.config, host.peer.principal,
                    terms.jail_limits.memory_mb)
-        labels = frozenset(self.store.entry(run.owner_key, run.state_id).labels)
+        labels = frozenset(self.sessions.store.entry(run.owner_key, run.state_id).labels)
         jail_id = f"{run.session_id}-r{run.life.resumes + 1}"
         if sess is None:
             state = SessionMachine(run.session_id, labels=labels, runs=run.session_run,
                                    phase=Phase.PARKED, start=Start.CONTINUE,
                                    state_id=run.state_id, parked_run=run.job_id)
-            sess = JailSession(host, terms, state, self._jail(jail_id, terms, host, labels))
+            jail = self.sessions.make_jail(jail_id, terms, host, labels)
+            sess = JailSession(host, terms, state, jail)
             self.registry.add_session(sess)
             self.observers.metrics.sessions_open(self.registry.session_count())
-            self._handle(sess, machine.ContinueAsked(run.job_id, labels))
+            self.sessions.handle(sess, machine.ContinueAsked(run.job_id, labels))
         else:
             sess.owner = host
-            self._handle(sess, machine.ContinueAsked(run.job_id, labels))
-            sess.jail = self._jail(jail_id, terms, host, sess.machine.labels)
+            self.sessions.handle(sess, machine.ContinueAsked(run.job_id, labels))
+            sess.jail = self.sessions.make_jail(jail_id, terms, host, sess.machine.labels)
         return sess
 
     async def restore_for(self, sess: JailSession, run: DurableRun) -> JaildError | None:
@@ -601,27 +618,22 @@ class Sessions:
         state = run.state_id
         assert state is not None
         try:
-            entry, blob = await asyncio.to_thread(self.store.load, run.owner_key, state)
+            entry, blob = await asyncio.to_thread(self.sessions.store.load, run.owner_key, state)
         except JaildError as exc:
             failed: JaildError | None = exc
             blob = None
         else:
             run.before_labels = entry.labels
-            failed = await self._start_jail(sess, state, blob, entry.labels)
+            failed = await self.sessions.start_jail(sess, state, blob, entry.labels)
         if failed is None and sess.machine.open:
             run.before = blob
-            self._handle(sess, machine.JailReady())
-            sess.owner.start(self._watch(sess, sess.jail))
+            self.sessions.handle(sess, machine.JailReady())
+            sess.owner.start(self.sessions.watch(sess, sess.jail))
             self.observers.audit.session(sess.owner.peer, "continued", sess.id,
                                          sess.policy.name, reason=run.job_id)
             return None
-        self._handle(sess, machine.JailFailed(failed.message if failed else "closed"))
+        self.sessions.handle(sess, machine.JailFailed(failed.message if failed else "closed"))
         return failed or InternalError(f"session {sess.id} was closed")
 
-    def _forget(self, sess: JailSession) -> None:
-        registry = self.registry
-        registry.remove_session(sess)
-        self.observers.metrics.sessions_open(registry.session_count())
 
-
-__all__ = ["Sessions", "capacity", "check_room"]
+__all__ = ["ParkedSessions", "Sessions", "capacity", "check_room"]

@@ -6,10 +6,11 @@ an attribute afterwards. The order is the parts' dependencies (an arrow: "is giv
     registry, observers, catalog (the daemon's), snapshot store (made on first use)
       -> parked runs (durable runs and their files; knows no session)
         -> sessions (a session closed with its run parked drops the run)
-          -> approvals (told the sessions when a session's run parks or is dropped)
-            -> pipeline (every run to its record, a parked run's continuation too)
-              -> requests (what each request of a client does: the dispatch table)
-                -> the waiting room (requests that wait for a starting daemon)
+          -> the sessions' part in parked runs (ParkedSessions)
+            -> approvals (told the sessions when a session's run parks or is dropped)
+              -> pipeline (every run to its record, a parked run's continuation too)
+                -> requests (what each request of a client does: the dispatch table)
+                  -> the waiting room (requests that wait for a starting daemon)
 
 so a session never calls the approvals, nor the approvals the pipeline: a continuation that
 a decision or a ``ResumeRun`` makes due is started by the requests' handler, which asks the
@@ -34,7 +35,7 @@ from jaild.daemon.parkedruns import ParkedRuns
 from jaild.daemon.pipeline import Pipeline
 from jaild.daemon.registry import Registry
 from jaild.daemon.requests import Requests
-from jaild.daemon.sessions import Sessions
+from jaild.daemon.sessions import ParkedSessions, Sessions
 from jaild.daemon.snapshots import SnapshotStore
 from jaild.daemon.startup import Served
 from jaild.daemon.waiting import WaitingRoom
@@ -80,9 +81,11 @@ def build(config: DaemonConfig, served: Served, observers: Observers,
         snapshots)
     observers.metrics.approvals(lambda: parked_runs.usage(None))
     sessions = Sessions(config, registry, served, observers, catalog, snapshots, parked_runs)
-    approvals = Approvals(parked_runs, sessions)
+    parked_sessions = ParkedSessions(sessions)
+    approvals = Approvals(parked_runs, parked_sessions)
     pipeline = Pipeline(config, registry, sessions, served, observers, catalog,
-                        approvals=approvals, reap_orphans=reap_orphans)
+                        approvals=approvals, parked_sessions=parked_sessions,
+                        reap_orphans=reap_orphans)
     requests = Requests(registry, pipeline, sessions, approvals, parked_runs, served, observers,
                         catalog)
     waiting = WaitingRoom(Readiness(config.startup_wait_s,
