@@ -35,7 +35,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TextIO
 
-from jaild import __version__, loops
+from jaild import loops
 from jaild.address import add_tls_arguments, apply_tls_arguments, socket_from_env
 from jaild.daemon.config import DaemonConfig, default_policies_dir, default_state_dir
 from jaild.errors import (
@@ -46,6 +46,7 @@ from jaild.errors import (
     error_line,
     exit_code_for,
 )
+from jaild.version import __version__
 
 EXIT_STATUS = {
     "ok": 0,

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack
 
-from jaild import __version__, loops, tracing
+from jaild import loops, tracing
 from jaild.address import TLS_ENV, parse_address, socket_from_env
 from jaild.errors import (
     ConnectionLost,
@@ -116,6 +116,7 @@ from jaild.protocol.messages import SessionPaused as SessionPausedMsg
 from jaild.protocol.records import JobRecord
 from jaild.toolspec import HostTool, Labeled, normalize_tools
 from jaild.transfer import Uploads, load_uploads, save_files
+from jaild.version import __version__
 
 log = logging.getLogger("jaild.client")
 

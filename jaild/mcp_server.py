@@ -401,7 +401,7 @@ class JaildMcpServer:
         import mcp_types as types
         from mcp.server.lowlevel import Server
 
-        from jaild import __version__
+        from jaild.version import __version__
 
         description = describe_run_python(self.tools, self.persistent, self.network, self.flow)
         tool = types.Tool(

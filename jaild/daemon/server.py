@@ -79,7 +79,6 @@ from collections import Counter
 from collections.abc import Collection, Coroutine
 from typing import Any
 
-from jaild import __version__
 from jaild.daemon import sched, startup, systemd, tls
 from jaild.daemon.approvals import Approvals
 from jaild.daemon.config import DaemonConfig
@@ -152,6 +151,7 @@ from jaild.protocol.messages import (
 )
 from jaild.protocol.records import DaemonStats, JobEntry, PolicyEntry
 from jaild.tracing import OFF, Tracing
+from jaild.version import __version__
 
 log = logging.getLogger("jaild")
 
