@@ -40,15 +40,13 @@ import inspect
 import itertools
 import logging
 import socket
-import ssl
-import time
 import typing
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, TypeVar, Unpack
 
 from jaild import loops, tracing
-from jaild.address import parse_address, socket_from_env
+from jaild.address import socket_from_env
 from jaild.blocking import Portal, blocking, wrapping
 from jaild.errors import (
     ConnectionLost,
@@ -62,9 +60,8 @@ from jaild.errors import (
 from jaild.errors import (
     SessionClosed as SessionClosedError,
 )
-from jaild.protocol import CLOSED, NEED_DATA, PROTOCOL_VERSION, Connection, Role, unpack
+from jaild.protocol import PROTOCOL_VERSION, unpack
 from jaild.protocol.messages import (
-    MAX_PAYLOAD_BYTES,
     ApprovalList,
     ApprovalPending,
     ApprovalRecorded,
@@ -90,9 +87,7 @@ from jaild.protocol.messages import (
     Message,
     OpenSession,
     PauseSession,
-    Ping,
     PolicyList,
-    Pong,
     ResumeRun,
     ResumeSession,
     RunJob,
@@ -104,7 +99,6 @@ from jaild.protocol.messages import (
     SnapshotSession,
     SnapshotTaken,
     Stats,
-    Welcome,
 )
 from jaild.protocol.messages import SessionPaused as SessionPausedMsg
 from jaild.protocol.records import JobRecord
@@ -112,21 +106,14 @@ from jaild.toolhost import Approver as Approver  # the API names it here
 from jaild.toolhost import ToolHost
 from jaild.toolspec import HostTool, normalize_tools
 from jaild.transfer import Uploads, load_uploads, save_files
-from jaild.transport import (
-    Link,
-    Transport,
-    TransportOptions,
-    open_stream,
-    tls_refusal,
-    transport_of,
-)
+from jaild.transport import MAX_FRAME as MAX_FRAME  # jaild.testing's, from here
+from jaild.transport import Transport, TransportOptions, Wire, transport_of
 from jaild.version import __version__
 
 log = logging.getLogger("jaild.client")
 T = TypeVar("T")
 
 OutputCallback = Callable[[str], Any]
-MAX_FRAME = MAX_PAYLOAD_BYTES + (16 << 20)
 
 
 @dataclass(frozen=True)
@@ -688,26 +675,13 @@ class AsyncClient:
         """
         self.transport = transport_of(transport, shorthand)
         """How this client connects (:class:`~jaild.transport.Transport`)."""
-        self.address = socket_from_env(address)[0]
-        self.kind, host, self.port = parse_address(self.address)
-        self.host = host if self.kind == "tls" else ""
-        self.socket_path = host if self.kind == "unix" else ""
-        self._tls: ssl.SSLContext | None = None
-        if self.kind == "tls" and sock is None:
-            self._tls = self.transport.context()
-        elif self.transport.uses_tls_material():
-            raise ValueError(f"cert, key, ca and tls are for a tls:// address, not {self.address}")
-        self._server_name = self.transport.name_for(self.host) if self.kind == "tls" else ""
-        self._last_read = 0.0
-        self._liveness_timer: asyncio.TimerHandle | None = None
-        self._pings = 0
-        self._sock = sock
+        self._wire = Wire(socket_from_env(address)[0], self.transport, sock=sock,
+                          deliver=self._handle, ended=self._fail_all)
+        self.address = self._wire.address
+        self.kind, self.host, self.port = self._wire.kind, self._wire.host, self._wire.port
+        self.socket_path = self._wire.socket_path
         self._approve = approve
         self._name = name or f"jaild-py/{__version__}"
-        self._conn = Connection(Role.CLIENT, MAX_FRAME)
-        self._stream: asyncio.Transport | None = None
-        self._link: Link | None = None
-        self._welcome: asyncio.Future[Message | None] | None = None  # during the handshake
         self.node = ""
         """The node the daemon keeps its state on, as its ``Welcome`` named it ("" before
         connecting, or from a daemon that does not name it)."""
@@ -729,49 +703,13 @@ class AsyncClient:
 
     async def connect(self) -> None:
         """Connect and handshake. Raises DaemonUnavailable if nobody answers."""
-        loop = asyncio.get_running_loop()
-        self._welcome = loop.create_future()
-        self._stream, self._link = await open_stream(
-            self.address, lambda: Link(self._received, self._ended), sock=self._sock,
-            tls=self._tls, server_name=self._server_name,
-            connect_timeout_s=self.transport.connect_timeout_s)
-        try:
-            if not self._welcome.done():  # else refused at the door before our Hello (uvloop
-                hello = Hello(protocol=PROTOCOL_VERSION, client=self._name)  # reads at once)
-                self._stream.write(self._conn.send(hello))
-            try:
-                async with asyncio.timeout(self.transport.connect_timeout_s or None):
-                    welcome = await self._welcome
-            except TimeoutError:
-                raise ConnectionLost(
-                    f"no Welcome from {self.address} within "
-                    f"{self.transport.connect_timeout_s:g} s", reason="timeout") from None
-            except ConnectionLost as exc:
-                if self._tls is not None and exc.reason in ("closed", "reset"):
-                    # TLS 1.3: the daemon judges our certificate after our side of the
-                    # handshake is done, and drops the connection if it refuses it
-                    raise tls_refusal(exc, self.address) from None
-                raise
-            if isinstance(welcome, Error):
-                raise error_from_wire(welcome.code, welcome.message)
-            if not isinstance(welcome, Welcome):
-                raise ConnectionLost("the daemon closed the connection during the handshake")
-            self.node = welcome.node
-            self._starting = welcome.starting.to_wire() if welcome.starting else None
-        except BaseException:
-            self._stream.close()
-            await self._link.closed()
-            raise
-        finally:
-            self._welcome = None
-        self._watch_liveness()
+        welcome = await self._wire.open(Hello(protocol=PROTOCOL_VERSION, client=self._name))
+        self.node = welcome.node
+        self._starting = welcome.starting.to_wire() if welcome.starting else None
 
     async def close(self) -> None:
         self._fail_all(ConnectionLost("the client was closed", reason="local"))
-        if self._stream is not None:
-            self._stream.close()
-            assert self._link is not None
-            await self._link.closed()
+        await self._wire.close()
         self._tools.close()
 
     # ------------------------------------------------------------------ API
@@ -1101,8 +1039,7 @@ class AsyncClient:
     async def wait_closed(self) -> None:
         """Until the connection has closed: the daemon closed it, it broke, it was found
         dead (liveness) or :meth:`close` was called."""
-        if self._link is not None:
-            await self._link.closed()
+        await self._wire.closed()
 
     async def _send(self, msg: Message) -> None:
         broken = self._broken
@@ -1110,78 +1047,11 @@ class AsyncClient:
             raise ConnectionLost(broken.message, reason="not_sent") from broken  # may retry)
         if broken is not None:
             raise broken
-        if self._stream is None or self._link is None:
-            raise ConnectionLost("not connected; call connect() or use 'async with'")
-        self._stream.write(self._conn.send(msg))
-        await self._link.drain()  # returns at once unless the daemon is not reading
-
-    def _watch_liveness(self) -> None:
-        """Ping the daemon when it has been idle for a third of ``liveness_timeout_s``;
-        give up on it when it has been silent for all of it (PROTOCOL.md section 8)."""
-        bound = self.transport.liveness_timeout_s
-        if bound <= 0 or self._broken is not None or self._stream is None:
-            return
-        idle = time.monotonic() - self._last_read
-        if idle >= bound:
-            self._ended(ConnectionLost(
-                f"nothing from the daemon at {self.address} for {idle:.1f} s "
-                f"(liveness_timeout_s {bound:g}): it is dead, frozen or cut off",
-                reason="timeout",
-            ))
-            self._stream.abort()
-            return
-        period = bound / 3
-        if idle >= period:
-            self._pings += 1
-            with contextlib.suppress(JaildError):
-                self._stream.write(self._conn.send(Ping(seq=self._pings)))
-            wait = min(period, bound - idle)
-        else:
-            wait = period - idle
-        self._liveness_timer = asyncio.get_running_loop().call_later(wait, self._watch_liveness)
-
-    def _stop_liveness(self) -> None:
-        if self._liveness_timer is not None:
-            self._liveness_timer.cancel()
-            self._liveness_timer = None
-
-    def _received(self, data: bytes) -> None:
-        """Bytes from the daemon (b"": it closed the connection): every message in them is
-        handled now, in the loop iteration that read them."""
-        self._last_read = time.monotonic()
-        try:
-            self._conn.receive_data(data)
-            while True:
-                event = self._conn.next_event()
-                if event is NEED_DATA:
-                    return
-                if event is CLOSED:
-                    self._ended(ConnectionLost("the daemon closed the connection"))
-                    return
-                if isinstance(event, (Ping, Pong)):
-                    if isinstance(event, Ping) and self._stream is not None:
-                        self._stream.write(self._conn.send(Pong(seq=event.seq)))
-                    continue
-                assert isinstance(event, Message)
-                if self._welcome is not None and not self._welcome.done():
-                    self._welcome.set_result(event)  # Welcome, or the Error that refuses us
-                else:
-                    self._handle(event)
-        except RemoteProtocolError as exc:
-            self._ended(ConnectionLost(f"the daemon sent invalid data: {exc.message}",
-                                       reason="invalid"))
-            if self._stream is not None:
-                self._stream.close()
-
-    def _ended(self, exc: JaildError) -> None:
-        """The connection is over: whatever waits on it fails with ``exc``."""
-        if self._welcome is not None and not self._welcome.done():
-            self._welcome.set_exception(exc)
-        self._fail_all(exc)
+        await self._wire.send(msg)
 
     def _fail_all(self, exc: JaildError) -> None:
         self._broken = self._broken or exc
-        self._stop_liveness()
+        self._wire.stop_watching()
         for sess in self._sessions.values():
             if isinstance(exc, ConnectionLost) and exc.reason != "local":
                 sess._lose(exc)

@@ -6,24 +6,37 @@ accepted by :class:`~jaild.client.AsyncClient`, :class:`~jaild.client.Client`,
 :class:`~jaild.fleet.AsyncFleet` and :class:`~jaild.fleet.Fleet` (``transport=``); a fleet
 uses it for each of its connections. The address stays apart from it (a fleet has many).
 
-:func:`open_stream` opens the connection it describes, to a Unix socket or over TLS, and
-translates the failures a caller can act on into ``DaemonUnavailable`` with what to do;
-:class:`Link` is the asyncio protocol that hands what the daemon sends to the client.
+:class:`Wire` is a client's framed connection to its daemon below its API: the handshake,
+framing both ways, liveness. :func:`open_stream` opens the stream it runs over, to a Unix
+socket or over TLS, and translates the failures a caller can act on into
+``DaemonUnavailable`` with what to do; :class:`Link` is the asyncio protocol that hands what
+the daemon sends to the wire.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import socket
 import ssl
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypedDict
 
 from jaild.address import TLS_ENV, parse_address
-from jaild.errors import ConnectionLost, DaemonUnavailable, JaildError, PermissionDenied
+from jaild.errors import (
+    ConnectionLost,
+    DaemonUnavailable,
+    JaildError,
+    PermissionDenied,
+    RemoteProtocolError,
+    error_from_wire,
+)
+from jaild.protocol import CLOSED, NEED_DATA, Connection, Role
+from jaild.protocol.messages import MAX_PAYLOAD_BYTES, Error, Hello, Message, Ping, Pong, Welcome
 
 
 @dataclass(frozen=True)
@@ -247,3 +260,177 @@ class Link(asyncio.Protocol):
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+
+MAX_FRAME = MAX_PAYLOAD_BYTES + (16 << 20)
+"""The largest frame a client takes from its daemon (a payload and its record)."""
+
+
+class Wire:
+    """One client's framed connection to its daemon, below the client's API: opening it
+    (the stream, TLS, ``Hello`` and ``Welcome``), framing both ways, and liveness -- an
+    idle daemon is pinged every third of ``transport.liveness_timeout_s`` and given up on
+    after all of it (PROTOCOL.md section 8).
+
+    Every message after ``Welcome`` goes to ``deliver``, in the loop iteration that read
+    it; the connection's end (the daemon closed it, it broke, sent garbage or fell silent)
+    goes to ``ended``, as a ``ConnectionLost``.
+
+    Raises:
+        ValueError: TLS material in ``transport`` for an address that is not ``tls://``.
+        DaemonUnavailable: a ``tls://`` address without a usable certificate and key.
+    """
+
+    def __init__(self, address: str, transport: Transport, *, sock: socket.socket | None,
+                 deliver: Callable[[Message], None],
+                 ended: Callable[[JaildError], None]) -> None:
+        self.address = address
+        self.transport = transport
+        self.kind, host, self.port = parse_address(address)
+        self.host = host if self.kind == "tls" else ""
+        self.socket_path = host if self.kind == "unix" else ""
+        self._tls: ssl.SSLContext | None = None
+        if self.kind == "tls" and sock is None:
+            self._tls = transport.context()
+        elif transport.uses_tls_material():
+            raise ValueError(f"cert, key, ca and tls are for a tls:// address, not {address}")
+        self.server_name = transport.name_for(self.host) if self.kind == "tls" else ""
+        self._sock = sock
+        self._deliver = deliver
+        self._on_end = ended
+        self._conn = Connection(Role.CLIENT, MAX_FRAME)
+        self._stream: asyncio.Transport | None = None
+        self._link: Link | None = None
+        self._welcome: asyncio.Future[Message | None] | None = None  # during the handshake
+        self._last_read = 0.0
+        self._pings = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._watching = True  # until the end: no timer set after it
+
+    async def open(self, hello: Hello) -> Welcome:
+        """Connect, send ``hello`` and return the daemon's ``Welcome``; then watch liveness.
+
+        Raises:
+            DaemonUnavailable: nobody answers; PermissionDenied: the daemon refused this
+                client's certificate; ConnectionLost: no ``Welcome`` in time, or the
+                connection ended during the handshake; the daemon's refusal (an ``Error``
+                instead of ``Welcome``) as its exception.
+        """
+        self._welcome = asyncio.get_running_loop().create_future()
+        self._stream, self._link = await open_stream(
+            self.address, lambda: Link(self._received, self._ended), sock=self._sock,
+            tls=self._tls, server_name=self.server_name,
+            connect_timeout_s=self.transport.connect_timeout_s)
+        timeout_s = self.transport.connect_timeout_s
+        try:
+            if not self._welcome.done():  # else refused at the door before our Hello (uvloop
+                self._stream.write(self._conn.send(hello))  # reads at once)
+            try:
+                async with asyncio.timeout(timeout_s or None):
+                    welcome = await self._welcome
+            except TimeoutError:
+                raise ConnectionLost(f"no Welcome from {self.address} within {timeout_s:g} s",
+                                     reason="timeout") from None
+            except ConnectionLost as exc:
+                if self._tls is not None and exc.reason in ("closed", "reset"):
+                    # TLS 1.3: the daemon judges our certificate after our side of the
+                    # handshake is done, and drops the connection if it refuses it
+                    raise tls_refusal(exc, self.address) from None
+                raise
+            if isinstance(welcome, Error):
+                raise error_from_wire(welcome.code, welcome.message)
+            if not isinstance(welcome, Welcome):
+                raise ConnectionLost("the daemon closed the connection during the handshake")
+        except BaseException:
+            self._stream.close()
+            await self._link.closed()
+            raise
+        finally:
+            self._welcome = None
+        self._watch()
+        return welcome
+
+    async def send(self, msg: Message) -> None:
+        """Frame and write ``msg``; wait only while the daemon is not reading."""
+        if self._stream is None or self._link is None:
+            raise ConnectionLost("not connected; call connect() or use 'async with'")
+        self._stream.write(self._conn.send(msg))
+        await self._link.drain()  # returns at once unless the daemon is not reading
+
+    async def close(self) -> None:
+        """Close the connection and wait until it is closed."""
+        self.stop_watching()
+        if self._stream is not None:
+            self._stream.close()
+            assert self._link is not None
+            await self._link.closed()
+
+    async def closed(self) -> None:
+        """Until the connection has closed (at once if it never opened)."""
+        if self._link is not None:
+            await self._link.closed()
+
+    def stop_watching(self) -> None:
+        """No more liveness pings (the connection is over, for whatever reason)."""
+        self._watching = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _watch(self) -> None:
+        bound = self.transport.liveness_timeout_s
+        if bound <= 0 or not self._watching or self._stream is None:
+            return
+        idle = time.monotonic() - self._last_read
+        if idle >= bound:
+            self._ended(ConnectionLost(
+                f"nothing from the daemon at {self.address} for {idle:.1f} s "
+                f"(liveness_timeout_s {bound:g}): it is dead, frozen or cut off",
+                reason="timeout",
+            ))
+            self._stream.abort()
+            return
+        period = bound / 3
+        if idle >= period:
+            self._pings += 1
+            with contextlib.suppress(JaildError):
+                self._stream.write(self._conn.send(Ping(seq=self._pings)))
+            wait = min(period, bound - idle)
+        else:
+            wait = period - idle
+        self._timer = asyncio.get_running_loop().call_later(wait, self._watch)
+
+    def _received(self, data: bytes) -> None:
+        """Bytes from the daemon (b"": it closed the connection): every message in them is
+        handled now, in the loop iteration that read them."""
+        self._last_read = time.monotonic()
+        try:
+            self._conn.receive_data(data)
+            while True:
+                event = self._conn.next_event()
+                if event is NEED_DATA:
+                    return
+                if event is CLOSED:
+                    self._ended(ConnectionLost("the daemon closed the connection"))
+                    return
+                if isinstance(event, (Ping, Pong)):
+                    if isinstance(event, Ping) and self._stream is not None:
+                        self._stream.write(self._conn.send(Pong(seq=event.seq)))
+                    continue
+                assert isinstance(event, Message)
+                if self._welcome is not None and not self._welcome.done():
+                    self._welcome.set_result(event)  # Welcome, or the Error that refuses us
+                else:
+                    self._deliver(event)
+        except RemoteProtocolError as exc:
+            self._ended(ConnectionLost(f"the daemon sent invalid data: {exc.message}",
+                                       reason="invalid"))
+            if self._stream is not None:
+                self._stream.close()
+
+    def _ended(self, exc: JaildError) -> None:
+        """The connection is over: whatever waits on it fails with ``exc``."""
+        self.stop_watching()
+        if self._welcome is not None and not self._welcome.done():
+            self._welcome.set_exception(exc)
+        self._on_end(exc)

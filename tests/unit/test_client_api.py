@@ -337,7 +337,7 @@ def test_both_spellings_of_the_transport_give_the_same_object() -> None:
     long = AsyncClient(address, transport=Transport(**fields))
     short = AsyncClient(address, **fields)
     assert short.transport == long.transport == Transport(**fields)
-    assert short._server_name == long._server_name == "daemon.example"
+    assert short._wire.server_name == long._wire.server_name == "daemon.example"
     assert AsyncClient("/tmp/x.sock").transport == Transport()
     fleet = AsyncFleet([address], transport=Transport(**fields))
     assert fleet._factory(address).transport == long.transport
