@@ -95,7 +95,8 @@ IO_BUILTINS = frozenset({"open", "print", "input", "breakpoint", "__import__"})
 STD_STREAMS = frozenset({"stdin", "stdout", "stderr", "__stdin__", "__stdout__", "__stderr__"})
 
 CLIENT = ("jaild.client", "jaild.fleet", "jaild.transfer", "jaild.toolspec", "jaild.address",
-          "jaild.loops", "jaild.tracing")
+          "jaild.loops", "jaild.tracing", "jaild.transport", "jaild.toolhost", "jaild.blocking",
+          "jaild.version")
 FRONT_ENDS = ("jaild.cli", "jaild.codemode", "jaild.mcp_server", "jaild.envs")
 
 RUNTIME_JAILD = ("jaild.errors", "jaild.protocol", "jaild.runtime")
@@ -406,6 +407,8 @@ BREAKERS = [
     ("wrappers", "jaild.daemon.evil", "def f():\n    from opentelemetry.trace import get_tracer\n"),
     ("runtime", "jaild.runtime.evil", "def f():\n    import opentelemetry.trace\n"),
     ("client", "jaild.tracing", "from jaild.daemon.jails.job import JailedJob\n"),
+    ("client", "jaild.toolhost", "def f():\n    from jaild.mcp_server import McpServer\n"),
+    ("client", "jaild.blocking", "from jaild.daemon import private\n"),
     ("mutual", "jaild.codemode", "def f():\n    from jaild.cli import main\n"),
     ("package", "jaild.client", "from jaild import __version__\n"),
     ("package", "jaild.daemon.evil", "def f():\n    import jaild\n"),
