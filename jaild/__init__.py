@@ -2,20 +2,21 @@
 
 The public API is imported lazily so that the in-jail runtime, which only
 imports ``jaild.runtime`` and ``jaild.protocol``, never loads the client or
-daemon code.
+daemon code. ``__version__`` is :mod:`jaild.version`'s, lazily too: no module of the
+package imports from ``jaild`` itself, since that arrow back up to this file, which
+imports them, would be a circle (tests/unit/test_layering.py, rule "package").
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
 if TYPE_CHECKING:
     from jaild.client import AsyncClient, Client, JobResult
     from jaild.errors import JaildError
     from jaild.fleet import AsyncFleet, Fleet
     from jaild.toolspec import Labeled, tool
+    from jaild.version import __version__
 
 __all__ = ["AsyncClient", "AsyncFleet", "Client", "Fleet", "JaildError", "JobResult",
            "Labeled", "__version__", "tool"]
@@ -34,6 +35,10 @@ def __getattr__(name: str) -> Any:
         from jaild import toolspec
 
         return getattr(toolspec, name)
+    if name == "__version__":
+        from jaild.version import __version__
+
+        return __version__
     if name == "JaildError":
         from jaild.errors import JaildError
 

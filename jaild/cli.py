@@ -35,7 +35,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TextIO
 
-from jaild import __version__, loops
+from jaild import loops
 from jaild.address import add_tls_arguments, apply_tls_arguments, socket_from_env
 from jaild.daemon.config import DaemonConfig, default_policies_dir, default_state_dir
 from jaild.errors import (
@@ -46,6 +46,8 @@ from jaild.errors import (
     error_line,
     exit_code_for,
 )
+from jaild.providers import TOOLS_FLAG_HELP
+from jaild.version import __version__
 
 EXIT_STATUS = {
     "ok": 0,
@@ -222,21 +224,28 @@ async def _run_somewhere(
         return await _run_job(args, socket_path, code, filename, tools)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from jaild.toolspec import load_tools_file
+def _load_tools(specs: list[str]) -> dict[str, Any] | None:
+    """``--tools``' modules, as :func:`jaild.providers.load_modules` names their functions
+    (as ``jaild mcp`` and ``jaild codemode`` do); None, said on stderr, if one fails."""
+    from jaild.errors import ProviderError
+    from jaild.providers import load_modules
 
+    try:
+        return dict(load_modules(specs))
+    except ProviderError as exc:
+        _print_err(str(exc))
+        return None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
     try:
         code, filename = _read_code(args)
     except OSError as exc:
         _print_err(f"cannot read {args.file}: {exc.strerror}")
         return EXIT_USAGE
-    tools = {}
-    if args.tools:
-        try:
-            tools = load_tools_file(args.tools)
-        except Exception as exc:
-            _print_err(f"cannot load tools from {args.tools}: {type(exc).__name__}: {exc}")
-            return EXIT_USAGE
+    tools = _load_tools(args.tools)
+    if tools is None:
+        return EXIT_USAGE
     try:
         args.uploads = _uploads(args.upload)
     except (OSError, ValueError) as exc:
@@ -273,15 +282,9 @@ def cmd_session(args: argparse.Namespace) -> int:
     the same jail, seeing what earlier ones defined. Reads stdin, interactive or piped.
     The session is in the daemon at the named or default socket, else in a private daemon
     (as ``jaild run``)."""
-    from jaild.toolspec import load_tools_file
-
-    tools = {}
-    if args.tools:
-        try:
-            tools = load_tools_file(args.tools)
-        except Exception as exc:
-            _print_err(f"cannot load tools from {args.tools}: {type(exc).__name__}: {exc}")
-            return EXIT_USAGE
+    tools = _load_tools(args.tools)
+    if tools is None:
+        return EXIT_USAGE
     try:
         uploads = _uploads(args.upload)
     except (OSError, ValueError) as exc:
@@ -894,12 +897,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what the daemon logs to stderr (default: info)")
     p.set_defaults(func=cmd_serve)
 
+    def tools_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--tools", action="append", default=[], metavar="[GROUP=]FILE.py",
+                       help="(repeatable) " + TOOLS_FLAG_HELP)
+
     p = sub.add_parser("run", help="run one job and stream its output")
     client_socket_arg(p)
     daemon_args(p)
     p.add_argument("--policy", default="default",
                    help="the policy the job runs under (default: default; jaild policies)")
-    p.add_argument("--tools", help="a Python file whose public functions become tools")
+    tools_arg(p)
     p.add_argument("--timeout", type=float, help="wall-clock seconds (at most the policy's)")
     p.add_argument("--json", action="store_true", help="print only the result record, as JSON")
     p.add_argument("--label", action="append", default=[], metavar="LABEL",
@@ -915,7 +922,7 @@ def build_parser() -> argparse.ArgumentParser:
     daemon_args(p)
     p.add_argument("--policy", default="default",
                    help="the policy the session's jail runs under (default: default)")
-    p.add_argument("--tools", help="a Python file whose public functions become tools")
+    tools_arg(p)
     p.add_argument("--timeout", type=float, help="wall-clock seconds per run")
     files_args(p)
     p.set_defaults(func=cmd_session)

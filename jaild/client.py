@@ -19,7 +19,10 @@ client's event loop. Many jobs may run at once over one client (and the sync
 answered concurrently.
 
 Both clients share one core: :class:`Client` runs an :class:`AsyncClient` on a
-private event-loop thread.
+private event-loop thread, each of its methods declared from the asyncio one
+(:mod:`jaild.blocking`, as :class:`~jaild.fleet.Fleet` is). How the client connects is one
+record, :class:`~jaild.transport.Transport` (``transport=``); the handlers of a job's tool
+calls run in :class:`~jaild.toolhost.ToolHost`.
 
 A job or session started where an OpenTelemetry span is current carries that span's
 context to the daemon (``RunJob.traceparent``, :func:`jaild.tracing.current_traceparent`;
@@ -31,30 +34,23 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import inspect
 import itertools
 import logging
-import os
 import socket
-import ssl
-import threading
-import time
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypedDict, Unpack
+from typing import Any, TypedDict, TypeVar, Unpack
 
-from jaild import __version__, loops, tracing
-from jaild.address import TLS_ENV, parse_address, socket_from_env
+from jaild import loops, tracing
+from jaild.address import socket_from_env
+from jaild.blocking import Portal, blocking, wrapping
 from jaild.errors import (
     ConnectionLost,
-    DaemonUnavailable,
     JaildError,
-    PermissionDenied,
     RemoteProtocolError,
     SessionLost,
     SessionPaused,
@@ -64,18 +60,14 @@ from jaild.errors import (
 from jaild.errors import (
     SessionClosed as SessionClosedError,
 )
-from jaild.errors import ToolCallDenied as _Denied
-from jaild.protocol import CLOSED, NEED_DATA, PROTOCOL_VERSION, Connection, Role, pack, unpack
+from jaild.protocol import PROTOCOL_VERSION, unpack
 from jaild.protocol.messages import (
-    MAX_PAYLOAD_BYTES,
     ApprovalList,
     ApprovalPending,
     ApprovalRecorded,
     ApproveCall,
     CancelJob,
     ClientCallTool,
-    ClientToolFailed,
-    ClientToolReturned,
     CloseSession,
     DeleteSnapshot,
     Error,
@@ -95,9 +87,7 @@ from jaild.protocol.messages import (
     Message,
     OpenSession,
     PauseSession,
-    Ping,
     PolicyList,
-    Pong,
     ResumeRun,
     ResumeSession,
     RunJob,
@@ -109,19 +99,21 @@ from jaild.protocol.messages import (
     SnapshotSession,
     SnapshotTaken,
     Stats,
-    Welcome,
-    safe_text,
 )
 from jaild.protocol.messages import SessionPaused as SessionPausedMsg
 from jaild.protocol.records import JobRecord
-from jaild.toolspec import HostTool, Labeled, normalize_tools
+from jaild.toolhost import Approver as Approver  # the API names it here
+from jaild.toolhost import ToolHost
+from jaild.toolspec import HostTool, normalize_tools
 from jaild.transfer import Uploads, load_uploads, save_files
+from jaild.transport import MAX_FRAME as MAX_FRAME  # jaild.testing's, from here
+from jaild.transport import Transport, TransportOptions, Wire, transport_of
+from jaild.version import __version__
 
 log = logging.getLogger("jaild.client")
+T = TypeVar("T")
 
 OutputCallback = Callable[[str], Any]
-MAX_FRAME = MAX_PAYLOAD_BYTES + (16 << 20)
-TOOL_RESULT_LIMIT = MAX_PAYLOAD_BYTES
 
 
 @dataclass(frozen=True)
@@ -243,11 +235,6 @@ def _plain(value: Any) -> Any:
 RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(JobRecord))
 """The record's fields, which :class:`JobResult` has too, plus ``result`` and ``downloads``
 (tests/unit/test_client_api.py holds the two lists equal)."""
-
-
-Approver = Callable[[str, list[Any], dict[str, Any]], Any]
-"""``approve(tool, args, kwargs)`` -> True to allow the call, False or ``(False, "why")`` to
-deny it (plain or async). Asked for tools marked ``approval`` (by the client or the policy)."""
 
 
 class RunOptions(TypedDict, total=False):
@@ -656,17 +643,12 @@ class AsyncClient:
         self,
         address: str | None = None,
         *,
+        transport: Transport | None = None,
         name: str = "",
         handler_threads: int = 64,
         approve: Approver | None = None,
         sock: socket.socket | None = None,
-        cert: str | None = None,
-        key: str | None = None,
-        ca: str | None = None,
-        server_name: str | None = None,
-        tls: ssl.SSLContext | None = None,
-        liveness_timeout_s: float = 30.0,
-        connect_timeout_s: float = 30.0,
+        **shorthand: Unpack[TransportOptions],
     ) -> None:
         """A client of the daemon at ``address`` (default: ``$JAILD_SOCKET``, else
         ``/run/jaild/jaild.sock``); :meth:`connect` (or ``async with``) connects.
@@ -674,52 +656,32 @@ class AsyncClient:
         Args:
             address: the daemon's Unix socket path (or ``unix:///path``), or
                 ``tls://HOST:PORT`` for a daemon's network listener.
+            transport: how to connect (:class:`~jaild.transport.Transport`: TLS material,
+                the daemon's certificate name, the connect and liveness timeouts).
             name: what the client calls itself in its ``Hello`` (the daemon's logs).
             handler_threads: threads for synchronous tool handlers.
             approve: asked for tools that need approval (see :data:`Approver`).
             sock: a connected stream socket to speak over instead of connecting to
                 ``address`` (one end of a socketpair: :mod:`jaild.testing`).
-            cert, key: over TLS, this client's certificate chain and private key (PEM
-                files; default: ``$JAILD_TLS_CERT``, ``$JAILD_TLS_KEY``): the daemon
-                serves the client as the principal the certificate names.
-            ca: over TLS, the CA bundle (PEM) that signs the daemon's certificate
-                (default: ``$JAILD_TLS_CA``, else the system's).
-            server_name: over TLS, the name the daemon's certificate must hold (default:
-                ``$JAILD_TLS_SERVER_NAME``, else the address's host).
-            tls: over TLS, a ready ``ssl.SSLContext`` instead of ``cert``/``key``/``ca``.
-            liveness_timeout_s: a daemon this client has read nothing from for this long
-                (it pings an idle one every third of it) is lost -- dead, frozen or
-                partitioned away: everything in flight fails with ``ConnectionLost``
-                (``reason = "timeout"``). 0: off.
-            connect_timeout_s: how long connecting (and the TLS handshake) may take.
+            **shorthand: ``Transport``'s fields as keywords (``cert=``, ``key=``, ``ca=``,
+                ``server_name=``, ``tls=``, ``liveness_timeout_s=``,
+                ``connect_timeout_s=``), building the ``transport``: the spelling of
+                earlier releases, kept for this one (not with ``transport=``).
+
+        Raises:
+            TypeError: ``transport`` and shorthand keywords both, or an unknown keyword.
+            ValueError: TLS material for an address that is not ``tls://``.
+            DaemonUnavailable: a ``tls://`` address without a usable certificate and key.
         """
-        self.address = socket_from_env(address)[0]
-        self.kind, host, self.port = parse_address(self.address)
-        self.host = host if self.kind == "tls" else ""
-        self.socket_path = host if self.kind == "unix" else ""
-        self._tls: ssl.SSLContext | None = None
-        if self.kind == "tls" and sock is None:
-            env = os.environ.get
-            server_name = server_name or env(TLS_ENV["server_name"]) or None
-            self._tls = tls or client_context(
-                cert or env(TLS_ENV["cert"]), key or env(TLS_ENV["key"]),
-                ca or env(TLS_ENV["ca"]),
-            )
-        elif cert or key or ca or tls:
-            raise ValueError(f"cert, key, ca and tls are for a tls:// address, not {self.address}")
-        self._server_name = server_name or self.host
-        self._liveness_s = liveness_timeout_s
-        self._connect_timeout_s = connect_timeout_s
-        self._last_read = 0.0
-        self._liveness_timer: asyncio.TimerHandle | None = None
-        self._pings = 0
-        self._sock = sock
+        self.transport = transport_of(transport, shorthand)
+        """How this client connects (:class:`~jaild.transport.Transport`)."""
+        self._wire = Wire(socket_from_env(address)[0], self.transport, sock=sock,
+                          deliver=self._handle, ended=self._fail_all)
+        self.address = self._wire.address
+        self.kind, self.host, self.port = self._wire.kind, self._wire.host, self._wire.port
+        self.socket_path = self._wire.socket_path
         self._approve = approve
         self._name = name or f"jaild-py/{__version__}"
-        self._conn = Connection(Role.CLIENT, MAX_FRAME)
-        self._transport: asyncio.Transport | None = None
-        self._link: _Link | None = None
-        self._welcome: asyncio.Future[Message | None] | None = None  # during the handshake
         self.node = ""
         """The node the daemon keeps its state on, as its ``Welcome`` named it ("" before
         connecting, or from a daemon that does not name it)."""
@@ -730,8 +692,7 @@ class AsyncClient:
         self._jobs: dict[str, _Job] = {}
         self._sessions: dict[str, AsyncSession] = {}
         self._broken: JaildError | None = None
-        self._handler_threads = handler_threads
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._tools = ToolHost(handler_threads)
 
     async def __aenter__(self) -> AsyncClient:
         await self.connect()
@@ -742,93 +703,14 @@ class AsyncClient:
 
     async def connect(self) -> None:
         """Connect and handshake. Raises DaemonUnavailable if nobody answers."""
-        loop = asyncio.get_running_loop()
-        self._welcome = loop.create_future()
-        self._transport, self._link = await self._open_transport(lambda: _Link(self))
-        try:
-            if not self._welcome.done():  # else refused at the door before our Hello (uvloop
-                hello = Hello(protocol=PROTOCOL_VERSION, client=self._name)  # reads at once)
-                self._transport.write(self._conn.send(hello))
-            try:
-                async with asyncio.timeout(self._connect_timeout_s or None):
-                    welcome = await self._welcome
-            except TimeoutError:
-                raise ConnectionLost(f"no Welcome from {self.address} within "
-                                     f"{self._connect_timeout_s:g} s", reason="timeout") from None
-            except ConnectionLost as exc:
-                if self._tls is not None and exc.reason in ("closed", "reset"):
-                    # TLS 1.3: the daemon judges our certificate after our side of the
-                    # handshake is done, and drops the connection if it refuses it
-                    raise _tls_refusal(exc, self.address) from None
-                raise
-            if isinstance(welcome, Error):
-                raise error_from_wire(welcome.code, welcome.message)
-            if not isinstance(welcome, Welcome):
-                raise ConnectionLost("the daemon closed the connection during the handshake")
-            self.node = welcome.node
-            self._starting = welcome.starting.to_wire() if welcome.starting else None
-        except BaseException:
-            self._transport.close()
-            await self._link.closed()
-            raise
-        finally:
-            self._welcome = None
-        self._watch_liveness()
-
-    async def _open_transport(
-        self, link: Callable[[], _Link]
-    ) -> tuple[asyncio.Transport, _Link]:
-        """The connection to the daemon: over ``sock`` if given, else to its socket."""
-        loop = asyncio.get_running_loop()
-        if self._sock is not None:
-            return await loop.create_unix_connection(link, sock=self._sock)
-        if self._tls is not None:
-            try:
-                async with asyncio.timeout(self._connect_timeout_s or None):
-                    return await loop.create_connection(
-                        link, self.host, self.port, ssl=self._tls,
-                        server_hostname=self._server_name,
-                        ssl_handshake_timeout=self._connect_timeout_s or None,
-                    )
-            except ssl.SSLCertVerificationError as exc:
-                raise DaemonUnavailable(
-                    f"the daemon at {self.address} is not trusted: {exc.verify_message} "
-                    "(is ca= the CA that signs its certificate, and server_name its name?)"
-                ) from None
-            except (ssl.SSLError, ConnectionResetError) as exc:
-                raise DaemonUnavailable(
-                    f"the TLS handshake with {self.address} failed: {exc} (a jaild daemon "
-                    "speaks TLS 1.3 only, and requires a client certificate)"
-                ) from None
-            except TimeoutError:
-                raise DaemonUnavailable(
-                    f"no answer from {self.address} within {self._connect_timeout_s:g} s"
-                ) from None
-            except OSError as exc:
-                raise DaemonUnavailable(
-                    f"no jaild daemon at {self.address} ({exc.strerror or exc})"
-                ) from None
-        try:
-            return await loop.create_unix_connection(link, self.socket_path)
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            raise DaemonUnavailable(
-                f"no jaild daemon at {self.socket_path} ({exc.strerror}); start one with "
-                "'jaild serve' or set JAILD_SOCKET"
-            ) from None
-        except PermissionError:
-            raise DaemonUnavailable(
-                f"permission denied connecting to {self.socket_path}; ask the operator to add "
-                "you to the daemon's socket group"
-            ) from None
+        welcome = await self._wire.open(Hello(protocol=PROTOCOL_VERSION, client=self._name))
+        self.node = welcome.node
+        self._starting = welcome.starting.to_wire() if welcome.starting else None
 
     async def close(self) -> None:
         self._fail_all(ConnectionLost("the client was closed", reason="local"))
-        if self._transport is not None:
-            self._transport.close()
-            assert self._link is not None
-            await self._link.closed()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        await self._wire.close()
+        self._tools.close()
 
     # ------------------------------------------------------------------ API
 
@@ -1157,8 +1039,7 @@ class AsyncClient:
     async def wait_closed(self) -> None:
         """Until the connection has closed: the daemon closed it, it broke, it was found
         dead (liveness) or :meth:`close` was called."""
-        if self._link is not None:
-            await self._link.closed()
+        await self._wire.closed()
 
     async def _send(self, msg: Message) -> None:
         broken = self._broken
@@ -1166,78 +1047,11 @@ class AsyncClient:
             raise ConnectionLost(broken.message, reason="not_sent") from broken  # may retry)
         if broken is not None:
             raise broken
-        if self._transport is None or self._link is None:
-            raise ConnectionLost("not connected; call connect() or use 'async with'")
-        self._transport.write(self._conn.send(msg))
-        await self._link.drain()  # returns at once unless the daemon is not reading
-
-    def _watch_liveness(self) -> None:
-        """Ping the daemon when it has been idle for a third of ``liveness_timeout_s``;
-        give up on it when it has been silent for all of it (PROTOCOL.md section 8)."""
-        bound = self._liveness_s
-        if bound <= 0 or self._broken is not None or self._transport is None:
-            return
-        idle = time.monotonic() - self._last_read
-        if idle >= bound:
-            self._ended(ConnectionLost(
-                f"nothing from the daemon at {self.address} for {idle:.1f} s "
-                f"(liveness_timeout_s {bound:g}): it is dead, frozen or cut off",
-                reason="timeout",
-            ))
-            self._transport.abort()
-            return
-        period = bound / 3
-        if idle >= period:
-            self._pings += 1
-            with contextlib.suppress(JaildError):
-                self._transport.write(self._conn.send(Ping(seq=self._pings)))
-            wait = min(period, bound - idle)
-        else:
-            wait = period - idle
-        self._liveness_timer = asyncio.get_running_loop().call_later(wait, self._watch_liveness)
-
-    def _stop_liveness(self) -> None:
-        if self._liveness_timer is not None:
-            self._liveness_timer.cancel()
-            self._liveness_timer = None
-
-    def _received(self, data: bytes) -> None:
-        """Bytes from the daemon (b"": it closed the connection): every message in them is
-        handled now, in the loop iteration that read them."""
-        self._last_read = time.monotonic()
-        try:
-            self._conn.receive_data(data)
-            while True:
-                event = self._conn.next_event()
-                if event is NEED_DATA:
-                    return
-                if event is CLOSED:
-                    self._ended(ConnectionLost("the daemon closed the connection"))
-                    return
-                if isinstance(event, (Ping, Pong)):
-                    if isinstance(event, Ping) and self._transport is not None:
-                        self._transport.write(self._conn.send(Pong(seq=event.seq)))
-                    continue
-                assert isinstance(event, Message)
-                if self._welcome is not None and not self._welcome.done():
-                    self._welcome.set_result(event)  # Welcome, or the Error that refuses us
-                else:
-                    self._handle(event)
-        except RemoteProtocolError as exc:
-            self._ended(ConnectionLost(f"the daemon sent invalid data: {exc.message}",
-                                       reason="invalid"))
-            if self._transport is not None:
-                self._transport.close()
-
-    def _ended(self, exc: JaildError) -> None:
-        """The connection is over: whatever waits on it fails with ``exc``."""
-        if self._welcome is not None and not self._welcome.done():
-            self._welcome.set_exception(exc)
-        self._fail_all(exc)
+        await self._wire.send(msg)
 
     def _fail_all(self, exc: JaildError) -> None:
         self._broken = self._broken or exc
-        self._stop_liveness()
+        self._wire.stop_watching()
         for sess in self._sessions.values():
             if isinstance(exc, ConnectionLost) and exc.reason != "local":
                 sess._lose(exc)
@@ -1315,7 +1129,7 @@ class AsyncClient:
                     except Exception:
                         log.exception("on_%s callback failed", msg.stream)
         elif isinstance(msg, ClientCallTool):
-            task = asyncio.get_running_loop().create_task(self._call_tool(msg.job_id, job, msg))
+            task = asyncio.get_running_loop().create_task(self._answer(job, msg))
             job.calls.add(task)
             task.add_done_callback(job.calls.discard)
         elif isinstance(msg, ApprovalPending):
@@ -1331,206 +1145,29 @@ class AsyncClient:
                 job.session.info = {"policy": msg.record.policy}
             job.finished.set_result(JobResult.from_wire(msg.record, msg.result, msg.files))
 
-    async def _approved(
-        self, job: _Job, name: str, args: list[Any], kwargs: dict[str, Any]
-    ) -> tuple[bool, str]:
-        """Ask the job's approval callback (plain ones run in a worker thread: they may
-        prompt a human). No callback: denied."""
-        approve = job.approve
-        if approve is None:
-            return False, f"{name} needs approval and this client has no approve callback"
-        if inspect.iscoroutinefunction(approve):
-            answer = await approve(name, args, kwargs)
-        else:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    self._handler_threads, thread_name_prefix="jaild-tool"
-                )
-            answer = await asyncio.get_running_loop().run_in_executor(
-                self._executor, functools.partial(approve, name, args, kwargs)
-            )
-        if isinstance(answer, tuple):
-            allowed, why = bool(answer[0]), str(answer[1]) if len(answer) > 1 else ""
-        else:
-            allowed, why = bool(answer), ""
-        return allowed, why or (f"{name}: approved" if allowed else f"{name}: denied by the client")
+    async def _answer(self, job: _Job, call: ClientCallTool) -> None:
+        """Answer a job's tool call with its handler's result (:class:`ToolHost`)."""
+        reply = await self._tools.call(job.tools, job.approve, call)
+        with contextlib.suppress(JaildError, ConnectionError, OSError):
+            await self._send(reply)
 
     async def _decide(self, job: _Job, pending: ApprovalPending) -> None:
-        """A call held by the daemon for approval (a policy with ``[approvals]``): ask the
-        job's approve callback and tell the daemon; without one, the policy's approvers
-        decide (``jaild approve``) and the run waits."""
-        if job.approve is None:
-            log.info("job %s: call %d (%s) waits for an approver", pending.job_id,
-                     pending.call_id, pending.name)
+        """A call held by the daemon for approval: the job's approve callback decides it
+        (:meth:`ToolHost.decide`); without one, the policy's approvers do."""
+        decision = await self._tools.decide(job.approve, pending)
+        if decision is None:
             return
         try:
-            decoded = unpack(pending.args)
-            args, kwargs = (list(decoded[0]), dict(decoded[1])) if isinstance(decoded, list) \
-                else ([], {})
-        except Exception:
-            args, kwargs = [], {}
-        try:
-            allowed, why = await self._approved(job, pending.name, args, kwargs)
-        except Exception as exc:
-            allowed, why = False, f"{pending.name}: the approve callback failed: {exc!r}"
-        try:
-            await self.approve(pending.job_id, pending.call_id, allowed, why)
+            await self.approve(pending.job_id, pending.call_id, *decision)
         except JaildError as exc:  # not an approver here, or decided by someone else
             log.warning("job %s: call %d not decided by this client: %s", pending.job_id,
                         pending.call_id, exc)
 
-    async def _call_tool(self, job_id: str, job: _Job, call: ClientCallTool) -> None:
-        tool = job.tools.get(call.name)
-        reply: Message
-        try:
-            if tool is None:
-                raise LookupError(f"no tool named {call.name!r} in this client")
-            decoded = unpack(call.args)
-            if not (
-                isinstance(decoded, list)
-                and len(decoded) == 2
-                and isinstance(decoded[0], list)
-                and isinstance(decoded[1], dict)
-                and all(isinstance(k, str) for k in decoded[1])
-            ):
-                raise TypeError("malformed tool arguments from the jail")
-            args, kwargs = decoded
-            if call.approval:
-                allowed, why = await self._approved(job, call.name, args, kwargs)
-                if not allowed:
-                    raise _Denied(why)
-            if tool.is_async:
-                value = await tool.handler(*args, **kwargs)
-            else:
-                if self._executor is None:
-                    self._executor = concurrent.futures.ThreadPoolExecutor(
-                        self._handler_threads, thread_name_prefix="jaild-tool"
-                    )
-                value = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, functools.partial(tool.handler, *args, **kwargs)
-                )
-            labels: tuple[str, ...] = ()
-            if isinstance(value, Labeled):
-                value, labels = value.value, value.labels
-            packed = pack(value)
-            if len(packed) > TOOL_RESULT_LIMIT:
-                raise ValueError(f"result of {call.name} is {len(packed)} bytes; too large to send")
-            reply = ClientToolReturned(job_id=job_id, call_id=call.call_id, value=packed,
-                                       labels=labels)
-        except asyncio.CancelledError:
-            raise
-        except _Denied as exc:
-            reply = ClientToolFailed(
-                job_id=job_id, call_id=call.call_id, error_type="denied",
-                message=safe_text(str(exc), 4096),
-            )
-        except Exception as exc:
-            log.debug("tool %s raised", call.name, exc_info=True)
-            try:
-                message = str(exc)
-            except Exception:
-                message = "<str() of the exception failed>"
-            reply = ClientToolFailed(
-                job_id=job_id,
-                call_id=call.call_id,
-                error_type=safe_text(type(exc).__name__, 256) or "Exception",
-                message=safe_text(message, 4096),
-            )
-        with contextlib.suppress(JaildError, ConnectionError, OSError):
-            await self._send(reply)
 
-
-
-def client_context(cert: str | None, key: str | None, ca: str | None) -> ssl.SSLContext:
-    """A client's TLS context: TLS 1.3, the daemon's certificate verified against ``ca``
-    (default: the system's CAs) and its name checked, this client's certificate presented.
-
-    Raises:
-        DaemonUnavailable: no certificate or key (the daemon requires a client certificate),
-            or a file that cannot be used (named): no daemon can be reached so.
-    """
-    if not cert or not key:
-        raise DaemonUnavailable(
-            "a tls:// address needs this client's certificate and key: cert= and key= "
-            "($JAILD_TLS_CERT and $JAILD_TLS_KEY; --tls-cert and --tls-key on the command "
-            "line): the daemon lets in no client without one"
-        )
-    try:
-        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
-    except (OSError, ssl.SSLError) as exc:
-        raise DaemonUnavailable(f"ca {ca}: cannot be used: {exc}") from None
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    try:
-        ctx.load_cert_chain(cert, key)
-    except (OSError, ssl.SSLError) as exc:
-        raise DaemonUnavailable(f"cert {cert} / key {key}: cannot be used: {exc}") from None
-    return ctx
-
-
-def _tls_refusal(exc: ConnectionLost, address: str) -> PermissionDenied:
-    """A TLS connection dropped before ``Welcome``: the daemon refused this client's
-    certificate (none, expired, not yet valid, signed by a CA it does not trust, or naming
-    a principal its CA may not name) and says which only in its audit log -- a refused
-    client learns nothing it could probe with."""
-    return PermissionDenied(
-        f"the daemon at {address} refused this client's certificate during the TLS "
-        f"handshake ({exc.message}): is it signed by a CA the daemon trusts "
-        "(tls.client_ca, or tls.scoped_client_cas for the name it carries), and valid now? "
-        "The daemon's audit log names the reason."
-    )
-
-
-class _Link(asyncio.Protocol):
-    """An :class:`AsyncClient`'s connection, as asyncio's protocol: what the daemon sends is
-    handed to the client as it is read; writes wait only while the daemon is not reading."""
-
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
-        self._paused = False
-        self._drainers: list[asyncio.Future[None]] = []
-        self._lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def data_received(self, data: bytes) -> None:
-        self._client._received(data)
-
-    def eof_received(self) -> bool:
-        self._client._received(b"")
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if exc is None:
-            lost = ConnectionLost("the connection was closed")
-        else:
-            lost = ConnectionLost(f"connection to the daemon lost: {exc}", reason="reset")
-            lost.__cause__ = exc
-        self._client._ended(lost)
-        self._paused = False
-        self._wake()
-        if not self._lost.done():
-            self._lost.set_result(None)
-
-    def pause_writing(self) -> None:
-        self._paused = True
-
-    def resume_writing(self) -> None:
-        self._paused = False
-        self._wake()
-
-    async def drain(self) -> None:
-        """Until the transport's buffer is below its low-water mark."""
-        if self._paused:
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._drainers.append(waiter)
-            await waiter
-
-    async def closed(self) -> None:
-        await asyncio.shield(self._lost)
-
-    def _wake(self) -> None:
-        waiters, self._drainers = self._drainers, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+BLOCKING = {"AsyncClient": "Client", "AsyncJob": "Job", "AsyncSession": "Session",
+            "async with": "with", "await ": "", "awaiting task is cancelled":
+            "caller is interrupted (``KeyboardInterrupt``)"}
+"""How an asyncio docstring reads for the blocking class (:func:`jaild.blocking.blocking`)."""
 
 
 class Client:
@@ -1538,43 +1175,40 @@ class Client:
 
     Runs an :class:`AsyncClient` on a private event-loop thread (``event_loop``: "asyncio",
     "uvloop" or "auto", see :mod:`jaild.loops`). Output callbacks are called from that
-    thread; plain tool handlers from worker threads.
+    thread; plain tool handlers from worker threads. Connects in its constructor.
     """
 
     def __init__(
         self,
         address: str | None = None,
         *,
+        transport: Transport | None = None,
         name: str = "",
         handler_threads: int = 64,
         approve: Approver | None = None,
         event_loop: str = loops.DEFAULT,
-        cert: str | None = None,
-        key: str | None = None,
-        ca: str | None = None,
-        server_name: str | None = None,
-        tls: ssl.SSLContext | None = None,
-        liveness_timeout_s: float = 30.0,
-        connect_timeout_s: float = 30.0,
+        **shorthand: Unpack[TransportOptions],
     ) -> None:
         """A connected client of the daemon at ``address``; the arguments are
         :class:`AsyncClient`'s, and ``event_loop`` the private loop's kind."""
-        client = AsyncClient(
-            address, name=name, handler_threads=handler_threads, approve=approve,
-            cert=cert, key=key, ca=ca, server_name=server_name, tls=tls,
-            liveness_timeout_s=liveness_timeout_s, connect_timeout_s=connect_timeout_s,
+        self._client = AsyncClient(
+            address, transport=transport, name=name, handler_threads=handler_threads,
+            approve=approve, **shorthand,
         )  # before the thread: a bad argument raises here, with nothing to stop
-        self._loop = loops.new_event_loop(event_loop)
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="jaild-client", daemon=True
-        )
-        self._thread.start()
-        self._client = client
+        self._portal = Portal(event_loop, "jaild-client")
         try:
             self._call(self._client.connect())
         except BaseException:
-            self._shutdown_loop()
+            self._portal.close()
             raise
+
+    @property
+    def _async(self) -> AsyncClient:
+        return self._client
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the client's thread and wait for it (:meth:`Portal.call`)."""
+        return self._portal.call(coro)
 
     @property
     def lost(self) -> JaildError | None:
@@ -1592,6 +1226,11 @@ class Client:
         return self._client.starting
 
     @property
+    def transport(self) -> Transport:
+        """As :attr:`AsyncClient.transport`: how this client connects."""
+        return self._client.transport
+
+    @property
     def socket_path(self) -> str:
         return self._client.socket_path
 
@@ -1599,210 +1238,33 @@ class Client:
     def address(self) -> str:
         return self._client.address
 
-    def _call(self, coro: Any) -> Any:
-        """Run ``coro`` on the client's thread and wait for it -- in the caller's trace
-        context, if it has one, so that a job sent by it joins the caller's trace."""
-        context = tracing.caller_context()
-        if context is not None:
-            coro = tracing.within(context, coro)
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return fut.result()
-        except KeyboardInterrupt:
-            fut.cancel()
-            raise
-
-    def run(
-        self,
-        code: str,
-        policy: str = "default",
-        tools: Mapping[str, Any] | Iterable[Any] | None = None,
-        **options: Unpack[RunOptions],
-    ) -> JobResult:
-        """Run ``code`` in a fresh jail and return its result record (:meth:`submit`, then
-        :meth:`Job.result`). A ``KeyboardInterrupt`` while waiting cancels the job.
-
-        Args:
-            code: Python source; may use top-level ``await`` and the ``tools`` global.
-            policy: the policy to run under.
-            tools: host tools, as ``{"name": fn}`` or ``[fn, ...]`` (plain or async functions).
-            **options: the run's options: :class:`RunOptions`.
-
-        Returns:
-            The job's :class:`JobResult`. A job that runs and fails is *not* an exception:
-            look at ``result.status``.
-
-        Raises:
-            JaildError: the daemon refused the job (``UnknownPolicy``, ``PolicyUnavailable``,
-                ``BadRequest`` for looser limits, ``PermissionDenied``, ``Busy``, ...;
-                ``Starting``: the daemon was still starting when its
-                ``limits.startup_wait_s`` had passed -- until then the job waits), or
-                the connection failed (``ConnectionLost``).
-            TypeError, ValueError: a tool that is not callable, a bad or repeated tool
-                name, or a file in ``files`` that cannot be uploaded (``UploadError``);
-                nothing was sent.
-        """
-        return self._call(self._client._run(code, policy, tools, options))  # type: ignore[no-any-return]
-
-    def submit(
-        self,
-        code: str,
-        policy: str = "default",
-        tools: Mapping[str, Any] | Iterable[Any] | None = None,
-        **options: Unpack[RunOptions],
-    ) -> Job:
-        """Start ``code`` in a fresh jail without waiting for it; return once the daemon
-        accepted it (see :meth:`AsyncClient.submit`).
-
-        Args:
-            code: Python source; may use top-level ``await`` and the ``tools`` global.
-            policy: the policy to run under.
-            tools: host tools, as ``{"name": fn}`` or ``[fn, ...]`` (plain or async functions).
-            **options: the run's options: :class:`RunOptions`.
-
-        Returns:
-            A :class:`Job`: its ``job_id``, ``job.result(timeout=...)``, ``job.cancel()``.
-
-        Raises:
-            JaildError: the daemon refused the job (``UnknownPolicy``, ``PolicyUnavailable``,
-                ``BadRequest`` for looser limits, ``PermissionDenied``, ``Busy``, ...;
-                ``Starting``: the daemon was still starting when its
-                ``limits.startup_wait_s`` had passed -- until then the job waits), or
-                the connection failed (``ConnectionLost``).
-            TypeError, ValueError: a tool that is not callable, a bad or repeated tool
-                name, or a file in ``files`` that cannot be uploaded (``UploadError``);
-                nothing was sent.
-        """
-        return Job(self, self._call(self._client._submit(code, policy, tools, options)))
-
-    def policies(self) -> list[dict[str, Any]]:
-        return self._call(self._client.policies())  # type: ignore[no-any-return]
-
-    def jobs(self) -> list[dict[str, Any]]:
-        """See :meth:`AsyncClient.jobs`."""
-        return self._call(self._client.jobs())  # type: ignore[no-any-return]
-
-    def kill(self, ident: str) -> str:
-        """See :meth:`AsyncClient.kill`."""
-        return self._call(self._client.kill(ident))  # type: ignore[no-any-return]
-
-    def stats(self) -> dict[str, Any]:
-        """See :meth:`AsyncClient.stats`."""
-        return self._call(self._client.stats())  # type: ignore[no-any-return]
-
-    def session(
-        self,
-        policy: str = "default",
-        tools: Mapping[str, Any] | Iterable[Any] | None = None,
-        *,
-        limits: Mapping[str, float] | None = None,
-        idle_s: float | None = None,
-        max_lifetime_s: float | None = None,
-        pause_after_s: float | None = None,
-        approve: Approver | None = None,
-        labels: Iterable[str] = (),
-    ) -> Session:
-        """A session: one jail kept for many runs that share variables, functions and imports.
-
-        ``with client.session(...) as s: s.run("x = 1"); s.run("x + 1")``.
-        Nothing is sent until the session is opened (``with`` or ``open()``).
-
-        Args:
-            policy: the policy the session's jail runs under.
-            tools: host tools for every run, as ``{"name": fn}`` or ``[fn, ...]`` (plain or
-                async functions).
-            limits: the limits of each run (``wall_time_s``, ``cpu_time_s``, ...), and
-                ``memory_mb`` / ``pids`` for the whole session; each may only be stricter
-                than the policy's.
-            idle_s: end the session after this many seconds without a run; may only
-                tighten the policy's ``[session] idle_s``.
-            max_lifetime_s: end the session this many seconds after it opened; may only
-                tighten the policy's ``[session] max_lifetime_s``.
-            pause_after_s: pause the session to disk after this many seconds without a
-                run (its jail is released; the next run restores it); may only tighten the
-                policy's ``[session] pause_after_s``.
-            approve: the approval callback for the runs' tools marked ``approval``
-                (default: the client's); without one such calls are denied.
-            labels: information-flow labels the session holds from its start (as a run's
-                ``labels``: what the caller passes on of what it read).
-
-        Returns:
-            A :class:`Session`, not yet open.
-
-        Raises:
-            TypeError, ValueError: a tool that is not callable, or a bad or repeated tool
-                name.
-        """
-        return Session(
-            self,
-            self._client.session(
-                policy, tools, limits=limits, idle_s=idle_s, max_lifetime_s=max_lifetime_s,
-                pause_after_s=pause_after_s, approve=approve, labels=labels,
-            ),
-        )
-
-    def restore(
-        self,
-        snapshot_id: str,
-        tools: Mapping[str, Any] | Iterable[Any] | None = None,
-        *,
-        policy: str | None = None,
-        limits: Mapping[str, float] | None = None,
-        idle_s: float | None = None,
-        max_lifetime_s: float | None = None,
-        pause_after_s: float | None = None,
-        approve: Approver | None = None,
-    ) -> Session:
-        """As :meth:`AsyncClient.restore`: a session (not yet open) whose state is the
-        snapshot's, in a fresh jail. ``with client.restore(snapshot_id) as s: ...``."""
-        return Session(self, self._client.restore(
-            snapshot_id, tools, policy=policy, limits=limits, idle_s=idle_s,
-            max_lifetime_s=max_lifetime_s, pause_after_s=pause_after_s, approve=approve))
-
-    def approve(self, job_id: str, call_id: int, allow: bool = True, reason: str = "") -> None:
-        """As :meth:`AsyncClient.approve`."""
-        self._call(self._client.approve(job_id, call_id, allow, reason))
-
-    def approvals(self) -> list[dict[str, Any]]:
-        """As :meth:`AsyncClient.approvals`."""
-        return self._call(self._client.approvals())  # type: ignore[no-any-return]
-
-    def resume_run(
-        self,
-        job_id: str,
-        tools: Mapping[str, Any] | Iterable[Any] | None = None,
-        *,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        approve: Approver | None = None,
-    ) -> Job:
-        """As :meth:`AsyncClient.resume_run`: ``job.result()`` waits for the run's end."""
-        job = self._call(self._client.resume_run(job_id, tools, on_stdout=on_stdout,
-                                                 on_stderr=on_stderr, approve=approve))
-        return Job(self, job)  # job.session: a session run's session
-
-    def snapshots(self) -> list[dict[str, Any]]:
-        """As :meth:`AsyncClient.snapshots`."""
-        return self._call(self._client.snapshots())  # type: ignore[no-any-return]
-
-    def delete_snapshot(self, snapshot_id: str) -> None:
-        """As :meth:`AsyncClient.delete_snapshot`."""
-        self._call(self._client.delete_snapshot(snapshot_id))
-
-    def cancel(self, job_id: str) -> None:
-        self._call(self._client.cancel(job_id))
+    run = blocking(AsyncClient.run, renames=BLOCKING)
+    submit = blocking(AsyncClient.submit, wrap=lambda c, job: Job(c, job), returns="Job",
+                      renames=BLOCKING)
+    policies = blocking(AsyncClient.policies, renames=BLOCKING)
+    jobs = blocking(AsyncClient.jobs, renames=BLOCKING)
+    kill = blocking(AsyncClient.kill, renames=BLOCKING)
+    stats = blocking(AsyncClient.stats, renames=BLOCKING)
+    session = wrapping(AsyncClient.session, lambda c, s: Session(c, s), returns="Session",
+                       renames=BLOCKING)
+    restore = wrapping(AsyncClient.restore, lambda c, s: Session(c, s), returns="Session",
+                       renames=BLOCKING)
+    approve = blocking(AsyncClient.approve, renames=BLOCKING)
+    approvals = blocking(AsyncClient.approvals, renames=BLOCKING)
+    resume_run = blocking(AsyncClient.resume_run, wrap=lambda c, job: Job(c, job),
+                          returns="Job", renames=BLOCKING)  # job.session: a session run's
+    snapshots = blocking(AsyncClient.snapshots, renames=BLOCKING)
+    delete_snapshot = blocking(AsyncClient.delete_snapshot, renames=BLOCKING)
+    cancel = blocking(AsyncClient.cancel, renames=BLOCKING)
+    wait_closed = blocking(AsyncClient.wait_closed, renames=BLOCKING)
 
     def close(self) -> None:
-        if self._loop.is_closed():
+        """Close the connection and stop the client's thread. Idempotent."""
+        if self._portal.closed:
             return
         with contextlib.suppress(Exception):
             self._call(self._client.close())
-        self._shutdown_loop()
-
-    def _shutdown_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        self._portal.close()
 
     def __enter__(self) -> Client:
         return self
@@ -1820,6 +1282,14 @@ class Job:
         self.job_id = job.job_id
 
     @property
+    def _async(self) -> AsyncJob:
+        return self._job
+
+    @property
+    def _portal(self) -> Portal:
+        return self._client._portal
+
+    @property
     def done(self) -> bool:
         return self._job.done
 
@@ -1831,11 +1301,9 @@ class Job:
 
     def result(self, timeout: float | None = None) -> JobResult:
         """Wait for the job (``timeout`` seconds at most: TimeoutError, the job keeps running)."""
-        fut = asyncio.run_coroutine_threadsafe(self._job.result(), self._client._loop)
-        return fut.result(timeout)
+        return self._portal.wait(self._job.result(), timeout)
 
-    def cancel(self) -> None:
-        self._client._call(self._job.cancel())
+    cancel = blocking(AsyncJob.cancel, renames=BLOCKING)
 
 
 class Session:
@@ -1844,6 +1312,14 @@ class Session:
     def __init__(self, client: Client, session: AsyncSession) -> None:
         self._client = client
         self._session = session
+
+    @property
+    def _async(self) -> AsyncSession:
+        return self._session
+
+    @property
+    def _portal(self) -> Portal:
+        return self._client._portal
 
     @property
     def id(self) -> str | None:
@@ -1863,82 +1339,35 @@ class Session:
         limits."""
         return self._session.info
 
-    def open(self) -> Session:
-        self._client._call(self._session.open())
-        return self
-
-    def __enter__(self) -> Session:
-        return self.open()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def run(
-        self,
-        code: str,
-        **options: Unpack[RunOptions],
-    ) -> JobResult:
-        """Run ``code`` in the session's jail and return its result record. The session's
-        policy and tools apply; a run that hits a limit ends the session.
-
-        Args:
-            code: Python source; sees what earlier runs defined; may use top-level
-                ``await`` and the ``tools`` global.
-            **options: the run's options: :class:`RunOptions`.
-
-        Returns:
-            The run's :class:`JobResult`; ``result.session`` says which run of which
-            session, and ``closed`` if this run ended it. A run that fails is *not* an
-            exception: look at ``result.status``.
-
-        Raises:
-            SessionClosed: the session is not open, or it ended before this run.
-            JaildError: the daemon refused the run (looser limits, a change to the
-                session's memory or pids, a run already in progress: ``Busy``, ...), or
-                the connection failed.
-            UploadError: a file in ``files`` cannot be uploaded (nothing was sent).
-        """
-        return self._client._call(self._session._run(code, options))  # type: ignore[no-any-return]
-
-    def submit(self, code: str, **options: Unpack[RunOptions]) -> Job:
-        """As :meth:`AsyncSession.submit`: ``job.result()`` waits for the run's end."""
-        return Job(self._client, self._client._call(self._session._submit(code, options)))
-
     @property
     def paused(self) -> bool:
         return self._session.paused
 
-    def snapshot(self, ttl_s: float | None = None) -> dict[str, Any]:
-        """As :meth:`AsyncSession.snapshot`."""
-        return self._client._call(self._session.snapshot(ttl_s))  # type: ignore[no-any-return]
+    open = blocking(AsyncSession.open, wrap=lambda s, _: s, returns="Session",
+                    renames=BLOCKING)
 
-    def fork(self, n: int, tools: Mapping[str, Any] | Iterable[Any] | None = None
-             ) -> list[Session]:
-        """As :meth:`AsyncSession.fork`: ``n`` open sessions from this one's state."""
-        forks = self._client._call(self._session.fork(n, tools))
-        return [Session(self._client, f) for f in forks]
+    def __enter__(self) -> Session:
+        self.open()
+        return self
 
-    def pause(self) -> int:
-        """As :meth:`AsyncSession.pause`."""
-        return self._client._call(self._session.pause())  # type: ignore[no-any-return]
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
-    def resume(self) -> None:
-        """As :meth:`AsyncSession.resume`."""
-        self._client._call(self._session.resume())
-
-    def upload(self, files: Uploads) -> JobResult:
-        """Put files into the working directory (a run of no code); ``files`` as
-        :meth:`run` takes them."""
-        return self._client._call(self._session.upload(files))  # type: ignore[no-any-return]
-
-    def download(self, *patterns: str) -> dict[str, bytes]:
-        """The contents of files in the working directory matching ``patterns``
-        (``fnmatch``, ``*`` crosses ``/``; none: every file)."""
-        return self._client._call(self._session.download(*patterns))  # type: ignore[no-any-return]
+    run = blocking(AsyncSession.run, renames=BLOCKING)
+    submit = blocking(AsyncSession.submit, wrap=lambda s, job: Job(s._client, job),
+                      returns="Job", renames=BLOCKING)
+    snapshot = blocking(AsyncSession.snapshot, renames=BLOCKING)
+    fork = blocking(AsyncSession.fork, returns="list[Session]", renames=BLOCKING,
+                    wrap=lambda s, forks: [Session(s._client, f) for f in forks])
+    pause = blocking(AsyncSession.pause, renames=BLOCKING)
+    resume = blocking(AsyncSession.resume, renames=BLOCKING)
+    upload = blocking(AsyncSession.upload, renames=BLOCKING)
+    download = blocking(AsyncSession.download, renames=BLOCKING)
 
     def close(self) -> None:
-        if not self._client._loop.is_closed():
-            self._client._call(self._session.close())
+        """End the session (its jail is killed). Idempotent."""
+        if not self._portal.closed:
+            self._portal.call(self._session.close())
 
 
 # --------------------------------------------------------------------------- help()
@@ -1980,7 +1409,8 @@ def _publish_run_options() -> None:
                                   annotation=hints[name])
                 for name, default in RUN_OPTION_DEFAULTS.items()]
     methods: tuple[Any, ...] = (AsyncClient.run, AsyncClient.submit, AsyncSession.run,
-                                AsyncSession.submit, Client.run, Client.submit, Session.run)
+                                AsyncSession.submit, Client.run, Client.submit, Session.run,
+                                Session.submit)
     for method in methods:
         own = typing.get_type_hints(method)
         sig = inspect.signature(method)

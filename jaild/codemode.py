@@ -69,6 +69,7 @@ from jaild.address import add_tls_arguments
 from jaild.client import Approver, AsyncClient, AsyncSession, JobResult
 from jaild.errors import SessionClosed
 from jaild.extras import require
+from jaild.providers import TOOLS_FLAG_HELP
 from jaild.toolspec import HostTool, describe_flow, describe_network, normalize_tools
 
 if TYPE_CHECKING:
@@ -1008,7 +1009,8 @@ def add_codemode_commands(sub: Any) -> None:
                     "in jaild and calls the tools in --tools; failures are fed back and retried.",
     )
     p.add_argument("task", help="the task, in words")
-    p.add_argument("--tools", metavar="FILE.py", help="its public functions become the tools")
+    p.add_argument("--tools", action="append", default=[], metavar="[GROUP=]FILE.py",
+                   help="(repeatable) " + TOOLS_FLAG_HELP)
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")
     p.add_argument("--base-url", help="an OpenAI-compatible API (default: $OPENAI_BASE_URL "
                                       "or OpenAI's)")
@@ -1041,16 +1043,21 @@ def cmd_codemode(args: argparse.Namespace) -> int:
     require("codemode", "jaild codemode")
     from openai import OpenAIError
 
-    from jaild.errors import EXIT_USAGE, JaildError, TracingError, error_line, exit_code_for
-    from jaild.toolspec import load_tools_file
+    from jaild.errors import (
+        EXIT_USAGE,
+        JaildError,
+        ProviderError,
+        TracingError,
+        error_line,
+        exit_code_for,
+    )
+    from jaild.providers import load_modules
 
-    tools: dict[str, HostTool] = {}
-    if args.tools:
-        try:
-            tools = load_tools_file(args.tools)
-        except Exception as exc:
-            _err(f"cannot load tools from {args.tools}: {type(exc).__name__}: {exc}")
-            return EXIT_USAGE
+    try:  # named as jaild run and jaild mcp name them (jaild.providers.module_sources)
+        tools = load_modules(args.tools)
+    except ProviderError as exc:
+        _err(str(exc))
+        return EXIT_USAGE
     if args.max_retries < 0:
         _err("--max-retries must be 0 or more")
         return EXIT_USAGE

@@ -69,8 +69,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from jaild import __version__
 from jaild.errors import EXIT_FAILURE, EXIT_USAGE, EnvError, EnvUsageError
+from jaild.version import __version__
 
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}"
 """Env names: the rule of ``python.env`` in policies (jaild.policy.schema._check_python)."""

@@ -77,7 +77,6 @@ import functools
 import logging
 import random
 import socket
-import threading
 import time
 from collections.abc import (
     Awaitable,
@@ -91,8 +90,9 @@ from collections.abc import (
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, Unpack
 
-from jaild import loops, tracing
+from jaild import loops
 from jaild.address import parse_address
+from jaild.blocking import Portal, blocking, wrapping
 from jaild.client import (
     Approver,
     AsyncClient,
@@ -117,6 +117,7 @@ from jaild.errors import (
     UnknownSnapshot,
 )
 from jaild.toolspec import HostTool, normalize_tools
+from jaild.transport import Transport
 
 log = logging.getLogger("jaild.fleet")
 
@@ -452,6 +453,9 @@ class AsyncFleet:
         client_factory: makes a new, unconnected ``AsyncClient`` for an endpoint (default:
             ``AsyncClient(endpoint, **client_options)``); for tests
             (:mod:`jaild.testing`'s socketpairs).
+        transport: how each connection connects (:class:`~jaild.transport.Transport`), as
+            ``AsyncClient(transport=...)``; its fields as keywords (``cert=``, ...) are the
+            shorthand of earlier releases, kept for this one.
         **client_options: passed unchanged to every ``AsyncClient`` (``name=``,
             ``handler_threads=``, ``approve=``, and any other keyword it takes).
 
@@ -470,8 +474,11 @@ class AsyncFleet:
         client_factory: Callable[[str], AsyncClient] | None = None,
         discover: Callable[[], Sequence[str]] | None = None,
         rediscover_s: float = 30.0,
+        transport: Transport | None = None,
         **client_options: Any,
     ) -> None:
+        if transport is not None:  # one Transport for every connection
+            client_options = {**client_options, "transport": transport}
         if isinstance(endpoints, str):
             raise TypeError("endpoints is a sequence of addresses, not one string")
         if discover is not None and connections is not None:
@@ -1355,13 +1362,20 @@ class AsyncFleetSession:
 # ----------------------------------------------------------------------------- blocking
 
 
+BLOCKING = {"AsyncFleetJob": "FleetJob", "AsyncFleetSession": "FleetSession",
+            "AsyncFleet": "Fleet", "AsyncJob": "FleetJob", "async with": "with",
+            "await ": "", "awaiting task is cancelled":
+            "caller is interrupted (``KeyboardInterrupt``)"}
+"""How an asyncio docstring reads for the blocking class (:func:`jaild.blocking.blocking`)."""
+
+
 class Fleet:
     """A blocking fleet: the same API as :class:`AsyncFleet`, without ``await``.
 
     Runs an :class:`AsyncFleet` on a private event-loop thread (``event_loop``: see
-    :mod:`jaild.loops`), as :class:`~jaild.client.Client` runs an ``AsyncClient``; it
-    connects in its constructor. Output callbacks are called from that thread; plain tool
-    handlers from worker threads.
+    :mod:`jaild.loops`), as :class:`~jaild.client.Client` runs an ``AsyncClient`` (both
+    are :mod:`jaild.blocking` facades); it connects in its constructor. Output callbacks
+    are called from that thread; plain tool handlers from worker threads.
 
     Args: as :class:`AsyncFleet`, and ``event_loop``.
 
@@ -1378,122 +1392,43 @@ class Fleet:
         place_timeout_s: float = 30.0,
         event_loop: str = loops.DEFAULT,
         client_factory: Callable[[str], AsyncClient] | None = None,
+        transport: Transport | None = None,
         **client_options: Any,
     ) -> None:
         self._fleet = AsyncFleet(endpoints, connections=connections, max_attempts=max_attempts,
                                  place_timeout_s=place_timeout_s, client_factory=client_factory,
-                                 **client_options)
-        self._loop = loops.new_event_loop(event_loop)
-        self._thread = threading.Thread(target=self._loop.run_forever, name="jaild-fleet",
-                                        daemon=True)
-        self._thread.start()
+                                 transport=transport, **client_options)
+        self._portal = Portal(event_loop, "jaild-fleet")
         try:
             self._call(self._fleet.connect())
         except BaseException:
-            self._shutdown_loop()
+            self._portal.close()
             raise
+
+    @property
+    def _async(self) -> AsyncFleet:
+        return self._fleet
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the fleet's thread and wait for it, in the caller's trace
-        context if it has one (as ``Client`` does)."""
-        context = tracing.caller_context()
-        if context is not None:
-            coro = tracing.within(context, coro)
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return fut.result()
-        except KeyboardInterrupt:
-            fut.cancel()
-            raise
+        """Run ``coro`` on the fleet's thread and wait for it (:meth:`Portal.call`)."""
+        return self._portal.call(coro)
 
-    def submit(
-        self,
-        code: str,
-        policy: str = "default",
-        tools: Mapping[str, Any] | Iterable[Any] | None = None,
-        *,
-        idempotent: bool = False,
-        **options: Unpack[RunOptions],
-    ) -> FleetJob:
-        """See :meth:`AsyncFleet.submit`."""
-        return FleetJob(self, self._call(
-            self._fleet.submit(code, policy, tools, idempotent=idempotent, **options)))
-
-    def run(
-        self,
-        code: str,
-        policy: str = "default",
-        tools: Mapping[str, Any] | Iterable[Any] | None = None,
-        *,
-        idempotent: bool = False,
-        **options: Unpack[RunOptions],
-    ) -> FleetResult:
-        """See :meth:`AsyncFleet.run`. A ``KeyboardInterrupt`` while waiting cancels the job."""
-        return self._call(self._fleet.run(code, policy, tools, idempotent=idempotent,
-                                          **options))
-
-    def session(
-        self,
-        policy: str = "default",
-        tools: Mapping[str, Any] | Iterable[Any] | None = None,
-        *,
-        limits: Mapping[str, float] | None = None,
-        idle_s: float | None = None,
-        max_lifetime_s: float | None = None,
-        approve: Approver | None = None,
-    ) -> FleetSession:
-        """See :meth:`AsyncFleet.session`; ``with fleet.session() as s: s.run(...)``."""
-        return FleetSession(self, self._fleet.session(
-            policy, tools, limits=limits, idle_s=idle_s, max_lifetime_s=max_lifetime_s,
-            approve=approve))
-
-    def restore(
-        self,
-        snapshot_ref: str,
-        tools: Mapping[str, Any] | Iterable[Any] | None = None,
-        *,
-        policy: str | None = None,
-        limits: Mapping[str, float] | None = None,
-        idle_s: float | None = None,
-        max_lifetime_s: float | None = None,
-        approve: Approver | None = None,
-    ) -> FleetSession:
-        """See :meth:`AsyncFleet.restore`; ``with fleet.restore(ref) as s: s.run(...)``."""
-        return FleetSession(self, self._fleet.restore(
-            snapshot_ref, tools, policy=policy, limits=limits, idle_s=idle_s,
-            max_lifetime_s=max_lifetime_s, approve=approve))
-
-    def snapshots(self) -> list[dict[str, Any]]:
-        """See :meth:`AsyncFleet.snapshots`."""
-        return self._call(self._fleet.snapshots())
-
-    def delete_snapshot(self, snapshot_ref: str) -> None:
-        """See :meth:`AsyncFleet.delete_snapshot`."""
-        self._call(self._fleet.delete_snapshot(snapshot_ref))
-
-    def approvals(self) -> list[dict[str, Any]]:
-        """See :meth:`AsyncFleet.approvals`."""
-        return self._call(self._fleet.approvals())
-
-    def approve(self, job_ref: str, call_id: int, allow: bool = True, reason: str = "") -> None:
-        """See :meth:`AsyncFleet.approve`."""
-        self._call(self._fleet.approve(job_ref, call_id, allow, reason))
-
-    def resume_run(
-        self,
-        job_ref: str,
-        tools: Mapping[str, Any] | Iterable[Any] | None = None,
-        *,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        approve: Approver | None = None,
-    ) -> FleetJob:
-        """See :meth:`AsyncFleet.resume_run`."""
-        return FleetJob(self, self._call(self._fleet.resume_run(
-            job_ref, tools, on_stdout=on_stdout, on_stderr=on_stderr, approve=approve)))
+    submit = blocking(AsyncFleet.submit, wrap=lambda f, job: FleetJob(f, job),
+                      returns="FleetJob", renames=BLOCKING)
+    run = blocking(AsyncFleet.run, renames=BLOCKING)
+    session = wrapping(AsyncFleet.session, lambda f, s: FleetSession(f, s),
+                       returns="FleetSession", renames=BLOCKING)
+    restore = wrapping(AsyncFleet.restore, lambda f, s: FleetSession(f, s),
+                       returns="FleetSession", renames=BLOCKING)
+    snapshots = blocking(AsyncFleet.snapshots, renames=BLOCKING)
+    delete_snapshot = blocking(AsyncFleet.delete_snapshot, renames=BLOCKING)
+    approvals = blocking(AsyncFleet.approvals, renames=BLOCKING)
+    approve = blocking(AsyncFleet.approve, renames=BLOCKING)
+    resume_run = blocking(AsyncFleet.resume_run, wrap=lambda f, job: FleetJob(f, job),
+                          returns="FleetJob", renames=BLOCKING)
 
     def stats(self) -> list[ConnectionStats]:
-        """See :meth:`AsyncFleet.stats`."""
+        """See :meth:`AsyncFleet.stats` (read on the fleet's thread)."""
 
         async def snapshot() -> list[ConnectionStats]:
             return self._fleet.stats()
@@ -1501,16 +1436,12 @@ class Fleet:
         return self._call(snapshot())
 
     def close(self) -> None:
-        if self._loop.is_closed():
+        """Close every connection and stop the fleet's thread. Idempotent."""
+        if self._portal.closed:
             return
         with contextlib.suppress(Exception):
             self._call(self._fleet.close())
-        self._shutdown_loop()
-
-    def _shutdown_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        self._portal.close()
 
     def __enter__(self) -> Fleet:
         return self
@@ -1525,6 +1456,14 @@ class FleetJob:
     def __init__(self, fleet: Fleet, job: AsyncFleetJob) -> None:
         self._fleet = fleet
         self._job = job
+
+    @property
+    def _async(self) -> AsyncFleetJob:
+        return self._job
+
+    @property
+    def _portal(self) -> Portal:
+        return self._fleet._portal
 
     @property
     def job_id(self) -> str:
@@ -1554,11 +1493,9 @@ class FleetJob:
     def result(self, timeout: float | None = None) -> FleetResult:
         """Wait for the job (``timeout`` seconds at most: TimeoutError, the job keeps
         running). Raises what :meth:`AsyncFleetJob.result` raises."""
-        fut = asyncio.run_coroutine_threadsafe(self._job.result(), self._fleet._loop)
-        return fut.result(timeout)
+        return self._portal.wait(self._job.result(), timeout)
 
-    def cancel(self) -> None:
-        self._fleet._call(self._job.cancel())
+    cancel = blocking(AsyncFleetJob.cancel, renames=BLOCKING)
 
 
 class FleetSession:
@@ -1567,6 +1504,14 @@ class FleetSession:
     def __init__(self, fleet: Fleet, session: AsyncFleetSession) -> None:
         self._fleet = fleet
         self._session = session
+
+    @property
+    def _async(self) -> AsyncFleetSession:
+        return self._session
+
+    @property
+    def _portal(self) -> Portal:
+        return self._fleet._portal
 
     @property
     def node(self) -> str:
@@ -1584,33 +1529,27 @@ class FleetSession:
     def info(self) -> dict[str, Any]:
         return self._session.info
 
-    def open(self) -> FleetSession:
-        self._fleet._call(self._session.open())
-        return self
+    open = blocking(AsyncFleetSession.open, wrap=lambda s, _: s, returns="FleetSession",
+                    renames=BLOCKING)
 
     def __enter__(self) -> FleetSession:
-        return self.open()
+        self.open()
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def run(self, code: str, **options: Unpack[RunOptions]) -> JobResult:
-        """See :meth:`AsyncFleetSession.run`."""
-        return self._fleet._call(self._session.run(code, **options))
-
-    def snapshot(self, ttl_s: float | None = None) -> dict[str, Any]:
-        """See :meth:`AsyncFleetSession.snapshot`."""
-        return self._fleet._call(self._session.snapshot(ttl_s))
-
-    def upload(self, files: Any) -> JobResult:
-        return self._fleet._call(self._session.upload(files))
-
-    def download(self, *patterns: str) -> dict[str, bytes]:
-        return self._fleet._call(self._session.download(*patterns))
+    run = blocking(AsyncFleetSession.run, renames=BLOCKING)
+    submit = blocking(AsyncFleetSession.submit, wrap=lambda s, job: FleetJob(s._fleet, job),
+                      returns="FleetJob", renames=BLOCKING)
+    snapshot = blocking(AsyncFleetSession.snapshot, renames=BLOCKING)
+    upload = blocking(AsyncFleetSession.upload, renames=BLOCKING)
+    download = blocking(AsyncFleetSession.download, renames=BLOCKING)
 
     def close(self) -> None:
-        if not self._fleet._loop.is_closed():
-            self._fleet._call(self._session.close())
+        """End the session (its jail is killed). Idempotent."""
+        if not self._portal.closed:
+            self._portal.call(self._session.close())
 
 
 def endpoints_of(address: str) -> list[str]:

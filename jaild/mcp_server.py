@@ -90,6 +90,7 @@ from jaild.protocol.records import STATUSES
 from jaild.providers import (
     DEFAULT_CALL_TIMEOUT_S,
     DEFAULT_CONNECT_TIMEOUT_S,
+    TOOLS_FLAG_HELP,
     ToolProviders,
     one_line,
 )
@@ -401,7 +402,7 @@ class JaildMcpServer:
         import mcp_types as types
         from mcp.server.lowlevel import Server
 
-        from jaild import __version__
+        from jaild.version import __version__
 
         description = describe_run_python(self.tools, self.persistent, self.network, self.flow)
         tool = types.Tool(
@@ -823,8 +824,8 @@ def add_mcp_commands(sub: Any) -> None:
     p.add_argument("--policy", default="default", help="policy the code runs under")
     p.add_argument(
         "--tools", action="append", default=[], metavar="FILE",
-        help="tool provider (repeatable): a .py module (GROUP=FILE.py to name its group), an "
-             "mcpServers JSON file, or a directory of them",
+        help="tool provider (repeatable): an mcpServers JSON file (its tools are "
+             "tools.SERVER.f), a directory of them, or " + TOOLS_FLAG_HELP,
     )
     p.add_argument("--timeout", type=float, help="wall-clock seconds per run (at most the "
                    "policy's)")

@@ -19,8 +19,11 @@ Sources:
   ``command`` starts a stdio server (with ``args``, ``env``, ``cwd``); ``url`` connects over
   streamable HTTP, or SSE with ``"type": "sse"``. ``${VAR}`` and ``${VAR:-default}`` are
   expanded from the host's environment in every string. ``"disabled": true`` skips a server.
-* **Python modules** (``path.py``): their public functions, grouped under the module's stem;
-  ``group=path.py`` picks the group, ``=path.py`` exposes them ungrouped.
+* **Python modules** (``path.py``): their public functions, named by :func:`module_sources`'
+  rule, the one of every ``--tools`` flag (``jaild run``, ``jaild session``, ``jaild mcp``,
+  ``jaild codemode``): a module given alone is at the top (``tools.f``); several given
+  without a group are each under their file's stem (``tools.STEM.f``); ``GROUP=path.py``
+  puts one under ``tools.GROUP``, ``=path.py`` at the top.
 
 Each MCP tool becomes the jaild host tool ``<server>.<tool>`` whose arguments schema is the
 tool's ``inputSchema``; calling it calls the MCP tool and returns plain values (see
@@ -576,14 +579,86 @@ class McpConnection:
 # --------------------------------------------------------------------------- providers
 
 
-def _module_source(spec: str | Path | ModuleSource) -> ModuleSource:
-    if isinstance(spec, ModuleSource):
-        return spec
-    text = str(spec)
-    group, sep, path = text.partition("=")
-    if sep and path.endswith(".py") and "/" not in group:
-        return ModuleSource(str(Path(path).expanduser()), group)
-    return ModuleSource(str(Path(text).expanduser()), Path(text).stem)
+TOOLS_FLAG_HELP = (
+    "a Python module whose public functions become tools: a module given alone is tools.f, "
+    "several are tools.STEM.f each, GROUP=FILE.py puts one under tools.GROUP"
+)
+"""What every front end's ``--tools`` says of the modules it takes (:func:`module_sources`)."""
+
+
+def module_sources(specs: Iterable[str | Path | ModuleSource]) -> list[ModuleSource]:
+    """The Python modules named by ``specs``, each with the group its functions go under:
+    the naming rule of every ``--tools`` flag (``jaild run``, ``jaild session``, ``jaild
+    mcp``, ``jaild codemode``), so that one flag names a tool alike in each.
+
+    * ``GROUP=FILE.py``: under ``tools.GROUP`` (``tools.GROUP.f``); ``=FILE.py``: at the top.
+    * ``FILE.py`` with no ``GROUP=``: at the top (``tools.f``) if it is the only module
+      given so; if several are, each under its file's stem (``tools.STEM.f``), so that two
+      modules' functions of one name stay apart.
+
+    A :class:`ModuleSource` is taken as it is (its ``group`` given).
+    """
+    named: list[tuple[str, str | None]] = []
+    for spec in specs:
+        if isinstance(spec, ModuleSource):
+            named.append((spec.path, spec.group))
+            continue
+        text = str(spec)
+        group, sep, path = text.partition("=")
+        if sep and path.endswith(".py") and "/" not in group:
+            named.append((str(Path(path).expanduser()), group))
+        else:
+            named.append((str(Path(text).expanduser()), None))
+    alone = sum(group is None for _, group in named) == 1
+    return [
+        ModuleSource(path, group if group is not None else "" if alone else Path(path).stem)
+        for path, group in named
+    ]
+
+
+def module_tools(module: ModuleSource) -> list[HostTool]:
+    """The public functions of one module, as tools named under its group.
+
+    Raises:
+        ProviderError: the module could not be loaded (naming it and why).
+    """
+    try:
+        found = load_tools_file(module.path)
+    except Exception as exc:
+        raise ProviderError(f"cannot load tools from {module.path}: {_describe(exc)}") from exc
+    if not module.group:
+        return list(found.values())
+    return [dataclasses.replace(t, name=tool_name(module.group, t.name))
+            for t in found.values()]
+
+
+def add_tools(into: dict[str, HostTool], tools: Iterable[HostTool], source: str) -> None:
+    """Add ``tools`` to ``into``; a name taken already, or a name that is also a group
+    (``tools.util`` a function and ``tools.util.f`` another), is a ConfigError."""
+    for t in tools:
+        if t.name in into:
+            raise ConfigError(source, t.name, "two tools end up with this name")
+        clash = next((n for n in into if n.startswith(t.name + ".")
+                      or t.name.startswith(n + ".")), None)
+        if clash is not None:
+            raise ConfigError(source, t.name, f"a tool and a group of tools ({clash}) would "
+                              "share a name; name the module's group with GROUP=FILE.py")
+        into[t.name] = t
+
+
+def load_modules(specs: Iterable[str | Path | ModuleSource]) -> dict[str, HostTool]:
+    """The tools of the Python modules ``specs`` names, by :func:`module_sources`' rule
+    (``jaild run``, ``jaild session`` and ``jaild codemode``'s ``--tools``; ``jaild mcp``
+    loads them with its MCP servers, through :class:`ToolProviders`).
+
+    Raises:
+        ProviderError: a module could not be loaded; ConfigError: two tools end up with
+            one name.
+    """
+    tools: dict[str, HostTool] = {}
+    for m in module_sources(specs):
+        add_tools(tools, module_tools(m), m.path)
+    return tools
 
 
 def _mcp_handler(conn: McpConnection, tool: McpTool, public: str) -> Callable[..., Any]:
@@ -655,8 +730,9 @@ class ToolProviders:
         """Read provider sources (nothing is started yet).
 
         Args:
-            sources: ``.py`` files (``group=path.py`` to name the group, ``=path.py`` for
-                none), ``mcpServers`` JSON files, or directories of such JSON files.
+            sources: ``.py`` files (named by :func:`module_sources`: ``group=path.py``
+                to name the group, ``=path.py`` for none), ``mcpServers`` JSON files, or
+                directories of such JSON files.
             connect_timeout_s: per MCP server, to start, handshake and list its tools.
             call_timeout_s: per tool call.
             skip_failed: a server that fails to start is left out with a warning (and listed
@@ -668,11 +744,11 @@ class ToolProviders:
             ConfigError: an invalid source, naming the file, the server and the problem.
         """
         servers: list[McpServerConfig] = []
-        modules: list[ModuleSource] = []
+        module_specs: list[str | Path | ModuleSource] = []
         seen: dict[str, str] = {}
         for spec in sources:
             if isinstance(spec, ModuleSource) or str(spec).endswith(".py"):
-                modules.append(_module_source(spec))
+                module_specs.append(spec)
                 continue
             path = Path(spec).expanduser()
             if not path.exists():
@@ -685,7 +761,7 @@ class ToolProviders:
                     )
                 seen[server.name] = server.source
                 servers.append(server)
-        return cls(servers, modules, connect_timeout_s=connect_timeout_s,
+        return cls(servers, module_sources(module_specs), connect_timeout_s=connect_timeout_s,
                    call_timeout_s=call_timeout_s, skip_failed=skip_failed, errlog=errlog)
 
     def _check_groups(self) -> None:
@@ -724,7 +800,7 @@ class ToolProviders:
         """
         tools: dict[str, HostTool] = {}
         for m in self.modules:
-            self._add(tools, self._module_tools(m), m.path)
+            add_tools(tools, module_tools(m), m.path)
         conns = [
             McpConnection(s, connect_timeout_s=self.connect_timeout_s,
                           call_timeout_s=self.call_timeout_s, errlog=self.errlog)
@@ -752,7 +828,7 @@ class ToolProviders:
             raise ProviderError("; ".join(problems))
         try:
             for conn in self.connections.values():
-                self._add(tools, self._server_tools(conn), conn.config.source)
+                add_tools(tools, self._server_tools(conn), conn.config.source)
         except BaseException:
             await self.aclose()
             raise
@@ -769,22 +845,6 @@ class ToolProviders:
         await self._close_all(conns)
 
     # ------------------------------------------------------------------ tools
-
-    @staticmethod
-    def _add(into: dict[str, HostTool], tools: Iterable[HostTool], source: str) -> None:
-        for t in tools:
-            if t.name in into:
-                raise ConfigError(source, t.name, "two tools end up with this name")
-            into[t.name] = t
-
-    def _module_tools(self, m: ModuleSource) -> list[HostTool]:
-        try:
-            found = load_tools_file(m.path)
-        except Exception as exc:
-            raise ProviderError(f"cannot load tools from {m.path}: {_describe(exc)}") from exc
-        if not m.group:
-            return list(found.values())
-        return [dataclasses.replace(t, name=tool_name(m.group, t.name)) for t in found.values()]
 
     def _server_tools(self, conn: McpConnection) -> list[HostTool]:
         out: list[HostTool] = []

@@ -70,10 +70,10 @@ import time
 from collections.abc import Awaitable, Iterator, Mapping
 from typing import TYPE_CHECKING, Final, TypeVar
 
-from jaild import __version__
 from jaild.errors import TracingError
 from jaild.protocol.fields import TRACEPARENT
 from jaild.protocol.records import JobRecord
+from jaild.version import __version__
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

@@ -79,7 +79,6 @@ from collections import Counter
 from collections.abc import Collection, Coroutine
 from typing import Any
 
-from jaild import __version__
 from jaild.daemon import sched, startup, systemd, tls, wiring
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
@@ -121,6 +120,7 @@ from jaild.protocol.messages import (
     Welcome,
 )
 from jaild.tracing import OFF, Tracing
+from jaild.version import __version__
 
 log = logging.getLogger("jaild")
 

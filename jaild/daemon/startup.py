@@ -56,7 +56,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaild import __version__, loops
+from jaild import loops
 from jaild.daemon import systemd
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core.peer import Tenant
@@ -100,6 +100,7 @@ from jaild.protocol.messages import Error, JobDescription, ToolSpec, encode
 from jaild.runtime.harden import become_child_subreaper
 from jaild.runtime.seccomp import bpf_program
 from jaild.runtime.seccomp import digest as seccomp_digest
+from jaild.version import __version__
 
 log = logging.getLogger("jaild")
 

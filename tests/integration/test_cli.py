@@ -128,6 +128,17 @@ def test_run_with_tools_from_a_file(daemon: DaemonHandle, tmp_path: Path) -> Non
     assert params == {"type": "object", "additionalProperties": False, "required": ["a"],
                       "properties": {"a": {"type": "integer"},
                                      "b": {"type": "integer", "default": 1}}}
+    # the --tools naming rule, as jaild mcp and jaild codemode name them
+    # (jaild.providers.module_sources): GROUP=FILE.py under tools.GROUP; several modules
+    # without a group each under its file's stem
+    other = tmp_path / "more.py"
+    other.write_text("def twice(x: int) -> int:\n    return 2 * x\n")
+    grouped = jaild("run", "--socket", daemon.socket, "--tools", f"maths={tools}", "--json",
+                    "-c", "await tools.maths.add(1, b=2)")
+    assert json.loads(grouped.stdout)["result"] == 3
+    both = jaild("run", "--socket", daemon.socket, "--tools", str(tools), "--tools", str(other),
+                 "--json", "-c", "[await tools.mytools.add(1), await tools.more.twice(4)]")
+    assert json.loads(both.stdout)["result"] == [2, 8]
 
 
 def test_run_from_file_and_stdin(daemon: DaemonHandle, tmp_path: Path) -> None:

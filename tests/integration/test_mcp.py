@@ -123,6 +123,24 @@ def test_run_python_is_listed_with_the_servers_tools(
     assert SECRET not in d
 
 
+def test_a_module_given_alone_is_at_the_top_as_in_jaild_run(
+    md: DaemonHandle, servers_json: Path, tmp_path: Path
+) -> None:
+    """The --tools naming rule of every front end (jaild.providers.module_sources): a
+    module given alone is tools.f (as jaild run names it), an MCP server's tools
+    tools.SERVER.f beside it."""
+    module = tmp_path / "mytools.py"
+    module.write_text("def double(x: int) -> int:\n    'Twice x.'\n    return 2 * x\n")
+
+    async def body(session: Any) -> Any:
+        return await _run(session, "[await tools.double(x=4), await tools.demo.add(a=1, b=2)]")
+
+    r = _drive(_jaild_mcp(md.socket, "--tools", str(module), "--tools", str(servers_json)),
+               tmp_path / "log", body)
+    assert r.is_error is False, _text(r)
+    assert r.structured_content["result"] == [8, 3]
+
+
 def test_run_python_names_the_hosts_an_egress_policy_may_reach(
     md: DaemonHandle, tmp_path: Path
 ) -> None:

@@ -309,3 +309,44 @@ def test_a_field_the_records_view_leaves_out_keeps_its_value() -> None:
             "files": [], "files_skipped": [], "tool_calls_omitted": 0, "session": None}
     assert JobResult.from_wire({**wire, "network_refused": 0}, None).network_refused == 0
     assert JobResult.from_wire(wire, None).network_refused is None
+
+
+# ------------------------------------------------------------------------------- transport
+
+
+def test_the_transport_shorthand_keywords_are_the_transports_fields() -> None:
+    from jaild.transport import Transport, TransportOptions
+
+    assert list(typing.get_type_hints(TransportOptions)) == [
+        f.name for f in dataclasses.fields(Transport)]
+
+
+def test_both_spellings_of_the_transport_give_the_same_object() -> None:
+    """``AsyncClient(address, cert=..., ...)``, the shorthand kept for one release, builds
+    the ``Transport`` that ``transport=`` gives; the blocking client and the fleets take
+    either and hand it on."""
+    import ssl
+
+    from jaild.fleet import AsyncFleet, Fleet
+    from jaild.transport import Transport
+
+    context = ssl.create_default_context()
+    fields: dict[str, Any] = {"tls": context, "server_name": "daemon.example",
+                              "liveness_timeout_s": 7.0, "connect_timeout_s": 3.0}
+    address = "tls://daemon.example:7100"
+    long = AsyncClient(address, transport=Transport(**fields))
+    short = AsyncClient(address, **fields)
+    assert short.transport == long.transport == Transport(**fields)
+    assert short._wire.server_name == long._wire.server_name == "daemon.example"
+    assert AsyncClient("/tmp/x.sock").transport == Transport()
+    fleet = AsyncFleet([address], transport=Transport(**fields))
+    assert fleet._factory(address).transport == long.transport
+    assert AsyncFleet([address], **fields)._factory(address).transport == long.transport
+    for entry in (Client, Fleet):
+        assert "transport" in inspect.signature(entry).parameters
+    with pytest.raises(TypeError, match="give transport= or its fields as keywords"):
+        AsyncClient(address, transport=Transport(**fields), connect_timeout_s=1.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'cafile'"):
+        AsyncClient(address, cafile="x")  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="are for a tls:// address"):
+        AsyncClient("/tmp/x.sock", transport=Transport(ca="ca.pem"))

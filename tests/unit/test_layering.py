@@ -15,7 +15,11 @@ The rules (issue 13, "Done when"):
    imported by exactly one module, their wrapper (``opentelemetry``: ``jaild.tracing``, so that jaild runs
    without the ``[otel]`` extra).
 7. No two modules import each other (as ``jaild.cli`` and ``jaild.codemode`` did), the
-   package's lazy public API in ``jaild/__init__.py`` excepted.
+   package's lazy public API in ``jaild/__init__.py`` excepted; and no module imports
+   ``jaild`` itself (``from jaild import __version__`` was such an arrow back up to the
+   ``__init__`` that imports it: the version is ``jaild.version``'s); and ``jaild.cli`` is
+   the top: only ``jaild.__main__`` and ``jaild.cli_reference`` import it, so no front end
+   it registers (``jaild.codemode``) imports it back.
 8. ``jaild.testing`` (the fake launcher and daemon) is imported by no module of the
    package: what serves real jobs cannot come to depend on what isolates nothing.
 9. The daemon's wings (:data:`WINGS`: the pure core, jail making, egress, observability)
@@ -95,7 +99,8 @@ IO_BUILTINS = frozenset({"open", "print", "input", "breakpoint", "__import__"})
 STD_STREAMS = frozenset({"stdin", "stdout", "stderr", "__stdin__", "__stdout__", "__stderr__"})
 
 CLIENT = ("jaild.client", "jaild.fleet", "jaild.transfer", "jaild.toolspec", "jaild.address",
-          "jaild.loops", "jaild.tracing")
+          "jaild.loops", "jaild.tracing", "jaild.transport", "jaild.toolhost", "jaild.blocking",
+          "jaild.version")
 FRONT_ENDS = ("jaild.cli", "jaild.codemode", "jaild.mcp_server", "jaild.envs")
 
 RUNTIME_JAILD = ("jaild.errors", "jaild.protocol", "jaild.runtime")
@@ -292,6 +297,33 @@ def no_two_modules_import_each_other(modules: Mapping[str, Module]) -> list[str]
     ]
 
 
+def nothing_imports_the_package_itself(modules: Mapping[str, Module]) -> list[str]:
+    """``import jaild`` or ``from jaild import NAME`` (an attribute, not a module) in a
+    module of jaild: an arrow back up to ``jaild/__init__.py``, which imports the modules."""
+    return [
+        f"{m.name}:{i.line} imports jaild itself"
+        for name, m in sorted(modules.items()) if name != "jaild"
+        for i in m.imported() if i.name == "jaild"
+    ]
+
+
+CLI_IMPORTERS = ("jaild.__main__", "jaild.cli_reference")
+"""The only modules that import ``jaild.cli``: ``python -m jaild``, and the reference page
+written from its parser. The CLI is the top of the graph: it registers the other front
+ends' commands (``jaild.codemode``, ``jaild.mcp_server``, ``jaild.envs``), none of which
+imports it back (``jaild.codemode`` did: the circle); what they share lives below them
+(``jaild.address``, ``jaild.providers``, ``jaild.errors``)."""
+
+
+def nothing_imports_the_cli(modules: Mapping[str, Module]) -> list[str]:
+    return [
+        f"{m.name}:{i.line} imports {i.name}"
+        for name, m in sorted(modules.items())
+        if not _within("jaild.cli", name) and name not in CLI_IMPORTERS
+        for i in m.imported() if _within("jaild.cli", i.name)
+    ]
+
+
 CORE = "jaild.daemon.core"
 WINGS = (CORE, "jaild.daemon.jails", "jaild.daemon.egress", "jaild.daemon.observe")
 """The daemon's sub-packages below its shell (``jaild/daemon/__init__.py`` says what each
@@ -327,6 +359,8 @@ RULES: dict[str, Rule] = {
     "pure": pure_modules_do_no_io,
     "wrappers": foreign_packages_have_one_wrapper,
     "mutual": no_two_modules_import_each_other,
+    "package": nothing_imports_the_package_itself,
+    "cli": nothing_imports_the_cli,
     "testing": nothing_imports_testing,
     "wings": no_wing_imports_the_shell,
 }
@@ -380,7 +414,14 @@ BREAKERS = [
     ("wrappers", "jaild.daemon.evil", "def f():\n    from opentelemetry.trace import get_tracer\n"),
     ("runtime", "jaild.runtime.evil", "def f():\n    import opentelemetry.trace\n"),
     ("client", "jaild.tracing", "from jaild.daemon.jails.job import JailedJob\n"),
+    ("client", "jaild.toolhost", "def f():\n    from jaild.mcp_server import McpServer\n"),
+    ("client", "jaild.blocking", "from jaild.daemon import private\n"),
     ("mutual", "jaild.codemode", "def f():\n    from jaild.cli import main\n"),
+    ("package", "jaild.client", "from jaild import __version__\n"),
+    ("package", "jaild.daemon.evil", "def f():\n    import jaild\n"),
+    ("package", "jaild.fleet", "from . import __version__\n"),
+    ("cli", "jaild.codemode", "def f():\n    from jaild.cli import main\n"),
+    ("cli", "jaild.mcp_server", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from jaild import cli\n"),
     ("testing", "jaild.daemon.jails.job", "from jaild.testing import FakeLauncher\n"),
     ("testing", "jaild.client", "def f():\n    import jaild.testing\n"),
     ("wings", "jaild.daemon.jails.evil", "from jaild.daemon.server import Daemon\n"),

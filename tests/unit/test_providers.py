@@ -20,6 +20,8 @@ from jaild.providers import (
     ProviderError,
     ToolProviders,
     load_mcp_servers,
+    load_modules,
+    module_sources,
     one_line,
     parse_mcp_servers,
     result_value,
@@ -196,9 +198,12 @@ def test_groups_that_would_collide(tmp_path: Path) -> None:
     cfg2 = write(tmp_path / "t.json", {"util": {"command": "a"}})
     module = tmp_path / "util.py"
     module.write_text("def f() -> int:\n    return 1\n")
+    other = tmp_path / "other.py"
+    other.write_text("def g() -> int:\n    return 2\n")
     with pytest.raises(ConfigError, match=r"name the group with GROUP="):
-        ToolProviders.load([cfg2, module])
-    ToolProviders.load([cfg2, f"helpers={module}"])  # a group of its own: fine
+        ToolProviders.load([cfg2, module, other])  # several modules: util.* as the server's
+    ToolProviders.load([cfg2, f"helpers={module}", other])  # a group of its own: fine
+    ToolProviders.load([cfg2, module])  # alone: at the top (util.py's f is tools.f)
 
 
 # --------------------------------------------------------------------------- names
@@ -270,10 +275,14 @@ def test_python_modules_become_grouped_tools(tmp_path: Path) -> None:
         async with ToolProviders.load(sources) as p:
             return p.host_tools(), p.catalog()
 
-    tools, catalog = asyncio.run(main([module]))
-    assert list(tools) == ["weather.forecast"] and catalog == [("weather.forecast", "Forecast for a city.")]
+    other = tmp_path / "other.py"
+    other.write_text("def forecast() -> None:\n    pass\n")
+    tools, catalog = asyncio.run(main([module, other]))  # several: each under its stem
+    assert list(tools) == ["weather.forecast", "other.forecast"]
+    assert catalog[1] == ("weather.forecast", "Forecast for a city.")
     assert tools["weather.forecast"].parameters["required"] == ["city"]
     assert tools["weather.forecast"].handler("Oslo", 1) == ["Oslo"]
+    assert list(asyncio.run(main([module]))[0]) == ["forecast"]  # alone: at the top
     assert list(asyncio.run(main([f"wx={module}"]))[0]) == ["wx.forecast"]
     assert list(asyncio.run(main([f"={module}"]))[0]) == ["forecast"]
     assert list(asyncio.run(main([ModuleSource(str(module), "w")]))[0]) == ["w.forecast"]
@@ -361,3 +370,59 @@ def test_records_are_made_json_safe_and_summarized() -> None:
     caught = summarize({"status": "ok", "result": 1, "stdout": "", "stderr": "", "error": None,
                         "tool_calls": [], "duration_s": 0.5, "network_refused": 2})
     assert caught.splitlines()[0] == "status: ok (0.50 s, 2 network attempts refused)"
+
+
+# --------------------------------------------------------------------------- --tools naming
+
+
+@pytest.mark.parametrize(("specs", "groups"), [
+    (["a/tools.py"], [""]),                                  # alone: at the top
+    (["a/tools.py", "b/more.py"], ["tools", "more"]),        # several: by stem
+    (["g=a/tools.py"], ["g"]),                               # GROUP=: under it
+    (["g=a/tools.py", "b/more.py"], ["g", ""]),              # the one without a group: top
+    (["g=a/tools.py", "b/more.py", "c/x.py"], ["g", "more", "x"]),
+    (["=a/tools.py", "b/more.py", "c/x.py"], ["", "more", "x"]),  # =FILE: at the top
+])
+def test_the_tools_naming_rule(specs: list[str], groups: list[str]) -> None:
+    assert [m.group for m in module_sources(specs)] == groups
+    assert [m.path for m in module_sources(specs)] == [s.partition("=")[2] or s for s in specs]
+
+
+def test_every_front_end_names_tools_by_the_one_rule(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """jaild run/session (cli._load_tools), jaild codemode (load_modules, as cmd_codemode
+    calls it) and jaild mcp (ToolProviders) name one --tools' functions alike."""
+    from jaild import cli
+
+    a = tmp_path / "tools.py"
+    a.write_text("def f() -> int:\n    return 1\n")
+    b = tmp_path / "more.py"
+    b.write_text("def f() -> int:\n    return 2\n")
+
+    async def mcp(specs: list[str]) -> list[str]:
+        async with ToolProviders.load(specs) as p:
+            return sorted(p.host_tools())
+
+    parser = cli.build_parser()
+    for specs, names in [([str(a)], ["f"]), ([f"g={a}"], ["g.f"]),
+                         ([str(a), str(b)], ["more.f", "tools.f"])]:
+        flags = [x for spec in specs for x in ("--tools", spec)]
+        for command in (["run", "-c", "1"], ["session"], ["codemode", "a task"]):
+            parsed = parser.parse_args([command[0], *flags, *command[1:]])
+            assert parsed.tools == specs
+            assert sorted(cli._load_tools(parsed.tools) or {}) == names
+        assert sorted(load_modules(specs)) == names
+        assert asyncio.run(mcp(specs)) == names
+    assert cli._load_tools([str(tmp_path / "missing.py")]) is None
+    assert "cannot load tools from" in capsys.readouterr().err
+
+
+def test_a_tool_and_a_group_may_not_share_a_name(tmp_path: Path) -> None:
+    a = tmp_path / "util.py"
+    a.write_text("def f() -> int:\n    return 1\n")
+    b = tmp_path / "top.py"
+    b.write_text("def util() -> int:\n    return 2\n")
+    with pytest.raises(ConfigError, match=r"a tool and a group of tools \(util.f\) would share"):
+        load_modules([f"util={a}", f"={b}"])
+    assert sorted(load_modules([f"util={a}", f"other={b}"])) == ["other.util", "util.f"]

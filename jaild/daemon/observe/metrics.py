@@ -68,9 +68,9 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from jaild import __version__
 from jaild.errors import MetricsAddressError
 from jaild.protocol.records import JobRecord
+from jaild.version import __version__
 
 log = logging.getLogger("jaild.daemon.observe.metrics")
 

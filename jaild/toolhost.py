@@ -1,0 +1,162 @@
+"""The client's tool host: it answers a job's tool calls with the host's functions.
+
+A job's code calls ``tools.NAME(...)``; the daemon sends the client a ``CallTool``; the
+:class:`ToolHost` of the client's connection runs the handler the job was given for that
+name and returns the answer to send back (``ToolReturned``, or ``ToolFailed`` with the
+exception's type and message). It also asks a job's approval callback about calls
+marked ``approval``. No IO of its own: :class:`~jaild.client.AsyncClient` reads the calls
+off its connection and sends what this returns.
+
+Plain handlers (and approval callbacks) run in worker threads, ``handler_threads`` at
+most at once across the client's jobs, so a slow one stalls no other job; ``async``
+ones run on the client's event loop. A handler's exception is the job's to see, not the
+client's: it becomes the ``ToolFailed`` answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jaild.errors import ToolCallDenied
+from jaild.protocol import pack, unpack
+from jaild.protocol.messages import (
+    MAX_PAYLOAD_BYTES,
+    ApprovalPending,
+    ClientCallTool,
+    ClientToolFailed,
+    ClientToolReturned,
+    Message,
+    safe_text,
+)
+from jaild.toolspec import HostTool, Labeled
+
+log = logging.getLogger("jaild.client")
+
+TOOL_RESULT_LIMIT = MAX_PAYLOAD_BYTES
+"""The most bytes a tool's packed result may take (larger: the call fails, named)."""
+
+Approver = Callable[[str, list[Any], dict[str, Any]], Any]
+"""``approve(tool, args, kwargs)`` -> True to allow the call, False or ``(False, "why")`` to
+deny it (plain or async). Asked for tools marked ``approval`` (by the client or the policy)."""
+
+
+class ToolHost:
+    """Runs one client's tool handlers and approval callbacks.
+
+    Args:
+        handler_threads: worker threads for plain handlers and callbacks (made on first use).
+    """
+
+    def __init__(self, handler_threads: int) -> None:
+        self._handler_threads = handler_threads
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                self._handler_threads, thread_name_prefix="jaild-tool"
+            )
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, functools.partial(fn, *args, **kwargs)
+        )
+
+    def close(self) -> None:
+        """Stop the worker threads (a handler still running finishes unheard)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def approved(self, approve: Approver | None, name: str, args: list[Any],
+                       kwargs: dict[str, Any]) -> tuple[bool, str]:
+        """Ask ``approve`` (plain ones run in a worker thread: they may prompt a human)
+        whether the call may go on, and why. No callback: denied."""
+        if approve is None:
+            return False, f"{name} needs approval and this client has no approve callback"
+        if inspect.iscoroutinefunction(approve):
+            answer = await approve(name, args, kwargs)
+        else:
+            answer = await self._in_thread(approve, name, args, kwargs)
+        if isinstance(answer, tuple):
+            allowed, why = bool(answer[0]), str(answer[1]) if len(answer) > 1 else ""
+        else:
+            allowed, why = bool(answer), ""
+        return allowed, why or (f"{name}: approved" if allowed else f"{name}: denied by the client")
+
+    async def decide(self, approve: Approver | None,
+                     pending: ApprovalPending) -> tuple[bool, str] | None:
+        """A call held by the daemon for approval (a policy with ``[approvals]``): what the
+        job's approve callback says of it; None without one (the policy's approvers then
+        decide, ``jaild approve``, and the run waits)."""
+        if approve is None:
+            log.info("job %s: call %d (%s) waits for an approver", pending.job_id,
+                     pending.call_id, pending.name)
+            return None
+        try:
+            decoded = unpack(pending.args)
+            args, kwargs = (list(decoded[0]), dict(decoded[1])) if isinstance(decoded, list) \
+                else ([], {})
+        except Exception:
+            args, kwargs = [], {}
+        try:
+            return await self.approved(approve, pending.name, args, kwargs)
+        except Exception as exc:
+            return False, f"{pending.name}: the approve callback failed: {exc!r}"
+
+    async def call(self, tools: Mapping[str, HostTool], approve: Approver | None,
+                   call: ClientCallTool) -> Message:
+        """Run the handler ``call`` names (after asking ``approve``, if the call needs
+        approval) and return the answer to send: ``ToolReturned`` or ``ToolFailed``."""
+        tool = tools.get(call.name)
+        try:
+            if tool is None:
+                raise LookupError(f"no tool named {call.name!r} in this client")
+            decoded = unpack(call.args)
+            if not (
+                isinstance(decoded, list)
+                and len(decoded) == 2
+                and isinstance(decoded[0], list)
+                and isinstance(decoded[1], dict)
+                and all(isinstance(k, str) for k in decoded[1])
+            ):
+                raise TypeError("malformed tool arguments from the jail")
+            args, kwargs = decoded
+            if call.approval:
+                allowed, why = await self.approved(approve, call.name, args, kwargs)
+                if not allowed:
+                    raise ToolCallDenied(why)
+            if tool.is_async:
+                value = await tool.handler(*args, **kwargs)
+            else:
+                value = await self._in_thread(tool.handler, *args, **kwargs)
+            labels: tuple[str, ...] = ()
+            if isinstance(value, Labeled):
+                value, labels = value.value, value.labels
+            packed = pack(value)
+            if len(packed) > TOOL_RESULT_LIMIT:
+                raise ValueError(f"result of {call.name} is {len(packed)} bytes; too large to send")
+            return ClientToolReturned(job_id=call.job_id, call_id=call.call_id, value=packed,
+                                      labels=labels)
+        except asyncio.CancelledError:
+            raise
+        except ToolCallDenied as exc:
+            return ClientToolFailed(
+                job_id=call.job_id, call_id=call.call_id, error_type="denied",
+                message=safe_text(str(exc), 4096),
+            )
+        except Exception as exc:
+            log.debug("tool %s raised", call.name, exc_info=True)
+            try:
+                message = str(exc)
+            except Exception:
+                message = "<str() of the exception failed>"
+            return ClientToolFailed(
+                job_id=call.job_id,
+                call_id=call.call_id,
+                error_type=safe_text(type(exc).__name__, 256) or "Exception",
+                message=safe_text(message, 4096),
+            )
