@@ -702,7 +702,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         else:
             sections.append(("daemon", placed))
             sections += [(f"policy {name}", checks) for name, checks in results.items()]
-    failed = [(s, c) for s, checks in sections for c in checks if not c.ok]
+    failed = [(s, c) for s, checks in sections for c in checks if not c.ok and not c.warn]
+    warned = [(s, c) for s, checks in sections for c in checks if not c.ok and c.warn]
     if args.json:
         json.dump(
             {s: [dataclasses.asdict(c) for c in checks] for s, checks in sections},
@@ -715,7 +716,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         for section, checks in sections:
             print(f"== {section}")
             for c in checks:
-                print(f"  {'ok  ' if c.ok else 'FAIL'}  {c.name:<{width}}  {c.detail}")
+                mark = "ok  " if c.ok else "warn" if c.warn else "FAIL"
+                print(f"  {mark}  {c.name:<{width}}  {c.detail}")
+        if warned:
+            print(f"\n{len(warned)} warning(s):")
+            for section, c in warned:
+                fix = f"\n    fix: {c.fix}" if c.fix else ""
+                print(f"  {section}: {c.name}: {c.detail}{fix}")
         if failed:
             print(f"\n{len(failed)} check(s) failed:")
             for section, c in failed:
@@ -723,7 +730,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                     f"  {section}: {c.name}: {c.detail}" + (f"\n    fix: {c.fix}" if c.fix else "")
                 )
         else:
-            print("\nall checks passed")
+            print("\nall checks passed" + (f" ({len(warned)} warning(s) above)" if warned else ""))
     return 1 if failed else 0
 
 

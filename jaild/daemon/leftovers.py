@@ -248,8 +248,9 @@ def clean(leftovers: list[Leftover], lock_dir: str = LOCK_DIR) -> dict[str, str]
 
 
 def leftover_checks(leftovers: list[Leftover], failed: dict[str, str] | None = None) -> list[Check]:
-    """The doctor's rows: one failed check per leftover, naming it and the command that
-    removes it; after ``--clean`` (``failed``: :func:`clean`'s answer) the removed ones
+    """The doctor's rows: one per leftover, naming it and the command that removes it -- a
+    warning (it holds nothing but a directory), or a failed check when processes still run
+    in it; after ``--clean`` (``failed``: :func:`clean`'s answer) the removed ones
     pass. None found: one passing row."""
     if not leftovers:
         return [Check("leftovers of gone instances", True,
@@ -264,6 +265,8 @@ def leftover_checks(leftovers: list[Leftover], failed: dict[str, str] | None = N
             checks.append(Check(f"leftover {what}", True, f"removed {item.path} ({whose})"))
             continue
         why = f"; not removed: {failed[item.path]}" if failed else ""
+        # a warning unless processes of the gone instance still run in it
         checks.append(Check(f"leftover {what}", False, f"{item.path} ({whose}{held}){why}",
-                            f"{item.command}   (or: jaild doctor --clean)"))
+                            f"{item.command}   (or: jaild doctor --clean)",
+                            warn=not item.processes))
     return checks

@@ -43,6 +43,9 @@ class Check:
     ok: bool
     detail: str = ""
     fix: str = ""
+    warn: bool = False
+    """Not ok, but not a failure of the host either (a gone instance's empty leftovers):
+    shown with its fix, and the doctor still exits 0."""
 
 
 PROBE_TEMPLATE = """

@@ -4,6 +4,7 @@ what ``clean`` removes -- never a tree whose lock is held."""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 from collections.abc import Iterator
@@ -72,6 +73,10 @@ def test_only_the_gone_instances_tree_is_named(host: tuple[str, str, list[str]],
     assert found[0].uid_base == instance_uid_base(GONE.instance) == GONE.uid_base
     row, = leftover_checks(found)
     assert not row.ok and row.detail.startswith(f"{gone[0]} ({GONE.instance}, gone (last: ")
+    assert row.warn  # nothing runs in it: the doctor warns and still exits 0
+    busy = dataclasses.replace(found[0], processes=2)
+    row, = leftover_checks([busy])  # control: a gone instance's processes still run there
+    assert not row.ok and not row.warn and "2 process(es) still in it" in row.detail
     assert row.fix.startswith(f"find {gone[0]} -name cgroup.procs -exec cat {{}} + | xargs")
 
 
