@@ -49,7 +49,7 @@ POLICY_MANIFEST := $(OPT_DIR)/shipped-policies.sha256
 DEV_JAILD := $(abspath $(VENV))/bin/jaild
 PURGE ?=
 
-.PHONY: all print-% setup setup-and-tools venv-test bin-link tools-venv agentdojo-venv eval-agentdojo k8s-policies demo test unit integration lint bench bench-egress bench-smoke bench-tools soak install install-policies uninstall jail-env clean distclean test-hosts hosts-packages image image-packages test-packages
+.PHONY: all print-% setup setup-and-tools venv-test bin-link tools-venv agentdojo-venv eval-agentdojo k8s-policies demo test unit integration lint bench bench-ab bench-egress bench-smoke bench-tools soak install install-policies uninstall jail-env clean distclean test-hosts hosts-packages image image-packages test-packages
 
 all: setup
 
@@ -214,6 +214,12 @@ bench: setup bench-tools
 
 bench-smoke: setup
 	$(PY) bench/compare.py --quick --pyodide-dir $(BENCH_DIR)/pyodide --out /tmp/jaild-bench-smoke.md
+
+# This checkout's warm path beside another revision's, taking turns job by job (bench/ab.py):
+# is a change no slower? `make bench-ab BASE=<rev>` (default: the previous commit).
+BASE ?= HEAD~1
+bench-ab: setup
+	$(PY) bench/ab.py --base $(BASE)
 
 # Pyodide (npm) into $(BENCH_DIR)/pyodide; py-spy and the peers llm-sandbox and pydantic-monty
 # (pip, pyproject's [bench] extra) into the venv when one is missing or older than it asks.
