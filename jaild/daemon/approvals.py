@@ -43,12 +43,12 @@ A session run whose state could not be taken (something unpicklable) waits live.
 
 The journal is on disk from the first reply, not in the daemon's memory:
 ``<state_dir>/parked/<instance>/<job id>.journal``, appended as replies arrive and read back
-one entry at a time by a replay (:mod:`jaild.daemon.journal`); the daemon holds its path,
+one entry at a time by a replay (:mod:`jaild.daemon.state.journal`); the daemon holds its path,
 count and size. A parked run's own file is ``<job id>.run`` beside it (a
 :class:`~jaild.daemon.core.parked.ParkedRunFile`: the job, the held call, its decision, the
 journal's count and size), written to a temporary name and renamed once the journal is
 synced. Both are made by the daemon only: never a name or a format from a jail or a client
-(:mod:`jaild.daemon.parkedruns` keeps them).
+(:mod:`jaild.daemon.state.parkedruns` keeps them).
 
 What a run may do next -- hold, park, continue, send its decided call -- is decided by its
 :class:`~jaild.daemon.core.parked.RunLife` (a pure machine, its moves as data); this module
@@ -57,7 +57,7 @@ made by the pipeline, the one path every run takes to its record
 (:meth:`jaild.daemon.pipeline.Pipeline.continue_run`): :meth:`Approvals.decide`,
 :meth:`Approvals.resume` and :meth:`Approvals.jail_released` say when one is due.
 
-Quotas per principal (:class:`~jaild.daemon.journal.ApprovalQuota`: the daemon's
+Quotas per principal (:class:`~jaild.daemon.state.journal.ApprovalQuota`: the daemon's
 ``limits.approvals_parked_max_count`` and ``limits.approvals_journal_quota_mb``):
 
 ================================  ==============================================================
@@ -99,9 +99,9 @@ from jaild.daemon.core.parked import (
 from jaild.daemon.core.peer import Peer, Tenant
 from jaild.daemon.flowgate import names
 from jaild.daemon.jails.job import CallReply, JailedJob, Reply
-from jaild.daemon.journal import Journal, Journaled
-from jaild.daemon.parkedruns import ParkedRuns
 from jaild.daemon.registry import ClientConnection
+from jaild.daemon.state.journal import Journal, Journaled
+from jaild.daemon.state.parkedruns import ParkedRuns
 from jaild.errors import (
     BadRequest,
     ConnectionLost,

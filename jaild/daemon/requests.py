@@ -25,11 +25,11 @@ from jaild.daemon.approvals import Approvals
 from jaild.daemon.core import admission
 from jaild.daemon.core.peer import Peer, Principal, PrincipalKind
 from jaild.daemon.observe import Observers
-from jaild.daemon.parkedruns import ParkedRuns
 from jaild.daemon.pipeline import Pipeline
 from jaild.daemon.registry import ClientConnection, Registry
 from jaild.daemon.sessions import Sessions
 from jaild.daemon.startup import Served
+from jaild.daemon.state.parkedruns import ParkedRuns
 from jaild.errors import JaildError, UnknownJob, UnknownSession
 from jaild.protocol.messages import (
     ApprovalList,

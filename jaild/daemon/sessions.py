@@ -43,9 +43,9 @@ from jaild.daemon.core.session import Op, Phase, SessionMachine, Start
 from jaild.daemon.flowgate import flow_released
 from jaild.daemon.jails.job import CallReply, JailedJob
 from jaild.daemon.observe import Observers
-from jaild.daemon.parkedruns import ParkedRuns
 from jaild.daemon.registry import ClientConnection, JailSession, Registry
-from jaild.daemon.snapshots import SnapshotStore
+from jaild.daemon.state.parkedruns import ParkedRuns
+from jaild.daemon.state.snapshots import SnapshotStore
 from jaild.errors import (
     BadRequest,
     InternalError,

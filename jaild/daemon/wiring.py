@@ -29,15 +29,15 @@ from jaild.daemon.approvals import Approvals, DurableRun
 from jaild.daemon.config import DaemonConfig
 from jaild.daemon.core import admission
 from jaild.daemon.core.readiness import Phase, Readiness
-from jaild.daemon.journal import ApprovalQuota
 from jaild.daemon.observe import Observers
-from jaild.daemon.parkedruns import ParkedRuns
 from jaild.daemon.pipeline import Pipeline
 from jaild.daemon.registry import Registry
 from jaild.daemon.requests import Requests
 from jaild.daemon.sessions import ParkedSessions, Sessions
-from jaild.daemon.snapshots import SnapshotStore
 from jaild.daemon.startup import Served
+from jaild.daemon.state.journal import ApprovalQuota
+from jaild.daemon.state.parkedruns import ParkedRuns
+from jaild.daemon.state.snapshots import SnapshotStore
 from jaild.daemon.waiting import WaitingRoom
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jaild import Client
-from jaild.daemon.journal import Journal
+from jaild.daemon.state.journal import Journal
 from jaild.errors import Busy, UnknownJob
 from tests.conftest import (
     STATE_DIR,

@@ -1,4 +1,4 @@
-"""Durable runs' journals on disk and the quotas per principal (jaild.daemon.journal, and
+"""Durable runs' journals on disk and the quotas per principal (jaild.daemon.state.journal, and
 their use in jaild.daemon.approvals) -- without a jail."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 from jaild.daemon.approvals import Approvals, DurableRun
 from jaild.daemon.core.parked import HeldCall, Phase, RunLife
 from jaild.daemon.jails.job import CallReply
-from jaild.daemon.journal import ApprovalQuota, Journal, Journaled
-from jaild.daemon.parkedruns import ParkedRuns
+from jaild.daemon.state.journal import ApprovalQuota, Journal, Journaled
+from jaild.daemon.state.parkedruns import ParkedRuns
 from jaild.errors import JournalDamaged, QuotaExceeded
 from jaild.policy.schema import load_policy_text
 from jaild.protocol.messages import JobDescription, ToolSpec

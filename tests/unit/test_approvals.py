@@ -15,8 +15,8 @@ from jaild.daemon.approvals import Approvals, DurableRun, Journaled
 from jaild.daemon.core.admission import SessionAsked
 from jaild.daemon.core.parked import Decision, HeldCall, Phase, RunLife
 from jaild.daemon.core.peer import Peer
-from jaild.daemon.journal import ApprovalQuota, Journal
-from jaild.daemon.parkedruns import ParkedRuns
+from jaild.daemon.state.journal import ApprovalQuota, Journal
+from jaild.daemon.state.parkedruns import ParkedRuns
 from jaild.policy.schema import load_policy_text
 from jaild.protocol.messages import JobDescription, ToolSpec
 

@@ -22,8 +22,8 @@ The rules (issue 13, "Done when"):
    it registers (``jaild.codemode``) imports it back.
 8. ``jaild.testing`` (the fake launcher and daemon) is imported by no module of the
    package: what serves real jobs cannot come to depend on what isolates nothing.
-9. The daemon's wings (:data:`WINGS`: the pure core, jail making, egress, observability)
-   import nothing of the shell around them (``jaild.daemon``'s own modules: the server,
+9. The daemon's wings (:data:`WINGS`: the pure core, jail making, egress, observability,
+   the state kept on disk) import nothing of the shell around them (``jaild.daemon``'s own modules: the server,
    start-up, the pipeline, sessions, placement, the registry, configuration, ...). Every
    module of ``jaild.daemon.core`` is pure (rule 5) without being listed, so the core does
    no IO and imports no other wing.
@@ -325,7 +325,8 @@ def nothing_imports_the_cli(modules: Mapping[str, Module]) -> list[str]:
 
 
 CORE = "jaild.daemon.core"
-WINGS = (CORE, "jaild.daemon.jails", "jaild.daemon.egress", "jaild.daemon.observe")
+WINGS = (CORE, "jaild.daemon.jails", "jaild.daemon.egress", "jaild.daemon.observe",
+         "jaild.daemon.state")
 """The daemon's sub-packages below its shell (``jaild/daemon/__init__.py`` says what each
 holds); the shell is ``jaild.daemon``'s own modules."""
 
@@ -427,13 +428,16 @@ BREAKERS = [
     ("wings", "jaild.daemon.jails.evil", "from jaild.daemon.server import Daemon\n"),
     ("wings", "jaild.daemon.observe.evil", "def f():\n    from jaild.daemon import startup\n"),
     ("wings", "jaild.daemon.core.evil", "from jaild.daemon.config import DaemonConfig\n"),
+    ("wings", "jaild.daemon.state.evil", "from jaild.daemon.sessions import Sessions\n"),
+    ("wings", "jaild.daemon.state.parkedruns",
+     "def f():\n    from jaild.daemon.approvals import DurableRun\n"),
     # each machine of the core, named (item: the session's and the parked run's)
     ("pure", "jaild.daemon.core.session", "import asyncio\n"),
     ("pure", "jaild.daemon.core.session", "from jaild.daemon.sessions import Sessions\n"),
     ("pure", "jaild.daemon.core.parked", "import os\n"),
     ("pure", "jaild.daemon.core.parked", "from jaild.daemon.approvals import DurableRun\n"),
     ("pure", "jaild.daemon.core.readiness", "import time\n"),
-    ("mutual", "jaild.daemon.parkedruns",
+    ("mutual", "jaild.daemon.state.parkedruns",
      "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from jaild.daemon.approvals import DurableRun\n"),
     # a module of the core is pure without being listed: no IO, no other wing
     ("pure", "jaild.daemon.core.evil", "import socket\n"),

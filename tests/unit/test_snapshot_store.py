@@ -1,4 +1,4 @@
-"""The daemon's snapshot store (jaild.daemon.snapshots) on a real directory, and the in-jail
+"""The daemon's snapshot store (jaild.daemon.state.snapshots) on a real directory, and the in-jail
 snapshot module run by the jail environment's interpreter (which has cloudpickle)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jaild.daemon.snapshots import SnapshotStore
+from jaild.daemon.state.snapshots import SnapshotStore
 from jaild.errors import LocalProtocolError, QuotaExceeded, UnknownSnapshot
 from jaild.protocol.records import SnapshotEntry, SnapshotKind
 from tests.conftest import REPO, STATE_DIR

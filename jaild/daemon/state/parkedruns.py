@@ -6,7 +6,7 @@ Theory of operation
 the daemon by id, and everything of them on disk: the parked run's file
 (``<state_dir>/parked/<instance>/<job id>.run``, a
 :class:`~jaild.daemon.core.parked.ParkedRunFile`, written to a temporary name and renamed
-once the journal is synced), its journal beside it (:mod:`jaild.daemon.journal`), the
+once the journal is synced), its journal beside it (:mod:`jaild.daemon.state.journal`), the
 quotas per principal on both, and a parked session run's state before the run (a snapshot
 of kind ``parked`` in the snapshot store). It knows nothing of sessions or connections:
 the sessions (:mod:`jaild.daemon.sessions`) and the approvals service
@@ -33,8 +33,8 @@ import msgpack
 from jaild.daemon.core import parked
 from jaild.daemon.core.parked import ParkedRunFile, Phase, RunLife
 from jaild.daemon.core.peer import Tenant
-from jaild.daemon.journal import ApprovalQuota, Journal, Journaled
-from jaild.daemon.snapshots import SnapshotStore
+from jaild.daemon.state.journal import ApprovalQuota, Journal, Journaled
+from jaild.daemon.state.snapshots import SnapshotStore
 from jaild.errors import JaildError
 from jaild.policy.schema import Policy
 from jaild.protocol.records import SnapshotKind
