@@ -147,14 +147,15 @@ async def _client_jobs(socket: str, policy: str, code: str, runs: int, pause_s: 
     decoded: list[int] = []
     stamps: list[tuple[int, int, int]] = []
     async with AsyncClient(socket) as c:
-        inner = c._handle
+        wire = c._wire  # what the client's wire hands each decoded message to
+        inner = wire._deliver
 
         def handle(msg: Any) -> None:
             if isinstance(msg, JobFinished):
                 decoded.append(time.perf_counter_ns())
             inner(msg)
 
-        c._handle = handle  # type: ignore[method-assign]
+        wire._deliver = handle
         for _ in range(runs):
             await asyncio.sleep(pause_s)
             called = time.perf_counter_ns()

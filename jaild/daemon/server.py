@@ -179,7 +179,7 @@ class ServedConnection(asyncio.Protocol):
             self.peer = peer
         self.conn = Connection(Role.DAEMON, daemon.config.max_frame_bytes)
         self.transport: asyncio.Transport | None = None
-        self.jobs = _JobLink(self)  # its tool calls and its jobs' output
+        self.jobs = _JobLink()  # its tool calls and its jobs' output
         self.closed = False
         self._tasks: asyncio.TaskGroup | None = None  # the connection's scope, while it serves
         # work started before serve() began (see start); None once it has
@@ -572,7 +572,7 @@ class ServedConnection(asyncio.Protocol):
         if daemon.readiness.starting and must_wait(msg):  # until ready (core/readiness.py)
             daemon.waiting.wait(self, msg)
         elif isinstance(msg, (ClientToolReturned, ClientToolFailed)):
-            self.jobs.replied(msg)
+            self.jobs.replied(self, msg)
         else:  # a request: what it does is jaild.daemon.requests (a Pong: nothing)
             daemon.requests.handle(self, msg)
 
@@ -580,30 +580,32 @@ class ServedConnection(asyncio.Protocol):
         self, job_id: str, call_id: int, name: str, args: bytes, approval: bool = False
     ) -> CallReply:
         """Send a tool call to this client (see :meth:`_JobLink.call_tool`)."""
-        return self.jobs.call_tool(job_id, call_id, name, args, approval)
+        return self.jobs.call_tool(self, job_id, call_id, name, args, approval)
 
     def output(self, job_id: str, stream: str, data: bytes) -> None:
         """Stream a job's output (see :meth:`_JobLink.output`)."""
-        self.jobs.output(job_id, stream, data)
+        self.jobs.output(self, job_id, stream, data)
 
 
 class _JobLink:
     """A connection's part in its jobs: the tool calls it hosts (sent out, their replies
-    routed back as soon as they are read) and the output it streams, held to its buffer."""
+    routed back as soon as they are read) and the output it streams, held to its buffer.
+    It is given its connection with each call and keeps no reference to it: a closed
+    connection (and the unfinished frame it may hold) is freed as soon as it is dropped,
+    not at the cycle collector's next pass."""
 
-    def __init__(self, conn: ServedConnection) -> None:
-        self._conn = conn
+    def __init__(self) -> None:
         self.pending_calls: dict[tuple[str, int], CallReply] = {}
         self._paused: set[JailedJob] = set()  # jobs whose output waits for this client
         self._draining = False  # _drain_paused is on its way
 
     def call_tool(
-        self, job_id: str, call_id: int, name: str, args: bytes, approval: bool = False
+        self, conn: ServedConnection, job_id: str, call_id: int, name: str, args: bytes,
+        approval: bool = False,
     ) -> CallReply:
         """Send a tool call to the client; its reply resolves the :class:`CallReply` as
         soon as it is read (a ToolRouter). ``approval``: the client must ask its approval
         callback before the handler."""
-        conn = self._conn
         if conn.closed:
             raise ConnectionLost("the client is gone")
         key = (job_id, call_id)
@@ -614,9 +616,8 @@ class _JobLink:
         )
         return reply
 
-    def replied(self, msg: ClientToolReturned | ClientToolFailed) -> None:
+    def replied(self, conn: ServedConnection, msg: ClientToolReturned | ClientToolFailed) -> None:
         """A tool call's reply from the client."""
-        conn = self._conn
         reply = self.pending_calls.pop((msg.job_id, msg.call_id), None)
         if reply is None:
             if conn.daemon.registry.job(msg.job_id, owner=conn) is None:
@@ -629,11 +630,10 @@ class _JobLink:
         else:
             reply.resolve(False, (msg.error_type, msg.message))
 
-    def output(self, job_id: str, stream: str, data: bytes) -> None:
+    def output(self, conn: ServedConnection, job_id: str, stream: str, data: bytes) -> None:
         """Stream a job's output -- within the connection's buffer (``stream_buffer_bytes``).
         Past it, by the job's ``slow_client`` limit: its output is paused until the client
         reads (the jail blocks on write), or skipped on the stream (the record has it all)."""
-        conn = self._conn
         live = conn.daemon.registry.job(job_id, owner=conn)
         if live is not None and conn.buffered() > conn.daemon.config.stream_buffer_bytes:
             job = live.jail
@@ -644,12 +644,12 @@ class _JobLink:
             self._paused.add(job)
             if not self._draining:
                 self._draining = True
-                conn.start(self._drain_paused())
+                conn.start(self._drain_paused(conn))
         conn.send(JobOutput(job_id=job_id, stream=stream, data=data))
 
-    async def _drain_paused(self) -> None:
+    async def _drain_paused(self, conn: ServedConnection) -> None:
         with contextlib.suppress(Exception):
-            await self._conn.drain()  # until the buffer is below half of stream_buffer_bytes
+            await conn.drain()  # until the buffer is below half of stream_buffer_bytes
         self._draining = False
         self.resume()
 
