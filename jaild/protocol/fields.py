@@ -99,9 +99,10 @@ def string(max_len: int, *, min_len: int = 0, pattern: str | None = None) -> Che
     rx = re.compile(pattern) if pattern else None
 
     def check(path: str, v: Any) -> Any:
-        v = _plain(v)
-        if type(v) is not str:
-            raise _fail(path, f"expected a string, got {type(v).__name__}")
+        if type(v) is not str:  # (the common case skips the typed word's look-up)
+            v = _plain(v)
+            if type(v) is not str:
+                raise _fail(path, f"expected a string, got {type(v).__name__}")
         if not min_len <= len(v) <= max_len:
             raise _fail(path, f"length {len(v)} outside {min_len}..{max_len}")
         if rx is not None and rx.fullmatch(v) is None:
@@ -167,7 +168,8 @@ def one_of(*values: str) -> Check:
     allowed = frozenset(values)
 
     def check(path: str, v: Any) -> Any:
-        v = _plain(v)
+        if type(v) is not str:
+            v = _plain(v)
         if type(v) is not str or v not in allowed:
             raise _fail(path, f"expected one of {sorted(allowed)}, got {v!r}")
         return v
