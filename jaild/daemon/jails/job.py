@@ -637,6 +637,8 @@ class JailedJob:
         """What its labels withhold (``how = "redact"``: redact) from this run's caller
         (:func:`jaild.daemon.core.records.flow_sinks`)."""
         broker = self._machine.broker
+        if not broker.labels:  # every chunk of output asks: no label, nothing closed
+            return {}
         return flow_sinks(broker.flow, frozenset(broker.labels), self.spec.released,
                           broker.redaction_exhausted, how)
 
