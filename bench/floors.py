@@ -371,6 +371,8 @@ STAGES: dict[str, str] = {
     "netns": "the same, unsharing the network namespace alone",
     "cgroup": "the same, the child moved into a job's fresh cgroups, which are then removed",
     "seccomp": "the same, the child loading the default policy's seccomp filters",
+    "seccomp_split": "the same, the child loading its part of the default policy's filters "
+                     "split (its parent, as a zygote, loaded the rest once)",
     "cow": "one copy-on-write fault: a page written after a fork (per page)",
 }
 """The stage floors' keys and what each costs, in the report's order: CPU per operation, for
@@ -419,8 +421,8 @@ def _stage_child(key: str, runs: int) -> None:
         new_pid_ns = True
     elif key == "netns":
         flags = _CLONE_NEWNET
-    elif key == "seccomp":
-        child_does = _seccomp_loader()
+    elif key in ("seccomp", "seccomp_split"):
+        child_does = _seccomp_loader(split=key == "seccomp_split")
     cgroups = _StageCgroups() if key == "cgroup" else None
     time.sleep(0.2)
     from measure import machine_cpu_s
@@ -496,7 +498,10 @@ def _cow(fork: Callable[[], int]) -> float:
     return best
 
 
-def _seccomp_loader() -> Callable[[], None]:
+def _seccomp_loader(split: bool = False) -> Callable[[], None]:
+    """What a jail does to load its filters: the default policy's whole, or (``split``) its
+    part only, this process -- the zygote -- having loaded the rest (it runs under them
+    from here on, as a zygote does)."""
     from jaild.policy.schema import load_policy_dir
     from jaild.policy.seccomp import build_spec
     from jaild.runtime import seccomp
@@ -504,8 +509,9 @@ def _seccomp_loader() -> Callable[[], None]:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     policy = load_policy_dir(os.path.join(repo, "policies"))["default"]
     spec = build_spec(policy.seccomp_choice, network=policy.network.mode != "none")
-    programs = seccomp.bpf_program(spec)
-    seccomp.prepare(spec)  # looks up the seccomp(2) call once, as the zygote does
+    seccomp.prepare(spec, split=split)  # looks up the seccomp(2) call once, as the zygote does
+    assert seccomp._prepared is not None
+    programs = seccomp._prepared[1]
     import prctl
 
     def load() -> None:

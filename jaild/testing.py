@@ -350,7 +350,7 @@ def fake_environment(
             name: build_spec(p.seccomp_choice, network=p.network.mode != "none")
             for name, p in policies.items()
         },
-        seccomp_digests=dict.fromkeys(policies, UNHARDENED),
+        seccomp_digests=dict.fromkeys(policies, frozenset({UNHARDENED})),
         audit=KernelAuditLog(os.devnull),
         uid_base=os.getuid(),
         kill_grace_s=kill_grace_s,

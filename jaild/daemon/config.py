@@ -92,6 +92,10 @@ def _zygote_scope(v: Any) -> str | None:
     return None if v in ("uid", "policy") else f'must be "uid" or "policy", got {v!r}'
 
 
+def _zygote_seccomp(v: Any) -> str | None:
+    return None if v in ("split", "whole") else f'must be "split" or "whole", got {v!r}'
+
+
 def _event_loop(v: Any) -> str | None:
     return None if v in loops.CHOICES else (
         f"must be one of {', '.join(map(repr, loops.CHOICES))}, got {v!r}")
@@ -215,6 +219,13 @@ class DaemonFile:
         '"uid": a zygote per (policy, client uid), so no two users\' jails are forks of one '
         'process; "policy": one per policy, shared by every uid (single-tenant hosts only).',
         _zygote_scope,
+    )
+    zygote_seccomp: str = setting(
+        "split",
+        '"split": a zygote loads its policy\'s seccomp filters once, with what it needs to make '
+        "a jail let through, and each jail adds only a small filter taking that back (the same "
+        'verdict for every call, docs/security.md); "whole": each jail loads them whole.',
+        _zygote_seccomp,
     )
     event_loop: str = setting(
         "asyncio",
@@ -633,6 +644,7 @@ class DaemonConfig:
     max_memory_mb_per_uid: int = 0
     probe_policies: bool = True
     zygote_scope: str = "uid"
+    zygote_seccomp: str = "split"
     event_loop: str = "asyncio"
     sched_slice_us: int = 100
     drain_s: float = 0.0  # on SIGTERM: how long running jobs may finish (0: no drain)
@@ -672,6 +684,7 @@ class DaemonConfig:
                 metrics_address=d.metrics_address or None,
                 metrics_tool_labels=d.metrics_tool_labels,
                 zygote_scope=d.zygote_scope,
+                zygote_seccomp=d.zygote_seccomp,
                 event_loop=d.event_loop,
                 sched_slice_us=d.sched_slice_us,
                 drain_s=d.drain_s,

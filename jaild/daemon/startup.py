@@ -98,7 +98,7 @@ from jaild.protocol import encode_frame, pack, unpack
 from jaild.protocol.connection import HANDSHAKE_FRAME_BYTES
 from jaild.protocol.messages import Error, JobDescription, ToolSpec, encode
 from jaild.runtime.harden import become_child_subreaper
-from jaild.runtime.seccomp import bpf_program
+from jaild.runtime.seccomp import bpf_program, forked_programs
 from jaild.runtime.seccomp import digest as seccomp_digest
 from jaild.version import __version__
 
@@ -340,7 +340,10 @@ async def _start_jails(
         cgroups=cgroups,
         config_fds=config_fds,
         seccomp_specs=specs,
-        seccomp_digests={name: seccomp_digest(bpf_program(spec)) for name, spec in specs.items()},
+        seccomp_digests={
+            name: _seccomp_digests(spec, served.policies[name], config)
+            for name, spec in specs.items()
+        },
         audit=KernelAuditLog(),
         on_tool_call=on_tool_call,
         uid_base=config.uid_base,
@@ -409,6 +412,7 @@ async def _start_zygotes(
             launcher=env.launcher,
             harden=env.harden(policy),
             max_jobs=config.max_jobs,
+            split_seccomp=config.zygote_seccomp == "split",
             label=f"zygote-{policy.name}" if own else (
                 f"zygote-{policy.name}-u{tenant}" if isinstance(tenant, int)
                 else f"zygote-{policy.name}-{tenant}"),
@@ -612,6 +616,18 @@ async def _probe(config: DaemonConfig, served: Served, policy: Policy) -> list[C
     facts = unpack(job.result) if job.result is not None else None
     error = record.error.to_dict() if record.error is not None else None
     return evaluate(policy, record.status, error, facts, job.outside_uid)
+
+
+def _seccomp_digests(spec: dict[str, Any], policy: Policy, config: DaemonConfig) -> frozenset[str]:
+    """The digests a jail of ``policy`` may report (``JailReady``): of its filters loaded whole
+    (nsjail per job, or a zygote-mode policy's jail while its zygote is down) and, in zygote
+    mode with ``daemon.zygote_seccomp = "split"``, of its zygote's filters then its own
+    (:func:`jaild.runtime.seccomp.forked_programs`; tests/unit/test_zygote_filter.py proves
+    the two give every call the same verdict)."""
+    whole = seccomp_digest(bpf_program(spec))
+    if policy.pool.mode != "zygote" or config.zygote_seccomp != "split":
+        return frozenset({whole})
+    return frozenset({whole, seccomp_digest(forked_programs(spec))})
 
 
 def _sealed_memfd(name: str, text: str) -> int:

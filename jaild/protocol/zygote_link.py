@@ -185,6 +185,10 @@ class PrepareJails(Message):
     harden: bytes = field(binary(MAX_FRAME_BYTES - 64))  # the rest of the frame: its keys
     """The payload of the ``Harden`` frame (:mod:`jaild.protocol.messages`) the daemon sends
     each jail of this zygote, byte for byte."""
+    split_seccomp: bool = field(boolean(), default=True)
+    """Load the policy's seccomp filters in the zygote, once, each jail adding only what takes
+    the zygote's own needs away (:mod:`jaild.runtime.zygote_filter`); False: each jail loads
+    them whole."""
 
 
 @struct

@@ -29,6 +29,7 @@ answers those two lookups with sonames directly.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno as errno_module
@@ -40,6 +41,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaild.errors import SeccompSpecError
+from jaild.runtime import zygote_filter
+from jaild.runtime.zygote_filter import Unsplittable
 
 _SONAMES = {"c": "libc.so.6", "seccomp": "libseccomp.so.2"}
 
@@ -161,15 +164,50 @@ def digest(programs: Sequence[bytes]) -> str:
     return h.hexdigest()[:32]
 
 
-_prepared: tuple[Mapping[str, Any], list[bytes]] | None = None
+_prepared: tuple[Mapping[str, Any], list[bytes], list[bytes]] | None = None
+"""What :func:`prepare` built: the spec, the programs a jail loads for it, and those its
+zygote loaded already (empty unless the spec was split)."""
 
 
-def prepare(spec: Mapping[str, Any]) -> None:
+def prepare(spec: Mapping[str, Any], *, split: bool = False) -> None:
     """Build ``spec``'s programs ahead of :func:`load` (the zygote does, once: building and
-    exporting ~3 ms of libseccomp work that every jail it forks would otherwise repeat)."""
+    exporting ~3 ms of libseccomp work that every jail it forks would otherwise repeat).
+
+    ``split``: also load, into the calling process (the zygote), the spec's filters with
+    what the zygote and its jails need let through, and leave each jail only the small
+    filters that take that back (:mod:`jaild.runtime.zygote_filter`); a spec that cannot be
+    split is prepared whole. Call it once: a second split would stack the zygote's filters.
+
+    Raises:
+        OSError: the zygote's filters could not be loaded.
+    """
     global _prepared
-    _prepared = (spec, [_export(_build(f)) for f in _filters(spec)])
     _seccomp_call()
+    parts = None
+    if split:
+        if _prepared is not None and _prepared[2]:
+            raise OSError(errno_module.EEXIST, "the zygote's seccomp filters are loaded already")
+        with contextlib.suppress(Unsplittable):
+            parts = zygote_filter.split(spec)
+    if parts is None:
+        _prepared = (spec, [_export(_build(f)) for f in _filters(spec)], [])
+        return
+    zygote_programs = [_export(_build(f)) for f in _filters(parts.zygote)]
+    jail_programs = [_export(_build(f)) for f in _filters(parts.jail)] if parts.jail else []
+    for program in zygote_programs:
+        _install(program)
+    _prepared = (spec, jail_programs, zygote_programs)
+
+
+def forked_programs(spec: Mapping[str, Any]) -> list[bytes]:
+    """The programs a forked jail holds for ``spec`` when its zygote split it: the zygote's
+    then its own (what it reports the digest of), or ``spec``'s own if it cannot be split."""
+    try:
+        parts = zygote_filter.split(spec)
+    except Unsplittable:
+        return bpf_program(spec)
+    jail = bpf_program(parts.jail) if parts.jail else []
+    return bpf_program(parts.zygote) + jail
 
 
 class _SockFprog(ctypes.Structure):
@@ -205,21 +243,25 @@ def _install(program: bytes) -> None:
 def load(spec: Mapping[str, Any]) -> str:
     """Load every filter of ``spec`` into the calling process, in order.
 
-    Returns the digest of the BPF programs loaded (see :func:`digest`): the very bytes
-    the kernel was given. Call with no_new_privs set and before any other thread exists
+    Returns the digest of the BPF programs the process holds (see :func:`digest`): the
+    very bytes the kernel was given, its zygote's first where it split the spec
+    (:func:`prepare`). Call with no_new_privs set and before any other thread exists
     (filters are inherited by threads created later). The programs of :func:`prepare`
     for an equal spec are loaded as they are (libseccomp's own load would generate each
     program again: half of a jail's ~1 ms of loading, measured in forked children).
     """
+    inherited: list[bytes] = []
     if _prepared is not None and (_prepared[0] is spec or _prepared[0] == spec):
-        programs = _prepared[1]
+        programs, inherited = _prepared[1], _prepared[2]
     else:
         programs = [_export(_build(f)) for f in _filters(spec)]
+        if _prepared is not None:
+            inherited = _prepared[2]  # a zygote's filters hold whatever this spec is
     for program in programs:
         _install(program)
     if refuses(spec, "sysinfo"):
         _sysconf_without_sysinfo()
-    return digest(programs)
+    return digest(inherited + programs)
 
 
 def refuses(spec: Mapping[str, Any], name: str) -> bool:

@@ -503,13 +503,16 @@ def _prepare(req: PrepareJails) -> None:
     """Decode the ``Harden`` frame every jail will be sent, once, and build its seccomp
     filters: each jail then recognises the frame by its bytes and loads the filters as they
     are (:func:`jaild.protocol.messages.remember`, :func:`jaild.runtime.seccomp.prepare`).
+    With ``split_seccomp``, the zygote loads the policy's filters itself, with what it and
+    its jails need let through, and each jail only takes that back
+    (:mod:`jaild.runtime.zygote_filter`): from here on the zygote runs under them.
     A frame that is not a ``Harden`` is the daemon's bug: raise, and exit."""
     from jaild.runtime import seccomp
 
     harden = remember(req.harden, "daemon->jail")
     if not isinstance(harden, Harden):
         raise SetupFailed(f"PrepareJails carries a {harden.TYPE}, not a Harden")
-    seccomp.prepare(harden.seccomp)
+    seccomp.prepare(harden.seccomp, split=req.split_seccomp)
 
 
 def _preimport(names: Sequence[str]) -> dict[str, str]:

@@ -106,7 +106,7 @@ class Sim:
     def __init__(
         self, job: JobSpec, *, has_job: bool = True, forked: bool = False, oom: bool = False
     ) -> None:
-        self.m = JobMachine(job, has_job=has_job, harden=HARDEN, seccomp_digest=DIGEST)
+        self.m = JobMachine(job, has_job=has_job, harden=HARDEN, seccomp_digests=frozenset({DIGEST}))
         self.forked = forked
         self.oom = oom
         self.jail = Connection(Role.JAIL, self.m.conn.max_frame_bytes)
@@ -410,7 +410,7 @@ def test_a_jail_made_before_its_job_takes_the_jobs_labels_before_its_code() -> N
     assert "Relabeled" not in plain.kinds(plain.assign(spec("pool-4")))
     assert plain.m.broker.labels == set()
     fresh = JobMachine(dataclasses.replace(spec("j9"), hold=frozenset({"private"})),
-                       has_job=True, harden=HARDEN, seccomp_digest=DIGEST)
+                       has_job=True, harden=HARDEN, seccomp_digests=frozenset({DIGEST}))
     assert fresh.broker.labels == {"private"}
 
 

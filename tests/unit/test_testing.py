@@ -429,8 +429,8 @@ def test_the_fake_jail_reports_no_hardening() -> None:
     async def main() -> None:
         async with asyncio.timeout(guard(60)), fake_daemon() as fake:
             env = fake.daemon.env
-            assert env is not None and env.seccomp_digests == {"default": UNHARDENED}
-            env.seccomp_digests["default"] = "something else"
+            assert env is not None and env.seccomp_digests == {"default": frozenset({UNHARDENED})}
+            env.seccomp_digests["default"] = frozenset({"something else"})
             client = await fake.connect()
             r = await client.run("1")
             assert r.status == "internal_error" and r.error is not None

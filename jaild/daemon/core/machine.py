@@ -605,7 +605,8 @@ class JobMachine:
             made before its job; ``has_job`` False).
         has_job: ``spec`` is a real job, owed a record.
         harden: the policy's first frame to its jails.
-        seccomp_digest: the digest of the filter the jail must report it loaded.
+        seccomp_digests: the digests of the filters the jail may report it loaded (its
+            policy's filters whole, or its zygote's and its own: the same verdicts).
         validators: the shared schema cache for the broker.
     """
 
@@ -615,7 +616,7 @@ class JobMachine:
         *,
         has_job: bool,
         harden: Harden,
-        seccomp_digest: str,
+        seccomp_digests: frozenset[str],
         validators: Validators | None = None,
     ) -> None:
         self.phase = Phase.NEW
@@ -623,7 +624,7 @@ class JobMachine:
         self.keep = spec.keep
         self._job: JobSpec | None = spec if has_job else None
         self._harden = harden
-        self._digest = seccomp_digest
+        self._digests = seccomp_digests
         self.conn = Connection(Role.SUPERVISOR, frame_limit(spec))
         self.broker = Broker(spec.job.tools, spec.limits, spec.policy.needs_approval, validators,
                              flow_rules(spec.policy), labels=spec.labels | spec.hold)
@@ -782,11 +783,12 @@ class JobMachine:
         return []
 
     def _jail_ready(self, message: JailReady) -> list[Action]:
-        if message.seccomp_digest != self._digest:
+        if message.seccomp_digest not in self._digests:
             return self._kill(
                 "start_failed",
                 f"the jail loaded a seccomp filter other than policy {self.spec.policy.name!r}"
-                f"'s (digest {message.seccomp_digest!r}, expected {self._digest!r}); refusing it",
+                f"'s (digest {message.seccomp_digest!r}, expected one of "
+                f"{sorted(self._digests)!r}); refusing it",
             )
         self.evidence.jail_ready = True
         if self.phase is not Phase.STARTING:

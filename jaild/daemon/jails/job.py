@@ -266,7 +266,8 @@ class JailEnvironment:
     cgroups: Cgroups
     config_fds: dict[str, int]  # policy name -> sealed memfd with its nsjail config
     seccomp_specs: dict[str, dict[str, Any]]
-    seccomp_digests: dict[str, str]  # policy name -> digest of the BPF its jails must load
+    seccomp_digests: dict[str, frozenset[str]]
+    """Policy name -> the digests of the BPF its jails may load (startup._seccomp_digests)."""
     audit: KernelAuditLog
     uid_base: int
     launcher: tuple[str, ...] = ()  # e.g. setpriv --pdeathsig TERM --: nsjail dies with us
@@ -389,7 +390,7 @@ class JailedJob:
             spec,
             has_job=route_tool is not None,
             harden=env.harden(spec.policy),
-            seccomp_digest=env.seccomp_digests[spec.policy.name],
+            seccomp_digests=env.seccomp_digests[spec.policy.name],
             validators=env.validators,
         )
         self._handle = JailHandle(env, self.jail_id, self._feed, self._machine.conn.max_frame_bytes)

@@ -134,6 +134,7 @@ class Zygote:
         harden: Harden,
         max_jobs: int,
         label: str = "",
+        split_seccomp: bool = True,
     ) -> None:
         self.policy = policy
         self.label = label or f"zygote-{policy.name}"  # its cgroup's name
@@ -145,6 +146,7 @@ class Zygote:
         self._uid_base = uid_base
         self._launcher = launcher
         self._harden = harden
+        self._split_seccomp = split_seccomp
         self._max_jobs = max_jobs
         self._proc: subprocess.Popen[bytes] | None = None
         self._control: socket.socket | None = None
@@ -257,7 +259,7 @@ class Zygote:
             raise ZygoteError(self._why(problem))
         self.python = hello.python
         assert self._control is not None
-        self._control.send(encode(PrepareJails(encode_message(self._harden))))
+        self._control.send(encode(PrepareJails(encode_message(self._harden), self._split_seccomp)))
         log.info(
             "zygote of policy %s ready (nsjail pid %d, python %s)",
             self.policy.name,
