@@ -77,6 +77,8 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 DEFAULT_OUT = BENCH / "report.md"
 LEVELS = [1, 4, 16, 64]
+SHARED_NETNS = "share_namespace = true\n"
+"""The ``[network]`` key that opts a policy into one namespace per tenant (section 13)."""
 POOL_SIZE = 8
 POOL_FILL_GUARD_S = 180.0
 """How long the memory measurement waits for a variant's pool to fill: a liveness guard
@@ -461,6 +463,24 @@ class Run:
         if split is not None:
             r.stages = split
 
+    def measure_levers(self, warm: Variant) -> None:
+        """Section 13: each lever off and on, two daemons taking turns at BREAKDOWN_CLIENTS
+        clients flat out (off, on, off, on; once each in a quick run), everything else as
+        ``warm``."""
+        s = self.settings
+        for key, (off, on) in lever_variants(warm).items():
+            print(f"== lever {key}", flush=True)
+            try:
+                with PrivateDaemon(off) as d_off, PrivateDaemon(on) as d_on:
+                    runs: dict[str, list[Throughput]] = {"off": [], "on": []}
+                    for _ in range(1 if s.quick else 2):
+                        for side, daemon in (("off", d_off), ("on", d_on)):
+                            runs[side].append(daemon.throughput(BREAKDOWN_CLIENTS,
+                                                                s.seconds_per_level))
+                    self.results.levers[key] = runs
+            except Exception as exc:
+                self.failed(f"levers/{key}", exc)
+
     def measure_snapshots(self) -> None:
         """Section 11: snapshots of a small session and of a numpy/pandas one, beside a fresh
         session and a replay of the code that built the state (``bench/snapshots.py``)."""
@@ -560,6 +580,16 @@ def variants(pool_section: bool) -> list[Variant]:
         Variant("pool", f"jaild pool of {POOL_SIZE} (memory only){today}", mode("zygote"),
                 POOL_SIZE, POOL_SIZE),
     ]
+
+
+def lever_variants(warm: Variant) -> dict[str, tuple[Variant, Variant]]:
+    """Section 13's daemons: lever -> (off, on), each ``warm`` but for the lever."""
+    return {
+        "seccomp": (dataclasses.replace(warm, key="lever_seccomp_off", zygote_seccomp="whole"),
+                    dataclasses.replace(warm, key="lever_seccomp_on")),
+        "netns": (dataclasses.replace(warm, key="lever_netns_off"),
+                  dataclasses.replace(warm, key="lever_netns_on", network=SHARED_NETNS)),
+    }
 
 
 def labels(vs: list[Variant]) -> dict[str, str]:
@@ -699,6 +729,7 @@ def main(argv: list[str]) -> int:
         if variant.key == "warm":  # the same daemon with tracing on, next; then over TLS
             run.measure_traced(variant)
             run.measure_transports(variant)
+            run.measure_levers(variant)
     run.measure_stages()
     run.measure_fairness()
     run.measure_snapshots()

@@ -125,6 +125,10 @@ class Variant:
     """The shipped policy the variant's is made from (``policies/data.toml``: numpy, pandas)."""
     keep_pool: bool = False
     """Keep the shipped policy's own ``[pool]`` section (``mode`` None only)."""
+    zygote_seccomp: str = "split"
+    """The daemon's ``daemon.zygote_seccomp`` (``"whole"``: each jail loads its filters whole)."""
+    network: str = ""
+    """More keys of the policy's ``[network]`` table (TOML lines), e.g. a shared namespace."""
 
     def daemon_config(self, pki: Pki | None = None) -> str:
         """The daemon's config file: ``config``, with the event loop if it is not the
@@ -133,6 +137,8 @@ class Variant:
         daemon = []
         if self.event_loop != "asyncio":  # the default
             daemon.append(f'event_loop = "{self.event_loop}"')
+        if self.zygote_seccomp != "split":  # the default
+            daemon.append(f'zygote_seccomp = "{self.zygote_seccomp}"')
         tls = ""
         if pki is not None:
             daemon.append(f'listen = ["{TLS_LISTEN}"]')
@@ -157,6 +163,9 @@ class Variant:
         # section 3's windowed calls keep 100 in flight (the shipped default allows 64)
         text = re.sub(r"^tool_calls_in_flight = .*$", "tool_calls_in_flight = 128", text,
                       flags=re.MULTILINE)
+        if self.network:
+            text = re.sub(r"^\[network\]\n", lambda m: m.group(0) + self.network, text,
+                          count=1, flags=re.MULTILINE)
         if self.time_limit_s:
             text = re.sub(r"^(wall_time_s|cpu_time_s) = .*$",
                           lambda m: f"{m.group(1)} = {self.time_limit_s}", text,
