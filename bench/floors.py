@@ -511,7 +511,7 @@ def _seccomp_loader(split: bool = False) -> Callable[[], None]:
     spec = build_spec(policy.seccomp_choice, network=policy.network.mode != "none")
     seccomp.prepare(spec, split=split)  # looks up the seccomp(2) call once, as the zygote does
     assert seccomp._prepared is not None
-    programs = seccomp._prepared[1]
+    programs = seccomp._prepared.programs
     import prctl
 
     def load() -> None:

@@ -38,7 +38,7 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaild.errors import SeccompSpecError
 from jaild.runtime import zygote_filter
@@ -164,9 +164,25 @@ def digest(programs: Sequence[bytes]) -> str:
     return h.hexdigest()[:32]
 
 
-_prepared: tuple[Mapping[str, Any], list[bytes], list[bytes]] | None = None
-"""What :func:`prepare` built: the spec, the programs a jail loads for it, and those its
-zygote loaded already (empty unless the spec was split)."""
+class _Prepared(NamedTuple):
+    """What :func:`prepare` built for a spec, so that a jail loading it does nothing more
+    than the system calls: every object a jail reads of a zygote's is written to (its
+    reference count) and so copied -- walking the spec's ~300 rules cost ~200 copied pages."""
+
+    spec: Mapping[str, Any]
+    programs: list[bytes]
+    """The programs a jail loads for it."""
+    inherited: list[bytes]
+    """Those its zygote loaded already (empty unless the spec was split)."""
+    digest: str
+    """Of ``inherited`` then ``programs``: what the jail reports."""
+    without_sysinfo: bool
+    """:func:`refuses` ``sysinfo``."""
+    loadables: list[Any]
+    """``programs``, made ready for ``seccomp(2)`` (:class:`_Loadable`)."""
+
+
+_prepared: _Prepared | None = None
 
 
 def prepare(spec: Mapping[str, Any], *, split: bool = False) -> None:
@@ -185,18 +201,21 @@ def prepare(spec: Mapping[str, Any], *, split: bool = False) -> None:
     _seccomp_call()
     parts = None
     if split:
-        if _prepared is not None and _prepared[2]:
+        if _prepared is not None and _prepared.inherited:
             raise OSError(errno_module.EEXIST, "the zygote's seccomp filters are loaded already")
         with contextlib.suppress(Unsplittable):
             parts = zygote_filter.split(spec)
     if parts is None:
-        _prepared = (spec, [_export(_build(f)) for f in _filters(spec)], [])
-        return
-    zygote_programs = [_export(_build(f)) for f in _filters(parts.zygote)]
-    jail_programs = [_export(_build(f)) for f in _filters(parts.jail)] if parts.jail else []
-    for program in zygote_programs:
-        _install(program)
-    _prepared = (spec, jail_programs, zygote_programs)
+        programs, inherited = [_export(_build(f)) for f in _filters(spec)], []
+    else:
+        inherited = [_export(_build(f)) for f in _filters(parts.zygote)]
+        programs = [_export(_build(f)) for f in _filters(parts.jail)] if parts.jail else []
+        for program in inherited:
+            _install(program)
+    _prepared = _Prepared(spec, programs, inherited, digest(inherited + programs),
+                          refuses(spec, "sysinfo"), [_loadable(p) for p in programs])
+    if _prepared.without_sysinfo:
+        _sysconf_without_sysinfo()  # made here, once; a jail's os.sysconf is it
 
 
 def forked_programs(spec: Mapping[str, Any]) -> list[bytes]:
@@ -226,16 +245,32 @@ def _seccomp_call() -> tuple[Any, int | None]:
     return ctypes.CDLL(None, use_errno=True).syscall, syscall_number("seccomp")
 
 
-def _install(program: bytes) -> None:
+class _Loadable(NamedTuple):
+    """A program made ready for ``seccomp(2)``: its bytes in C memory, and the
+    ``struct sock_fprog`` pointing at them."""
+
+    buffer: Any
+    fprog_ref: Any
+
+
+def _loadable(program: bytes) -> _Loadable:
+    """Raises OSError: the kernel would refuse the program's length."""
+    if len(program) % 8 or not 0 < len(program) // 8 <= 0xFFFF:
+        raise OSError(errno_module.EINVAL, "cannot load this seccomp program")
+    buffer = ctypes.create_string_buffer(program, len(program))
+    return _Loadable(buffer, ctypes.byref(_SockFprog(len(program) // 8,
+                                                     ctypes.addressof(buffer))))
+
+
+def _install(program: bytes | _Loadable) -> None:
     """``seccomp(SECCOMP_SET_MODE_FILTER, 0, program)``: what libseccomp's load does once it
     has generated the program (no_new_privs is set first by the caller), without
     generating it again. Raises OSError."""
     syscall, number = _seccomp_call()
-    if number is None or len(program) % 8 or not 0 < len(program) // 8 <= 0xFFFF:
-        raise OSError(errno_module.EINVAL, "cannot load this seccomp program")
-    buffer = ctypes.create_string_buffer(program, len(program))
-    fprog = _SockFprog(len(program) // 8, ctypes.addressof(buffer))
-    if syscall(number, _SECCOMP_SET_MODE_FILTER, 0, ctypes.byref(fprog)) != 0:
+    if number is None:
+        raise OSError(errno_module.EINVAL, "no seccomp(2) on this architecture")
+    loadable = program if isinstance(program, _Loadable) else _loadable(program)
+    if syscall(number, _SECCOMP_SET_MODE_FILTER, 0, loadable.fprog_ref) != 0:
         code = ctypes.get_errno()
         raise OSError(code, f"seccomp(SECCOMP_SET_MODE_FILTER): {os.strerror(code)}")
 
@@ -250,17 +285,19 @@ def load(spec: Mapping[str, Any]) -> str:
     for an equal spec are loaded as they are (libseccomp's own load would generate each
     program again: half of a jail's ~1 ms of loading, measured in forked children).
     """
-    inherited: list[bytes] = []
-    if _prepared is not None and (_prepared[0] is spec or _prepared[0] == spec):
-        programs, inherited = _prepared[1], _prepared[2]
-    else:
-        programs = [_export(_build(f)) for f in _filters(spec)]
-        if _prepared is not None:
-            inherited = _prepared[2]  # a zygote's filters hold whatever this spec is
+    prepared = _prepared
+    if prepared is not None and (prepared.spec is spec or prepared.spec == spec):
+        for loadable in prepared.loadables:
+            _install(loadable)
+        return prepared.digest
+    inherited = prepared.inherited if prepared is not None else []  # a zygote's hold anyway
+    programs = [_export(_build(f)) for f in _filters(spec)]
     for program in programs:
         _install(program)
     if refuses(spec, "sysinfo"):
         _sysconf_without_sysinfo()
+    elif os.sysconf is not _original_sysconf:
+        os.sysconf = _original_sysconf  # the zygote's spec refused it; this one does not
     return digest(inherited + programs)
 
 
@@ -277,6 +314,7 @@ def refuses(spec: Mapping[str, Any], name: str) -> bool:
 
 
 _SYSINFO_NAMES = ("SC_PHYS_PAGES", "SC_AVPHYS_PAGES")
+_original_sysconf = os.sysconf
 
 
 def _sysconf_without_sysinfo() -> None:
