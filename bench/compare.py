@@ -77,7 +77,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 DEFAULT_OUT = BENCH / "report.md"
 LEVELS = [1, 4, 16, 64]
-SHARED_NETNS = "share_namespace = true\n"
+SHARED_NETNS = 'namespace = "tenant"\n'
 """The ``[network]`` key that opts a policy into one namespace per tenant (section 13)."""
 POOL_SIZE = 8
 POOL_FILL_GUARD_S = 180.0

@@ -50,8 +50,8 @@ LEVERS: dict[str, str] = {
     "seccomp": "the policy's seccomp filters loaded once, in the zygote; each jail adds its "
                "small part (`daemon.zygote_seccomp`: `\"whole\"` off, `\"split\"` on, the "
                "default)",
-    "netns": "one network namespace for a tenant's concurrent jails (`network.share_namespace`"
-             ": off, the default, and on)",
+    "netns": "one network namespace for a tenant's concurrent jails of a policy "
+             "(`network.namespace`: `\"job\"` off, the default; `\"tenant\"` on)",
 }
 """Section 13's levers: key -> what is switched."""
 
