@@ -51,7 +51,7 @@ LEVERS: dict[str, str] = {
                "small part (`daemon.zygote_seccomp`: `\"whole\"` off, `\"split\"` on, the "
                "default)",
     "netns": "one network namespace for a tenant's concurrent jails of a policy "
-             "(`network.namespace`: `\"job\"` off, the default; `\"tenant\"` on)",
+             "(`network.namespace`: `\"jail\"` off, the default; `\"tenant\"` on)",
 }
 """Section 13's levers: key -> what is switched."""
 
