@@ -836,8 +836,8 @@ def load_policy_text(text: str, path: str) -> Policy:
         for name, cls in SECTIONS.items()
     }
     policy = Policy(name=stem, path=path, description=description, **sections)
-    for check in (_check_network, _check_egress, _check_seccomp, _check_python, _check_pool, _check_approvals,
-                  _check_flow):
+    for check in (_check_network, _check_egress, _check_seccomp, _check_python, _check_pool,
+                  _check_approvals, _check_flow):
         try:
             check(policy, data)
         except PolicyError as exc:

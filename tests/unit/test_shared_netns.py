@@ -210,8 +210,7 @@ def test_one_namespace_per_key_made_once(nets: FakeNets) -> None:
 
 def test_past_the_bound_an_idle_namespace_goes_and_a_busy_one_stays(nets: FakeNets) -> None:
     for pid, key in enumerate(("a", "b", "c")):
-        fd, kept = nets.take(key, False)
-        assert kept
+        assert nets.take(key, False)[1]
         nets.started(pid, key, False)
     nets.take("a", False)  # "a" is now the most recently used; "b" the least
     # all three busy: a fourth key's jail gets a namespace kept by no one
