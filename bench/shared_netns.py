@@ -5,7 +5,13 @@ a child that does neither (the fork and exit alone).
 
 Run as root (the daemon's case; a zygote does the same in its own user namespace)::
 
-    .venv/bin/python bench/shared_netns.py [--runs 300] [--rounds 5]
+    .venv/bin/python bench/shared_netns.py [--runs 300] [--rounds 5] [--daemon]
+
+With ``--daemon``, end to end instead: two private daemons, the shipped default policy in
+zygote mode with no pool, as shipped (``"jail"``) and sharing (``bench/shared-netns.toml``),
+trivial jobs from one client (one tenant) in alternating batches; a jail's CPU is what its
+zygote's reaped children used (``cutime + cstime`` of the zygote: every jail it forked,
+setup included, and nothing else; the kworker's teardown of a namespace is not in it).
 
 Each round measures every kind back to back, ``runs`` forks each, in a helper process that
 imports what a zygote imports (so its forks copy what a zygote's do). Two figures per kind,
@@ -92,11 +98,83 @@ def helper(runs: int, rounds: int) -> None:
     print(json.dumps(results))
 
 
+def _zygote_of(daemon_pid: int) -> int:
+    """The zygote process below the daemon (its nsjail's child)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    for pid, parent in parents.items():
+        if parents.get(parent) == daemon_pid:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"jaild.runtime.zygote" in f.read():
+                    return pid
+    raise SystemExit(f"no zygote below the daemon {daemon_pid}")
+
+
+def _reaped_cpu_s(zygote: int) -> float:
+    with open(f"/proc/{zygote}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")  # cutime, cstime
+
+
+def daemon_rows(rounds: int, jobs: int) -> dict[str, list[float]]:
+    """ms of CPU per jail, per round, for each of the two policies (see the docstring)."""
+    from pathlib import Path
+
+    sys.path[:0] = [BENCH]
+    from jaildrun import PrivateDaemon, Variant
+
+    from jaild.client import Client
+
+    variants = {
+        "own": Variant("netns_jail", 'network.namespace = "jail"', "zygote", 0, 0),
+        "shared": Variant("netns_tenant", 'network.namespace = "tenant"', "zygote", 0, 0,
+                          base=Path(BENCH) / "shared-netns.toml"),
+    }
+    used: dict[str, list[float]] = {kind: [] for kind in variants}
+    with PrivateDaemon(variants["own"]) as own, PrivateDaemon(variants["shared"]) as shared:
+        daemons = {"own": own, "shared": shared}
+        clients = {kind: Client(d.socket) for kind, d in daemons.items()}
+        try:
+            zygotes: dict[str, int] = {}
+            for kind, client in clients.items():
+                for _ in range(20):  # past the first jobs (spawned while the zygote starts)
+                    client.run("1", policy=daemons[kind].policy)
+                zygotes[kind] = _zygote_of(daemons[kind].pid)
+            for _ in range(rounds):
+                for kind, client in clients.items():
+                    before = _reaped_cpu_s(zygotes[kind])
+                    for _ in range(jobs):
+                        r = client.run("1", policy=daemons[kind].policy)
+                        if r.status != "ok":
+                            raise SystemExit(f"{kind}: {r.status} {r.error}")
+                    time.sleep(0.3)  # the last jail reaped
+                    used[kind].append((_reaped_cpu_s(zygotes[kind]) - before) / jobs * 1e3)
+        finally:
+            for client in clients.values():
+                client.close()
+    return used
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--daemon", action="store_true", help="end to end, through jaild")
     args = parser.parse_args()
+    if args.daemon:
+        rows = daemon_rows(args.rounds, args.runs)
+        for kind, values in rows.items():
+            print(f"{kind}: ms of CPU per jail, median {statistics.median(values):.2f} "
+                  f"({', '.join(f'{v:.1f}' for v in values)})")
+        saved = statistics.median(rows["own"]) - statistics.median(rows["shared"])
+        print(f"saved per jail by sharing: {saved:.2f} ms")
+        return
     code = (f"import sys; sys.path[:0] = [{BENCH!r}, {os.path.dirname(BENCH)!r}]; "
             f"import shared_netns; shared_netns.helper({args.runs}, {args.rounds})")
     done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,

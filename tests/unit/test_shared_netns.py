@@ -8,6 +8,7 @@ runs the real thing, tenants and policies against each other, with its positive 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -234,3 +235,14 @@ def test_a_jail_of_a_kept_namespace_is_counted_until_reaped(nets: FakeNets) -> N
     assert nets.take("d", False)[1] is True
     assert 101 not in nets.closed  # "a" still has jail 11; "b" went instead
     assert nets.closed == [102]
+
+
+# ------------------------------------------------------------------------ the bench's policy
+
+
+def test_the_benchs_policy_is_the_default_one_sharing_its_tenants_namespace() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    bench = load_policy_text((repo / "bench/shared-netns.toml").read_text(), "/p/default.toml")
+    default = load_policy_text((repo / "policies/default.toml").read_text(), "/p/default.toml")
+    assert bench.network.namespace == "tenant"
+    assert dataclasses.replace(bench, network=default.network) == default
