@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +71,13 @@ from jaild.policy.schema import (
 from jaild.policy.seccomp import SeccompChoice, network_refusal
 from jaild.protocol import PROTOCOL_VERSION
 from jaild.protocol.messages import Harden
-from jaild.protocol.zygote_link import JailSetup, Mount, Rlimits
+from jaild.protocol.zygote_link import (
+    MAX_SHARED_NET_CHARS,
+    SHARED_NET_KEY,
+    JailSetup,
+    Mount,
+    Rlimits,
+)
 from jaild.runtime.files import FileLimits
 
 JAIL_ENV = f"{JAIL_ROOT}/env"
@@ -350,7 +358,11 @@ def shared_net(policy: Policy, job: JobFacts | None, *, forked: bool) -> str:
     policies' jails, whatever ``daemon.zygote_scope`` says."""
     if not forked or job is None or not job.tenant or policy.network.namespace != "tenant":
         return ""
-    return job.tenant
+    key = job.tenant
+    if len(key) <= MAX_SHARED_NET_CHARS and re.fullmatch(SHARED_NET_KEY, key):
+        return key
+    # (a principal's key is always a plain word today; any other stays one tenant's word)
+    return "t-" + hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 @functools.lru_cache(maxsize=256)

@@ -311,6 +311,7 @@ __all__ = [
     "MAX_PACKET_BYTES",
     "MAX_SHARED_NET_CHARS",
     "MESSAGES",
+    "SHARED_NET_KEY",
     "JailReaped",
     "JailSetup",
     "LinkDecoder",

@@ -119,6 +119,13 @@ def test_two_tenants_never_get_one_key() -> None:
     assert len(set(keys)) == len(tenants)
 
 
+def test_a_tenant_key_the_link_cannot_carry_becomes_a_digest_of_it() -> None:
+    odd = ["pod/x y", "p" * 200]
+    keys = [jail(SHARED, t).shared_net for t in odd]
+    assert all(k.startswith("t-") and len(k) == 34 for k in keys)
+    assert len(set(keys)) == 2
+
+
 def test_the_key_crosses_the_link_and_is_checked() -> None:
     setup = jail(SHARED)
     got = decode_packet(encode(SpawnJail(3, setup)), "daemon->zygote")
