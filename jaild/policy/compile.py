@@ -24,7 +24,9 @@ a jail reads that one description:
   part: fresh /tmp, /dev/shm and /proc, namespaces, hostname, cwd, rlimits, uid
   -- goes to the zygote as it is, in a ``SpawnJail`` message, and the zygote
   applies it (:mod:`jaild.runtime.zygote`). The read-only frame around it is the
-  zygote's own, the same mounts.
+  zygote's own, the same mounts. Under ``network.namespace = "tenant"`` a forked jail
+  makes no network namespace: it joins the one its zygote keeps for its tenant
+  (:func:`shared_net`, ``JailSetup.shared_net``).
 
 The jail gets exactly three descriptors: fd 0 is the tool channel (a
 socketpair, which the runtime moves out of the way and replaces with
@@ -51,10 +53,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from jaild.policy.schema import (
+    EGRESS_DOOR_PORT,
     JAIL_ROOT,
     Files,
     Filesystem,
@@ -66,7 +71,13 @@ from jaild.policy.schema import (
 from jaild.policy.seccomp import SeccompChoice, network_refusal
 from jaild.protocol import PROTOCOL_VERSION
 from jaild.protocol.messages import Harden
-from jaild.protocol.zygote_link import JailSetup, Mount, Rlimits
+from jaild.protocol.zygote_link import (
+    MAX_SHARED_NET_CHARS,
+    SHARED_NET_KEY,
+    JailSetup,
+    Mount,
+    Rlimits,
+)
 from jaild.runtime.files import FileLimits
 
 JAIL_ENV = f"{JAIL_ROOT}/env"
@@ -105,7 +116,7 @@ JAIL_ENVIRONMENT = (
 )
 """The jail's whole environment (nothing of the daemon's is kept)."""
 
-EGRESS_PORT = 3128
+EGRESS_PORT = EGRESS_DOOR_PORT
 """Where a ``network.mode = "egress"`` jail finds its proxy: ``127.0.0.1:3128`` on its own
 loopback (each jail has its own network namespace, so every jail's is its own)."""
 JAIL_TRUST = f"{JAIL_ROOT}/egress-trust.pem"
@@ -197,6 +208,10 @@ class JobFacts:
     """The job's own unprivileged host uid."""
     pooled: bool = False
     """Made ahead of its job, so it has time to warm up."""
+    tenant: str = ""
+    """The key of the tenant the jail is for (``Principal.key``, as text); "": unknown.
+    A forked jail of a ``network.namespace = "tenant"`` policy shares its tenant's network
+    namespace (:func:`shared_net`)."""
 
 
 @dataclass(frozen=True)
@@ -327,10 +342,27 @@ def _fresh_mounts(fs: Filesystem, *, full_proc: bool) -> tuple[Mount, ...]:
     return tuple(mounts)
 
 
-def _namespaces(network: Network, *, user: bool) -> tuple[str, ...]:
+def _namespaces(network: Network, *, user: bool, shared: bool = False) -> tuple[str, ...]:
     own = ("user",) if user else ()
-    net = ("net",) if network.mode != "host" else ()
+    net = ("net",) if network.mode != "host" and not shared else ()
     return (*own, "mount", "pid", "ipc", "uts", "cgroup", *net)
+
+
+def shared_net(policy: Policy, job: JobFacts | None, *, forked: bool) -> str:
+    """The key of the network namespace a jail shares, or "" (one of its own).
+
+    Only a jail forked by a zygote shares one (the zygote makes and keeps it), only under a
+    policy that says ``network.namespace = "tenant"`` (which the schema allows with modes
+    ``none`` and ``loopback`` alone), and only for a known tenant: the key is the tenant's,
+    so two tenants' jails never share one. Zygotes are per policy, so neither do two
+    policies' jails, whatever ``daemon.zygote_scope`` says."""
+    if not forked or job is None or not job.tenant or policy.network.namespace != "tenant":
+        return ""
+    key = job.tenant
+    if len(key) <= MAX_SHARED_NET_CHARS and re.fullmatch(SHARED_NET_KEY, key):
+        return key
+    # (a principal's key is always a plain word today; any other stays one tenant's word)
+    return "t-" + hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 @functools.lru_cache(maxsize=256)
@@ -352,16 +384,18 @@ def _python(*args: str) -> tuple[str, ...]:
 
 def _jail_setup(policy: Policy, job: JobFacts | None, *, forked: bool) -> JailSetup:
     """The per-jail part of :func:`compile_policy`'s plan."""
+    shared = shared_net(policy, job, forked=forked)
     return JailSetup(
         uid=job.uid if forked and job is not None else JAIL_UID,
         hostname=JAIL_HOSTNAME,
         cwd=WORKDIR,
-        namespaces=_namespaces(policy.network, user=not forked),
+        namespaces=_namespaces(policy.network, user=not forked, shared=bool(shared)),
         mounts=_fresh_mounts(policy.filesystem, full_proc=False),
         rlimits=_rlimits(policy.limits if job is None else job.limits),
         loopback=policy.network.mode in ("loopback", "egress"),
         detach=_detach(policy.filesystem) if forked else (),
         warm_up=job is not None and job.pooled,
+        shared_net=shared,
     )
 
 

@@ -80,6 +80,11 @@ MAX_FAILED_IMPORTS = 32
 """``ZygoteReady`` reports the first failed pre-imports only, so it stays one packet."""
 MAX_FAILURE_CHARS = 1024
 
+MAX_SHARED_NET_CHARS = 128
+SHARED_NET_KEY = r"([A-Za-z0-9][A-Za-z0-9._-]*)?"
+"""A shared network namespace's key: a tenant's (``Principal.key``: a uid, ``pod-<uid>``,
+``sa-<digest>``, ``cert-<digest>``), or "" for none."""
+
 MOUNT_KINDS = ("tmpfs", "proc", "bind", "symlink")
 NAMESPACES = ("user", "mount", "pid", "ipc", "uts", "cgroup", "net")
 """Namespace names, in the order nsjail's config lists them (``clone_new*``) but ``net``."""
@@ -135,9 +140,11 @@ class Rlimits(Struct):
 class JailSetup(Struct):
     """The per-jail part of a jail plan: what a jail sets up for itself.
 
-    A zygote applies it in this order: new ``namespaces``; private mount propagation;
-    detach the zygote's mounts at ``detach``; make ``mounts`` in order; ``hostname``;
-    bring ``lo`` up if ``loopback``; ``cwd``; ``rlimits``; become ``uid``."""
+    A zygote applies it in this order: new ``namespaces``; join the shared network
+    namespace of ``shared_net`` if set; private mount propagation; detach the zygote's
+    mounts at ``detach``; make ``mounts`` in order; ``hostname``; bring ``lo`` up if
+    ``loopback`` (a shared namespace: once, when the zygote makes it); ``cwd``;
+    ``rlimits``; become ``uid``."""
 
     uid: int = field(integer(0, MAX_UID))
     """The uid the jail runs as, inside its user namespace."""
@@ -150,18 +157,26 @@ class JailSetup(Struct):
     rlimits: Rlimits | None = field(optional(nested(Rlimits)))
     """None only in a zygote's own plan: each jail it forks sets its own."""
     loopback: bool = field(boolean(), default=False)
-    """Bring ``lo`` up in the jail's own network namespace."""
+    """Bring ``lo`` up in the jail's network namespace (its own, or the shared one)."""
     detach: tuple[str, ...] = field(list_of(_path, MAX_JAIL_MOUNTS), default=())
     """Mounts of the jail's maker (a zygote) the jail hides before making its own."""
     warm_up: bool = field(boolean(), default=False)
     """A pooled jail: it has time to run a throwaway job while it waits for its own."""
+    shared_net: str = field(string(MAX_SHARED_NET_CHARS, pattern=SHARED_NET_KEY), default="")
+    """The key of the network namespace the jail shares with its zygote's other jails of
+    the same key -- its tenant's (``network.namespace = "tenant"``); "": none (then "net" in
+    ``namespaces`` is a namespace of its own). The zygote makes one per key, once."""
 
     def __post_init__(self) -> None:
         Struct.__post_init__(self)
         if len(set(self.namespaces)) != len(self.namespaces):
             raise LocalProtocolError(f"field 'namespaces': duplicates in {list(self.namespaces)}")
-        if self.loopback and "net" not in self.namespaces:
-            raise LocalProtocolError("field 'loopback': needs a network namespace of its own")
+        if self.shared_net and "net" in self.namespaces:
+            raise LocalProtocolError(
+                "field 'shared_net': a jail that shares a network namespace makes none of its own"
+            )
+        if self.loopback and "net" not in self.namespaces and not self.shared_net:
+            raise LocalProtocolError("field 'loopback': needs a network namespace not its maker's")
 
 
 # --------------------------------------------------------------------------- messages
@@ -298,7 +313,9 @@ __all__ = [
     "MAX_FAILURE_CHARS",
     "MAX_FRAME_BYTES",
     "MAX_PACKET_BYTES",
+    "MAX_SHARED_NET_CHARS",
     "MESSAGES",
+    "SHARED_NET_KEY",
     "JailReaped",
     "JailSetup",
     "LinkDecoder",

@@ -27,7 +27,9 @@ zygote's user namespace:
 1. sends the preamble byte on the channel: the daemon learns its host pid from
    SO_PASSCRED and moves it into the job's cgroup, then sends the go byte;
 2. applies the steps: unshares the plan's namespaces (mount, ipc, uts, cgroup
-   and, unless the policy says host, net), makes mount propagation private,
+   and, unless the policy says host, net -- or, under ``network.namespace =
+   "tenant"``, joins the network namespace the zygote keeps for the job's tenant:
+   :class:`SharedNets`), makes mount propagation private,
    detaches the zygote's /tmp, /dev/shm and /proc and mounts the plan's own,
    sets hostname, brings lo up if asked, enters the working directory, sets the
    plan's rlimits, and last drops the bounding set and becomes the plan's
@@ -40,7 +42,9 @@ fork, its copy-on-write faults and its exit, for nothing the zygote cannot do.
 So a zygote jail shares nothing writable with the zygote or with other jails:
 memory is copy-on-write (the zygote holds no shared mappings), /tmp, /dev/shm
 and /proc are new mounts, SysV/POSIX IPC, abstract sockets and pids live in new
-namespaces, the cgroup is the job's own, the uid is the job's own. What it does
+namespaces (abstract sockets and loopback: shared with the tenant's other jails of the
+policy where it says ``network.namespace = "tenant"``), the cgroup is the job's own, the
+uid is the job's own. What it does
 share with its siblings is what no fork renews: the zygote's address-space layout
 (ASLR is per exec, not per fork), stack canary, pointer guard, ``AT_RANDOM`` and hash
 seed -- which is why the daemon gives each client uid zygotes of its own
@@ -113,6 +117,9 @@ SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
 
+NET_FD = 3
+"""Where a jail that joins a shared network namespace holds it (:class:`SharedNets`) from its
+fork until its ``join_net`` step, which closes it: the jail's other descriptors are 0-2."""
 PREAMBLE = b"Z"  # jail -> daemon, carrying SO_PASSCRED credentials
 GO = b"G"  # daemon -> jail: you are in the job's cgroup
 EXIT_SETUP_FAILED = 70
@@ -234,7 +241,13 @@ def jail_steps(jail: JailSetup) -> list[Step]:
     flags = 0
     for ns in jail.namespaces:
         flags |= _UNSHARE.get(ns, 0)  # pid: the fork made it
-    steps = [Step("unshare", (flags,)), Step("private", ("/",))]
+    steps = [Step("unshare", (flags,))]
+    if jail.shared_net:
+        if "net" in jail.namespaces:
+            raise SetupFailed("a jail that joins a shared network namespace makes none of its own")
+        # the zygote makes it (lo up, if asked) and hands it to the fork: see SharedNets
+        steps.append(Step("join_net", (jail.shared_net, jail.loopback)))
+    steps.append(Step("private", ("/",)))
     remade_proc = {m.target for m in jail.mounts if m.kind == "proc"}
     steps += [Step("umount", (t,)) for t in jail.detach if t not in remade_proc]
     for mount in jail.mounts:
@@ -256,7 +269,7 @@ def jail_steps(jail: JailSetup) -> list[Step]:
         else:
             raise SetupFailed(f"a zygote cannot make a {mount.kind} mount at {mount.target}")
     steps.append(Step("hostname", (jail.hostname,)))
-    if jail.loopback:
+    if jail.loopback and not jail.shared_net:
         steps.append(Step("loopback_up"))
     steps.append(Step("chdir", (jail.cwd,)))
     for res, name in _RLIMITS:
@@ -278,6 +291,15 @@ def _unshare(flags: int) -> None:
     _check(_libc.unshare(flags), "unshare")
 
 
+def _join_net(key: str, loopback: bool) -> None:
+    """Enter the shared network namespace the zygote handed this jail at :data:`NET_FD`
+    (made for ``key``, ``lo`` up if ``loopback``: see :class:`SharedNets`), and close it."""
+    try:
+        _check(_libc.setns(NET_FD, CLONE_NEWNET), f"setns to the shared network of {key}")
+    finally:
+        os.close(NET_FD)
+
+
 def _private(target: str) -> None:
     _mount("none", target, None, MS_REC | MS_PRIVATE, None)
 
@@ -288,6 +310,7 @@ def _mkdir(path: str) -> None:
 
 APPLY: dict[str, Callable[..., None]] = {
     "unshare": _unshare,
+    "join_net": _join_net,
     "private": _private,
     "umount": _umount,
     "mount": _mount,
@@ -330,6 +353,7 @@ def _child_main(
     fds: Sequence[int],
     control: socket.socket,
     generators: Sequence[object],
+    net_fd: int | None = None,
 ) -> None:
     try:
         # Die with the zygote. Its pid is outside our pid namespace (getppid() is 0), so
@@ -342,7 +366,9 @@ def _child_main(
             signal.signal(sig, signal.SIG_DFL)
         for target, fd in zip((0, 1, 2), fds, strict=True):
             os.dup2(fd, target)
-        os.closerange(3, 65536)
+        if net_fd is not None:  # the shared network namespace, until the join_net step
+            os.dup2(net_fd, NET_FD)
+        os.closerange(3 if net_fd is None else NET_FD + 1, 65536)
         _jail(steps, warm_up, generators)
     except BaseException as exc:
         try:
@@ -351,6 +377,95 @@ def _child_main(
         finally:
             os._exit(EXIT_SETUP_FAILED)
     os._exit(0)
+
+
+class SharedNets:
+    """The network namespaces this zygote keeps for jails that share one: a tenant's, under
+    ``network.namespace = "tenant"`` (the daemon puts the tenant's key in each of its jails'
+    plans, ``JailSetup.shared_net``; a jail with no key makes its own, as ever).
+
+    The first jail of a key costs what its own namespace would: the zygote ``unshare``s a
+    network namespace, brings ``lo`` up in it if the plan asks, keeps a descriptor to it and
+    ``setns``es back to its own. Each jail of that key then only enters it (``setns`` in the
+    fork, :func:`_join_net`); creating a network namespace is most of what the kernel's set of
+    namespaces costs a jail (docs/performance.md). A key's namespace lives as long as the
+    zygote (a ``uid``-scope zygote has one tenant, so one key), and its lo state is the
+    key's: ``(key, loopback)`` is what is kept.
+
+    At most :attr:`MAX` are kept. A new key past that takes the place of the least recently
+    used one with no running jail; if every one has some, the new jail gets a namespace made
+    for it alone (this zygote keeps no descriptor to it), as if it did not share.
+    """
+
+    MAX = 64
+
+    def __init__(self, own: int) -> None:
+        self._own = own  # this zygote's own network namespace
+        self._fds: dict[tuple[str, bool], int] = {}  # least recently used first
+        self._running: dict[tuple[str, bool], int] = {}
+        self._jails: dict[int, tuple[str, bool]] = {}
+
+    def take(self, key: str, loopback: bool) -> tuple[int, bool]:
+        """A descriptor of ``key``'s namespace, and whether it is kept (else the caller
+        closes it once the jail is forked).
+
+        Raises:
+            OSError: a namespace could not be made (or lo not brought up).
+        """
+        kept = (key, loopback)
+        fd = self._fds.pop(kept, None)
+        if fd is not None:
+            self._fds[kept] = fd  # now the most recently used
+            return fd, True
+        fd = self._make(loopback)
+        if len(self._fds) >= self.MAX:
+            self._evict()
+        if len(self._fds) >= self.MAX:
+            return fd, False
+        self._fds[kept] = fd
+        return fd, True
+
+    def started(self, pid: int, key: str, loopback: bool) -> None:
+        """Jail ``pid`` runs in the kept namespace of ``(key, loopback)``."""
+        self._jails[pid] = (key, loopback)
+        self._running[(key, loopback)] = self._running.get((key, loopback), 0) + 1
+
+    def ended(self, pid: int) -> None:
+        """Jail ``pid`` was reaped."""
+        kept = self._jails.pop(pid, None)
+        if kept is not None:
+            self._running[kept] -= 1
+            if not self._running[kept]:
+                del self._running[kept]
+
+    def _evict(self) -> None:
+        for kept in self._fds:
+            if kept not in self._running:
+                os.close(self._fds.pop(kept))
+                return
+
+    def _make(self, loopback: bool) -> int:
+        _check(_libc.unshare(CLONE_NEWNET), "unshare a shared network namespace")
+        try:
+            if loopback:
+                _loopback_up()
+            return os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        finally:
+            if _libc.setns(self._own, CLONE_NEWNET) != 0:
+                # In a tenant's namespace: fork nothing more from here. The daemon sees the
+                # zygote exit, fails its jails, and starts it afresh.
+                raise RuntimeError(f"setns back: {os.strerror(ctypes.get_errno())}")
+
+
+def _shared_net(steps: Sequence[Step]) -> tuple[str, bool] | None:
+    """The shared network namespace ``steps`` join (its key, lo up?), or None."""
+    for step in steps:
+        if step.op == "join_net":
+            key, loopback = step.args
+            return key, loopback
+        if step.op == "private":  # join_net comes before it, or not at all
+            return None
+    return None
 
 
 def _send(control: socket.socket, msg: Message) -> None:
@@ -453,12 +568,14 @@ def _unpack_packet(packet: bytes) -> Any:
 
 
 def _spawn(
-    control: socket.socket, spawn: Spawn, fds: list[int], own_pidns: int
+    control: socket.socket, spawn: Spawn, fds: list[int], own_pidns: int, nets: SharedNets
 ) -> dict[int, int]:
     """Fork the jail as the first process of a fresh pid namespace: back into our own
-    namespace for children (``setns``), a new one (``unshare``), then fork."""
+    namespace for children (``setns``), a new one (``unshare``), then fork. A jail that
+    shares a network namespace is handed it (``nets``)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    shared, net_fd, kept = None, None, False
     try:
         if len(fds) != 3:
             raise SetupFailed(f"a jail needs its channel, stdout and stderr; got {len(fds)} fds")
@@ -466,18 +583,28 @@ def _spawn(
             raise spawn.steps
         steps = spawn.steps
         generators = _generators()  # in the zygote, before the fork: once, then cached
+        shared = _shared_net(steps)
+        if shared is not None:
+            net_fd, kept = nets.take(*shared)
         _check(_libc.setns(own_pidns, CLONE_NEWPID), "setns")
         _check(_libc.unshare(CLONE_NEWPID), "unshare")
         pid = _fork_jail()
     except (OSError, SetupFailed) as exc:
+        if net_fd is not None and not kept:
+            os.close(net_fd)
         _send(control, SpawnFailed(spawn.spawn_id, safe_text(f"fork: {exc}", MAX_FAILURE_CHARS)))
         return {}
     if pid == 0:
-        _child_main(steps, spawn.warm_up, fds, control, generators)
+        _child_main(steps, spawn.warm_up, fds, control, generators, net_fd)
+    if net_fd is not None and shared is not None:
+        if kept:
+            nets.started(pid, *shared)
+        else:
+            os.close(net_fd)
     return {pid: spawn.spawn_id}
 
 
-def _reap(control: socket.socket, children: dict[int, int]) -> None:
+def _reap(control: socket.socket, children: dict[int, int], nets: SharedNets) -> None:
     while children:
         try:
             pid, status, usage = os.wait4(-1, os.WNOHANG)
@@ -488,6 +615,7 @@ def _reap(control: socket.socket, children: dict[int, int]) -> None:
         spawn_id = children.pop(pid, None)
         if spawn_id is None:
             continue
+        nets.ended(pid)
         _send(
             control,
             JailReaped(
@@ -611,6 +739,7 @@ def main(preimport: Sequence[str]) -> None:
     _libc.malloc_trim(0)
     gc.freeze()
     own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    nets = SharedNets(os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC))
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -631,7 +760,7 @@ def main(preimport: Sequence[str]) -> None:
                         break
                 except BlockingIOError:
                     break
-            _reap(control, children)
+            _reap(control, children, nets)
         if control.fileno() in readable:
             try:
                 data, fds = _receive(control)
@@ -643,10 +772,10 @@ def main(preimport: Sequence[str]) -> None:
                 # a message we cannot read is the daemon's bug: raise, and exit
                 req = plans.read(data)
                 if isinstance(req, Spawn):
-                    children.update(_spawn(control, req, fds, own_pidns))
+                    children.update(_spawn(control, req, fds, own_pidns, nets))
                 elif isinstance(req, PrepareJails):
                     _prepare(req)
             finally:
                 for fd in fds:
                     os.close(fd)
-            _reap(control, children)
+            _reap(control, children, nets)

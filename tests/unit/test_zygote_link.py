@@ -335,7 +335,11 @@ def test_a_plan_a_forked_jail_cannot_follow_is_refused() -> None:
 
 def test_each_step_is_one_system_call(monkeypatch: pytest.MonkeyPatch) -> None:
     steps = zygote.jail_steps(sent(load_policy_text("[network]\nmode = 'loopback'\n", "l.toml")))
-    assert {s.op for s in steps} == set(zygote.APPLY)  # every kind of step, at least once
+    shared = load_policy_text("[network]\nnamespace = 'tenant'\n", "t.toml")
+    joins = zygote.jail_steps(forked_jail(shared, HOST, JobFacts(shared.limits, JOB_UID,
+                                                                   tenant="1000")))
+    # every kind of step, at least once
+    assert {s.op for s in [*steps, *joins]} == set(zygote.APPLY)
     calls: list[Step] = []
     for op in zygote.APPLY:
         monkeypatch.setitem(zygote.APPLY, op, lambda *a, op=op: calls.append(Step(op, a)))
@@ -348,7 +352,8 @@ def test_a_spawn_the_zygote_cannot_fork_is_answered() -> None:
     with daemon_end, zygote_end:
         req = zygote.Plans().read(encode(SpawnJail(5, sent(POLICIES["default"]))))
         assert isinstance(req, zygote.Spawn)
-        assert zygote._spawn(zygote_end, req, [], own_pidns=-1) == {}  # no fds: no fork
+        nets = zygote.SharedNets(-1)
+        assert zygote._spawn(zygote_end, req, [], own_pidns=-1, nets=nets) == {}  # no fds
         reply = decode_packet(daemon_end.recv(1 << 17), "zygote->daemon")
         assert isinstance(reply, SpawnFailed) and reply.spawn_id == 5
         assert "channel, stdout and stderr" in reply.message

@@ -450,7 +450,9 @@ class ZygoteLauncher:
         daemon_end.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        facts = JobFacts(spec.limits, uid, pooled=pooled and handle.warm_up)
+        # the tenant's key: a "tenant" network namespace is shared by its jails alone
+        tenant = "" if spec.tenant is None else str(spec.tenant)
+        facts = JobFacts(spec.limits, uid, pooled=pooled and handle.warm_up, tenant=tenant)
         jail = forked_jail(spec.policy, handle.env.host, facts)
         try:
             handle.spawn_id = zygote.spawn(  # takes over the jail's ends

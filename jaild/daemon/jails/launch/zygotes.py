@@ -29,6 +29,12 @@ default) a zygote serves the jobs of **one** client uid, and of one policy:
 With ``daemon.zygote_scope = "policy"`` (single-tenant hosts) there is one zygote per
 policy, shared by every uid, started at start-up, never retired -- jaild's earlier shape.
 
+Either way a zygote is one policy's, so a network namespace shared under
+``network.namespace = "tenant"`` is too; and within a zygote it is one tenant's, since the
+zygote keeps one per tenant key its jails' plans carry (``JailSetup.shared_net``, put there
+by :class:`~jaild.daemon.jails.launch.forked.ZygoteLauncher` from ``JobSpec.tenant``;
+:class:`jaild.runtime.zygote.SharedNets`).
+
 The set never makes a jail wait on a zygote start: :meth:`for_job` answers at once with a
 ready zygote or None (spawn).
 """
