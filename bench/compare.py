@@ -77,8 +77,9 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 DEFAULT_OUT = BENCH / "report.md"
 LEVELS = [1, 4, 16, 64]
-SHARED_NETNS = 'namespace = "tenant"\n'
-"""The ``[network]`` key that opts a policy into one namespace per tenant (section 13)."""
+SHARED_NETNS = Path(__file__).resolve().parent / "shared-netns.toml"
+"""The default policy but for ``network.namespace = "tenant"`` (section 13; a unit test keeps
+the two equal otherwise)."""
 POOL_SIZE = 8
 POOL_FILL_GUARD_S = 180.0
 """How long the memory measurement waits for a variant's pool to fill: a liveness guard
@@ -588,7 +589,7 @@ def lever_variants(warm: Variant) -> dict[str, tuple[Variant, Variant]]:
         "seccomp": (dataclasses.replace(warm, key="lever_seccomp_off", zygote_seccomp="whole"),
                     dataclasses.replace(warm, key="lever_seccomp_on")),
         "netns": (dataclasses.replace(warm, key="lever_netns_off"),
-                  dataclasses.replace(warm, key="lever_netns_on", network=SHARED_NETNS)),
+                  dataclasses.replace(warm, key="lever_netns_on", base=SHARED_NETNS)),
     }
 
 

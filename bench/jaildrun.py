@@ -127,8 +127,6 @@ class Variant:
     """Keep the shipped policy's own ``[pool]`` section (``mode`` None only)."""
     zygote_seccomp: str = "split"
     """The daemon's ``daemon.zygote_seccomp`` (``"whole"``: each jail loads its filters whole)."""
-    network: str = ""
-    """More keys of the policy's ``[network]`` table (TOML lines), e.g. a shared namespace."""
 
     def daemon_config(self, pki: Pki | None = None) -> str:
         """The daemon's config file: ``config``, with the event loop if it is not the
@@ -163,9 +161,6 @@ class Variant:
         # section 3's windowed calls keep 100 in flight (the shipped default allows 64)
         text = re.sub(r"^tool_calls_in_flight = .*$", "tool_calls_in_flight = 128", text,
                       flags=re.MULTILINE)
-        if self.network:
-            text = re.sub(r"^\[network\]\n", lambda m: m.group(0) + self.network, text,
-                          count=1, flags=re.MULTILINE)
         if self.time_limit_s:
             text = re.sub(r"^(wall_time_s|cpu_time_s) = .*$",
                           lambda m: f"{m.group(1)} = {self.time_limit_s}", text,
