@@ -10,6 +10,10 @@
   become lists, numpy scalars and 0-d arrays the number or string they hold, the rest
   their ``repr``.
 * Tracebacks show the user's frames only, with the user's source lines.
+* The code runs as the ``__main__`` module (:func:`main_namespace`): its namespace is
+  ``sys.modules["__main__"].__dict__``, so what it defines pickles by reference as a script's
+  does (``multiprocessing.Pool().map(f, ...)``, ``pickle.dumps(instance)``), and
+  ``if __name__ == "__main__":`` blocks run.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import contextlib
 import inspect
 import linecache
 import os
+import sys
 import traceback
+import types
 from dataclasses import dataclass
 from types import CodeType, TracebackType
 from typing import Any
@@ -152,6 +158,24 @@ def _user_main(namespace: dict[str, Any], filename: str) -> Any:
         if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
     return None if required else main
+
+
+def main_namespace(names: dict[str, Any]) -> dict[str, Any]:
+    """A fresh ``__main__`` module, put in ``sys.modules`` in place of the runtime's own
+    (the bootstrap's, or the zygote's): the namespace the job's code runs in is its
+    ``__dict__``, holding ``names`` (the runtime's: ``tools``, ...) and the module's own
+    ``__name__`` (``"__main__"``), ``__doc__``, ``__spec__``, ... .
+
+    ``pickle`` (and so ``multiprocessing``) pickles a function or class by its module and
+    name and checks that ``sys.modules[module].name`` is that object: with the job's
+    namespace a dict of its own, every function the job defined failed that check
+    ("attribute lookup f on __main__ failed"). Each jail makes its own, so nothing of
+    another job's ``__main__`` (the zygote's, a pooled jail's warm-up) is in it."""
+    module = types.ModuleType("__main__")
+    namespace = module.__dict__
+    namespace.update(names)
+    sys.modules["__main__"] = module
+    return namespace
 
 
 class SessionLoop:
