@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from types import CodeType, TracebackType
 from typing import Any
 
-from jaild.protocol import NEED_DATA, pack, unpack
+from jaild.protocol import pack, unpack
 from jaild.protocol.messages import MAX_MESSAGE_CHARS, ErrorInfo, safe_text
 from jaild.runtime import tools
 
@@ -267,54 +267,15 @@ WARM_UP = (
 
 
 def warm_up(result_limit: int) -> Outcome:
-    """Run a throwaway job through :func:`run` while the jail waits for its own, and
-    throwaway tool calls (:func:`warm_tool_calls`).
+    """Run a throwaway job through :func:`run` while the jail waits for its own.
 
     A jail forked from the zygote shares its memory copy-on-write: the first touch of each
     page the code path uses is a page fault (the first ``ast.parse`` alone costs ~0.3 ms here).
     A pooled jail takes those faults now, before its job exists, instead of on the job's
-    clock. The namespace is thrown away; nothing of it reaches the job."""
-    outcome = run(WARM_UP, "<warm-up>", {"__name__": "__warm_up__"}, result_limit)
-    with contextlib.suppress(Exception):  # a warm-up that fails costs the job only time
-        warm_tool_calls()
-    return outcome
+    clock. The namespace is thrown away; nothing of it reaches the job.
 
-
-def warm_tool_calls() -> list[Any]:
-    """A plain and an awaited tool call through the runtime's own path (:class:`Tools`, a
-    :class:`~jaild.runtime.channel.Channel`, the jail link's :class:`Connection`), over a
-    socket pair whose far end holds the answers already: a job's first tool call cost
-    ~0.25 ms more CPU than its later ones, the ~20-40 pages of that path copied on first
-    write (issue 45, item 7). Touches nothing of the job's: its own channel, sockets and
-    loop, closed again. Returns the two answers (``[None, None]``)."""
-    import socket
-
-    from jaild.protocol import Connection, Role
-    from jaild.protocol.connection import State
-    from jaild.protocol.messages import JailToolReturned, ToolSpec
-    from jaild.runtime.channel import Channel
-
-    jail_end, host_end = socket.socketpair()
-    with jail_end, host_end:
-        host, jail = Connection(Role.SUPERVISOR, 1 << 16), Connection(Role.JAIL, 1 << 16)
-        host.state = jail.state = State.RUNNING  # the link as it is while a job runs
-        warm = tools.Tools((ToolSpec(name="warm", parameters={"type": "object"}),),
-                           Channel(jail_end, jail), 1 << 16)
-        # each answer is there before its call, so that no read waits (the channel numbers
-        # its calls from 1; an answer to no call in flight would be dropped)
-        host_end.sendall(host.send(JailToolReturned(call_id=1, value=pack(None))))
-        answers = [warm.warm()]
-        host_end.sendall(host.send(JailToolReturned(call_id=2, value=pack(None))))
-
-        async def awaited() -> Any:
-            return await asyncio.wait_for(warm.warm(), 5)
-
-        loop = asyncio.new_event_loop()
-        try:
-            answers.append(loop.run_until_complete(awaited()))
-        finally:
-            loop.close()
-        host.receive_data(host_end.recv(1 << 16))  # the calls, read as the daemon reads them
-        while host.next_event() is not NEED_DATA:
-            pass
-    return answers
+    No throwaway tool call: a job's first call writes ~20-40 pages of the zygote's (~0.25 ms
+    of CPU more than its later calls); a warm-up call over a socket pair of its own cost every
+    pooled jail ~1 ms of CPU and ~140 pages more (~2.5 ms and ~175 with an awaited one), tool
+    calls or not -- more than it saves, and against the pages-per-jail budget."""
+    return run(WARM_UP, "<warm-up>", {"__name__": "__warm_up__"}, result_limit)

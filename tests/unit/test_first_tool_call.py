@@ -1,19 +1,14 @@
 """What a client's first tool call used to do on its own clock is done ahead (issue 45,
-item 7): the client's worker thread (jaild.toolhost), the jail's pages of the tool-call path
-(jaild.runtime.execute.warm_tool_calls), the daemon's jsonschema (admission). The mechanisms
-are tested here; bench/first_call.py measures the times."""
+item 7): the client's worker thread (jaild.toolhost), the daemon's jsonschema (admission).
+The mechanisms are tested here; bench/first_call.py measures the times."""
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
-import pytest
-
-from jaild.runtime import execute
 from jaild.toolhost import ToolHost
 from jaild.toolspec import normalize_tools
 
@@ -58,15 +53,6 @@ def test_the_tool_host_imports_its_thread_pool_with_itself() -> None:
          "print('concurrent.futures.thread' in sys.modules)"],
         capture_output=True, text=True, timeout=60, check=True, cwd=REPO)
     assert out.stdout.strip() == "True"
-
-
-def test_a_pooled_jails_warm_up_makes_a_plain_and_an_awaited_tool_call(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    assert execute.warm_tool_calls() == [None, None]
-    calls: list[bool] = []
-    monkeypatch.setattr(execute, "warm_tool_calls", lambda: calls.append(True))
-    assert execute.warm_up(1 << 16).ok and calls == [True]
-    asyncio.set_event_loop(None)
 
 
 def test_schema_checks_are_ready_once_prepared() -> None:
