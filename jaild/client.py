@@ -810,6 +810,7 @@ class AsyncClient:
         accepted: asyncio.Future[str] = loop.create_future()
         job = _Job(host_tools, run["on_stdout"], run["on_stderr"], loop.create_future(),
                    run["approve"] or self._approve)
+        self._tools.prepare(host_tools.values(), job.approve)  # its worker, before a call
         self._accepting[ref] = (accepted, job)
         msg = RunJob(
             ref=ref,

@@ -59,6 +59,7 @@ from typing import Any
 from jaild import loops
 from jaild.daemon import systemd
 from jaild.daemon.config import DaemonConfig
+from jaild.daemon.core import admission
 from jaild.daemon.core.peer import Tenant
 from jaild.daemon.core.readiness import Phase
 from jaild.daemon.egress.service import EgressService, certifi_bundles
@@ -315,7 +316,10 @@ async def _start_jails(
         os.path.join(resolve_env(p, config.envs_dir), "bin", "python3")
         for p in served.policies.values()
     ]
-    runtime_dir = await asyncio.to_thread(stage_runtime, config.state_dir, interpreters)
+    runtime_dir, _ = await asyncio.gather(  # and jsonschema's first use, not a job's
+        asyncio.to_thread(stage_runtime, config.state_dir, interpreters),
+        asyncio.to_thread(admission.prepare_schema_checks),
+    )
     egress = await asyncio.to_thread(
         EgressService.prepare, served.policies, config.state_dir, on_egress,
         secrets_file=config.egress_secrets, upstream_ca=config.egress_upstream_ca,

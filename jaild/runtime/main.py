@@ -169,8 +169,7 @@ def main(warm_up: bool = False) -> None:
         job = run.job
         if namespace is None:
             tools = Tools(job.tools, channel, run.tool_payload_bytes)
-            namespace = {
-                "__name__": "__main__",
+            namespace = execute.main_namespace({  # the __main__ module's: see main_namespace
                 "__builtins__": builtins,
                 "tools": tools,
                 "ToolError": ToolError,
@@ -178,7 +177,7 @@ def main(warm_up: bool = False) -> None:
                 "_discover": tools._discover,
                 "_schema": tools._schema,
                 "_search": tools._search,
-            }
+            })
         network.take_refused()  # not this run's: the warm-up's, a session's leftover threads'
         if run.snapshot or run.restore is not None:
             namespace = _snapshot_or_restore(channel, run, namespace, workdir, limits)

@@ -15,7 +15,11 @@ else). Its content:
   *anchor*: a function whose globals are the namespace. Functions and classes the session
   defined are pickled by value, and in one pickle every function of the namespace shares one
   globals dictionary; after loading, the anchor's globals *are* the new namespace, so the
-  restored functions see later runs' assignments as before. Modules come back by import.
+  restored functions see later runs' assignments as before. That dictionary is not pickled:
+  it stands for the namespace (a persistent id, :data:`MAIN_GLOBALS`), and the restoring jail
+  loads the session's functions with the fresh jail's ``__main__`` module's dictionary as their
+  globals -- so they stay ``__main__``'s, picklable by reference (``multiprocessing``) after a
+  restore or a fork as before it. Modules come back by import.
 * ``files``: every regular file below the working directory (path and contents), read as
   uploads and downloads are (:mod:`jaild.runtime.files`: no link is ever followed).
 * ``python``: the interpreter's ``major.minor``; code objects do not cross versions.
@@ -97,12 +101,30 @@ OPEN_FILES = (io.FileIO, io.BufferedReader, io.BufferedWriter, io.BufferedRandom
 in-memory ones (``io.StringIO``, ``io.BytesIO``) are values and are captured."""
 
 
-def _dumper(cloudpickle: Any) -> Any:
+MAIN_GLOBALS = "jaild:__main__"
+"""The persistent id that stands for the session's namespace (the ``__main__`` module's
+dictionary, the globals of every function the session defined) in a snapshot's pickle."""
+
+
+def _dumper(cloudpickle: Any, main_globals: dict[str, Any] | None = None) -> Any:
     """cloudpickle's ``dumps``, with closed files pickled as :class:`ClosedFile` and open
-    ones refused."""
+    ones refused; functions whose globals are ``main_globals`` get, once loaded by
+    :func:`_loads`, the namespace given there as theirs."""
     import pickle  # with cloudpickle, on first use: the runtime's start imports neither
 
     class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+        def __init__(self, file: Any, protocol: int) -> None:
+            super().__init__(file, protocol=protocol)
+            self._main_marker: dict[str, Any] | None = None
+            if main_globals is not None:
+                # cloudpickle pickles a function's globals as the dictionary it keeps for
+                # them in ``globals_ref`` (one per globals, shared by the functions of one
+                # pickle): ours is a marker, pickled as the persistent id only.
+                self._main_marker = self.globals_ref.setdefault(id(main_globals), {})
+
+        def persistent_id(self, obj: Any) -> Any:
+            return MAIN_GLOBALS if obj is self._main_marker else None
+
         def reducer_override(self, obj: Any) -> Any:
             if isinstance(obj, io.IOBase) and obj.closed:
                 name = getattr(obj, "name", None)
@@ -198,15 +220,16 @@ def take(namespace: dict[str, Any] | None, workdir: str, limits: files.FileLimit
     Raises:
         SnapshotError: naming what could not be captured, or the size.
     """
-    dumps = _dumper(_cloudpickle())
+    cloudpickle = _cloudpickle()
+    main_globals = namespace if namespace is not None else {"__name__": "__main__"}
+    dumps = _dumper(cloudpickle, main_globals)
     names = {k: v for k, v in (namespace or {}).items() if k not in RUNTIME_NAMES}
     modules = {}
     for value in names.values():
         if (isinstance(value, types.ModuleType) and value.__name__ not in modules
                 and _module_state_kept(value)):
             modules[value.__name__] = _module_data(value, dumps)
-    anchor = types.FunctionType(compile("None", "<snapshot>", "eval"),
-                                namespace if namespace is not None else {"__name__": "__main__"})
+    anchor = types.FunctionType(compile("None", "<snapshot>", "eval"), main_globals)
     try:
         state = dumps({"names": names, "modules": modules, "anchor": anchor}, protocol=5)
     except Exception as exc:
@@ -258,10 +281,26 @@ def _document(blob: bytes) -> dict[str, Any]:
     return doc
 
 
+def _loads(state: bytes, namespace: dict[str, Any]) -> Any:
+    """Load a snapshot's pickle with ``namespace`` standing for :data:`MAIN_GLOBALS`."""
+    import pickle
+
+    class Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> Any:
+            if pid == MAIN_GLOBALS:
+                return namespace
+            raise pickle.UnpicklingError(f"unknown persistent id {str(pid)[:100]!r}")
+
+    return Unpickler(io.BytesIO(state)).load()
+
+
 def restore(blob: bytes, namespace: dict[str, Any], workdir: str,
             limits: files.FileLimits) -> dict[str, Any]:
     """Restore a snapshot into this (fresh) jail: its files into ``workdir``, its names
-    into a namespace that also holds ``namespace``'s runtime names. Returns that namespace.
+    into ``namespace`` (the fresh jail's ``__main__`` module's dictionary, holding the
+    runtime's names), the globals of the session's functions. Returns that namespace (a
+    snapshot taken before this format marked its namespace: the namespace it brought, a
+    dictionary of its own, with ``namespace``'s runtime names).
 
     Raises:
         SnapshotError: the snapshot is not one this runtime restores, or restoring it
@@ -277,9 +316,9 @@ def restore(blob: bytes, namespace: dict[str, Any], workdir: str,
         files.write_uploads(workdir, doc["files"], room)
     except UploadError as exc:
         raise SnapshotError(f"cannot restore the working directory: {exc}") from None
-    cloudpickle = _cloudpickle()
+    _cloudpickle()  # its reconstructors are what the state names: say so if it is missing
     try:
-        payload = cloudpickle.loads(doc["state"])
+        payload = _loads(doc["state"], namespace)
         names, modules, anchor = payload["names"], payload["modules"], payload["anchor"]
         restored: dict[str, Any] = anchor.__globals__
     except Exception as exc:

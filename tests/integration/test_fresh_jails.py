@@ -73,6 +73,8 @@ for _ in range(20):  # 20 of the policy's 64 pids, held
         time.sleep(60)
         os._exit(0)
 json.jaild_marker = "A"
+sys.modules["__main__"].jaild_main_marker = "A"  # the job's __main__ module
+jaild_main_name = "A"  # ... and its namespace
 hog = bytearray(100 * 1024 * 1024)  # 100 of the policy's 256 MB, touched
 for i in range(0, len(hog), 4096):
     hog[i] = 1
@@ -93,6 +95,9 @@ try:
 except OSError:
     seen["abstract socket"] = False
 seen["module state"] = getattr(json, "jaild_marker", None) == "A"
+import sys
+seen["__main__ state"] = (getattr(sys.modules["__main__"], "jaild_main_marker", None) == "A"
+                          or "jaild_main_name" in globals())
 seen["other processes"] = any(
     "time.sleep(60)" in open(f"/proc/{{p}}/cmdline").read().replace("\0", " ")
     for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()
@@ -167,7 +172,7 @@ def test_job_b_sees_nothing_of_job_a(daemon: DaemonHandle, policy: str) -> None:
         assert (a_inside, b_inside) == (a_host, b_host), (a.result, b.result)
     assert seen == dict.fromkeys(seen, False), f"B saw traces of A: {seen}"
     assert set(seen) == {"tmp file", "/dev/shm file", "sysv shm", "abstract socket",
-                         "module state", "other processes", "forks refused",
+                         "module state", "__main__ state", "other processes", "forks refused",
                          *(["loopback listener"] if policy in NETWORKED else [])}
 
 
@@ -194,9 +199,10 @@ def test_positive_control_two_host_processes_see_each_other() -> None:
             os.killpg(a.pid, signal.SIGKILL)  # A's own processes, not every match on the host
             subprocess.run(["ipcrm", "-M", str(0x7a11d)], check=False, capture_output=True)
             Path("/dev/shm/a-was-here").unlink(missing_ok=True)
-    # the module-state probe is the only one two fresh host interpreters cannot share
+    # the module-state probes are the only ones two fresh host interpreters cannot share
     assert seen == {"tmp file": True, "/dev/shm file": True, "sysv shm": True,
-                    "abstract socket": True, "module state": False, "other processes": True,
+                    "abstract socket": True, "module state": False, "__main__ state": False,
+                    "other processes": True,
                     "loopback listener": True}
 
 

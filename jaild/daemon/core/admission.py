@@ -417,6 +417,14 @@ def check_schema(schema: dict[str, Any]) -> str | None:
     return problem
 
 
+def prepare_schema_checks() -> None:
+    """Import jsonschema and check one schema now: its first use costs ~0.1 s (the import,
+    the metaschema's validator), which the daemon pays at its start instead of on the clock
+    of the first job that brings tools (issue 45, item 7). Safe in a worker thread."""
+    check_schema({"type": "object", "properties": {"x": {"type": "integer"}},
+                  "required": ["x"]})
+
+
 def limits_for(policy: Policy, requested: Mapping[str, float]) -> Limits:
     """The policy's limits tightened by a request.
 
@@ -568,5 +576,6 @@ __all__ = [
     "choose_policy",
     "limits_for",
     "policy_allows",
+    "prepare_schema_checks",
     "session_terms",
 ]
