@@ -382,8 +382,7 @@ class JobRecord(Report):
     job's interpreter -- the jail's own word (``CodeFinished.network_refused``). Nil when the
     runtime did not report (the run was stopped before its code ended, or never ran)."""
 
-    def __post_init__(self) -> None:
-        Struct.__post_init__(self)
+    def _invariant(self) -> None:
         if (self.status == "ok") != (self.error is None):
             raise LocalProtocolError(
                 f"field 'error': must be nil exactly when the status is ok "
