@@ -805,7 +805,11 @@ class JobMachine:
         spec = self.spec
         self.runs += 1
         self.phase = Phase.RUNNING
-        run_code = RunCode(
+        # The job was checked where it arrived (a client's RunJob), the byte limits where the
+        # policy was loaded (its schema's bounds are the message's); a snapshot to restore
+        # comes from the store, so that message is built checked.
+        make = RunCode.trusted if spec.restore is None else RunCode
+        run_code = make(
             job=spec.job,
             tool_payload_bytes=spec.limits.tool_payload_bytes,
             result_bytes=spec.limits.result_bytes,
