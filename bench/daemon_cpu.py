@@ -15,7 +15,7 @@ threads, not the zygote's forks): the system calls per job and the commonest one
 slows the daemon; its figures are counts, not times.
 
 With ``--base REV`` a second daemon runs that revision's package (a temporary worktree put
-first on its ``PYTHONPATH``, as ``bench/ab.py`` does); the two take turns round by round.
+first on its ``sys.path``, as ``bench/ab.py`` does); the two take turns round by round.
 
 Usage: python bench/daemon_cpu.py [--runs N] [--rounds R] [--base REV] [--strace]
 [--only warm|cold] [--profile DIR]
@@ -39,6 +39,7 @@ from contextlib import AsyncExitStack, ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from ab import base_entry, worktree
 from jaildrun import REPO, PrivateDaemon, Variant
 from measure import BenchError
 
@@ -184,15 +185,6 @@ def _range(values: list[float]) -> str:
     return f"{_median(values):.2f} [{min(values):.2f}..{max(values):.2f}]"
 
 
-def worktree(rev: str, into: Path) -> str:
-    """``rev`` checked out at ``into``; its commit, short (as ``bench/ab.py``)."""
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(into), rev],
-                   check=True, capture_output=True)
-    out = subprocess.run(["git", "-C", str(into), "rev-parse", "--short", "HEAD"],
-                         check=True, capture_output=True, text=True)
-    return out.stdout.strip()
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=300, help="jobs per round")
@@ -224,12 +216,13 @@ def _measure(args: argparse.Namespace, base: str | None, tree: Path) -> int:
     for key, (variant, pause_s) in VARIANTS.items():
         if args.only and key != args.only:
             continue
-        variants = {"this": variant}
+        daemons = {"this": PrivateDaemon(variant)}
         if base is not None:
-            variants[base] = dataclasses.replace(variant, key=f"{variant.key}_base",
-                                                 env=(("PYTHONPATH", str(tree)),))
+            other = dataclasses.replace(variant, key=f"{variant.key}_base",
+                                        env=(("PYTHONPATH", str(tree)),))
+            daemons[base] = PrivateDaemon(other, base_entry(tree))
         with ExitStack() as stack:
-            ends = {end: stack.enter_context(PrivateDaemon(v)) for end, v in variants.items()}
+            ends = {end: stack.enter_context(d) for end, d in daemons.items()}
             rounds = asyncio.run(_rounds(ends, args.runs, args.rounds, pause_s))
             syscalls = dict.fromkeys(ends, "-")
             for end, daemon in ends.items():
