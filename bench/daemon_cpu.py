@@ -15,7 +15,7 @@ threads, not the zygote's forks): the system calls per job and the commonest one
 slows the daemon; its figures are counts, not times.
 
 With ``--base REV`` a second daemon runs that revision's package (a temporary worktree put
-first on its ``sys.path``, as ``bench/ab.py`` does); the two take turns round by round.
+first on its ``sys.path``, as ``bench/ab.py`` does); the two take turns job by job.
 
 Usage: python bench/daemon_cpu.py [--runs N] [--rounds R] [--base REV] [--strace]
 [--only warm|cold] [--profile DIR]
@@ -104,9 +104,11 @@ class Round:
 
 async def _rounds(ends: dict[str, PrivateDaemon], runs: int, rounds: int,
                   pause_s: float) -> dict[str, list[Round]]:
-    """``rounds`` rounds of ``runs`` jobs on each daemon of ``ends``, taking turns round by
-    round in a shuffled (seeded) order, so that both ends see the same moments of the
-    machine. Keyed as ``ends``."""
+    """``rounds`` rounds of ``runs`` jobs on each daemon of ``ends``. Within a round the
+    daemons take turns job by job, in a new shuffled (seeded) order each time, so that
+    each sees the same moments of the machine; each daemon's counters are read at the
+    round's start and end (what it does between its jobs, such as refilling its pool, is
+    in its figure). Keyed as ``ends``."""
     out: dict[str, list[Round]] = {key: [] for key in ends}
     order = random.Random(0)
     async with AsyncExitStack() as stack:
@@ -116,15 +118,17 @@ async def _rounds(ends: dict[str, PrivateDaemon], runs: int, rounds: int,
             await _jobs(daemon, clients[key], 20, pause_s)
         turns = list(ends.items())
         for _ in range(rounds):
-            order.shuffle(turns)
-            for key, daemon in turns:
-                before = sample(daemon.pid)
-                await _jobs(daemon, clients[key], runs, pause_s)
-                after = sample(daemon.pid)
-                out[key].append(Round((after.user_s - before.user_s) / runs * 1e3,
-                                      (after.system_s - before.system_s) / runs * 1e3,
-                                      (after.switches - before.switches) / runs,
-                                      (after.main_s - before.main_s) / runs * 1e3))
+            before = {key: sample(daemon.pid) for key, daemon in ends.items()}
+            for _ in range(runs):
+                order.shuffle(turns)
+                for key, daemon in turns:
+                    await _jobs(daemon, clients[key], 1, pause_s)
+            for key, daemon in ends.items():
+                start, end = before[key], sample(daemon.pid)
+                out[key].append(Round((end.user_s - start.user_s) / runs * 1e3,
+                                      (end.system_s - start.system_s) / runs * 1e3,
+                                      (end.switches - start.switches) / runs,
+                                      (end.main_s - start.main_s) / runs * 1e3))
     return out
 
 
@@ -190,7 +194,7 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=300, help="jobs per round")
     p.add_argument("--rounds", type=int, default=5, help="rounds per variant")
     p.add_argument("--base", metavar="REV",
-                   help="also a daemon of this git revision, taking turns round by round")
+                   help="also a daemon of this git revision, taking turns job by job")
     p.add_argument("--strace", action="store_true", help="also count system calls per job")
     p.add_argument("--only", choices=sorted(VARIANTS), help="one variant only")
     p.add_argument("--profile", type=Path, metavar="DIR",
@@ -241,7 +245,7 @@ def _measure(args: argparse.Namespace, base: str | None, tree: Path) -> int:
                          f"{_range([r.main_ms for r in got])} | "
                          f"{_median([r.switches for r in got]):.1f} | {syscalls[end]} |")
     print(f"{args.rounds} rounds of {args.runs} jobs (`{CODE.splitlines()[0]}`) per daemon, "
-          "taking turns:\n")
+          "taking turns job by job:\n")
     print("\n".join(lines))
     for note in notes:
         print(f"\ncommonest system calls per job, {note}")
