@@ -5,6 +5,11 @@ metadata; ``__post_init__`` runs the checks, so an illegal message cannot be
 built. A failing check raises :class:`LocalProtocolError` (we built it); the
 receive boundary in :mod:`jaild.protocol.messages` converts that into a
 :class:`RemoteProtocolError` when the message came off the wire.
+
+The daemon builds some messages per job from values it has checked already (a record's
+parts, a client's job as admitted): :meth:`Struct.trusted` builds those without running the
+fields' checks again. It is never used for what arrives from a peer, which always goes
+through ``from_wire`` and every check.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ the frozen, self-validating structs below, built with the same
 
 * an illegal record cannot be built: the daemon's builders
   (:mod:`jaild.daemon.core.records`) raise :class:`LocalProtocolError` at once, where
-  the bug is, instead of sending it;
+  the bug is, instead of sending it (a run's record is built with
+  :meth:`~jaild.protocol.fields.Struct.trusted` only from parts built checked and values
+  seen to be as the checks want them; anything else goes through the checks);
 * a record off the wire is checked field by field like any message: unknown or
   missing fields, wrong types and values outside the limits are a
   :class:`RemoteProtocolError` at the one receive boundary
