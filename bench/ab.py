@@ -32,6 +32,14 @@ from measure import Latency
 from jaild.client import AsyncClient
 
 
+def base_entry(tree: Path) -> tuple[str, ...]:
+    """How Python starts a daemon of the package checked out at ``tree``: that package first
+    on ``sys.path``. (``PYTHONPATH`` alone is not enough: ``python -m jaild``, started in this
+    checkout, puts its working directory -- this checkout's package -- before it.)"""
+    return ("-c", f"import runpy, sys; sys.path.insert(0, {str(tree)!r}); "
+                  "runpy.run_module('jaild', run_name='__main__', alter_sys=True)")
+
+
 def worktree(rev: str, into: Path) -> str:
     """``rev`` checked out at ``into``; its commit, short."""
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(into), rev],
@@ -90,7 +98,7 @@ def main() -> int:
             this = Variant("ab_this", "this checkout, warm", "zygote", 4, 8)
             other = Variant("ab_base", f"{base}, warm", "zygote", 4, 8,
                             env=(("PYTHONPATH", str(tree)),))
-            with PrivateDaemon(this) as mine, PrivateDaemon(other) as theirs:
+            with PrivateDaemon(this) as mine, PrivateDaemon(other, base_entry(tree)) as theirs:
                 rows = {
                     "warm one-shot job": alternating_latency(
                         {"this": (mine, "unix"), "base": (theirs, "unix")}, args.runs,

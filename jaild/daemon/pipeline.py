@@ -43,7 +43,7 @@ from jaild.daemon.observe import Observers
 from jaild.daemon.registry import ClientConnection, JailSession, LiveJob, Registry
 from jaild.daemon.sessions import ParkedSessions, Sessions, check_room
 from jaild.errors import JaildError, UnknownSnapshot
-from jaild.protocol.messages import JobFinished, RunJob
+from jaild.protocol.messages import MAX_PAYLOAD_BYTES, JobFinished, RunJob
 from jaild.protocol.records import JobRecord
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ class Pipeline:
             # record as no release_to spares it (core/disclosure.py)
             seen = disclosure.operator_view(record, spec.policy)
             self.audit(client, seen, uploaded=len(spec.job.files), downloaded=len(downloads))
-            client.send(JobFinished(job_id=job_id, record=record, result=result, files=downloads))
+            client.send(_finished(job_id, record, result, downloads))
             if placed.trace is not None:  # its spans, once the record is out
                 placed.trace.finish(seen, placed.mode)
         finally:
@@ -297,6 +297,17 @@ class Pipeline:
                 if os.waitpid(pid, os.WNOHANG)[0] == pid:
                     reaped.append(pid)
         return reaped
+
+
+def _finished(job_id: str, record: JobRecord, result: bytes | None,
+              downloads: dict[str, bytes]) -> JobFinished:
+    """A run's ``JobFinished``: its parts are checked already -- the record a struct, the job
+    id ours, the result the jail's checked ``CodeFinished.result`` (or its redaction, at
+    most as long here) -- except the files the jail left, whose listing the message's
+    checks see (built checked when there are any)."""
+    if downloads or (result is not None and len(result) > MAX_PAYLOAD_BYTES):
+        return JobFinished(job_id=job_id, record=record, result=result, files=downloads)
+    return JobFinished.trusted(job_id=job_id, record=record, result=result, files={})
 
 
 __all__ = ["Pipeline"]

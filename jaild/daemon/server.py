@@ -404,7 +404,9 @@ class ServedConnection(asyncio.Protocol):
         comes first. Nothing about the job can reach the client before it."""
         if self.closed or self.transport is None or self.transport.is_closing():
             return
-        data = self.conn.send(JobAccepted(ref=ref, job_id=job_id, session_id=session_id))
+        # the ref and the session's id were checked in the client's request; the job id is ours
+        accepted = JobAccepted.trusted(ref=ref, job_id=job_id, session_id=session_id)
+        data = self.conn.send(accepted)
         timer = asyncio.get_running_loop().call_later(ACCEPT_HOLD_S, self._announce, job_id)
         self._held[job_id] = (data, timer)
 

@@ -59,6 +59,10 @@ from jaild.protocol.messages import (
 
 
 class Role(enum.Enum):
+    # Members are singletons compared by identity: hashed as objects, in C, not by their
+    # name in Python (Enum's own __hash__) -- every frame looks up (role, state) twice.
+    __hash__ = object.__hash__
+
     CLIENT = "client"  # client end of the client link
     DAEMON = "daemon"  # daemon end of the client link
     SUPERVISOR = "supervisor"  # daemon end of the jail link
@@ -66,6 +70,8 @@ class Role(enum.Enum):
 
 
 class State(enum.Enum):
+    __hash__ = object.__hash__  # as Role's
+
     # client link
     SEND_HELLO = "send-hello"
     AWAIT_WELCOME = "await-welcome"

@@ -5,6 +5,11 @@ metadata; ``__post_init__`` runs the checks, so an illegal message cannot be
 built. A failing check raises :class:`LocalProtocolError` (we built it); the
 receive boundary in :mod:`jaild.protocol.messages` converts that into a
 :class:`RemoteProtocolError` when the message came off the wire.
+
+The daemon builds some messages per job from values it has checked already (a record's
+parts, a client's job as admitted): :meth:`Struct.trusted` builds those without running the
+fields' checks again. It is never used for what arrives from a peer, which always goes
+through ``from_wire`` and every check.
 """
 
 from __future__ import annotations
@@ -339,6 +344,23 @@ class Struct:
             checked = check(name, value)
             if checked is not value:
                 object.__setattr__(self, name, checked)
+        self._invariant()
+
+    def _invariant(self) -> None:
+        """What must hold between fields (a subclass's; raise :class:`LocalProtocolError`).
+        Run after the fields' checks, and by :meth:`trusted` construction too."""
+
+    @classmethod
+    def trusted(cls: type[S], *args: Any, **kwargs: Any) -> S:
+        """A struct the daemon builds from values it has already checked, or made itself in
+        the form its fields hold: the same arguments as the class, the fields' checks not
+        run again (:meth:`_invariant` still is). Never for what came from a peer: that goes
+        through the class itself (``from_wire``), every check run. Values must already be
+        in their checked form (tuples, not lists; nested structs, not maps; plain strings,
+        not typed words), as :meth:`to_wire` sends them as they are.
+
+        Replaced per class by :func:`struct` with a generated constructor."""
+        return cls(*args, **kwargs)
 
     def to_wire(self) -> dict[str, Any]:
         """The wire form: a map of every field; nested structs as maps, tuples as lists."""
@@ -387,9 +409,46 @@ def nested(cls: type[S]) -> Check:
     return describe(check, None)
 
 
+_NO_VALUE: Any = object()
+"""A trusted constructor's default for a field with a default factory: call the factory."""
+
+
+def _trusted_constructor(cls: type[S]) -> Callable[..., S]:
+    """``cls``'s :meth:`Struct.trusted`: the dataclass ``__init__``'s signature (the same
+    names, order and defaults), setting each slot without its check. Generated, as
+    :mod:`dataclasses` generates ``__init__``: one plain function, no loop over fields."""
+    if cls.__post_init__ is not Struct.__post_init__:  # checks of its own: keep them all
+        return cls
+    names: dict[str, Any] = {"_new": object.__new__, "_set": object.__setattr__, "_cls": cls,
+                             "_NO_VALUE": _NO_VALUE}
+    params, body = [], ["    _self = _new(_cls)"]
+    for i, f in enumerate(dataclasses.fields(cls)):  # type: ignore[arg-type]
+        if f.default is not dataclasses.MISSING:
+            names[f"_default{i}"] = f.default
+            params.append(f"{f.name}=_default{i}")
+        elif f.default_factory is not dataclasses.MISSING:
+            names[f"_factory{i}"] = f.default_factory
+            params.append(f"{f.name}=_NO_VALUE")
+            body.append(f"    if {f.name} is _NO_VALUE:\n        {f.name} = _factory{i}()")
+        else:
+            params.append(f.name)
+        body.append(f"    _set(_self, {f.name!r}, {f.name})")
+    if cls._invariant is not Struct._invariant:
+        body.append("    _self._invariant()")
+    body.append("    return _self")
+    source = f"def trusted({', '.join(params)}):\n" + "\n".join(body) + "\n"
+    exec(source, names)  # our own field names, as dataclasses generates __init__
+    made: Callable[..., S] = names["trusted"]
+    made.__qualname__ = f"{cls.__qualname__}.trusted"
+    made.__doc__ = Struct.trusted.__doc__
+    return made
+
+
 @dataclass_transform(frozen_default=True, field_specifiers=(field, dataclasses.field))
 def struct(cls: type[S]) -> type[S]:
-    """Class decorator: frozen slotted dataclass with checks prepared."""
+    """Class decorator: frozen slotted dataclass with checks prepared, and its trusted
+    constructor (:meth:`Struct.trusted`)."""
     dc = dataclasses.dataclass(frozen=True, slots=True)(cls)
     dc._prepare()
+    dc.trusted = staticmethod(_trusted_constructor(dc))  # type: ignore[method-assign]
     return dc

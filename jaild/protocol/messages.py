@@ -830,9 +830,31 @@ def unpack(data: bytes) -> Any:
 
 
 def encode(msg: Message) -> bytes:
-    """Message -> msgpack payload (unframed)."""
-    packed: bytes = msgpack.packb(msg.to_wire(), use_bin_type=True)
+    """Message -> msgpack payload (unframed).
+
+    A ``Harden`` is encoded once: the daemon builds one per policy and sends that very
+    message, unchanged, as the first frame to every jail of the policy; its seccomp spec
+    alone is some 5 KB of nested lists that took a fifth of a millisecond to pack each time.
+    Later sends of the same object reuse the bytes (:data:`_ENCODED`)."""
+    if type(msg) is Harden:
+        known = _ENCODED.get(id(msg))
+        if known is not None and known[0] is msg:
+            return known[1]
+        packed: bytes = msgpack.packb(msg.to_wire(), use_bin_type=True)
+        if len(_ENCODED) >= _MAX_ENCODED:
+            _ENCODED.clear()
+        _ENCODED[id(msg)] = (msg, packed)
+        return packed
+    packed = msgpack.packb(msg.to_wire(), use_bin_type=True)
     return packed
+
+
+_ENCODED: dict[int, tuple[Message, bytes]] = {}
+"""``id(message)`` -> (the message, its payload): the ``Harden`` messages :func:`encode` has
+seen, each kept alive here so that its id is not reused. A message is frozen; a ``Harden``'s
+seccomp map is the compiler's and nobody changes it once the message is built."""
+_MAX_ENCODED = 256
+"""More than any daemon's policies (a reload builds new ones): then the memo starts over."""
 
 
 _remembered: tuple[bytes, Direction, Message] | None = None

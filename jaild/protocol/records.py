@@ -10,7 +10,9 @@ the frozen, self-validating structs below, built with the same
 
 * an illegal record cannot be built: the daemon's builders
   (:mod:`jaild.daemon.core.records`) raise :class:`LocalProtocolError` at once, where
-  the bug is, instead of sending it;
+  the bug is, instead of sending it (a run's record is built with
+  :meth:`~jaild.protocol.fields.Struct.trusted` only from parts built checked and values
+  seen to be as the checks want them; anything else goes through the checks);
 * a record off the wire is checked field by field like any message: unknown or
   missing fields, wrong types and values outside the limits are a
   :class:`RemoteProtocolError` at the one receive boundary
@@ -382,8 +384,7 @@ class JobRecord(Report):
     job's interpreter -- the jail's own word (``CodeFinished.network_refused``). Nil when the
     runtime did not report (the run was stopped before its code ended, or never ran)."""
 
-    def __post_init__(self) -> None:
-        Struct.__post_init__(self)
+    def _invariant(self) -> None:
         if (self.status == "ok") != (self.error is None):
             raise LocalProtocolError(
                 f"field 'error': must be nil exactly when the status is ok "

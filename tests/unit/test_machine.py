@@ -658,3 +658,26 @@ def test_a_session_result_beyond_its_limit_is_refused_though_its_frame_fits() ->
         else:
             assert Kill("channel_error", "the jail sent a result of 65 bytes; this run's "
                         "limit is 64") in out
+
+
+def test_a_policys_flow_rules_are_known_by_the_policy_object() -> None:
+    """Two jobs' worth of flow rules per jail: compiled once per policy object, found by its
+    identity (not by hashing the whole policy); another policy object, even an equal one,
+    gets its own, as the cache of ``flow_rules`` would give."""
+    from jaild.daemon.core.machine import _flow_rules
+    from jaild.policy.schema import flow_rules
+
+    first = _flow_rules(POLICY)
+    assert _flow_rules(POLICY) is first and first == flow_rules(POLICY)
+    other = load_policy_text("", "q.toml")
+    assert _flow_rules(other) == flow_rules(other)
+
+
+def test_the_code_a_jail_receives_is_what_the_checked_message_would_be() -> None:
+    """``RunCode`` is built from the admitted job without its checks run again: the jail's end
+    decodes it, every check run, into the message the checked constructor makes."""
+    sim = Sim(spec())
+    ready(sim)
+    limits = sim.m.spec.limits
+    assert sim.replies[1] == RunCode(job=sim.m.spec.job, result_bytes=limits.result_bytes,
+                                     tool_payload_bytes=limits.tool_payload_bytes)

@@ -1361,3 +1361,71 @@ def test_error_codes_are_one_to_one() -> None:
         assert cls.code == code
     assert all(issubclass(c, RemoteProtocolError) for c in
                (FrameTooLarge, UnexpectedMessage, UnsupportedVersion))
+
+
+# --------------------------------------------------------------------------- trusted construction
+
+
+def test_trusted_construction_is_the_checked_one_without_the_checks() -> None:
+    """``Struct.trusted``: what the daemon builds from values it has checked already. The
+    same struct as the class makes; its fields' checks are not run (a value a check would
+    refuse is taken as given -- the control: the class refuses it)."""
+    assert Error.trusted(code="busy", message="m", ref=3) == Error(code="busy", message="m", ref=3)
+    assert Error.trusted("busy", "m") == Error("busy", "m")  # positional, as the class
+    with pytest.raises(LocalProtocolError, match="'code'"):
+        Error(code="", message="m")
+    assert Error.trusted(code="", message="m").code == ""
+    # defaults and default factories are the class's, a fresh map each time
+    job = JobDescription(code="1")
+    first, second = RunJob.trusted(ref=1, job=job, policy="p"), RunJob.trusted(1, job, "p")
+    assert first == RunJob(ref=1, job=job, policy="p") and first.limits == {}
+    assert first.limits is not second.limits
+    with pytest.raises(TypeError):
+        Error.trusted(code="busy", message="m", nonsense=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.ref = 2  # type: ignore[misc]
+
+
+def test_what_arrives_from_a_peer_is_checked_as_ever() -> None:
+    """Trusted construction is never the receive path: a frame holding what ``trusted`` would
+    take is refused by ``decode``."""
+    frame = msgpack.packb({"type": "Error", "code": "", "message": "m"})
+    with pytest.raises(RemoteProtocolError, match="'code'"):
+        decode(frame, "daemon->client")
+
+
+def test_a_struct_with_checks_of_its_own_keeps_them_when_trusted() -> None:
+    """A class whose ``__post_init__`` adds checks of its own (the zygote link's) is built
+    checked by ``trusted``; the job record's cross-field rule (its ``_invariant``) runs in
+    both."""
+    from jaild.protocol.records import JobRecord
+    from jaild.protocol.zygote_link import JailSetup, SpawnJail
+
+    assert SpawnJail.trusted is SpawnJail and JailSetup.trusted is JailSetup
+    fields = {"job_id": "job-1", "policy": "p", "status": "error", "stdout": "", "stderr": "",
+              "error": None, "tool_calls": (), "duration_s": 0.0, "limits": {}, "usage": None,
+              "files": (), "files_skipped": (), "tool_calls_omitted": 0, "session": None}
+    for make in (JobRecord, JobRecord.trusted):
+        with pytest.raises(LocalProtocolError, match="nil exactly when the status is ok"):
+            make(**fields)
+    assert JobRecord.trusted(**{**fields, "status": "ok"}) == JobRecord(**{**fields,
+                                                                          "status": "ok"})
+
+
+def test_a_harden_is_encoded_once_and_its_bytes_sent_again() -> None:
+    """The daemon sends one ``Harden`` per policy to every jail of it: encoded once."""
+    harden = Harden(protocol=PROTOCOL_VERSION, seccomp={"default": "kill", "allow": ["read"]})
+    first = encode(harden)
+    assert encode(harden) is first  # the same bytes, not packed again
+    assert decode(first, "daemon->jail") == harden
+    other = Harden(protocol=PROTOCOL_VERSION, seccomp={"default": "kill", "allow": ["write"]})
+    assert encode(other) != first and decode(encode(other), "daemon->jail") == other
+    # other messages are encoded each time
+    hello = Hello(protocol=PROTOCOL_VERSION)
+    assert encode(hello) == encode(hello) and encode(hello) is not encode(hello)
+
+
+def test_a_link_state_is_hashed_as_the_object_it_is() -> None:
+    """``Role`` and ``State`` are looked up twice a frame: identity hashing, in C."""
+    assert hash(State.READY) == object.__hash__(State.READY)
+    assert {Role.DAEMON: 1}[Role.DAEMON] == 1 and State("ready") is State.READY

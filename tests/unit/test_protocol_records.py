@@ -387,3 +387,48 @@ def test_a_snapshot_kind_reads_as_its_member_and_goes_as_its_word() -> None:
     with pytest.raises(LocalProtocolError,
                        match=r"expected one of \['parked', 'pause', 'snapshot'\], got 'held'"):
         SnapshotEntry.from_wire({**base, "kind": "held"})
+
+
+def test_the_daemon_builds_a_record_unchecked_only_from_what_is_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``job_record`` builds with ``JobRecord.trusted`` when what it is given is as the
+    checks want it (its parts are structs built checked): the record the checked
+    constructor makes, field for field. Anything else goes through the checks, which
+    refuse it as before."""
+    trusted: list[JobRecord] = []
+    real = JobRecord.trusted
+
+    def spy(**fields: Any) -> JobRecord:
+        trusted.append(real(**fields))
+        return trusted[-1]
+
+    monkeypatch.setattr(JobRecord, "trusted", spy)
+    record = run_record(files=[{"path": "out/a.txt", "size": 2, "sha256": "a" * 64}],
+                        network_refused=1)
+    assert trusted == [record]
+    assert record == JobRecord(**{name: getattr(record, name) for name in record._order})
+    assert type(record.limits) is dict and type(record.files) is tuple
+    for wrong, match in (({"status": "bogus"}, "'status'"),
+                         ({"job_id": "Not A Job"}, "'job_id'"),
+                         ({"tool_calls_omitted": -1}, "'tool_calls_omitted'")):
+        with pytest.raises(LocalProtocolError, match=match):
+            run_record(**wrong)
+    assert len(trusted) == 1  # none of those was built unchecked
+    # the parts are still checked as they are built: a file entry from the jail's listing
+    with pytest.raises(LocalProtocolError, match="'sha256'"):
+        run_record(files=[{"path": "a", "size": 1, "sha256": "not hex"}])
+
+
+def test_job_finished_checks_the_files_a_jail_left() -> None:
+    """The pipeline's ``JobFinished``: built unchecked from the record and the jail's checked
+    result, but the files the jail left for download are checked (the control: without
+    files the same path takes what it is given)."""
+    from jaild.daemon.pipeline import _finished
+
+    record = run_record()
+    assert _finished(JOB, record, b"\x01", {}) == JobFinished(job_id=JOB, record=record,
+                                                              result=b"\x01")
+    assert _finished(JOB, record, None, {"out/a": b"x"}).files == {"out/a": b"x"}
+    with pytest.raises(LocalProtocolError, match="files"):
+        _finished(JOB, record, None, {"": b"x"})

@@ -95,6 +95,7 @@ from jaild.daemon.core.broker import Admitted, Answer, Answered, Broker, Refused
 from jaild.daemon.core.classify import Evidence, KillReason, classify
 from jaild.daemon.core.peer import Tenant
 from jaild.errors import LocalProtocolError, RemoteProtocolError
+from jaild.policy.flow import FlowRules
 from jaild.policy.schema import Limits, Policy, flow_rules
 from jaild.protocol import NEED_DATA, Connection, Role, State
 from jaild.protocol.messages import (
@@ -515,6 +516,24 @@ Action = (
 )
 
 
+_FLOWS: dict[int, tuple[Policy, FlowRules]] = {}
+"""``id(policy)`` -> (the policy, its compiled ``[flow]``); each policy kept alive here so
+that its id is not reused. A reload makes new policies: past 256 the memo starts over."""
+
+
+def _flow_rules(policy: Policy) -> FlowRules:
+    """:func:`~jaild.policy.schema.flow_rules` of ``policy``, known by identity: its cache
+    hashes the whole policy (every section, field by field) at each call, twice a job."""
+    known = _FLOWS.get(id(policy))
+    if known is not None and known[0] is policy:
+        return known[1]
+    rules = flow_rules(policy)
+    if len(_FLOWS) >= 256:
+        _FLOWS.clear()
+    _FLOWS[id(policy)] = (policy, rules)
+    return rules
+
+
 def frame_limit(spec: JobSpec) -> int:
     """The jail link's frame limit (see :func:`jaild.protocol.messages.jail_link_max_frame`)."""
     files = spec.policy.files
@@ -627,7 +646,7 @@ class JobMachine:
         self._digests = seccomp_digests
         self.conn = Connection(Role.SUPERVISOR, frame_limit(spec))
         self.broker = Broker(spec.job.tools, spec.limits, spec.policy.needs_approval, validators,
-                             flow_rules(spec.policy), labels=spec.labels | spec.hold)
+                             _flow_rules(spec.policy), labels=spec.labels | spec.hold)
         self.calls = _CallDesk(self.broker, self.conn)
         self.evidence = Evidence(cpu_limit_s=float(spec.limits.cpu_time_s))
         self._facts = _Facts()
@@ -703,7 +722,7 @@ class JobMachine:
                 f"{sorted(event.job.labels - self.broker.labels)} its state carries")
         spec = self.spec = self._job = event.job
         self.broker.set_job(spec.job.tools, spec.limits, spec.policy.needs_approval,
-                            flow_rules(spec.policy))
+                            _flow_rules(spec.policy))
         self._set_limits(spec)
         added = self.broker.hold(spec.hold)  # before its code: what they close, closed
         actions: list[Action] = [Relabeled(added)] if added else []
@@ -807,7 +826,11 @@ class JobMachine:
         spec = self.spec
         self.runs += 1
         self.phase = Phase.RUNNING
-        run_code = RunCode(
+        # The job was checked where it arrived (a client's RunJob), the byte limits where the
+        # policy was loaded (its schema's bounds are the message's); a snapshot to restore
+        # comes from the store, so that message is built checked.
+        make = RunCode.trusted if spec.restore is None else RunCode
+        run_code = make(
             job=spec.job,
             tool_payload_bytes=spec.limits.tool_payload_bytes,
             result_bytes=spec.limits.result_bytes,

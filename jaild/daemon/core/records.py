@@ -16,16 +16,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from jaild.daemon.core.classify import pids_limit_note
 from jaild.policy.flow import Delivery, Disposition, FlowRules
 from jaild.policy.schema import Limits, Policy
+from jaild.protocol.fields import JOB_ID
 from jaild.protocol.messages import safe_text
 from jaild.protocol.records import (
     MAX_CALL_RECORDS,
     MAX_EGRESS_HOSTS,
+    MAX_OUTPUT_CHARS,
+    MAX_RECORD_FILES,
+    MAX_SKIPPED_FILES,
+    STATUSES,
     EgressRecord,
     FileEntry,
     FlowRecord,
@@ -51,12 +57,22 @@ def _limit_fields(limits: Limits) -> dict[str, float]:
 
 
 def limits_map(policy: Policy, limits: Limits) -> dict[str, float | str]:
-    """The ``limits`` of a record: the job's limits plus the policy's network mode and /tmp."""
-    return {
-        **_limit_fields(limits),
-        "network": policy.network.mode,
-        "tmp_mb": policy.filesystem.tmp_mb,
-    }
+    """The ``limits`` of a record: the job's limits plus the policy's network mode and /tmp.
+    Checked as the record's field (once per distinct value); a fresh map each call."""
+    return dict(_checked_limits(limits, policy.network.mode, policy.filesystem.tmp_mb))
+
+
+_LIMITS_CHECK = dict(JobRecord._checks)["limits"]
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked_limits(limits: Limits, network: str, tmp_mb: int) -> dict[str, float | str]:
+    """:func:`limits_map`'s value, its check (``JobRecord.limits``'s) run once per distinct
+    value: a record built with it (:meth:`~jaild.protocol.fields.Struct.trusted`) need not
+    run it again. Only ever copied, never changed."""
+    checked: dict[str, float | str] = _LIMITS_CHECK(
+        "limits", {**_limit_fields(limits), "network": network, "tmp_mb": tmp_mb})
+    return checked
 
 
 def job_error(
@@ -184,7 +200,19 @@ def job_record(
     job_err = job_error_of(error)
     if job_err is not None and status == "error":
         job_err = _with_pids_note(job_err, usage.pids_peak, limits.pids)
-    return JobRecord(
+    listed = tuple(FileEntry(path=f["path"], size=f["size"], sha256=f["sha256"]) for f in files)
+    skipped = tuple(SkippedFile(path=s["path"], reason=s["reason"]) for s in files_skipped)
+    # Built unchecked (Struct.trusted) from what is checked already -- its parts are structs
+    # built checked (usage, error, calls, files, egress, flow), the limits map was checked
+    # once for its value, the output is decoded with "replace" (no lone surrogate), the
+    # duration is a _seconds() of the monotonic clock, network_refused the jail's checked
+    # count -- once the rest is seen to be as the checks want it; else built checked.
+    trusted = (type(usage) is Usage and type(status) is str and status in STATUSES
+               and _ids(job_id, policy.name)
+               and type(tool_calls_omitted) is int and tool_calls_omitted >= 0
+               and len(stdout) + len(stderr) <= MAX_OUTPUT_CHARS
+               and len(listed) <= MAX_RECORD_FILES and len(skipped) <= MAX_SKIPPED_FILES)
+    return (JobRecord.trusted if trusted else JobRecord)(
         job_id=job_id,
         policy=policy.name,
         status=status,
@@ -195,14 +223,24 @@ def job_record(
         duration_s=_seconds(duration_s),
         limits=limits_map(policy, limits),
         usage=usage,
-        files=tuple(FileEntry(path=f["path"], size=f["size"], sha256=f["sha256"]) for f in files),
-        files_skipped=tuple(SkippedFile(path=s["path"], reason=s["reason"]) for s in files_skipped),
+        files=listed,
+        files_skipped=skipped,
         tool_calls_omitted=omitted,
         session=None,
         egress=egress_record(egress) if egress is not None else None,
         network_refused=network_refused,
         flow=None if flow is None else FlowRecord.from_wire(dict(flow)),
     )
+
+
+_JOB_ID = re.compile(JOB_ID)
+
+
+def _ids(job_id: str, policy: str) -> bool:
+    """A record's ``job_id`` and ``policy`` as its checks want them (the daemon's own job
+    id; the name of a policy it loaded)."""
+    return (type(job_id) is str and len(job_id) <= 64 and _JOB_ID.fullmatch(job_id) is not None
+            and type(policy) is str and 1 <= len(policy) <= 64 and policy.isascii())
 
 
 def _with_pids_note(error: JobError, pids_peak: int | None, pids_limit: int) -> JobError:
