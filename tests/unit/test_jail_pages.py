@@ -8,14 +8,18 @@ without the Python half of ``random.Random.seed``.
 
 from __future__ import annotations
 
+import ast
 import gc
+import inspect
 import os
 import signal
 import socket
 import struct
+import textwrap
 from collections.abc import Callable
 
 from jaild.errors import SetupFailed
+from jaild.runtime import main as runtime_main
 from jaild.runtime import zygote
 
 SCM_CREDENTIALS = 2
@@ -113,3 +117,18 @@ def test_a_jail_lets_go_of_the_zygotes_signals_socket_and_young_objects() -> Non
     finally:
         control.close()
         peer.close()
+
+
+def _imports_in(function: Callable[..., object]) -> list[str]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    return [ast.unparse(node) for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def test_a_jails_runtime_imports_nothing_the_zygote_could_have() -> None:
+    # An import statement run in a jail writes the import machinery's objects (each a
+    # copied page); the zygote imports the runtime's modules (zygote._RUNTIME_MODULES), and
+    # the runtime names them at its module level.
+    assert _imports_in(runtime_main.main) == []
+    for name in ("channel", "harden", "network", "execute", "files", "tools"):
+        assert f"jaild.runtime.{name}" in zygote._RUNTIME_MODULES
