@@ -12,6 +12,7 @@ import ast
 import gc
 import inspect
 import os
+import random
 import signal
 import socket
 import struct
@@ -20,7 +21,7 @@ from collections.abc import Callable
 
 from jaild.errors import SetupFailed
 from jaild.runtime import main as runtime_main
-from jaild.runtime import zygote
+from jaild.runtime import reseed, zygote
 
 SCM_CREDENTIALS = 2
 
@@ -132,3 +133,31 @@ def test_a_jails_runtime_imports_nothing_the_zygote_could_have() -> None:
     assert _imports_in(runtime_main.main) == []
     for name in ("channel", "harden", "network", "execute", "files", "tools"):
         assert f"jaild.runtime.{name}" in zygote._RUNTIME_MODULES
+
+
+def test_reseeding_a_random_gives_it_fresh_state_and_forgets_its_gauss() -> None:
+    gen = random.Random(42)
+    twin = random.Random(42)
+    gen.gauss(0, 1)  # keeps a second normal variate for the next call
+    assert gen.gauss_next is not None  # type: ignore[attr-defined]
+    assert reseed.reseed([gen]) == 1
+    assert gen.gauss_next is None  # type: ignore[attr-defined]
+    twin.random()
+    assert gen.getstate() != twin.getstate()
+    other = random.Random(42)
+    reseed.reseed([other])
+    assert other.getstate() != gen.getstate()  # each from its own entropy
+
+
+def test_a_random_subclass_is_reseeded_through_its_own_seed() -> None:
+    seen: list[object] = []
+
+    class Mine(random.Random):
+        def seed(self, *args: object, **kwargs: object) -> None:
+            seen.append(args[0] if args else None)
+            super().seed(*args, **kwargs)  # type: ignore[arg-type]
+
+    gen = Mine(1)
+    seen.clear()
+    reseed.reseed([gen])
+    assert len(seen) == 1 and isinstance(seen[0], bytes)
