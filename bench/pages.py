@@ -94,21 +94,13 @@ def _group(name: str) -> str:
     return ""
 
 
-def _pooled_faults(daemon_pid: int) -> list[int]:
-    """Minor faults of each jail now waiting in the pool: the daemon's zygote's children."""
-    faults = []
-    for zygote in _descendants(daemon_pid):
-        for pid in _children(zygote):
-            if _children(pid):
-                continue  # a jail that started a process is not a waiting one
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if _is_zygote_child(zygote, pid):
-                faults.append(int(fields[7]))  # field 10, minflt (after pid, comm, state)
-    return faults
+def _minflt(pid: int) -> int | None:
+    """A process's minor faults (``/proc/PID/stat``, field 10), or None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[7])  # after pid and comm: state is [0]
 
 
 def _children(pid: int) -> list[int]:
@@ -119,32 +111,37 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
-def _descendants(pid: int) -> list[int]:
-    """Processes under ``pid`` whose children look like a zygote's jails (same executable)."""
+def zygotes(daemon_pid: int) -> list[int]:
+    """The daemon's zygotes: the processes under it running :mod:`jaild.runtime.zygote`."""
     found = []
-    todo = _children(pid)
+    todo = _children(daemon_pid)
     while todo:
-        p = todo.pop()
-        kids = _children(p)
-        if kids and all(_is_zygote_child(p, k) for k in kids) and _is_python(p):
-            found.append(p)
-        todo += kids
+        pid = todo.pop()
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            continue
+        if b"jaild.runtime.zygote" in cmdline and "python" in exe:  # not its nsjail
+            found.append(pid)
+        else:
+            todo += _children(pid)
     return found
 
 
-def _is_python(pid: int) -> bool:
-    try:
-        return "python" in os.readlink(f"/proc/{pid}/exe")
-    except OSError:
-        return False
+def _zygote_faults(daemon_pid: int) -> int:
+    return sum(_minflt(z) or 0 for z in zygotes(daemon_pid))
 
 
-def _is_zygote_child(parent: int, pid: int) -> bool:
-    try:
-        return (Path(f"/proc/{pid}/cmdline").read_bytes()
-                == Path(f"/proc/{parent}/cmdline").read_bytes())
-    except OSError:
-        return False
+def _pooled_faults(daemon_pid: int) -> list[int]:
+    """Minor faults of each jail now waiting in the pool (its zygote's children)."""
+    faults = []
+    for zygote in zygotes(daemon_pid):
+        for pid in _children(zygote):
+            value = _minflt(pid)
+            if value is not None:
+                faults.append(value)
+    return faults
 
 
 class Pages:
@@ -156,6 +153,9 @@ class Pages:
         self.faults: list[int] = []
         self.dirty: dict[str, list[int]] = {key: [] for key, _ in GROUPS}
         self.waiting: list[int] = []
+        self.zygote_per_job = 0.0
+        """The zygote's own minor faults per job: each page it writes while a jail still
+        shares it is copied on the zygote's side."""
 
     def add(self, result: object) -> None:
         if not (isinstance(result, list) and len(result) == 2 and isinstance(result[0], int)
@@ -171,8 +171,11 @@ class Pages:
 
 def measure(daemon: PrivateDaemon, runs: int, pooled: bool) -> Pages:
     pages = Pages()
+    zygote_before = 0
     with Client(daemon.socket) as c:
         for i in range(2 * (runs + 1)):
+            if i == 2:
+                zygote_before = _zygote_faults(daemon.pid)
             probe = i % 2 == 1
             if pooled:
                 time.sleep(0.3)  # the pool refills, and its jails finish their warm-up
@@ -190,6 +193,7 @@ def measure(daemon: PrivateDaemon, runs: int, pooled: bool) -> Pages:
                     pages.waiting.append(int(statistics.median(waiting)))
             else:
                 raise BenchError(f"the trivial job returned {r.result!r}")
+    pages.zygote_per_job = (_zygote_faults(daemon.pid) - zygote_before) / (2 * runs)
     return pages
 
 
@@ -211,6 +215,8 @@ def table(results: dict[str, Pages]) -> str:
     row("on the job's own clock",
         [str(med(p.trivial) - med(p.waiting)) if p.waiting else str(med(p.trivial))
          for p in results.values()])
+    row("the zygote's own, per job it forked a jail for",
+        [f"{p.zygote_per_job:.0f}" for p in results.values()])
     row("the probe's jail, by its first line (minor faults)",
         [str(med(p.faults)) for p in results.values()])
     for key, label in GROUPS:
