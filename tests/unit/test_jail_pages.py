@@ -20,6 +20,8 @@ import textwrap
 from collections.abc import Callable
 
 from jaild.errors import SetupFailed
+from jaild.protocol.zygote_link import MAX_SPAWN_ID, JailReaped, decode_packet
+from jaild.protocol.zygote_link import encode as encode_packet
 from jaild.runtime import main as runtime_main
 from jaild.runtime import reseed, zygote
 
@@ -161,3 +163,13 @@ def test_a_random_subclass_is_reseeded_through_its_own_seed() -> None:
     seen.clear()
     reseed.reseed([gen])
     assert len(seen) == 1 and isinstance(seen[0], bytes)
+
+
+def test_the_zygotes_reaped_packet_is_the_message_byte_for_byte() -> None:
+    for spawn_id, status, cpu_s, maxrss_kb in ((0, 0, 0.0, 0), (7, 9 << 8, 0.0125, 12_345),
+                                               (MAX_SPAWN_ID, (1 << 31) - 1, 1e6, 1 << 40)):
+        message = JailReaped(spawn_id=spawn_id, status=status, cpu_s=cpu_s,
+                             maxrss_kb=maxrss_kb)
+        packet = zygote._reaped(spawn_id, status, cpu_s, maxrss_kb)
+        assert packet == encode_packet(message)
+        assert decode_packet(packet, "zygote->daemon") == message
