@@ -25,10 +25,12 @@ job (``/proc/PID/stat``, from the host): what a warm job copies on its own clock
 difference; the rest, mostly the jail's throwaway warm-up job, was copied before the job
 existed (still CPU of the machine's, not of the job's latency).
 
-Usage: python bench/pages.py [--runs N] [--out FILE.md]
+Usage: python bench/pages.py [--daemons N] [--runs N] [--out FILE.md]
 
-It prints a Markdown table (medians over ``--runs`` jobs of each kind) and writes it to
-``--out`` if given.
+Each variant runs on ``--daemons`` daemons one after another (each zygote's layout differs
+with its hash seed: daemons differ by some pages where one daemon's jails agree within a
+few), ``--runs`` jobs of each kind on each. It prints a Markdown table (medians over all the
+variant's jobs, and the spread of the daemons' medians) and writes it to ``--out`` if given.
 """
 
 from __future__ import annotations
@@ -153,9 +155,13 @@ class Pages:
         self.faults: list[int] = []
         self.dirty: dict[str, list[int]] = {key: [] for key, _ in GROUPS}
         self.waiting: list[int] = []
-        self.zygote_per_job = 0.0
-        """The zygote's own minor faults per job: each page it writes while a jail still
-        shares it is copied on the zygote's side."""
+        self.zygote_faults = 0
+        """The zygotes' own minor faults over the counted jobs: each page a zygote writes
+        while a jail still shares it is copied on the zygote's side."""
+        self.jobs = 0
+        self.daemon_medians: list[int] = []
+        """Each daemon's median of the trivial job's pages: a zygote's layout differs with
+        its hash seed, so daemons differ by some pages where one daemon's jails agree."""
 
     def add(self, result: object) -> None:
         if not (isinstance(result, list) and len(result) == 2 and isinstance(result[0], int)
@@ -169,9 +175,10 @@ class Pages:
             self.dirty[key].append(kb)
 
 
-def measure(daemon: PrivateDaemon, runs: int, pooled: bool) -> Pages:
-    pages = Pages()
+def measure(daemon: PrivateDaemon, runs: int, pooled: bool, pages: Pages) -> None:
+    """``runs`` trivial jobs and ``runs`` probes on ``daemon``, added to ``pages``."""
     zygote_before = 0
+    trivial = len(pages.trivial)
     with Client(daemon.socket) as c:
         for i in range(2 * (runs + 1)):
             if i == 2:
@@ -193,8 +200,9 @@ def measure(daemon: PrivateDaemon, runs: int, pooled: bool) -> Pages:
                     pages.waiting.append(int(statistics.median(waiting)))
             else:
                 raise BenchError(f"the trivial job returned {r.result!r}")
-    pages.zygote_per_job = (_zygote_faults(daemon.pid) - zygote_before) / (2 * runs)
-    return pages
+    pages.zygote_faults += _zygote_faults(daemon.pid) - zygote_before
+    pages.jobs += 2 * runs
+    pages.daemon_medians.append(int(statistics.median(pages.trivial[trivial:])))
 
 
 def table(results: dict[str, Pages]) -> str:
@@ -210,13 +218,15 @@ def table(results: dict[str, Pages]) -> str:
 
     row("**the trivial job's jail, by its code's line** (minor faults)",
         [f"**{med(p.trivial)}**" for p in results.values()])
+    row("the same, each daemon's median: least to most",
+        [f"{min(p.daemon_medians)} to {max(p.daemon_medians)}" for p in results.values()])
     row("of which before the job reached its jail (a pooled jail, waiting)",
         [str(med(p.waiting)) if p.waiting else "" for p in results.values()])
     row("on the job's own clock",
         [str(med(p.trivial) - med(p.waiting)) if p.waiting else str(med(p.trivial))
          for p in results.values()])
     row("the zygote's own, per job it forked a jail for",
-        [f"{p.zygote_per_job:.0f}" for p in results.values()])
+        [f"{p.zygote_faults / max(1, p.jobs):.0f}" for p in results.values()])
     row("the probe's jail, by its first line (minor faults)",
         [str(med(p.faults)) for p in results.values()])
     for key, label in GROUPS:
@@ -227,7 +237,8 @@ def table(results: dict[str, Pages]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=int, default=30, help="jobs per variant")
+    p.add_argument("--daemons", type=int, default=5, help="daemons per variant, one after another")
+    p.add_argument("--runs", type=int, default=10, help="jobs of each kind per daemon")
     p.add_argument("--out", type=Path, help="also write the table here (Markdown)")
     args = p.parse_args()
     results: dict[str, Pages] = {}
@@ -235,10 +246,13 @@ def main() -> int:
         (Variant("pages_cold", "cold", "zygote", 0, 0), False),
         (Variant("pages_warm", "warm", "zygote", 1, 1), True),
     ):
-        with PrivateDaemon(variant) as daemon:
-            results[variant.label] = measure(daemon, args.runs, pooled)
-    text = (f"Pages a trivial job's jail copied from its zygote ({args.runs} jobs each, "
-            f"one at a time):\n\n" + table(results) + "\n")
+        pages = results[variant.label] = Pages()
+        for _ in range(args.daemons):
+            with PrivateDaemon(variant) as daemon:
+                measure(daemon, args.runs, pooled, pages)
+    text = (f"Pages a trivial job's jail copied from its zygote ({args.daemons} daemons of each "
+            f"variant, {args.runs} jobs of each kind on each, one at a time):\n\n"
+            + table(results) + "\n")
     print(text)
     if args.out:
         args.out.write_text(text)
