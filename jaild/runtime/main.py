@@ -29,6 +29,7 @@ import socket
 import sys
 from typing import Any
 
+from jaild.errors import HardeningFailed, ToolError, UploadError
 from jaild.protocol import PROTOCOL_VERSION, Connection, Role
 from jaild.protocol.messages import (
     MAX_PAYLOAD_BYTES,
@@ -41,6 +42,10 @@ from jaild.protocol.messages import (
     decode,
     encode,
 )
+from jaild.runtime import execute, files, network
+from jaild.runtime.channel import Channel
+from jaild.runtime.harden import harden
+from jaild.runtime.tools import Tools
 
 EXIT_HARDENING_FAILED = 71
 EXIT_PROTOCOL = 72
@@ -123,12 +128,6 @@ def main(warm_up: bool = False) -> None:
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     sock = _take_channel()
-
-    # Imports that pull in libseccomp / libcap happen here, still before user code.
-    from jaild.errors import HardeningFailed
-    from jaild.runtime.channel import Channel
-    from jaild.runtime.harden import harden
-
     channel = Channel(sock, Connection(Role.JAIL, JAIL_MAX_FRAME))
     first = channel.receive()
     if not isinstance(first, Harden):
@@ -139,26 +138,18 @@ def main(warm_up: bool = False) -> None:
         sys.stderr.write(f"jaild runtime: refusing to run user code: {exc}\n")
         sys.stderr.flush()
         os._exit(EXIT_HARDENING_FAILED)
-    from jaild.runtime import network
-
     if first.network is not None:
         network.install(first.network)
     channel.send(JailReady(protocol=PROTOCOL_VERSION, python=platform.python_version(),
                            seccomp_digest=seccomp_digest))
-    from jaild.runtime import execute
-
     if warm_up:  # a pooled jail, waiting for its job: fault the code path in now
         outcome = execute.warm_up(1 << 16)
         encode(CodeFinished(ok=outcome.ok, result=outcome.result, error=outcome.error))
     workdir = os.getcwd()  # the jail's /tmp: uploads go there, downloads come from there
-    from jaild.runtime import files
-
     limits = files.FileLimits.from_wire(first.file_limits)
 
     if warm_up:  # ... and that of the files and of decoding the job (see _warm_files)
         _warm_files(files, workdir, limits)
-    from jaild.errors import ToolError, UploadError
-    from jaild.runtime.tools import Tools
 
     namespace: dict[str, Any] | None = None
     session = execute.SessionLoop()

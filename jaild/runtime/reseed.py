@@ -40,6 +40,7 @@ Pure but for the entropy it reads; it imports nothing that was not imported alre
 
 from __future__ import annotations
 
+import _random
 import os
 import random
 import sys
@@ -78,7 +79,14 @@ def survey(modules: Iterable[Any] | None = None) -> list[object]:
 
 def _reseed_one(generator: object) -> None:
     entropy = os.urandom(SEED_BYTES)
-    if isinstance(generator, random.Random):
+    if type(generator) is random.Random:
+        # The C seed itself, from the entropy as an int, and what ``Random.seed`` resets
+        # besides: its Python half (a sha512 of bytes, the call through) writes ~25 pages a
+        # forked jail would copy from its zygote.
+        _random.Random.seed(generator, int.from_bytes(entropy, "little"))
+        generator.gauss_next = None  # type: ignore[attr-defined]
+        return
+    if isinstance(generator, random.Random):  # a subclass: its own seed()
         generator.seed(entropy)
         return
     kind = type(generator).__name__

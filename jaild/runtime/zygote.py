@@ -58,6 +58,8 @@ on the control socket. It never reads what a jail writes and never runs user cod
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # signal.signal's C function (no stubs)
+import _socket
 import contextlib
 import ctypes
 import errno
@@ -86,7 +88,6 @@ from jaild.protocol.zygote_link import (
     MAX_PACKET_BYTES,
     MAX_SPAWN_ID,
     MAX_UID,
-    JailReaped,
     JailSetup,
     Mount,
     PrepareJails,
@@ -137,6 +138,9 @@ _RUNTIME_MODULES = (
     "jaild.runtime.files",
     "jaild.runtime.network",
 )
+_SIG_DFL = int(signal.SIG_DFL)
+_DEFAULT_SIGNALS = (int(signal.SIGCHLD), int(signal.SIGTERM))
+"""The signals a jail resets to their default (:func:`_default_signals`), as plain ints."""
 _SESSION_MODULES = ("jaild.runtime.snapshot", "cloudpickle")
 """Imported too where the jail environment has them: a session's snapshot and restore then
 skip cloudpickle's ~25 ms import (an environment built before snapshots has none)."""
@@ -332,14 +336,47 @@ def _apply(steps: Sequence[Step]) -> None:
         APPLY[step.op](*step.args)
 
 
+def _await_cgroup() -> None:
+    """Send the preamble on fd 0, the channel (a stream socket), and wait for the daemon's go:
+    plain write(2) and read(2), no socket object made and closed in the jail (the kernel
+    attaches our credentials to a write as to a send).
+
+    Raises:
+        SetupFailed: the daemon answered anything but the go, or closed the channel.
+    """
+    if os.write(0, PREAMBLE) != len(PREAMBLE) or os.read(0, 1) != GO:
+        raise SetupFailed("the daemon did not place the jail in its cgroup")
+
+
+def _default_signals() -> None:
+    """Undo the zygote's signal handling in a jail: no wake-up fd, SIGCHLD and SIGTERM back to
+    their defaults. ``_signal``'s C functions, not ``signal.signal``, whose conversions to and
+    from its enums are Python (~60 pages a jail copied, each object they touch being written)."""
+    signal.set_wakeup_fd(-1)
+    for sig in _DEFAULT_SIGNALS:
+        _signal.signal(sig, _SIG_DFL)
+
+
+def _leave_zygote(control: socket.socket) -> None:
+    """A jail's first steps, just forked: what it holds of the zygote's let go, written to
+    copy as few of the zygote's pages as it can -- every object a jail touches is written
+    (its reference count), so copied, a page at a time."""
+    # The zygote's objects made since its own gc.freeze() (its plans, this spawn's), made
+    # permanent here, in the jail (O(1): the lists are spliced): the jail's collector then
+    # never walks -- so never writes, so never copies -- any object of the zygote's.
+    gc.freeze()
+    # Die with the zygote. Its pid is outside our pid namespace (getppid() is 0), so the
+    # arming race cannot be checked here: a zygote that dies takes its cgroup, where we
+    # still are until the daemon moves us, down with it.
+    die_with_parent(signal.SIGKILL)
+    _socket.socket.close(control)  # the C method: socket.socket.close is Python around it
+    _default_signals()
+
+
 def _jail(steps: Sequence[Step], warm_up: bool, generators: Sequence[object]) -> None:
     """The forked child, pid 1 of a new pid namespace: preamble, the plan, fresh random
     state for the pre-imported modules' generators, the runtime."""
-    chan = socket.socket(fileno=os.dup(0))
-    chan.sendall(PREAMBLE)
-    if chan.recv(1) != GO:
-        raise SetupFailed("the daemon did not place the jail in its cgroup")
-    chan.close()
+    _await_cgroup()
     _apply(steps)
     reseed.reseed(generators)  # before any user code (jaild.runtime.reseed)
     from jaild.runtime.main import main
@@ -356,14 +393,7 @@ def _child_main(
     net_fd: int | None = None,
 ) -> None:
     try:
-        # Die with the zygote. Its pid is outside our pid namespace (getppid() is 0), so
-        # the arming race cannot be checked here: a zygote that dies takes its cgroup,
-        # where we still are until the daemon moves us, down with it.
-        die_with_parent(signal.SIGKILL)
-        control.close()
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
+        _leave_zygote(control)
         for target, fd in zip((0, 1, 2), fds, strict=True):
             os.dup2(fd, target)
         if net_fd is not None:  # the shared network namespace, until the join_net step
@@ -604,6 +634,20 @@ def _spawn(
     return {pid: spawn.spawn_id}
 
 
+_pack = msgpack.Packer(use_bin_type=True).pack
+
+
+def _reaped(spawn_id: int, status: int, cpu_s: float, maxrss_kb: int) -> bytes:
+    """The ``JailReaped`` packet, packed as it is: byte for byte ``encode(JailReaped(...))``
+    (a test holds them equal), without making and checking the message first. The zygote
+    sends one per jail, and every page its loop writes after a fork is copied while that
+    jail lives: the message's construction and checks were ~35 pages a jail. The values
+    are the kernel's (``wait4``); the daemon checks every field it receives."""
+    payload: bytes = _pack({"spawn_id": spawn_id, "status": status, "cpu_s": cpu_s,
+                            "maxrss_kb": maxrss_kb, "type": "JailReaped"})
+    return HEADER.pack(len(payload)) + payload
+
+
 def _reap(control: socket.socket, children: dict[int, int], nets: SharedNets) -> None:
     while children:
         try:
@@ -616,14 +660,8 @@ def _reap(control: socket.socket, children: dict[int, int], nets: SharedNets) ->
         if spawn_id is None:
             continue
         nets.ended(pid)
-        _send(
-            control,
-            JailReaped(
-                spawn_id=spawn_id,
-                status=status,
-                cpu_s=usage.ru_utime + usage.ru_stime,
-                maxrss_kb=usage.ru_maxrss,
-            ),
+        control.send(
+            _reaped(spawn_id, status, usage.ru_utime + usage.ru_stime, usage.ru_maxrss)
         )
 
 
