@@ -29,6 +29,7 @@ import signal
 from collections.abc import Mapping
 from typing import Any
 
+import _prctl  # python-prctl's C module: its calls without the Python wrappers around them
 import prctl
 
 from jaild.errors import HardeningFailed
@@ -37,6 +38,10 @@ from jaild.runtime import seccomp
 _CAPS = tuple(zip(prctl.ALL_CAP_NAMES, prctl.ALL_CAPS, strict=True))
 """Every capability python-prctl knows, (name, number): the kernel's, up to CAP_LAST_CAP."""
 _NAMES = {cap: name for name, cap in _CAPS}
+_call = _prctl.prctl
+_CAPBSET_READ, _CAPBSET_DROP = _prctl.PR_CAPBSET_READ, _prctl.PR_CAPBSET_DROP
+"""The bounding set is read and dropped per capability, 41 calls each: through python-prctl's
+wrappers (a closure comparing its arguments with None) each wrote pages of the zygote's."""
 
 
 class _CapHeader(ctypes.Structure):
@@ -69,7 +74,7 @@ def _held() -> tuple[list[int], int, int]:
     Raises:
         HardeningFailed: ``capget`` failed.
     """
-    bounding = [cap for _name, cap in _CAPS if prctl.capbset_read(cap)]
+    bounding = [cap for _name, cap in _CAPS if _call(_CAPBSET_READ, cap)]
     if _capget(_header_ref, _data_ref) != 0:
         raise HardeningFailed(f"capget: {os.strerror(ctypes.get_errno())}")
     low, high = _data
@@ -97,7 +102,7 @@ def harden(seccomp_spec: Mapping[str, Any]) -> str:
     bounding, active, inheritable = _held()  # a zygote's jail: none (it dropped them)
     for cap in bounding:
         try:
-            prctl.capbset_drop(cap)
+            _call(_CAPBSET_DROP, cap)
         except OSError as exc:
             raise HardeningFailed(
                 f"cannot drop capability {_NAMES[cap]} from the bounding set: {exc}"
@@ -142,8 +147,8 @@ def empty_bounding_set() -> None:
         OSError: a capability could not be dropped.
     """
     for _name, cap in _CAPS:
-        if prctl.capbset_read(cap):
-            prctl.capbset_drop(cap)
+        if _call(_CAPBSET_READ, cap):
+            _call(_CAPBSET_DROP, cap)
 
 
 def no_new_privs() -> bool:
