@@ -335,6 +335,11 @@ class SeccompSpecError(ValueError):
     """A seccomp spec is malformed (a daemon bug, or a hostile Harden)."""
 
 
+class Unsplittable(ValueError):
+    """A seccomp spec gives a call a zygote needs a verdict that a jail's own filter cannot
+    rebuild (:mod:`jaild.runtime.zygote_filter`): its jails load it whole."""
+
+
 class SyscallNameError(ValueError):
     """An entry of allow/deny is not a known syscall or group, or may never be allowed."""
 

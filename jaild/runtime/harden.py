@@ -29,7 +29,6 @@ import signal
 from collections.abc import Mapping
 from typing import Any
 
-import _prctl  # python-prctl's C module: its calls without the Python wrappers around them
 import prctl
 
 from jaild.errors import HardeningFailed
@@ -38,8 +37,8 @@ from jaild.runtime import seccomp
 _CAPS = tuple(zip(prctl.ALL_CAP_NAMES, prctl.ALL_CAPS, strict=True))
 """Every capability python-prctl knows, (name, number): the kernel's, up to CAP_LAST_CAP."""
 _NAMES = {cap: name for name, cap in _CAPS}
-_call = _prctl.prctl
-_CAPBSET_READ, _CAPBSET_DROP = _prctl.PR_CAPBSET_READ, _prctl.PR_CAPBSET_DROP
+_call = prctl._prctl.prctl  # python-prctl's C module: its calls without its Python wrappers
+_CAPBSET_READ, _CAPBSET_DROP = prctl._prctl.PR_CAPBSET_READ, prctl._prctl.PR_CAPBSET_DROP
 """The bounding set is read and dropped per capability, 41 calls each: through python-prctl's
 wrappers (a closure comparing its arguments with None) each wrote pages of the zygote's."""
 

@@ -40,9 +40,8 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from jaild.errors import SeccompSpecError
+from jaild.errors import SeccompSpecError, Unsplittable
 from jaild.runtime import zygote_filter
-from jaild.runtime.zygote_filter import Unsplittable
 
 _SONAMES = {"c": "libc.so.6", "seccomp": "libseccomp.so.2"}
 

@@ -45,6 +45,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from jaild.errors import Unsplittable
+
 ZYGOTE_NEEDS: frozenset[str] = frozenset({
     # the zygote's loop: read a plan, fork the jail into a fresh pid namespace, reap
     "pselect6", "select", "recvmsg", "sendmsg", "sendto", "recvfrom", "read", "write",
@@ -61,10 +63,6 @@ ZYGOTE_NEEDS: frozenset[str] = frozenset({
 """What a zygote and its jails call before a jail's own filter is loaded (read with
 ``strace -f`` of a zygote and its jails; the shipped policies' filters already allow most of
 it). A call missing here fails the zygote's tests at once; it never weakens a jail."""
-
-
-class Unsplittable(ValueError):
-    """The spec gives a call of :data:`ZYGOTE_NEEDS` a verdict the split cannot rebuild."""
 
 
 class Split(NamedTuple):

@@ -86,8 +86,14 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path, world_dir:
     # CPU per fresh jail: each stage's floor, the whole machine's CPU of every flat-out run,
     # the pages a jail copies, and (where perf is) who burnt it
     assert set(results["stage_floors"]) == {"fork_exit", "namespaces", "netns", "cgroup",
-                                            "seccomp", "cow"}
+                                            "seccomp", "seccomp_split", "cow"}
     assert all(isinstance(v, float) for v in results["stage_floors"].values())
+    # section 13: each lever off and on, a turn each in a quick run
+    assert set(results["levers"]) == {"seccomp", "netns"}
+    for lever in results["levers"].values():
+        assert [len(lever["off"]), len(lever["on"])] == [1, 1]
+        assert all(run["jobs"] > 0 and run["failures"] == 0
+                   for run in (*lever["off"], *lever["on"]))
     for key in ("nsjail", "bwrap", "spawn", "cold", "warm"):
         runs = results["throughput"][key]
         assert runs and all(t["cpu_s"] > 0 and t["cpu_per_job_s"] > 0 for t in runs), key

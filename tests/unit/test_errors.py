@@ -115,6 +115,6 @@ def test_local_errors_have_no_wire_code() -> None:
         if inspect.isclass(obj) and issubclass(obj, BaseException)
         and not issubclass(obj, JaildError)
     ]
-    assert len(local) == 30, sorted(c.__name__ for c in local)
+    assert len(local) == 31, sorted(c.__name__ for c in local)
     for cls in local:
         assert not hasattr(cls, "code"), cls

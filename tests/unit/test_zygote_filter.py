@@ -23,12 +23,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from jaild.errors import SeccompSpecError
+from jaild.errors import SeccompSpecError, Unsplittable
 from jaild.policy.schema import load_policy
 from jaild.policy.seccomp import SeccompChoice, build_spec
 from jaild.policy.syscalls import GROUPS, NEVER, PROFILES
 from jaild.runtime import seccomp
-from jaild.runtime.zygote_filter import ZYGOTE_NEEDS, Split, Unsplittable, split
+from jaild.runtime.zygote_filter import ZYGOTE_NEEDS, Split, split
 from tests.bpfsim import (
     AUDIT_ARCH_I386,
     AUDIT_ARCH_X86_64,
