@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import os
 import shlex
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -50,6 +51,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import ab
 import baselines
 import cpu
 import flames
@@ -466,21 +468,42 @@ class Run:
 
     def measure_levers(self, warm: Variant) -> None:
         """Section 13: each lever off and on, two daemons taking turns at BREAKDOWN_CLIENTS
-        clients flat out (off, on, off, on; once each in a quick run), everything else as
-        ``warm``."""
+        clients flat out (off, on, three times; once each in a quick run), everything else as
+        ``warm``; first all of them at once, ``levers_base``'s daemon (a worktree of that
+        revision, as ``make bench-ab`` starts it) beside this checkout's."""
         s = self.settings
-        for key, (off, on) in lever_variants(warm).items():
-            print(f"== lever {key}", flush=True)
+        with tempfile.TemporaryDirectory(prefix="jaild-bench-base-") as tmp:
+            tree = Path(tmp) / "base"
             try:
-                with PrivateDaemon(off) as d_off, PrivateDaemon(on) as d_on:
-                    runs: dict[str, list[Throughput]] = {"off": [], "on": []}
-                    for _ in range(1 if s.quick else 2):
-                        for side, daemon in (("off", d_off), ("on", d_on)):
-                            runs[side].append(daemon.throughput(BREAKDOWN_CLIENTS,
-                                                                s.seconds_per_level))
-                    self.results.levers[key] = runs
-            except Exception as exc:
-                self.failed(f"levers/{key}", exc)
+                ab.worktree(s.levers_base, tree)
+            except subprocess.CalledProcessError as exc:
+                self.failed("levers/code", BenchError(f"git worktree {s.levers_base}: {exc}"))
+            else:
+                try:
+                    self._turns("code", dataclasses.replace(
+                        warm, key="lever_code_off", env=(("PYTHONPATH", str(tree)),)), warm,
+                        ab.base_entry(tree))
+                finally:
+                    subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
+                                    str(tree)], check=False, capture_output=True)
+        for key, (off, on) in lever_variants(warm).items():
+            self._turns(key, off, on)
+
+    def _turns(self, key: str, off: Variant, on: Variant,
+               off_entry: tuple[str, ...] = ("-m", "jaild")) -> None:
+        """Lever ``key``: ``off`` and ``on`` flat out in turns (section 13)."""
+        s = self.settings
+        print(f"== lever {key}", flush=True)
+        try:
+            with PrivateDaemon(off, off_entry) as d_off, PrivateDaemon(on) as d_on:
+                runs: dict[str, list[Throughput]] = {"off": [], "on": []}
+                for _ in range(1 if s.quick else 3):
+                    for side, daemon in (("off", d_off), ("on", d_on)):
+                        runs[side].append(daemon.throughput(BREAKDOWN_CLIENTS,
+                                                            s.seconds_per_level))
+                self.results.levers[key] = runs
+        except Exception as exc:
+            self.failed(f"levers/{key}", exc)
 
     def measure_snapshots(self) -> None:
         """Section 11: snapshots of a small session and of a numpy/pandas one, beside a fresh
@@ -672,6 +695,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         f"{','.join(map(str, CPU_LEVELS))} whatever this says")
     p.add_argument("--fairness-runs", type=int,
                    help="uid 65534's jobs per fairness phase (100; quick 10)")
+    p.add_argument("--levers-base", default="ade73d8",
+                   help="the revision section 13's first row sets this checkout beside "
+                        "(ade73d8: where issue 45 began)")
     p.add_argument("--pyodide-dir", default=baselines.DEFAULT_PYODIDE_DIR,
                    help="directory holding node_modules/pyodide")
     p.add_argument("--profile", action="store_true",
@@ -707,6 +733,7 @@ def main(argv: list[str]) -> int:
         deadline_limit_s=0.5,
         fairness_runs=pick(args.fairness_runs, 100, 10),
         fairness_share=FAIRNESS_SHARE,
+        levers_base=args.levers_base,
     )
     out: Path = args.out or (
         Path(tempfile.mkdtemp(prefix="jaild-bench-")) / "report.md" if quick else DEFAULT_OUT

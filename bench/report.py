@@ -47,6 +47,8 @@ ISOLATION_ROWS = {
 """The isolation table's rows: kind (a key of ``Results.isolation``) -> the rows it covers."""
 
 LEVERS: dict[str, str] = {
+    "code": "all of issue 45's code at once: the revision it started from (off) against this "
+            "checkout (on), each as shipped",
     "seccomp": "the policy's seccomp filters loaded once, in the zygote; each jail adds its "
                "small part (`daemon.zygote_seccomp`: `\"whole\"` off, `\"split\"` on, the "
                "default)",
@@ -78,6 +80,8 @@ class Settings:
     deadline_limit_s: float
     fairness_runs: int
     fairness_share: int
+    levers_base: str = "ade73d8"
+    """Section 13's first row: the revision this checkout's code is set beside."""
 
 
 @dataclass
@@ -621,12 +625,18 @@ class Report:
             "## 13. Each lever of a fresh jail, on its own",
             "",
             f"jaild warm (zygote, pool 4-8) flat out at {BREAKDOWN_CLIENTS} clients with one "
-            "lever off and on, two daemons taking turns (off, on, off, on -- once each in a "
-            f"quick run; {self.s.seconds_per_level:g} s a turn), everything else alike. Jobs/s "
-            "and the whole machine's CPU per job (`/proc/stat`) over all turns of each side.",
+            "lever off and on, two daemons taking turns (off, on, three times -- once each in "
+            f"a quick run; {self.s.seconds_per_level:g} s a turn), everything else alike. "
+            "Jobs/s and the whole machine's CPU per job (`/proc/stat`) over all turns of each "
+            "side. This VM's speed drifts by up to a tenth between minutes, so a lever worth "
+            "less than that may read either way here; its own figure is on its stage (section "
+            "10) or in `bench/pages.py`, `bench/daemon_cpu.py`, `bench/shared_netns.py`.",
             "",
             *_table(["lever", "jobs/s off", "jobs/s on", "on / off", "CPU per job off / on",
                      "on / off"], rows, "lrrrrr"),
+            "",
+            f"The first row's off side is {self.s.levers_base}'s daemon, jails and runtime, "
+            "started from a worktree of it as `make bench-ab` starts its base.",
             "",
             "Levers without a switch, this run beside the run issue 45 quotes (772636e): "
             + "; ".join(shown) + ".",

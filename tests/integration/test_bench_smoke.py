@@ -89,7 +89,7 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path, world_dir:
                                             "seccomp", "seccomp_split", "cow"}
     assert all(isinstance(v, float) for v in results["stage_floors"].values())
     # section 13: each lever off and on, a turn each in a quick run
-    assert set(results["levers"]) == {"seccomp", "netns"}
+    assert set(results["levers"]) == {"code", "seccomp", "netns"}
     for lever in results["levers"].values():
         assert [len(lever["off"]), len(lever["on"])] == [1, 1]
         assert all(run["jobs"] > 0 and run["failures"] == 0
