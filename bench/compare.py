@@ -608,12 +608,17 @@ def variants(pool_section: bool) -> list[Variant]:
 
 def lever_variants(warm: Variant) -> dict[str, tuple[Variant, Variant]]:
     """Section 13's daemons: lever -> (off, on), each ``warm`` but for the lever."""
-    return {
+    levers = {
         "seccomp": (dataclasses.replace(warm, key="lever_seccomp_off", zygote_seccomp="whole"),
                     dataclasses.replace(warm, key="lever_seccomp_on")),
         "netns": (dataclasses.replace(warm, key="lever_netns_off"),
                   dataclasses.replace(warm, key="lever_netns_on", base=SHARED_NETNS)),
     }
+    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):  # cgroup v2: clone3 is a lever
+        levers["clone3"] = (
+            dataclasses.replace(warm, key="lever_clone3_off", clone_into_cgroup=False),
+            dataclasses.replace(warm, key="lever_clone3_on"))
+    return levers
 
 
 def labels(vs: list[Variant]) -> dict[str, str]:

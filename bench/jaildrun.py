@@ -127,6 +127,9 @@ class Variant:
     """Keep the shipped policy's own ``[pool]`` section (``mode`` None only)."""
     zygote_seccomp: str = "split"
     """The daemon's ``daemon.zygote_seccomp`` (``"whole"``: each jail loads its filters whole)."""
+    clone_into_cgroup: bool = True
+    """The daemon's ``daemon.clone_into_cgroup`` (False: a forked jail is moved into its cgroup
+    after its fork; no effect on cgroup v1)."""
 
     def daemon_config(self, pki: Pki | None = None) -> str:
         """The daemon's config file: ``config``, with the event loop if it is not the
@@ -137,6 +140,8 @@ class Variant:
             daemon.append(f'event_loop = "{self.event_loop}"')
         if self.zygote_seccomp != "split":  # the default
             daemon.append(f'zygote_seccomp = "{self.zygote_seccomp}"')
+        if not self.clone_into_cgroup:  # the default is true
+            daemon.append("clone_into_cgroup = false")
         tls = ""
         if pki is not None:
             daemon.append(f'listen = ["{TLS_LISTEN}"]')

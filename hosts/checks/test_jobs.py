@@ -61,6 +61,13 @@ def run(code: str, policy: str = "default", **kwargs: object) -> JobResult:
         return c.run(code, policy, **kwargs)  # type: ignore[arg-type]
 
 
+def job_dir(job_id: str) -> Path:
+    """A job's cgroup: in the daemon's subtree (a spawned jail's), or in the home of the
+    zygote that forked its jail into it (``daemon.clone_into_cgroup``, the default on v2)."""
+    homes = [JOBS / job_id, *JOBS.glob(f"zygote-*/{job_id}")]
+    return next((d for d in homes if d.exists()), homes[0])
+
+
 def kernel_keeps(counter: str) -> bool:
     return (CGROUP / counter).exists()
 
@@ -137,12 +144,13 @@ def test_a_job_cancelled_by_its_client_ends_cancelled_and_its_cgroup_goes() -> N
         job = c.submit("import time\nprint('up', flush=True)\ntime.sleep(600)",
                        on_stdout=lambda _t: seen.set())
         assert seen.wait(120), "the job never started"
-        assert pids_in(JOBS / job.job_id), "the running job's processes are in its cgroup"
+        assert pids_in(job_dir(job.job_id)), "the running job's processes are in its cgroup"
+        where = job_dir(job.job_id)
         job.cancel()
         r = job.result(120)
     assert r.status == "cancelled" and r.error is not None, (r.status, r.error)
     assert r.stdout == "up\n"
-    wait_gone(JOBS / r.job_id, f"the cgroup of the cancelled job {r.job_id}")
+    wait_gone(where, f"the cgroup of the cancelled job {r.job_id}")
 
 
 @pytest.mark.parametrize("policy", ["default", SPAWN])
@@ -193,12 +201,13 @@ def test_each_job_has_a_cgroup_and_a_host_uid_of_its_own(policy: str) -> None:
     a, b = Held(policy), Held(policy)
     try:
         seen = {}
+        where = {job.job_id: job_dir(job.job_id) for job in (a, b)}
         for job in (a, b):
-            pids = pids_in(JOBS / job.job_id)
+            pids = pids_in(where[job.job_id])
             assert pids, f"job {job.job_id} has no process in its cgroup"
             for pid in pids:
                 assert Path(f"/proc/{pid}/cgroup").read_text().strip().startswith(
-                    f"0::/system.slice/jaild.service/jaild/{job.job_id}"), pid
+                    f"0::/{where[job.job_id].relative_to(Path('/sys/fs/cgroup'))}"), pid
             uids = {host_uid(pid) for pid in pids}
             assert len(uids) == 1 and 0 not in uids, (job.job_id, uids)
             seen[job.job_id] = uids.pop()
@@ -207,4 +216,36 @@ def test_each_job_has_a_cgroup_and_a_host_uid_of_its_own(policy: str) -> None:
         ends = [a.release(), b.release()]
     assert [r.status for r in ends] == ["cancelled", "cancelled"]
     for job in (a, b):
-        wait_gone(JOBS / job.job_id, f"the cgroup of {job.job_id}")
+        wait_gone(where[job.job_id], f"the cgroup of {job.job_id}")
+
+
+def test_a_forked_jail_is_born_in_its_jobs_cgroup_never_in_its_zygotes() -> None:
+    """``daemon.clone_into_cgroup`` (the default on v2): the zygote forks each jail straight
+    into its job's cgroup, in the zygote's home, with ``clone3(CLONE_INTO_CGROUP)`` -- so
+    the zygote's own cgroup never holds more than the zygote (``pids.peak``, which counts
+    every task that was ever in it: a jail forked there and moved would count), and the
+    zygote's home holds it and its jobs alone."""
+    held = Held("default")
+    try:
+        where = job_dir(held.job_id)
+        home = where.parent
+        assert home.name.startswith("zygote-default"), where
+        (pid,) = pids_in(where / "jail")
+        assert "\n0::/" + str((where / "jail").relative_to(Path("/sys/fs/cgroup"))) in (
+            "\n" + Path(f"/proc/{pid}/cgroup").read_text()), pid
+        for _ in range(5):
+            assert run("6 * 7").result == 42
+        zygote = home / "zygote"
+        assert len(pids_in(zygote)) == 1, "the zygote's cgroup holds the zygote alone"
+        assert (zygote / "pids.peak").read_text().strip() == "1", (
+            "a jail was forked into the zygote's cgroup")
+        # the home's cgroup.procs is the zygote's (its uid), the subtree's is root's
+        zygote_uid = host_uid(pids_in(zygote)[0])
+        assert (home / "cgroup.procs").stat().st_uid == zygote_uid != 0
+        assert (where / "jail" / "cgroup.procs").stat().st_uid == zygote_uid
+        assert (where / "cgroup.procs").stat().st_uid == 0  # the job's limits are not its
+        assert (JOBS / "cgroup.procs").stat().st_uid == 0
+    finally:
+        r = held.release()
+    assert r.status == "cancelled"
+    wait_gone(where, f"the cgroup of {held.job_id}")

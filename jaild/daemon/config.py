@@ -227,6 +227,13 @@ class DaemonFile:
         'verdict for every call, docs/security.md); "whole": each jail loads them whole.',
         _zygote_seccomp,
     )
+    clone_into_cgroup: bool = setting(
+        True,
+        "On cgroup v2: a zygote forks each jail straight into its job's cgroup (clone3 with "
+        "CLONE_INTO_CGROUP; the zygote keeps the daemon's cgroup namespace, each jail makes its "
+        "own), not into its own cgroup for the daemon to move; false: moved after its fork. "
+        "No effect on cgroup v1 (docs/performance.md).",
+    )
     event_loop: str = setting(
         "asyncio",
         '"asyncio": the standard loop; "uvloop" (pip install \'jaild[uvloop]\'); "auto": uvloop '
@@ -645,6 +652,7 @@ class DaemonConfig:
     probe_policies: bool = True
     zygote_scope: str = "uid"
     zygote_seccomp: str = "split"
+    clone_into_cgroup: bool = True
     event_loop: str = "asyncio"
     sched_slice_us: int = 100
     drain_s: float = 0.0  # on SIGTERM: how long running jobs may finish (0: no drain)
@@ -685,6 +693,7 @@ class DaemonConfig:
                 metrics_tool_labels=d.metrics_tool_labels,
                 zygote_scope=d.zygote_scope,
                 zygote_seccomp=d.zygote_seccomp,
+                clone_into_cgroup=d.clone_into_cgroup,
                 event_loop=d.event_loop,
                 sched_slice_us=d.sched_slice_us,
                 drain_s=d.drain_s,

@@ -330,6 +330,7 @@ async def _start_jails(
         cgroup=cgroups.layout,
         egress_trust=egress.trust_path if egress is not None else "",
         certifi=certifi_bundles(served.policies, config.envs_dir) if egress is not None else (),
+        clone_into_cgroup=config.clone_into_cgroup and cgroups.layout.version == 2,
     )
     config_fds = {}
     specs = {}

@@ -186,6 +186,11 @@ class HostLayout:
     certifi: tuple[tuple[str, str], ...] = ()
     """(env directory, its certifi ``cacert.pem``) for the envs of egress policies: that
     file is covered by :attr:`egress_trust` in their jails, for code that asks certifi."""
+    clone_into_cgroup: bool = False
+    """Zygotes fork their jails straight into the jobs' cgroups (cgroup v2 and
+    ``daemon.clone_into_cgroup``): a zygote then keeps the daemon's cgroup namespace, since
+    ``clone3(CLONE_INTO_CGROUP)`` can only reach a cgroup below the root of the caller's
+    (each jail makes a namespace of its own, rooted at its job's cgroup, as before)."""
 
 
 @dataclass(frozen=True)
@@ -481,7 +486,8 @@ def compile_zygote(
         uid=0,
         hostname=JAIL_HOSTNAME,
         cwd=WORKDIR,
-        namespaces=_namespaces(policy.network, user=True),
+        namespaces=tuple(ns for ns in _namespaces(policy.network, user=True)
+                         if ns != "cgroup" or not host.clone_into_cgroup),
         mounts=_fresh_mounts(policy.filesystem, full_proc=True),
         rlimits=None,
         loopback=policy.network.mode in ("loopback", "egress"),

@@ -22,7 +22,8 @@ message            direction       meaning
                                    digest)
 ``SpawnJail``      daemon->zygote  fork one jail as ``jail`` describes; the jail's
                                    channel, stdout and stderr ride along as
-                                   SCM_RIGHTS
+                                   SCM_RIGHTS, and on cgroup v2 its job's cgroup
+                                   (an ``O_PATH`` directory), to fork it into
 ``JailReaped``     zygote->daemon  jail ``spawn_id`` ended: wait status and usage
 ``SpawnFailed``    zygote->daemon  jail ``spawn_id`` could not be forked
 =================  ==============  ===============================================

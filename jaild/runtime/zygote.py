@@ -97,7 +97,7 @@ from jaild.protocol.zygote_link import (
     decode_packet,
     encode,
 )
-from jaild.runtime import reseed
+from jaild.runtime import clone3, reseed
 from jaild.runtime.harden import die_with_parent, empty_bounding_set
 
 CLONE_NEWNS = 0x00020000
@@ -121,7 +121,8 @@ IFF_UP = 0x1
 NET_FD = 3
 """Where a jail that joins a shared network namespace holds it (:class:`SharedNets`) from its
 fork until its ``join_net`` step, which closes it: the jail's other descriptors are 0-2."""
-PREAMBLE = b"Z"  # jail -> daemon, carrying SO_PASSCRED credentials
+PREAMBLE = b"Z"  # jail -> daemon, carrying SO_PASSCRED credentials: move me, then GO
+PLACED = b"C"  # jail -> daemon, the same, from a jail forked into its job's cgroup: no GO
 GO = b"G"  # daemon -> jail: you are in the job's cgroup
 EXIT_SETUP_FAILED = 70
 
@@ -336,14 +337,19 @@ def _apply(steps: Sequence[Step]) -> None:
         APPLY[step.op](*step.args)
 
 
-def _await_cgroup() -> None:
+def _await_cgroup(placed: bool) -> None:
     """Send the preamble on fd 0, the channel (a stream socket), and wait for the daemon's go:
     plain write(2) and read(2), no socket object made and closed in the jail (the kernel
-    attaches our credentials to a write as to a send).
+    attaches our credentials to a write as to a send). A jail forked into its job's cgroup
+    (``placed``) says so, and goes on at once.
 
     Raises:
         SetupFailed: the daemon answered anything but the go, or closed the channel.
     """
+    if placed:
+        if os.write(0, PLACED) != len(PLACED):
+            raise SetupFailed("the daemon's channel took no preamble")
+        return
     if os.write(0, PREAMBLE) != len(PREAMBLE) or os.read(0, 1) != GO:
         raise SetupFailed("the daemon did not place the jail in its cgroup")
 
@@ -373,10 +379,12 @@ def _leave_zygote(control: socket.socket) -> None:
     _default_signals()
 
 
-def _jail(steps: Sequence[Step], warm_up: bool, generators: Sequence[object]) -> None:
+def _jail(
+    steps: Sequence[Step], warm_up: bool, generators: Sequence[object], placed: bool
+) -> None:
     """The forked child, pid 1 of a new pid namespace: preamble, the plan, fresh random
     state for the pre-imported modules' generators, the runtime."""
-    _await_cgroup()
+    _await_cgroup(placed)
     _apply(steps)
     reseed.reseed(generators)  # before any user code (jaild.runtime.reseed)
     from jaild.runtime.main import main
@@ -391,6 +399,7 @@ def _child_main(
     control: socket.socket,
     generators: Sequence[object],
     net_fd: int | None = None,
+    placed: bool = False,
 ) -> None:
     try:
         _leave_zygote(control)
@@ -399,7 +408,7 @@ def _child_main(
         if net_fd is not None:  # the shared network namespace, until the join_net step
             os.dup2(net_fd, NET_FD)
         os.closerange(3 if net_fd is None else NET_FD + 1, 65536)
-        _jail(steps, warm_up, generators)
+        _jail(steps, warm_up, generators, placed)
     except BaseException as exc:
         try:
             detail = exc if isinstance(exc, SetupFailed) else traceback.format_exc()
@@ -531,6 +540,41 @@ def _fork_jail() -> int:
     return pid
 
 
+class Forker:
+    """How the zygote forks a jail: straight into its job's cgroup when the daemon sends
+    that cgroup (a fourth descriptor, cgroup v2) and ``clone3`` can be had here
+    (:mod:`jaild.runtime.clone3`); else with fork(2), into the zygote's cgroup, for the
+    daemon to move. The jail's preamble tells the daemon which (:data:`PLACED`). Why
+    ``clone3`` was not used goes to the zygote's log once."""
+
+    def __init__(self, cloner: clone3.CloneInto | str) -> None:
+        self._cloner = cloner
+        self._said = False
+
+    def fork(self, cgroup_fd: int | None) -> tuple[int, bool]:
+        """The child's pid (0 in the child), and whether it was born in ``cgroup_fd``.
+
+        Raises:
+            OSError: neither could fork.
+        """
+        cloner = self._cloner
+        if cgroup_fd is not None and not isinstance(cloner, str):
+            try:
+                return cloner.fork(cgroup_fd), True
+            except OSError as exc:
+                self._say(f"clone3 into the job's cgroup failed: {exc}")
+        elif cgroup_fd is not None:
+            self._say(str(cloner))
+        return _fork_jail(), False
+
+    def _say(self, why: str) -> None:
+        if not self._said:
+            self._said = True
+            with contextlib.suppress(OSError):
+                os.write(2, f"jaild zygote: {why}; forking, and the daemon moves each jail\n"
+                         .encode())
+
+
 class Spawn(NamedTuple):
     """A ``SpawnJail``, read: whom to answer, and what the jail does."""
 
@@ -598,17 +642,20 @@ def _unpack_packet(packet: bytes) -> Any:
 
 
 def _spawn(
-    control: socket.socket, spawn: Spawn, fds: list[int], own_pidns: int, nets: SharedNets
+    control: socket.socket, spawn: Spawn, fds: list[int], own_pidns: int, nets: SharedNets,
+    forker: Forker,
 ) -> dict[int, int]:
     """Fork the jail as the first process of a fresh pid namespace: back into our own
-    namespace for children (``setns``), a new one (``unshare``), then fork. A jail that
-    shares a network namespace is handed it (``nets``)."""
+    namespace for children (``setns``), a new one (``unshare``), then fork -- into the job's
+    cgroup if ``fds`` has it (``forker``). A jail that shares a network namespace is handed
+    it (``nets``)."""
     sys.stdout.flush()
     sys.stderr.flush()
     shared, net_fd, kept = None, None, False
     try:
-        if len(fds) != 3:
-            raise SetupFailed(f"a jail needs its channel, stdout and stderr; got {len(fds)} fds")
+        if len(fds) not in (3, 4):
+            raise SetupFailed(
+                f"a jail needs its channel, stdout, stderr (and cgroup); got {len(fds)} fds")
         if isinstance(spawn.steps, SetupFailed):
             raise spawn.steps
         steps = spawn.steps
@@ -618,14 +665,14 @@ def _spawn(
             net_fd, kept = nets.take(*shared)
         _check(_libc.setns(own_pidns, CLONE_NEWPID), "setns")
         _check(_libc.unshare(CLONE_NEWPID), "unshare")
-        pid = _fork_jail()
+        pid, placed = forker.fork(fds[3] if len(fds) == 4 else None)
     except (OSError, SetupFailed) as exc:
         if net_fd is not None and not kept:
             os.close(net_fd)
         _send(control, SpawnFailed(spawn.spawn_id, safe_text(f"fork: {exc}", MAX_FAILURE_CHARS)))
         return {}
     if pid == 0:
-        _child_main(steps, spawn.warm_up, fds, control, generators, net_fd)
+        _child_main(steps, spawn.warm_up, fds[:3], control, generators, net_fd, placed)
     if net_fd is not None and shared is not None:
         if kept:
             nets.started(pid, *shared)
@@ -697,7 +744,7 @@ def _preimport(names: Sequence[str]) -> dict[str, str]:
 
 
 def _receive(control: socket.socket) -> tuple[bytes, list[int]]:
-    data, ancdata, _, _ = control.recvmsg(MAX_PACKET_BYTES, socket.CMSG_SPACE(3 * 4))
+    data, ancdata, _, _ = control.recvmsg(MAX_PACKET_BYTES, socket.CMSG_SPACE(4 * 4))
     fds: list[int] = []
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -771,6 +818,7 @@ def main(preimport: Sequence[str]) -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     failed = _limit_jails() or _preimport(preimport)
+    forker = Forker(clone3.prepare())
     # Every object so far is shared with the jails copy-on-write: keep the collector from
     # walking (and so writing to, and so copying) them in each jail. And give the heap's
     # free pages back first (~1 MiB after the imports): fewer pages for each fork to map.
@@ -810,7 +858,7 @@ def main(preimport: Sequence[str]) -> None:
                 # a message we cannot read is the daemon's bug: raise, and exit
                 req = plans.read(data)
                 if isinstance(req, Spawn):
-                    children.update(_spawn(control, req, fds, own_pidns, nets))
+                    children.update(_spawn(control, req, fds, own_pidns, nets, forker))
                 elif isinstance(req, PrepareJails):
                     _prepare(req)
             finally:

@@ -50,9 +50,9 @@ from jaild.errors import Unsplittable
 ZYGOTE_NEEDS: frozenset[str] = frozenset({
     # the zygote's loop: read a plan, fork the jail into a fresh pid namespace, reap
     "pselect6", "select", "recvmsg", "sendmsg", "sendto", "recvfrom", "read", "write",
-    "close", "setns", "unshare", "clone", "wait4", "rt_sigreturn", "rt_sigaction",
+    "close", "setns", "unshare", "clone", "clone3", "wait4", "rt_sigreturn", "rt_sigaction",
     "rt_sigprocmask", "openat", "newfstatat", "lseek", "ioctl", "fcntl", "brk", "mmap",
-    "munmap", "exit_group",
+    "munmap", "exit_group", "gettid", "get_robust_list",
     # the jail, from the fork until its runtime has loaded its own filter
     # (jaild.runtime.zygote.jail_steps, jaild.runtime.harden)
     "set_robust_list", "dup2", "close_range", "mount", "umount2", "mkdir", "rmdir",

@@ -5,11 +5,17 @@ The jail, here the test, sends the preamble byte with its credentials; the daemo
 pid into the cgroup and answers GO. A kill while the move is under way must not send GO (the
 jail exits at EOF), and releasing the cgroup must wait for the move, or the cgroup would be
 removed before the jail lands in it (and outlive the job).
+
+A jail the zygote forked straight into its job's cgroup (cgroup v2, ``clone3``) says so
+(``PLACED``): nothing is moved and no GO is sent -- but only a jail that was sent its cgroup
+may say it; a jail sent one that still asks to be moved was forked (the zygote could not
+``clone3``), is moved, and the daemon says so once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import threading
@@ -20,14 +26,15 @@ from typing import Any
 from jaild.daemon.core.machine import StartFailed, StreamClosed
 from jaild.daemon.jails.launch import forked
 from jaild.daemon.jails.launch.handle import JailHandle
-from jaild.runtime.zygote import GO, PREAMBLE
+from jaild.runtime.zygote import GO, PLACED, PREAMBLE
 from tests.conftest import guard
 
 
 class SlowCgroup:
     """A cgroup whose ``adopt`` waits for the test (a grace period that takes its time)."""
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, leaf: str = "") -> None:
+        self.leaf = leaf  # set: the zygote was sent it, to fork the jail into
         self.gate = threading.Event()
         self.calls: list[str] = []
         self.fail = fail
@@ -55,9 +62,13 @@ class FakeZygote:
     def __init__(self) -> None:
         self.uid = os.getuid()  # the preamble's sender: this process
         self.settled_ids: list[int] = []
+        self.moved_not_placed_calls = 0
 
     def settled(self, ident: int) -> None:
         self.settled_ids.append(ident)
+
+    def moved_not_placed(self) -> None:
+        self.moved_not_placed_calls += 1
 
 
 class Env:
@@ -65,8 +76,9 @@ class Env:
         pass
 
 
-async def _started(cgroup: SlowCgroup
-                   ) -> tuple[JailHandle, socket.socket, list[Any], FakeZygote]:
+def _sent(cgroup: SlowCgroup, preamble: bytes
+          ) -> tuple[JailHandle, socket.socket, list[Any], FakeZygote]:
+    """The daemon's side after the jail sent ``preamble``: read at once."""
     events: list[Any] = []
     handle = JailHandle(Env(), "job-1", events.append, 1 << 20)  # type: ignore[arg-type]
     handle.cgroup = cgroup  # type: ignore[assignment]
@@ -76,8 +88,14 @@ async def _started(cgroup: SlowCgroup
     daemon_end.setblocking(False)
     handle.preamble_sock = daemon_end
     zy = FakeZygote()
-    jail_end.send(PREAMBLE)
+    jail_end.send(preamble)
     forked._preamble(handle, zy)  # type: ignore[arg-type]
+    return handle, jail_end, events, zy
+
+
+async def _started(cgroup: SlowCgroup
+                   ) -> tuple[JailHandle, socket.socket, list[Any], FakeZygote]:
+    handle, jail_end, events, zy = _sent(cgroup, PREAMBLE)
     await _until(lambda: bool(cgroup.calls), "the move's start in a worker thread")
     return handle, jail_end, events, zy
 
@@ -150,6 +168,54 @@ def test_a_move_that_fails_ends_the_start_with_the_reason() -> None:
         assert failed and "could not move the jail into its cgroup" in failed[0].detail
         assert isinstance(events[-1], StreamClosed)
         assert jail_end.recv(1) == b""
+        jail_end.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_jail_forked_into_its_cgroup_is_not_moved_and_gets_no_go() -> None:
+    async def scenario() -> None:
+        cgroup = SlowCgroup(leaf="/sys/fs/cgroup/jaild/zygote-x/job-1/jail")
+        handle, jail_end, events, zy = _sent(cgroup, PLACED)
+        assert cgroup.calls == [] and handle.adopting is None  # no move, no worker thread
+        assert handle.jail_pid == os.getpid() and zy.settled_ids == [7]
+        assert handle.channel is not None and handle.preamble_sock is None
+        assert not [e for e in events if isinstance(e, StartFailed)]
+        jail_end.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            assert jail_end.recv(1) != GO, "a placed jail is sent no go"
+        handle.teardown()
+        handle.release()
+        await _removed(cgroup)
+        jail_end.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_jail_sent_no_cgroup_may_not_say_it_was_forked_into_one() -> None:
+    async def scenario() -> None:
+        cgroup = SlowCgroup()  # positive control: the same PLACED is taken with a leaf (above)
+        handle, jail_end, events, zy = _sent(cgroup, PLACED)
+        failed = [e for e in events if isinstance(e, StartFailed)]
+        assert failed and "was not sent" in failed[0].detail, events
+        assert isinstance(events[-1], StreamClosed)
+        assert handle.channel is None and handle.jail_pid is None and zy.settled_ids == []
+        assert jail_end.recv(1) == b""  # closed: the jail exits
+        jail_end.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_jail_sent_its_cgroup_but_forked_is_moved_and_it_is_said_once() -> None:
+    async def scenario() -> None:
+        cgroup = SlowCgroup(leaf="/sys/fs/cgroup/jaild/zygote-x/job-1/jail")
+        handle, jail_end, _, zy = await _started(cgroup)
+        assert zy.moved_not_placed_calls == 1
+        await _finish(cgroup, handle)
+        assert jail_end.recv(1) == GO and handle.channel is not None
+        handle.teardown()
+        handle.release()
+        await _removed(cgroup)
         jail_end.close()
 
     asyncio.run(scenario())

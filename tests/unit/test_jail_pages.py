@@ -54,7 +54,7 @@ def _preamble_run(answer: bytes | None) -> tuple[bytes, int | None, int, int]:
     def jail() -> int:
         daemon_end.close()
         os.dup2(jail_end.fileno(), 0)
-        zygote._await_cgroup()
+        zygote._await_cgroup(placed=False)
         return 0
 
     pid = os.fork()

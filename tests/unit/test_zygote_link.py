@@ -353,10 +353,11 @@ def test_a_spawn_the_zygote_cannot_fork_is_answered() -> None:
         req = zygote.Plans().read(encode(SpawnJail(5, sent(POLICIES["default"]))))
         assert isinstance(req, zygote.Spawn)
         nets = zygote.SharedNets(-1)
-        assert zygote._spawn(zygote_end, req, [], own_pidns=-1, nets=nets) == {}  # no fds
+        forker = zygote.Forker("unused")
+        assert zygote._spawn(zygote_end, req, [], -1, nets, forker) == {}  # no fds
         reply = decode_packet(daemon_end.recv(1 << 17), "zygote->daemon")
         assert isinstance(reply, SpawnFailed) and reply.spawn_id == 5
-        assert "channel, stdout and stderr" in reply.message
+        assert "channel, stdout, stderr" in reply.message
 
 
 def test_rlimits_units_are_in_their_names() -> None:

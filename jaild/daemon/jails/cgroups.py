@@ -526,6 +526,8 @@ class JobCgroup:
     pids_dir: str = ""
     cpu_dir: str = ""  # v1, with a CPU cap
     acct_dir: str = ""  # v1: where CPU time is counted
+    leaf: str = ""
+    """v2, a job made for a zygote's home: the leaf its zygote forks the jail into."""
     _oom_eventfd: int = -1
     _oom_control_fd: int = -1
     _kept: dict[str, int] = field(default_factory=dict)  # counter path -> its open fd
@@ -878,7 +880,52 @@ class Cgroups:
         """The subtree's directories: one per v1 hierarchy, or the one v2 directory."""
         return self._v1_roots() if self.layout.version == 1 else [self._v2_root()]
 
-    def create_job(self, job_id: str, memory_mb: int, pids: int, with_cpu: bool) -> JobCgroup:
+    def create_home(self, label: str, owner_uid: int) -> str:
+        """v2: the cgroup ``label`` under the subtree, for a zygote that forks its jails
+        straight into their jobs' cgroups (:meth:`create_job` with ``home``): nsjail puts the
+        zygote in a cgroup below it, the jobs' cgroups are made below it too, and its
+        ``cgroup.procs`` belongs to the zygote's host uid. The kernel lets a process place
+        another (``clone3(CLONE_INTO_CGROUP)`` as a write to ``cgroup.procs``) only if it may
+        write the ``cgroup.procs`` of the target and of the common ancestor of the two: here,
+        this directory and the job's leaf alone -- never the subtree's, another zygote's or a
+        job's limits. No limit is set on it: the zygote's own are nsjail's, on its cgroup
+        below, and each job's on its own. Made afresh if it is there (a zygote restarted).
+
+        Raises:
+            CgroupError: it cannot be made.
+        """
+        home = os.path.join(self._v2_root(), label)
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(home)
+            _write(os.path.join(home, "cgroup.subtree_control"), V2_CONTROLLERS)
+            os.chown(os.path.join(home, "cgroup.procs"), owner_uid, -1)
+        except OSError as exc:
+            raise CgroupError(f"cannot set up the cgroup of zygote {label}: {exc}") from None
+        return home
+
+    def remove_home(self, label: str) -> None:
+        """Remove the zygote home ``label`` and what is left below it (its zygote stopped:
+        its jails died with it)."""
+        home = os.path.join(self._v2_root(), label)
+        _kill_members(home)
+        _rmtree_cgroup(home)
+
+    def create_job(
+        self, job_id: str, memory_mb: int, pids: int, with_cpu: bool, *,
+        home: tuple[str, int] | None = None,
+    ) -> JobCgroup:
+        """The cgroup(s) of job ``job_id``, with its limits.
+
+        Args:
+            home: v2, ``(label, uid)``: the job's cgroup goes below the zygote home ``label``
+                (:meth:`create_home`), with its leaf ``jail`` made at once and its
+                ``cgroup.procs`` given to ``uid`` (that zygote's), which forks the jail
+                into it (:attr:`JobCgroup.leaf`).
+
+        Raises:
+            CgroupError: it cannot be made (nothing of it is left).
+        """
         limit = str(memory_mb * 1024 * 1024)
         job = JobCgroup(self.layout)
         try:
@@ -911,7 +958,9 @@ class Cgroups:
                     f"{job._oom_eventfd} {job._oom_control_fd}",
                 )
             else:
-                d = os.path.join(self._v2_root(), job_id)
+                parent = self._v2_root() if home is None else os.path.join(
+                    self._v2_root(), home[0])
+                d = os.path.join(parent, job_id)
                 os.mkdir(d)
                 job.dirs.append(d)
                 job.memory_dir = job.pids_dir = d
@@ -920,6 +969,11 @@ class Cgroups:
                 with contextlib.suppress(FileNotFoundError):
                     _write(os.path.join(d, "memory.swap.max"), "0")
                 _write(os.path.join(d, "pids.max"), str(pids))
+                if home is not None:
+                    leaf = os.path.join(d, "jail")
+                    os.mkdir(leaf)
+                    os.chown(os.path.join(leaf, "cgroup.procs"), home[1], -1)
+                    job.leaf = leaf
             job.keep_counters_open()
         except OSError as exc:
             with contextlib.suppress(OSError):

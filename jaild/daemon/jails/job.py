@@ -324,16 +324,21 @@ class JailEnvironment:
         uid = handle.outside_uid = self.allocate_uid()
         launcher = self.stand_in  # jaild.testing's unisolated stand-in: no cgroup
         if launcher is None:
+            # the zygote of the job's uid, if it is up; else a fresh exec (see ZygoteSet)
+            zygote = self.zygotes.for_job(spec.policy, spec.tenant, pooled=pooled)
+            # a zygote that forks into the job's cgroup has it made in its home, for it
+            home = None
+            if zygote is not None and zygote.clone_into:
+                home = (zygote.ensure_home(), zygote.uid)
             make = functools.partial(
                 self.cgroups.create_job,
                 handle.jail_id, limits.memory_mb, limits.pids, with_cpu=limits.cpu_cores > 0,
+                home=home,
             )
             # A jail made ahead of its job (the pool) makes its cgroup in a worker thread:
             # its mkdirs (0.6-1.2 ms on cgroup v1) would hold up the loop, and so a job
             # arriving meanwhile. A job's own jail makes it at once: it waits either way.
             handle.cgroup = await _aside(make) if pooled else make()
-            # the zygote of the job's uid, if it is up; else a fresh exec (see ZygoteSet)
-            zygote = self.zygotes.for_job(spec.policy, spec.tenant, pooled=pooled)
             launcher = SpawnLauncher() if zygote is None else ZygoteLauncher(zygote)
         await launcher.start(handle, spec, uid, pooled=pooled, on_sent=on_sent)
 

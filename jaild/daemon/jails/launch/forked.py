@@ -66,7 +66,7 @@ from jaild.protocol.zygote_link import (
     decode_packet,
     encode,
 )
-from jaild.runtime.zygote import GO, PREAMBLE
+from jaild.runtime.zygote import GO, PLACED, PREAMBLE
 
 log = logging.getLogger("jaild.daemon.jails.launch.forked")
 
@@ -147,6 +147,11 @@ class Zygote:
         self._launcher = launcher
         self._harden = harden
         self._split_seccomp = split_seccomp
+        self.clone_into = host.clone_into_cgroup
+        """Its jails are forked straight into their jobs' cgroups, below its home (cgroup
+        v2, ``daemon.clone_into_cgroup``; :mod:`jaild.runtime.clone3`)."""
+        self._home = ""
+        self._said_moved = False
         self._max_jobs = max_jobs
         self._proc: subprocess.Popen[bytes] | None = None
         self._control: socket.socket | None = None
@@ -199,8 +204,11 @@ class Zygote:
         if self._stopped:
             raise ZygoteError(f"the zygote of policy {self.policy.name!r} was stopped")
         loop = asyncio.get_running_loop()
+        cgroup = self.label
+        if self.clone_into:  # itself one level down, beside its jobs' cgroups
+            cgroup = f"{self.ensure_home()}/zygote"
         self._cgroup = self._cgroups.create_job(
-            self.label,
+            cgroup,
             zygote_memory_mb(self.policy, self._max_jobs),
             ZYGOTE_PIDS,
             with_cpu=False,
@@ -216,7 +224,7 @@ class Zygote:
             log_w,
             self.uid,
             self._uid_base,
-            cgroup=self.label,
+            cgroup=cgroup,
         )
         try:
             claim_workdirs(self.uid)
@@ -266,6 +274,29 @@ class Zygote:
             self._proc.pid,
             self.python,
         )
+
+    def ensure_home(self) -> str:
+        """The name of its home cgroup in the daemon's subtree, made if it is not there:
+        where it and its jobs' cgroups live when it forks jails into them
+        (:meth:`jaild.daemon.jails.cgroups.Cgroups.create_home`).
+
+        Raises:
+            CgroupError: it cannot be made.
+        """
+        if not self._home:
+            self._cgroups.create_home(self.label, self.uid)
+            self._home = self.label
+        return self._home
+
+    def moved_not_placed(self) -> None:
+        """A jail sent its cgroup came from a fork (the zygote could not ``clone3`` into
+        it, and says why in its log): said once."""
+        if not self._said_moved:
+            self._said_moved = True
+            log.warning("zygote of policy %s: its jails are forked, then moved into their "
+                        "cgroups (clone3 into the cgroup failed)%s", self.policy.name,
+                        "".join(f"\n  {line}" for line in self._log.decode(
+                            "utf-8", "replace").splitlines()[-3:]))
 
     def _why(self, what: str) -> str:
         excerpt = "\n".join(self._log.decode("utf-8", "replace").splitlines()[-6:])
@@ -361,6 +392,10 @@ class Zygote:
         """Stop it for good (its jails die with it); a start under way gives up."""
         self._stopped = True
         self._died("stopped")
+        if self._home:  # its jobs' cgroups, if any is left, go with it
+            with contextlib.suppress(OSError):
+                self._cgroups.remove_home(self._home)
+            self._home = ""
 
     # -- jails
 
@@ -454,10 +489,19 @@ class ZygoteLauncher:
         tenant = "" if spec.tenant is None else str(spec.tenant)
         facts = JobFacts(spec.limits, uid, pooled=pooled and handle.warm_up, tenant=tenant)
         jail = forked_jail(spec.policy, handle.env.host, facts)
+        fds: tuple[int, ...] = (jail_end.detach(), out_w, err_w)
+        if handle.cgroup.leaf:  # forked straight into it (cgroup v2)
+            try:
+                fds += (os.open(handle.cgroup.leaf, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC),)
+            except OSError:
+                for fd in (*fds, out_r, err_r):
+                    os.close(fd)
+                daemon_end.close()
+                raise
         try:
             handle.spawn_id = zygote.spawn(  # takes over the jail's ends
                 jail,
-                (jail_end.detach(), out_w, err_w),
+                fds,
                 functools.partial(_reaped, handle),
                 on_sent=on_sent,
             )
@@ -487,18 +531,31 @@ def _preamble(handle: JailHandle, zygote: Zygote) -> None:
     creds = [
         d for lvl, kind, d in ancdata if (lvl, kind) == (socket.SOL_SOCKET, SCM_CREDENTIALS)
     ]
-    if data != PREAMBLE or not creds:
+    if data not in (PREAMBLE, PLACED) or not creds:
         handle.close_preamble()
         handle.feed(StreamClosed())
         return
     pid, uid, _gid = struct.unpack("3i", creds[0][:12])
     handle.loop.remove_reader(sock.fileno())
+    problem = ""
     if uid != zygote.uid:  # only a process of the zygote's may claim a jail
+        problem = f"preamble from uid {uid}, not the zygote's"
+    elif data == PLACED and not handle.cgroup.leaf:
+        problem = "the jail says it was forked into a cgroup it was not sent"
+    if problem:
         handle.preamble_sock = None
         sock.close()
-        handle.feed(StartFailed(f"preamble from uid {uid}, not the zygote's"))
+        handle.feed(StartFailed(problem))
         handle.feed(StreamClosed())
         return
+    if data == PLACED:  # born in its job's cgroup (clone3): nothing to move, no go to send
+        handle.preamble_sock = None
+        zygote.settled(handle.spawn_id)
+        handle.jail_pid = pid
+        handle.open_channel(sock)
+        return
+    if handle.cgroup.leaf:
+        zygote.moved_not_placed()
     # Moving a process between cgroups waits for an RCU grace period in the kernel
     # (cgroup_threadgroup_rwsem): milliseconds, in a worker thread, not on the loop. Until
     # it is done the jail still waits for GO and the handle still holds its preamble
