@@ -370,6 +370,8 @@ STAGES: dict[str, str] = {
                   "and network namespaces (a jail's set)",
     "netns": "the same, unsharing the network namespace alone",
     "cgroup": "the same, the child moved into a job's fresh cgroups, which are then removed",
+    "cgroup_clone3": "the same, the child forked straight into a job's fresh cgroup "
+                     "(clone3 CLONE_INTO_CGROUP: cgroup v2 only), which is then removed",
     "seccomp": "the same, the child loading the default policy's seccomp filters",
     "seccomp_split": "the same, the child loading its part of the default policy's filters "
                      "split (its parent, as a zygote, loaded the rest once)",
@@ -377,6 +379,9 @@ STAGES: dict[str, str] = {
 }
 """The stage floors' keys and what each costs, in the report's order: CPU per operation, for
 the whole machine (a stage's own cost is its row less ``fork_exit``)."""
+
+V2_ONLY = frozenset({"cgroup_clone3"})
+"""Stages a cgroup v1 host cannot measure."""
 
 STAGE_RUNS = 300
 COW_PAGES = 4000
@@ -423,7 +428,15 @@ def _stage_child(key: str, runs: int) -> None:
         flags = _CLONE_NEWNET
     elif key in ("seccomp", "seccomp_split"):
         child_does = _seccomp_loader(split=key == "seccomp_split")
-    cgroups = _StageCgroups() if key == "cgroup" else None
+    cgroups = _StageCgroups() if key in ("cgroup", "cgroup_clone3") else None
+    cloner = None
+    if key == "cgroup_clone3":
+        from jaild.runtime import clone3
+
+        made = clone3.prepare()
+        if isinstance(made, str):
+            raise SystemExit(f"stage {key}: {made}")
+        cloner = made
     time.sleep(0.2)
     from measure import machine_cpu_s
 
@@ -434,7 +447,13 @@ def _stage_child(key: str, runs: int) -> None:
                 libc.setns(own_pidns, _CLONE_NEWPID)
                 libc.unshare(_CLONE_NEWPID)
             gate_r, gate_w = os.pipe()
-            pid = fork()
+            if cloner is not None and cgroups is not None:
+                target = os.open(cgroups.make(i), os.O_PATH | os.O_DIRECTORY)
+                pid = cloner.fork(target)
+                if pid:
+                    os.close(target)
+            else:
+                pid = fork()
             if pid == 0:
                 os.close(gate_w)
                 os.read(gate_r, 1)
@@ -443,7 +462,7 @@ def _stage_child(key: str, runs: int) -> None:
                 child_does()
                 os._exit(0)
             os.close(gate_r)
-            if cgroups is not None:
+            if cgroups is not None and cloner is None:
                 cgroups.adopt(i, pid)
             os.close(gate_w)
             _, status = os.waitpid(pid, 0)
@@ -546,6 +565,14 @@ class _StageCgroups:
                           if os.path.isdir(layout.v1_base(c))]
             for root in self.roots:
                 os.mkdir(root)
+
+    def make(self, i: int) -> str:
+        """v2: job ``i``'s cgroup, made with its limits and nothing in it yet."""
+        job = os.path.join(self.roots[0], f"j{i}")
+        os.mkdir(job)
+        _write_file(os.path.join(job, "memory.max"), str(256 << 20))
+        _write_file(os.path.join(job, "pids.max"), "64")
+        return job
 
     def adopt(self, i: int, pid: int) -> None:
         for root in self.roots:

@@ -14,7 +14,7 @@ from typing import Any
 
 import flames
 from cpu import BREAKDOWN_ROWS, Breakdown
-from floors import FLOORS, STAGES
+from floors import FLOORS, STAGES, V2_ONLY
 from measure import Deadlines, Latency, SleepBurst, Throughput, ToolCalls, percentile
 from procmem import MemorySnapshot
 from redaction import RedactionCost
@@ -547,6 +547,9 @@ class Report:
         stage_rows = []
         for key, label in STAGES.items():
             cost = f.get(key)
+            if cost is None and key in V2_ONLY and "cgroup" in f:
+                stage_rows.append([label, "— (cgroup v1 here)", ""])
+                continue
             if cost is None:
                 stage_rows.append([label, self._missing(f"stages/{key}"), ""])
                 continue
@@ -590,13 +593,15 @@ class Report:
 
     def _kernel_floor(self) -> float | None:
         """Section 10's floor, seconds of CPU: what the kernel charges a fresh jail as jaild
-        makes it by default (its part of the split seccomp filters) plus the pages a trivial
-        job's jail copies; None if a stage is missing."""
+        makes it by default (its part of the split seccomp filters; on v2 forked straight
+        into its cgroup) plus the pages a trivial job's jail copies; None if a stage is
+        missing."""
         f = self.r.stage_floors
         if not all(k in f for k in ("fork_exit", "namespaces", "cgroup", "seccomp_split", "cow")):
             return None
         fork = f["fork_exit"]
-        return (f["namespaces"] + (f["cgroup"] - fork) + (f["seccomp_split"] - fork)
+        cgroup = f.get("cgroup_clone3", f["cgroup"])  # v2: forked straight into it
+        return (f["namespaces"] + (cgroup - fork) + (f["seccomp_split"] - fork)
                 + (self.r.jail_pages or 0) * f["cow"])
 
     def _levers(self) -> list[str]:

@@ -235,6 +235,9 @@ def test_a_forked_jail_is_born_in_its_jobs_cgroup_never_in_its_zygotes() -> None
             "\n" + Path(f"/proc/{pid}/cgroup").read_text()), pid
         for _ in range(5):
             assert run("6 * 7").result == 42
+        # each jail still makes a cgroup namespace of its own, rooted at its leaf (the zygote
+        # keeps the daemon's, to reach its jobs' cgroups)
+        assert run("open('/proc/self/cgroup').read()").result == "0::/\n"
         zygote = home / "zygote"
         assert len(pids_in(zygote)) == 1, "the zygote's cgroup holds the zygote alone"
         assert (zygote / "pids.peak").read_text().strip() == "1", (

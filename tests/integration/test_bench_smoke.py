@@ -85,11 +85,13 @@ def test_the_benchmark_harness_runs_every_measurement(tmp_path: Path, world_dir:
     assert len(results["floors"]["tool_shape"]["samples_s"]) == 40  # ten times the runs
     # CPU per fresh jail: each stage's floor, the whole machine's CPU of every flat-out run,
     # the pages a jail copies, and (where perf is) who burnt it
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()  # clone3 into a cgroup: v2's
     assert set(results["stage_floors"]) == {"fork_exit", "namespaces", "netns", "cgroup",
-                                            "seccomp", "seccomp_split", "cow"}
+                                            "seccomp", "seccomp_split", "cow",
+                                            *(["cgroup_clone3"] if v2 else [])}
     assert all(isinstance(v, float) for v in results["stage_floors"].values())
     # section 13: each lever off and on, a turn each in a quick run
-    assert set(results["levers"]) == {"code", "seccomp", "netns"}
+    assert set(results["levers"]) == {"code", "seccomp", "netns", *(["clone3"] if v2 else [])}
     for lever in results["levers"].values():
         assert [len(lever["off"]), len(lever["on"])] == [1, 1]
         assert all(run["jobs"] > 0 and run["failures"] == 0

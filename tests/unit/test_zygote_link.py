@@ -508,3 +508,57 @@ def test_the_zygotes_other_messages_pass_through_its_plans() -> None:
     assert zygote.Plans().read(encode(prepare)) == prepare
     with pytest.raises(RemoteProtocolError):
         zygote.Plans().read(b"\x00\x00\x00\x01\xc1")
+
+
+class _Refused:
+    """A ``CloneInto`` the kernel refuses (as it does a zygote it does not let place)."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def fork(self, cgroup_fd: int) -> int:
+        self.calls.append(cgroup_fd)
+        raise PermissionError(13, "Permission denied")
+
+
+class _Cloned:
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def fork(self, cgroup_fd: int) -> int:
+        self.calls.append(cgroup_fd)
+        return 4242
+
+
+def _forker(monkeypatch: pytest.MonkeyPatch, cloner: Any) -> tuple[zygote.Forker, list[str]]:
+    """A Forker whose fork(2) and log are the test's: what it chose, and what it said."""
+    said: list[str] = []
+    monkeypatch.setattr(zygote, "_fork_jail", lambda: 1717)
+    monkeypatch.setattr(zygote.os, "write", lambda fd, data: said.append(f"{fd}:{data.decode()}"))
+    return zygote.Forker(cloner), said
+
+
+def test_a_jail_sent_its_cgroup_is_cloned_into_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    cloned = _Cloned()
+    forker, said = _forker(monkeypatch, cloned)
+    assert forker.fork(9) == (4242, True) and cloned.calls == [9] and said == []
+    assert forker.fork(None) == (1717, False) and cloned.calls == [9]  # none sent: fork(2)
+
+
+def test_a_refused_clone_falls_back_to_fork_and_says_why_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    refused = _Refused()
+    forker, said = _forker(monkeypatch, refused)
+    assert forker.fork(9) == (1717, False)  # the daemon then moves it (the jail says so)
+    assert forker.fork(10) == (1717, False)
+    assert refused.calls == [9, 10]  # tried each time: it costs one refused system call
+    assert len(said) == 1 and said[0].startswith("2:jaild zygote: clone3 into the job's cgroup "
+                                                 "failed: [Errno 13]"), said
+
+
+def test_without_clone3_a_zygote_forks_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    forker, said = _forker(monkeypatch, "no clone3 numbers for riscv64")
+    assert forker.fork(9) == (1717, False) and forker.fork(9) == (1717, False)
+    assert said == ["2:jaild zygote: no clone3 numbers for riscv64; forking, and the daemon "
+                    "moves each jail\n"]
