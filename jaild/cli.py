@@ -786,11 +786,13 @@ def cmd_policy_explain(args: argparse.Namespace) -> int:
         runtime_dir=os.path.join(config.state_dir, "runtime", "<digest>"),
         envs_dir=config.envs_dir,
         cgroup=layout,
+        clone_into_cgroup=config.clone_into_cgroup and layout.version == 2,
     )
     if policy.pool.mode == "zygote":
         argv = zygote_argv(
             "nsjail", policy, host, "/proc/self/fd/<config>", 4,
             config.uid_base + JOB_UIDS, config.uid_base,
+            cgroup=f"zygote-{policy.name}/zygote" if host.clone_into_cgroup else "",
         )
         print(f"# nsjail command line of the policy's zygote\n{' '.join(argv)}\n")
         zygote = nsjail_config(policy, host, zygote=True, max_jobs=config.max_jobs)
