@@ -21,8 +21,8 @@ def test_clone_into_cgroup_on_cgroup_v2() -> None:
     assert Path("/sys/fs/cgroup/cgroup.controllers").exists(), "not a cgroup v2 host"
     out = SHARE / "clone-into.md" if SHARE.is_dir() else Path("/tmp/clone-into.md")
     done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "clone_into.py"), "--rounds", "3",
-         "--seconds", "4", "--runs", "20", "--out", str(out)],
+        [sys.executable, str(REPO / "bench" / "clone_into.py"), "--rounds", "5",
+         "--seconds", "4", "--runs", "30", "--out", str(out)],
         capture_output=True, text=True, check=False,
     )
     out.with_suffix(".log").write_text(done.stdout[-20000:] + done.stderr[-20000:])
