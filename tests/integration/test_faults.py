@@ -56,8 +56,19 @@ def jailed_pids(uid_base: int) -> list[int]:
 
 
 def job_cgroups(d: DaemonHandle) -> list[str]:
+    """The cgroups in the daemon's subtree, and on v2 its jobs' in its zygotes' homes
+    (``daemon.clone_into_cgroup``): a job's cgroup is named after its job wherever it is."""
     root = d.job_root
-    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    if not root.is_dir():
+        return []
+    names = []
+    for p in root.iterdir():
+        if p.is_dir():
+            names.append(p.name)
+            if p.name.startswith("zygote-"):
+                names += [q.name for q in p.iterdir() if q.is_dir()
+                          and q.name != "zygote" and not q.name.startswith("NSJAIL.")]
+    return sorted(names)
 
 
 def write_config(directory: Path, text: str) -> str:
