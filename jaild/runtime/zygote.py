@@ -5,7 +5,8 @@ Theory of operation
 Starting a jail from nothing (nsjail, a new interpreter, the runtime's imports)
 costs ~30 ms of CPU. The zygote pays it once: the daemon starts it in an nsjail
 jail of its own -- the policy's read-only mounts, its own user, pid, mount, net,
-ipc, uts and cgroup namespaces -- but with its capabilities *kept* inside that
+ipc, uts and cgroup namespaces (on cgroup v2 it keeps the daemon's cgroup namespace, to fork
+into its jobs' cgroups) -- but with its capabilities *kept* inside that
 user namespace, and a uid map holding the daemon's whole range of job uids
 (inside uid N = host uid N; inside 0 = the zygote's own host uid). That namespace is
 owned by the zygote's own host uid (nsjail runs as it), so what its jails hold of the
@@ -17,15 +18,18 @@ runtime and the policy's ``preimport`` modules, then waits on its control socket
 Each ``SpawnJail`` carries the per-jail part of the daemon's plan of the jail
 (:class:`~jaild.protocol.zygote_link.JailSetup`, compiled by
 :func:`jaild.policy.compile.compile_policy` -- the same plan spawn mode renders to
-nsjail's config), and the job's channel, stdout and stderr as SCM_RIGHTS. The
+nsjail's config), and the job's channel, stdout and stderr as SCM_RIGHTS (on cgroup v2
+also the job's cgroup, an ``O_PATH`` directory). The
 zygote turns the plan into steps (:func:`jail_steps`, pure; a plan a forked jail
 cannot follow is a ``SpawnFailed``), then forks the jail as the first process --
 pid 1 -- of a fresh pid namespace (``setns`` back to its own,
-``unshare(CLONE_NEWPID)``, ``fork``). The jail, still privileged inside the
+``unshare(CLONE_NEWPID)``, ``fork`` -- or, sent the job's cgroup, ``clone3`` straight into
+it: :class:`Forker`, :mod:`jaild.runtime.clone3`). The jail, still privileged inside the
 zygote's user namespace:
 
 1. sends the preamble byte on the channel: the daemon learns its host pid from
-   SO_PASSCRED and moves it into the job's cgroup, then sends the go byte;
+   SO_PASSCRED and moves it into the job's cgroup, then sends the go byte -- or, born
+   in its job's cgroup, it sends :data:`PLACED` instead and goes on at once;
 2. applies the steps: unshares the plan's namespaces (mount, ipc, uts, cgroup
    and, unless the policy says host, net -- or, under ``network.namespace =
    "tenant"``, joins the network namespace the zygote keeps for the job's tenant:

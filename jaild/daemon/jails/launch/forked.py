@@ -13,7 +13,8 @@ framed message of :mod:`jaild.protocol.zygote_link` per packet:
   and loads the filters itself, and the daemon still checks the digest it reports).
 * daemon -> zygote ``SpawnJail``: the per-jail part of the jail's plan
   (:func:`jaild.policy.compile.compile_policy`), with the jail's channel, stdout and
-  stderr as SCM_RIGHTS.
+  stderr as SCM_RIGHTS -- and on cgroup v2 the job's cgroup (its leaf, ``O_PATH``), which
+  the zygote forks the jail straight into (``daemon.clone_into_cgroup``).
 * zygote -> daemon ``JailReaped`` when a jail was reaped, or ``SpawnFailed`` when
   it could not fork.
 
@@ -465,8 +466,9 @@ class Zygote:
 class ZygoteLauncher:
     """Makes jails with the policy's zygote: it forks the jail, which enters fresh
     namespaces of its own. The jail's first byte on the channel carries its host pid
-    (SO_PASSCRED), which goes into the job's cgroup before anything else happens; the
-    zygote reports how the jail ended (its wait status) once it has reaped it."""
+    (SO_PASSCRED), which goes into the job's cgroup before anything else happens -- unless
+    the zygote forked it there (``PLACED``, cgroup v2); the zygote reports how the jail
+    ended (its wait status) once it has reaped it."""
 
     def __init__(self, zygote: Zygote) -> None:
         self.zygote = zygote
