@@ -55,14 +55,17 @@ class CloneInto:
     made by :func:`prepare`. Its argument block is made once and reused."""
 
     def __init__(self, numbers: dict[str, int], tid_address: int, robust: tuple[int, int]):
-        self._clone3 = numbers["clone3"]
-        self._set_robust_list = numbers["set_robust_list"]
-        self._robust = robust
+        # the call's arguments made once: every object made per fork is written to a page
+        # the zygote shares with its jails, and copied
+        self._clone3 = ctypes.c_long(numbers["clone3"])
+        self._set_robust_list = ctypes.c_long(numbers["set_robust_list"])
+        self._robust = (ctypes.c_void_p(robust[0]), ctypes.c_size_t(robust[1]))
+        self._size = ctypes.c_size_t(ARGS_WORDS * 8)
         self._args = (ctypes.c_uint64 * ARGS_WORDS)()
         self._args[0] = CLONE_INTO_CGROUP | CLONE_CHILD_SETTID
         self._args[CHILD_TID] = tid_address
         self._args[EXIT_SIGNAL] = signal.SIGCHLD
-        self._address = ctypes.addressof(self._args)
+        self._address = ctypes.c_void_p(ctypes.addressof(self._args))
 
     def fork(self, cgroup_fd: int) -> int:
         """Fork into the cgroup directory ``cgroup_fd`` (an ``O_PATH`` descriptor will do):
@@ -75,15 +78,12 @@ class CloneInto:
                 or a v1 hierarchy; EBADF: not a cgroup v2 directory).
         """
         self._args[CGROUP] = cgroup_fd
-        pid: int = _syscall(ctypes.c_long(self._clone3), ctypes.c_void_p(self._address),
-                            ctypes.c_size_t(ARGS_WORDS * 8))
+        pid: int = _syscall(self._clone3, self._address, self._size)
         if pid < 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
         if pid == 0:
-            head, size = self._robust
-            _syscall(ctypes.c_long(self._set_robust_list), ctypes.c_void_p(head),
-                     ctypes.c_size_t(size))
+            _syscall(self._set_robust_list, *self._robust)
         return pid
 
 
